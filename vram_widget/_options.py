@@ -1,0 +1,138 @@
+"""The vocabulary shared by every stage: precisions, optimizers, modes, phases, categories.
+
+No torch here: the estimator and the widget import this module too.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from typing import TypeVar
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - Python 3.10 shim with the same behaviour for our use
+
+    class StrEnum(str, enum.Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+class Precision(StrEnum):
+    """How parameters and activations are stored.
+
+    ``fp32``/``bf16``/``fp16`` store everything in that dtype; ``amp-*`` keep fp32 master
+    weights, gradients and optimizer state and run the forward under ``torch.autocast``.
+    """
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    AMP_BF16 = "amp-bf16"
+    AMP_FP16 = "amp-fp16"
+
+
+class OptimizerName(StrEnum):
+    """The ``torch.optim`` classes the estimate can run (``None`` means no optimizer)."""
+
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd-momentum"
+    ADAM = "adam"
+    ADAMW = "adamw"
+    ADAGRAD = "adagrad"
+    RMSPROP = "rmsprop"
+
+
+class Mode(StrEnum):
+    """One training step, or one forward pass under ``torch.no_grad()``."""
+
+    TRAIN = "train"
+    INFERENCE = "inference"
+
+
+class Device(StrEnum):
+    """Whose kernels and defaults the estimate is for."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class Phase(StrEnum):
+    """When an allocation happens within a step."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    ZERO_GRAD = "zero_grad"
+    INFERENCE = "inference"
+
+
+class Category(StrEnum):
+    """What a block of memory holds (PyTorch's own memory-snapshot vocabulary)."""
+
+    PARAMETER = "Parameter"
+    BUFFER = "Buffer"
+    GRADIENT = "Gradient"
+    OPTIMIZER_STATE = "Optimizer state"
+    ACTIVATION = "Activation"
+    TEMPORARY = "Temporary"
+    INPUT = "Input"
+
+
+# Stable small-integer codes, used in the profile's numpy arrays.
+PHASES: tuple[Phase, ...] = tuple(Phase)
+CATEGORIES: tuple[Category, ...] = tuple(Category)
+PHASE_CODE: dict[Phase, int] = {p: i for i, p in enumerate(PHASES)}
+CATEGORY_CODE: dict[Category, int] = {c: i for i, c in enumerate(CATEGORIES)}
+
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def parse_option(enum_type: type[_E], value: object, what: str) -> _E:
+    """Return ``value`` as a member of ``enum_type`` or raise a ValueError listing valid values.
+
+    Examples
+    --------
+    >>> parse_option(Precision, "bf16", "precision")
+    <Precision.BF16: 'bf16'>
+    """
+    if isinstance(value, enum_type):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for member in enum_type:
+            if member.value.lower() == key:
+                return member
+    valid = ", ".join(repr(m.value) for m in enum_type)
+    raise ValueError(f"unknown {what} {value!r}; valid values are {valid}")
+
+
+def parse_optimizer(value: object) -> OptimizerName | None:
+    """Like :func:`parse_option` for optimizers, where ``None`` (or ``"none"``) means none."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        return None
+    try:
+        return parse_option(OptimizerName, value, "optimizer")
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or None") from None
+
+
+def parse_batch_size(value: object) -> int:
+    """Validate a batch size: a positive Python int (bools and floats are refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        # numpy integers are fine; anything else is a user error worth naming
+        try:
+            import numpy as np
+
+            if isinstance(value, np.integer):
+                value = int(value)
+            else:
+                raise TypeError
+        except TypeError:
+            raise TypeError(
+                f"batch_size must be a positive integer, got {value!r} ({type(value).__name__})"
+            ) from None
+    assert isinstance(value, int)
+    if value < 1:
+        raise ValueError(f"batch_size must be >= 1, got {value}")
+    return value

@@ -1,0 +1,227 @@
+"""One training iteration, written once and used by both the profiler (on fake tensors) and
+``measure`` (on real ones), so that the estimate and the measurement follow the same protocol.
+
+The protocol (DESIGN.md, "Definitions"): with parameters, buffers, optimizer state and the
+input batch resident,
+
+    output = model(*args, **kwargs)        # under autocast for amp-* precisions
+    loss = loss_fn(output)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    del output, loss
+
+Inference is ``output = model(...)`` under ``torch.no_grad()``, then ``del output``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._options import OptimizerName, Precision
+
+# The optimizer registry: name -> (class, keyword arguments). Hyper-parameters do not change
+# memory; these are PyTorch's documented defaults where a default exists.
+_OPTIMIZERS: dict[OptimizerName, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    OptimizerName.SGD: (torch.optim.SGD, {"lr": 1e-2}),
+    OptimizerName.SGD_MOMENTUM: (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+    OptimizerName.ADAM: (torch.optim.Adam, {"lr": 1e-3}),
+    OptimizerName.ADAMW: (torch.optim.AdamW, {"lr": 1e-3}),
+    OptimizerName.ADAGRAD: (torch.optim.Adagrad, {"lr": 1e-2}),
+    OptimizerName.RMSPROP: (torch.optim.RMSprop, {"lr": 1e-2}),
+}
+
+
+def make_optimizer(
+    name: OptimizerName, params: Iterable[torch.Tensor], *, foreach: bool | None = None
+) -> torch.optim.Optimizer:
+    """Build the registered optimizer over ``params``.
+
+    ``foreach=None`` lets PyTorch choose as it does by default (single-tensor loop on CPU,
+    foreach on CUDA). The CUDA emulation passes ``foreach=True`` explicitly: PyTorch's default
+    check (``_default_to_fused_or_foreach``) also looks at ``type(p)``, and a FakeTensor is not
+    in its list, so leaving it ``None`` on fake CUDA tensors would pick the loop.
+    """
+    cls, kwargs = _OPTIMIZERS[name]
+    params = [p for p in params if p.requires_grad]
+    return cls(params, foreach=foreach, **kwargs)
+
+
+HALF_DTYPES: dict[Precision, torch.dtype] = {
+    Precision.BF16: torch.bfloat16,
+    Precision.FP16: torch.float16,
+    Precision.AMP_BF16: torch.bfloat16,
+    Precision.AMP_FP16: torch.float16,
+}
+
+
+def storage_dtype(precision: Precision) -> torch.dtype:
+    """The dtype floating parameters, buffers and inputs are stored in."""
+    if precision in (Precision.BF16, Precision.FP16):
+        return HALF_DTYPES[precision]
+    return torch.float32
+
+
+def autocast_dtype(precision: Precision) -> torch.dtype | None:
+    """The autocast dtype for amp precisions, else None."""
+    if precision in (Precision.AMP_BF16, Precision.AMP_FP16):
+        return HALF_DTYPES[precision]
+    return None
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss used when the user gives none.
+
+    ``output.loss`` (Hugging Face style) if present and a tensor, else the first floating
+    tensor found in the output (tensor, sequence, mapping or dataclass), as ``.float().mean()``.
+    """
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss if loss.dim() == 0 else loss.float().mean()
+    tensor = first_floating_tensor(output)
+    if tensor is None:
+        raise TypeError(
+            "the model's output holds no floating-point tensor to build a default loss from "
+            f"(got {type(output).__name__}); pass loss_fn=..."
+        )
+    return tensor.float().mean()
+
+
+def first_floating_tensor(obj: Any) -> torch.Tensor | None:
+    """Depth-first search for the first floating tensor in a nested output."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.is_floating_point() else None
+    if isinstance(obj, Mapping):
+        values: Iterable[Any] = obj.values()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = (getattr(obj, f.name) for f in dataclasses.fields(obj))
+    elif isinstance(obj, Sequence) and not isinstance(obj, str):
+        values = obj
+    else:
+        return None
+    for value in values:
+        found = first_floating_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def compute_loss(output: Any, loss_fn: Callable[[Any], Any] | None) -> torch.Tensor:
+    """Apply ``loss_fn`` (or :func:`default_loss`) and check the result is a scalar tensor."""
+    loss = default_loss(output) if loss_fn is None else loss_fn(output)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}; "
+            "reduce it (for example with .mean())"
+        )
+    return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInputs:
+    """An example batch, split into positional and keyword tensors (dim 0 is the batch)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @staticmethod
+    def from_user(inputs: Any) -> ModelInputs:
+        if isinstance(inputs, Mapping):
+            return ModelInputs((), dict(inputs))
+        if isinstance(inputs, (tuple, list)):
+            return ModelInputs(tuple(inputs), {})
+        return ModelInputs((inputs,), {})
+
+    def tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for value in (*self.args, *self.kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+        return out
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ModelInputs:
+        """Apply ``fn`` to every tensor (other values pass through)."""
+
+        def apply(value: Any) -> Any:
+            return fn(value) if isinstance(value, torch.Tensor) else value
+
+        return ModelInputs(
+            tuple(apply(v) for v in self.args), {k: apply(v) for k, v in self.kwargs.items()}
+        )
+
+    def batch_size(self) -> int:
+        tensors = [t for t in self.tensors() if t.dim() > 0]
+        if not tensors:
+            raise ValueError("inputs hold no tensor with a batch dimension (dim 0)")
+        return int(tensors[0].shape[0])
+
+    def call(self, model: Callable[..., Any]) -> Any:
+        return model(*self.args, **self.kwargs)
+
+
+def cast_floating(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast a floating tensor to ``dtype``; integer tensors (token ids, masks) are kept."""
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+
+def training_iteration(
+    model: Callable[..., Any],
+    inputs: ModelInputs,
+    loss_fn: Callable[[Any], Any] | None,
+    optimizer: torch.optim.Optimizer | None,
+    precision: Precision,
+    device_type: str,
+    *,
+    params: Sequence[torch.Tensor] = (),
+    between: Callable[[str], None] | None = None,
+) -> None:
+    """Run one training iteration by the protocol above.
+
+    With ``optimizer=None`` the gradients of ``params`` are still computed, and set to None
+    where ``zero_grad`` would run.
+
+    ``between(phase)`` is called at each phase boundary ("backward", "optimizer",
+    "zero_grad", "end"), which is how the profiler tags phases and ``measure`` resets peaks.
+    """
+    mark = between or (lambda _phase: None)
+    amp = autocast_dtype(precision)
+    if amp is not None:
+        with torch.autocast(device_type=device_type, dtype=amp):
+            output = inputs.call(model)
+            loss = compute_loss(output, loss_fn)
+    else:
+        output = inputs.call(model)
+        loss = compute_loss(output, loss_fn)
+    mark("backward")
+    loss.backward()
+    mark("optimizer")
+    if optimizer is not None:
+        optimizer.step()
+    mark("zero_grad")
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        for p in params:
+            p.grad = None
+    mark("end")
+    del output, loss
+
+
+def inference_pass(
+    model: Callable[..., Any], inputs: ModelInputs, precision: Precision, device_type: str
+) -> None:
+    """One forward under ``torch.no_grad()`` (and autocast for amp precisions)."""
+    amp = autocast_dtype(precision)
+    with torch.no_grad():
+        if amp is not None:
+            with torch.autocast(device_type=device_type, dtype=amp):
+                output = inputs.call(model)
+        else:
+            output = inputs.call(model)
+    del output
