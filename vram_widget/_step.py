@@ -16,6 +16,7 @@ Inference is ``output = model(...)`` under ``torch.no_grad()``, then ``del outpu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -48,7 +49,7 @@ def make_optimizer(
     """
     cls, kwargs = _OPTIMIZERS[name]
     params = [p for p in params if p.requires_grad]
-    return cls(params, foreach=foreach, **kwargs)
+    return cls(params, foreach=foreach, **kwargs)  # type: ignore[call-arg]
 
 
 HALF_DTYPES: dict[Precision, torch.dtype] = {
@@ -71,6 +72,16 @@ def autocast_dtype(precision: Precision) -> torch.dtype | None:
     if precision in (Precision.AMP_BF16, Precision.AMP_FP16):
         return HALF_DTYPES[precision]
     return None
+
+
+def forward_context(
+    precision: Precision, device_type: str
+) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` for amp precisions, else a no-op context."""
+    amp = autocast_dtype(precision)
+    if amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=amp)
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -180,8 +191,12 @@ def training_iteration(
     *,
     params: Sequence[torch.Tensor] = (),
     between: Callable[[str], None] | None = None,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> None:
     """Run one training iteration by the protocol above.
+
+    ``context`` replaces the default forward context (autocast for amp precisions); the
+    profiler passes its CUDA emulation there.
 
     With ``optimizer=None`` the gradients of ``params`` are still computed, and set to None
     where ``zero_grad`` would run.
@@ -190,16 +205,12 @@ def training_iteration(
     "zero_grad", "end"), which is how the profiler tags phases and ``measure`` resets peaks.
     """
     mark = between or (lambda _phase: None)
-    amp = autocast_dtype(precision)
-    if amp is not None:
-        with torch.autocast(device_type=device_type, dtype=amp):
-            output = inputs.call(model)
-            loss = compute_loss(output, loss_fn)
-    else:
+    with context() if context is not None else forward_context(precision, device_type):
         output = inputs.call(model)
         loss = compute_loss(output, loss_fn)
     mark("backward")
-    loss.backward()
+    if loss.requires_grad:  # nothing to differentiate (no trainable parameter): no backward
+        loss.backward()
     mark("optimizer")
     if optimizer is not None:
         optimizer.step()
@@ -214,14 +225,17 @@ def training_iteration(
 
 
 def inference_pass(
-    model: Callable[..., Any], inputs: ModelInputs, precision: Precision, device_type: str
+    model: Callable[..., Any],
+    inputs: ModelInputs,
+    precision: Precision,
+    device_type: str,
+    *,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> None:
     """One forward under ``torch.no_grad()`` (and autocast for amp precisions)."""
-    amp = autocast_dtype(precision)
-    with torch.no_grad():
-        if amp is not None:
-            with torch.autocast(device_type=device_type, dtype=amp):
-                output = inputs.call(model)
-        else:
-            output = inputs.call(model)
+    with (
+        torch.no_grad(),
+        context() if context is not None else forward_context(precision, device_type),
+    ):
+        output = inputs.call(model)
     del output

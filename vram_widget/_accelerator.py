@@ -1,0 +1,142 @@
+"""What a CUDA device charges beyond the tensors' own bytes (no torch: the estimator imports this).
+
+Each figure carries its source; the fact sheet is ``/work/shared/CUDA_SEMANTICS.md`` §6.
+These are *extras*, shown as separate labelled lines, never folded into tensor bytes
+(DESIGN.md, "Definitions").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import ClassVar
+
+import numpy as np
+
+__all__ = [
+    "CUBLAS_WORKSPACE_BYTES_DEFAULT",
+    "CUBLAS_WORKSPACE_BYTES_SM90",
+    "CUDA_BLOCK_BYTES",
+    "CUDA_CONTEXT_BYTES",
+    "AcceleratorExtras",
+    "cublas_workspace_bytes",
+    "cuda_block_bytes",
+]
+
+CUDA_BLOCK_BYTES = 512
+"""Allocation granularity of the CUDA caching allocator (``kMinBlockSize``): every block is a
+multiple of 512 bytes, at least 512. [src: pytorch/pytorch c10/cuda/CUDACachingAllocator.cpp
+· round_size; fact sheet §6.1]"""
+
+CUBLAS_WORKSPACE_BYTES_DEFAULT = 8_519_680
+"""cuBLAS workspace per (handle, stream) with the default ``CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8``:
+2 x 4096 KiB + 8 x 16 KiB. Allocated through the caching allocator on the first cuBLAS call and
+kept, so it counts in ``memory_allocated`` (https://github.com/pytorch/pytorch/issues/95668 shows
+``memory_allocated() == 8519680`` after one ``nn.Linear`` on 2.0). [src: pytorch/pytorch
+aten/src/ATen/cuda/CublasHandlePool.cpp · parseChosenWorkspaceSize; docs/source/notes/cuda.rst
+"cuBLAS workspaces"; fact sheet §6.3]"""
+
+CUBLAS_WORKSPACE_BYTES_SM90 = 32 * 2**20
+"""cuBLAS workspace on Hopper (sm90): 32 MiB since PR #89027 (2.0); recent main also uses it for
+major 10/11/12 (Blackwell history per release UNCONFIRMED). [src: CublasHandlePool.cpp ·
+getChosenWorkspaceSize; fact sheet §6.3]"""
+
+CUDA_CONTEXT_BYTES = 500 * 2**20
+"""A typical CUDA context on an H100 with lazy module loading: **UNCONFIRMED**, an assumption.
+
+The context (driver state, loaded kernels, library handles) lives outside the caching allocator,
+so it is in neither ``memory_allocated`` nor ``memory_reserved`` but does use device memory
+(fact sheet §6.2). Its size depends on the GPU, driver, CUDA version, which libraries are loaded
+(cuBLAS, cuDNN, NCCL) and ``CUDA_MODULE_LOADING`` (lazy by default since CUDA 11.7 in PyTorch).
+PyTorch maintainers quote "around 400MB if CUDA >= 11.7 is used and lazy module loading
+enabled" (https://github.com/pytorch/pytorch/issues/109888) and ~300 MB
+(https://github.com/pytorch/pytorch/issues/107667), GPUs unstated; eager loading took > 1 GB.
+500 MiB rounds those up for a large GPU with cuBLAS and cuDNN loaded. Measure on the target:
+``torch.cuda.mem_get_info()`` (total - free) minus ``torch.cuda.memory_reserved()`` after the
+first kernels have run."""
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def cuda_block_bytes(nbytes: np.ndarray) -> np.ndarray:
+    """The CUDA caching allocator's charge for each request of ``nbytes`` bytes.
+
+    ``0`` for a 0-byte request (no block is allocated), otherwise ``nbytes`` rounded up to a
+    multiple of 512, at least 512 [src: c10/cuda/CUDACachingAllocator.cpp · round_size;
+    fact sheet §6.1]. Power-of-two rounding (``roundup_power2_divisions``) and the up-to-1 MiB
+    charge of an unsplit large block are not modelled.
+
+    Parameters
+    ----------
+    nbytes
+        Request sizes (any integer array or scalar, non-negative, up to 2**62).
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 array of the same shape.
+    """
+    n = np.asarray(nbytes, dtype=np.int64)
+    if n.size and (n.min() < 0 or n.max() > _INT64_MAX - (CUDA_BLOCK_BYTES - 1)):
+        raise ValueError("request sizes must lie in [0, 2**63 - 512]")
+    # (n + 511) // 512 * 512 cannot overflow under the bound above; n = 0 stays 0, 1..512 -> 512.
+    return (n + (CUDA_BLOCK_BYTES - 1)) // CUDA_BLOCK_BYTES * CUDA_BLOCK_BYTES
+
+
+def cublas_workspace_bytes(sm: int) -> int:
+    """Bytes of one cuBLAS workspace for a GPU of compute capability ``sm`` (``10*major+minor``).
+
+    32 MiB on major 9 (Hopper); 8,519,680 bytes otherwise [src: CublasHandlePool.cpp;
+    fact sheet §6.3]. Blackwell (major 10/12) gets 32 MiB on recent main, not in every release
+    (UNCONFIRMED per release), so the default is kept for it. In training a second workspace
+    probably appears for the autograd thread's handle (inferred from the code, not measured), and
+    the newest releases may not allocate it through the caching allocator at all
+    (``TORCH_CUBLAS_WORKSPACE_CACHE``); callers decide how many to count.
+    """
+    if sm // 10 == 9:
+        return CUBLAS_WORKSPACE_BYTES_SM90
+    return CUBLAS_WORKSPACE_BYTES_DEFAULT
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorExtras:
+    """Device memory beyond the tensors' ``nbytes``, one labelled line each.
+
+    Attributes
+    ----------
+    allocator_rounding_bytes
+        What the CUDA caching allocator's 512-byte blocks add at the peak.
+    cublas_workspace_bytes
+        cuBLAS workspace(s), counted in ``memory_allocated``.
+    cuda_context_bytes
+        The CUDA context: outside ``memory_allocated`` and ``memory_reserved``, but on the device.
+    """
+
+    allocator_rounding_bytes: int
+    cublas_workspace_bytes: int
+    cuda_context_bytes: int
+
+    source: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "allocator_rounding_bytes": (
+                "CUDA caching allocator rounds every block up to a multiple of 512 bytes "
+                "(c10/cuda/CUDACachingAllocator.cpp · round_size)"
+            ),
+            "cublas_workspace_bytes": (
+                "cuBLAS workspace per handle and stream: 8,519,680 bytes (:4096:2:16:8), 32 MiB on "
+                "sm90 (aten/src/ATen/cuda/CublasHandlePool.cpp; pytorch#95668)"
+            ),
+            "cuda_context_bytes": (
+                "CUDA context, outside the allocator: UNCONFIRMED typical value (~300-400 MB per "
+                "pytorch#107667, #109888 with lazy loading; 500 MiB assumed); depends on GPU, "
+                "driver, CUDA version and loaded libraries"
+            ),
+        }
+    )
+    """Where each field's figure comes from (a class attribute, not a dataclass field)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """The sum of the three lines."""
+        return self.allocator_rounding_bytes + self.cublas_workspace_bytes + self.cuda_context_bytes

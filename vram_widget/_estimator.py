@@ -1,0 +1,269 @@
+"""The estimator: plain arithmetic over the profile table (numpy; no torch, no widgets).
+
+Given the fitted timeline of a step, a batch size and an optimizer's cached step trace, it
+lays the step's events end to end on top of what is resident and reads off the peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._accelerator import (
+    CUDA_CONTEXT_BYTES,
+    AcceleratorExtras,
+    cublas_workspace_bytes,
+    cuda_block_bytes,
+)
+from ._options import (
+    CATEGORIES,
+    CATEGORY_CODE,
+    PHASE_CODE,
+    PHASES,
+    Category,
+    Device,
+    Mode,
+    OptimizerName,
+    Phase,
+    Precision,
+)
+from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, shape_at
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# The GPU the CUDA extras are for until the widget's target-GPU setting says otherwise:
+# an H100 (compute capability 9.0).
+DEFAULT_SM = 90
+
+_TEMPORARY = CATEGORY_CODE[Category.TEMPORARY]
+
+
+@dataclass(frozen=True, eq=False)
+class LayerTable:
+    """Per-row arrays (one row per module, then the loss and optimizer pseudo-rows)."""
+
+    name: tuple[str, ...]
+    type: tuple[str, ...]
+    depth: np.ndarray
+    output_shape: tuple[tuple[int, ...] | None, ...]
+    output_numel: np.ndarray
+    param_count: np.ndarray
+    param_bytes: np.ndarray
+    buffer_bytes: np.ndarray
+    gradient_bytes: np.ndarray
+    optimizer_state_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    flops_forward: np.ndarray
+    flops_backward: np.ndarray
+
+    def to_dataframe(self) -> pd.DataFrame:
+        import pandas as pd
+
+        return pd.DataFrame(
+            {
+                "name": list(self.name),
+                "type": list(self.type),
+                "depth": self.depth,
+                "output_shape": list(self.output_shape),
+                "output_numel": self.output_numel,
+                "param_count": self.param_count,
+                "param_bytes": self.param_bytes,
+                "buffer_bytes": self.buffer_bytes,
+                "gradient_bytes": self.gradient_bytes,
+                "optimizer_state_bytes": self.optimizer_state_bytes,
+                "activation_bytes": self.activation_bytes,
+                "flops_forward": self.flops_forward,
+                "flops_backward": self.flops_backward,
+            }
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryEstimate:
+    """The memory and FLOPs of one step at one setting.
+
+    ``peak_bytes`` is live tensor bytes at the step's peak (what
+    ``torch.cuda.max_memory_allocated()`` reports on CUDA, less the allocator's rounding,
+    which is in ``extras``). The category fields are totals over the step;
+    ``peak_breakdown`` says what was live at the peak.
+    """
+
+    batch_size: int
+    precision: Precision
+    optimizer: OptimizerName | None
+    mode: Mode
+    device: Device
+    peak_bytes: int
+    peak_phase: Phase
+    peak_module: str
+    parameter_bytes: int
+    buffer_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    activation_bytes: int
+    input_bytes: int
+    peak_breakdown: Mapping[Category, int]
+    flops_forward: int
+    flops_backward: int
+    extras: AcceleratorExtras
+    affine: bool
+    layers: LayerTable
+    live_bytes: np.ndarray = field(repr=False)  # after each event of the step
+    event_module: np.ndarray = field(repr=False)  # row of each event
+    event_phase: np.ndarray = field(repr=False)  # phase code of each event
+
+    @property
+    def flops(self) -> int:
+        """FLOPs of the step (forward + backward in training), 2 per multiply-add."""
+        return self.flops_forward + self.flops_backward
+
+    @property
+    def macs(self) -> int:
+        """Multiply-accumulates of the step (FLOPs / 2), as thop and torchinfo count."""
+        return self.flops // 2
+
+    @property
+    def total_bytes(self) -> int:
+        """``peak_bytes`` plus the accelerator extras: what must fit on the device."""
+        return self.peak_bytes + self.extras.total_bytes
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """One row per module (and the loss and optimizer pseudo-rows); rows sum to totals."""
+        return self.layers.to_dataframe()
+
+
+def _as_int(x: Any) -> int:
+    return int(x)
+
+
+def estimate(
+    rows: ModuleRows,
+    timeline: Timeline,
+    opt: OptimizerTrace | None,
+    *,
+    batch_size: int,
+    precision: Precision,
+    optimizer: OptimizerName | None,
+    mode: Mode,
+    device: Device,
+) -> MemoryEstimate:
+    """Lay the step's events on top of what is resident and read off the peak."""
+    n_rows = len(rows.names)
+    train = mode is Mode.TRAIN
+    seq = timeline.events_at(batch_size)
+    modules = timeline.event_module
+    phases = timeline.event_phase
+    cats = timeline.event_category
+    resident = timeline.resident_by_category(batch_size)
+    if train and opt is not None:
+        k = timeline.optimizer_at
+        n_opt = len(opt.event_bytes)
+        seq = np.concatenate([seq[:k], opt.event_bytes.astype(seq.dtype), seq[k:]])
+        modules = np.concatenate([modules[:k], np.full(n_opt, n_rows - 1, np.int32), modules[k:]])
+        phases = np.concatenate(
+            [phases[:k], np.full(n_opt, PHASE_CODE[Phase.OPTIMIZER], np.int8), phases[k:]]
+        )
+        cats = np.concatenate([cats[:k], np.full(n_opt, _TEMPORARY, np.int8), cats[k:]])
+        resident[CATEGORY_CODE[Category.OPTIMIZER_STATE]] += int(opt.state_bytes.sum())
+    resident_total = _as_int(resident.sum())
+    live = resident_total + np.cumsum(seq) if len(seq) else np.zeros(0, dtype=np.int64)
+    if len(live) and live.max() > resident_total:
+        at = int(np.argmax(live))
+        peak = _as_int(live[at])
+        peak_phase = PHASES[int(phases[at])]
+        peak_module = rows.names[int(modules[at])]
+        weights = seq[: at + 1].astype(np.float64)
+        by_cat = np.bincount(cats[: at + 1], weights=weights, minlength=N_CATEGORIES)
+        breakdown = {c: _as_int(resident[i]) + round(by_cat[i]) for i, c in enumerate(CATEGORIES)}
+    else:
+        peak = resident_total
+        peak_phase = Phase.FORWARD if train else Phase.INFERENCE
+        peak_module = rows.names[0]
+        breakdown = {c: _as_int(resident[i]) for i, c in enumerate(CATEGORIES)}
+
+    extras = AcceleratorExtras(0, 0, 0)
+    if device is Device.CUDA:
+        extras = _cuda_extras(timeline, opt if train else None, seq, batch_size, peak)
+
+    def per_row(category: Category) -> np.ndarray:
+        return timeline.rows_of_category(category, batch_size, n_rows)
+
+    param_bytes = per_row(Category.PARAMETER)
+    buffer_bytes = per_row(Category.BUFFER)
+    grad_rows = per_row(Category.GRADIENT) if train else np.zeros(n_rows, np.int64)
+    act_rows = per_row(Category.ACTIVATION) if train else np.zeros(n_rows, np.int64)
+    opt_rows = opt.state_bytes if train and opt is not None else np.zeros(n_rows, np.int64)
+    flops_f = timeline.flops_forward.at(batch_size).astype(np.int64)
+    flops_b = timeline.flops_backward.at(batch_size).astype(np.int64)
+    if not train:
+        flops_b = np.zeros_like(flops_b)
+    shapes = tuple(shape_at(s, batch_size) for s in timeline.output_shapes)
+    numel = np.asarray([int(np.prod(s)) if s is not None else 0 for s in shapes], np.int64)
+    layers = LayerTable(
+        name=rows.names,
+        type=rows.types,
+        depth=rows.depths,
+        output_shape=shapes,
+        output_numel=numel,
+        param_count=rows.param_count,
+        param_bytes=param_bytes,
+        buffer_bytes=buffer_bytes,
+        gradient_bytes=grad_rows,
+        optimizer_state_bytes=opt_rows,
+        activation_bytes=act_rows,
+        flops_forward=flops_f,
+        flops_backward=flops_b,
+    )
+    return MemoryEstimate(
+        batch_size=batch_size,
+        precision=precision,
+        optimizer=optimizer if train else None,
+        mode=mode,
+        device=device,
+        peak_bytes=peak,
+        peak_phase=peak_phase,
+        peak_module=peak_module,
+        parameter_bytes=_as_int(resident[CATEGORY_CODE[Category.PARAMETER]]),
+        buffer_bytes=_as_int(resident[CATEGORY_CODE[Category.BUFFER]]),
+        gradient_bytes=int(grad_rows.sum()),
+        optimizer_state_bytes=int(opt_rows.sum()),
+        activation_bytes=int(act_rows.sum()),
+        input_bytes=_as_int(resident[CATEGORY_CODE[Category.INPUT]]),
+        peak_breakdown=breakdown,
+        flops_forward=int(flops_f.sum()),
+        flops_backward=int(flops_b.sum()),
+        extras=extras,
+        affine=timeline.affine,
+        layers=layers,
+        live_bytes=live,
+        event_module=modules,
+        event_phase=phases,
+    )
+
+
+def _cuda_extras(
+    timeline: Timeline,
+    opt: OptimizerTrace | None,
+    seq: np.ndarray,
+    batch_size: int,
+    peak: int,
+) -> AcceleratorExtras:
+    """What CUDA adds on top of tensor bytes: each block rounded up to 512 bytes by the
+    caching allocator, the cuBLAS workspace, and the CUDA context (sources in _accelerator)."""
+    sizes = timeline.storage_bytes.at(batch_size)[timeline.storage_resident]
+    rounded_resident = int(cuda_block_bytes(np.asarray(sizes, dtype=np.int64)).sum())
+    if opt is not None:
+        rounded_resident += int(cuda_block_bytes(opt.state_block_bytes).sum())
+    rounded_seq = np.sign(seq) * cuda_block_bytes(np.abs(np.asarray(seq, dtype=np.int64)))
+    rounded_peak = rounded_resident
+    if len(rounded_seq):
+        rounded_peak = max(rounded_peak, rounded_resident + int(np.cumsum(rounded_seq).max()))
+    return AcceleratorExtras(
+        allocator_rounding_bytes=max(0, rounded_peak - peak),
+        cublas_workspace_bytes=cublas_workspace_bytes(DEFAULT_SM) if timeline.uses_matmul else 0,
+        cuda_context_bytes=CUDA_CONTEXT_BYTES,
+    )

@@ -1,0 +1,496 @@
+"""Measure the memory of one real training step (or inference pass), to check the estimate.
+
+``measure`` runs the step twice on a copy of the model, by the protocol in ``_step.py``, and
+reports the peak of the second iteration (steady state: the optimizer state already exists),
+as DESIGN.md defines it ("Definitions"): the maximum of live tensor bytes during the iteration,
+including the parameters, buffers, optimizer state and input batch resident at its start.
+
+How it is measured:
+
+* CUDA: ``torch.cuda.max_memory_allocated()`` after ``torch.cuda.reset_peak_memory_stats()``
+  at the start of iteration 2, less the bytes allocated before ``measure`` made its copies.
+  These are the caching allocator's bytes (each block rounded up to 512 bytes). cuBLAS
+  workspaces are created (by a small warm-up matmul) before that baseline, so they are not
+  counted: DESIGN.md shows them as a separate line.
+* CPU: the CPU allocator's own allocation and free events, as
+  ``torch.profiler.profile(profile_memory=True)`` records them (the allocator reports every
+  block it hands out and takes back, with its exact byte count, and the running total of what
+  it has handed out). The profiler runs from before the copies are made until they are
+  destroyed, so that every block ``measure`` creates is known to it, and iteration 2 is marked
+  with ``torch.profiler.record_function``. The events of iteration 2, in execution order, are
+  summed; the peak is the resident bytes plus the largest prefix sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import gc
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ._options import Mode, OptimizerName, Precision, parse_optimizer, parse_option
+from ._step import (
+    ModelInputs,
+    cast_floating,
+    inference_pass,
+    make_optimizer,
+    storage_dtype,
+    training_iteration,
+)
+
+__all__ = ["Measurement", "measure"]
+
+# The name of the record_function range around the measured iteration (CPU only).
+_MARKER = "vram_widget.measure:iteration"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """The measured memory of one steady-state training step or inference pass.
+
+    Attributes
+    ----------
+    peak_bytes
+        The peak of live tensor bytes during the measured (second) iteration, including what
+        was resident at its start.
+    resident_bytes
+        What was live at the start of the measured iteration. CPU: the unique storages of the
+        model copy's parameters and buffers, the optimizer state and the input batch. CUDA:
+        ``torch.cuda.memory_allocated()`` then, less its value before ``measure`` made copies
+        (so allocator rounding and anything else ``measure`` left alive is included).
+    device
+        ``"cpu"`` or ``"cuda"``.
+    precision, optimizer, mode
+        The settings measured (``optimizer`` is None for inference, or when the model has no
+        trainable parameter).
+    batch_size
+        Dim 0 of the input batch.
+    max_reserved_bytes
+        CUDA only (None on CPU): ``torch.cuda.max_memory_reserved()`` during the measured
+        iteration. This is process-wide (it includes what the caching allocator held
+        before ``measure``), since cached blocks cannot be attributed to one caller.
+    """
+
+    peak_bytes: int
+    resident_bytes: int
+    device: str
+    precision: Precision
+    optimizer: OptimizerName | None
+    mode: Mode
+    batch_size: int
+    max_reserved_bytes: int | None = None
+
+    @property
+    def transient_bytes(self) -> int:
+        """``peak_bytes - resident_bytes``: what the step itself adds at its peak."""
+        return self.peak_bytes - self.resident_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllocEvent:
+    """One CPU allocator event as the profiler recorded it."""
+
+    time_ns: int
+    nbytes: int  # signed: > 0 an allocation, < 0 a free
+    total_allocated: int  # the allocator's running total right after this event
+
+
+@dataclasses.dataclass(frozen=True)
+class _CpuTrace:
+    """The CPU allocator's events during a measure call, split at the measured iteration."""
+
+    before: tuple[_AllocEvent, ...]  # from the start of measure until iteration 2
+    during: tuple[_AllocEvent, ...]  # iteration 2, in execution order
+    after: tuple[_AllocEvent, ...]  # the teardown of the copies
+
+    def peak_above_start(self) -> int:
+        """The largest prefix sum of the iteration's events (0 if it never rises)."""
+        return _max_prefix_sum(e.nbytes for e in self.during)
+
+
+def measure(
+    model: torch.nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], Any] | None = None,
+    optimizer: str | OptimizerName | None = "adam",
+    precision: str | Precision = "fp32",
+    mode: str | Mode = "train",
+) -> Measurement:
+    """Measure the peak memory of one real training step (or inference pass) of ``model``.
+
+    The step runs twice, by the same protocol the estimate follows (forward, loss,
+    ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``), and
+    the second iteration is measured, when the optimizer state already exists. It runs on a
+    ``copy.deepcopy`` of the model and a copy of the inputs, on the model's device: the model
+    passed in is never changed (parameters, gradients, training flag, device, dtype), and the
+    global random number generator state is restored afterwards.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model. Its device (that of its first parameter; CPU if it has none) is where the
+        step runs: ``"cpu"`` or ``"cuda"``.
+    inputs : Tensor, tuple of Tensors, or dict of keyword Tensors
+        One batch; dim 0 is the batch. Tensors elsewhere than the model's device are moved
+        there; floating tensors are cast to the precision's storage dtype.
+    loss_fn : callable, optional
+        ``loss_fn(output) -> scalar tensor``. By default ``output.loss`` if the output has one,
+        else the mean of the first floating tensor in the output, in float32.
+    optimizer : str or None
+        ``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, ``"adagrad"``, ``"rmsprop"`` or
+        None. Skipped (gradients are computed and dropped) when the model has no trainable
+        parameter.
+    precision : str
+        ``"fp32"``, ``"bf16"``, ``"fp16"`` (the model copy and floating inputs stored in that
+        dtype), ``"amp-bf16"`` or ``"amp-fp16"`` (float32 weights, forward under
+        ``torch.autocast``).
+    mode : str
+        ``"train"`` (one training step) or ``"inference"`` (one forward under
+        ``torch.no_grad()``, the model copy in eval mode).
+
+    Returns
+    -------
+    Measurement
+        ``peak_bytes`` (resident bytes included), ``resident_bytes`` and the settings.
+
+    Raises
+    ------
+    ValueError
+        An unknown precision, optimizer or mode (the message lists the valid values), a model
+        on a device other than CPU or CUDA, or inputs without a batch dimension.
+    TypeError
+        ``copy.deepcopy(model)`` failed, or the loss is not a scalar tensor.
+
+    Notes
+    -----
+    On CPU the peak comes from the CPU allocator's events, which the PyTorch profiler records;
+    they include blocks a kernel allocates and frees internally. A profiler already running
+    in the same process cannot be nested, so ``measure`` refuses to run inside one. On CUDA
+    the caching allocator's peak statistics are reset (``reset_peak_memory_stats``), and a
+    small matmul first makes cuBLAS create its workspaces, which are then not counted. Automatic
+    garbage collection is paused while ``measure`` runs, so that the measured iteration is
+    deterministic.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from vram_widget._measure import measure
+    >>> model = torch.nn.Linear(10, 20, bias=False)
+    >>> m = measure(model, torch.randn(4, 10), optimizer="sgd")
+    >>> m.device, m.batch_size
+    ('cpu', 4)
+    >>> m.resident_bytes  # weight 20 x 10 x 4 B + input 4 x 10 x 4 B
+    960
+    >>> m.peak_bytes >= m.resident_bytes + 800  # the weight's gradient is live at the peak
+    True
+    >>> model.weight.grad is None  # the model passed in is untouched
+    True
+    """
+    return _measure(model, inputs, loss_fn, optimizer, precision, mode)[0]
+
+
+def _measure(
+    model: torch.nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], Any] | None,
+    optimizer: Any,
+    precision: Any,
+    mode: Any,
+) -> tuple[Measurement, _CpuTrace | None]:
+    """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests."""
+    prec = parse_option(Precision, precision, "precision")
+    opt_name = parse_optimizer(optimizer)
+    run_mode = parse_option(Mode, mode, "mode")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    device = _model_device(model)
+    user_inputs = ModelInputs.from_user(inputs)
+    batch_size = user_inputs.batch_size()
+
+    def session() -> _Session:
+        return _Session(model, user_inputs, loss_fn, opt_name, prec, run_mode, device)
+
+    with _preserved_global_state(device), _paused_gc(), _grad_mode(run_mode):
+        if device.type == "cuda":
+            resident, peak, reserved = _run_cuda(session, device)
+            trace = None
+        else:
+            resident, trace = _run_cpu(session)
+            peak = resident + trace.peak_above_start()
+            reserved = None
+    has_optimizer = run_mode is Mode.TRAIN and opt_name is not None and _has_trainable(model)
+    result = Measurement(
+        peak_bytes=int(peak),
+        resident_bytes=int(resident),
+        device=device.type,
+        precision=prec,
+        optimizer=opt_name if has_optimizer else None,
+        mode=run_mode,
+        batch_size=batch_size,
+        max_reserved_bytes=reserved,
+    )
+    return result, trace
+
+
+class _Session:
+    """The copies one ``measure`` call works on, and one iteration of the protocol."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inputs: ModelInputs,
+        loss_fn: Callable[[Any], Any] | None,
+        optimizer: OptimizerName | None,
+        precision: Precision,
+        mode: Mode,
+        device: torch.device,
+    ) -> None:
+        dtype = storage_dtype(precision)
+        self.model = _copy_model(model, dtype, mode)
+        self.inputs = inputs.map(lambda t: _copy_input(t, dtype, device))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = (
+            make_optimizer(optimizer, self.params)
+            if mode is Mode.TRAIN and optimizer is not None and self.params
+            else None
+        )
+        self.loss_fn = loss_fn
+        self.precision = precision
+        self.mode = mode
+        self.device_type = device.type
+
+    def iterate(self) -> None:
+        if self.mode is Mode.TRAIN:
+            training_iteration(
+                self.model,
+                self.inputs,
+                self.loss_fn,
+                self.optimizer,
+                self.precision,
+                self.device_type,
+                params=self.params,
+            )
+        else:
+            inference_pass(self.model, self.inputs, self.precision, self.device_type)
+
+    def resident_tensors(self) -> Iterator[torch.Tensor]:
+        """Parameters, buffers, optimizer state and inputs (repeats and views included)."""
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        yield from self.inputs.tensors()
+
+
+def _run_cpu(session: Callable[[], _Session]) -> tuple[int, _CpuTrace]:
+    """Run both iterations under the profiler; return the resident bytes and the trace."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if torch.autograd.profiler._is_profiler_enabled:
+        raise RuntimeError(
+            "measure uses the PyTorch profiler on CPU and cannot run while another profiler "
+            "is active; call it outside the profiler's context"
+        )
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run = session()
+        run.iterate()
+        gc.collect(0)
+        resident = _storage_bytes(run.resident_tensors(), torch.device("cpu"))
+        with record_function(_MARKER):
+            run.iterate()
+        # Destroy the copies while the profiler still runs, so that the allocator forgets
+        # every block it was told about (otherwise it keeps their sizes in a table).
+        del run
+        gc.collect(0)
+    return resident, _cpu_trace(prof)
+
+
+def _run_cuda(session: Callable[[], _Session], device: torch.device) -> tuple[int, int, int]:
+    """Run both iterations; return resident, peak and max reserved bytes."""
+    with torch.cuda.device(device):
+        _warm_up_cublas(device)
+    torch.cuda.synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    run = session()
+    run.iterate()
+    gc.collect(0)
+    torch.cuda.synchronize(device)
+    resident = torch.cuda.memory_allocated(device) - baseline
+    torch.cuda.reset_peak_memory_stats(device)
+    run.iterate()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - baseline
+    reserved = torch.cuda.max_memory_reserved(device)
+    del run
+    gc.collect(0)
+    return resident, peak, reserved
+
+
+def _warm_up_cublas(device: torch.device) -> None:
+    """Make cuBLAS / cuBLASLt create their workspaces before the baseline is taken.
+
+    PyTorch allocates each (handle, stream) workspace through the caching allocator on the
+    first matmul and keeps it; without this, a process's first ``measure`` would count it
+    (tens of MiB) and later ones would not. DESIGN.md shows workspaces as a separate line.
+    """
+    dtypes = [torch.float32, torch.float16]
+    if torch.cuda.is_bf16_supported():
+        dtypes.append(torch.bfloat16)
+    with torch.no_grad():
+        for dtype in dtypes:
+            a = torch.ones(16, 16, device=device, dtype=dtype)
+            torch.mm(a, a)
+            torch.addmm(a[0], a, a)  # the bias form takes the cuBLASLt path where it can
+    torch.cuda.synchronize(device)
+
+
+def _cpu_trace(prof: Any) -> _CpuTrace:
+    """The CPU allocator's events from a finished profile, in execution order.
+
+    The event tree (``kineto_results.experimental_event_tree()``) holds every event the
+    profiler collected, each allocation a node tagged ``Allocation`` with ``alloc_size``
+    (signed) and ``total_allocated`` (the allocator's running total, kept under its lock).
+    The profiler stable-sorts each thread's events by their start time (nanoseconds) and keeps
+    insertion order for ties; a depth-first walk followed by a stable sort on the time keeps
+    that order. The measured iteration is the time range of the ``_MARKER`` node.
+    """
+    roots = prof.profiler.kineto_results.experimental_event_tree()
+    allocations: list[_AllocEvent] = []
+    marker: Any = None
+    stack = list(reversed(roots))
+    while stack:
+        node = stack.pop()
+        tag = node.tag.name
+        if tag == "Allocation":
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                allocations.append(
+                    _AllocEvent(
+                        int(node.start_time_ns), int(fields.alloc_size), int(fields.total_allocated)
+                    )
+                )
+        elif tag == "TorchOp" and marker is None and node.name == _MARKER:
+            marker = node
+        stack.extend(reversed(node.children))
+    if marker is None:  # pragma: no cover - the profiler always records record_function
+        raise RuntimeError("the profiler recorded no measured iteration")
+    allocations.sort(key=lambda e: e.time_ns)  # stable: ties keep the walk's order
+    start, end = int(marker.start_time_ns), int(marker.end_time_ns)
+    return _CpuTrace(
+        before=tuple(e for e in allocations if e.time_ns < start),
+        during=tuple(e for e in allocations if start <= e.time_ns <= end),
+        after=tuple(e for e in allocations if e.time_ns > end),
+    )
+
+
+def _max_prefix_sum(values: Iterable[int]) -> int:
+    running = peak = 0
+    for v in values:
+        running += v
+        peak = max(peak, running)
+    return peak
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    """Bytes of the unique storages (by data pointer) of the tensors on ``device``."""
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        if t.device != device or t.layout != torch.strided:
+            continue
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        sizes[ptr] = max(sizes.get(ptr, 0), storage.nbytes())
+    return sum(sizes.values())
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    """The first parameter's device (CPU if there is none); only CPU and CUDA are measured."""
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:  # pragma: no cover - defensive
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"measure runs the real step on the model's device, which must be 'cpu' or "
+            f"'cuda'; this model is on {str(device)!r}"
+        )
+    return device
+
+
+def _has_trainable(model: torch.nn.Module) -> bool:
+    return any(p.requires_grad for p in model.parameters())
+
+
+def _copy_model(model: torch.nn.Module, dtype: torch.dtype, mode: Mode) -> torch.nn.Module:
+    try:
+        clone = copy.deepcopy(model)
+    except Exception as exc:
+        raise TypeError(
+            f"measure runs the step on a copy of the model, and copy.deepcopy(model) failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    for p in clone.parameters():
+        p.grad = None
+    clone.to(dtype)  # floating parameters and buffers only; a no-op where already in dtype
+    clone.train(mode is Mode.TRAIN)
+    return clone
+
+
+def _copy_input(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A copy of one input tensor on ``device``, floating ones cast to ``dtype``."""
+    source = t.detach()
+    out = cast_floating(source, dtype).to(device)
+    if out is source:
+        out = source.clone()
+    if t.requires_grad and out.is_floating_point():
+        out.requires_grad_(True)
+    return out
+
+
+@contextlib.contextmanager
+def _preserved_global_state(device: torch.device) -> Iterator[None]:
+    """Restore the CPU (and, where CUDA is in use, every CUDA device's) RNG state."""
+    cpu_state = torch.random.get_rng_state()
+    cuda_states = None
+    if device.type == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        cuda_states = torch.cuda.get_rng_state_all()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+@contextlib.contextmanager
+def _paused_gc() -> Iterator[None]:
+    """Pause automatic garbage collection (restored afterwards).
+
+    Objects made while it is paused stay in the youngest generation, so ``gc.collect(0)``
+    (fast) is enough to collect the garbage of an iteration; the caller's older garbage is
+    left alone, so no block allocated before ``measure`` is freed while it measures.
+    """
+    gc.collect(0)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _grad_mode(mode: Mode) -> Iterator[None]:
+    """Outside any ``torch.no_grad()`` / ``torch.inference_mode()`` of the caller."""
+    with torch.inference_mode(False):
+        if mode is Mode.TRAIN:
+            with torch.enable_grad():
+                yield
+        else:
+            yield

@@ -1,0 +1,191 @@
+"""ModelProfile: the cached per-layer profile of one model, and the door to estimates.
+
+No torch here. A precision (or an optimizer) seen for the first time asks its source, the
+profiler, for one more fake run; every later estimate is numpy arithmetic over the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from ._estimator import MemoryEstimate, estimate
+from ._options import (
+    Device,
+    Mode,
+    OptimizerName,
+    Precision,
+    parse_batch_size,
+    parse_optimizer,
+    parse_option,
+)
+from ._table import ModuleRows, OptimizerTrace, Timeline
+
+
+class ProfileSource(Protocol):
+    """What the profile asks its profiler for, once per key."""
+
+    def timeline(self, precision: Precision, mode: Mode) -> Timeline: ...
+
+    def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace: ...
+
+
+class ModelProfile:
+    """The cached profile of one model; ``estimate`` answers any setting in milliseconds.
+
+    Build it with :func:`vram_widget.profile_model`.
+    """
+
+    def __init__(
+        self,
+        rows: ModuleRows,
+        device: Device,
+        source: ProfileSource,
+        *,
+        model_name: str = "",
+        fallback_reason: str | None = None,
+    ) -> None:
+        self.rows = rows
+        self.device = device
+        self.model_name = model_name
+        self.fallback_reason = fallback_reason
+        self._source = source
+        self._timelines: dict[tuple[Precision, Mode], Timeline] = {}
+        self._optimizers: dict[tuple[Precision, OptimizerName], OptimizerTrace] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelProfile({self.model_name or 'model'}: {self.param_count:,} parameters, "
+            f"{len(self.rows.names) - 2} modules, device={self.device.value!r})"
+        )
+
+    @property
+    def param_count(self) -> int:
+        """Parameters of the model, shared (tied) ones counted once."""
+        return int(self.rows.param_count.sum())
+
+    @property
+    def trainable_param_count(self) -> int:
+        return int(self.rows.trainable_param_count.sum())
+
+    def is_cached(self, precision: str | Precision, mode: str | Mode = Mode.TRAIN) -> bool:
+        """Whether an estimate at this precision and mode needs no further profiling."""
+        key = (parse_option(Precision, precision, "precision"), parse_option(Mode, mode, "mode"))
+        return key in self._timelines
+
+    def timeline(self, precision: Precision, mode: Mode) -> Timeline:
+        key = (precision, mode)
+        if key not in self._timelines:
+            self._timelines[key] = self._source.timeline(precision, mode)
+        return self._timelines[key]
+
+    def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
+        key = (precision, optimizer)
+        if key not in self._optimizers:
+            self._optimizers[key] = self._source.optimizer_trace(precision, optimizer)
+        return self._optimizers[key]
+
+    def estimate(
+        self,
+        batch_size: int = 1,
+        precision: str | Precision = "fp32",
+        optimizer: str | OptimizerName | None = "adam",
+        mode: str | Mode = "train",
+    ) -> MemoryEstimate:
+        """Memory and FLOPs of one step at this setting, from the cached profile.
+
+        Parameters
+        ----------
+        batch_size : int
+            Samples per step (>= 1).
+        precision : {"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}
+        optimizer : {"sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop", None}
+            Ignored in inference mode.
+        mode : {"train", "inference"}
+
+        Returns
+        -------
+        MemoryEstimate
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+        >>> est = profile.estimate(batch_size=64, optimizer="sgd")
+        >>> est.peak_bytes > est.parameter_bytes
+        True
+        """
+        batch = parse_batch_size(batch_size)
+        prec = parse_option(Precision, precision, "precision")
+        opt_name = parse_optimizer(optimizer)
+        run_mode = parse_option(Mode, mode, "mode")
+        timeline = self.timeline(prec, run_mode)
+        opt = None
+        if run_mode is Mode.TRAIN and opt_name is not None:
+            opt = self.optimizer_trace(prec, opt_name)
+        return estimate(
+            self.rows,
+            timeline,
+            opt,
+            batch_size=batch,
+            precision=prec,
+            optimizer=opt_name,
+            mode=run_mode,
+            device=self.device,
+        )
+
+    def max_batch_size(
+        self,
+        capacity_bytes: int,
+        precision: str | Precision = "fp32",
+        optimizer: str | OptimizerName | None = "adam",
+        mode: str | Mode = "train",
+        *,
+        limit: int = 2**40,
+    ) -> int:
+        """The largest batch whose estimated peak plus accelerator extras fits in
+        ``capacity_bytes`` (0 when not even one sample fits).
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+        >>> b = profile.max_batch_size(2**30, optimizer="adam")
+        >>> profile.estimate(b).total_bytes <= 2**30 < profile.estimate(b + 1).total_bytes
+        True
+        """
+        if capacity_bytes <= 0:
+            return 0
+
+        def fits(batch: int) -> bool:
+            return self.estimate(batch, precision, optimizer, mode).total_bytes <= capacity_bytes
+
+        if not fits(1):
+            return 0
+        # The peak is a maximum of affine functions of the batch (one per event prefix),
+        # so it is convex and non-decreasing where per-sample bytes are >= 0: double, then
+        # bisect.
+        lo, hi = 1, 2
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi > limit:
+            return limit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def bytes_per_sample(
+        self,
+        precision: str | Precision = "fp32",
+        optimizer: str | OptimizerName | None = "adam",
+        mode: str | Mode = "train",
+    ) -> int:
+        """How much the peak grows per extra sample, at large batch."""
+        big = self.estimate(1025, precision, optimizer, mode).peak_bytes
+        small = self.estimate(1024, precision, optimizer, mode).peak_bytes
+        return int(np.int64(big) - np.int64(small))

@@ -1,0 +1,588 @@
+"""The profiler: runs one training step and one inference pass of a model on fake tensors
+(or, as a fallback, on real CPU tensors at a tiny batch) under the recorder, and returns raw
+traces. Everything torch-specific about profiling is here; the table, the estimator and the
+widget only see numpy arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from ._fake import DATA_DEPENDENT_ERRORS, FakeTensorMode, new_fake_mode
+from ._options import Category, Device, Mode, OptimizerName, Phase, Precision, parse_option
+from ._probe import KernelProbe
+from ._profile import ModelProfile
+from ._recorder import Recorder, module_hooks
+from ._step import (
+    ModelInputs,
+    inference_pass,
+    make_optimizer,
+    storage_dtype,
+    training_iteration,
+)
+from ._table import ModuleRows, NotAffineError, OptimizerTrace, Timeline, fit_timeline
+
+LOSS_ROW_NAME = "(loss)"
+OPTIMIZER_ROW_NAME = "(optimizer)"
+
+
+class ProfilingError(RuntimeError):
+    """The model could not be run on the example inputs (the message says where and why)."""
+
+
+@dataclass(frozen=True)
+class RawTrace:
+    """What the recorder saw in one run at one batch size."""
+
+    batch_size: int
+    event_storage: np.ndarray  # int64
+    event_bytes: np.ndarray  # int64, signed
+    event_module: np.ndarray  # int32
+    event_phase: np.ndarray  # int8
+    storage_category: np.ndarray  # int8, per storage id
+    storage_module: np.ndarray  # int32, per storage id (row that allocated it; -1 resident)
+    storage_resident: np.ndarray  # bool
+    storage_bytes: np.ndarray  # int64 (size at allocation or registration)
+    resident_storages: np.ndarray  # int64 storage ids resident at the start of the run
+    flops_forward: np.ndarray  # int64 per row
+    flops_backward: np.ndarray  # int64 per row
+    output_shapes: tuple[tuple[int, ...] | None, ...]
+    workspace_storages: np.ndarray  # int64 storage ids of measured kernel workspaces
+    backward_start: int  # index of the first backward event (train), else len
+    optimizer_at: int  # index where the optimizer step's events are spliced in (train)
+    uses_matmul: bool
+
+
+@dataclass
+class Subject:
+    """The model and example inputs being profiled, and how to rebuild them at any batch."""
+
+    model: torch.nn.Module
+    inputs: ModelInputs | None
+    input_size: tuple[int, ...] | None
+    loss_fn: Callable[[Any], Any] | None
+    device: Device
+    rows: ModuleRows = field(init=False)
+    _row_of: dict[int, int] = field(init=False)
+    _params: list[tuple[str, torch.nn.Parameter, int]] = field(init=False)
+    _buffers: list[tuple[str, torch.Tensor, int]] = field(init=False)
+    fallback_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        names, types, depths, mods = [], [], [], []
+        for name, mod in self.model.named_modules():  # dedups shared modules: first name wins
+            names.append(name)
+            types.append(type(mod).__name__)
+            depths.append(0 if name == "" else name.count(".") + 1)
+            mods.append(mod)
+        self._row_of = {id(m): i for i, m in enumerate(mods)}
+        n = len(mods) + 2
+        param_count = np.zeros(n, np.int64)
+        trainable = np.zeros(n, np.int64)
+        buffer_count = np.zeros(n, np.int64)
+        self._params = []
+        seen: set[int] = set()
+        for row, mod in enumerate(mods):
+            prefix = names[row] + "." if names[row] else ""
+            for pname, p in mod.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue  # tied weight: counted once, at its first owner
+                seen.add(id(p))
+                self._params.append((prefix + pname, p, row))
+                param_count[row] += p.numel()
+                if p.requires_grad:
+                    trainable[row] += p.numel()
+        self._buffers = []
+        seen_buffers: set[int] = set()
+        for row, mod in enumerate(mods):
+            prefix = names[row] + "." if names[row] else ""
+            for bname, b in mod.named_buffers(recurse=False):
+                if b is None or id(b) in seen_buffers:
+                    continue
+                seen_buffers.add(id(b))
+                self._buffers.append((prefix + bname, b, row))
+                buffer_count[row] += b.numel()
+        self.rows = ModuleRows(
+            names=(*names, LOSS_ROW_NAME, OPTIMIZER_ROW_NAME),
+            types=(*types, "loss", "optimizer"),
+            depths=np.asarray([*depths, 0, 0], dtype=np.int32),
+            param_count=param_count,
+            trainable_param_count=trainable,
+            buffer_count=buffer_count,
+        )
+
+    @property
+    def loss_row(self) -> int:
+        return len(self.rows.names) - 2
+
+    @property
+    def optimizer_row(self) -> int:
+        return len(self.rows.names) - 1
+
+    # -- building the fake (or real fallback) state ----------------------------------------
+    def _dtype(self, t: torch.Tensor, precision: Precision) -> torch.dtype:
+        return storage_dtype(precision) if t.is_floating_point() else t.dtype
+
+    def make_state(
+        self, precision: Precision, real: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Parameters and buffers as new leaf tensors in the precision's dtype: fake tensors
+        (call inside the fake mode), or real CPU copies for the fallback."""
+        params: dict[str, torch.Tensor] = {}
+        for name, p, _row in self._params:
+            dtype = self._dtype(p, precision)
+            if real:
+                t = p.detach().to(device="cpu", dtype=dtype, copy=True)
+            else:
+                t = torch.empty_strided(tuple(p.shape), p.stride(), dtype=dtype, device="cpu")
+            params[name] = t.requires_grad_(p.requires_grad)
+        buffers: dict[str, torch.Tensor] = {}
+        for name, b, _row in self._buffers:
+            dtype = self._dtype(b, precision)
+            if real:
+                buffers[name] = b.detach().to(device="cpu", dtype=dtype, copy=True)
+            else:
+                buffers[name] = torch.empty_strided(
+                    tuple(b.shape), b.stride(), dtype=dtype, device="cpu"
+                )
+        return params, buffers
+
+    def make_inputs(self, batch_size: int, precision: Precision, real: bool) -> ModelInputs:
+        """The example batch resized to ``batch_size`` along dim 0, floats in the storage
+        dtype (fake tensors inside the fake mode, or real CPU tensors)."""
+        half = storage_dtype(precision)
+        if self.inputs is None:
+            assert self.input_size is not None
+            shape = (batch_size, *self.input_size)
+            if real:
+                gen = torch.Generator().manual_seed(0)
+                return ModelInputs((torch.randn(shape, generator=gen).to(half),), {})
+            return ModelInputs((torch.empty(shape, dtype=half),), {})
+        n = self.inputs.batch_size()
+
+        def resize(t: torch.Tensor) -> torch.Tensor:
+            dtype = half if t.is_floating_point() else t.dtype
+            batched = t.dim() > 0 and t.shape[0] == n
+            shape = (batch_size, *t.shape[1:]) if batched else tuple(t.shape)
+            if not real:
+                return torch.empty(shape, dtype=dtype)
+            src = t.detach().to("cpu")
+            if batched:
+                reps = -(-batch_size // n)
+                src = src.repeat(reps, *([1] * (t.dim() - 1)))[:batch_size]
+            return src.to(dtype).clone()
+
+        return self.inputs.map(resize)
+
+
+@contextlib.contextmanager
+def _preserved_model_state(model: torch.nn.Module) -> Iterator[None]:
+    """Restore every module's training flag and the global RNG state, whatever happens."""
+    flags = [(m, m.training) for m in model.modules()]
+    cpu_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Frees must happen when references drop, as in a real run; the cycle collector firing
+    at a random point would make two traces disagree."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _describe(obj: Any) -> str:
+    """Shapes of the tensors in a module call's arguments, for error messages."""
+    if isinstance(obj, torch.Tensor):
+        return f"Tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
+    if isinstance(obj, (tuple, list)):
+        return "(" + ", ".join(_describe(o) for o in obj) + ")"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in obj.items()) + "}"
+    return type(obj).__name__
+
+
+class Profiler:
+    """Produces raw traces for a subject, one precision and batch size at a time."""
+
+    def __init__(self, subject: Subject) -> None:
+        self.subject = subject
+        self.real = subject.fallback_reason is not None
+        # CPU kernel workspaces are measured for device="cpu" (see _probe); CUDA's are
+        # accounted for by the emulation and the accelerator extras instead.
+        self.probe = KernelProbe() if subject.device is Device.CPU else None
+
+    def _context(
+        self, precision: Precision
+    ) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+        """The forward context: CUDA's kernel choices emulated on CPU tensors, or None for
+        the plain CPU semantics (autocast on the CPU for amp precisions)."""
+        if self.subject.device is Device.CPU:
+            return None
+        from ._cuda_rules import CudaEmulation, CudaTarget
+        from ._step import autocast_dtype
+
+        amp = autocast_dtype(precision)
+        return lambda: CudaEmulation(CudaTarget(), amp)
+
+    def _fake_mode(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self.real else new_fake_mode()
+
+    def run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
+        subject = self.subject
+        mode = self._fake_mode()
+        fake_mode = mode if isinstance(mode, FakeTensorMode) else None
+        with contextlib.ExitStack() as stack:
+            if fake_mode is not None:
+                stack.enter_context(fake_mode)
+            params, buffers = subject.make_state(precision, self.real)
+            inputs = subject.make_inputs(batch_size, precision, self.real)
+            if fake_mode is not None:
+                stack.close()
+        rec = Recorder(subject._row_of, subject.loss_row, subject.optimizer_row, self.probe)
+        rec.register_resident(
+            params.values(), Category.PARAMETER, [row for _n, _p, row in subject._params]
+        )
+        rec.register_resident(
+            buffers.values(), Category.BUFFER, [row for _n, _b, row in subject._buffers]
+        )
+        rec.register_resident(inputs.tensors(), Category.INPUT)
+        resident = np.asarray(sorted(set(range(len(rec.storages)))), dtype=np.int64)
+        state = {**params, **buffers}
+
+        def model_fn(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(
+                subject.model, state, args, kwargs, tie_weights=True, strict=False
+            )
+
+        marks: dict[str, int] = {}
+        trainable = [p for p in params.values() if p.requires_grad]
+
+        def between(phase: str) -> None:
+            marks[phase] = rec.event_count()
+            if phase == "backward":
+                rec.set_phase(Phase.BACKWARD)
+            elif phase == "optimizer":
+                grads = [rec.storage_id(p.grad) for p in trainable if p.grad is not None]
+                rec.set_category([g for g in grads if g is not None], Category.GRADIENT)
+                rec.set_phase(Phase.ZERO_GRAD)
+
+        context = self._context(precision)
+        subject.model.train(train)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_gc_paused())
+            if fake_mode is not None:
+                stack.enter_context(fake_mode)
+            stack.enter_context(rec)
+            stack.enter_context(module_hooks(rec))
+            if train:
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, rec.unpack_hook)
+                )
+            else:
+                rec.set_phase(Phase.INFERENCE)
+            try:
+                if train:
+                    training_iteration(
+                        model_fn,
+                        inputs,
+                        subject.loss_fn,
+                        None,
+                        precision,
+                        "cpu",
+                        params=trainable,
+                        between=between,
+                        context=context,
+                    )
+                else:
+                    inference_pass(model_fn, inputs, precision, "cpu", context=context)
+            except DATA_DEPENDENT_ERRORS:
+                raise
+            except Exception as exc:
+                raise self._explain(exc, rec) from exc
+            finally:
+                rec.stop()
+        rec.mark_saved_as_activations()
+        rec.apply_probes()
+        events = rec.events()
+        storages = rec.storages
+        n_events = len(events.delta_bytes)
+        return RawTrace(
+            batch_size=batch_size,
+            event_storage=events.storage,
+            event_bytes=events.delta_bytes,
+            event_module=events.module,
+            event_phase=events.phase,
+            storage_category=np.asarray([s.category for s in storages], dtype=np.int8),
+            storage_module=np.asarray([s.module for s in storages], dtype=np.int32),
+            storage_resident=np.asarray([s.resident for s in storages], dtype=bool),
+            storage_bytes=np.asarray([s.nbytes for s in storages], dtype=np.int64),
+            resident_storages=resident,
+            flops_forward=rec.flops_forward,
+            flops_backward=rec.flops_backward,
+            output_shapes=tuple(rec.output_shapes),
+            workspace_storages=np.asarray(rec.workspace_storages(), dtype=np.int64),
+            backward_start=marks.get("backward", n_events),
+            optimizer_at=marks.get("optimizer", n_events),
+            uses_matmul=rec.uses_matmul,
+        )
+
+    def _explain(self, exc: Exception, rec: Recorder) -> Exception:
+        if isinstance(exc, (TypeError, ValueError)) and "loss_fn" in str(exc):
+            return exc
+        call = rec.innermost_call()
+        names = self.subject.rows.names
+        if call is None or call[0] >= self.subject.loss_row:
+            where = "the loss" if rec.phase else "the model's forward"
+            return ProfilingError(f"{where} failed: {type(exc).__name__}: {exc}")
+        row, args = call
+        name = names[row] or "(root)"
+        kind = self.subject.rows.types[row]
+        return ProfilingError(
+            f"module {name!r} ({kind}) failed on inputs {_describe(args)}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+
+    def run_optimizer(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
+        """Two ``step()`` calls on gradients of the parameters' shapes; the second, in steady
+        state, is recorded. Its allocations do not depend on the batch size."""
+        subject = self.subject
+        cuda = subject.device is Device.CUDA
+        # The optimizer needs shapes only, so it runs on fake tensors even in the fallback.
+        fake_mode = new_fake_mode()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fake_mode)
+            params, _buffers = subject.make_state(precision, real=False)
+            rows_of = {name: row for name, _p, row in subject._params}
+            trainable = [(name, p) for name, p in params.items() if p.requires_grad]
+            for _name, p in trainable:
+                p.grad = torch.empty_like(p)
+            opt = make_optimizer(
+                optimizer, [p for _n, p in trainable], foreach=True if cuda else None
+            )
+            opt.step()  # first step: creates the state
+            stack.close()
+        rec = Recorder(subject._row_of, subject.loss_row, subject.optimizer_row)
+        rec.set_phase(Phase.OPTIMIZER)
+        rec.register_resident([p for _n, p in trainable], Category.PARAMETER)
+        rec.register_resident(
+            [p.grad for _n, p in trainable if p.grad is not None], Category.GRADIENT
+        )
+        state_bytes = np.zeros(len(subject.rows.names), dtype=np.int64)
+        blocks: list[int] = []
+        seen: set[int] = set()
+        for name, p in trainable:
+            for key, value in opt.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                # Without capturable/fused, Adam-family ``step`` counters stay on the CPU
+                # even for CUDA parameters (torch/optim/adam.py, _init_group): no GPU memory.
+                if cuda and key == "step" and value.dim() == 0:
+                    continue
+                rec.register_resident([value], Category.OPTIMIZER_STATE)
+                st = value.untyped_storage()
+                if id(st) in seen:
+                    continue
+                seen.add(id(st))
+                state_bytes[rows_of[name]] += st.nbytes()
+                blocks.append(st.nbytes())
+        with _gc_paused(), fake_mode, rec:
+            opt.step()
+            rec.stop()
+        events = rec.events()
+        return OptimizerTrace(
+            event_bytes=events.delta_bytes,
+            state_bytes=state_bytes,
+            state_block_bytes=np.asarray(blocks, dtype=np.int64),
+        )
+
+
+# Batch sizes of the fake runs: the fit uses the first two, the third checks it. Not 1, where
+# BatchNorm and squeeze-happy code behave unlike any larger batch.
+FIT_BATCH_SIZES = (2, 3, 5)
+# CPU kernel workspaces are not affine in the batch (oneDNN picks its algorithm per shape):
+# they are measured on this grid too and interpolated (device="cpu" only).
+WORKSPACE_BATCH_SIZES = (1, 8, 32)
+
+
+class _Source:
+    """Profiles one precision and mode (or one optimizer) when the table first asks."""
+
+    def __init__(self, profiler: Profiler) -> None:
+        self.profiler = profiler
+
+    def timeline(self, precision: Precision, mode: Mode) -> Timeline:
+        train = mode is Mode.TRAIN
+        traces = [self._run(precision, b, train) for b in FIT_BATCH_SIZES]
+        if self.profiler.probe is not None and len(traces[0].workspace_storages):
+            traces += [self._run(precision, b, train) for b in WORKSPACE_BATCH_SIZES]
+        try:
+            timeline = fit_timeline(*traces)  # type: ignore[arg-type]
+        except NotAffineError as exc:
+            raise ProfilingError(f"cannot fit memory to the batch size: {exc}") from None
+        if not timeline.affine:
+            row = timeline.nonaffine_row
+            name = self.profiler.subject.rows.names[row] if row is not None else "?"
+            warnings.warn(
+                f"memory is not affine in the batch size (first seen in module {name!r}); "
+                f"estimates away from batch {FIT_BATCH_SIZES[0]}-{FIT_BATCH_SIZES[1]} "
+                "are extrapolated",
+                UserWarning,
+                stacklevel=4,
+            )
+        return timeline
+
+    def _run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
+        try:
+            return self.profiler.run(precision, batch_size, train)
+        except DATA_DEPENDENT_ERRORS as exc:
+            subject = self.profiler.subject
+            if self.profiler.real:
+                raise
+            if any(p.device.type == "meta" for _n, p, _r in subject._params):
+                raise ProfilingError(
+                    "fake tensors cannot run this model (an op's output depends on tensor "
+                    f"values: {type(exc).__name__}), and a model on the meta device has no "
+                    "values for a real run"
+                ) from None
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            subject.fallback_reason = reason
+            self.profiler.real = True
+            warn_fallback(reason)
+            return self.profiler.run(precision, batch_size, train)
+
+    def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
+        return self.profiler.run_optimizer(precision, optimizer)
+
+
+def _check_input_size(input_size: Any) -> tuple[int, ...]:
+    try:
+        dims = tuple(input_size)
+    except TypeError:
+        dims = (input_size,)
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise ValueError(
+            f"input_size must be the shape of one sample, a tuple of positive ints such as "
+            f"(3, 224, 224); got {input_size!r}"
+        )
+    return dims
+
+
+def profile_model(
+    model: torch.nn.Module,
+    input_size: Any = None,
+    inputs: Any = None,
+    loss_fn: Callable[[Any], Any] | None = None,
+    device: str = "cuda",
+) -> ModelProfile:
+    """Profile one training step and one inference pass of ``model`` on fake tensors.
+
+    The model is run on fake tensors (no real memory, so any model size profiles), at a few
+    small batch sizes; every allocation and free is recorded with the module and phase it
+    happened in, and fitted to ``a + b * batch``. The model itself is left exactly as it was:
+    parameters, gradients, device, dtype, training flags, hooks and the global RNG state.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Any module, on any device, including the meta device.
+    input_size : tuple of int, optional
+        The shape of one sample, without the batch dimension; the input is one float tensor.
+    inputs : Tensor, tuple of Tensors or dict of keyword Tensors, optional
+        An example batch (dim 0 is the batch). Give this or ``input_size``.
+    loss_fn : callable, optional
+        Maps the model's output to a scalar loss. Default: ``output.loss`` when present, else
+        the first floating tensor of the output, ``.float().mean()``.
+    device : {"cuda", "cpu"}
+        Whose kernels and defaults the estimate is for. ``"cuda"`` emulates CUDA's kernel
+        choices (fused dropout masks, flash / memory-efficient attention, foreach optimizers,
+        CUDA autocast lists, 512-byte allocator blocks); ``"cpu"`` reproduces a CPU step.
+
+    Returns
+    -------
+    ModelProfile
+        Call ``.estimate(batch_size, precision, optimizer, mode)`` on it.
+
+    Examples
+    --------
+    >>> from vram_widget import profile_model, zoo
+    >>> profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    >>> profile.param_count
+    669706
+    >>> est = profile.estimate(batch_size=32, optimizer="adam")
+    >>> # exp_avg and exp_avg_sq per parameter, plus a 4-byte step per tensor (6 tensors)
+    >>> est.optimizer_state_bytes == 2 * 4 * profile.param_count + 6 * 4
+    True
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    target = parse_option(Device, device, "device")
+    if inputs is None and input_size is None:
+        raise ValueError(
+            "give the example input: input_size=(...) for one sample's shape, "
+            "or inputs=<an example batch>"
+        )
+    if inputs is not None and input_size is not None:
+        raise ValueError("give input_size or inputs, not both")
+    model_inputs = None
+    size = None
+    if inputs is not None:
+        model_inputs = ModelInputs.from_user(inputs)
+        model_inputs.batch_size()  # raises a clear error when no tensor has a batch dim
+    else:
+        size = _check_input_size(input_size)
+    subject = Subject(model, model_inputs, size, loss_fn, target)
+    profiler = Profiler(subject)
+    source = _Source(profiler)
+    profile = ModelProfile(subject.rows, target, source, model_name=type(model).__name__)
+    with _preserved_model_state(model):
+        # fp32 training and inference, and Adam, are what the first estimate asks for.
+        profile.timeline(Precision.FP32, Mode.TRAIN)
+        profile.timeline(Precision.FP32, Mode.INFERENCE)
+        profile.optimizer_trace(Precision.FP32, OptimizerName.ADAM)
+    profile.fallback_reason = subject.fallback_reason
+    return profile
+
+
+def warn_fallback(reason: str) -> None:
+    warnings.warn(
+        "fake tensors cannot run this model "
+        f"({reason}); profiled with a real run on the CPU at tiny batch sizes instead. "
+        "Memory that depends on tensor values (data-dependent shapes) is what those batches "
+        "gave, and may differ for other data.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+__all__ = [
+    "ModuleRows",
+    "OptimizerTrace",
+    "Profiler",
+    "ProfilingError",
+    "RawTrace",
+    "Subject",
+    "profile_model",
+]

@@ -1,0 +1,349 @@
+"""The recorder: a TorchDispatchMode that sees every aten op of a step and writes down each
+storage's allocation and death, the module and phase it happened in, what autograd saved,
+and the FLOPs of each op.
+
+It works the same on fake and on real tensors (the real path is the fallback for models
+whose ops fake tensors cannot run).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._fake import (
+    TorchDispatchMode,
+    current_autograd_sequence_nr,
+    next_sequence_nr,
+    tree_flatten,
+)
+from ._flops import op_flops
+from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase
+from ._probe import KernelProbe, wants_probe
+
+_TEMPORARY = CATEGORY_CODE[Category.TEMPORARY]
+_ACTIVATION = CATEGORY_CODE[Category.ACTIVATION]
+
+# Matrix-multiply ops: the first one a CUDA stream runs allocates the cuBLAS workspace.
+_MATMUL_OPS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "addbmm", "dot"}
+)
+
+
+@dataclass
+class StorageRecord:
+    """One storage seen by the recorder."""
+
+    nbytes: int
+    module: int
+    phase: int
+    category: int
+    resident: bool  # allocated before recording began (parameters, buffers, inputs, ...)
+    saved: bool = False  # packed by autograd for backward
+    alive: bool = True
+
+
+@dataclass(frozen=True)
+class Events:
+    """Allocation (+) and free (-) events in execution order."""
+
+    storage: np.ndarray  # int64 storage id (index into the recorder's storages)
+    delta_bytes: np.ndarray  # int64, signed
+    module: np.ndarray  # int32 row of the module running
+    phase: np.ndarray  # int8 phase code
+
+
+class Recorder(TorchDispatchMode):
+    """Records allocations, frees, saved tensors and FLOPs.
+
+    ``rows`` maps ``id(module)`` to the module's row in the profile table; ``loss_row`` is the
+    pseudo-row for work done outside the model (the loss) and ``optimizer_row`` for the
+    optimizer step.
+    """
+
+    def __init__(
+        self,
+        rows: dict[int, int],
+        loss_row: int,
+        optimizer_row: int,
+        probe: KernelProbe | None = None,
+    ) -> None:
+        super().__init__()
+        self.probe = probe
+        self._probe_slots: list[tuple[int, int, int, tuple[Any, ...]]] = []
+        self.rows = rows
+        self.loss_row = loss_row
+        self.optimizer_row = optimizer_row
+        n_rows = optimizer_row + 1
+        self.flops_forward = np.zeros(n_rows, dtype=np.int64)
+        self.flops_backward = np.zeros(n_rows, dtype=np.int64)
+        self.output_shapes: list[tuple[int, ...] | None] = [None] * n_rows
+        self.storages: list[StorageRecord] = []
+        self.uses_matmul = False
+        self.phase = PHASE_CODE[Phase.FORWARD]
+        self._module_stack: list[int] = [loss_row]
+        self._input_stack: list[tuple[int, Any]] = []
+        self._live: dict[int, int] = {}  # id(storage object) -> storage id
+        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._ev_storage: list[int] = []
+        self._ev_delta: list[int] = []
+        self._ev_module: list[int] = []
+        self._ev_phase: list[int] = []
+        self._seq_module: dict[int, int] = {}
+        self._seq_seen = next_sequence_nr()
+        self._recording = True
+        self.failed_module: tuple[int, Any] | None = None
+
+    # -- storages -------------------------------------------------------------------------
+    def register_resident(
+        self, tensors: Iterable[torch.Tensor], category: Category, rows: Iterable[int] = ()
+    ) -> list[int]:
+        """Mark storages that exist before recording (no allocation event), owned by ``rows``.
+        Returns their ids (a storage already registered keeps its first category and row:
+        tied weights count once)."""
+        ids = []
+        row_iter = iter(rows)
+        for t in tensors:
+            row = next(row_iter, -1)
+            st = t.untyped_storage()
+            key = id(st)
+            if key in self._live:
+                ids.append(self._live[key])
+                continue
+            sid = self._new_storage(
+                st, StorageRecord(st.nbytes(), row, -1, CATEGORY_CODE[category], resident=True)
+            )
+            ids.append(sid)
+        return ids
+
+    def storage_id(self, t: torch.Tensor) -> int | None:
+        return self._live.get(id(t.untyped_storage()))
+
+    def _new_storage(self, st: Any, record: StorageRecord) -> int:
+        sid = len(self.storages)
+        self.storages.append(record)
+        key = id(st)
+        self._live[key] = sid
+        self._refs[key] = weakref.ref(st, functools.partial(self._on_free_ref, key))
+        return sid
+
+    def _on_free_ref(self, key: int, _ref: object) -> None:
+        self._on_free(key)
+
+    def _on_free(self, key: int) -> None:
+        sid = self._live.pop(key, None)
+        self._refs.pop(key, None)
+        if sid is None or not self._recording:
+            return
+        record = self.storages[sid]
+        record.alive = False
+        if record.nbytes:
+            self._emit(sid, -record.nbytes, self._module_stack[-1])
+
+    def _emit(self, sid: int, delta: int, module: int) -> None:
+        self._ev_storage.append(sid)
+        self._ev_delta.append(delta)
+        self._ev_module.append(module)
+        self._ev_phase.append(self.phase)
+
+    # -- modules --------------------------------------------------------------------------
+    def enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        row = self.rows.get(id(module), self._module_stack[-1])
+        self._module_stack.append(row)
+        self._input_stack.append((row, args))
+
+    def exit_module(self, module: torch.nn.Module, output: Any) -> None:
+        if len(self._module_stack) > 1:
+            row = self._module_stack.pop()
+            self._input_stack.pop()
+            if self.output_shapes[row] is None:
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.output_shapes[row] = tuple(int(d) for d in t.shape)
+                        break
+
+    def innermost_call(self) -> tuple[int, Any] | None:
+        """The innermost module call still open (after a failure: the one that failed)."""
+        return self._input_stack[-1] if self._input_stack else None
+
+    def set_phase(self, phase: Phase) -> None:
+        self.phase = PHASE_CODE[phase]
+
+    def stop(self) -> None:
+        self._recording = False
+
+    # -- autograd -------------------------------------------------------------------------
+    def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
+        sid = self._live.get(id(t.untyped_storage()))
+        if sid is not None:
+            self.storages[sid].saved = True
+        return t
+
+    @staticmethod
+    def unpack_hook(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    # -- dispatch -------------------------------------------------------------------------
+    def _current_row(self) -> int:
+        if self.phase == PHASE_CODE[Phase.BACKWARD]:
+            seq = current_autograd_sequence_nr()
+            if seq is None:
+                return self.loss_row  # the engine seeding the loss gradient
+            # AccumulateGrad and other nodes created outside our ops have no row: root.
+            return self._seq_module.get(seq, 0)
+        if self.phase == PHASE_CODE[Phase.OPTIMIZER]:
+            return self.optimizer_row
+        row = self._module_stack[-1]
+        # Every autograd node created since the last op belongs to the module running now.
+        seq = next_sequence_nr()
+        for s in range(self._seq_seen, seq):
+            self._seq_module[s] = row
+        self._seq_seen = seq
+        return row
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        row = self._current_row()
+        out = func(*args, **kwargs)
+        if not self._recording:
+            return out
+        input_storages: set[int] | None = None
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            sid = self._live.get(key)
+            if sid is not None:
+                record = self.storages[sid]
+                nbytes = st.nbytes()
+                if nbytes != record.nbytes:  # resize_ / out= ops grow a storage in place
+                    self._emit(sid, nbytes - record.nbytes, row)
+                    record.nbytes = nbytes
+                continue
+            if input_storages is None:
+                input_storages = {
+                    id(a.untyped_storage())
+                    for a in tree_flatten((args, kwargs))[0]
+                    if isinstance(a, torch.Tensor)
+                }
+            if key in input_storages:
+                continue  # a view of memory that existed before recording: not an allocation
+            nbytes = st.nbytes()
+            sid = self._new_storage(st, StorageRecord(nbytes, row, self.phase, _TEMPORARY, False))
+            if nbytes:
+                self._emit(sid, nbytes, row)
+        if self.probe is not None and wants_probe(func, args):
+            self._reserve_workspace(func, args, kwargs, row)
+        flops = op_flops(func, args, kwargs, out)
+        if flops:
+            if self.phase == PHASE_CODE[Phase.BACKWARD]:
+                self.flops_backward[row] += flops
+            else:
+                self.flops_forward[row] += flops
+        if not self.uses_matmul and func.__name__.split(".")[0] in _MATMUL_OPS:
+            self.uses_matmul = True
+        return out
+
+    def _reserve_workspace(self, func: Any, args: Any, kwargs: Any, row: int) -> None:
+        """Placeholder +W/-W events for a kernel's workspace, filled in by ``apply_probes``."""
+        assert self.probe is not None
+        sig = self.probe.request(func, args, kwargs)
+        sid = len(self.storages)
+        self.storages.append(StorageRecord(0, row, self.phase, _TEMPORARY, False, alive=False))
+        self._emit(sid, 0, row)
+        self._emit(sid, 0, row)
+        n = len(self._ev_delta)
+        self._probe_slots.append((sid, n - 2, n - 1, sig))
+
+    def workspace_storages(self) -> list[int]:
+        return [sid for sid, _a, _f, _sig in self._probe_slots]
+
+    def apply_probes(self) -> None:
+        """Measure the workspaces requested during the run and write them into the events."""
+        if self.probe is None:
+            return
+        for sid, alloc_at, free_at, sig in self._probe_slots:
+            nbytes = self.probe.workspace_bytes(sig)
+            self.storages[sid].nbytes = nbytes
+            self._ev_delta[alloc_at] = nbytes
+            self._ev_delta[free_at] = -nbytes
+
+    # -- results --------------------------------------------------------------------------
+    def mark_saved_as_activations(self) -> None:
+        """Saved storages that are not resident (parameters, inputs) are Activations."""
+        for record in self.storages:
+            if record.saved and not record.resident and record.category == _TEMPORARY:
+                record.category = _ACTIVATION
+
+    def set_category(self, sids: Iterable[int], category: Category) -> None:
+        code = CATEGORY_CODE[category]
+        for sid in sids:
+            self.storages[sid].category = code
+
+    def events(self) -> Events:
+        """The events, with each run of consecutive frees sorted by storage id.
+
+        Frees with no allocation between them happen at one point of the step (a cache
+        cleared, a tuple of tensors dropped), so their order cannot move the peak; it can
+        follow hash order, though, which differs between runs, and runs at different batch
+        sizes must match event for event.
+        """
+        storage = np.asarray(self._ev_storage, dtype=np.int64)
+        delta = np.asarray(self._ev_delta, dtype=np.int64)
+        module = np.asarray(self._ev_module, dtype=np.int32)
+        phase = np.asarray(self._ev_phase, dtype=np.int8)
+        # a workspace's free is its second event (it may be 0 bytes until measured)
+        is_free = delta < 0
+        seen_storage: set[int] = set()
+        for i, sid in enumerate(self._ev_storage):
+            if sid in seen_storage:
+                is_free[i] |= delta[i] == 0
+            else:
+                seen_storage.add(sid)
+        # Label runs of frees (same phase); sort within each run by storage id.
+        starts = np.flatnonzero(
+            is_free & ~np.concatenate([[False], is_free[:-1] & (phase[1:] == phase[:-1])])
+        )
+        if len(starts) and len(starts) < is_free.sum():
+            run_id = np.cumsum(np.isin(np.arange(len(delta)), starts) | ~is_free)
+            order = np.lexsort((np.where(is_free, storage, 0), run_id))
+            storage, delta, module, phase = (
+                storage[order],
+                delta[order],
+                module[order],
+                phase[order],
+            )
+        return Events(storage=storage, delta_bytes=delta, module=module, phase=phase)
+
+    def event_count(self) -> int:
+        return len(self._ev_delta)
+
+
+@contextmanager
+def module_hooks(recorder: Recorder) -> Iterator[None]:
+    """Global forward hooks that tell the recorder which module runs.
+
+    Global hooks leave the user's modules' own hook dictionaries untouched.
+    """
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    pre = register_module_forward_pre_hook(lambda m, args: recorder.enter_module(m, args))
+    # Not ``always_call``: when a forward raises, the failing module stays on the stack, and
+    # ``innermost_call`` names it in the error message.
+    post = register_module_forward_hook(lambda m, args, out: recorder.exit_module(m, out))
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()

@@ -1,0 +1,275 @@
+"""The profile table: raw traces at a few batch sizes, fitted to ``bytes = a + b * batch``.
+
+numpy only. Each allocation or free of a step is one event; profiling at two batch sizes
+and matching events one to one gives each event's constant part ``a`` and per-sample part
+``b``; a third batch size checks the fit exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ._options import CATEGORIES, CATEGORY_CODE, Category
+
+N_CATEGORIES = len(CATEGORIES)
+
+
+class _Trace(Protocol):
+    """The fields of the profiler's RawTrace the table uses (no import of the profiler)."""
+
+    batch_size: int
+    event_storage: np.ndarray
+    event_bytes: np.ndarray
+    event_module: np.ndarray
+    event_phase: np.ndarray
+    storage_category: np.ndarray
+    storage_module: np.ndarray
+    storage_resident: np.ndarray
+    storage_bytes: np.ndarray
+    flops_forward: np.ndarray
+    flops_backward: np.ndarray
+    output_shapes: tuple[tuple[int, ...] | None, ...]
+    workspace_storages: np.ndarray
+    backward_start: int
+    optimizer_at: int
+    uses_matmul: bool
+
+
+@dataclass(frozen=True)
+class Affine:
+    """Integer arrays ``a + b * batch``."""
+
+    a: np.ndarray
+    b: np.ndarray
+
+    def at(self, batch_size: int) -> np.ndarray:
+        """Evaluate at one batch size; Python ints (object array) where int64 could overflow."""
+        if self.a.size == 0:
+            return self.a.copy()
+        bound = int(np.abs(self.a).max()) + int(np.abs(self.b).max()) * batch_size
+        if bound < 2**62:
+            return self.a + self.b * np.int64(batch_size)
+        return self.a.astype(object) + self.b.astype(object) * batch_size
+
+    @staticmethod
+    def fit(x1: np.ndarray, x2: np.ndarray, b1: int, b2: int) -> Affine:
+        slope = (x2 - x1) // (b2 - b1)
+        return Affine(x1 - slope * b1, slope)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Every allocation (+) and free (-) of one run, in order, as affine functions of batch."""
+
+    event_bytes: Affine
+    event_module: np.ndarray  # int32 row
+    event_phase: np.ndarray  # int8 phase code
+    event_category: np.ndarray  # int8 category code of the storage
+    storage_bytes: Affine  # per storage id
+    storage_category: np.ndarray  # int8
+    storage_module: np.ndarray  # int32 row that allocated it (owner row for residents)
+    storage_resident: np.ndarray  # bool
+    flops_forward: Affine  # per row
+    flops_backward: Affine  # per row
+    output_shapes: tuple[tuple[tuple[int, int], ...] | None, ...]  # per row: (a, b) per dim
+    workspace_alloc_at: np.ndarray  # event index of each kernel workspace's allocation
+    workspace_free_at: np.ndarray  # ... and of its free
+    workspace_grid: np.ndarray  # int64 batch sizes the workspaces were measured at
+    workspace_bytes: np.ndarray  # int64 [workspace, grid]
+    backward_start: int
+    optimizer_at: int
+    uses_matmul: bool
+    affine: bool  # False when the check at a third batch size failed
+    nonaffine_row: int | None  # the first row whose memory is not affine in the batch
+
+    def events_at(self, batch_size: int) -> np.ndarray:
+        """Signed bytes of every event at this batch size (workspaces interpolated)."""
+        seq = self.event_bytes.at(batch_size)
+        if len(self.workspace_alloc_at):
+            ws = interpolate_columns(self.workspace_grid, self.workspace_bytes, batch_size)
+            seq = seq.copy()
+            seq[self.workspace_alloc_at] = ws
+            seq[self.workspace_free_at] = -ws
+        return seq
+
+    def resident_by_category(self, batch_size: int) -> np.ndarray:
+        """Bytes resident before the run starts, per category code."""
+        sizes = self.storage_bytes.at(batch_size)[self.storage_resident]
+        cats = self.storage_category[self.storage_resident]
+        out = np.zeros(N_CATEGORIES, dtype=object if sizes.dtype == object else np.int64)
+        for code in range(N_CATEGORIES):
+            out[code] = sizes[cats == code].sum()
+        return out
+
+    def rows_of_category(self, category: Category, batch_size: int, n_rows: int) -> np.ndarray:
+        """Bytes of the storages of one category, per row (the allocating or owning row)."""
+        mask = self.storage_category == CATEGORY_CODE[category]
+        sizes = self.storage_bytes.at(batch_size)[mask]
+        return (
+            np.bincount(
+                self.storage_module[mask].clip(0),
+                weights=sizes.astype(np.float64),
+                minlength=n_rows,
+            )
+            .round()
+            .astype(np.int64)
+        )
+
+
+@dataclass(frozen=True)
+class ModuleRows:
+    """One row per module (``named_modules`` order, shared modules once), then the two
+    pseudo-rows for the loss and the optimizer."""
+
+    names: tuple[str, ...]
+    types: tuple[str, ...]
+    depths: np.ndarray  # int32
+    param_count: np.ndarray  # int64, parameters owned directly (tied ones at first owner)
+    trainable_param_count: np.ndarray  # int64
+    buffer_count: np.ndarray  # int64
+
+
+@dataclass(frozen=True)
+class OptimizerTrace:
+    """The steady-state ``optimizer.step()``: temporaries as events, state per row."""
+
+    event_bytes: np.ndarray  # int64, signed
+    state_bytes: np.ndarray  # int64 per row (state of the parameters each row owns)
+    state_block_bytes: np.ndarray  # int64, the size of each state storage on the device
+
+
+def interpolate_columns(grid: np.ndarray, values: np.ndarray, x: int) -> np.ndarray:
+    """Piecewise-linear interpolation of each row of ``values`` over ``grid`` at ``x``;
+    beyond the grid, the last segment's slope continues (never below 0)."""
+    if len(grid) == 1:
+        return values[:, 0].copy()
+    j = int(np.clip(np.searchsorted(grid, x) - 1, 0, len(grid) - 2))
+    x0, x1 = int(grid[j]), int(grid[j + 1])
+    v0, v1 = values[:, j].astype(object), values[:, j + 1].astype(object)
+    out = v0 + (v1 - v0) * (x - x0) // (x1 - x0)
+    return np.maximum(out, 0).astype(np.int64) if x < 2**40 else np.maximum(out, 0)
+
+
+class NotAffineError(ValueError):
+    """Two traces do not match event for event, so no per-event fit exists."""
+
+
+def _shapes_fit(
+    s1: tuple[int, ...] | None, s2: tuple[int, ...] | None, b1: int, b2: int
+) -> tuple[tuple[int, int], ...] | None:
+    if s1 is None or s2 is None or len(s1) != len(s2):
+        return None
+    out = []
+    for d1, d2 in zip(s1, s2, strict=True):
+        slope = (d2 - d1) // (b2 - b1)
+        out.append((d1 - slope * b1, slope))
+    return tuple(out)
+
+
+def shape_at(shape: tuple[tuple[int, int], ...] | None, batch_size: int) -> tuple[int, ...] | None:
+    if shape is None:
+        return None
+    return tuple(a + b * batch_size for a, b in shape)
+
+
+def fit_timeline(t1: _Trace, t2: _Trace, t3: _Trace, *grid_traces: _Trace) -> Timeline:
+    """Fit two traces to ``a + b * batch`` and check the fit against the third.
+
+    Kernel workspaces (measured, not affine) are left out of the check; their sizes at every
+    trace's batch size make an interpolation grid.
+    Raises NotAffineError when the first two do not match event for event.
+    """
+    same = (
+        len(t1.event_bytes) == len(t2.event_bytes)
+        and len(t1.storage_bytes) == len(t2.storage_bytes)
+        and np.array_equal(t1.event_storage, t2.event_storage)
+        and np.array_equal(t1.event_module, t2.event_module)
+        and np.array_equal(t1.event_phase, t2.event_phase)
+        and np.array_equal(t1.storage_category, t2.storage_category)
+        and t1.backward_start == t2.backward_start
+        and t1.optimizer_at == t2.optimizer_at
+    )
+    if not same:
+        raise NotAffineError(_first_difference(t1, t2))
+    b1, b2, b3 = t1.batch_size, t2.batch_size, t3.batch_size
+    events = Affine.fit(t1.event_bytes, t2.event_bytes, b1, b2)
+    storages = Affine.fit(t1.storage_bytes, t2.storage_bytes, b1, b2)
+    flops_f = Affine.fit(t1.flops_forward, t2.flops_forward, b1, b2)
+    flops_b = Affine.fit(t1.flops_backward, t2.flops_backward, b1, b2)
+    shapes = tuple(
+        _shapes_fit(s1, s2, b1, b2)
+        for s1, s2 in zip(t1.output_shapes, t2.output_shapes, strict=True)
+    )
+    ws_sids = t1.workspace_storages
+    is_ws = np.isin(t1.event_storage, ws_sids)
+    alloc_at = np.asarray(
+        [np.flatnonzero(t1.event_storage == sid)[0] for sid in ws_sids], dtype=np.int64
+    )
+    free_at = np.asarray(
+        [np.flatnonzero(t1.event_storage == sid)[-1] for sid in ws_sids], dtype=np.int64
+    )
+    traces = sorted((t1, t2, t3, *grid_traces), key=lambda t: t.batch_size)
+    aligned = [t for t in traces if len(t.storage_bytes) == len(t1.storage_bytes)]
+    ws_grid = np.asarray([t.batch_size for t in aligned], dtype=np.int64)
+    ws_bytes = (
+        np.stack([t.storage_bytes[ws_sids] for t in aligned], axis=1)
+        if len(ws_sids)
+        else np.zeros((0, len(aligned)), np.int64)
+    )
+    affine, bad_row = True, None
+    if len(t3.event_bytes) != len(t1.event_bytes):
+        affine = False
+        bad_row = _first_difference_row(t1, t3)
+    else:
+        wrong = np.flatnonzero((events.at(b3) != t3.event_bytes) & ~is_ws)
+        if wrong.size:
+            affine = False
+            bad_row = int(t3.event_module[wrong[0]])
+    category = (
+        t1.storage_category[t1.event_storage] if len(t1.event_storage) else np.zeros(0, np.int8)
+    )
+    return Timeline(
+        event_bytes=events,
+        event_module=t1.event_module,
+        event_phase=t1.event_phase,
+        event_category=category.astype(np.int8),
+        storage_bytes=storages,
+        storage_category=t1.storage_category,
+        storage_module=t1.storage_module,
+        storage_resident=t1.storage_resident,
+        flops_forward=flops_f,
+        flops_backward=flops_b,
+        output_shapes=shapes,
+        workspace_alloc_at=alloc_at,
+        workspace_free_at=free_at,
+        workspace_grid=ws_grid,
+        workspace_bytes=ws_bytes,
+        backward_start=t1.backward_start,
+        optimizer_at=t1.optimizer_at,
+        uses_matmul=t1.uses_matmul,
+        affine=affine,
+        nonaffine_row=bad_row,
+    )
+
+
+def _first_difference_row(t1: _Trace, t2: _Trace) -> int | None:
+    n = min(len(t1.event_module), len(t2.event_module))
+    diff = np.flatnonzero(t1.event_module[:n] != t2.event_module[:n])
+    if diff.size:
+        return int(t2.event_module[diff[0]])
+    if n < len(t2.event_module):
+        return int(t2.event_module[n])
+    if n < len(t1.event_module):
+        return int(t1.event_module[n])
+    return None
+
+
+def _first_difference(t1: _Trace, t2: _Trace) -> str:
+    row = _first_difference_row(t1, t2)
+    return (
+        f"the step allocates differently at batch {t1.batch_size} and {t2.batch_size} "
+        f"({len(t1.event_bytes)} vs {len(t2.event_bytes)} events); first difference at row {row}"
+    )
