@@ -34,6 +34,7 @@ import dataclasses
 import enum
 import math
 import re
+import types as types_module
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -517,6 +518,11 @@ class CudaEmulation(TorchFunctionMode):
         kwargs: dict[str, Any],
     ) -> Any:
         """Run ``func`` unchanged, with this mode active for the torch calls inside it."""
+        if not isinstance(func, types_module.FunctionType):
+            # A C function or method (torch.add, Tensor.view, a property getter) calls no
+            # Python torch function inside: nothing nested to see, so skip the re-dispatch,
+            # which costs more than the call itself (most calls of a model are these).
+            return func(*args, **kwargs)
         if _redispatch is None or (self._passthrough_stack and self._passthrough_stack[-1] is func):
             # A Python Tensor method that calls ``super().method()`` (Tensor.unflatten,
             # Tensor.split, ...) reaches the mode again under the same public function: that

@@ -9,8 +9,9 @@ outputs, so it can set the peak (CNN inference most of all).
 For ``device="cpu"`` each distinct call signature of a registered op is run once for real, on
 zero-filled CPU tensors of the same shapes, strides and dtypes, under the PyTorch profiler;
 its workspace is the peak of the allocator's events inside the call less the bytes of its
-outputs. Signatures whose tensors exceed :data:`PROBE_LIMIT_BYTES` are not run (workspace 0),
-so a meta-device giant profiles without real memory.
+outputs. Signatures whose tensors exceed :data:`PROBE_LIMIT_BYTES` are not run: their
+workspace is reported unknown (-1), and the table extrapolates it from the batch sizes that
+were measured; so a meta-device giant profiles without real memory.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ PROBED_OPS: frozenset[Any] = frozenset(
     }
 )
 
-# The largest real call a probe makes: beyond it the workspace is taken as 0.
-PROBE_LIMIT_BYTES = 256 * 2**20
+# The largest real call a probe makes (inputs and outputs): beyond it the workspace is unknown.
+PROBE_LIMIT_BYTES = 64 * 2**20
+UNKNOWN = -1
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -110,7 +112,7 @@ class KernelProbe:
             s: call for s, call in pending.items() if _call_bytes(call) <= PROBE_LIMIT_BYTES
         }
         for sig in pending:
-            self._cache[sig] = 0
+            self._cache[sig] = UNKNOWN
         if runnable:
             self._cache.update(_measure_workspaces(runnable))
 

@@ -271,10 +271,10 @@ class Recorder(TorchDispatchMode):
         if self.probe is None:
             return
         for sid, alloc_at, free_at, sig in self._probe_slots:
-            nbytes = self.probe.workspace_bytes(sig)
+            nbytes = self.probe.workspace_bytes(sig)  # -1: too large to run, unknown
             self.storages[sid].nbytes = nbytes
-            self._ev_delta[alloc_at] = nbytes
-            self._ev_delta[free_at] = -nbytes
+            self._ev_delta[alloc_at] = max(nbytes, 0)
+            self._ev_delta[free_at] = -max(nbytes, 0)
 
     # -- results --------------------------------------------------------------------------
     def mark_saved_as_activations(self) -> None:

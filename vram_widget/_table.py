@@ -153,6 +153,27 @@ def interpolate_columns(grid: np.ndarray, values: np.ndarray, x: int) -> np.ndar
     return np.maximum(out, 0).astype(np.int64) if x < 2**40 else np.maximum(out, 0)
 
 
+def _fill_unknown(grid: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Replace unknown workspace sizes (negative: the call was too large to run for real) by
+    continuing the line through the two nearest known smaller batch sizes (or the one known
+    value; 0 when none is known)."""
+    out = values.astype(np.int64).copy()
+    for j in range(out.shape[1]):
+        unknown = out[:, j] < 0
+        if not unknown.any():
+            continue
+        if j >= 2:
+            x0, x1 = int(grid[j - 2]), int(grid[j - 1])
+            v0, v1 = out[unknown, j - 2], out[unknown, j - 1]
+            slope = (v1 - v0) / (x1 - x0)
+            out[unknown, j] = np.maximum(0, np.round(v1 + slope * (int(grid[j]) - x1)))
+        elif j == 1:
+            out[unknown, j] = np.maximum(out[unknown, 0], 0)
+        else:
+            out[unknown, j] = 0
+    return out
+
+
 class NotAffineError(ValueError):
     """Two traces do not match event for event, so no per-event fit exists."""
 
@@ -219,6 +240,7 @@ def fit_timeline(t1: _Trace, t2: _Trace, t3: _Trace, *grid_traces: _Trace) -> Ti
         if len(ws_sids)
         else np.zeros((0, len(aligned)), np.int64)
     )
+    ws_bytes = _fill_unknown(ws_grid, ws_bytes)
     affine, bad_row = True, None
     if len(t3.event_bytes) != len(t1.event_bytes):
         affine = False

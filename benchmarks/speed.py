@@ -1,0 +1,128 @@
+"""Speed: how long profiling takes, how fast an estimate answers, and how little memory a
+meta-device giant needs.
+
+    python benchmarks/speed.py            # everything (a few minutes on 2 cores)
+    python benchmarks/speed.py --skip-llama
+
+1. ResNet-50 (torchvision architecture) at 3x224x224: ``profile_model`` (fp32, training and
+   inference, Adam; both devices) against ``torchinfo.summary`` of the same model in the same
+   process. Each is run once first so that one-off import costs are not counted.
+2. ``ModelProfile.estimate`` latency on a model with more than 200 modules (ResNet-101), median
+   of many calls at random batch sizes and settings of cached precisions.
+3. A Llama-7B-shaped decoder built on the meta device, profiled in a fresh process: wall time
+   and the process's peak resident memory (``ru_maxrss``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vram_widget import profile_model, zoo
+
+_LLAMA_SCRIPT = """
+import resource, time, json, torch
+from vram_widget import profile_model, zoo
+with torch.device("meta"):
+    model = zoo.llama_decoder(zoo.LLAMA_7B)
+t0 = time.perf_counter()
+profile = profile_model(model, inputs=torch.zeros(1, 128, dtype=torch.long))
+est = profile.estimate(8, "bf16", "adamw")
+print(json.dumps({
+    "seconds": time.perf_counter() - t0,
+    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "param_count": profile.param_count,
+    "closed_form": zoo.llama_param_count(zoo.LLAMA_7B),
+    "peak_bytes_bf16_adamw_b8": est.peak_bytes,
+}))
+"""
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def profile_vs_torchinfo(repeats: int) -> dict[str, float]:
+    import torchinfo
+
+    model = zoo.resnet50()
+    warm = zoo.mlp()
+    torchinfo.summary(warm, input_size=(1, 784), verbose=0)
+    profile_model(warm, input_size=(784,))
+    profile_model(warm, input_size=(784,), device="cpu")
+    out: dict[str, float] = {}
+    out["torchinfo_s"] = min(
+        _timed(lambda: torchinfo.summary(model, input_size=(1, 3, 224, 224), verbose=0))
+        for _ in range(repeats)
+    )
+    for device in ("cuda", "cpu"):
+        out[f"profile_{device}_s"] = min(
+            _timed(lambda d=device: profile_model(model, input_size=(3, 224, 224), device=d))
+            for _ in range(repeats)
+        )
+    return out
+
+
+def estimate_latency(calls: int) -> dict[str, float]:
+    model = zoo.resnet(101)
+    profile = profile_model(model, input_size=(3, 64, 64))
+    for precision in ("fp32", "bf16"):
+        for opt in ("adam", "sgd"):
+            profile.estimate(1, precision, opt)
+    rng = np.random.default_rng(0)
+    times = []
+    for _ in range(calls):
+        batch = int(rng.integers(1, 8193))
+        precision = ("fp32", "bf16")[int(rng.integers(0, 2))]
+        opt = ("adam", "sgd")[int(rng.integers(0, 2))]
+        t0 = time.perf_counter()
+        profile.estimate(batch, precision, opt)
+        times.append(time.perf_counter() - t0)
+    return {
+        "modules": len(list(model.modules())),
+        "estimate_median_ms": statistics.median(times) * 1e3,
+        "estimate_p90_ms": float(np.percentile(times, 90)) * 1e3,
+    }
+
+
+def llama_meta() -> dict[str, float]:
+    done = subprocess.run(
+        [sys.executable, "-c", _LLAMA_SCRIPT], capture_output=True, text=True, check=True,
+        env={**os.environ, "KINETO_LOG_LEVEL": "5"},
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "speed.json"))
+    args = parser.parse_args()
+    results: dict[str, object] = {"torch": torch.__version__, "cpus": os.cpu_count()}
+    results["resnet50_224"] = profile_vs_torchinfo(args.repeats)
+    print("ResNet-50 3x224x224:", results["resnet50_224"], flush=True)
+    results["estimate"] = estimate_latency(args.calls)
+    print("estimate():", results["estimate"], flush=True)
+    if not args.skip_llama:
+        results["llama_7b_meta"] = llama_meta()
+        print("Llama-7B on meta:", results["llama_7b_meta"], flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
