@@ -98,7 +98,10 @@ def estimate_latency(calls: int) -> dict[str, float]:
 
 def llama_meta() -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, "-c", _LLAMA_SCRIPT], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", _LLAMA_SCRIPT],
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, "KINETO_LOG_LEVEL": "5"},
     )
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]

@@ -413,3 +413,43 @@ def test_op_flops_on_fake_tensors() -> None:
     )
     assert fake == real == expected
     assert sum(f for _, f in log.calls) == expected
+
+
+def test_alexnet_and_vgg16_macs_at_224_match_the_hand_count() -> None:
+    """MACs of one 1x3x224x224 forward, as thop/torchinfo/cs231n count (convs and linears)."""
+    from vram_widget import profile_model, zoo
+
+    # AlexNet (torchvision): output side x output side x C_out x C_in x k x k per conv
+    #   conv1 3->64, 11x11, stride 4, pad 2: 55*55*64*3*121    =  70,276,800
+    #   conv2 64->192, 5x5, pad 2 (27x27):   27*27*192*64*25   = 223,948,800
+    #   conv3 192->384, 3x3 (13x13):         13*13*384*192*9   = 112,140,288
+    #   conv4 384->256:                      13*13*256*384*9   = 149,520,384
+    #   conv5 256->256:                      13*13*256*256*9   =  99,680,256
+    #   fc 9216->4096, 4096->4096, 4096->1000: 37,748,736 + 16,777,216 + 4,096,000
+    alexnet_macs = (
+        70_276_800
+        + 223_948_800
+        + 112_140_288
+        + 149_520_384
+        + 99_680_256
+        + 37_748_736
+        + 16_777_216
+        + 4_096_000
+    )
+    assert alexnet_macs == 714_188_480
+    est = profile_model(zoo.alexnet(), input_size=(3, 224, 224)).estimate(1, mode="inference")
+    assert est.macs == alexnet_macs
+    assert est.flops == 2 * alexnet_macs
+
+    # VGG16: 13 3x3 convs, "same" padding, a 2x2 pool after blocks of (2, 2, 3, 3, 3) convs
+    side, c_in, vgg_macs = 224, 3, 0
+    for block, (c_out, convs) in enumerate([(64, 2), (128, 2), (256, 3), (512, 3), (512, 3)]):
+        for _ in range(convs):
+            vgg_macs += side * side * c_out * c_in * 9
+            c_in = c_out
+        side //= 2
+        assert block < 5
+    vgg_macs += 25_088 * 4_096 + 4_096 * 4_096 + 4_096 * 1_000
+    assert vgg_macs == 15_470_264_320  # the widely quoted 15.47 GMACs
+    est = profile_model(zoo.vgg16(), input_size=(3, 224, 224)).estimate(1, mode="inference")
+    assert est.macs == vgg_macs

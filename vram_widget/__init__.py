@@ -1,20 +1,62 @@
-"""vram_widget: how much accelerator memory one training step of a torch.nn.Module needs."""
+"""vram_widget: how much accelerator memory one training step of a torch.nn.Module needs.
 
-from ._estimator import MemoryEstimate
+Re-exports only. Names are imported on first use (PEP 562), so that the numpy layer
+(``_table``, ``_estimator``, ``_profile``) and the widget can be imported without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._options import Category, Device, Mode, OptimizerName, Phase, Precision
-from ._profile import ModelProfile
-from ._profiler import ProfilingError, profile_model
+
+if TYPE_CHECKING:
+    from ._estimator import LayerTable, MemoryEstimate
+    from ._measure import Measurement, measure
+    from ._profile import ModelProfile
+    from ._profiler import ProfilingError, profile_model
+    from ._widget import MemoryWidget, show_memory
+
+_LAZY = {
+    "LayerTable": "._estimator",
+    "MemoryEstimate": "._estimator",
+    "Measurement": "._measure",
+    "measure": "._measure",
+    "ModelProfile": "._profile",
+    "ProfilingError": "._profiler",
+    "profile_model": "._profiler",
+    "MemoryWidget": "._widget",
+    "show_memory": "._widget",
+}
 
 __all__ = [
     "Category",
     "Device",
+    "LayerTable",
+    "Measurement",
     "MemoryEstimate",
+    "MemoryWidget",
     "Mode",
     "ModelProfile",
     "OptimizerName",
     "Phase",
     "Precision",
     "ProfilingError",
+    "measure",
     "profile_model",
+    "show_memory",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

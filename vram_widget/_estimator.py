@@ -6,6 +6,7 @@ lays the step's events end to end on top of what is resident and reads off the p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -197,12 +198,16 @@ def estimate(
     grad_rows = per_row(Category.GRADIENT) if train else np.zeros(n_rows, np.int64)
     act_rows = per_row(Category.ACTIVATION) if train else np.zeros(n_rows, np.int64)
     opt_rows = opt.state_bytes if train and opt is not None else np.zeros(n_rows, np.int64)
-    flops_f = timeline.flops_forward.at(batch_size).astype(np.int64)
-    flops_b = timeline.flops_backward.at(batch_size).astype(np.int64)
+    # int64 while it fits; Python ints (object arrays) for astronomical batches
+    flops_f = timeline.flops_forward.at(batch_size)
+    flops_b = timeline.flops_backward.at(batch_size)
     if not train:
         flops_b = np.zeros_like(flops_b)
     shapes = tuple(shape_at(s, batch_size) for s in timeline.output_shapes)
-    numel = np.asarray([int(np.prod(s)) if s is not None else 0 for s in shapes], np.int64)
+    numel = np.asarray(
+        [math.prod(s) if s is not None else 0 for s in shapes],
+        dtype=object if batch_size >= 2**31 else np.int64,
+    )
     layers = LayerTable(
         name=rows.names,
         type=rows.types,
@@ -234,8 +239,8 @@ def estimate(
         activation_bytes=int(act_rows.sum()),
         input_bytes=_as_int(resident[CATEGORY_CODE[Category.INPUT]]),
         peak_breakdown=breakdown,
-        flops_forward=int(flops_f.sum()),
-        flops_backward=int(flops_b.sum()),
+        flops_forward=_as_int(flops_f.sum()),
+        flops_backward=_as_int(flops_b.sum()),
         extras=extras,
         affine=timeline.affine,
         layers=layers,
@@ -243,6 +248,15 @@ def estimate(
         event_module=modules,
         event_phase=phases,
     )
+
+
+def _blocks(nbytes: np.ndarray) -> np.ndarray:
+    """``cuda_block_bytes`` for int64 arrays, and the same rule on Python ints (object arrays,
+    astronomical batches) where int64 would overflow."""
+    if nbytes.dtype != object:
+        return cuda_block_bytes(nbytes.astype(np.int64))
+    rounded = (nbytes + 511) // 512 * 512
+    return np.where(nbytes == 0, 0, np.where(rounded < 512, 512, rounded))
 
 
 def _cuda_extras(
@@ -255,10 +269,10 @@ def _cuda_extras(
     """What CUDA adds on top of tensor bytes: each block rounded up to 512 bytes by the
     caching allocator, the cuBLAS workspace, and the CUDA context (sources in _accelerator)."""
     sizes = timeline.storage_bytes.at(batch_size)[timeline.storage_resident]
-    rounded_resident = int(cuda_block_bytes(np.asarray(sizes, dtype=np.int64)).sum())
+    rounded_resident = _as_int(_blocks(sizes).sum())
     if opt is not None:
         rounded_resident += int(cuda_block_bytes(opt.state_block_bytes).sum())
-    rounded_seq = np.sign(seq) * cuda_block_bytes(np.abs(np.asarray(seq, dtype=np.int64)))
+    rounded_seq = np.where(seq < 0, -1, 1) * _blocks(np.where(seq < 0, -seq, seq))
     rounded_peak = rounded_resident
     if len(rounded_seq):
         rounded_peak = max(rounded_peak, rounded_resident + int(np.cumsum(rounded_seq).max()))

@@ -4,6 +4,9 @@ one of them breaks one file, and the rest of the package only uses public names.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +29,7 @@ __all__ = [
     "current_autograd_sequence_nr",
     "new_fake_mode",
     "next_sequence_nr",
+    "quiet_fake_tensor_log",
     "tree_flatten",
     "tree_map",
 ]
@@ -45,6 +49,20 @@ def new_fake_mode() -> FakeTensorMode:
     on the fly instead of raising. Its dispatch cache stays on: it is shared across modes,
     so the second and later runs of a model mostly hit it (3-4x faster here)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a full traceback at ERROR level before re-raising a failed meta
+    kernel; the profiler turns that failure into its own one-line message, so the log would
+    only put a traceback wall in the user's notebook."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def next_sequence_nr() -> int:

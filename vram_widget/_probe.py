@@ -16,9 +16,11 @@ were measured; so a meta-device giant profiles without real memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +45,13 @@ PROBED_OPS: frozenset[Any] = frozenset(
         aten._addmm_activation.default,
         aten.mean.dim,
         aten.mkldnn_rnn_layer.default,
+        # fused attention kernels: the CPU flash kernel's scratch, and the eval fast paths of
+        # nn.MultiheadAttention / nn.TransformerEncoderLayer, which build q, k, v and the
+        # scores inside one op (tests/test_profiler.py measured -32 % without them)
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        aten._native_multi_head_attention.default,
+        aten._transformer_encoder_layer_fwd.default,
     }
 )
 
@@ -51,21 +60,26 @@ PROBE_LIMIT_BYTES = 64 * 2**20
 UNKNOWN = -1
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Ops whose kernels allocate in every dtype; the others (matmuls, reductions) only in half.
+_ANY_DTYPE = PROBED_OPS - {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten._addmm_activation.default,
+    aten.mean.dim,
+}
 
 
 def wants_probe(func: Any, args: tuple[Any, ...]) -> bool:
     """Whether this op call may allocate a workspace on the CPU.
 
-    Matrix multiplies and reductions only do so in bf16/fp16; convolutions and the oneDNN
-    LSTM in every dtype.
+    Matrix multiplies and reductions only do so in bf16/fp16; convolutions, the oneDNN LSTM
+    and the fused attention kernels in every dtype.
     """
     if func not in PROBED_OPS:
         return False
-    if func in (
-        aten.convolution.default,
-        aten.convolution_backward.default,
-        aten.mkldnn_rnn_layer.default,
-    ):
+    if func in _ANY_DTYPE:
         return True
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     return first is not None and first.dtype in _LOW_PRECISION
@@ -79,7 +93,8 @@ def _signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
             return tuple(key(v) for v in x)
         return repr(x)
 
-    return (func, key(args), key(tuple(sorted(kwargs.items()))))
+    # Grad mode is part of the call: some kernels return different outputs under no_grad.
+    return (func, key(args), key(tuple(sorted(kwargs.items()))), torch.is_grad_enabled())
 
 
 class KernelProbe:
@@ -88,6 +103,7 @@ class KernelProbe:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[Any, ...], int] = {}
+        self._outputs: dict[tuple[Any, ...], tuple[int, ...]] = {}
         self._pending: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
 
     def request(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -101,8 +117,17 @@ class KernelProbe:
         return sig
 
     def workspace_bytes(self, sig: tuple[Any, ...]) -> int:
+        """Bytes the kernel allocates and frees inside the call (UNKNOWN if not run)."""
         self._resolve()
-        return self._cache.get(sig, 0)
+        return self._cache.get(sig, UNKNOWN)
+
+    def output_bytes(self, sig: tuple[Any, ...], position: int) -> int:
+        """Real storage bytes of the call's ``position``-th flattened output (UNKNOWN if not
+        run). Fake kernels return 0-byte placeholders for some outputs (the oneDNN LSTM
+        layer's workspace, which autograd keeps for backward)."""
+        self._resolve()
+        sizes = self._outputs.get(sig)
+        return UNKNOWN if sizes is None or position >= len(sizes) else sizes[position]
 
     def _resolve(self) -> None:
         if not self._pending:
@@ -114,7 +139,9 @@ class KernelProbe:
         for sig in pending:
             self._cache[sig] = UNKNOWN
         if runnable:
-            self._cache.update(_measure_workspaces(runnable))
+            for sig, (workspace, outputs) in _measure_workspaces(runnable).items():
+                self._cache[sig] = workspace
+                self._outputs[sig] = outputs
 
 
 class _TensorSpec:
@@ -139,33 +166,67 @@ def _call_bytes(call: tuple[Any, ...]) -> int:
     return sum(x.numel_bytes for x in tree_flatten(call[1:])[0] if isinstance(x, _TensorSpec))
 
 
+@contextlib.contextmanager
+def _quiet_stderr_fd() -> Iterator[None]:
+    """Silence file descriptor 2 while the profiler starts and stops: kineto writes
+    ``USDT ... profiler_start`` lines from C++ (KINETO_LOG_LEVEL is read only at library
+    load), and ipykernel forwards fd-level output into the notebook cell."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 (some embedded interpreters)
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _measure_workspaces(
     calls: dict[tuple[Any, ...], tuple[Any, ...]],
-) -> dict[tuple[Any, ...], int]:
+) -> dict[tuple[Any, ...], tuple[int, tuple[int, ...]]]:
     """Run each call once under the profiler; workspace = in-call peak - output bytes."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop chatter
     keys = list(calls)
     out_bytes: list[int] = []
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    out_sizes: list[tuple[int, ...]] = []
+    # Each call runs in the grad mode the traced call ran in (the signature's last item): the
+    # oneDNN LSTM layer returns the workspace it keeps for backward only with grad enabled.
+    # No probe tensor requires grad, so no graph is built either way.
+    with (
+        _quiet_stderr_fd(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         for i, sig in enumerate(keys):
             func, args, kwargs = calls[sig]
+            grad_mode = torch.set_grad_enabled(sig[-1])
             real_args, real_kwargs = tree_map(
                 lambda x: x.make() if isinstance(x, _TensorSpec) else x, (args, kwargs)
             )
-            with record_function(f"vram_widget_probe_{i}"):
+            with grad_mode, record_function(f"vram_widget_probe_{i}"):
                 out = func(*real_args, **real_kwargs)
+                # by position in the op's returned tuple; None (no output) is 0 bytes
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                sizes = tuple(
+                    t.untyped_storage().nbytes() if isinstance(t, torch.Tensor) else 0 for t in outs
+                )
                 storages = {
                     t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in tree_flatten(out)[0]
+                    for t in outs
                     if isinstance(t, torch.Tensor)
                 }
                 out_bytes.append(sum(storages.values()))
-                del out
+                out_sizes.append(sizes)
+                del out, outs
             del real_args, real_kwargs
     peaks = _peaks_by_marker(prof, len(keys))
-    return {sig: max(0, peaks[i] - out_bytes[i]) for i, sig in enumerate(keys)}
+    return {sig: (max(0, peaks[i] - out_bytes[i]), out_sizes[i]) for i, sig in enumerate(keys)}
 
 
 def _peaks_by_marker(prof: Any, n: int) -> list[int]:

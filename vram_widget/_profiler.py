@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from ._fake import DATA_DEPENDENT_ERRORS, FakeTensorMode, new_fake_mode
+from ._fake import DATA_DEPENDENT_ERRORS, FakeTensorMode, new_fake_mode, quiet_fake_tensor_log
 from ._options import Category, Device, Mode, OptimizerName, Phase, Precision, parse_option
 from ._probe import KernelProbe
 from ._profile import ModelProfile
@@ -293,6 +293,7 @@ class Profiler:
         subject.model.train(train)
         with contextlib.ExitStack() as stack:
             stack.enter_context(_gc_paused())
+            stack.enter_context(quiet_fake_tensor_log())
             if fake_mode is not None:
                 stack.enter_context(fake_mode)
             stack.enter_context(rec)
@@ -350,13 +351,16 @@ class Profiler:
         )
 
     def _explain(self, exc: Exception, rec: Recorder) -> Exception:
+        """One clear message: which module failed on which input shapes, or the loss."""
         if isinstance(exc, (TypeError, ValueError)) and "loss_fn" in str(exc):
             return exc
+        if rec.model_returned:
+            what = "loss_fn" if self.subject.loss_fn is not None else "the default loss"
+            return ProfilingError(f"{what} raised {type(exc).__name__}: {exc}")
         call = rec.innermost_call()
         names = self.subject.rows.names
         if call is None or call[0] >= self.subject.loss_row:
-            where = "the loss" if rec.phase else "the model's forward"
-            return ProfilingError(f"{where} failed: {type(exc).__name__}: {exc}")
+            return ProfilingError(f"the model's forward raised {type(exc).__name__}: {exc}")
         row, args = call
         name = names[row] or "(root)"
         kind = self.subject.rows.types[row]
@@ -370,6 +374,11 @@ class Profiler:
         state, is recorded. Its allocations do not depend on the batch size."""
         subject = self.subject
         cuda = subject.device is Device.CUDA
+        if not any(p.requires_grad for _n, p, _r in subject._params):
+            # Nothing to optimize: torch.optim refuses an empty list, and the step is a no-op.
+            n_rows = len(subject.rows.names)
+            empty = np.zeros(0, dtype=np.int64)
+            return OptimizerTrace(empty, np.zeros(n_rows, dtype=np.int64), empty)
         # The optimizer needs shapes only, so it runs on fake tensors even in the fallback.
         fake_mode = new_fake_mode()
         with contextlib.ExitStack() as stack:
@@ -442,9 +451,9 @@ class _Source:
             timeline = fit_timeline(*traces)  # type: ignore[arg-type]
         except NotAffineError as exc:
             raise ProfilingError(f"cannot fit memory to the batch size: {exc}") from None
-        if not timeline.affine:
+        if not timeline.affine and not self.profiler.real:  # the fallback already warned
             row = timeline.nonaffine_row
-            name = self.profiler.subject.rows.names[row] if row is not None else "?"
+            name = (self.profiler.subject.rows.names[row] or "(root)") if row is not None else "?"
             warnings.warn(
                 f"memory is not affine in the batch size (first seen in module {name!r}); "
                 f"estimates away from batch {FIT_BATCH_SIZES[0]}-{FIT_BATCH_SIZES[1]} "
@@ -455,6 +464,17 @@ class _Source:
         return timeline
 
     def _run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
+        # Every run, the lazy ones a later estimate() asks for included, leaves the model's
+        # training flags and the RNG as they were, and records a backward even when the
+        # caller sits inside torch.no_grad() or torch.inference_mode().
+        with (
+            _preserved_model_state(self.profiler.subject.model),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
+            return self._run_once(precision, batch_size, train)
+
+    def _run_once(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
         try:
             return self.profiler.run(precision, batch_size, train)
         except DATA_DEPENDENT_ERRORS as exc:
@@ -474,7 +494,8 @@ class _Source:
             return self.profiler.run(precision, batch_size, train)
 
     def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
-        return self.profiler.run_optimizer(precision, optimizer)
+        with torch.inference_mode(False), torch.enable_grad():
+            return self.profiler.run_optimizer(precision, optimizer)
 
 
 def _check_input_size(input_size: Any) -> tuple[int, ...]:
@@ -557,11 +578,10 @@ def profile_model(
     profiler = Profiler(subject)
     source = _Source(profiler)
     profile = ModelProfile(subject.rows, target, source, model_name=type(model).__name__)
-    with _preserved_model_state(model):
-        # fp32 training and inference, and Adam, are what the first estimate asks for.
-        profile.timeline(Precision.FP32, Mode.TRAIN)
-        profile.timeline(Precision.FP32, Mode.INFERENCE)
-        profile.optimizer_trace(Precision.FP32, OptimizerName.ADAM)
+    # fp32 training and inference, and Adam, are what the first estimate asks for.
+    profile.timeline(Precision.FP32, Mode.TRAIN)
+    profile.timeline(Precision.FP32, Mode.INFERENCE)
+    profile.optimizer_trace(Precision.FP32, OptimizerName.ADAM)
     profile.fallback_reason = subject.fallback_reason
     return profile
 

@@ -48,6 +48,7 @@ class StorageRecord:
     resident: bool  # allocated before recording began (parameters, buffers, inputs, ...)
     saved: bool = False  # packed by autograd for backward
     alive: bool = True
+    placeholder: bool = False  # 0 bytes on fake tensors; the probe measures the real size
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ class Recorder(TorchDispatchMode):
     ) -> None:
         super().__init__()
         self.probe = probe
-        self._probe_slots: list[tuple[int, int, int, tuple[Any, ...]]] = []
+        # (storage id, probe signature, output position or -1 for the workspace)
+        self._probe_slots: list[tuple[int, tuple[Any, ...], int]] = []
         self.rows = rows
         self.loss_row = loss_row
         self.optimizer_row = optimizer_row
@@ -99,7 +101,7 @@ class Recorder(TorchDispatchMode):
         self._seq_module: dict[int, int] = {}
         self._seq_seen = next_sequence_nr()
         self._recording = True
-        self.failed_module: tuple[int, Any] | None = None
+        self.model_returned = False  # the root module's forward has returned
 
     # -- storages -------------------------------------------------------------------------
     def register_resident(
@@ -144,7 +146,7 @@ class Recorder(TorchDispatchMode):
             return
         record = self.storages[sid]
         record.alive = False
-        if record.nbytes:
+        if record.nbytes or record.placeholder:
             self._emit(sid, -record.nbytes, self._module_stack[-1])
 
     def _emit(self, sid: int, delta: int, module: int) -> None:
@@ -162,6 +164,8 @@ class Recorder(TorchDispatchMode):
     def exit_module(self, module: torch.nn.Module, output: Any) -> None:
         if len(self._module_stack) > 1:
             row = self._module_stack.pop()
+            if row == 0:
+                self.model_returned = True
             self._input_stack.pop()
             if self.output_shapes[row] is None:
                 for t in tree_flatten(output)[0]:
@@ -215,7 +219,9 @@ class Recorder(TorchDispatchMode):
         if not self._recording:
             return out
         input_storages: set[int] | None = None
-        for t in tree_flatten(out)[0]:
+        probed = self.probe is not None and wants_probe(func, args)
+        placeholders: list[tuple[int, int]] = []  # (output position, storage id)
+        for position, t in enumerate(tree_flatten(out)[0]):
             if not isinstance(t, torch.Tensor):
                 continue
             st = t.untyped_storage()
@@ -237,11 +243,17 @@ class Recorder(TorchDispatchMode):
             if key in input_storages:
                 continue  # a view of memory that existed before recording: not an allocation
             nbytes = st.nbytes()
-            sid = self._new_storage(st, StorageRecord(nbytes, row, self.phase, _TEMPORARY, False))
+            record = StorageRecord(nbytes, row, self.phase, _TEMPORARY, False)
+            sid = self._new_storage(st, record)
             if nbytes:
                 self._emit(sid, nbytes, row)
-        if self.probe is not None and wants_probe(func, args):
-            self._reserve_workspace(func, args, kwargs, row)
+            elif probed:
+                # a fake kernel's empty placeholder: the probe gives its real size
+                record.placeholder = True
+                self._emit(sid, 0, row)
+                placeholders.append((position, sid))
+        if probed:
+            self._reserve_workspace(func, args, kwargs, row, placeholders)
         flops = op_flops(func, args, kwargs, out)
         if flops:
             if self.phase == PHASE_CODE[Phase.BACKWARD]:
@@ -252,29 +264,46 @@ class Recorder(TorchDispatchMode):
             self.uses_matmul = True
         return out
 
-    def _reserve_workspace(self, func: Any, args: Any, kwargs: Any, row: int) -> None:
-        """Placeholder +W/-W events for a kernel's workspace, filled in by ``apply_probes``."""
+    def _reserve_workspace(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        row: int,
+        placeholders: list[tuple[int, int]],
+    ) -> None:
+        """Placeholder +W/-W events for a kernel's workspace (and 0-byte events for outputs a
+        fake kernel left empty), filled in by ``apply_probes``."""
         assert self.probe is not None
         sig = self.probe.request(func, args, kwargs)
         sid = len(self.storages)
         self.storages.append(StorageRecord(0, row, self.phase, _TEMPORARY, False, alive=False))
         self._emit(sid, 0, row)
         self._emit(sid, 0, row)
-        n = len(self._ev_delta)
-        self._probe_slots.append((sid, n - 2, n - 1, sig))
+        self._probe_slots.append((sid, sig, -1))
+        self._probe_slots.extend((out_sid, sig, position) for position, out_sid in placeholders)
 
     def workspace_storages(self) -> list[int]:
-        return [sid for sid, _a, _f, _sig in self._probe_slots]
+        """Storages whose sizes the probe measured: not affine in the batch, so the table
+        interpolates them over a grid of batch sizes."""
+        return [sid for sid, _sig, _pos in self._probe_slots]
 
     def apply_probes(self) -> None:
-        """Measure the workspaces requested during the run and write them into the events."""
-        if self.probe is None:
+        """Measure the workspaces and placeholder outputs requested during the run and write
+        their sizes into the events (each storage: + at its allocation, - at its free)."""
+        if self.probe is None or not self._probe_slots:
             return
-        for sid, alloc_at, free_at, sig in self._probe_slots:
-            nbytes = self.probe.workspace_bytes(sig)  # -1: too large to run, unknown
-            self.storages[sid].nbytes = nbytes
-            self._ev_delta[alloc_at] = max(nbytes, 0)
-            self._ev_delta[free_at] = -max(nbytes, 0)
+        events_of: dict[int, list[int]] = {}
+        for i, sid in enumerate(self._ev_storage):
+            events_of.setdefault(sid, []).append(i)
+        for sid, sig, position in self._probe_slots:
+            if position < 0:
+                nbytes = self.probe.workspace_bytes(sig)
+            else:
+                nbytes = self.probe.output_bytes(sig, position)
+            self.storages[sid].nbytes = nbytes  # -1: too large to run, unknown
+            for k, i in enumerate(events_of.get(sid, [])):
+                self._ev_delta[i] = max(nbytes, 0) if k == 0 else -max(nbytes, 0)
 
     # -- results --------------------------------------------------------------------------
     def mark_saved_as_activations(self) -> None:

@@ -1,0 +1,105 @@
+"""Widget latency: a trait change -> estimate -> figure and summary updated, median of 50 moves.
+
+Targets: <= 20 ms (ResNet-50 at 3x64x64) and <= 50 ms (a 1,000-module model). Run with
+``python benchmarks/widget_latency.py``; writes ``benchmarks/results/widget_latency.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from vram_widget import show_memory, zoo
+from vram_widget._widget import MemoryWidget
+
+MOVES = 50
+RESULTS = Path(__file__).parent / "results" / "widget_latency.json"
+
+
+def _moves() -> list[tuple[str, Any]]:
+    """50 control moves: mostly batch-size drags, with every other control in between."""
+    others: list[tuple[str, Any]] = [
+        ("depth", 2),
+        ("optimizer", "sgd"),
+        ("gpu", "A100 80GB"),
+        ("mode", "inference"),
+        ("mode", "train"),
+        ("depth", 1),
+        ("optimizer", "adam"),
+        ("gpu", "H100 SXM 80GB"),
+    ]
+    moves: list[tuple[str, Any]] = []
+    for i in range(MOVES):
+        if i % 6 == 5:
+            moves.append(others[(i // 6) % len(others)])
+        else:
+            moves.append(("batch_size", 1 + (i * 97) % 4096))
+    return moves
+
+
+def _measure(w: MemoryWidget) -> dict[str, float]:
+    all_s: list[float] = []
+    batch_s: list[float] = []
+    for name, value in _moves():
+        t0 = time.perf_counter()
+        setattr(w, name, value)
+        dt = time.perf_counter() - t0
+        all_s.append(dt)
+        if name == "batch_size":
+            batch_s.append(dt)
+    return {
+        "median_ms": 1e3 * statistics.median(all_s),
+        "p90_ms": 1e3 * statistics.quantiles(all_s, n=10)[-1],
+        "max_ms": 1e3 * max(all_s),
+        "batch_only_median_ms": 1e3 * statistics.median(batch_s),
+        "moves": len(all_s),
+    }
+
+
+def main() -> None:
+    cases: dict[str, tuple[nn.Module, tuple[int, ...], float]] = {
+        "resnet50_3x64x64": (zoo.resnet50(), (3, 64, 64), 20.0),
+        "sequential_1000_modules": (
+            nn.Sequential(nn.Linear(64, 64), *[nn.Identity() for _ in range(999)]),
+            (64,),
+            50.0,
+        ),
+    }
+    results: dict[str, Any] = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "note": "cuda profile (default), fp32 cached; every move is a cached estimate",
+    }
+    for name, (model, size, target_ms) in cases.items():
+        t0 = time.perf_counter()
+        w = show_memory(model, input_size=size)
+        assert isinstance(w, MemoryWidget), w
+        build_s = time.perf_counter() - t0
+        _measure(w)  # warm: fill the per-setting caches (largest batch, bytes per sample)
+        stats = _measure(w)
+        stats.update(
+            target_ms=target_ms,
+            meets_target=stats["median_ms"] <= target_ms,
+            profile_and_build_s=build_s,
+            rows=len(w.estimate.layers.name),
+            events=len(w.estimate.live_bytes),
+        )
+        results[name] = stats
+        print(
+            f"{name}: median {stats['median_ms']:.1f} ms (target {target_ms:.0f}), "
+            f"p90 {stats['p90_ms']:.1f} ms, max {stats['max_ms']:.1f} ms, batch-only median "
+            f"{stats['batch_only_median_ms']:.1f} ms; profile+build {build_s:.1f} s"
+        )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""A shared zoo of small, awkward models for the tests (a plain module, not a test file).
+
+Each entry builds a fresh model (initialised from a fixed seed, the caller's global RNG
+left alone) and makes an example batch of any size from its own seeded generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def _features(n: int) -> Callable[[int], torch.Tensor]:
+    def make(batch: int) -> torch.Tensor:
+        return torch.randn(batch, n, generator=_generator())
+
+    return make
+
+
+def _images(channels: int, side: int) -> Callable[[int], torch.Tensor]:
+    def make(batch: int) -> torch.Tensor:
+        return torch.randn(batch, channels, side, side, generator=_generator())
+
+    return make
+
+
+def _sequence(seq_len: int, d_model: int) -> Callable[[int], torch.Tensor]:
+    def make(batch: int) -> torch.Tensor:
+        return torch.randn(batch, seq_len, d_model, generator=_generator())
+
+    return make
+
+
+def _tokens(seq_len: int, vocab: int) -> Callable[[int], torch.Tensor]:
+    def make(batch: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (batch, seq_len), generator=_generator())
+
+    return make
+
+
+# --------------------------------------------------------------------------------------------
+# The models
+# --------------------------------------------------------------------------------------------
+
+
+class TiedLinears(nn.Module):
+    """Two Linear modules sharing one weight Parameter (and nothing else)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.second = nn.Linear(width, width)
+        self.second.weight = self.first.weight  # tied: one Parameter, two owners
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def inplace_convnet(inplace: bool = True) -> nn.Module:
+    """Conv -> ReLU(inplace) -> Flatten -> Linear -> ReLU(inplace) -> Linear."""
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(inplace=inplace),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 32),
+        nn.ReLU(inplace=inplace),
+        nn.Linear(32, 5),
+    )
+
+
+@dataclasses.dataclass
+class ClassifierOutput:
+    """A Hugging Face-like output: a dataclass with ``.logits`` (and no ``.loss``)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+class DictInputModel(nn.Module):
+    """``forward(input_ids, attention_mask)`` returning a dataclass with ``.logits``."""
+
+    def __init__(self, vocab: int = 100, d_model: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ClassifierOutput:
+        h = torch.tanh(self.proj(self.embed(input_ids)))
+        mask = attention_mask.unsqueeze(-1).to(h.dtype)
+        pooled = (h * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        return ClassifierOutput(logits=self.head(pooled), hidden=h)
+
+
+def _dict_inputs(batch: int) -> dict[str, torch.Tensor]:
+    gen = _generator()
+    ids = torch.randint(0, 100, (batch, 12), generator=gen)
+    lengths = torch.randint(1, 13, (batch, 1), generator=gen)
+    mask = (torch.arange(12) < lengths).long()
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+class LSTMModel(nn.Module):
+    """A one-layer LSTM over float sequences, a Linear on the last hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _out, (h_n, _c_n) = self.lstm(x)
+        return self.head(h_n[-1])
+
+
+class MHAModel(nn.Module):
+    """``nn.MultiheadAttention`` self-attention, residual, LayerNorm."""
+
+    def __init__(self, d_model: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d_model, heads, batch_first=True)
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _weights = self.attn(x, x, x, need_weights=False)
+        return self.norm(x + y)
+
+
+class SDPABlock(nn.Module):
+    """A hand-written causal attention block on ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, d_model: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class ReusedLinear(nn.Module):
+    """One Linear called ``times`` times in one forward (weights once, activations n times)."""
+
+    def __init__(self, width: int = 16, times: int = 5) -> None:
+        super().__init__()
+        self.times = times
+        self.layer = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.times):
+            x = self.layer(x)
+        return x
+
+
+def frozen_first_layer() -> nn.Module:
+    """An MLP whose first Linear does not require grad."""
+    model = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 6))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def batchnorm_net() -> nn.Module:
+    """Conv -> BatchNorm2d (parameters and buffers) -> ReLU -> pool -> Linear."""
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 3),
+    )
+
+
+def dropout_net(p: float = 0.5) -> nn.Module:
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(p), nn.Linear(32, 4))
+
+
+class TupleOutput(nn.Module):
+    """Returns a tuple (logits, features); the default loss takes the first float tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(10, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.sigmoid(self.body(x))
+        return self.head(h), h
+
+
+class NoParameters(nn.Module):
+    """No parameters at all: a fixed function of the input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x * 2.0).softmax(dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# The registry
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A test model: ``build()`` makes a fresh one, ``make_inputs(batch)`` an example batch."""
+
+    name: str
+    factory: Callable[[], nn.Module]
+    make_inputs: Callable[[int], Any]
+
+    def build(self) -> nn.Module:
+        """A fresh model, initialised from seed 0 without touching the global RNG."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return self.factory()
+
+
+CASES: dict[str, Case] = {
+    case.name: case
+    for case in (
+        Case("tied", TiedLinears, _features(16)),
+        Case("inplace", inplace_convnet, _images(3, 8)),
+        Case("dict_input", DictInputModel, _dict_inputs),
+        Case("lstm", LSTMModel, _sequence(6, 8)),
+        Case("mha", MHAModel, _sequence(5, 16)),
+        Case("sdpa", SDPABlock, _sequence(5, 16)),
+        Case("reused", ReusedLinear, _features(16)),
+        Case("frozen", frozen_first_layer, _features(12)),
+        Case("batchnorm", batchnorm_net, _images(3, 6)),
+        Case("dropout", dropout_net, _features(10)),
+        Case("tuple_output", TupleOutput, _features(10)),
+        Case("no_parameters", NoParameters, _features(10)),
+    )
+}
+
+
+def unique_param_count(model: nn.Module) -> int:
+    """Parameters of ``model``, a Parameter shared by several modules counted once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+__all__ = ["CASES", "Case", "ClassifierOutput", "unique_param_count"]

@@ -1,0 +1,61 @@
+"""The GPU catalog: every entry complete, sourced and in the right units."""
+
+from __future__ import annotations
+
+import pytest
+
+from vram_widget._gpus import (
+    CUSTOM_GPU,
+    GPUS,
+    TFLOPS_KEYS,
+    Gpu,
+    custom_gpu,
+    dtype_for_precision,
+)
+
+GIB = 2**30
+
+
+def test_catalog_size_and_names() -> None:
+    assert len(GPUS) >= 10
+    assert CUSTOM_GPU not in GPUS
+    for name in ("H100 SXM 80GB", "H200 SXM 141GB", "A100 80GB", "T4 16GB", "RTX 4090 24GB"):
+        assert name in GPUS
+
+
+@pytest.mark.parametrize("gpu", list(GPUS.values()), ids=list(GPUS))
+def test_entry_complete(gpu: Gpu) -> None:
+    assert set(gpu.tflops) == set(TFLOPS_KEYS)
+    assert all(v > 0 for v in gpu.tflops.values())
+    assert gpu.source.count("http") >= 1
+    assert 8 * GIB <= gpu.memory_bytes <= 256 * GIB
+    # Tensor-core half precision is never slower than plain fp32.
+    assert gpu.tflops["fp16"] >= gpu.tflops["fp32"]
+
+
+def test_known_figures() -> None:
+    h100 = GPUS["H100 SXM 80GB"]
+    assert h100.memory_bytes == 80 * GIB
+    assert h100.tflops["bf16"] == pytest.approx(1979 / 2, rel=1e-3)  # dense = sparse / 2
+    a100 = GPUS["A100 80GB"]
+    assert a100.tflops["tf32"] == 156.0
+    assert a100.peak_flops_per_s("amp-bf16") == pytest.approx(312e12)
+    assert GPUS["T4 16GB"].peak_flops_per_s("fp16") == pytest.approx(65e12)
+
+
+def test_dtype_for_precision() -> None:
+    assert dtype_for_precision("fp32") == "fp32"
+    assert dtype_for_precision("bf16") == "bf16"
+    assert dtype_for_precision("amp-bf16") == "bf16"
+    assert dtype_for_precision("amp-fp16") == "fp16"
+
+
+def test_custom_gpu_and_validation() -> None:
+    g = custom_gpu(12)
+    assert g.memory_bytes == 12 * GIB
+    assert g.peak_flops_per_s("fp32") is None
+    with pytest.raises(ValueError):
+        Gpu("bad", 0)
+    with pytest.raises(TypeError):
+        h100 = GPUS["H100 SXM 80GB"]
+        h100.tflops["fp32"] = 1.0  # type: ignore[index]

@@ -1,0 +1,906 @@
+"""Tests for ``profile_model`` and ``ModelProfile.estimate``: hand-worked numbers, the model
+left untouched, per-layer sums, agreement with ``measure()`` on the CPU, behaviours of
+particular layers, and clear errors for bad input.
+
+The CPU numbers follow the derivations in tests/test_measure.py: with ``device="cpu"`` the
+estimate must reproduce a real CPU step's peak (``measure``) to the byte.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from models import CASES, ReusedLinear, unique_param_count
+from torch import nn
+
+import vram_widget
+from vram_widget import Category, Mode, ModelProfile, Phase, ProfilingError, profile_model, zoo
+from vram_widget._measure import measure
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def _hooks(obj: Any, names: tuple[str, ...]) -> dict[str, dict[Any, int]]:
+    return {n: {k: id(v) for k, v in getattr(obj, n, {}).items()} for n in names}
+
+
+def _tensor_state(t: torch.Tensor) -> dict[str, Any]:
+    return {
+        "value": t.detach().clone(),
+        "data_ptr": t.data_ptr(),
+        "dtype": t.dtype,
+        "device": t.device,
+        "shape": tuple(t.shape),
+        "requires_grad": t.requires_grad,
+        "version": t._version,
+    }
+
+
+def snapshot_model(model: nn.Module) -> dict[str, Any]:
+    """Everything ``profile_model`` promises to leave alone."""
+    import torch.nn.modules.module as module_mod
+
+    return {
+        "params": {
+            name: {
+                **_tensor_state(p),
+                "id": id(p),
+                "grad": None if p.grad is None else _tensor_state(p.grad),
+            }
+            for name, p in model.named_parameters(remove_duplicate=False)
+        },
+        "buffers": {
+            name: _tensor_state(b) for name, b in model.named_buffers(remove_duplicate=False)
+        },
+        "training": {name: m.training for name, m in model.named_modules(remove_duplicate=False)},
+        "hooks": {
+            name: _hooks(m, _HOOK_DICTS) for name, m in model.named_modules(remove_duplicate=False)
+        },
+        "global_hooks": _hooks(module_mod, _GLOBAL_HOOK_DICTS),
+        "rng": torch.random.get_rng_state(),
+        "grad_enabled": torch.is_grad_enabled(),
+    }
+
+
+def _assert_tensor_state(now: torch.Tensor, then: dict[str, Any], what: str) -> None:
+    assert now.dtype == then["dtype"], what
+    assert now.device == then["device"], what
+    assert tuple(now.shape) == then["shape"], what
+    assert now.data_ptr() == then["data_ptr"], what
+    assert now.requires_grad == then["requires_grad"], what
+    assert now._version == then["version"], f"{what} was modified in place"
+    assert torch.equal(now.detach(), then["value"]), f"{what} changed value"
+
+
+def assert_model_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
+    """Parameters (value, storage, dtype, device, requires_grad, identity, tying), gradients,
+    buffers, training flags, hook dictionaries (the modules' and the global ones) and the
+    global RNG state are as ``snapshot_model`` recorded them."""
+    after = snapshot_model(model)
+    assert after["params"].keys() == before["params"].keys()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        then = before["params"][name]
+        _assert_tensor_state(p, then, f"parameter {name}")
+        assert id(p) == then["id"], f"parameter {name} was replaced"
+        if then["grad"] is None:
+            assert p.grad is None, f"parameter {name} got a .grad"
+        else:
+            assert p.grad is not None, f"parameter {name} lost its .grad"
+            _assert_tensor_state(p.grad, then["grad"], f"{name}.grad")
+    assert after["buffers"].keys() == before["buffers"].keys()
+    for name, b in model.named_buffers(remove_duplicate=False):
+        _assert_tensor_state(b, before["buffers"][name], f"buffer {name}")
+    assert after["training"] == before["training"]
+    assert after["hooks"] == before["hooks"]
+    assert after["global_hooks"] == before["global_hooks"]
+    assert torch.equal(after["rng"], before["rng"]), "the global RNG state changed"
+    assert after["grad_enabled"] == before["grad_enabled"]
+
+
+def _rel_err(estimated: int, measured: int) -> float:
+    return (estimated - measured) / measured
+
+
+@cache
+def _case_profile(name: str) -> ModelProfile:
+    """One CPU profile per test model (the profile caches every later precision)."""
+    case = CASES[name]
+    return profile_model(case.build(), inputs=case.make_inputs(2), device="cpu")
+
+
+def _linear() -> nn.Linear:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Linear(10, 20, bias=False)
+
+
+def _x4() -> torch.Tensor:
+    return torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+
+
+@cache
+def _linear_profile() -> ModelProfile:
+    return profile_model(_linear(), input_size=(10,), device="cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-worked exact numbers: nn.Linear(10, 20, bias=False), batch 4, fp32, device="cpu"
+# --------------------------------------------------------------------------------------------
+#
+# Resident: weight 20 x 10 x 4 B = 800, input 4 x 10 x 4 B = 160 -> 960 B, plus the state:
+#   sgd: none; sgd-momentum: momentum_buffer 800; adam / adamw: exp_avg 800 + exp_avg_sq 800 +
+#   a 0-dim float32 ``step`` 4 = 1604; adagrad: ``sum`` 800 + step 4 = 804; rmsprop:
+#   ``square_avg`` 800 + step 4 = 804 (single-tensor loops: the CPU default).
+# Backward peak (MmBackward allocating the weight gradient): output 320 + loss 4 + ones_like 4
+#   + grad of output 320 + weight grad 800 = 1448 above resident.
+# Optimizer peaks (output 320 + loss 4 + weight grad 800 = 1124 live through the step):
+#   adam / adamw: denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt): sqrt 800, the Python
+#     float wrapped as a 0-dim float64 (8) and its float32 copy (4), the quotient 800
+#     -> 1124 + 1612 = 2736 above resident 2564 = 5300.
+#   adagrad: std = state_sum.sqrt().add_(eps): sqrt 800, eps wrapped 8 + 4
+#     -> 1124 + 812 = 1936 above resident 1764 = 3700.
+#   rmsprop: avg = square_avg.sqrt().add_(eps): the same 1936 above 1764 = 3700.
+# Inference: resident 960 + output 320 = 1280.
+RESIDENT = 800 + 160
+STATE = {
+    "sgd": 0,
+    "sgd-momentum": 800,
+    "adam": 800 + 800 + 4,
+    "adamw": 800 + 800 + 4,
+    "adagrad": 800 + 4,
+    "rmsprop": 800 + 4,
+}
+LINEAR_PEAK = {
+    "sgd": RESIDENT + 320 + 4 + 4 + 320 + 800,  # 2408
+    "sgd-momentum": RESIDENT + 800 + 1448,  # 3208
+    "adam": RESIDENT + 1604 + 320 + 4 + 800 + 800 + 8 + 4 + 800,  # 5300
+    "adamw": RESIDENT + 1604 + 320 + 4 + 800 + 800 + 8 + 4 + 800,  # 5300
+    "adagrad": RESIDENT + 804 + 320 + 4 + 800 + 800 + 8 + 4,  # 3700
+    "rmsprop": RESIDENT + 804 + 320 + 4 + 800 + 800 + 8 + 4,  # 3700
+}
+assert (LINEAR_PEAK["sgd"], LINEAR_PEAK["sgd-momentum"], LINEAR_PEAK["adam"]) == (2408, 3208, 5300)
+assert LINEAR_PEAK["adagrad"] == LINEAR_PEAK["rmsprop"] == 3700
+
+_WRAPPED_SCALAR = pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "library bug: the estimate misses the 12 B a Python float costs inside a CPU op at "
+        "the optimizer's peak (a 0-dim float64 wrapped number, 8 B, and its float32 copy, "
+        "4 B; made below the dispatcher, so the recorder never sees them): estimate "
+        "5288 vs measured 5300 (adam, adamw), 3688 vs 3700 (adagrad, rmsprop)"
+    ),
+)
+
+
+@pytest.mark.parametrize("optimizer", list(LINEAR_PEAK))
+def test_linear_measured_peak_by_hand(optimizer: str) -> None:
+    m = measure(_linear(), _x4(), optimizer=optimizer)
+    assert m.resident_bytes == RESIDENT + STATE[optimizer]
+    assert m.peak_bytes == LINEAR_PEAK[optimizer]
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        "sgd",
+        "sgd-momentum",
+        pytest.param("adam", marks=_WRAPPED_SCALAR),
+        pytest.param("adamw", marks=_WRAPPED_SCALAR),
+        pytest.param("adagrad", marks=_WRAPPED_SCALAR),
+        pytest.param("rmsprop", marks=_WRAPPED_SCALAR),
+    ],
+)
+def test_linear_estimated_peak_by_hand(optimizer: str) -> None:
+    measured = measure(_linear(), _x4(), optimizer=optimizer).peak_bytes
+    assert measured == LINEAR_PEAK[optimizer]
+    est = _linear_profile().estimate(4, "fp32", optimizer)
+    assert est.peak_bytes == measured == LINEAR_PEAK[optimizer]
+
+
+@pytest.mark.parametrize("optimizer", list(LINEAR_PEAK))
+def test_linear_categories_by_hand(optimizer: str) -> None:
+    est = _linear_profile().estimate(4, "fp32", optimizer)
+    assert est.parameter_bytes == 800
+    assert est.gradient_bytes == 800
+    assert est.buffer_bytes == 0
+    assert est.optimizer_state_bytes == STATE[optimizer]
+    assert est.input_bytes == 160
+    # Saved for backward: mm saves its input (resident Input) and the weight (Parameter); the
+    # output is not saved (mean's backward needs only the shape): no Activation bytes.
+    assert est.activation_bytes == 0
+    # FLOPs: forward 2 * 4 * 10 * 20; backward only the weight gradient (the input does not
+    # require grad, so no grad-input mm).
+    assert est.flops_forward == 2 * 4 * 10 * 20 == 1600
+    assert est.flops_backward == 1600
+    assert est.flops == 3200
+    assert est.macs == (1600 + 1600) // 2
+    # What is live at the peak adds up to the peak.
+    assert sum(est.peak_breakdown.values()) == est.peak_bytes
+    assert est.peak_breakdown[Category.PARAMETER] == 800
+    assert est.peak_breakdown[Category.INPUT] == 160
+    assert est.peak_breakdown[Category.GRADIENT] == 800
+    assert est.peak_breakdown[Category.OPTIMIZER_STATE] == STATE[optimizer]
+    expected_phase = Phase.BACKWARD if optimizer.startswith("sgd") else Phase.OPTIMIZER
+    assert est.peak_phase is expected_phase
+    assert est.batch_size == 4 and est.mode is Mode.TRAIN
+    assert est.optimizer == optimizer
+    assert est.extras.total_bytes == 0  # device="cpu": no accelerator extras
+    assert est.total_bytes == est.peak_bytes
+    assert est.affine
+
+
+def test_linear_inference_by_hand() -> None:
+    measured = measure(_linear(), _x4(), mode="inference").peak_bytes
+    est = _linear_profile().estimate(4, "fp32", "adam", "inference")
+    assert est.peak_bytes == measured == RESIDENT + 320 == 1280
+    assert est.peak_phase is Phase.INFERENCE
+    assert est.optimizer is None
+    assert est.gradient_bytes == est.optimizer_state_bytes == est.activation_bytes == 0
+    assert est.flops_forward == 1600 and est.flops_backward == 0
+
+
+def test_linear_layer_table() -> None:
+    df = _linear_profile().estimate(4, optimizer="adam").to_dataframe()
+    assert list(df["name"]) == ["", "(loss)", "(optimizer)"]
+    assert list(df["type"]) == ["Linear", "loss", "optimizer"]
+    root = df.iloc[0]
+    assert root["output_shape"] == (4, 20) and root["output_numel"] == 80
+    assert root["param_count"] == 200 and root["param_bytes"] == 800
+    assert root["optimizer_state_bytes"] == 1604
+
+
+# --------------------------------------------------------------------------------------------
+# The model is left exactly as it was
+# --------------------------------------------------------------------------------------------
+
+
+def _run_profile(model: nn.Module, inputs: Any, **kwargs: Any) -> ModelProfile:
+    profile = profile_model(model, inputs=inputs, device="cpu", **kwargs)
+    # cached settings: no further profiling
+    profile.estimate(3, "fp32", "adam")
+    profile.estimate(3, "fp32", "adam", "inference")
+    return profile
+
+
+def test_unchanged_tied_with_existing_grad_and_user_hook() -> None:
+    case = CASES["tied"]
+    model = case.build()
+    model.first.weight.grad = torch.full_like(model.first.weight, 0.5)
+    calls: list[int] = []
+    model.second.register_forward_hook(lambda m, a, out: calls.append(1))
+    before = snapshot_model(model)
+    _run_profile(model, case.make_inputs(2))
+    assert_model_unchanged(model, before)
+    assert model.second.weight is model.first.weight  # still tied
+
+
+def test_unchanged_eval_mode_with_batchnorm() -> None:
+    case = CASES["batchnorm"]
+    model = case.build().eval()
+    before = snapshot_model(model)
+    _run_profile(model, case.make_inputs(2))
+    assert_model_unchanged(model, before)
+    assert not any(m.training for m in model.modules())
+
+
+def test_unchanged_dropout_and_rng() -> None:
+    case = CASES["dropout"]
+    model = case.build().train()
+    torch.manual_seed(1234)
+    before = snapshot_model(model)
+    _run_profile(model, case.make_inputs(2))
+    assert_model_unchanged(model, before)
+    # the next random draw is the one it would have been
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(1234)))
+
+
+def test_unchanged_mixed_training_flags_and_inputs() -> None:
+    case = CASES["dict_input"]
+    model = case.build().train()
+    model.proj.eval()  # one submodule in eval mode: each flag must come back as it was
+    inputs = case.make_inputs(2)
+    inputs_before = {k: v.clone() for k, v in inputs.items()}
+    before = snapshot_model(model)
+    _run_profile(model, inputs)
+    assert_model_unchanged(model, before)
+    assert model.training and not model.proj.training
+    for k, v in inputs.items():
+        assert torch.equal(v, inputs_before[k]) and v.grad is None
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_unchanged_after_lazy_estimates(training: bool) -> None:
+    case = CASES["dropout"]
+    model = case.build().train(training)
+    profile = profile_model(model, inputs=case.make_inputs(2), device="cpu")
+    before = snapshot_model(model)
+    profile.estimate(3, "bf16", "sgd-momentum")  # new precision: profiled now
+    profile.estimate(3, "amp-bf16", "adamw", "inference" if training else "train")
+    assert_model_unchanged(model, before)
+
+
+def test_unchanged_under_no_grad() -> None:
+    case = CASES["frozen"]
+    model = case.build()
+    with torch.no_grad():
+        before = snapshot_model(model)
+        _run_profile(model, case.make_inputs(2))
+        assert_model_unchanged(model, before)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_profile_ignores_callers_grad_mode(context: Callable[[], Any]) -> None:
+    model = CASES["frozen"].build()
+    expected = profile_model(model, input_size=(12,), device="cpu").estimate(4)
+    with context():
+        got = profile_model(model, input_size=(12,), device="cpu").estimate(4)
+    assert got.peak_bytes == expected.peak_bytes
+    assert got.gradient_bytes == expected.gradient_bytes > 0
+    assert got.flops_backward == expected.flops_backward > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"input_size": (7,)}, ProfilingError),  # the first Linear takes 12 features
+        ({"input_size": (12,), "loss_fn": lambda out: out}, ValueError),  # not a scalar
+        ({"input_size": (12,), "loss_fn": lambda out: 1 / 0}, ProfilingError),
+    ],
+)
+def test_unchanged_after_failing_call(kwargs: dict[str, Any], error: type[Exception]) -> None:
+    model = CASES["frozen"].build()
+    model[2].weight.grad = torch.ones_like(model[2].weight)
+    torch.manual_seed(7)
+    before = snapshot_model(model)
+    with pytest.raises(error):
+        profile_model(model, device="cpu", **kwargs)
+    assert_model_unchanged(model, before)
+
+
+def test_snapshot_helper_detects_changes() -> None:
+    """The helper itself: each kind of change it promises to catch is caught."""
+    changes: list[Callable[[nn.Module], Any]] = [
+        lambda m: m[0].weight.data.add_(1.0),
+        lambda m: setattr(m[0].weight, "grad", torch.zeros_like(m[0].weight)),
+        lambda m: m[1].eval(),
+        lambda m: m[0].register_forward_pre_hook(lambda *a: None),
+        lambda m: torch.rand(1),
+        lambda m: m[0].weight.requires_grad_(False),
+    ]
+    for change in changes:
+        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        before = snapshot_model(model)
+        change(model)
+        with pytest.raises(AssertionError):
+            assert_model_unchanged(model, before)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer rows sum to the totals
+# --------------------------------------------------------------------------------------------
+
+_REQUIRED_COLUMNS = {
+    "name",
+    "type",
+    "depth",
+    "output_shape",
+    "output_numel",
+    "param_count",
+    "param_bytes",
+    "activation_bytes",
+    "flops_forward",
+    "flops_backward",
+}
+_SETTINGS = [
+    {"batch_size": 4},
+    {"batch_size": 9, "optimizer": "sgd-momentum"},
+    {"batch_size": 3, "mode": "inference"},
+    {"batch_size": 5, "precision": "bf16", "optimizer": "adamw"},
+    {"batch_size": 2, "precision": "amp-bf16", "optimizer": "rmsprop"},
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "device"),
+    [
+        ("mlp", "cpu"),
+        ("tied_autoencoder", "cpu"),
+        ("mlp", "cuda"),
+        ("tied_autoencoder", "cuda"),
+        ("lstm", "cuda"),
+        ("dict_input", "cuda"),
+        ("transformer_encoder", "cuda"),
+        ("causal_decoder", "cuda"),
+    ],
+)
+def test_rows_sum_to_totals(name: str, device: str) -> None:
+    entry = zoo.ZOO[name]
+    model = entry.build()
+    profile = profile_model(model, inputs=entry.make_inputs(2), device=device)
+    unique = unique_param_count(model)
+    assert profile.param_count == unique  # tied weights counted once
+    for setting in _SETTINGS:
+        est = profile.estimate(**setting)
+        df = est.to_dataframe()
+        assert set(df.columns) >= _REQUIRED_COLUMNS
+        assert df["param_bytes"].sum() == est.parameter_bytes, setting
+        assert df["buffer_bytes"].sum() == est.buffer_bytes, setting
+        assert df["gradient_bytes"].sum() == est.gradient_bytes, setting
+        assert df["optimizer_state_bytes"].sum() == est.optimizer_state_bytes, setting
+        assert df["activation_bytes"].sum() == est.activation_bytes, setting
+        assert df["flops_forward"].sum() + df["flops_backward"].sum() == est.flops, setting
+        assert df["param_count"].sum() == profile.param_count == unique, setting
+        assert sum(est.peak_breakdown.values()) == est.peak_bytes, setting
+        assert len(df) == len(list(model.named_modules())) + 2
+        assert est.peak_module in set(df["name"])
+        if est.mode is Mode.INFERENCE:
+            assert est.gradient_bytes == est.optimizer_state_bytes == est.flops_backward == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Estimates against measure() on the CPU
+# --------------------------------------------------------------------------------------------
+
+
+def _xfail(reason: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+_LSTM = (
+    "library limitation: the oneDNN LSTM backward kernel (aten.mkldnn_rnn_layer_backward) "
+    "allocates scratch inside the op; it reads the forward's opaque workspace, so the probe "
+    "cannot run it on zeros (it crashes the process), and training misses that scratch"
+)
+_MHA_TRAIN = (
+    "library bug (over-estimate): under any TorchDispatchMode (the recorder's, or fake "
+    "tensors) aten::linear on a 3-D non-contiguous input adds its bias out of place "
+    "(isTensorSubclassLike), a real run adds it in place: one extra (B, T, 3E) tensor"
+)
+# Measured on torch 2.13.0 CPU, 2 threads: (estimate, measured) peak bytes.
+_EXPECTED_MISSES: dict[tuple[str, int, str | None, str], str] = {
+    ("lstm", 3, "sgd", "train"): f"{_LSTM}: 70216 vs 83792 (-16.2 %)",
+    ("lstm", 3, "adam", "train"): f"{_LSTM}: 84096 vs 97672 (-13.9 %)",
+    ("lstm", 7, "sgd", "train"): f"{_LSTM}: 100252 vs 119952 (-16.4 %)",
+    ("lstm", 7, "adam", "train"): f"{_LSTM}: 114132 vs 133832 (-14.7 %)",
+    ("mha", 3, "sgd", "train"): f"{_MHA_TRAIN}: 18184 vs 17764 (+2.4 %)",
+    ("mha", 3, "adam", "train"): f"{_MHA_TRAIN}: 27168 vs 26748 (+1.6 %)",
+    ("mha", 7, "sgd", "train"): f"{_MHA_TRAIN}: 34824 vs 33284 (+4.6 %)",
+    ("mha", 7, "adam", "train"): f"{_MHA_TRAIN}: 43808 vs 42268 (+3.6 %)",
+}
+
+
+def _comparison_params() -> list[Any]:
+    params = []
+    for name in CASES:
+        for batch in (3, 7):
+            for optimizer, mode in (("sgd", "train"), ("adam", "train"), (None, "inference")):
+                marks: list[Any] = []
+                if (name, batch, optimizer, mode) in _EXPECTED_MISSES:
+                    marks.append(_xfail(_EXPECTED_MISSES[(name, batch, optimizer, mode)]))
+                params.append(
+                    pytest.param(
+                        name,
+                        batch,
+                        optimizer,
+                        mode,
+                        marks=marks,
+                        id=f"{name}-b{batch}-{optimizer or 'none'}-{mode}",
+                    )
+                )
+    return params
+
+
+@pytest.mark.parametrize(("name", "batch", "optimizer", "mode"), _comparison_params())
+def test_estimate_matches_measure_on_cpu(
+    name: str, batch: int, optimizer: str | None, mode: str
+) -> None:
+    case = CASES[name]
+    profile = _case_profile(name)
+    est = profile.estimate(batch, "fp32", optimizer, mode)
+    model = case.build()
+    measured = measure(model, case.make_inputs(batch), optimizer=optimizer, mode=mode)
+    tolerance = 0.01 if mode == "train" else 0.05
+    err = _rel_err(est.peak_bytes, measured.peak_bytes)
+    assert abs(err) <= tolerance, (
+        f"{name} b={batch} {optimizer} {mode}: estimate {est.peak_bytes} vs measured "
+        f"{measured.peak_bytes} ({err:+.2%})"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Behaviours of particular layers
+# --------------------------------------------------------------------------------------------
+
+
+def _inplace_mlp(inplace: bool) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 256), nn.ReLU(inplace=inplace), nn.Linear(256, 4))
+
+
+def test_inplace_relu() -> None:
+    # Autograd saves a ReLU's *result* (threshold_backward(grad, result, 0)), in place or
+    # not, and a Linear saves its input, which is that same result: 4 x 256 x 4 B = 4096 B of
+    # Activation either way. In place, that storage is the first Linear's output (its row);
+    # out of place, the ReLU allocates it (its row), and the Linear's output dies.
+    # What in-place saves is the transient copy: in inference the out-of-place peak holds the
+    # Linear's output and the ReLU's (4096 + 4096 B), the in-place one peaks at the last
+    # Linear (4096 + 4 x 4 x 4 = 64 B).
+    x = torch.randn(4, 16)
+    ests = {}
+    for inplace in (True, False):
+        model = _inplace_mlp(inplace)
+        profile = profile_model(model, input_size=(16,), device="cpu")
+        train = profile.estimate(4, optimizer="sgd")
+        infer = profile.estimate(4, mode="inference")
+        assert train.peak_bytes == measure(model, x, optimizer="sgd").peak_bytes
+        assert infer.peak_bytes == measure(model, x, mode="inference").peak_bytes
+        ests[inplace] = (train, infer)
+    (train_in, infer_in), (train_out, infer_out) = ests[True], ests[False]
+    assert train_in.activation_bytes == train_out.activation_bytes == 4 * 256 * 4
+    rows_in = dict(zip(train_in.layers.name, train_in.layers.activation_bytes, strict=True))
+    rows_out = dict(zip(train_out.layers.name, train_out.layers.activation_bytes, strict=True))
+    assert (rows_in["0"], rows_in["1"]) == (4096, 0)
+    assert (rows_out["0"], rows_out["1"]) == (0, 4096)
+    assert infer_out.peak_bytes - infer_in.peak_bytes == 4096 - 64
+    assert train_in.peak_bytes <= train_out.peak_bytes
+
+
+def test_maxpool_saves_int64_indices() -> None:
+    # MaxPool2d(2) on a (B, 4, 8, 8) conv output: output (B, 4, 4, 4). It allocates the output
+    # (float32, saved by the next Linear as its input) and the int64 indices (saved for
+    # max_pool2d_with_indices_backward): 4 + 8 bytes per output element.
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64, 2)
+    )
+    profile = profile_model(model, input_size=(3, 8, 8), device="cpu")
+    est = profile.estimate(4, optimizer="sgd")
+    df = est.to_dataframe().set_index("name")
+    numel = int(df.loc["1", "output_numel"])
+    assert numel == 4 * 4 * 4 * 4
+    assert df.loc["1", "activation_bytes"] == (8 + 4) * numel
+    # the conv output is what max-pool's backward reads: saved, 4 B per element
+    assert df.loc["0", "activation_bytes"] == 4 * int(df.loc["0", "output_numel"])
+
+
+def test_dropout_mask_cpu_vs_cuda() -> None:
+    # CPU dropout saves a float32 noise tensor (4 B/element), CUDA's fused dropout a bool
+    # mask (1 B/element): 3 B per element apart in fp32.
+    model = nn.Sequential(nn.Linear(10, 32), nn.Dropout(0.5))
+    cpu = profile_model(model, input_size=(10,), device="cpu").estimate(4, optimizer="sgd")
+    cuda = profile_model(model, input_size=(10,), device="cuda").estimate(4, optimizer="sgd")
+    elements = 4 * 32
+    assert cpu.activation_bytes - cuda.activation_bytes == 3 * elements
+    drop_cpu = dict(zip(cpu.layers.name, cpu.layers.activation_bytes, strict=True))["1"]
+    drop_cuda = dict(zip(cuda.layers.name, cuda.layers.activation_bytes, strict=True))["1"]
+    assert (drop_cpu, drop_cuda) == (4 * elements, elements)
+
+
+def test_reused_linear_counts_activations_per_call_and_weights_once() -> None:
+    # x * 2.0 (not saved by its own backward) feeds the Linear, which saves its input at each
+    # call: one call saves 1 (B, 16) tensor, five calls save 5.
+    class Scaled(nn.Module):
+        def __init__(self, times: int) -> None:
+            super().__init__()
+            self.inner = ReusedLinear(16, times)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x * 2.0)
+
+    one = profile_model(Scaled(1), input_size=(16,), device="cpu").estimate(4, optimizer="sgd")
+    five = profile_model(Scaled(5), input_size=(16,), device="cpu").estimate(4, optimizer="sgd")
+    assert one.activation_bytes == 4 * 16 * 4
+    assert five.activation_bytes == 5 * one.activation_bytes
+    assert five.parameter_bytes == one.parameter_bytes == 16 * 16 * 4
+    assert five.gradient_bytes == one.gradient_bytes == 16 * 16 * 4
+    assert five.flops_forward == 5 * one.flops_forward
+    df = five.to_dataframe().set_index("name")
+    assert df.loc["inner.layer", "param_count"] == 256
+    assert df["param_count"].sum() == 256
+
+
+def test_frozen_first_layer_has_no_gradient_or_state() -> None:
+    profile = _case_profile("frozen")
+    est = profile.estimate(4, optimizer="adam")
+    df = est.to_dataframe().set_index("name")
+    first, last = (12 * 24 + 24) * 4, (24 * 6 + 6) * 4
+    assert df.loc["0", "param_bytes"] == first
+    assert df.loc["0", "gradient_bytes"] == 0
+    assert df.loc["0", "optimizer_state_bytes"] == 0
+    assert df.loc["2", "gradient_bytes"] == last
+    # Adam: exp_avg + exp_avg_sq, and one 4-byte step per trainable tensor (weight, bias)
+    assert df.loc["2", "optimizer_state_bytes"] == 2 * last + 2 * 4
+    assert est.parameter_bytes == first + last
+    assert est.gradient_bytes == last
+    assert profile.param_count == 12 * 24 + 24 + 24 * 6 + 6
+    assert profile.trainable_param_count == 24 * 6 + 6
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_half_precision_and_batch_monotone(device: str) -> None:
+    entry = zoo.ZOO["mlp"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device=device)
+    for mode in ("train", "inference"):
+        fp32 = profile.estimate(16, "fp32", "adam", mode)
+        bf16 = profile.estimate(16, "bf16", "adam", mode)
+        assert bf16.peak_bytes < fp32.peak_bytes
+        assert bf16.parameter_bytes * 2 == fp32.parameter_bytes
+        assert profile.estimate(8, mode=mode).peak_bytes > profile.estimate(1, mode=mode).peak_bytes
+
+
+@pytest.mark.slow
+def test_meta_llama_7b_profiles_without_memory() -> None:
+    # Llama-2-7B on the meta device: 6.74 B parameters, 27 GB of fp32 weights that never exist.
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = zoo.llama_decoder(zoo.LLAMA_7B)
+    profile = profile_model(model, inputs=torch.zeros(1, 16, dtype=torch.long), device="cuda")
+    n = zoo.llama_param_count(zoo.LLAMA_7B)
+    fp32 = profile.estimate(1, "fp32", "adam")
+    bf16 = profile.estimate(1, "bf16", "adam")
+    elapsed = time.perf_counter() - start
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    print(f"llama-7b on meta: {elapsed:.1f} s, peak RSS {rss_mib:.0f} MiB")
+    assert profile.param_count == n == 6_738_415_616
+    assert fp32.parameter_bytes == 4 * n
+    assert bf16.parameter_bytes == 2 * n
+    assert fp32.gradient_bytes == 4 * n
+    assert fp32.peak_bytes > 4 * 4 * n  # weights, gradients, exp_avg, exp_avg_sq
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert rss_mib < 4096  # nothing near 27 GB was ever allocated
+    assert elapsed < 120
+
+
+# --------------------------------------------------------------------------------------------
+# Batch sizes: fit and extrapolation
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [5, 64])
+@pytest.mark.parametrize(
+    ("optimizer", "mode"),
+    [
+        ("sgd", "train"),
+        ("sgd-momentum", "train"),
+        (None, "inference"),
+        pytest.param(
+            "adam",
+            "train",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "library bug (the 12 B wrapped scalar at Adam's peak, as for the Linear): "
+                    "zoo mlp estimate 13942468 vs measured 13942480 at batch 5, 14129852 vs "
+                    "14129864 at 64"
+                ),
+            ),
+        ),
+    ],
+)
+def test_estimate_equals_measure_at_any_batch(batch: int, optimizer: str | None, mode: str) -> None:
+    # Profiled at batch 2, 3 (fit) and 5 (check): batch 5 is in the fit's check, 64 is far
+    # beyond it. The MLP has dropout: CPU noise tensors, exact too.
+    entry = zoo.ZOO["mlp"]
+    model = entry.build()
+    profile = _mlp_profile()
+    est = profile.estimate(batch, "fp32", optimizer, mode)
+    measured = measure(model, entry.make_inputs(batch), optimizer=optimizer, mode=mode)
+    assert est.peak_bytes == measured.peak_bytes
+
+
+@cache
+def _mlp_profile() -> ModelProfile:
+    entry = zoo.ZOO["mlp"]
+    return profile_model(entry.build(), inputs=entry.make_inputs(2), device="cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: clear errors, model unchanged
+# --------------------------------------------------------------------------------------------
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module.*function"):
+        profile_model(lambda x: x, input_size=(3,))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({}, "input_size=.*inputs="),
+        ({"input_size": (10,), "inputs": torch.zeros(2, 10)}, "not both"),
+        ({"input_size": (0, 3)}, r"positive ints.*\(0, 3\)"),
+        ({"input_size": "abc"}, "input_size.*'abc'"),
+        ({"input_size": (2.5,)}, "input_size"),
+        ({"input_size": (True,)}, "input_size"),
+        ({"inputs": torch.tensor(1.0)}, "batch dimension"),
+        ({"input_size": (10,), "device": "tpu"}, "'cuda', 'cpu'"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], pattern: str) -> None:
+    model = nn.Linear(10, 5)
+    before = snapshot_model(model)
+    with pytest.raises(ValueError, match=pattern):
+        profile_model(model, **kwargs)
+    assert_model_unchanged(model, before)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_shape_mismatch_names_the_module_and_shapes(device: str) -> None:
+    model = nn.Sequential(nn.Linear(10, 5))
+    before = snapshot_model(model)
+    with pytest.raises(ProfilingError) as info:
+        profile_model(model, input_size=(7,), device=device)
+    message = str(info.value)
+    assert "'0'" in message and "Linear" in message
+    assert "Tensor(2, 7)" in message  # the input it got (batch 2: the first fit size)
+    assert isinstance(info.value, vram_widget.ProfilingError)
+    assert_model_unchanged(model, before)
+
+
+def test_shape_mismatch_at_the_root() -> None:
+    with pytest.raises(ProfilingError, match=r"'\(root\)' \(Linear\).*Tensor\(2, 7\)"):
+        profile_model(nn.Linear(10, 5), input_size=(7,), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "valid"),
+    [
+        ({"precision": "fp8"}, "'fp32', 'bf16', 'fp16', 'amp-bf16', 'amp-fp16'"),
+        (
+            {"optimizer": "lion"},
+            "'sgd', 'sgd-momentum', 'adam', 'adamw', 'adagrad', 'rmsprop', or None",
+        ),
+        ({"mode": "eval"}, "'train', 'inference'"),
+    ],
+)
+def test_unknown_options_list_valid_values(kwargs: dict[str, str], valid: str) -> None:
+    with pytest.raises(ValueError, match="valid values") as info:
+        _linear_profile().estimate(4, **kwargs)
+    assert valid in str(info.value)
+    assert repr(next(iter(kwargs.values()))) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("batch", "error"), [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)]
+)
+def test_bad_batch_sizes(batch: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match="batch_size"):
+        _linear_profile().estimate(batch)
+
+
+def test_huge_batch_is_a_python_int() -> None:
+    profile = _linear_profile()
+    big = profile.estimate(10**9, optimizer="sgd")
+    small = profile.estimate(10**6, optimizer="sgd")
+    assert isinstance(big.peak_bytes, int) and isinstance(small.peak_bytes, int)
+    assert big.peak_bytes > small.peak_bytes
+    # per sample: input 40 + output 80 + grad of output 80 (live at the backward peak)
+    assert big.peak_bytes - small.peak_bytes == (10**9 - 10**6) * (40 + 80 + 80)
+    assert isinstance(profile.estimate(np.int64(7)).peak_bytes, int)
+
+
+def test_astronomical_batch_does_not_overflow() -> None:
+    # 400 forward FLOPs per sample pass int64 at batch 2.3e16: Python ints, exact
+    for device in ("cpu", "cuda"):
+        profile = _linear_profile() if device == "cpu" else _linear_profile_cuda()
+        est = profile.estimate(10**17, optimizer="sgd")
+        assert est.flops_forward == 400 * 10**17
+        assert est.flops_backward == 400 * 10**17
+        assert isinstance(est.peak_bytes, int) and isinstance(est.total_bytes, int)
+        assert est.peak_bytes == LINEAR_PEAK["sgd"] + (10**17 - 4) * (40 + 80 + 80)
+
+
+@cache
+def _linear_profile_cuda() -> ModelProfile:
+    return profile_model(_linear(), input_size=(10,), device="cuda")
+
+
+def test_loss_fn_not_scalar() -> None:
+    model = nn.Linear(10, 5)
+    before = snapshot_model(model)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor.*\(2, 5\)"):
+        profile_model(model, input_size=(10,), loss_fn=lambda out: out, device="cpu")
+    with pytest.raises(TypeError, match="loss_fn must return a scalar tensor, got float"):
+        profile_model(model, input_size=(10,), loss_fn=lambda out: 1.0, device="cpu")
+    assert_model_unchanged(model, before)
+
+
+def _exploding_loss(output: Any) -> Any:
+    raise RuntimeError("kaboom")
+
+
+def test_loss_fn_that_raises() -> None:
+    model = nn.Linear(10, 5)
+    before = snapshot_model(model)
+    with pytest.raises(ProfilingError, match="RuntimeError: kaboom"):
+        profile_model(model, input_size=(10,), loss_fn=_exploding_loss, device="cpu")
+    assert_model_unchanged(model, before)
+
+
+def test_loss_fn_error_names_the_loss() -> None:
+    with pytest.raises(ProfilingError, match="loss_fn raised RuntimeError: kaboom"):
+        profile_model(nn.Linear(10, 5), input_size=(10,), loss_fn=_exploding_loss, device="cpu")
+
+
+class _IntegerOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).argmax(dim=-1)
+
+
+def test_default_loss_needs_a_float_output() -> None:
+    model = _IntegerOutput()
+    before = snapshot_model(model)
+    with pytest.raises(TypeError, match=r"no floating-point tensor.*loss_fn"):
+        profile_model(model, input_size=(4,), device="cpu")
+    assert_model_unchanged(model, before)
+
+
+# --------------------------------------------------------------------------------------------
+# max_batch_size
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity", [10**7, 3 * 10**7, 10**9])
+def test_max_batch_size_is_the_largest_that_fits(capacity: int) -> None:
+    profile = _mlp_profile()
+    b = profile.max_batch_size(capacity, optimizer="sgd")
+    assert b >= 1
+    assert profile.estimate(b, optimizer="sgd").total_bytes <= capacity
+    assert profile.estimate(b + 1, optimizer="sgd").total_bytes > capacity
+
+
+def test_max_batch_size_zero_when_nothing_fits() -> None:
+    profile = _mlp_profile()
+    one = profile.estimate(1, optimizer="adam").total_bytes
+    assert profile.max_batch_size(one - 1, optimizer="adam") == 0
+    assert profile.max_batch_size(one, optimizer="adam") >= 1
+    assert profile.max_batch_size(0) == 0
+    assert profile.max_batch_size(-5) == 0
+
+
+def test_max_batch_size_counts_cuda_extras() -> None:
+    entry = zoo.ZOO["mlp"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cuda")
+    est = profile.estimate(1, optimizer="adam")
+    assert est.extras.cuda_context_bytes > 0 and est.total_bytes > est.peak_bytes
+    # a capacity the tensors alone would fit, but not with the context and workspaces
+    assert profile.max_batch_size(est.peak_bytes * 10, optimizer="adam") == 0
+    cap = 2**30
+    b = profile.max_batch_size(cap, optimizer="adam")
+    assert profile.estimate(b, optimizer="adam").total_bytes <= cap
+    assert profile.estimate(b + 1, optimizer="adam").total_bytes > cap

@@ -1,0 +1,230 @@
+"""The widget: traits drive it, numbers shown equal estimate()'s, no torch on the update path."""
+
+from __future__ import annotations
+
+import ipywidgets as widgets
+import numpy as np
+import pytest
+import torch
+import traitlets
+from torch import nn
+
+from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
+from vram_widget._figures import TRACE_NAMES
+from vram_widget._gpus import GPUS
+from vram_widget._profile import ModelProfile
+from vram_widget._widget import MemoryWidget, _largest_batch, format_bytes
+
+GIB = 2**30
+PEAK = TRACE_NAMES.index("peak")
+
+
+@pytest.fixture(scope="module")
+def profile() -> ModelProfile:
+    return profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+
+
+def test_show_memory_returns_widget() -> None:
+    w = show_memory(zoo.mlp(hidden=(32,)), input_size=(784,), device="cpu", batch_size=64)
+    assert isinstance(w, MemoryWidget)
+    assert isinstance(w, widgets.VBox)
+    assert w.batch_size == 64
+    assert isinstance(w.estimate, MemoryEstimate)
+    assert w.estimate.batch_size == 64
+
+
+def test_traits_drive_estimate_figure_and_summary(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, gpu="A100 80GB")
+    settings = [
+        {"batch_size": 1},
+        {"batch_size": 4096},
+        {"optimizer": "sgd"},
+        {"optimizer": None},
+        {"mode": "inference"},
+        {"mode": "train", "optimizer": "adam", "batch_size": 100},
+        {"depth": 0},
+        {"depth": 3},
+    ]
+    seen_peaks = set()
+    for change in settings:
+        before = w.summary_html
+        for name, value in change.items():
+            setattr(w, name, value)
+        opt = None if w.optimizer == "none" else w.optimizer
+        expected = profile.estimate(w.batch_size, w.precision, opt, w.mode)
+        est = w.estimate
+        assert est.peak_bytes == expected.peak_bytes
+        assert est.total_bytes == expected.total_bytes
+        assert est.flops == expected.flops
+        assert w.figure.data[PEAK].y[0] == expected.peak_bytes
+        assert format_bytes(expected.peak_bytes) in w.summary_html
+        assert f"{expected.peak_bytes:,} B" in w.summary_html
+        if "depth" not in change:
+            assert w.summary_html != before
+        seen_peaks.add(est.peak_bytes)
+    assert len(seen_peaks) >= 4
+
+
+def test_controls_and_traits_agree(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)
+    w._batch_slider.value = 256.0
+    assert w.batch_size == 256
+    w._batch_box.value = 12345  # beyond the slider: the box is exact
+    assert w.batch_size == 12345
+    assert w._batch_slider.value == 8192
+    w.batch_size = 3
+    assert w._batch_box.value == 3 and w._batch_slider.value == 3
+    w.gpu = "custom"
+    w.custom_gib = 2.0
+    assert w.target.memory_bytes == 2 * GIB
+    assert w.figure.data[TRACE_NAMES.index("capacity")].y[0] == 2 * GIB
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("batch_size", 0),
+        ("batch_size", -3),
+        ("batch_size", 2.5),
+        ("precision", "fp8"),
+        ("optimizer", "lion"),
+        ("mode", "eval"),
+        ("gpu", "TPU v5"),
+        ("depth", -1),
+        ("custom_gib", 0.0),
+    ],
+)
+def test_invalid_values_refused(profile: ModelProfile, name: str, value: object) -> None:
+    w = MemoryWidget(profile)
+    before = w.estimate
+    with pytest.raises(traitlets.TraitError):
+        setattr(w, name, value)
+    assert w.estimate is before
+
+
+def test_fits_and_largest_batch(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, gpu="custom", custom_gib=0.25)
+    largest = w.largest_batch()
+    assert largest == profile.max_batch_size(GIB // 4, "fp32", "adam", "train")
+    assert largest > 1
+    w.batch_size = largest
+    assert "<b>fits</b>" in w.summary_html
+    w.batch_size = largest * 4
+    assert "does not fit" in w.summary_html
+    assert f"largest batch that fits: <b>{largest:,}</b>" in w.summary_html
+    w.custom_gib = 0.001  # 1 MiB: not even the parameters fit
+    assert "not even batch size 1 fits" in w.summary_html
+
+
+@pytest.mark.parametrize("capacity", [GIB // 8, GIB, 10**9 + 7])
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_fast_largest_batch_equals_bisection(
+    profile: ModelProfile, capacity: int, mode: str
+) -> None:
+    settings = {"precision": "fp32", "optimizer": "adam", "mode": mode}
+    assert _largest_batch(profile, capacity, settings) == profile.max_batch_size(
+        capacity, **settings
+    )
+
+
+def test_summary_step_time(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, gpu="A100 80GB", batch_size=256)
+    rate = GPUS["A100 80GB"].peak_flops_per_s("fp32")
+    assert rate is not None
+    assert "19.5 TFLOP/s" in w.summary_html
+    assert f"{256 / (w.estimate.flops / rate):,.0f} samples/s" in w.summary_html
+
+
+def test_no_torch_on_update_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = zoo.mlp(hidden=(64, 32))
+    profile = profile_model(model, input_size=(784,), device="cpu")
+    for precision in ("fp32", "bf16"):
+        for optimizer in ("adam", "sgd"):
+            profile.estimate(2, precision, optimizer, "train")
+        profile.estimate(2, precision, None, "inference")
+    w = MemoryWidget(profile)
+
+    class Refuse:
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"the update path asked the profiler for {name}")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch was called on the update path")
+
+    monkeypatch.setattr(profile, "_source", Refuse())
+    monkeypatch.setattr(model, "forward", refuse)
+    for fn in ("empty", "zeros", "ones", "randn", "tensor", "as_tensor"):
+        monkeypatch.setattr(torch, fn, refuse)
+    peaks = []
+    for name, value in [
+        ("batch_size", 1),
+        ("batch_size", 8192),
+        ("precision", "bf16"),
+        ("optimizer", "sgd"),
+        ("optimizer", "none"),
+        ("mode", "inference"),
+        ("mode", "train"),
+        ("optimizer", "adam"),
+        ("precision", "fp32"),
+        ("gpu", "T4 16GB"),
+        ("gpu", "custom"),
+        ("custom_gib", 3.5),
+        ("depth", 0),
+        ("depth", 2),
+    ]:
+        setattr(w, name, value)
+        assert w.figure.data[PEAK].y[0] == w.estimate.peak_bytes
+        peaks.append(w.estimate.peak_bytes)
+    assert w._status.value == ""
+    assert len(set(peaks)) > 3
+
+
+def test_new_precision_profiles_once(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, optimizer="sgd")
+    assert not profile.is_cached("amp-bf16")
+    w.precision = "amp-bf16"
+    assert profile.is_cached("amp-bf16")
+    assert w.estimate.precision.value == "amp-bf16"
+    assert w._status.value == ""
+
+
+def test_bad_input_is_a_message() -> None:
+    w = show_memory(zoo.mlp(), input_size=(0,))
+    assert isinstance(w, widgets.HTML) and not isinstance(w, MemoryWidget)
+    assert "input_size" in w.value
+    w = show_memory(zoo.mlp())
+    assert isinstance(w, widgets.HTML) and "input_size" in w.value
+    w = show_memory(zoo.mlp(), input_size=(784,), device="cpu", batch_size=0)
+    assert isinstance(w, widgets.HTML) and "batch_size" in w.value
+
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    w = show_memory(Broken(), input_size=(4,), device="cpu")
+    assert isinstance(w, widgets.HTML) and "boom" in w.value
+
+
+def test_static_fallback_and_table(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)
+    bundle = w._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert "cdn.plot.ly" in bundle["text/html"]
+    assert "Peak" in bundle["text/html"]
+    df = w.to_dataframe()
+    assert len(df) == len(profile.rows.names)
+    assert df["activation_bytes"].sum() == w.estimate.activation_bytes
+    csv = w.to_csv()
+    assert csv is not None and csv.startswith("name,type")
+    assert "<table>" in w._table.value
+
+
+def test_thousand_modules() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), *[nn.Identity() for _ in range(999)])
+    w = show_memory(model, input_size=(8,), device="cpu", depth=1)
+    assert isinstance(w, MemoryWidget)
+    w.depth = 0
+    x = np.asarray(w.figure.data[1].x)
+    assert len(x) <= 10  # forward runs grouped under the root
+    w.batch_size = 1000
+    assert w.figure.data[PEAK].y[0] == w.estimate.peak_bytes

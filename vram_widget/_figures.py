@@ -1,0 +1,548 @@
+"""The memory waterfall and FLOPs figure of one :class:`MemoryEstimate` (plotly only).
+
+Pure functions: :func:`waterfall_data` turns an estimate into numpy arrays (one entry per bar),
+:func:`build_figure` makes the two-panel ``go.Figure`` once, and :func:`update_figure` writes
+new data into the same traces (inside ``fig.batch_update()`` on a ``FigureWidget``), so a
+widget never rebuilds its figure. The traces are always the same, in the order of
+:data:`TRACE_NAMES`; only their data changes.
+
+Layout of the top panel, left to right (x is a bar index):
+
+* the resident floor, one bar per category (parameters, buffers, optimizer state, input),
+  each starting where the previous one ends;
+* the step's events, grouped into consecutive runs with the same module (at the chosen
+  grouping ``depth``) and phase; each run is a floating bar from the live bytes before it to
+  the live bytes after it (coloured by phase), with a tick at the most that was live within it;
+* the peak as a marker, the device capacity as a line, and the accelerator extras (CUDA
+  context, cuBLAS workspace, allocator rounding) as a band below the capacity: the estimate
+  fits when the peak stays under the band.
+
+The bottom panel shares the x axis: each module group's forward FLOPs at its first forward run
+and its backward FLOPs at its first backward run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ._estimator import MemoryEstimate
+from ._options import PHASE_CODE, PHASES, Category, Mode, Phase
+
+__all__ = [
+    "FLOOR_CATEGORIES",
+    "TRACE_NAMES",
+    "WaterfallData",
+    "build_figure",
+    "group_rows",
+    "update_figure",
+    "waterfall_data",
+]
+
+FLOOR_CATEGORIES: tuple[Category, ...] = (
+    Category.PARAMETER,
+    Category.BUFFER,
+    Category.OPTIMIZER_STATE,
+    Category.INPUT,
+)
+"""What is resident before the step starts, in the order the floor is stacked."""
+
+_PHASE_COLOURS: dict[Phase, str] = {
+    Phase.FORWARD: "#4C78A8",
+    Phase.BACKWARD: "#F58518",
+    Phase.OPTIMIZER: "#54A24B",
+    Phase.ZERO_GRAD: "#B279A2",
+    Phase.INFERENCE: "#4C78A8",
+}
+_FLOOR_COLOUR = "#9D9D9D"
+
+TRACE_NAMES: tuple[str, ...] = (
+    "resident",
+    *(f"{p.value}" for p in PHASES),
+    "max within run",
+    "reserve (extras)",
+    "capacity",
+    "peak",
+    "forward FLOPs",
+    "backward FLOPs",
+)
+"""The figure's traces, in order (the widget relies on this order never changing)."""
+
+_I_FLOOR = 0
+_I_PHASE0 = 1
+_I_MAX = _I_PHASE0 + len(PHASES)
+_I_RESERVE = _I_MAX + 1
+_I_CAPACITY = _I_RESERVE + 1
+_I_PEAK = _I_CAPACITY + 1
+_I_FLOPS_F = _I_PEAK + 1
+_I_FLOPS_B = _I_FLOPS_F + 1
+
+_BAR_HOVER = (
+    "%{hovertext}<br>"
+    "params: %{customdata[0]:,}<br>"
+    "saved activations: %{customdata[1]:,} B<br>"
+    "change: %{customdata[2]:+,} B<br>"
+    "live after: %{customdata[3]:,} B<br>"
+    "max within: %{customdata[4]:,} B<br>"
+    "FLOPs (this phase): %{customdata[5]:,}"
+    "<extra></extra>"
+)
+
+
+def group_rows(depths: np.ndarray, depth: int) -> np.ndarray:
+    """For each row, the row it is grouped under at grouping ``depth``.
+
+    Rows are in ``named_modules()`` order (pre-order), so a row deeper than ``depth`` belongs to
+    the last row before it whose depth is at most ``depth``: its ancestor at that depth. Rows at
+    or above ``depth`` (and the loss and optimizer pseudo-rows, depth 0) are their own group.
+
+    Examples
+    --------
+    >>> group_rows(np.array([0, 1, 2, 2, 1, 2, 0, 0]), 1).tolist()
+    [0, 1, 1, 1, 4, 4, 6, 7]
+    """
+    if depth < 0:
+        raise ValueError(f"depth must be >= 0, got {depth}")
+    d = np.asarray(depths)
+    idx = np.where(d <= depth, np.arange(len(d)), -1)
+    out = np.maximum.accumulate(idx) if len(idx) else idx
+    # A deeper row before any shallow row cannot occur (row 0 is the root, depth 0).
+    return np.where(out < 0, np.arange(len(d)), out)
+
+
+@dataclass(frozen=True, eq=False)
+class WaterfallData:
+    """The figure's numbers for one estimate and one grouping depth (numpy arrays).
+
+    ``run_*`` arrays have one entry per run of consecutive events in the same group and phase;
+    the runs sit at x = ``len(FLOOR_CATEGORIES) + arange(n_runs)``.
+    """
+
+    floor_bytes: np.ndarray  # per FLOOR_CATEGORIES entry
+    run_x: np.ndarray
+    run_group: np.ndarray  # row index of the group
+    run_phase: np.ndarray  # phase code
+    run_start_bytes: np.ndarray  # live before the run
+    run_end_bytes: np.ndarray  # live after the run
+    run_max_bytes: np.ndarray  # most live within the run
+    run_flops: np.ndarray  # group's FLOPs in the run's phase, at its first run in that phase
+    group_param_count: np.ndarray  # per row: parameters of the group the row heads (else 0)
+    group_activation_bytes: np.ndarray  # per row, likewise
+    peak_x: float
+    peak_bytes: int
+
+    @property
+    def resident_bytes(self) -> int:
+        return int(self.floor_bytes.sum())
+
+
+def _floor(est: MemoryEstimate) -> np.ndarray:
+    optimizer = est.optimizer_state_bytes if est.mode is Mode.TRAIN else 0
+    return np.array(
+        [est.parameter_bytes, est.buffer_bytes, optimizer, est.input_bytes], dtype=np.int64
+    )
+
+
+def waterfall_data(est: MemoryEstimate, depth: int) -> WaterfallData:
+    """Group the estimate's event stream into runs at ``depth`` and measure each run.
+
+    No Python loop over events, rows or runs: everything is numpy.
+    """
+    floor = _floor(est)
+    resident = int(floor.sum())
+    layers = est.layers
+    groups = group_rows(layers.depth, depth)
+    n_rows = len(groups)
+    live = np.asarray(est.live_bytes, dtype=np.int64)
+    n_floor = len(FLOOR_CATEGORIES)
+    if len(live):
+        g = groups[np.asarray(est.event_module, dtype=np.int64)]
+        ph = np.asarray(est.event_phase, dtype=np.int64)
+        change = np.flatnonzero((g[1:] != g[:-1]) | (ph[1:] != ph[:-1])) + 1
+        starts = np.concatenate([[0], change])
+        ends = np.concatenate([change, [len(live)]])
+        run_group = g[starts]
+        run_phase = ph[starts]
+        run_end = live[ends - 1]
+        run_start = np.concatenate([[resident], run_end[:-1]])
+        run_max = np.maximum(np.maximum.reduceat(live, starts), run_start)
+    else:
+        run_group = np.zeros(0, np.int64)
+        run_phase = np.zeros(0, np.int64)
+        run_end = run_start = run_max = np.zeros(0, np.int64)
+        starts = np.zeros(0, np.int64)
+    n_runs = len(run_group)
+    run_x = n_floor + np.arange(n_runs)
+
+    flops_f = np.bincount(groups, weights=layers.flops_forward, minlength=n_rows)
+    flops_b = np.bincount(groups, weights=layers.flops_backward, minlength=n_rows)
+    run_flops = np.zeros(n_runs, np.int64)
+    fwd = (run_phase == PHASE_CODE[Phase.FORWARD]) | (run_phase == PHASE_CODE[Phase.INFERENCE])
+    bwd = run_phase == PHASE_CODE[Phase.BACKWARD]
+    for mask, per_group in ((fwd, flops_f), (bwd, flops_b)):
+        sel = np.flatnonzero(mask)
+        _, first = np.unique(run_group[sel], return_index=True)
+        hit = sel[first]
+        run_flops[hit] = np.rint(per_group[run_group[hit]]).astype(np.int64)
+
+    params = np.bincount(groups, weights=layers.param_count, minlength=n_rows)
+    acts = np.bincount(groups, weights=layers.activation_bytes, minlength=n_rows)
+
+    if n_runs and int(live.max()) > resident:
+        at = int(np.argmax(live))
+        run_of_peak = int(np.searchsorted(starts, at, side="right")) - 1
+        peak_x = float(run_x[run_of_peak])
+        peak = int(live[at])
+    else:
+        peak_x = float(n_floor - 1)
+        peak = resident
+    return WaterfallData(
+        floor_bytes=floor,
+        run_x=run_x,
+        run_group=run_group,
+        run_phase=run_phase,
+        run_start_bytes=run_start,
+        run_end_bytes=run_end,
+        run_max_bytes=run_max,
+        run_flops=run_flops,
+        group_param_count=np.rint(params).astype(np.int64),
+        group_activation_bytes=np.rint(acts).astype(np.int64),
+        peak_x=peak_x,
+        peak_bytes=peak,
+    )
+
+
+def _label(name: str) -> str:
+    return name or "(model)"
+
+
+def _run_hover(est: MemoryEstimate, data: WaterfallData, sel: np.ndarray) -> dict[str, Any]:
+    """Hover text (strings) and customdata (numbers) for the runs ``sel``, one row per bar."""
+    rows = data.run_group[sel]
+    uniq, inverse = np.unique(rows, return_inverse=True)
+    layers = est.layers
+    # One Python step per distinct group (not per bar or event): names, types and shapes are
+    # tuples of Python objects.
+    head = np.array(
+        [
+            f"<b>{_label(layers.name[i])}</b> ({layers.type[i]})<br>"
+            f"output shape: {layers.output_shape[i] or ''}"
+            for i in uniq
+        ],
+        dtype=str,
+    )
+    phases = np.array([f"<br>phase: {p.value}" for p in PHASES], dtype=str)
+    text = np.char.add(head[inverse] if len(uniq) else head, phases[data.run_phase[sel]])
+    end = data.run_end_bytes[sel]
+    custom = np.column_stack(
+        [
+            data.group_param_count[rows],
+            data.group_activation_bytes[rows],
+            end - data.run_start_bytes[sel],
+            end,
+            data.run_max_bytes[sel],
+            data.run_flops[sel],
+        ]
+    ).astype(np.float64)
+    return {"hovertext": text, "customdata": custom}
+
+
+def _trace_updates(
+    est: MemoryEstimate, data: WaterfallData, capacity_bytes: int | None
+) -> list[dict[str, Any]]:
+    """New data for every trace, in :data:`TRACE_NAMES` order."""
+    n_floor = len(FLOOR_CATEGORIES)
+    floor_top = np.cumsum(data.floor_bytes)
+    floor_base = floor_top - data.floor_bytes
+    floor_labels = np.array([c.value for c in FLOOR_CATEGORIES], dtype=str)
+    updates: list[dict[str, Any]] = [
+        {
+            "x": np.arange(n_floor),
+            "y": data.floor_bytes,
+            "base": floor_base,
+            "hovertext": floor_labels,
+            "customdata": np.column_stack([data.floor_bytes, floor_top]).astype(np.float64),
+        }
+    ]
+    for code in range(len(PHASES)):
+        sel = np.flatnonzero(data.run_phase == code)
+        start = data.run_start_bytes[sel]
+        updates.append(
+            {
+                "x": data.run_x[sel],
+                "y": data.run_end_bytes[sel] - start,
+                "base": start,
+                **_run_hover(est, data, sel),
+            }
+        )
+    updates.append({"x": data.run_x, "y": data.run_max_bytes})
+    x_max = n_floor + len(data.run_x)
+    x_edges = np.array([-0.5, x_max - 0.5])
+    extras_bytes = est.extras.total_bytes
+    if capacity_bytes is None:
+        updates.append({"x": [], "y": []})
+        updates.append({"x": [], "y": []})
+    else:
+        low = capacity_bytes - extras_bytes
+        updates.append(
+            {
+                "x": np.array([-0.5, x_max - 0.5, x_max - 0.5, -0.5, -0.5]),
+                "y": np.array([low, low, capacity_bytes, capacity_bytes, low]),
+            }
+        )
+        updates.append({"x": x_edges, "y": np.array([capacity_bytes, capacity_bytes])})
+    peak_text = f"peak: {_label(est.peak_module)} ({est.peak_phase.value})"
+    updates.append(
+        {"x": [data.peak_x], "y": [data.peak_bytes], "text": [peak_text], "hovertext": [peak_text]}
+    )
+    for code_mask in (
+        (data.run_phase == PHASE_CODE[Phase.FORWARD])
+        | (data.run_phase == PHASE_CODE[Phase.INFERENCE]),
+        data.run_phase == PHASE_CODE[Phase.BACKWARD],
+    ):
+        sel = np.flatnonzero(code_mask & (data.run_flops > 0))
+        rows = data.run_group[sel]
+        uniq, inverse = np.unique(rows, return_inverse=True)
+        names = np.array([_label(est.layers.name[r]) for r in uniq], dtype=str)
+        updates.append(
+            {
+                "x": data.run_x[sel],
+                "y": data.run_flops[sel],
+                "hovertext": names[inverse] if len(uniq) else names,
+            }
+        )
+    return updates
+
+
+def _layout_updates(
+    est: MemoryEstimate, data: WaterfallData, capacity_bytes: int | None, gpu_name: str
+) -> dict[str, Any]:
+    n_floor = len(FLOOR_CATEGORIES)
+    # Ticks at the start of each phase (a handful of values, not one per bar).
+    tick_x = [0.0]
+    tick_text = ["resident"]
+    if len(data.run_phase):
+        first = np.flatnonzero(np.concatenate([[True], data.run_phase[1:] != data.run_phase[:-1]]))
+        tick_x += (n_floor + first).astype(float).tolist()
+        tick_text += [PHASES[int(c)].value for c in data.run_phase[first]]
+    where = f"{_label(est.peak_module)}, {est.peak_phase.value}"
+    title = (
+        f"{est.mode.value}, batch {est.batch_size}, {est.precision.value}"
+        f"{', ' + est.optimizer.value if est.optimizer is not None else ''}: "
+        f"peak {_gib(est.peak_bytes)} ({where})"
+    )
+    if capacity_bytes is not None:
+        title += f" of {_gib(capacity_bytes)} on {gpu_name}"
+    return {
+        "title.text": title,
+        "xaxis2.tickvals": tick_x,
+        "xaxis2.ticktext": tick_text,
+        "xaxis.range": [-0.6, n_floor + len(data.run_x) - 0.4],
+    }
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
+
+
+def build_figure(
+    est: MemoryEstimate,
+    *,
+    depth: int = 1,
+    capacity_bytes: int | None = None,
+    gpu_name: str = "",
+) -> go.Figure:
+    """The two-panel figure of ``est``: memory waterfall on top, FLOPs per layer below.
+
+    Parameters
+    ----------
+    est : MemoryEstimate
+    depth : int
+        Grouping depth: modules deeper than this are aggregated under their ancestor.
+    capacity_bytes : int, optional
+        Device memory; draws the capacity line and the extras band when given.
+    gpu_name : str
+        Shown in the title beside the capacity.
+
+    Returns
+    -------
+    plotly.graph_objects.Figure
+        Wrap with ``go.FigureWidget(fig)`` for a widget; refresh with :func:`update_figure`.
+
+    Examples
+    --------
+    >>> from vram_widget import profile_model, zoo
+    >>> est = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(32)
+    >>> fig = build_figure(est, capacity_bytes=2**30)
+    >>> [t.name for t in fig.data] == list(TRACE_NAMES)
+    True
+    """
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        row_heights=[0.72, 0.28],
+        vertical_spacing=0.04,
+    )
+    fig.add_trace(
+        go.Bar(
+            name="resident",
+            marker_color=_FLOOR_COLOUR,
+            hovertemplate=(
+                "<b>%{hovertext}</b> (resident)<br>%{customdata[0]:,} B<br>"
+                "floor so far: %{customdata[1]:,} B<extra></extra>"
+            ),
+        ),
+        row=1,
+        col=1,
+    )
+    for phase in PHASES:
+        fig.add_trace(
+            go.Bar(
+                name=phase.value,
+                marker_color=_PHASE_COLOURS[phase],
+                hovertemplate=_BAR_HOVER,
+                legendgroup="phase",
+            ),
+            row=1,
+            col=1,
+        )
+    fig.add_trace(
+        go.Scatter(
+            name="max within run",
+            mode="markers",
+            marker={"symbol": "line-ew-open", "size": 8, "color": "#333333"},
+            hovertemplate="max within: %{y:,} B<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            name="reserve (extras)",
+            mode="lines",
+            fill="toself",
+            line={"width": 0},
+            fillcolor="rgba(214, 39, 40, 0.15)",
+            hovertemplate=(
+                f"CUDA context + cuBLAS workspace + allocator rounding: "
+                f"{est.extras.total_bytes:,} B<extra></extra>"
+            ),
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            name="capacity",
+            mode="lines",
+            line={"color": "#D62728", "width": 2, "dash": "dash"},
+            hovertemplate="capacity: %{y:,} B<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            name="peak",
+            mode="markers+text",
+            marker={"symbol": "star", "size": 14, "color": "#D62728"},
+            textposition="top center",
+            hovertemplate="%{hovertext}<br>%{y:,} B<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
+    for name, colour in (("forward FLOPs", "#4C78A8"), ("backward FLOPs", "#F58518")):
+        fig.add_trace(
+            go.Bar(
+                name=name,
+                marker_color=colour,
+                hovertemplate="<b>%{hovertext}</b><br>%{y:,} FLOPs<extra></extra>",
+            ),
+            row=2,
+            col=1,
+        )
+    fig.update_layout(
+        barmode="overlay",
+        bargap=0.15,
+        height=620,
+        margin={"l": 70, "r": 20, "t": 60, "b": 40},
+        hovermode="closest",
+        legend={"orientation": "h", "y": -0.08},
+        yaxis={"title": {"text": "live memory"}, "tickformat": ".3s", "ticksuffix": "B"},
+        yaxis2={"title": {"text": "FLOPs"}, "tickformat": ".2s"},
+    )
+    _write(fig, est, depth=depth, capacity_bytes=capacity_bytes, gpu_name=gpu_name)
+    return fig
+
+
+def _write(
+    fig: go.Figure,
+    est: MemoryEstimate,
+    *,
+    depth: int,
+    capacity_bytes: int | None,
+    gpu_name: str,
+) -> None:
+    data = waterfall_data(est, depth)
+    updates = _trace_updates(est, data, capacity_bytes)
+    if len(fig.data) != len(updates):
+        raise ValueError(
+            f"figure has {len(fig.data)} traces, expected {len(updates)}: "
+            "build it with build_figure()"
+        )
+    updates[_I_RESERVE]["hovertemplate"] = (
+        f"reserve: CUDA context {est.extras.cuda_context_bytes:,} B + cuBLAS workspace "
+        f"{est.extras.cublas_workspace_bytes:,} B + allocator rounding "
+        f"{est.extras.allocator_rounding_bytes:,} B<extra></extra>"
+    )
+    for trace, update in zip(fig.data, updates, strict=True):
+        for key, value in update.items():
+            if not _same(trace[key], value):
+                trace[key] = value
+    layout = fig.layout
+    for path, value in _layout_updates(est, data, capacity_bytes, gpu_name).items():
+        parent, _, key = path.rpartition(".")
+        obj = layout[parent]
+        if not _same(obj[key], value):
+            obj[key] = value
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Whether a property already holds ``new`` (so writing it would only cost time)."""
+    if old is None:
+        return False
+    if isinstance(new, str) or isinstance(old, str):
+        return bool(old == new)
+    try:
+        a = np.asarray(old)
+        b = np.asarray(new)
+    except (TypeError, ValueError):  # pragma: no cover - ragged or odd values
+        return False
+    return a.shape == b.shape and a.dtype.kind == b.dtype.kind and bool(np.array_equal(a, b))
+
+
+def update_figure(
+    fig: go.Figure,
+    est: MemoryEstimate,
+    *,
+    depth: int = 1,
+    capacity_bytes: int | None = None,
+    gpu_name: str = "",
+) -> None:
+    """Write ``est`` into a figure made by :func:`build_figure`, in place.
+
+    A ``go.FigureWidget`` is updated inside ``fig.batch_update()`` (one message to the
+    front end); the traces are the same objects before and after.
+    """
+    batch = getattr(fig, "batch_update", None)
+    if batch is not None:
+        with batch():
+            _write(fig, est, depth=depth, capacity_bytes=capacity_bytes, gpu_name=gpu_name)
+    else:
+        _write(fig, est, depth=depth, capacity_bytes=capacity_bytes, gpu_name=gpu_name)

@@ -1,0 +1,557 @@
+"""The notebook widget: controls are traits; one observer -> estimate -> figure, in place.
+
+No torch at import time: :func:`show_memory` imports the profiler when it is called. A control
+move recomputes from the cached :class:`~vram_widget.ModelProfile` (numpy only) and writes into
+the same ``go.FigureWidget`` inside ``batch_update()``; only the first use of a precision (or
+an optimizer) not yet profiled runs the profiler once more, behind a "profiling…" label.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+import numpy as np
+import plotly.graph_objects as go
+import traitlets
+
+from ._estimator import MemoryEstimate
+from ._figures import build_figure, group_rows, update_figure
+from ._gpus import CUSTOM_GPU, GPUS, Gpu, custom_gpu
+from ._options import Category, Mode, OptimizerName, Precision
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from ._profile import ModelProfile
+
+__all__ = ["MemoryWidget", "format_bytes", "show_memory"]
+
+BATCH_SLIDER_MAX = 8192
+_NO_OPTIMIZER = "none"
+_OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
+_TABLE_ROWS = 25
+
+
+def format_bytes(nbytes: int | float) -> str:
+    """Bytes in binary units, three significant digits.
+
+    Examples
+    --------
+    >>> format_bytes(3 * 2**30)
+    '3.00 GiB'
+    >>> format_bytes(512)
+    '512 B'
+    """
+    value = float(nbytes)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            return f"{sign}{value:.3g} {unit}" if value >= 100 else f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _format_count(n: float) -> str:
+    """Large counts with an SI suffix (FLOPs, parameters)."""
+    for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {suffix}"
+    return f"{n:.0f} "
+
+
+def _format_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+class _OptimizerTrait(traitlets.Enum):
+    """An optimizer name; ``None`` is accepted and stored as ``"none"``."""
+
+    def validate(self, obj: Any, value: Any) -> Any:
+        return super().validate(obj, _NO_OPTIMIZER if value is None else value)
+
+
+class MemoryWidget(widgets.VBox):
+    """Interactive memory / FLOPs view of one profiled model (see :func:`show_memory`).
+
+    Every control is a trait: setting ``w.batch_size = 64`` does what the slider does. The
+    current estimate is ``w.estimate``, the figure ``w.figure`` (a ``go.FigureWidget``).
+    """
+
+    batch_size = traitlets.Int(32, min=1)
+    precision = traitlets.Enum([p.value for p in Precision], default_value="fp32")
+    optimizer = _OptimizerTrait(list(_OPTIMIZERS), default_value="adam")
+    mode = traitlets.Enum([m.value for m in Mode], default_value="train")
+    gpu = traitlets.Enum([*GPUS, CUSTOM_GPU], default_value="H100 SXM 80GB")
+    custom_gib = traitlets.Float(24.0)
+    depth = traitlets.Int(1, min=0)
+
+    def __init__(self, profile: ModelProfile, **settings: Any) -> None:
+        self._profile = profile
+        self._syncing = False
+        self._fit_cache: dict[tuple[str, str, str, int], int] = {}
+        self._per_sample_cache: dict[tuple[str, str, str], int] = {}
+        super().__init__()
+        # Apply settings before any control exists, so a bad value raises TraitError here.
+        with self.hold_trait_notifications():
+            for name, value in settings.items():
+                if not self.has_trait(name) or name not in _SETTINGS:
+                    raise TypeError(
+                        f"unknown setting {name!r}; valid settings are {', '.join(_SETTINGS)}"
+                    )
+                setattr(self, name, value)
+        self._estimate = self._compute()
+        self._figure = go.FigureWidget(
+            build_figure(
+                self._estimate,
+                depth=self.depth,
+                capacity_bytes=self.target.memory_bytes,
+                gpu_name=self.target.name,
+            )
+        )
+        self._build_controls()
+        self._summary = widgets.HTML()
+        self._table = widgets.HTML()
+        self._status = widgets.HTML()
+        self._render_text()
+        self.children = [
+            self._controls,
+            self._status,
+            self._figure,
+            self._summary,
+            widgets.Accordion(children=[self._table], titles=("Layers (largest first)",)),
+        ]
+        self.observe(self._on_change, names=list(_SETTINGS))
+
+    # ------------------------------------------------------------------ public properties
+
+    @property
+    def estimate(self) -> MemoryEstimate:
+        """The :class:`MemoryEstimate` the widget shows now."""
+        return self._estimate
+
+    @property
+    def figure(self) -> go.FigureWidget:
+        """The plotly ``FigureWidget`` (updated in place, never replaced)."""
+        return self._figure
+
+    @property
+    def profile(self) -> ModelProfile:
+        """The cached profile every estimate comes from."""
+        return self._profile
+
+    @property
+    def target(self) -> Gpu:
+        """The chosen accelerator (a catalog entry, or the custom size)."""
+        if self.gpu == CUSTOM_GPU:
+            return custom_gpu(self.custom_gib)
+        return GPUS[self.gpu]
+
+    @property
+    def summary_html(self) -> str:
+        """The summary panel's HTML."""
+        return str(self._summary.value)
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """Per-layer rows of the current estimate (one per module, plus loss and optimizer)."""
+        return self._estimate.to_dataframe()
+
+    def to_csv(self, path: str | None = None) -> str | None:
+        """The per-layer table as CSV: written to ``path``, or returned as a string."""
+        return self.to_dataframe().to_csv(path, index=False)
+
+    # ------------------------------------------------------------------ validation
+
+    @traitlets.validate("custom_gib")
+    def _valid_custom_gib(self, proposal: dict[str, Any]) -> float:
+        value = float(proposal["value"])
+        if not math.isfinite(value) or value <= 0:
+            raise traitlets.TraitError(f"custom_gib must be a positive number, got {value!r}")
+        return value
+
+    # ------------------------------------------------------------------ update path
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "optimizer": None if self.optimizer == _NO_OPTIMIZER else self.optimizer,
+            "mode": self.mode,
+        }
+
+    def _needs_profiling(self) -> bool:
+        """Whether the current precision / optimizer still has to be profiled (torch)."""
+        p = self._profile
+        if not p.is_cached(self.precision, self.mode):
+            return True
+        if self.mode == Mode.TRAIN.value and self.optimizer != _NO_OPTIMIZER:
+            key = (Precision(self.precision), OptimizerName(self.optimizer))
+            return key not in getattr(p, "_optimizers", {})
+        return False
+
+    def _compute(self) -> MemoryEstimate:
+        return self._profile.estimate(self.batch_size, **self._settings())
+
+    def _on_change(self, change: dict[str, Any]) -> None:
+        """The one observer: any setting -> estimate -> figure and summary, in place."""
+        if self._needs_profiling():
+            self._status.value = (
+                f"<i>profiling {html.escape(self.precision)} / {html.escape(self.mode)}"
+                f"{' / ' + html.escape(self.optimizer) if self.mode == 'train' else ''}…</i>"
+            )
+        try:
+            est = self._compute()
+        except Exception as exc:  # a failed extra profiling run: say so, keep the last view
+            self._status.value = (
+                f"<span style='color:#b00'>could not profile this setting: "
+                f"{html.escape(f'{type(exc).__name__}: {exc}')}</span>"
+            )
+            return
+        self._status.value = ""
+        self._estimate = est
+        target = self.target
+        update_figure(
+            self._figure,
+            est,
+            depth=self.depth,
+            capacity_bytes=target.memory_bytes,
+            gpu_name=target.name,
+        )
+        self._sync_controls()
+        self._render_text()
+
+    # ------------------------------------------------------------------ derived numbers
+
+    def largest_batch(self) -> int:
+        """The largest batch whose peak plus extras fits the chosen device (0: none fits).
+
+        Cached per (precision, optimizer, mode, capacity): a batch-size move costs nothing.
+        """
+        s = self._settings()
+        capacity = self.target.memory_bytes
+        key = (self.precision, self.optimizer, self.mode, capacity)
+        if key not in self._fit_cache:
+            self._fit_cache[key] = _largest_batch(self._profile, capacity, s)
+        return self._fit_cache[key]
+
+    def bytes_per_sample(self) -> int:
+        """How much the peak grows per extra sample (cached per precision/optimizer/mode)."""
+        key = (self.precision, self.optimizer, self.mode)
+        if key not in self._per_sample_cache:
+            self._per_sample_cache[key] = self._profile.bytes_per_sample(**self._settings())
+        return self._per_sample_cache[key]
+
+    # ------------------------------------------------------------------ rendering
+
+    def _render_text(self) -> None:
+        self._summary.value = self._summary_html()
+        self._table.value = self._table_html()
+
+    def _summary_html(self) -> str:
+        est = self._estimate
+        target = self.target
+        capacity = target.memory_bytes
+        fits = est.total_bytes <= capacity
+        largest = self.largest_batch()
+        lines = [
+            f"<b>{html.escape(self._profile.model_name or 'model')}</b>: "
+            f"{self._profile.param_count:,} parameters "
+            f"({self._profile.trainable_param_count:,} trainable); {est.mode.value}, batch "
+            f"{est.batch_size:,}, {est.precision.value}"
+            f"{', optimizer ' + est.optimizer.value if est.optimizer else ''}, for "
+            f"{est.device.value} kernels",
+            f"<b>Peak</b>: {format_bytes(est.peak_bytes)} ({est.peak_bytes:,} B) in "
+            f"{html.escape(est.peak_module or '(model)')}, {est.peak_phase.value}",
+        ]
+        parts = [
+            f"{c.value} {format_bytes(est.peak_breakdown.get(c, 0))}"
+            for c in Category
+            if est.peak_breakdown.get(c, 0)
+        ]
+        lines.append("<b>At the peak</b>: " + ", ".join(parts))
+        x = est.extras
+        lines.append(
+            f"<b>Extras</b> (reserve): CUDA context {format_bytes(x.cuda_context_bytes)}, "
+            f"cuBLAS workspace {format_bytes(x.cublas_workspace_bytes)}, allocator rounding "
+            f"{format_bytes(x.allocator_rounding_bytes)}; total needed "
+            f"{format_bytes(est.total_bytes)}"
+        )
+        verdict = (
+            f"<span style='color:#080'><b>fits</b></span> {html.escape(target.name)} "
+            f"({format_bytes(capacity)}; {est.total_bytes / capacity:.0%} used)"
+            if fits
+            else f"<span style='color:#b00'><b>does not fit</b></span> "
+            f"{html.escape(target.name)} ({format_bytes(capacity)})"
+        )
+        if largest == 0:
+            verdict += "; not even batch size 1 fits"
+        else:
+            verdict += f"; largest batch that fits: <b>{largest:,}</b>"
+        lines.append(verdict)
+        lines.append(f"<b>Memory per extra sample</b>: {format_bytes(self.bytes_per_sample())}")
+        lines.append(
+            f"<b>FLOPs per step</b>: {_format_count(est.flops)}FLOP "
+            f"({_format_count(est.macs)}MAC; forward {_format_count(est.flops_forward)}FLOP, "
+            f"backward {_format_count(est.flops_backward)}FLOP)"
+        )
+        rate = target.peak_flops_per_s(self.precision)
+        if rate:
+            t = est.flops / rate
+            speed = f"{est.batch_size / t:,.0f} samples/s" if t > 0 else "n/a"
+            lines.append(
+                f"<b>Step time</b> &ge; {_format_seconds(t)} at {rate / 1e12:g} TFLOP/s "
+                f"(dense peak); at most {speed}"
+            )
+        else:
+            lines.append("<b>Step time</b>: no FLOP rate for this device")
+        if not est.affine:
+            lines.append("<i>memory is not affine in the batch size for this model</i>")
+        return "<br>".join(lines)
+
+    def _table_html(self) -> str:
+        """The largest module groups at the current depth (numpy ranking, few rows)."""
+        layers = self._estimate.layers
+        groups = group_rows(layers.depth, self.depth)
+        n = len(groups)
+        cols = {
+            "params": layers.param_count,
+            "param B": layers.param_bytes,
+            "grad B": layers.gradient_bytes,
+            "opt state B": layers.optimizer_state_bytes,
+            "activation B": layers.activation_bytes,
+            "fwd FLOPs": layers.flops_forward,
+            "bwd FLOPs": layers.flops_backward,
+        }
+        sums = {k: np.bincount(groups, weights=v, minlength=n) for k, v in cols.items()}
+        total = sums["param B"] + sums["grad B"] + sums["opt state B"] + sums["activation B"]
+        heads = np.flatnonzero(groups == np.arange(n))
+        order = heads[np.argsort(-total[heads], kind="stable")][:_TABLE_ROWS]
+        head = "".join(f"<th>{h}</th>" for h in ("module", "type", "output", *cols))
+        body = []
+        for i in order:
+            cells = [
+                html.escape(layers.name[i] or "(model)"),
+                html.escape(layers.type[i]),
+                html.escape(str(layers.output_shape[i] or "")),
+                *(f"{round(sums[k][i]):,}" for k in cols),
+            ]
+            body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        return (
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+            f"<p>{len(heads)} groups at depth {self.depth}; full table: "
+            f"<code>w.to_dataframe()</code> / <code>w.to_csv(path)</code></p>"
+        )
+
+    # ------------------------------------------------------------------ controls
+
+    def _build_controls(self) -> None:
+        self._batch_slider = widgets.FloatLogSlider(
+            value=min(self.batch_size, BATCH_SLIDER_MAX),
+            base=2,
+            min=0,
+            max=math.log2(BATCH_SLIDER_MAX),
+            step=0.25,
+            description="batch size",
+            continuous_update=True,
+            readout=False,
+        )
+        self._batch_box = widgets.BoundedIntText(
+            value=self.batch_size, min=1, max=2**40, layout={"width": "110px"}
+        )
+        self._batch_slider.observe(self._slider_moved, names="value")
+        self._batch_box.observe(self._box_changed, names="value")
+        precision = widgets.Dropdown(options=list(self.traits()["precision"].values or []))
+        optimizer = widgets.Dropdown(options=list(_OPTIMIZERS))
+        mode = widgets.ToggleButtons(options=[m.value for m in Mode])
+        gpu = widgets.Dropdown(options=[*GPUS, CUSTOM_GPU])
+        custom = widgets.BoundedFloatText(min=0.001, max=1e6, layout={"width": "90px"})
+        max_depth = (
+            int(self._estimate.layers.depth.max()) if len(self._estimate.layers.depth) else 0
+        )
+        depth = widgets.IntSlider(min=0, max=max(max_depth, 1), description="group depth")
+        for control, name, label in (
+            (precision, "precision", "precision"),
+            (optimizer, "optimizer", "optimizer"),
+            (mode, "mode", "mode"),
+            (gpu, "gpu", "GPU"),
+            (custom, "custom_gib", "custom GiB"),
+            (depth, "depth", ""),
+        ):
+            if label:
+                control.description = label
+            widgets.link((self, name), (control, "value"))
+        self._controls = widgets.VBox(
+            [
+                widgets.HBox([self._batch_slider, self._batch_box]),
+                widgets.HBox([precision, optimizer, mode]),
+                widgets.HBox([gpu, custom, depth]),
+            ]
+        )
+
+    def _slider_moved(self, change: dict[str, Any]) -> None:
+        if not self._syncing:
+            self.batch_size = max(1, round(change["new"]))
+
+    def _box_changed(self, change: dict[str, Any]) -> None:
+        if not self._syncing:
+            self.batch_size = int(change["new"])
+
+    def _sync_controls(self) -> None:
+        """Show the batch size on the slider and the box without feeding back."""
+        self._syncing = True
+        try:
+            self._batch_slider.value = float(min(self.batch_size, BATCH_SLIDER_MAX))
+            self._batch_box.value = self.batch_size
+        finally:
+            self._syncing = False
+
+    # ------------------------------------------------------------------ static fallback
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        """The widget view where widgets run, plus a static figure and summary as HTML for
+        front ends that cannot run widgets (nbviewer, GitHub, exported notebooks)."""
+        bundle: dict[str, Any] = dict(super()._repr_mimebundle_(**kwargs) or {})
+        bundle["text/html"] = self.static_html()
+        return bundle
+
+    def static_html(self) -> str:
+        """The figure (plotly.js from the CDN) and the summary as one HTML fragment."""
+        fig = go.Figure(self._figure)
+        return (
+            fig.to_html(include_plotlyjs="cdn", full_html=False)
+            + f"<div>{self._summary.value}</div>"
+        )
+
+
+_SETTINGS: tuple[str, ...] = (
+    "batch_size",
+    "precision",
+    "optimizer",
+    "mode",
+    "gpu",
+    "custom_gib",
+    "depth",
+)
+
+
+def _largest_batch(profile: ModelProfile, capacity_bytes: int, settings: dict[str, Any]) -> int:
+    """``profile.max_batch_size`` in a handful of estimates instead of ~40.
+
+    Live bytes after each event are affine in the batch (``a + b * batch``), so two estimates
+    give every event's line and the batch where the first line crosses the capacity (less the
+    extras at batch 1). Allocator rounding moves that by a few samples; the answer is checked
+    with real estimates and searched from there, falling back to ``max_batch_size``.
+    """
+
+    def total(batch: int) -> int:
+        return profile.estimate(batch, **settings).total_bytes
+
+    one = profile.estimate(1, **settings)
+    if one.total_bytes > capacity_bytes:
+        return 0
+    two = profile.estimate(2, **settings)
+    if len(one.live_bytes) != len(two.live_bytes) or not len(one.live_bytes):
+        return profile.max_batch_size(capacity_bytes, **settings)
+    slope = two.live_bytes.astype(np.float64) - one.live_bytes
+    slope = np.append(slope, two.peak_bytes - one.peak_bytes)
+    icpt = np.append(one.live_bytes.astype(np.float64), one.peak_bytes) - slope
+    room = capacity_bytes - (one.total_bytes - one.peak_bytes)
+    grows = slope > 0
+    if not grows.any():
+        return profile.max_batch_size(capacity_bytes, **settings)
+    guess = int(max(1, np.floor(np.min((room - icpt[grows]) / slope[grows]))))
+    guess = min(guess, 2**40)
+    if total(guess) <= capacity_bytes:
+        if total(guess + 1) > capacity_bytes:
+            return guess
+        return profile.max_batch_size(capacity_bytes, **settings)
+    # Rounding pushed it over: step down by doubling, then bisect.
+    hi, step = guess, 1
+    lo = max(1, guess - step)
+    while lo > 1 and total(lo) > capacity_bytes:
+        hi, step = lo, step * 2
+        lo = max(1, guess - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if total(mid) <= capacity_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def show_memory(
+    model: Any,
+    input_size: Any = None,
+    inputs: Any = None,
+    loss_fn: Any = None,
+    device: str = "cuda",
+    **initial_settings: Any,
+) -> MemoryWidget | widgets.HTML:
+    """Profile ``model`` once and show an interactive memory / FLOPs widget.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model to estimate (any device, including meta).
+    input_size : tuple of int, optional
+        The shape of one sample (no batch dimension).
+    inputs : Tensor, tuple or dict of Tensors, optional
+        An example batch (dim 0 is the batch); give this or ``input_size``.
+    loss_fn : callable, optional
+        Maps the model's output to a scalar loss (see :func:`vram_widget.profile_model`).
+    device : {"cuda", "cpu"}
+        Whose kernels the estimate is for.
+    **initial_settings
+        Starting values of the controls: ``batch_size`` (int >= 1), ``precision``
+        ({"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}), ``optimizer`` (an optimizer name
+        or ``"none"``/None), ``mode`` ({"train", "inference"}), ``gpu`` (a key of
+        :data:`vram_widget._gpus.GPUS` or ``"custom"``), ``custom_gib`` (float), ``depth``
+        (module grouping depth, int >= 0).
+
+    Returns
+    -------
+    MemoryWidget or ipywidgets.HTML
+        The widget (an ``ipywidgets.VBox``; its traits are the settings, ``.estimate`` the
+        current :class:`~vram_widget.MemoryEstimate`, ``.figure`` the ``go.FigureWidget``).
+        When the model cannot be profiled, or a setting is invalid, an ``ipywidgets.HTML``
+        holding the error message is returned instead of raising, so a notebook shows a
+        clear message rather than a traceback.
+
+    Examples
+    --------
+    >>> from vram_widget import show_memory, zoo
+    >>> w = show_memory(zoo.mlp(), input_size=(784,), device="cpu", batch_size=64)
+    >>> w.batch_size = 128          # what the slider does
+    >>> w.estimate.batch_size
+    128
+    >>> w.figure.data[0].name
+    'resident'
+    """
+    from ._profiler import ProfilingError, profile_model
+
+    try:
+        profile = profile_model(
+            model, input_size=input_size, inputs=inputs, loss_fn=loss_fn, device=device
+        )
+        return MemoryWidget(profile, **initial_settings)
+    except (ProfilingError, ValueError, TypeError, traitlets.TraitError) as exc:
+        return _error_widget(exc)
+
+
+def _error_widget(exc: BaseException) -> widgets.HTML:
+    message = html.escape(f"{type(exc).__name__}: {exc}")
+    return widgets.HTML(
+        value=(
+            "<div style='color:#b00; white-space:pre-wrap'><b>vram_widget cannot show this "
+            f"model</b><br>{message}</div>"
+        )
+    )
