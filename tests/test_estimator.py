@@ -372,16 +372,6 @@ def test_huge_batch_peak_is_a_python_int() -> None:
     assert est.activation_bytes == 80 * batch
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "library bug: estimate() is not exact past int64 although Affine.at returns Python "
-        "ints there: FLOPs are cast with .astype(np.int64) (OverflowError at batch 2**62 "
-        "here; in a real profile of Linear(10, 20) from batch 10**17), per-row bytes go "
-        "through float64 and back to int64 (Timeline.rows_of_category: garbage and a "
-        "RuntimeWarning past 2**63), and the peak breakdown sums in float64"
-    ),
-)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
 def test_totals_exact_beyond_int64() -> None:
     batch = 2**62

@@ -31,7 +31,7 @@ from ._options import (
     Phase,
     Precision,
 )
-from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, shape_at
+from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, shape_at, sum_by
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -177,9 +177,8 @@ def estimate(
         peak = _as_int(live[at])
         peak_phase = PHASES[int(phases[at])]
         peak_module = rows.names[int(modules[at])]
-        weights = seq[: at + 1].astype(np.float64)
-        by_cat = np.bincount(cats[: at + 1], weights=weights, minlength=N_CATEGORIES)
-        breakdown = {c: _as_int(resident[i]) + round(by_cat[i]) for i, c in enumerate(CATEGORIES)}
+        by_cat = sum_by(cats[: at + 1], seq[: at + 1], N_CATEGORIES)
+        breakdown = {c: _as_int(resident[i] + by_cat[i]) for i, c in enumerate(CATEGORIES)}
     else:
         peak = resident_total
         peak_phase = Phase.FORWARD if train else Phase.INFERENCE

@@ -38,6 +38,7 @@ from ._step import (
     cast_floating,
     inference_pass,
     make_optimizer,
+    paused_gc,
     storage_dtype,
     training_iteration,
 )
@@ -214,7 +215,7 @@ def _measure(
     def session() -> _Session:
         return _Session(model, user_inputs, loss_fn, opt_name, prec, run_mode, device)
 
-    with _preserved_global_state(device), _paused_gc(), _grad_mode(run_mode):
+    with _preserved_global_state(device), paused_gc(), _grad_mode(run_mode):
         if device.type == "cuda":
             resident, peak, reserved = _run_cuda(session, device)
             trace = None
@@ -465,24 +466,6 @@ def _preserved_global_state(device: torch.device) -> Iterator[None]:
         torch.random.set_rng_state(cpu_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
-
-
-@contextlib.contextmanager
-def _paused_gc() -> Iterator[None]:
-    """Pause automatic garbage collection (restored afterwards).
-
-    Objects made while it is paused stay in the youngest generation, so ``gc.collect(0)``
-    (fast) is enough to collect the garbage of an iteration; the caller's older garbage is
-    left alone, so no block allocated before ``measure`` is freed while it measures.
-    """
-    gc.collect(0)
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ widget only see numpy arrays.
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,8 +23,10 @@ from ._profile import ModelProfile
 from ._recorder import Recorder, module_hooks
 from ._step import (
     ModelInputs,
+    autocast_dtype,
     inference_pass,
     make_optimizer,
+    paused_gc,
     storage_dtype,
     training_iteration,
 )
@@ -200,19 +201,6 @@ def _preserved_model_state(model: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Frees must happen when references drop, as in a real run; the cycle collector firing
-    at a random point would make two traces disagree."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _describe(obj: Any) -> str:
     """Shapes of the tensors in a module call's arguments, for error messages."""
     if isinstance(obj, torch.Tensor):
@@ -242,7 +230,6 @@ class Profiler:
         if self.subject.device is Device.CPU:
             return None
         from ._cuda_rules import CudaEmulation, CudaTarget
-        from ._step import autocast_dtype
 
         amp = autocast_dtype(precision)
         return lambda: CudaEmulation(CudaTarget(), amp)
@@ -292,7 +279,7 @@ class Profiler:
         context = self._context(precision)
         subject.model.train(train)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_gc_paused())
+            stack.enter_context(paused_gc())
             stack.enter_context(quiet_fake_tensor_log())
             if fake_mode is not None:
                 stack.enter_context(fake_mode)
@@ -417,7 +404,7 @@ class Profiler:
                 seen.add(id(st))
                 state_bytes[rows_of[name]] += st.nbytes()
                 blocks.append(st.nbytes())
-        with _gc_paused(), fake_mode, rec:
+        with paused_gc(), fake_mode, rec:
             opt.step()
             rec.stop()
         events = rec.events()

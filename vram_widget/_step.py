@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import gc
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -239,3 +240,22 @@ def inference_pass(
     ):
         output = inputs.call(model)
     del output
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause automatic garbage collection while a step runs (restored afterwards).
+
+    Memory must be freed when references drop, as in an ordinary training loop; the cycle
+    collector firing at a random point would make two runs disagree. Objects made while it is
+    paused stay in the youngest generation, so ``gc.collect(0)`` (fast) collects a step's
+    garbage, and the caller's older garbage is left alone.
+    """
+    gc.collect(0)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

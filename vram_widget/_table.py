@@ -107,15 +107,8 @@ class Timeline:
     def rows_of_category(self, category: Category, batch_size: int, n_rows: int) -> np.ndarray:
         """Bytes of the storages of one category, per row (the allocating or owning row)."""
         mask = self.storage_category == CATEGORY_CODE[category]
-        sizes = self.storage_bytes.at(batch_size)[mask]
-        return (
-            np.bincount(
-                self.storage_module[mask].clip(0),
-                weights=sizes.astype(np.float64),
-                minlength=n_rows,
-            )
-            .round()
-            .astype(np.int64)
+        return sum_by(
+            self.storage_module[mask].clip(0), self.storage_bytes.at(batch_size)[mask], n_rows
         )
 
 
@@ -139,6 +132,14 @@ class OptimizerTrace:
     event_bytes: np.ndarray  # int64, signed
     state_bytes: np.ndarray  # int64 per row (state of the parameters each row owns)
     state_block_bytes: np.ndarray  # int64, the size of each state storage on the device
+
+
+def sum_by(groups: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:
+    """Exact integer sums of ``values`` per group (int64, or Python ints for object arrays:
+    no float64 rounding, whatever the batch size)."""
+    out = np.zeros(n_groups, dtype=object if values.dtype == object else np.int64)
+    np.add.at(out, groups, values)
+    return out
 
 
 def interpolate_columns(grid: np.ndarray, values: np.ndarray, x: int) -> np.ndarray:
