@@ -32,8 +32,9 @@ aten = torch.ops.aten
 # Ops whose CPU kernels were measured to allocate internally (benchmarks/accuracy.py and the
 # per-op scan in tests/test_probe.py): oneDNN convolution forward and backward, bf16/fp16
 # matrix multiplies (oneDNN packing), the oneDNN LSTM layer, and bf16 reductions that
-# accumulate in fp32. Not ``mkldnn_rnn_layer_backward``: it reads the forward's opaque oneDNN
-# workspace, and run on zeros it crashes the process (seen here on torch 2.13).
+# accumulate in fp32. ``mkldnn_rnn_layer_backward`` reads the forward's opaque oneDNN
+# workspace (run on zeros it crashes the process, seen on torch 2.13), so its probe first
+# runs the matching forward to make one (``_PREPARE``).
 PROBED_OPS: frozenset[Any] = frozenset(
     {
         aten.convolution.default,
@@ -45,6 +46,7 @@ PROBED_OPS: frozenset[Any] = frozenset(
         aten._addmm_activation.default,
         aten.mean.dim,
         aten.mkldnn_rnn_layer.default,
+        aten.mkldnn_rnn_layer_backward.default,  # with a real workspace: see _PREPARE
         # fused attention kernels: the CPU flash kernel's scratch, and the eval fast paths of
         # nn.MultiheadAttention / nn.TransformerEncoderLayer, which build q, k, v and the
         # scores inside one op (tests/test_profiler.py measured -32 % without them)
@@ -71,6 +73,74 @@ _ANY_DTYPE = PROBED_OPS - {
 }
 
 
+def _rnn_backward_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The oneDNN LSTM backward reads the opaque workspace its forward returned; zeros crash
+    the process. Run the matching forward on the probe's tensors to make a real one."""
+    (
+        inp,
+        w1,
+        w2,
+        w3,
+        w4,
+        hx,
+        cx,
+        _out,
+        _hy,
+        _cy,
+        _go,
+        _ghy,
+        _gcy,
+        reverse,
+        mode,
+        hidden_size,
+        num_layers,
+        has_biases,
+        train,
+        bidirectional,
+        batch_sizes,
+        batch_first,
+        _ws,
+    ) = args
+    with torch.enable_grad():  # the forward returns its workspace only with grad enabled
+        fwd = aten.mkldnn_rnn_layer.default(
+            inp, w1, w2, w3, w4, hx, cx, reverse, batch_sizes, mode, hidden_size, num_layers,
+            has_biases, bidirectional, batch_first, train,
+        )  # fmt: skip
+    out, hy, cy, workspace = fwd
+    new_args = (
+        inp,
+        w1,
+        w2,
+        w3,
+        w4,
+        hx,
+        cx,
+        out,
+        hy,
+        cy,
+        _go,
+        _ghy,
+        _gcy,
+        reverse,
+        mode,
+        hidden_size,
+        num_layers,
+        has_biases,
+        train,
+        bidirectional,
+        batch_sizes,
+        batch_first,
+        workspace,
+    )
+    return new_args, kwargs
+
+
+# Ops whose real arguments must be rebuilt before a probe can run them.
+_PREPARE: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, Any]]] = {
+    aten.mkldnn_rnn_layer_backward.default: _rnn_backward_args,
+}
+
+
 def wants_probe(func: Any, args: tuple[Any, ...]) -> bool:
     """Whether this op call may allocate a workspace on the CPU.
 
@@ -93,8 +163,17 @@ def _signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
             return tuple(key(v) for v in x)
         return repr(x)
 
-    # Grad mode is part of the call: some kernels return different outputs under no_grad.
-    return (func, key(args), key(tuple(sorted(kwargs.items()))), torch.is_grad_enabled())
+    # Grad mode and CPU autocast are part of the call: some kernels return different outputs
+    # under no_grad, and fused kernels (the TransformerEncoderLayer fast path) run their
+    # inner matmuls in the autocast dtype.
+    autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    return (
+        func,
+        key(args),
+        key(tuple(sorted(kwargs.items()))),
+        autocast,
+        torch.is_grad_enabled(),
+    )
 
 
 class KernelProbe:
@@ -196,9 +275,9 @@ def _measure_workspaces(
     keys = list(calls)
     out_bytes: list[int] = []
     out_sizes: list[tuple[int, ...]] = []
-    # Each call runs in the grad mode the traced call ran in (the signature's last item): the
-    # oneDNN LSTM layer returns the workspace it keeps for backward only with grad enabled.
-    # No probe tensor requires grad, so no graph is built either way.
+    # Each call runs in the grad mode and CPU autocast state the traced call ran in (the
+    # signature's last two items): the oneDNN LSTM layer returns the workspace it keeps for
+    # backward only with grad enabled. No probe tensor requires grad, so no graph is built.
     with (
         _quiet_stderr_fd(),
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
@@ -206,10 +285,19 @@ def _measure_workspaces(
         for i, sig in enumerate(keys):
             func, args, kwargs = calls[sig]
             grad_mode = torch.set_grad_enabled(sig[-1])
+            autocast_dtype = sig[-2]
+            autocast = (
+                torch.autocast("cpu", dtype=autocast_dtype)
+                if autocast_dtype is not None
+                else contextlib.nullcontext()
+            )
             real_args, real_kwargs = tree_map(
                 lambda x: x.make() if isinstance(x, _TensorSpec) else x, (args, kwargs)
             )
-            with grad_mode, record_function(f"vram_widget_probe_{i}"):
+            prepare = _PREPARE.get(func)
+            if prepare is not None:  # outside the marker: its allocations are not the op's
+                real_args, real_kwargs = prepare(real_args, real_kwargs)
+            with grad_mode, autocast, record_function(f"vram_widget_probe_{i}"):
                 out = func(*real_args, **real_kwargs)
                 # by position in the op's returned tuple; None (no output) is 0 bytes
                 outs = out if isinstance(out, (tuple, list)) else (out,)
