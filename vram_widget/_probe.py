@@ -155,7 +155,9 @@ def wants_probe(func: Any, args: tuple[Any, ...]) -> bool:
     return first is not None and first.dtype in _LOW_PRECISION
 
 
-def _signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+def _signature(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], autocast: torch.dtype | None
+) -> tuple[Any, ...]:
     def key(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad)
@@ -165,8 +167,8 @@ def _signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 
     # Grad mode and CPU autocast are part of the call: some kernels return different outputs
     # under no_grad, and fused kernels (the TransformerEncoderLayer fast path) run their
-    # inner matmuls in the autocast dtype.
-    autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    # inner matmuls in the autocast dtype. The caller says whether autocast is on: inside
+    # __torch_dispatch__ the autocast key is already excluded, so torch cannot tell.
     return (
         func,
         key(args),
@@ -185,9 +187,15 @@ class KernelProbe:
         self._outputs: dict[tuple[Any, ...], tuple[int, ...]] = {}
         self._pending: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
 
-    def request(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def request(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        autocast: torch.dtype | None = None,
+    ) -> tuple[Any, ...]:
         """Note a call (its tensors' metadata only) and return its key."""
-        sig = _signature(func, args, kwargs)
+        sig = _signature(func, args, kwargs, autocast)
         if sig not in self._cache and sig not in self._pending:
             meta = tree_map(
                 lambda x: _TensorSpec(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)

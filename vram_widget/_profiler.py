@@ -248,7 +248,13 @@ class Profiler:
             inputs = subject.make_inputs(batch_size, precision, self.real)
             if fake_mode is not None:
                 stack.close()
-        rec = Recorder(subject._row_of, subject.loss_row, subject.optimizer_row, self.probe)
+        rec = Recorder(
+            subject._row_of,
+            subject.loss_row,
+            subject.optimizer_row,
+            self.probe,
+            autocast_dtype(precision) if subject.device is Device.CPU else None,
+        )
         rec.register_resident(
             params.values(), Category.PARAMETER, [row for _n, _p, row in subject._params]
         )

@@ -48,7 +48,7 @@ class StorageRecord:
     resident: bool  # allocated before recording began (parameters, buffers, inputs, ...)
     saved: bool = False  # packed by autograd for backward
     alive: bool = True
-    placeholder: bool = False  # 0 bytes on fake tensors; the probe measures the real size
+    placeholder: bool = False  # an output of a probed op: the probe measures its real size
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,13 @@ class Recorder(TorchDispatchMode):
         loss_row: int,
         optimizer_row: int,
         probe: KernelProbe | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.probe = probe
+        # CPU autocast of amp precisions covers the forward (and inference) pass only
+        self.autocast_dtype = autocast_dtype
+        self._autocast_phases = (PHASE_CODE[Phase.FORWARD], PHASE_CODE[Phase.INFERENCE])
         # (storage id, probe signature, output position or -1 for the workspace)
         self._probe_slots: list[tuple[int, tuple[Any, ...], int]] = []
         self.rows = rows
@@ -245,13 +249,15 @@ class Recorder(TorchDispatchMode):
             nbytes = st.nbytes()
             record = StorageRecord(nbytes, row, self.phase, _TEMPORARY, False)
             sid = self._new_storage(st, record)
-            if nbytes:
-                self._emit(sid, nbytes, row)
-            elif probed:
-                # a fake kernel's empty placeholder: the probe gives its real size
+            if probed:
+                # The probe gives each output's real size: fake kernels return empty
+                # placeholders for some (the oneDNN LSTM workspace), and fused kernels under
+                # autocast return bf16 where their meta kernel says fp32.
                 record.placeholder = True
-                self._emit(sid, 0, row)
+                self._emit(sid, nbytes, row)
                 placeholders.append((position, sid))
+            elif nbytes:
+                self._emit(sid, nbytes, row)
         if probed:
             self._reserve_workspace(func, args, kwargs, row, placeholders)
         flops = op_flops(func, args, kwargs, out)
@@ -275,7 +281,8 @@ class Recorder(TorchDispatchMode):
         """Placeholder +W/-W events for a kernel's workspace (and 0-byte events for outputs a
         fake kernel left empty), filled in by ``apply_probes``."""
         assert self.probe is not None
-        sig = self.probe.request(func, args, kwargs)
+        autocast = self.autocast_dtype if self.phase in self._autocast_phases else None
+        sig = self.probe.request(func, args, kwargs, autocast)
         sid = len(self.storages)
         self.storages.append(StorageRecord(0, row, self.phase, _TEMPORARY, False, alive=False))
         self._emit(sid, 0, row)
@@ -297,11 +304,14 @@ class Recorder(TorchDispatchMode):
         for i, sid in enumerate(self._ev_storage):
             events_of.setdefault(sid, []).append(i)
         for sid, sig, position in self._probe_slots:
+            record = self.storages[sid]
             if position < 0:
-                nbytes = self.probe.workspace_bytes(sig)
+                nbytes = self.probe.workspace_bytes(sig)  # -1: too large to run, unknown
             else:
                 nbytes = self.probe.output_bytes(sig, position)
-            self.storages[sid].nbytes = nbytes  # -1: too large to run, unknown
+                if nbytes < 0 and record.nbytes > 0:
+                    nbytes = record.nbytes  # not run: the fake kernel's size stands
+            record.nbytes = nbytes
             for k, i in enumerate(events_of.get(sid, [])):
                 self._ev_delta[i] = max(nbytes, 0) if k == 0 else -max(nbytes, 0)
 

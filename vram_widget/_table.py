@@ -92,7 +92,8 @@ class Timeline:
             ws = interpolate_columns(self.workspace_grid, self.workspace_bytes, batch_size)
             seq = seq.copy()
             seq[self.workspace_alloc_at] = ws
-            seq[self.workspace_free_at] = -ws
+            freed = self.workspace_free_at >= 0
+            seq[self.workspace_free_at[freed]] = -ws[freed]
         return seq
 
     def resident_by_category(self, batch_size: int) -> np.ndarray:
@@ -230,8 +231,13 @@ def fit_timeline(t1: _Trace, t2: _Trace, t3: _Trace, *grid_traces: _Trace) -> Ti
     alloc_at = np.asarray(
         [np.flatnonzero(t1.event_storage == sid)[0] for sid in ws_sids], dtype=np.int64
     )
+    # -1 where the storage outlives the run (no free event)
     free_at = np.asarray(
-        [np.flatnonzero(t1.event_storage == sid)[-1] for sid in ws_sids], dtype=np.int64
+        [
+            idx[-1] if len(idx) > 1 else -1
+            for idx in (np.flatnonzero(t1.event_storage == sid) for sid in ws_sids)
+        ],
+        dtype=np.int64,
     )
     traces = sorted((t1, t2, t3, *grid_traces), key=lambda t: t.batch_size)
     aligned = [t for t in traces if len(t.storage_bytes) == len(t1.storage_bytes)]
