@@ -453,3 +453,20 @@ def test_alexnet_and_vgg16_macs_at_224_match_the_hand_count() -> None:
     assert vgg_macs == 15_470_264_320  # the widely quoted 15.47 GMACs
     est = profile_model(zoo.vgg16(), input_size=(3, 224, 224)).estimate(1, mode="inference")
     assert est.macs == vgg_macs
+
+
+def test_cpu_lstm_counts_its_gate_matmuls() -> None:
+    """nn.LSTM on the CPU runs aten.mkldnn_rnn_layer, which stock FlopCounterMode counts as 0."""
+    from vram_widget._flops import count_flops
+
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(16, 32, num_layers=1, batch_first=True)
+    x = torch.zeros(3, 5, 16)
+    # 5 steps x 3 sequences x 4 gates x 32 hidden x (16 input + 32 hidden) MACs, 2 FLOPs each
+    forward = 2 * 5 * 3 * (4 * 32) * (16 + 32)
+    assert forward == 184_320
+    with torch.no_grad():
+        assert count_flops(lambda: lstm(x)) == forward
+    x.requires_grad_(True)
+    # backward: a gradient matmul for each operand of each forward matmul
+    assert count_flops(lambda: lstm(x)[0].sum().backward()) == forward + 2 * forward

@@ -21,6 +21,7 @@ FakeTensors and meta tensors as well as real ones.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from math import prod
 from typing import Any
@@ -271,6 +272,40 @@ def _transformer_encoder_layer_flop(
     )
 
 
+# The oneDNN RNN layer (CPU nn.LSTM / nn.GRU / nn.RNN).
+
+
+def _rnn_layer_forward_flop(
+    inp: torch.Tensor,
+    weight0: torch.Tensor,
+    weight1: torch.Tensor,
+    *args: Any,
+    out_val: Any = None,
+    **kwargs: Any,
+) -> int:
+    """``aten.mkldnn_rnn_layer``: at every step, the input and hidden projections of all gates,
+    ``x @ W_ih.T`` and ``h @ W_hh.T``; the same matmuls an unrolled cell runs (2 FLOPs per MAC).
+
+    ``weight0`` is (gates * hidden, input) and ``weight1`` (gates * hidden, hidden), so the
+    gate count needs no lookup here."""
+    steps_times_batch = math.prod(_shape(inp)[:-1])  # (T, B, I) or (B, T, I)
+    w_ih, w_hh = _shape(weight0), _shape(weight1)
+    return 2 * steps_times_batch * (w_ih[0] * w_ih[1] + w_hh[0] * w_hh[1])
+
+
+def _rnn_layer_backward_flop(
+    inp: torch.Tensor,
+    weight1: torch.Tensor,
+    weight2: torch.Tensor,
+    *args: Any,
+    out_val: Any = None,
+    **kwargs: Any,
+) -> int:
+    """``aten.mkldnn_rnn_layer_backward``: each forward matmul has two gradient matmuls (its
+    input's and its weight's), as autograd of the unrolled cell computes."""
+    return 2 * _rnn_layer_forward_flop(inp, weight1, weight2)
+
+
 # --------------------------------------------------------------------------------------------
 # The table: stock registry, then our corrections (later entries win).
 # --------------------------------------------------------------------------------------------
@@ -300,6 +335,9 @@ def _build_formulas() -> dict[Any, _Formula]:
         # Fix 3.
         "_native_multi_head_attention": _native_mha_flop,
         "_transformer_encoder_layer_fwd": _transformer_encoder_layer_flop,
+        # CPU recurrent layers (stock counts 0 for nn.LSTM on the CPU).
+        "mkldnn_rnn_layer": _rnn_layer_forward_flop,
+        "mkldnn_rnn_layer_backward": _rnn_layer_backward_flop,
     }
     for name, formula in overrides.items():
         packet = _packet(name)
