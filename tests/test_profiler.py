@@ -901,3 +901,13 @@ def test_max_batch_size_counts_cuda_extras() -> None:
     b = profile.max_batch_size(cap, optimizer="adam")
     assert profile.estimate(b, optimizer="adam").total_bytes <= cap
     assert profile.estimate(b + 1, optimizer="adam").total_bytes > cap
+
+
+def test_batch_dimension_in_input_size_is_named() -> None:
+    # A conv net given (1, 3, 16, 16): the conv sees a 5-D batch and fails; the message says
+    # that input_size excludes the batch dimension and what to pass instead.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten())
+    before = snapshot_model(model)
+    with pytest.raises(ProfilingError, match=r"input_size=\(3, 16, 16\)"):
+        profile_model(model, input_size=(1, 3, 16, 16), device="cpu")
+    assert_model_unchanged(model, before)

@@ -359,7 +359,17 @@ class Profiler:
         kind = self.subject.rows.types[row]
         return ProfilingError(
             f"module {name!r} ({kind}) failed on inputs {_describe(args)}: "
-            f"{type(exc).__name__}: {exc}"
+            f"{type(exc).__name__}: {exc}{self._input_size_hint()}"
+        )
+
+    def _input_size_hint(self) -> str:
+        """The commonest input mistake: a batch dimension inside ``input_size``."""
+        size = self.subject.input_size
+        if size is None or len(size) < 2:
+            return ""
+        return (
+            f" (input_size={size} is the shape of one sample, without the batch dimension: "
+            f"if {size[0]} is a batch size, pass input_size={size[1:]})"
         )
 
     def run_optimizer(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
