@@ -191,16 +191,6 @@ LINEAR_PEAK = {
 assert (LINEAR_PEAK["sgd"], LINEAR_PEAK["sgd-momentum"], LINEAR_PEAK["adam"]) == (2408, 3208, 5300)
 assert LINEAR_PEAK["adagrad"] == LINEAR_PEAK["rmsprop"] == 3700
 
-_WRAPPED_SCALAR = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "library bug: the estimate misses the 12 B a Python float costs inside a CPU op at "
-        "the optimizer's peak (a 0-dim float64 wrapped number, 8 B, and its float32 copy, "
-        "4 B; made below the dispatcher, so the recorder never sees them): estimate "
-        "5288 vs measured 5300 (adam, adamw), 3688 vs 3700 (adagrad, rmsprop)"
-    ),
-)
-
 
 @pytest.mark.parametrize("optimizer", list(LINEAR_PEAK))
 def test_linear_measured_peak_by_hand(optimizer: str) -> None:
@@ -214,10 +204,10 @@ def test_linear_measured_peak_by_hand(optimizer: str) -> None:
     [
         "sgd",
         "sgd-momentum",
-        pytest.param("adam", marks=_WRAPPED_SCALAR),
-        pytest.param("adamw", marks=_WRAPPED_SCALAR),
-        pytest.param("adagrad", marks=_WRAPPED_SCALAR),
-        pytest.param("rmsprop", marks=_WRAPPED_SCALAR),
+        "adam",
+        "adamw",
+        "adagrad",
+        "rmsprop",
     ],
 )
 def test_linear_estimated_peak_by_hand(optimizer: str) -> None:
@@ -690,18 +680,7 @@ def test_meta_llama_7b_profiles_without_memory() -> None:
         ("sgd", "train"),
         ("sgd-momentum", "train"),
         (None, "inference"),
-        pytest.param(
-            "adam",
-            "train",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "library bug (the 12 B wrapped scalar at Adam's peak, as for the Linear): "
-                    "zoo mlp estimate 13942468 vs measured 13942480 at batch 5, 14129852 vs "
-                    "14129864 at 64"
-                ),
-            ),
-        ),
+        ("adam", "train"),
     ],
 )
 def test_estimate_equals_measure_at_any_batch(batch: int, optimizer: str | None, mode: str) -> None:

@@ -254,6 +254,7 @@ class Profiler:
             subject.optimizer_row,
             self.probe,
             autocast_dtype(precision) if subject.device is Device.CPU else None,
+            cpu_scalars=subject.device is Device.CPU,
         )
         rec.register_resident(
             params.values(), Category.PARAMETER, [row for _n, _p, row in subject._params]
@@ -396,7 +397,12 @@ class Profiler:
             )
             opt.step()  # first step: creates the state
             stack.close()
-        rec = Recorder(subject._row_of, subject.loss_row, subject.optimizer_row)
+        rec = Recorder(
+            subject._row_of,
+            subject.loss_row,
+            subject.optimizer_row,
+            cpu_scalars=not cuda,
+        )
         rec.set_phase(Phase.OPTIMIZER)
         rec.register_resident([p for _n, p in trainable], Category.PARAMETER)
         rec.register_resident(

@@ -76,8 +76,12 @@ class Recorder(TorchDispatchMode):
         optimizer_row: int,
         probe: KernelProbe | None = None,
         autocast_dtype: torch.dtype | None = None,
+        cpu_scalars: bool = False,
     ) -> None:
         super().__init__()
+        # CPU semantics: a Python number passed where an op takes a Tensor costs a 0-dim
+        # tensor and a cast copy inside the op (see _wrapped_scalar_bytes)
+        self.cpu_scalars = cpu_scalars
         self.probe = probe
         # CPU autocast of amp precisions covers the forward (and inference) pass only
         self.autocast_dtype = autocast_dtype
@@ -260,6 +264,15 @@ class Recorder(TorchDispatchMode):
                 self._emit(sid, nbytes, row)
         if probed:
             self._reserve_workspace(func, args, kwargs, row, placeholders)
+        if self.cpu_scalars:
+            scalar_bytes = _wrapped_scalar_bytes(func, args)
+            if scalar_bytes:
+                sid = len(self.storages)
+                self.storages.append(
+                    StorageRecord(scalar_bytes, row, self.phase, _TEMPORARY, False, alive=False)
+                )
+                self._emit(sid, scalar_bytes, row)
+                self._emit(sid, -scalar_bytes, row)
         flops = op_flops(func, args, kwargs, out)
         if flops:
             if self.phase == PHASE_CODE[Phase.BACKWARD]:
@@ -364,6 +377,34 @@ class Recorder(TorchDispatchMode):
 
     def event_count(self) -> int:
         return len(self._ev_delta)
+
+
+def _wrapped_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
+    """CPU bytes eager PyTorch spends on Python numbers passed as Tensor arguments.
+
+    ``x / 1.5`` reaches a dispatch mode as ``aten.div.Tensor(x, 1.5)``; in eager mode the
+    argument parser wraps 1.5 in a 0-dim float64 tensor (8 bytes; int64 for ints, bool 1 byte)
+    that lives for the call, and the CPU TensorIterator casts it to the computation dtype (one
+    more element) inside the op. Seen as 12 bytes at Adam's peak on the CPU (``denom``).
+    """
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return 0
+    total = 0
+    common_itemsize = 0
+    for arg_schema, value in zip(schema.arguments, args, strict=False):
+        if isinstance(value, torch.Tensor):
+            common_itemsize = common_itemsize or value.element_size()
+            continue
+        if not isinstance(value, (bool, int, float, complex)):
+            continue
+        if not isinstance(arg_schema.type, torch.TensorType):
+            continue
+        wrapped = 1 if isinstance(value, bool) else 16 if isinstance(value, complex) else 8
+        total += wrapped
+    if total and common_itemsize and common_itemsize != total:
+        total += common_itemsize  # the cast copy to the computation dtype
+    return total
 
 
 @contextmanager
