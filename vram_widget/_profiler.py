@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from ._fake import DATA_DEPENDENT_ERRORS, FakeTensorMode, new_fake_mode, quiet_fake_tensor_log
+from ._fake import DATA_DEPENDENT_ERRORS, new_fake_mode, quiet_fake_tensor_log
 from ._options import Category, Device, Mode, OptimizerName, Phase, Precision, parse_option
 from ._probe import KernelProbe
 from ._profile import ModelProfile
@@ -53,7 +53,6 @@ class RawTrace:
     storage_module: np.ndarray  # int32, per storage id (row that allocated it; -1 resident)
     storage_resident: np.ndarray  # bool
     storage_bytes: np.ndarray  # int64 (size at allocation or registration)
-    resident_storages: np.ndarray  # int64 storage ids resident at the start of the run
     flops_forward: np.ndarray  # int64 per row
     flops_backward: np.ndarray  # int64 per row
     output_shapes: tuple[tuple[int, ...] | None, ...]
@@ -234,20 +233,12 @@ class Profiler:
         amp = autocast_dtype(precision)
         return lambda: CudaEmulation(CudaTarget(), amp)
 
-    def _fake_mode(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext() if self.real else new_fake_mode()
-
     def run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
         subject = self.subject
-        mode = self._fake_mode()
-        fake_mode = mode if isinstance(mode, FakeTensorMode) else None
-        with contextlib.ExitStack() as stack:
-            if fake_mode is not None:
-                stack.enter_context(fake_mode)
+        fake_mode = None if self.real else new_fake_mode()
+        with fake_mode or contextlib.nullcontext():
             params, buffers = subject.make_state(precision, self.real)
             inputs = subject.make_inputs(batch_size, precision, self.real)
-            if fake_mode is not None:
-                stack.close()
         rec = Recorder(
             subject._row_of,
             subject.loss_row,
@@ -263,7 +254,6 @@ class Profiler:
             buffers.values(), Category.BUFFER, [row for _n, _b, row in subject._buffers]
         )
         rec.register_resident(inputs.tensors(), Category.INPUT)
-        resident = np.asarray(sorted(set(range(len(rec.storages)))), dtype=np.int64)
         state = {**params, **buffers}
 
         def model_fn(*args: Any, **kwargs: Any) -> Any:
@@ -334,7 +324,6 @@ class Profiler:
             storage_module=np.asarray([s.module for s in storages], dtype=np.int32),
             storage_resident=np.asarray([s.resident for s in storages], dtype=bool),
             storage_bytes=np.asarray([s.nbytes for s in storages], dtype=np.int64),
-            resident_storages=resident,
             flops_forward=rec.flops_forward,
             flops_backward=rec.flops_backward,
             output_shapes=tuple(rec.output_shapes),
