@@ -30,7 +30,12 @@ def _load(path: Path) -> dict:
 
 def test_the_expected_notebooks_exist() -> None:
     names = {p.name for p in NOTEBOOKS}
-    assert {"quickstart.ipynb", "cs231n_vgg16.ipynb"} <= names
+    assert {
+        "quickstart.ipynb",
+        "cs231n_vgg16.ipynb",
+        "batch_size_tradeoffs.ipynb",
+        "validate_on_your_gpu.ipynb",
+    } <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -60,3 +60,18 @@ def test_cnn_inference_on_cpu_matches_measure_with_workspaces() -> None:
         est = profile.estimate(batch, mode="inference")
         real = measure(model, torch.zeros(batch, 3, 32, 32), mode="inference")
         assert est.peak_bytes == real.peak_bytes, (batch, est.peak_bytes, real.peak_bytes)
+
+
+def test_batchnorm_on_a_1x1_map_skips_the_batch_1_grid_point() -> None:
+    # BatchNorm in training rejects batch 1 when each channel has one value (a 1x1 map): the
+    # workspace grid leaves batch 1 out instead of failing the profile.
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2),  # 4x4 -> 1x1
+        torch.nn.BatchNorm2d(8),
+        torch.nn.Flatten(),
+    )
+    profile = profile_model(model, input_size=(3, 4, 4), device="cpu")
+    for batch in (2, 6):
+        assert profile.estimate(batch).peak_bytes == measure(
+            model, torch.zeros(batch, 3, 4, 4)
+        ).peak_bytes

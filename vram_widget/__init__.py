@@ -12,13 +12,18 @@ from typing import TYPE_CHECKING, Any
 from ._options import Category, Device, Mode, OptimizerName, Phase, Precision
 
 if TYPE_CHECKING:
+    from ._accelerator import AcceleratorExtras
     from ._estimator import LayerTable, MemoryEstimate
+    from ._gpus import GPUS, Gpu
     from ._measure import Measurement, measure
     from ._profile import ModelProfile
     from ._profiler import ProfilingError, profile_model
     from ._widget import MemoryWidget, show_memory
 
 _LAZY = {
+    "AcceleratorExtras": "._accelerator",
+    "GPUS": "._gpus",
+    "Gpu": "._gpus",
     "LayerTable": "._estimator",
     "MemoryEstimate": "._estimator",
     "Measurement": "._measure",
@@ -31,8 +36,11 @@ _LAZY = {
 }
 
 __all__ = [
+    "GPUS",
+    "AcceleratorExtras",
     "Category",
     "Device",
+    "Gpu",
     "LayerTable",
     "Measurement",
     "MemoryEstimate",

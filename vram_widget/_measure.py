@@ -297,7 +297,9 @@ def _run_cpu(session: Callable[[], _Session]) -> tuple[int, _CpuTrace]:
             "measure uses the PyTorch profiler on CPU and cannot run while another profiler "
             "is active; call it outside the profiler's context"
         )
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from ._probe import quiet_stderr_fd
+
+    with quiet_stderr_fd(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run = session()
         run.iterate()
         gc.collect(0)

@@ -254,7 +254,7 @@ def _call_bytes(call: tuple[Any, ...]) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_stderr_fd() -> Iterator[None]:
+def quiet_stderr_fd() -> Iterator[None]:
     """Silence file descriptor 2 while the profiler starts and stops: kineto writes
     ``USDT ... profiler_start`` lines from C++ (KINETO_LOG_LEVEL is read only at library
     load), and ipykernel forwards fd-level output into the notebook cell."""
@@ -287,7 +287,7 @@ def _measure_workspaces(
     # signature's last two items): the oneDNN LSTM layer returns the workspace it keeps for
     # backward only with grad enabled. No probe tensor requires grad, so no graph is built.
     with (
-        _quiet_stderr_fd(),
+        quiet_stderr_fd(),
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
     ):
         for i, sig in enumerate(keys):

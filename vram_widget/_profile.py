@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import numpy as np
-
 from ._estimator import MemoryEstimate, estimate
 from ._options import (
     Device,
@@ -185,7 +183,12 @@ class ModelProfile:
         optimizer: str | OptimizerName | None = "adam",
         mode: str | Mode = "train",
     ) -> int:
-        """How much the peak grows per extra sample, at large batch."""
-        big = self.estimate(1025, precision, optimizer, mode).peak_bytes
-        small = self.estimate(1024, precision, optimizer, mode).peak_bytes
-        return int(np.int64(big) - np.int64(small))
+        """How much the peak grows per extra sample, asymptotically.
+
+        The peak is a maximum of affine functions of the batch (one per moment of the step),
+        so its slope rises with the batch until one moment dominates; this is that final
+        slope, read between batch 2**30 and 2**30 + 1.
+        """
+        big = self.estimate(2**30 + 1, precision, optimizer, mode).peak_bytes
+        small = self.estimate(2**30, precision, optimizer, mode).peak_bytes
+        return int(big) - int(small)

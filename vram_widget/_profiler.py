@@ -444,7 +444,7 @@ class _Source:
         train = mode is Mode.TRAIN
         traces = [self._run(precision, b, train) for b in FIT_BATCH_SIZES]
         if self.profiler.probe is not None and len(traces[0].workspace_storages):
-            traces += [self._run(precision, b, train) for b in WORKSPACE_BATCH_SIZES]
+            traces += self._grid_runs(precision, train)
         try:
             timeline = fit_timeline(*traces)  # type: ignore[arg-type]
         except NotAffineError as exc:
@@ -460,6 +460,17 @@ class _Source:
                 stacklevel=4,
             )
         return timeline
+
+    def _grid_runs(self, precision: Precision, train: bool) -> list[RawTrace]:
+        """Runs at the extra workspace batch sizes; one the model cannot run (BatchNorm in
+        training rejects batch 1 on a 1x1 map) is left out of the grid, not an error."""
+        traces = []
+        for batch in WORKSPACE_BATCH_SIZES:
+            try:
+                traces.append(self._run(precision, batch, train))
+            except ProfilingError:
+                continue
+        return traces
 
     def _run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
         # Every run, the lazy ones a later estimate() asks for included, leaves the model's
