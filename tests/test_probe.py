@@ -72,6 +72,7 @@ def test_batchnorm_on_a_1x1_map_skips_the_batch_1_grid_point() -> None:
     )
     profile = profile_model(model, input_size=(3, 4, 4), device="cpu")
     for batch in (2, 6):
-        assert profile.estimate(batch).peak_bytes == measure(
-            model, torch.zeros(batch, 3, 4, 4)
-        ).peak_bytes
+        assert (
+            profile.estimate(batch).peak_bytes
+            == measure(model, torch.zeros(batch, 3, 4, 4)).peak_bytes
+        )

@@ -76,6 +76,7 @@ class Subject:
     _params: list[tuple[str, torch.nn.Parameter, int]] = field(init=False)
     _buffers: list[tuple[str, torch.Tensor, int]] = field(init=False)
     fallback_reason: str | None = None
+    params_with_grad: set[str] | None = None  # names; set by the first traced training step
 
     def __post_init__(self) -> None:
         names, types, depths, mods = [], [], [], []
@@ -200,17 +201,6 @@ def _preserved_model_state(model: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _describe(obj: Any) -> str:
-    """Shapes of the tensors in a module call's arguments, for error messages."""
-    if isinstance(obj, torch.Tensor):
-        return f"Tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
-    if isinstance(obj, (tuple, list)):
-        return "(" + ", ".join(_describe(o) for o in obj) + ")"
-    if isinstance(obj, dict):
-        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in obj.items()) + "}"
-    return type(obj).__name__
-
-
 class Profiler:
     """Produces raw traces for a subject, one precision and batch size at a time."""
 
@@ -262,7 +252,8 @@ class Profiler:
             )
 
         marks: dict[str, int] = {}
-        trainable = [p for p in params.values() if p.requires_grad]
+        named_trainable = [(n, p) for n, p in params.items() if p.requires_grad]
+        trainable = [p for _n, p in named_trainable]
 
         def between(phase: str) -> None:
             marks[phase] = rec.event_count()
@@ -271,6 +262,9 @@ class Profiler:
             elif phase == "optimizer":
                 grads = [rec.storage_id(p.grad) for p in trainable if p.grad is not None]
                 rec.set_category([g for g in grads if g is not None], Category.GRADIENT)
+                # torch.optim skips parameters whose .grad is None (unused in the forward,
+                # or behind a reentrant checkpoint whose input needs no grad): no state
+                subject.params_with_grad = {n for n, p in named_trainable if p.grad is not None}
                 rec.set_phase(Phase.ZERO_GRAD)
 
         context = self._context(precision)
@@ -340,15 +334,15 @@ class Profiler:
         if rec.model_returned:
             what = "loss_fn" if self.subject.loss_fn is not None else "the default loss"
             return ProfilingError(f"{what} raised {type(exc).__name__}: {exc}")
-        call = rec.innermost_call()
+        call = rec.failed_call(exc)
         names = self.subject.rows.names
         if call is None or call[0] >= self.subject.loss_row:
             return ProfilingError(f"the model's forward raised {type(exc).__name__}: {exc}")
-        row, args = call
+        row, shapes = call
         name = names[row] or "(root)"
         kind = self.subject.rows.types[row]
         return ProfilingError(
-            f"module {name!r} ({kind}) failed on inputs {_describe(args)}: "
+            f"module {name!r} ({kind}) failed on inputs {shapes}: "
             f"{type(exc).__name__}: {exc}{self._input_size_hint()}"
         )
 
@@ -367,7 +361,11 @@ class Profiler:
         state, is recorded. Its allocations do not depend on the batch size."""
         subject = self.subject
         cuda = subject.device is Device.CUDA
-        if not any(p.requires_grad for _n, p, _r in subject._params):
+        stepped = subject.params_with_grad
+        if not any(
+            p.requires_grad and (stepped is None or name in stepped)
+            for name, p, _r in subject._params
+        ):
             # Nothing to optimize: torch.optim refuses an empty list, and the step is a no-op.
             n_rows = len(subject.rows.names)
             empty = np.zeros(0, dtype=np.int64)
@@ -378,7 +376,13 @@ class Profiler:
             stack.enter_context(fake_mode)
             params, _buffers = subject.make_state(precision, real=False)
             rows_of = {name: row for name, _p, row in subject._params}
-            trainable = [(name, p) for name, p in params.items() if p.requires_grad]
+            # the parameters the traced step gave a gradient (all trainable ones if no
+            # training step was traced yet)
+            trainable = [
+                (name, p)
+                for name, p in params.items()
+                if p.requires_grad and (stepped is None or name in stepped)
+            ]
             for _name, p in trainable:
                 p.grad = torch.empty_like(p)
             opt = make_optimizer(

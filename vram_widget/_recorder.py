@@ -9,6 +9,7 @@ whose ops fake tensors cannot run).
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -110,6 +111,8 @@ class Recorder(TorchDispatchMode):
         self._seq_seen = next_sequence_nr()
         self._recording = True
         self.model_returned = False  # the root module's forward has returned
+        # (exception key, row, input shapes) of the innermost module a forward raised from
+        self.failure: tuple[tuple[int, str, str], int, str] | None = None
 
     # -- storages -------------------------------------------------------------------------
     def register_resident(
@@ -170,20 +173,34 @@ class Recorder(TorchDispatchMode):
         self._input_stack.append((row, args))
 
     def exit_module(self, module: torch.nn.Module, output: Any) -> None:
+        """Called when a forward returns, and also when it raises (``always_call``): the
+        stack is popped either way, so that no reference to a call's inputs outlives the call
+        (non-reentrant checkpointing stops its recompute by raising through the forwards)."""
         if len(self._module_stack) > 1:
             row = self._module_stack.pop()
+            _row, args = self._input_stack.pop()
+            exc = sys.exc_info()[1]
+            if exc is not None:
+                # The innermost module sees the exception first: describe its call (shapes
+                # only); outer modules see the same exception. Neither the tensors nor the
+                # exception are kept: its traceback holds the frames, and their tensors.
+                key = _exception_key(exc)
+                if self.failure is None or self.failure[0] != key:
+                    self.failure = (key, row, describe_args(args))
+                return
             if row == 0:
                 self.model_returned = True
-            self._input_stack.pop()
             if self.output_shapes[row] is None:
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor):
                         self.output_shapes[row] = tuple(int(d) for d in t.shape)
                         break
 
-    def innermost_call(self) -> tuple[int, Any] | None:
-        """The innermost module call still open (after a failure: the one that failed)."""
-        return self._input_stack[-1] if self._input_stack else None
+    def failed_call(self, exc: BaseException) -> tuple[int, str] | None:
+        """The row and input shapes of the innermost module that ``exc`` came out of."""
+        if self.failure is not None and self.failure[0] == _exception_key(exc):
+            return self.failure[1], self.failure[2]
+        return None
 
     def set_phase(self, phase: Phase) -> None:
         self.phase = PHASE_CODE[phase]
@@ -379,6 +396,22 @@ class Recorder(TorchDispatchMode):
         return len(self._ev_delta)
 
 
+def _exception_key(exc: BaseException) -> tuple[int, str, str]:
+    """Identifies an exception without keeping it alive (exceptions take no weak refs)."""
+    return (id(exc), type(exc).__name__, str(exc))
+
+
+def describe_args(obj: Any) -> str:
+    """Shapes and dtypes of the tensors in a module call's arguments, for error messages."""
+    if isinstance(obj, torch.Tensor):
+        return f"Tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
+    if isinstance(obj, (tuple, list)):
+        return "(" + ", ".join(describe_args(o) for o in obj) + ")"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k}: {describe_args(v)}" for k, v in obj.items()) + "}"
+    return type(obj).__name__
+
+
 def _wrapped_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
     """CPU bytes eager PyTorch spends on Python numbers passed as Tensor arguments.
 
@@ -419,9 +452,9 @@ def module_hooks(recorder: Recorder) -> Iterator[None]:
     )
 
     pre = register_module_forward_pre_hook(lambda m, args: recorder.enter_module(m, args))
-    # Not ``always_call``: when a forward raises, the failing module stays on the stack, and
-    # ``innermost_call`` names it in the error message.
-    post = register_module_forward_hook(lambda m, args, out: recorder.exit_module(m, out))
+    post = register_module_forward_hook(
+        lambda m, args, out: recorder.exit_module(m, out), always_call=True
+    )
     try:
         yield
     finally:
