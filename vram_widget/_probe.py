@@ -75,64 +75,25 @@ _ANY_DTYPE = PROBED_OPS - {
 
 def _rnn_backward_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """The oneDNN LSTM backward reads the opaque workspace its forward returned; zeros crash
-    the process. Run the matching forward on the probe's tensors to make a real one."""
-    (
-        inp,
-        w1,
-        w2,
-        w3,
-        w4,
-        hx,
-        cx,
-        _out,
-        _hy,
-        _cy,
-        _go,
-        _ghy,
-        _gcy,
-        reverse,
-        mode,
-        hidden_size,
-        num_layers,
-        has_biases,
-        train,
-        bidirectional,
-        batch_sizes,
-        batch_first,
-        _ws,
-    ) = args
+    the process. Run the matching forward on the probe's tensors to make a real one.
+
+    Positions follow the schemas: backward (input, weight1..4, hx, cx, output, hy, cy,
+    grad_output, grad_hy, grad_cy, reverse, mode, hidden_size, num_layers, has_biases, train,
+    bidirectional, batch_sizes, batch_first, workspace); forward (input, weight0..3, hx, cx,
+    reverse, batch_sizes, mode, hidden_size, num_layers, has_biases, bidirectional,
+    batch_first, train).
+    """
+    new = list(args)
+    reverse, mode, hidden_size, num_layers, has_biases, train, bidirectional = args[13:20]
+    batch_sizes, batch_first = args[20:22]
     with torch.enable_grad():  # the forward returns its workspace only with grad enabled
-        fwd = aten.mkldnn_rnn_layer.default(
-            inp, w1, w2, w3, w4, hx, cx, reverse, batch_sizes, mode, hidden_size, num_layers,
-            has_biases, bidirectional, batch_first, train,
+        out, hy, cy, workspace = aten.mkldnn_rnn_layer.default(
+            *args[:7], reverse, batch_sizes, mode, hidden_size, num_layers, has_biases,
+            bidirectional, batch_first, train,
         )  # fmt: skip
-    out, hy, cy, workspace = fwd
-    new_args = (
-        inp,
-        w1,
-        w2,
-        w3,
-        w4,
-        hx,
-        cx,
-        out,
-        hy,
-        cy,
-        _go,
-        _ghy,
-        _gcy,
-        reverse,
-        mode,
-        hidden_size,
-        num_layers,
-        has_biases,
-        train,
-        bidirectional,
-        batch_sizes,
-        batch_first,
-        workspace,
-    )
-    return new_args, kwargs
+    new[7:10] = [out, hy, cy]
+    new[22] = workspace
+    return tuple(new), kwargs
 
 
 # Ops whose real arguments must be rebuilt before a probe can run them.
