@@ -668,6 +668,44 @@ def test_meta_llama_7b_profiles_without_memory() -> None:
     assert elapsed < 120
 
 
+_LLAMA_70B_SCRIPT = """
+import json, resource, torch
+from vram_widget import profile_model, zoo
+with torch.device("meta"):
+    model = zoo.llama_decoder(zoo.LLAMA_70B)
+profile = profile_model(model, inputs=torch.zeros(1, 16, dtype=torch.long))
+est = profile.estimate(1, "bf16", "adamw")
+print(json.dumps({
+    "param_count": profile.param_count,
+    "parameter_bytes": est.parameter_bytes,
+    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+}))
+"""
+
+
+@pytest.mark.slow
+def test_meta_llama_70b_profiles_in_under_2_gb() -> None:
+    # A 70B-shaped decoder (Llama-2-70B: 80 layers, d_model 8192, grouped-query attention)
+    # built on the meta device: 69 B parameters, 138 GB of bf16 weights that never exist.
+    # A fresh process, so that its peak RSS is the profile's own (measured: 0.35 GiB).
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _LLAMA_70B_SCRIPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    n = zoo.llama_param_count(zoo.LLAMA_70B)
+    assert result["param_count"] == n == 68_976_648_192
+    assert result["parameter_bytes"] == 2 * n
+    assert result["max_rss_bytes"] < 2 * 10**9
+
+
 # --------------------------------------------------------------------------------------------
 # Batch sizes: fit and extrapolation
 # --------------------------------------------------------------------------------------------
