@@ -50,7 +50,6 @@ from vram_widget._table import (
     Timeline,
     fit_timeline,
     interpolate_columns,
-    shape_at,
 )
 
 ROOT, FC, LOSS, OPT = 0, 1, 2, 3
@@ -382,9 +381,7 @@ def test_totals_exact_beyond_int64() -> None:
     assert sum(est.peak_breakdown.values()) == est.peak_bytes
 
 
-def test_shape_at_and_interpolation() -> None:
-    assert shape_at(((0, 1), (3, 0)), 7) == (7, 3)
-    assert shape_at(None, 7) is None
+def test_interpolation() -> None:
     grid = _i64(1, 8, 32)
     values = np.asarray([[100, 800, 800], [0, 70, 310]], dtype=np.int64)
     assert interpolate_columns(grid, values, 1).tolist() == [100, 0]

@@ -6,7 +6,6 @@ lays the step's events end to end on top of what is resident and reads off the p
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,7 @@ from ._options import (
     Phase,
     Precision,
 )
-from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, shape_at, sum_by
+from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, sum_by
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -50,7 +49,8 @@ class LayerTable:
     name: tuple[str, ...]
     type: tuple[str, ...]
     depth: np.ndarray
-    output_shape: tuple[tuple[int, ...] | None, ...]
+    output_dims: np.ndarray  # (rows x max_ndim), padded with 1
+    output_ndim: np.ndarray  # -1 for a row with no tensor output
     output_numel: np.ndarray
     param_count: np.ndarray
     param_bytes: np.ndarray
@@ -60,6 +60,14 @@ class LayerTable:
     activation_bytes: np.ndarray
     flops_forward: np.ndarray
     flops_backward: np.ndarray
+
+    @property
+    def output_shape(self) -> tuple[tuple[int, ...] | None, ...]:
+        """Each row's output shape (None where the row returns no tensor); built on access."""
+        return tuple(
+            None if n < 0 else tuple(int(d) for d in dims[:n])
+            for dims, n in zip(self.output_dims, self.output_ndim, strict=True)
+        )
 
     def to_dataframe(self) -> pd.DataFrame:
         import pandas as pd
@@ -202,16 +210,17 @@ def estimate(
     flops_b = timeline.flops_backward.at(batch_size)
     if not train:
         flops_b = np.zeros_like(flops_b)
-    shapes = tuple(shape_at(s, batch_size) for s in timeline.output_shapes)
-    numel = np.asarray(
-        [math.prod(s) if s is not None else 0 for s in shapes],
-        dtype=object if batch_size >= 2**31 else np.int64,
-    )
+    dims_affine, ndim = timeline.output_dims
+    dims = dims_affine.at(batch_size)
+    if batch_size >= 2**31:  # products past int64: exact Python ints
+        dims = dims.astype(object)
+    numel = np.where(ndim >= 0, dims.prod(axis=1), 0)
     layers = LayerTable(
         name=rows.names,
         type=rows.types,
         depth=rows.depths,
-        output_shape=shapes,
+        output_dims=dims,
+        output_ndim=ndim,
         output_numel=numel,
         param_count=rows.param_count,
         param_bytes=param_bytes,

@@ -312,6 +312,3 @@ def _peaks_by_marker(prof: Any, n: int) -> list[int]:
             peak = max(peak, running)
         peaks[i] = peak
     return peaks
-
-
-ProbeFactory = Callable[[], KernelProbe]

@@ -48,7 +48,6 @@ class StorageRecord:
     category: int
     resident: bool  # allocated before recording began (parameters, buffers, inputs, ...)
     saved: bool = False  # packed by autograd for backward
-    alive: bool = True
     placeholder: bool = False  # an output of a probed op: the probe measures its real size
 
 
@@ -156,7 +155,6 @@ class Recorder(TorchDispatchMode):
         if sid is None or not self._recording:
             return
         record = self.storages[sid]
-        record.alive = False
         if record.nbytes or record.placeholder:
             self._emit(sid, -record.nbytes, self._module_stack[-1])
 
@@ -286,7 +284,7 @@ class Recorder(TorchDispatchMode):
             if scalar_bytes:
                 sid = len(self.storages)
                 self.storages.append(
-                    StorageRecord(scalar_bytes, row, self.phase, _TEMPORARY, False, alive=False)
+                    StorageRecord(scalar_bytes, row, self.phase, _TEMPORARY, False)
                 )
                 self._emit(sid, scalar_bytes, row)
                 self._emit(sid, -scalar_bytes, row)
@@ -314,7 +312,7 @@ class Recorder(TorchDispatchMode):
         autocast = self.autocast_dtype if self.phase in self._autocast_phases else None
         sig = self.probe.request(func, args, kwargs, autocast)
         sid = len(self.storages)
-        self.storages.append(StorageRecord(0, row, self.phase, _TEMPORARY, False, alive=False))
+        self.storages.append(StorageRecord(0, row, self.phase, _TEMPORARY, False))
         self._emit(sid, 0, row)
         self._emit(sid, 0, row)
         self._probe_slots.append((sid, sig, -1))

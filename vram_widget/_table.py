@@ -7,6 +7,7 @@ and matching events one to one gives each event's constant part ``a`` and per-sa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,6 +85,20 @@ class Timeline:
     uses_matmul: bool
     affine: bool  # False when the check at a third batch size failed
     nonaffine_row: int | None  # the first row whose memory is not affine in the batch
+
+    @functools.cached_property
+    def output_dims(self) -> tuple[Affine, np.ndarray]:
+        """Every row's output shape as one padded (rows x max_ndim) affine array (padding is
+        1, so a row's numel is the product of its row), and each row's ndim (-1: no output).
+        Derived once, so that an estimate builds no per-row Python objects."""
+        ndim = np.asarray([-1 if s is None else len(s) for s in self.output_shapes], np.int64)
+        width = max(1, int(ndim.max(initial=0)))
+        a = np.ones((len(ndim), width), np.int64)
+        b = np.zeros((len(ndim), width), np.int64)
+        for row, shape in enumerate(self.output_shapes):
+            for dim, (ad, bd) in enumerate(shape or ()):
+                a[row, dim], b[row, dim] = ad, bd
+        return Affine(a, b), ndim
 
     def events_at(self, batch_size: int) -> np.ndarray:
         """Signed bytes of every event at this batch size (workspaces interpolated)."""
@@ -190,12 +205,6 @@ def _shapes_fit(
         slope = (d2 - d1) // (b2 - b1)
         out.append((d1 - slope * b1, slope))
     return tuple(out)
-
-
-def shape_at(shape: tuple[tuple[int, int], ...] | None, batch_size: int) -> tuple[int, ...] | None:
-    if shape is None:
-        return None
-    return tuple(a + b * batch_size for a, b in shape)
 
 
 def fit_timeline(t1: _Trace, t2: _Trace, t3: _Trace, *grid_traces: _Trace) -> Timeline:
