@@ -1,0 +1,372 @@
+"""Drive a notebook in a real JupyterLab, in headless Chromium, as a person would.
+
+Used by ``tests/browser/test_jupyterlab.py`` and ``benchmarks/browser_latency.py``. Nothing
+here touches the network: the server listens on 127.0.0.1, the browser is Debian's
+``/usr/bin/chromium`` (never ``playwright install``, which downloads a browser), and every
+request that is not to loopback is blocked and recorded, so a widget that needed a CDN fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+CHROMIUM = os.environ.get("VRAM_WIDGET_CHROMIUM", "/usr/bin/chromium")
+# Flags from the issue: no sandbox (root), no GPU, and nothing that phones home.
+CHROMIUM_ARGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOKS = REPO / "notebooks"
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
+
+# JupyterLab user settings for the run (a temporary settings directory): every cell stays in
+# the DOM (windowing off, so cells below the fold are rendered and queryable), and no news or
+# update check, which would fetch from the internet.
+_LAB_SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false",
+        "checkForUpdates": False,
+    },
+}
+
+
+def missing_requirements() -> list[str]:
+    """What this machine lacks to run the browser test (empty when it can run)."""
+    missing = []
+    if not Path(CHROMIUM).exists():
+        missing.append(f"{CHROMIUM} (apt-get install chromium)")
+    for module in ("playwright", "jupyterlab"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(f"the {module} Python package")
+    return missing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LabServer:
+    """A JupyterLab process serving a copy of ``notebooks/`` from a temporary directory."""
+
+    url: str
+    token: str
+    root: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def notebook_url(self, name: str) -> str:
+        return f"{self.url}/lab/tree/{name}?token={self.token}"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+@contextlib.contextmanager
+def lab_server(workdir: Path, timeout_s: float = 120.0) -> Iterator[LabServer]:
+    """Start JupyterLab on a free loopback port; always stop it by its PID at the end."""
+    root = workdir / "notebooks"
+    shutil.copytree(NOTEBOOKS, root)  # Lab autosaves: never let it write into the repo
+    settings = workdir / "lab-settings"
+    for rel, value in _LAB_SETTINGS.items():
+        path = settings / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+    env = dict(os.environ)
+    env.update(
+        JUPYTERLAB_SETTINGS_DIR=str(settings),
+        JUPYTERLAB_WORKSPACES_DIR=str(workdir / "lab-workspaces"),
+        JUPYTER_RUNTIME_DIR=str(workdir / "runtime"),
+        JUPYTER_CONFIG_DIR=str(workdir / "config"),
+        IPYTHONDIR=str(workdir / "ipython"),
+    )
+    port, token = _free_port(), secrets.token_hex(16)
+    log_path = workdir / "jupyterlab.log"
+    log = log_path.open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--port-retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=root,
+    )
+    url = f"http://127.0.0.1:{port}"
+    server = LabServer(url, token, root, process, log_path)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"JupyterLab exited with {process.returncode}:\n{server.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"JupyterLab did not answer in {timeout_s:.0f} s:\n{server.log_tail()}"
+                    ) from None
+                time.sleep(0.25)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+        log.close()
+
+
+@dataclass
+class BlockedRequests:
+    """Every request the page tried to send outside loopback (all were aborted)."""
+
+    urls: list[str] = field(default_factory=list)
+
+    def route(self, route: Any) -> None:
+        host = urlsplit(route.request.url).hostname or ""
+        if route.request.url.startswith(("data:", "blob:")) or host in LOOPBACK_HOSTS:
+            route.continue_()
+        else:
+            self.urls.append(route.request.url)
+            route.abort()
+
+
+@contextlib.contextmanager
+def chromium_page(workdir: Path) -> Iterator[tuple[Any, BlockedRequests]]:
+    """A fresh headless Chromium page whose non-loopback requests are blocked and recorded."""
+    from playwright.sync_api import sync_playwright
+
+    blocked = BlockedRequests()
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            user_data_dir=str(workdir / "chromium-profile"),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=list(CHROMIUM_ARGS),
+            viewport={"width": 1400, "height": 1000},
+        )
+        try:
+            context.route("**/*", blocked.route)
+            page = context.pages[0] if context.pages else context.new_page()
+            yield page, blocked
+        finally:
+            context.close()
+
+
+# --------------------------------------------------------------------------- in-page helpers
+# JupyterLab's app is exposed as window.jupyterapp (--LabApp.expose_app_in_browser); the
+# notebook model tells which outputs are widgets, since widget outputs carry no mime attribute.
+
+_JS_PANEL = (
+    "(() => { const w = window.jupyterapp?.shell?.currentWidget;"
+    " return w && w.content && w.sessionContext ? w : null; })()"
+)
+
+JS_KERNEL_IDLE = f"""() => {{
+  const p = {_JS_PANEL};
+  return !!(p && p.sessionContext.session?.kernel
+            && p.sessionContext.kernelDisplayStatus === 'idle');
+}}"""
+
+JS_OUTPUTS = f"""() => {{
+  const p = {_JS_PANEL};
+  return p.content.widgets.filter(c => c.model.type === 'code').map(c => ({{
+    source: c.model.sharedModel.getSource().slice(0, 80),
+    executed: c.model.executionCount !== null,
+    outputs: c.model.outputs.toJSON(),
+  }}));
+}}"""
+
+
+@dataclass(frozen=True)
+class CellReport:
+    """What the notebook showed after Run All."""
+
+    errors: list[str]
+    widget_outputs: int
+    stuck_loading: int
+    display_errors: int
+
+
+def open_and_run_all(page: Any, server: LabServer, notebook: str, timeout_s: float) -> CellReport:
+    """Open ``notebook`` in Lab, wait for its kernel, Run All, wait for every cell."""
+    page.goto(server.notebook_url(notebook), wait_until="domcontentloaded")
+    page.wait_for_function(JS_KERNEL_IDLE, timeout=timeout_s * 1000)
+    # The command's promise settles when the run ends: every cell done, or the first error.
+    page.evaluate(
+        "() => { window.__vramRunAll = undefined; window.jupyterapp.commands"
+        ".execute('runmenu:run-all').then(ok => { window.__vramRunAll = String(ok); },"
+        " err => { window.__vramRunAll = 'error: ' + err; }); }"
+    )
+    page.wait_for_function(
+        "() => window.__vramRunAll !== undefined", timeout=timeout_s * 1000, polling=250
+    )
+    page.wait_for_function(JS_KERNEL_IDLE, timeout=timeout_s * 1000)
+    cells = page.evaluate(JS_OUTPUTS)
+    errors = []
+    widget_outputs = 0
+    for cell in cells:
+        if not cell["executed"] and not errors:
+            errors.append(f"{cell['source']!r}: not executed by Run All")
+        for out in cell["outputs"]:
+            if out.get("output_type") == "error":
+                trace = "\n".join(out.get("traceback", []))
+                what = f"{out.get('ename')}: {out.get('evalue')}"
+                errors.append(f"{cell['source']!r}: {what}\n{trace}")
+            if "application/vnd.jupyter.widget-view+json" in (out.get("data") or {}):
+                widget_outputs += 1
+    # Widget views render asynchronously after the kernel is idle: wait for the placeholders
+    # ("Loading widget...") to go, then count what is left and any "Error displaying widget".
+    with contextlib.suppress(Exception):
+        page.wait_for_function(
+            "() => !document.body.innerText.includes('Loading widget...')", timeout=30_000
+        )
+    text = page.evaluate("() => document.body.innerText")
+    return CellReport(
+        errors=errors,
+        widget_outputs=widget_outputs,
+        stuck_loading=text.count("Loading widget..."),
+        display_errors=text.count("Error displaying widget"),
+    )
+
+
+JS_PLOTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(gd => ({
+  traces: (gd.data || []).length,
+  points: (gd.data || []).reduce(
+    (n, t) => n + ((t.y && t.y.length) || (t.x && t.x.length) || 0), 0),
+  visible: gd.getBoundingClientRect().width > 0 && gd.getBoundingClientRect().height > 0,
+}))"""
+
+# The first MemoryWidget in the notebook: its batch-size slider, its figure and its summary.
+# Each is found from the slider's description label, so other widgets on the page do not
+# confuse it.
+_JS_WIDGET = """
+const label = Array.from(document.querySelectorAll('.widget-slider .widget-label'))
+  .find(l => l.textContent.trim() === 'batch size');
+const root = label && label.closest('.jp-OutputArea-output');
+const gd = root && root.querySelector('.js-plotly-plot');
+const summary = root && Array.from(root.querySelectorAll('.widget-html-content'))
+  .map(e => e.innerText).find(t => t.includes('peak'));
+const handle = label && label.closest('.widget-slider').querySelector('.noUi-handle');
+"""
+
+JS_WIDGET_STATE = f"""() => {{
+  {_JS_WIDGET}
+  if (!gd) return null;
+  return {{
+    fingerprint: JSON.stringify(gd.data.map(t => [t.y, t.x, t.base])),
+    summary: summary || '',
+    traces: gd.data.length,
+    slider: handle ? handle.getAttribute('aria-valuenow') : null,
+  }};
+}}"""
+
+# Arm a watcher before a key press: it timestamps the keydown on the slider handle, then
+# checks on every animation frame whether the figure's data changed, and stamps that frame.
+JS_ARM = f"""() => {{
+  {_JS_WIDGET}
+  const before = JSON.stringify(gd.data.map(t => [t.y, t.x, t.base]));
+  const probe = window.__vramProbe = {{ t0: null, t1: null }};
+  handle.addEventListener('keydown', () => {{ probe.t0 = performance.now(); }},
+                          {{ once: true, capture: true }});
+  const tick = () => {{
+    if (JSON.stringify(gd.data.map(t => [t.y, t.x, t.base])) !== before) {{
+      probe.t1 = performance.now();
+    }} else if (performance.now() - (probe.t0 ?? performance.now()) < 30000) {{
+      requestAnimationFrame(tick);
+    }}
+  }};
+  requestAnimationFrame(tick);
+}}"""
+
+
+def press_slider_key(page: Any, key: str, timeout_s: float = 30.0) -> float:
+    """Press ``key`` on the batch-size slider handle; the ms from the keydown to the frame
+    in which the figure's data had changed."""
+    handle = page.locator(".widget-slider:has(.widget-label:text-is('batch size')) .noUi-handle")
+    handle.first.scroll_into_view_if_needed()
+    handle.first.focus()
+    page.evaluate(JS_ARM)
+    handle.first.press(key)
+    page.wait_for_function(
+        "() => window.__vramProbe && window.__vramProbe.t1 !== null",
+        timeout=timeout_s * 1000,
+        polling=10,
+    )
+    probe = page.evaluate("() => window.__vramProbe")
+    return float(probe["t1"] - probe["t0"])
+
+
+@dataclass(frozen=True)
+class SliderRun:
+    latencies_ms: list[float]
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.latencies_ms)
+
+
+def move_batch_slider(page: Any, moves: int) -> SliderRun:
+    """Alternate right/left arrow presses on the batch slider, waiting for each redraw."""
+    latencies = []
+    for i in range(moves):
+        latencies.append(press_slider_key(page, "ArrowRight" if i % 2 == 0 else "ArrowLeft"))
+        page.wait_for_timeout(200)  # let the summary and any trailing update settle
+    return SliderRun(latencies)
+
+
+def screenshot_widget(page: Any, path: Path) -> None:
+    """A screenshot with the first MemoryWidget's output scrolled to the top of the panel."""
+    page.set_viewport_size({"width": 1400, "height": 1800})
+    page.evaluate(
+        "() => { const l = Array.from(document.querySelectorAll('.widget-slider .widget-label'))"
+        ".find(e => e.textContent.trim() === 'batch size');"
+        " if (l) l.closest('.jp-OutputArea-output').scrollIntoView({block: 'start'}); }"
+    )
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(path))
