@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,9 +62,10 @@ class LayerTable:
     flops_forward: np.ndarray
     flops_backward: np.ndarray
 
-    @property
+    @cached_property
     def output_shape(self) -> tuple[tuple[int, ...] | None, ...]:
-        """Each row's output shape (None where the row returns no tensor); built on access."""
+        """Each row's output shape (None where the row returns no tensor); built on first
+        access, once (callers index it row by row)."""
         return tuple(
             None if n < 0 else tuple(int(d) for d in dims[:n])
             for dims, n in zip(self.output_dims, self.output_ndim, strict=True)
