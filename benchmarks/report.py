@@ -65,6 +65,14 @@ def _speed() -> str:
             f"| widget: same, 1,000-module model, median "
             f"| {w['sequential_1000_modules']['median_ms']:.1f} ms | <= 50 ms |"
         )
+    browser = RESULTS / "browser_latency.json"
+    if browser.exists():
+        b = json.loads(browser.read_text())
+        lines.append(
+            f"| browser: batch-slider key press -> redrawn figure, JupyterLab in headless "
+            f"Chromium, median / p90 of {b['moves']} moves ({b['notebook']}) "
+            f"| {b['median_ms']:.0f} / {b['p90_ms']:.0f} ms | <= 150 ms median |"
+        )
     return "\n".join(lines)
 
 
