@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from models import CASES, ReusedLinear, unique_param_count
+from models import CASES, OUTPUT_KINDS, ReusedLinear, output_case_name, unique_param_count
 from torch import nn
 
 import vram_widget
@@ -977,3 +977,27 @@ def test_checkpointing_and_unused_parameters(
         est = profile.estimate(batch, optimizer=optimizer).peak_bytes
         real = measure(model, torch.zeros(batch, 64), optimizer=optimizer).peak_bytes
         assert abs(est - real) <= tolerance * real, (batch, est, real)
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs of every shape (each case is also checked against measure() above)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [k for k in OUTPUT_KINDS if k != "tuple"])
+def test_output_containers_give_the_tuples_estimate(kind: str) -> None:
+    # The same net returns (logits, hidden) as a tuple, a list, a dict, a dataclass or a
+    # ModelOutput look-alike: the same two tensors live as long, and the default loss reads the
+    # logits from each, so every estimate is the tuple's (a loss read from the hidden features
+    # would differ). Returning the logits alone frees the hidden features earlier.
+    tuple_profile = _case_profile("tuple_output")
+    profile = _case_profile(output_case_name(kind))
+    for batch in (3, 7):
+        for optimizer, mode in (("sgd", "train"), ("adam", "train"), (None, "inference")):
+            est = profile.estimate(batch, "fp32", optimizer, mode)
+            ref = tuple_profile.estimate(batch, "fp32", optimizer, mode)
+            if kind == "tensor" and mode == "train":
+                assert est.peak_bytes < ref.peak_bytes
+            else:
+                assert est.peak_bytes == ref.peak_bytes, (batch, optimizer, mode)
+            assert est.flops == ref.flops
