@@ -8,8 +8,10 @@ estimate must reproduce a real CPU step's peak (``measure``) to the byte.
 
 from __future__ import annotations
 
+import os
 import resource
 import time
+import traceback
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -1001,3 +1003,116 @@ def test_output_containers_give_the_tuples_estimate(kind: str) -> None:
             else:
                 assert est.peak_bytes == ref.peak_bytes, (batch, optimizer, mode)
             assert est.flops == ref.flops
+
+
+# --------------------------------------------------------------------------------------------
+# The user's own code raises: our one-line context, their exception and frames
+# --------------------------------------------------------------------------------------------
+
+
+def _user_helper(x: torch.Tensor) -> torch.Tensor:
+    raise ValueError("my bug")
+
+
+class _BuggyInner(nn.Module):
+    def __init__(self, only_in_inference: bool) -> None:
+        super().__init__()
+        self.only_in_inference = only_in_inference
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.only_in_inference:
+            return x
+        return _user_helper(x)
+
+
+class _BuggyNet(nn.Module):
+    def __init__(self, only_in_inference: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.inner = _BuggyInner(only_in_inference)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.relu(self.fc(x)))
+
+
+def _frames(exc: BaseException | None) -> list[tuple[str, str]]:
+    assert exc is not None
+    return [(os.path.abspath(f.filename), f.name) for f in traceback.extract_tb(exc.__traceback__)]
+
+
+_HERE = os.path.abspath(__file__)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize(
+    ("only_in_inference", "phase"),
+    [(False, "the forward of a training step"), (True, "an inference forward")],
+)
+def test_forward_that_raises_keeps_the_users_exception(
+    device: str, only_in_inference: bool, phase: str
+) -> None:
+    model = _BuggyNet(only_in_inference)
+    model.fc.weight.grad = torch.ones_like(model.fc.weight)
+    torch.manual_seed(5)
+    before = snapshot_model(model)
+    with pytest.raises(ProfilingError) as info:
+        profile_model(model, input_size=(4,), device=device)
+    assert str(info.value) == (
+        f"module 'inner' (_BuggyInner) failed on inputs (Tensor(2, 4) float32) in {phase} "
+        "(fp32, batch 2): ValueError: my bug"
+    )
+    cause = info.value.__cause__
+    assert type(cause) is ValueError and str(cause) == "my bug"
+    # the user's frames only: no profiler, functional_call or nn.Module.__call__ frames
+    assert _frames(cause) == [(_HERE, "forward"), (_HERE, "forward"), (_HERE, "_user_helper")]
+    assert_model_unchanged(model, before)
+
+
+class _BadBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ArithmeticError("bad gradient")
+
+
+class _BadBackwardNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return _BadBackward.apply(self.fc(x))
+
+
+def test_backward_that_raises_is_not_blamed_on_the_loss() -> None:
+    model = _BadBackwardNet()
+    before = snapshot_model(model)
+    with pytest.raises(ProfilingError) as info:
+        profile_model(model, input_size=(4,), device="cpu")
+    assert str(info.value) == (
+        "the backward pass of a training step (fp32, batch 2) raised ArithmeticError: bad gradient"
+    )
+    assert type(info.value.__cause__) is ArithmeticError
+    assert _frames(info.value.__cause__) == [(_HERE, "backward")]
+    assert_model_unchanged(model, before)
+
+
+def test_loss_fn_that_raises_keeps_its_frames() -> None:
+    with pytest.raises(ProfilingError) as info:
+        profile_model(nn.Linear(10, 5), input_size=(10,), loss_fn=_exploding_loss, device="cpu")
+    assert str(info.value) == "loss_fn raised RuntimeError: kaboom (training step, fp32, batch 2)"
+    assert _frames(info.value.__cause__) == [(_HERE, "_exploding_loss")]
+
+
+def test_shape_mismatch_traceback_ends_at_the_failing_op() -> None:
+    # A torch op rejecting its input: the cause's frames are the model's forwards down to the
+    # call of the op, not the recorder's dispatch mode or the fake tensor kernels below it.
+    with pytest.raises(ProfilingError) as info:
+        profile_model(nn.Sequential(nn.Linear(10, 5)), input_size=(7,), device="cpu")
+    frames = _frames(info.value.__cause__)
+    assert [name for _file, name in frames] == ["forward", "forward"]
+    assert frames[0][0].endswith(os.path.join("torch", "nn", "modules", "container.py"))
+    assert frames[1][0].endswith(os.path.join("torch", "nn", "modules", "linear.py"))

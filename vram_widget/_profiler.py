@@ -16,8 +16,18 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from ._errors import entry_codes, user_traceback
 from ._fake import DATA_DEPENDENT_ERRORS, new_fake_mode, quiet_fake_tensor_log
-from ._options import Category, Device, Mode, OptimizerName, Phase, Precision, parse_option
+from ._options import (
+    PHASE_CODE,
+    Category,
+    Device,
+    Mode,
+    OptimizerName,
+    Phase,
+    Precision,
+    parse_option,
+)
 from ._probe import KernelProbe
 from ._profile import ModelProfile
 from ._recorder import Recorder, module_hooks
@@ -300,7 +310,10 @@ class Profiler:
             except DATA_DEPENDENT_ERRORS:
                 raise
             except Exception as exc:
-                raise self._explain(exc, rec) from exc
+                error = self._explain(exc, rec, precision, batch_size)
+                if error is exc:  # already names the problem (our loss checks)
+                    raise
+                raise error from exc
             finally:
                 rec.stop()
         rec.mark_saved_as_activations()
@@ -327,23 +340,39 @@ class Profiler:
             uses_matmul=rec.uses_matmul,
         )
 
-    def _explain(self, exc: Exception, rec: Recorder) -> Exception:
-        """One clear message: which module failed on which input shapes, or the loss."""
+    def _explain(
+        self, exc: Exception, rec: Recorder, precision: Precision, batch_size: int
+    ) -> Exception:
+        """One clear line: which module failed on which input shapes, in which phase of which
+        run, or the loss, or the backward. The user's exception becomes its cause, with its
+        traceback trimmed to the user's frames."""
         if isinstance(exc, (TypeError, ValueError)) and "loss_fn" in str(exc):
             return exc
+        subject = self.subject
+        entries = entry_codes((type(subject.model).forward, subject.loss_fn))
+        exc.with_traceback(user_traceback(exc.__traceback__, entries))
+        run = f"{precision.value}, batch {batch_size}"
+        what = f"{type(exc).__name__}: {exc}"
+        if rec.phase == PHASE_CODE[Phase.BACKWARD]:
+            return ProfilingError(f"the backward pass of a training step ({run}) raised {what}")
         if rec.model_returned:
-            what = "loss_fn" if self.subject.loss_fn is not None else "the default loss"
-            return ProfilingError(f"{what} raised {type(exc).__name__}: {exc}")
+            loss = "loss_fn" if subject.loss_fn is not None else "the default loss"
+            return ProfilingError(f"{loss} raised {what} (training step, {run})")
+        phase = (
+            "the forward of a training step"
+            if rec.phase == PHASE_CODE[Phase.FORWARD]
+            else "an inference forward"
+        )
         call = rec.failed_call(exc)
-        names = self.subject.rows.names
-        if call is None or call[0] >= self.subject.loss_row:
-            return ProfilingError(f"the model's forward raised {type(exc).__name__}: {exc}")
+        names = subject.rows.names
+        if call is None or call[0] >= subject.loss_row:
+            return ProfilingError(f"the model's forward raised {what} (in {phase}, {run})")
         row, shapes = call
         name = names[row] or "(root)"
-        kind = self.subject.rows.types[row]
+        kind = subject.rows.types[row]
         return ProfilingError(
-            f"module {name!r} ({kind}) failed on inputs {shapes}: "
-            f"{type(exc).__name__}: {exc}{self._input_size_hint()}"
+            f"module {name!r} ({kind}) failed on inputs {shapes} in {phase} ({run}): "
+            f"{what}{self._input_size_hint()}"
         )
 
     def _input_size_hint(self) -> str:
