@@ -1006,6 +1006,94 @@ def test_output_containers_give_the_tuples_estimate(kind: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Devices: inputs elsewhere than the model, the meta device, models already on a GPU
+# --------------------------------------------------------------------------------------------
+
+
+def test_inputs_on_another_device_than_the_model() -> None:
+    # A real step of a CPU model on CUDA inputs fails, so profiling one is refused, naming
+    # both devices. Without a GPU, a fake tensor stands in for the CUDA batch (the check only
+    # reads .device).
+    from vram_widget._fake import FakeTensorMode
+
+    with FakeTensorMode():
+        cuda_x = torch.empty(2, 4, device="cuda")
+    model = nn.Sequential(nn.Linear(4, 3))
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = snapshot_model(model)
+    for inputs, name in ((cuda_x, r"inputs\[0\]"), ({"input": cuda_x}, r"inputs\['input'\]")):
+        with pytest.raises(
+            ValueError,
+            match=rf"{name} is on device 'cuda:0', but the model's parameters and buffers are "
+            r"on 'cpu': a real step would fail there\. Move the inputs with \.to\('cpu'\)",
+        ):
+            profile_model(model, inputs=inputs, device="cpu")
+    assert_model_unchanged(model, before)
+
+
+def test_meta_device_on_either_side_means_shapes_only() -> None:
+    # The profile runs on fake tensors of the inputs' shapes: a model on the meta device with
+    # CPU inputs, a CPU model with a meta batch, and both on meta give the CPU pair's estimate.
+    case = CASES["batchnorm"]
+    reference = _case_profile("batchnorm")
+    with torch.device("meta"):
+        meta_model = case.factory()
+    x = case.make_inputs(2)
+    pairs = [(meta_model, x), (case.build(), x.to("meta")), (meta_model, x.to("meta"))]
+    for model, inputs in pairs:
+        profile = profile_model(model, inputs=inputs, device="cpu")
+        for optimizer, mode in (("adam", "train"), (None, "inference")):
+            est = profile.estimate(7, optimizer=optimizer, mode=mode)
+            ref = reference.estimate(7, optimizer=optimizer, mode=mode)
+            assert est.peak_bytes == ref.peak_bytes
+            assert est.parameter_bytes == ref.parameter_bytes > 0
+            assert est.buffer_bytes == ref.buffer_bytes > 0
+    assert all(t.device.type == "meta" for t in (*meta_model.parameters(), *meta_model.buffers()))
+
+
+_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@_no_cuda
+def test_model_on_gpu_is_profiled_without_allocating_there() -> None:
+    # Parameters and buffers become fake CPU tensors of their shapes: nothing is moved,
+    # copied or allocated on the GPU, not even briefly, and the estimate is the one of the
+    # same model on the CPU.
+    case = CASES["batchnorm"]
+    model = case.build().cuda()
+    inputs = case.make_inputs(2).cuda()
+    before = snapshot_model(model)  # its clones live on the GPU from here on
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    profile = profile_model(model, inputs=inputs, device="cuda")
+    settings = [
+        (7, "fp32", "adam", "train"),
+        (7, "bf16", "sgd", "train"),
+        (7, "fp32", None, "inference"),
+    ]
+    ests = [profile.estimate(*s) for s in settings]  # bf16: profiled lazily, here
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.max_memory_allocated() == allocated
+    assert all(t.is_cuda for t in (*model.parameters(), *model.buffers()))
+    assert_model_unchanged(model, before)
+    reference = profile_model(case.build(), inputs=case.make_inputs(2), device="cuda")
+    for est, setting in zip(ests, settings, strict=True):
+        assert est.peak_bytes == reference.estimate(*setting).peak_bytes, setting
+
+
+@pytest.mark.gpu
+@_no_cuda
+def test_cuda_inputs_for_a_cpu_model_and_back_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"inputs\[0\] is on device 'cuda:0'.*on 'cpu'"):
+        profile_model(nn.Linear(4, 3), inputs=torch.zeros(2, 4, device="cuda:0"))
+    with pytest.raises(ValueError, match=r"inputs\[0\] is on device 'cpu'.*on 'cuda:0'"):
+        profile_model(nn.Linear(4, 3).to("cuda:0"), inputs=torch.zeros(2, 4))
+
+
+# --------------------------------------------------------------------------------------------
 # The user's own code raises: our one-line context, their exception and frames
 # --------------------------------------------------------------------------------------------
 
