@@ -613,6 +613,17 @@ def test_reused_linear_counts_activations_per_call_and_weights_once() -> None:
     assert five.parameter_bytes == one.parameter_bytes == 16 * 16 * 4
     assert five.gradient_bytes == one.gradient_bytes == 16 * 16 * 4
     assert five.flops_forward == 5 * one.flops_forward
+    # a hundred calls: a hundred saved inputs, one weight, and the peak a real step measures
+    model = Scaled(100)
+    profile = profile_model(model, input_size=(16,), device="cpu")
+    hundred = profile.estimate(4, optimizer="sgd")
+    assert hundred.activation_bytes == 100 * one.activation_bytes
+    assert hundred.parameter_bytes == hundred.gradient_bytes == 16 * 16 * 4
+    assert hundred.flops_forward == 100 * one.flops_forward
+    for optimizer, mode in (("sgd", "train"), ("adam", "train"), (None, "inference")):
+        est = profile.estimate(4, optimizer=optimizer, mode=mode).peak_bytes
+        real = measure(model, torch.randn(4, 16), optimizer=optimizer, mode=mode).peak_bytes
+        assert est == real, (optimizer, mode, est, real)
     df = five.to_dataframe().set_index("name")
     assert df.loc["inner.layer", "param_count"] == 256
     assert df["param_count"].sum() == 256
@@ -1003,6 +1014,50 @@ def test_output_containers_give_the_tuples_estimate(kind: str) -> None:
             else:
                 assert est.peak_bytes == ref.peak_bytes, (batch, optimizer, mode)
             assert est.flops == ref.flops
+
+
+# --------------------------------------------------------------------------------------------
+# The estimate's mode decides dropout and BatchNorm, whatever the model's own flag
+# --------------------------------------------------------------------------------------------
+
+
+def _bn_dropout_net() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Flatten(),
+            nn.Linear(4 * 6 * 6, 3),
+        )
+
+
+def test_estimate_mode_decides_dropout_and_batchnorm() -> None:
+    # A model left in eval() and the same model in train() give the same estimates: train
+    # runs dropout (its noise tensor saved) and BatchNorm on batch statistics, inference runs
+    # neither, as measure() does on a copy whose flag it sets from the mode. Both flags are
+    # restored.
+    x = torch.randn(5, 3, 6, 6, generator=torch.Generator().manual_seed(0))
+    profiles = {}
+    for training in (True, False):
+        model = _bn_dropout_net().train(training)
+        before = snapshot_model(model)
+        profiles[training] = profile_model(model, input_size=(3, 6, 6), device="cpu")
+        assert_model_unchanged(model, before)
+        for optimizer, mode in (("sgd", "train"), ("adam", "train"), (None, "inference")):
+            est = profiles[training].estimate(5, optimizer=optimizer, mode=mode)
+            real = measure(model, x, optimizer=optimizer, mode=mode)
+            assert est.peak_bytes == real.peak_bytes, (training, optimizer, mode)
+        assert model.training is training and model[3].training is training
+    for mode in ("train", "inference"):
+        on, off = profiles[True].estimate(5, mode=mode), profiles[False].estimate(5, mode=mode)
+        assert on.peak_bytes == off.peak_bytes and on.activation_bytes == off.activation_bytes
+    # the eval() model's train estimate has dropout's activations: on the CPU a float32 noise
+    # tensor of its input's shape (5 x 144), and its output, which the Linear saves
+    rows = profiles[False].estimate(5, optimizer="sgd").to_dataframe().set_index("name")
+    assert rows.loc["3", "activation_bytes"] == 2 * (5 * 4 * 6 * 6 * 4)
 
 
 # --------------------------------------------------------------------------------------------
