@@ -7,6 +7,8 @@ left alone) and makes an example batch of any size from its own seeded generator
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -190,17 +192,127 @@ def dropout_net(p: float = 0.5) -> nn.Module:
     return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(p), nn.Linear(32, 4))
 
 
-class TupleOutput(nn.Module):
-    """Returns a tuple (logits, features); the default loss takes the first float tensor."""
+class ModelOutputLike(OrderedDict):  # type: ignore[type-arg]
+    """A minimal look-alike of Hugging Face's ``transformers.utils.ModelOutput`` (transformers
+    is not installed here): subclasses are dataclasses whose fields default to None; the
+    fields that are not None are also the mapping's items, in field order; an int index
+    gives the tuple of those values (``to_tuple()``), a str index the item. As in
+    transformers (``ModelOutput.__post_init__`` / ``__setattr__`` / ``__getitem__``)."""
 
-    def __init__(self) -> None:
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is not None:
+                self[f.name] = value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.keys() and value is not None:
+            super().__setitem__(name, value)
+        super().__setattr__(name, value)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            return dict(self.items())[key]
+        return self.to_tuple()[key]
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        return tuple(self[k] for k in self.keys())
+
+
+@dataclasses.dataclass
+class SequenceClassifierOutputLike(ModelOutputLike):
+    """Like ``transformers.modeling_outputs.SequenceClassifierOutput``: ``loss`` is None
+    unless labels were given."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+OUTPUT_KINDS = ("tensor", "tuple", "list", "dict", "dataclass", "model_output")
+
+
+class OutputKinds(nn.Module):
+    """One small net (Linear -> sigmoid -> Linear) returning its logits, and for every kind
+    but ``"tensor"`` also its hidden features, as a tensor, a tuple, a list, a dict, a
+    ``@dataclass`` or a Hugging Face-style ``ModelOutput``; the default loss takes the logits
+    (the first floating tensor; the ``ModelOutput`` has no ``.loss`` without labels)."""
+
+    def __init__(self, kind: str = "tuple") -> None:
         super().__init__()
+        if kind not in OUTPUT_KINDS:
+            raise ValueError(f"kind must be one of {OUTPUT_KINDS}, got {kind!r}")
+        self.kind = kind
         self.body = nn.Linear(10, 16)
         self.head = nn.Linear(16, 3)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> Any:
         h = torch.sigmoid(self.body(x))
-        return self.head(h), h
+        logits = self.head(h)
+        if self.kind == "tensor":
+            return logits
+        if self.kind == "tuple":
+            return logits, h
+        if self.kind == "list":
+            return [logits, h]
+        if self.kind == "dict":
+            return {"logits": logits, "hidden": h}
+        if self.kind == "dataclass":
+            return ClassifierOutput(logits=logits, hidden=h)
+        return SequenceClassifierOutputLike(logits=logits, hidden_states=h)
+
+
+def output_case_name(kind: str) -> str:
+    """The ``CASES`` name of an ``OutputKinds`` kind: "tuple_output", ..., "model_output"."""
+    return kind if kind.endswith("_output") else f"{kind}_output"
+
+
+class HFStyleClassifier(nn.Module):
+    """``forward(input_ids, attention_mask, labels=None)`` called with keyword tensors,
+    returning a ``ModelOutput`` look-alike whose ``.loss`` (cross-entropy) the default loss
+    uses when labels are given."""
+
+    def __init__(self, vocab: int = 100, d_model: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor | None = None,
+    ) -> SequenceClassifierOutputLike:
+        h = torch.tanh(self.proj(self.embed(input_ids)))
+        mask = attention_mask.unsqueeze(-1).to(h.dtype)
+        pooled = (h * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        logits = self.head(pooled)
+        loss = None if labels is None else F.cross_entropy(logits, labels)
+        return SequenceClassifierOutputLike(loss=loss, logits=logits)
+
+
+def _labelled_dict_inputs(batch: int) -> dict[str, torch.Tensor]:
+    inputs = _dict_inputs(batch)
+    inputs["labels"] = torch.randint(0, 3, (batch,), generator=_generator())
+    return inputs
+
+
+class GRUModel(nn.Module):
+    """A two-layer GRU over float sequences, a Linear on every step's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _h_n = self.gru(x)
+        return self.head(out)
 
 
 class NoParameters(nn.Module):
@@ -243,7 +355,12 @@ CASES: dict[str, Case] = {
         Case("frozen", frozen_first_layer, _features(12)),
         Case("batchnorm", batchnorm_net, _images(3, 6)),
         Case("dropout", dropout_net, _features(10)),
-        Case("tuple_output", TupleOutput, _features(10)),
+        *(
+            Case(output_case_name(kind), functools.partial(OutputKinds, kind), _features(10))
+            for kind in OUTPUT_KINDS
+        ),
+        Case("hf_keywords", HFStyleClassifier, _labelled_dict_inputs),
+        Case("gru", GRUModel, _sequence(6, 8)),
         Case("no_parameters", NoParameters, _features(10)),
     )
 }
@@ -254,4 +371,14 @@ def unique_param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-__all__ = ["CASES", "Case", "ClassifierOutput", "unique_param_count"]
+__all__ = [
+    "CASES",
+    "OUTPUT_KINDS",
+    "Case",
+    "ClassifierOutput",
+    "ModelOutputLike",
+    "OutputKinds",
+    "SequenceClassifierOutputLike",
+    "output_case_name",
+    "unique_param_count",
+]

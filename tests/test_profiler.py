@@ -8,8 +8,10 @@ estimate must reproduce a real CPU step's peak (``measure``) to the byte.
 
 from __future__ import annotations
 
+import os
 import resource
 import time
+import traceback
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from models import CASES, ReusedLinear, unique_param_count
+from models import CASES, OUTPUT_KINDS, ReusedLinear, output_case_name, unique_param_count
 from torch import nn
 
 import vram_widget
@@ -611,6 +613,17 @@ def test_reused_linear_counts_activations_per_call_and_weights_once() -> None:
     assert five.parameter_bytes == one.parameter_bytes == 16 * 16 * 4
     assert five.gradient_bytes == one.gradient_bytes == 16 * 16 * 4
     assert five.flops_forward == 5 * one.flops_forward
+    # a hundred calls: a hundred saved inputs, one weight, and the peak a real step measures
+    model = Scaled(100)
+    profile = profile_model(model, input_size=(16,), device="cpu")
+    hundred = profile.estimate(4, optimizer="sgd")
+    assert hundred.activation_bytes == 100 * one.activation_bytes
+    assert hundred.parameter_bytes == hundred.gradient_bytes == 16 * 16 * 4
+    assert hundred.flops_forward == 100 * one.flops_forward
+    for optimizer, mode in (("sgd", "train"), ("adam", "train"), (None, "inference")):
+        est = profile.estimate(4, optimizer=optimizer, mode=mode).peak_bytes
+        real = measure(model, torch.randn(4, 16), optimizer=optimizer, mode=mode).peak_bytes
+        assert est == real, (optimizer, mode, est, real)
     df = five.to_dataframe().set_index("name")
     assert df.loc["inner.layer", "param_count"] == 256
     assert df["param_count"].sum() == 256
@@ -977,3 +990,272 @@ def test_checkpointing_and_unused_parameters(
         est = profile.estimate(batch, optimizer=optimizer).peak_bytes
         real = measure(model, torch.zeros(batch, 64), optimizer=optimizer).peak_bytes
         assert abs(est - real) <= tolerance * real, (batch, est, real)
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs of every shape (each case is also checked against measure() above)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [k for k in OUTPUT_KINDS if k != "tuple"])
+def test_output_containers_give_the_tuples_estimate(kind: str) -> None:
+    # The same net returns (logits, hidden) as a tuple, a list, a dict, a dataclass or a
+    # ModelOutput look-alike: the same two tensors live as long, and the default loss reads the
+    # logits from each, so every estimate is the tuple's (a loss read from the hidden features
+    # would differ). Returning the logits alone frees the hidden features earlier.
+    tuple_profile = _case_profile("tuple_output")
+    profile = _case_profile(output_case_name(kind))
+    for batch in (3, 7):
+        for optimizer, mode in (("sgd", "train"), ("adam", "train"), (None, "inference")):
+            est = profile.estimate(batch, "fp32", optimizer, mode)
+            ref = tuple_profile.estimate(batch, "fp32", optimizer, mode)
+            if kind == "tensor" and mode == "train":
+                assert est.peak_bytes < ref.peak_bytes
+            else:
+                assert est.peak_bytes == ref.peak_bytes, (batch, optimizer, mode)
+            assert est.flops == ref.flops
+
+
+# --------------------------------------------------------------------------------------------
+# The estimate's mode decides dropout and BatchNorm, whatever the model's own flag
+# --------------------------------------------------------------------------------------------
+
+
+def _bn_dropout_net() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Flatten(),
+            nn.Linear(4 * 6 * 6, 3),
+        )
+
+
+def test_estimate_mode_decides_dropout_and_batchnorm() -> None:
+    # A model left in eval() and the same model in train() give the same estimates: train
+    # runs dropout (its noise tensor saved) and BatchNorm on batch statistics, inference runs
+    # neither, as measure() does on a copy whose flag it sets from the mode. Both flags are
+    # restored.
+    x = torch.randn(5, 3, 6, 6, generator=torch.Generator().manual_seed(0))
+    profiles = {}
+    for training in (True, False):
+        model = _bn_dropout_net().train(training)
+        before = snapshot_model(model)
+        profiles[training] = profile_model(model, input_size=(3, 6, 6), device="cpu")
+        assert_model_unchanged(model, before)
+        for optimizer, mode in (("sgd", "train"), ("adam", "train"), (None, "inference")):
+            est = profiles[training].estimate(5, optimizer=optimizer, mode=mode)
+            real = measure(model, x, optimizer=optimizer, mode=mode)
+            assert est.peak_bytes == real.peak_bytes, (training, optimizer, mode)
+        assert model.training is training and model[3].training is training
+    for mode in ("train", "inference"):
+        on, off = profiles[True].estimate(5, mode=mode), profiles[False].estimate(5, mode=mode)
+        assert on.peak_bytes == off.peak_bytes and on.activation_bytes == off.activation_bytes
+    # the eval() model's train estimate has dropout's activations: on the CPU a float32 noise
+    # tensor of its input's shape (5 x 144), and its output, which the Linear saves
+    rows = profiles[False].estimate(5, optimizer="sgd").to_dataframe().set_index("name")
+    assert rows.loc["3", "activation_bytes"] == 2 * (5 * 4 * 6 * 6 * 4)
+
+
+# --------------------------------------------------------------------------------------------
+# Devices: inputs elsewhere than the model, the meta device, models already on a GPU
+# --------------------------------------------------------------------------------------------
+
+
+def test_inputs_on_another_device_than_the_model() -> None:
+    # A real step of a CPU model on CUDA inputs fails, so profiling one is refused, naming
+    # both devices. Without a GPU, a fake tensor stands in for the CUDA batch (the check only
+    # reads .device).
+    from vram_widget._fake import FakeTensorMode
+
+    with FakeTensorMode():
+        cuda_x = torch.empty(2, 4, device="cuda")
+    model = nn.Sequential(nn.Linear(4, 3))
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = snapshot_model(model)
+    for inputs, name in ((cuda_x, r"inputs\[0\]"), ({"input": cuda_x}, r"inputs\['input'\]")):
+        with pytest.raises(
+            ValueError,
+            match=rf"{name} is on device 'cuda:0', but the model's parameters and buffers are "
+            r"on 'cpu': a real step would fail there\. Move the inputs with \.to\('cpu'\)",
+        ):
+            profile_model(model, inputs=inputs, device="cpu")
+    assert_model_unchanged(model, before)
+
+
+def test_meta_device_on_either_side_means_shapes_only() -> None:
+    # The profile runs on fake tensors of the inputs' shapes: a model on the meta device with
+    # CPU inputs, a CPU model with a meta batch, and both on meta give the CPU pair's estimate.
+    case = CASES["batchnorm"]
+    reference = _case_profile("batchnorm")
+    with torch.device("meta"):
+        meta_model = case.factory()
+    x = case.make_inputs(2)
+    pairs = [(meta_model, x), (case.build(), x.to("meta")), (meta_model, x.to("meta"))]
+    for model, inputs in pairs:
+        profile = profile_model(model, inputs=inputs, device="cpu")
+        for optimizer, mode in (("adam", "train"), (None, "inference")):
+            est = profile.estimate(7, optimizer=optimizer, mode=mode)
+            ref = reference.estimate(7, optimizer=optimizer, mode=mode)
+            assert est.peak_bytes == ref.peak_bytes
+            assert est.parameter_bytes == ref.parameter_bytes > 0
+            assert est.buffer_bytes == ref.buffer_bytes > 0
+    assert all(t.device.type == "meta" for t in (*meta_model.parameters(), *meta_model.buffers()))
+
+
+_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@_no_cuda
+def test_model_on_gpu_is_profiled_without_allocating_there() -> None:
+    # Parameters and buffers become fake CPU tensors of their shapes: nothing is moved,
+    # copied or allocated on the GPU, not even briefly, and the estimate is the one of the
+    # same model on the CPU.
+    case = CASES["batchnorm"]
+    model = case.build().cuda()
+    inputs = case.make_inputs(2).cuda()
+    before = snapshot_model(model)  # its clones live on the GPU from here on
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    profile = profile_model(model, inputs=inputs, device="cuda")
+    settings = [
+        (7, "fp32", "adam", "train"),
+        (7, "bf16", "sgd", "train"),
+        (7, "fp32", None, "inference"),
+    ]
+    ests = [profile.estimate(*s) for s in settings]  # bf16: profiled lazily, here
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.max_memory_allocated() == allocated
+    assert all(t.is_cuda for t in (*model.parameters(), *model.buffers()))
+    assert_model_unchanged(model, before)
+    reference = profile_model(case.build(), inputs=case.make_inputs(2), device="cuda")
+    for est, setting in zip(ests, settings, strict=True):
+        assert est.peak_bytes == reference.estimate(*setting).peak_bytes, setting
+
+
+@pytest.mark.gpu
+@_no_cuda
+def test_cuda_inputs_for_a_cpu_model_and_back_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"inputs\[0\] is on device 'cuda:0'.*on 'cpu'"):
+        profile_model(nn.Linear(4, 3), inputs=torch.zeros(2, 4, device="cuda:0"))
+    with pytest.raises(ValueError, match=r"inputs\[0\] is on device 'cpu'.*on 'cuda:0'"):
+        profile_model(nn.Linear(4, 3).to("cuda:0"), inputs=torch.zeros(2, 4))
+
+
+# --------------------------------------------------------------------------------------------
+# The user's own code raises: our one-line context, their exception and frames
+# --------------------------------------------------------------------------------------------
+
+
+def _user_helper(x: torch.Tensor) -> torch.Tensor:
+    raise ValueError("my bug")
+
+
+class _BuggyInner(nn.Module):
+    def __init__(self, only_in_inference: bool) -> None:
+        super().__init__()
+        self.only_in_inference = only_in_inference
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.only_in_inference:
+            return x
+        return _user_helper(x)
+
+
+class _BuggyNet(nn.Module):
+    def __init__(self, only_in_inference: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.inner = _BuggyInner(only_in_inference)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.relu(self.fc(x)))
+
+
+def _frames(exc: BaseException | None) -> list[tuple[str, str]]:
+    assert exc is not None
+    return [(os.path.abspath(f.filename), f.name) for f in traceback.extract_tb(exc.__traceback__)]
+
+
+_HERE = os.path.abspath(__file__)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize(
+    ("only_in_inference", "phase"),
+    [(False, "the forward of a training step"), (True, "an inference forward")],
+)
+def test_forward_that_raises_keeps_the_users_exception(
+    device: str, only_in_inference: bool, phase: str
+) -> None:
+    model = _BuggyNet(only_in_inference)
+    model.fc.weight.grad = torch.ones_like(model.fc.weight)
+    torch.manual_seed(5)
+    before = snapshot_model(model)
+    with pytest.raises(ProfilingError) as info:
+        profile_model(model, input_size=(4,), device=device)
+    assert str(info.value) == (
+        f"module 'inner' (_BuggyInner) failed on inputs (Tensor(2, 4) float32) in {phase} "
+        "(fp32, batch 2): ValueError: my bug"
+    )
+    cause = info.value.__cause__
+    assert type(cause) is ValueError and str(cause) == "my bug"
+    # the user's frames only: no profiler, functional_call or nn.Module.__call__ frames
+    assert _frames(cause) == [(_HERE, "forward"), (_HERE, "forward"), (_HERE, "_user_helper")]
+    assert_model_unchanged(model, before)
+
+
+class _BadBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ArithmeticError("bad gradient")
+
+
+class _BadBackwardNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return _BadBackward.apply(self.fc(x))
+
+
+def test_backward_that_raises_is_not_blamed_on_the_loss() -> None:
+    model = _BadBackwardNet()
+    before = snapshot_model(model)
+    with pytest.raises(ProfilingError) as info:
+        profile_model(model, input_size=(4,), device="cpu")
+    assert str(info.value) == (
+        "the backward pass of a training step (fp32, batch 2) raised ArithmeticError: bad gradient"
+    )
+    assert type(info.value.__cause__) is ArithmeticError
+    assert _frames(info.value.__cause__) == [(_HERE, "backward")]
+    assert_model_unchanged(model, before)
+
+
+def test_loss_fn_that_raises_keeps_its_frames() -> None:
+    with pytest.raises(ProfilingError) as info:
+        profile_model(nn.Linear(10, 5), input_size=(10,), loss_fn=_exploding_loss, device="cpu")
+    assert str(info.value) == "loss_fn raised RuntimeError: kaboom (training step, fp32, batch 2)"
+    assert _frames(info.value.__cause__) == [(_HERE, "_exploding_loss")]
+
+
+def test_shape_mismatch_traceback_ends_at_the_failing_op() -> None:
+    # A torch op rejecting its input: the cause's frames are the model's forwards down to the
+    # call of the op, not the recorder's dispatch mode or the fake tensor kernels below it.
+    with pytest.raises(ProfilingError) as info:
+        profile_model(nn.Sequential(nn.Linear(10, 5)), input_size=(7,), device="cpu")
+    frames = _frames(info.value.__cause__)
+    assert [name for _file, name in frames] == ["forward", "forward"]
+    assert frames[0][0].endswith(os.path.join("torch", "nn", "modules", "container.py"))
+    assert frames[1][0].endswith(os.path.join("torch", "nn", "modules", "linear.py"))

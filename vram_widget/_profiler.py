@@ -16,8 +16,18 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from ._errors import entry_codes, user_traceback
 from ._fake import DATA_DEPENDENT_ERRORS, new_fake_mode, quiet_fake_tensor_log
-from ._options import Category, Device, Mode, OptimizerName, Phase, Precision, parse_option
+from ._options import (
+    PHASE_CODE,
+    Category,
+    Device,
+    Mode,
+    OptimizerName,
+    Phase,
+    Precision,
+    parse_option,
+)
 from ._probe import KernelProbe
 from ._profile import ModelProfile
 from ._recorder import Recorder, module_hooks
@@ -300,7 +310,10 @@ class Profiler:
             except DATA_DEPENDENT_ERRORS:
                 raise
             except Exception as exc:
-                raise self._explain(exc, rec) from exc
+                error = self._explain(exc, rec, precision, batch_size)
+                if error is exc:  # already names the problem (our loss checks)
+                    raise
+                raise error from exc
             finally:
                 rec.stop()
         rec.mark_saved_as_activations()
@@ -327,23 +340,39 @@ class Profiler:
             uses_matmul=rec.uses_matmul,
         )
 
-    def _explain(self, exc: Exception, rec: Recorder) -> Exception:
-        """One clear message: which module failed on which input shapes, or the loss."""
+    def _explain(
+        self, exc: Exception, rec: Recorder, precision: Precision, batch_size: int
+    ) -> Exception:
+        """One clear line: which module failed on which input shapes, in which phase of which
+        run, or the loss, or the backward. The user's exception becomes its cause, with its
+        traceback trimmed to the user's frames."""
         if isinstance(exc, (TypeError, ValueError)) and "loss_fn" in str(exc):
             return exc
+        subject = self.subject
+        entries = entry_codes((type(subject.model).forward, subject.loss_fn))
+        exc.with_traceback(user_traceback(exc.__traceback__, entries))
+        run = f"{precision.value}, batch {batch_size}"
+        what = f"{type(exc).__name__}: {exc}"
+        if rec.phase == PHASE_CODE[Phase.BACKWARD]:
+            return ProfilingError(f"the backward pass of a training step ({run}) raised {what}")
         if rec.model_returned:
-            what = "loss_fn" if self.subject.loss_fn is not None else "the default loss"
-            return ProfilingError(f"{what} raised {type(exc).__name__}: {exc}")
+            loss = "loss_fn" if subject.loss_fn is not None else "the default loss"
+            return ProfilingError(f"{loss} raised {what} (training step, {run})")
+        phase = (
+            "the forward of a training step"
+            if rec.phase == PHASE_CODE[Phase.FORWARD]
+            else "an inference forward"
+        )
         call = rec.failed_call(exc)
-        names = self.subject.rows.names
-        if call is None or call[0] >= self.subject.loss_row:
-            return ProfilingError(f"the model's forward raised {type(exc).__name__}: {exc}")
+        names = subject.rows.names
+        if call is None or call[0] >= subject.loss_row:
+            return ProfilingError(f"the model's forward raised {what} (in {phase}, {run})")
         row, shapes = call
         name = names[row] or "(root)"
-        kind = self.subject.rows.types[row]
+        kind = subject.rows.types[row]
         return ProfilingError(
-            f"module {name!r} ({kind}) failed on inputs {shapes}: "
-            f"{type(exc).__name__}: {exc}{self._input_size_hint()}"
+            f"module {name!r} ({kind}) failed on inputs {shapes} in {phase} ({run}): "
+            f"{what}{self._input_size_hint()}"
         )
 
     def _input_size_hint(self) -> str:
@@ -524,6 +553,36 @@ def _check_input_size(input_size: Any) -> tuple[int, ...]:
     return dims
 
 
+def _check_devices(model: torch.nn.Module, inputs: ModelInputs) -> None:
+    """The example inputs must be where the model's parameters and buffers are, as the user's
+    real step needs them: a CPU model fed CUDA tensors (or ``cuda:1`` tensors to a ``cuda:0``
+    model) would fail there, so say so now rather than profile a step that cannot run.
+
+    The profile itself runs on fake CPU tensors of the same shapes, so the meta device (no
+    data: shapes only) matches anything, a model spread over several devices (pipeline
+    stages, CPU offload) is not checked, and 0-dim CPU tensors may go with any device, as in
+    PyTorch's own ops (``TensorIteratorConfig::allow_cpu_scalars``, on for binary ops: "a
+    scalar CPU argument, such as from ``cuda_tensor + 5``", aten/src/ATen/native/cuda/Loops.cuh)."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) != 1:
+        return
+    (model_device,) = devices
+    if model_device.type == "meta":
+        return
+    named = [(f"inputs[{i}]", v) for i, v in enumerate(inputs.args)]
+    named += [(f"inputs[{k!r}]", v) for k, v in inputs.kwargs.items()]
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) or t.device == model_device:
+            continue
+        if t.device.type == "meta" or (t.dim() == 0 and t.device.type == "cpu"):
+            continue
+        raise ValueError(
+            f"{name} is on device {str(t.device)!r}, but the model's parameters and buffers "
+            f"are on {str(model_device)!r}: a real step would fail there. Move the inputs "
+            f"with .to({str(model_device)!r}) (or the model to {str(t.device)!r})"
+        )
+
+
 def profile_model(
     model: torch.nn.Module,
     input_size: Any = None,
@@ -541,11 +600,14 @@ def profile_model(
     Parameters
     ----------
     model : torch.nn.Module
-        Any module, on any device, including the meta device.
+        Any module, on any device, including the meta device; nothing is moved or allocated
+        there (parameters and buffers are profiled as fake CPU tensors of their shapes).
     input_size : tuple of int, optional
         The shape of one sample, without the batch dimension; the input is one float tensor.
     inputs : Tensor, tuple of Tensors or dict of keyword Tensors, optional
-        An example batch (dim 0 is the batch). Give this or ``input_size``.
+        An example batch (dim 0 is the batch). Give this or ``input_size``. Only shapes and
+        dtypes are read: on the model's device, or on the meta device; a batch on another
+        real device than the model's (which its real step would reject) is a ValueError.
     loss_fn : callable, optional
         Maps the model's output to a scalar loss. Default: ``output.loss`` when present, else
         the first floating tensor of the output, ``.float().mean()``.
@@ -585,6 +647,7 @@ def profile_model(
     if inputs is not None:
         model_inputs = ModelInputs.from_user(inputs)
         model_inputs.batch_size()  # raises a clear error when no tensor has a batch dim
+        _check_devices(model, model_inputs)
     else:
         size = _check_input_size(input_size)
     subject = Subject(model, model_inputs, size, loss_fn, target)

@@ -88,11 +88,15 @@ def forward_context(
 def default_loss(output: Any) -> torch.Tensor:
     """The loss used when the user gives none.
 
-    ``output.loss`` (Hugging Face style) if present and a tensor, else the first floating
-    tensor found in the output (tensor, sequence, mapping or dataclass), as ``.float().mean()``.
+    ``output.loss`` (Hugging Face style: a ``ModelOutput`` or dataclass field) or
+    ``output["loss"]`` (a plain dict) if present and a tensor, else the first floating tensor
+    found in the output (tensor, sequence, mapping or dataclass; dataclass fields in their
+    declared order), as ``.float().mean()``. A ``loss`` that is not a scalar is averaged.
     """
     loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.is_floating_point():
         return loss if loss.dim() == 0 else loss.float().mean()
     tensor = first_floating_tensor(output)
     if tensor is None:
