@@ -228,3 +228,26 @@ def test_thousand_modules() -> None:
     assert len(x) <= 10  # forward runs grouped under the root
     w.batch_size = 1000
     assert w.figure.data[PEAK].y[0] == w.estimate.peak_bytes
+
+
+def test_update_path_formats_only_shown_shapes(
+    profile: ModelProfile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``LayerTable.output_shape`` builds every row's tuple on each access (a 1,000-module
+    model: ~6 ms per access, once per hovered group and table row took a move to 120 ms);
+    the update path formats only the rows it shows."""
+    from vram_widget._estimator import LayerTable
+
+    w = MemoryWidget(profile, depth=2)
+
+    def refuse(self: LayerTable) -> object:
+        raise AssertionError("the update path built every row's output shape")
+
+    monkeypatch.setattr(LayerTable, "output_shape", property(refuse))
+    moves = (("batch_size", 7), ("depth", 0), ("mode", "inference"), ("depth", 1), ("mode", "train"))
+    for name, value in moves:
+        setattr(w, name, value)
+    shape = "(7, 512)"  # zoo.mlp(): 784 -> 512 -> 512 -> 10
+    assert f"<td>{shape}</td>" in w._table.value
+    forward = w.figure.data[TRACE_NAMES.index("forward")]
+    assert any(f"output shape: {shape}" in str(t) for t in forward.hovertext)

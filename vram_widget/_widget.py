@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 import traitlets
 
 from ._estimator import MemoryEstimate
-from ._figures import build_figure, group_rows, update_figure
+from ._figures import build_figure, group_rows, output_shape_text, update_figure
 from ._gpus import CUSTOM_GPU, GPUS, Gpu, custom_gpu
 from ._options import Category, Mode, OptimizerName, Precision
 
@@ -336,11 +336,11 @@ class MemoryWidget(widgets.VBox):
         order = heads[np.argsort(-total[heads], kind="stable")][:_TABLE_ROWS]
         head = "".join(f"<th>{h}</th>" for h in ("module", "type", "output", *cols))
         body = []
-        for i in order:
+        for i, shape in zip(order.tolist(), output_shape_text(layers, order), strict=True):
             cells = [
                 html.escape(layers.name[i] or "(model)"),
                 html.escape(layers.type[i]),
-                html.escape(str(layers.output_shape[i] or "")),
+                html.escape(shape),
                 *(f"{round(sums[k][i]):,}" for k in cols),
             ]
             body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
