@@ -379,7 +379,8 @@ def _layout_updates(
         # Drop a label that would sit on the previous one (at most ~_MAX_TICKS fit the width);
         # one step per label, not per bar.
         gap = max(1.0, (n_floor + len(data.run_x)) / _MAX_TICKS)
-        tick_x, tick_text = [], []
+        tick_x: list[float] = []
+        tick_text: list[str] = []
         for x, text in zip(xs, texts, strict=True):
             if not tick_x or x - tick_x[-1] >= gap:
                 tick_x.append(x)
