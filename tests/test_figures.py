@@ -231,3 +231,29 @@ def test_crowded_labels_are_thinned() -> None:
     assert n_bars > 70  # more bars than labels fit
     assert np.diff(ticks).min() >= n_bars / 70
     assert 20 <= len(ticks) <= 70
+
+
+def test_hover_names_type_shape_params_bytes_flops(mlp_profile: ModelProfile) -> None:
+    est = mlp_profile.estimate(32, optimizer="adam")
+    fig = build_figure(est, depth=1)
+    layers = est.layers
+    i = layers.name.index("0")  # Linear 784 -> 512
+    template = fig.data[TRACE_NAMES.index("forward")].hovertemplate
+    for field in ("params", "saved activations", "live after", "FLOPs"):
+        assert field in template
+    for phase, flops in (
+        ("forward", layers.flops_forward[i]),
+        ("backward", layers.flops_backward[i]),
+    ):
+        trace = fig.data[TRACE_NAMES.index(phase)]
+        hits = [k for k, t in enumerate(trace.hovertext) if t.startswith("<b>0</b> (Linear)")]
+        assert hits, phase
+        k = hits[0]  # the group's first run in this phase carries its FLOPs
+        assert "output shape: (32, 512)" in trace.hovertext[k]
+        assert f"phase: {phase}" in trace.hovertext[k]
+        params, acts, change, live_after, _max, run_flops = trace.customdata[k]
+        assert params == layers.param_count[i] == 784 * 512 + 512
+        assert acts == layers.activation_bytes[i]
+        assert run_flops == flops > 0
+        assert live_after == trace.base[k] + trace.y[k]
+        assert change == trace.y[k]
