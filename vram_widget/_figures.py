@@ -144,7 +144,7 @@ def output_shape_text(layers: LayerTable, rows: Sequence[int] | np.ndarray) -> l
     >>> from vram_widget import profile_model, zoo
     >>> layers = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(8).layers
     >>> output_shape_text(layers, [1, len(layers.name) - 1])
-    ['(8, 256)', '']
+    ['(8, 512)', '']
     """
     idx = np.asarray(rows, dtype=np.int64)
     dims = layers.output_dims[idx]
