@@ -9,7 +9,9 @@ from torch import nn
 
 from vram_widget import Category, profile_model, zoo
 from vram_widget._figures import (
+    CLIP_RATIO,
     FLOOR_CATEGORIES,
+    MAX_NAMED_GROUPS,
     TRACE_NAMES,
     build_figure,
     group_rows,
@@ -130,3 +132,128 @@ def test_thousand_modules_grouped(wide_profile: ModelProfile) -> None:
     fig = build_figure(est, depth=1, capacity_bytes=GIB)
     update_figure(fig, est, depth=0, capacity_bytes=GIB)
     assert len(fig.data) == len(TRACE_NAMES)
+
+
+def test_bars_named_on_the_axis_when_few_groups(mlp_profile: ModelProfile) -> None:
+    est = mlp_profile.estimate(32, optimizer="sgd")
+    data = waterfall_data(est, 1)
+    fig = build_figure(est, depth=1, capacity_bytes=GIB)
+    axis = fig.layout.xaxis2
+    n_floor = len(FLOOR_CATEGORIES)
+    assert list(axis.tickvals[:n_floor]) == list(range(n_floor))
+    assert list(axis.ticktext[:n_floor]) == [c.value for c in FLOOR_CATEGORIES]
+    # Each other tick names the group of the bar it sits under, where that group's run in
+    # that phase starts (so a name appears where its forward and its backward begin).
+    seen = set()
+    for x, text in zip(axis.tickvals[n_floor:], axis.ticktext[n_floor:], strict=True):
+        run = int(x) - n_floor
+        group, phase = int(data.run_group[run]), int(data.run_phase[run])
+        assert text == (est.layers.name[group] or "(model)")
+        earlier = (data.run_group[:run] == group) & (data.run_phase[:run] == phase)
+        assert not earlier.any()
+        seen.add((text, phase))
+    names = {est.layers.name[g] or "(model)" for g in data.run_group}
+    assert {t for t, _ in seen} == names  # few bars: nothing thinned out
+    assert ("0", 0) in seen and ("0", 1) in seen  # first Linear: forward and backward
+    assert axis.tickangle == -60
+    # Depth 0 folds everything into the root: still named.
+    update_figure(fig, est, depth=0, capacity_bytes=GIB)
+    assert "(model)" in fig.layout.xaxis2.ticktext
+
+
+def test_many_groups_mark_phases_only() -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(60)])
+    est = profile_model(model, input_size=(8,), device="cpu").estimate(16, optimizer="sgd")
+    fig = build_figure(est, depth=0, capacity_bytes=GIB)
+    assert len(np.unique(waterfall_data(est, 0).run_group)) <= MAX_NAMED_GROUPS
+    assert "(model)" in fig.layout.xaxis2.ticktext
+    # Depth 1: 60 Linear groups -> one tick per phase start, horizontal, names on hover only.
+    update_figure(fig, est, depth=1, capacity_bytes=GIB)
+    data = waterfall_data(est, 1)
+    assert len(np.unique(data.run_group)) > MAX_NAMED_GROUPS
+    axis = fig.layout.xaxis2
+    assert axis.ticktext[0] == "resident"
+    assert set(axis.ticktext[1:]) <= {"forward", "backward", "optimizer", "zero_grad"}
+    assert len(axis.ticktext) <= 6
+    assert axis.tickangle == 0
+    forward = fig.data[TRACE_NAMES.index("forward")]
+    assert any("<b>59</b> (Linear)" in t for t in forward.hovertext)
+    # And back: a move that groups again names the bars again.
+    update_figure(fig, est, depth=0, capacity_bytes=GIB)
+    assert fig.layout.xaxis2.tickangle == -60
+
+
+def test_long_names_keep_their_tail() -> None:
+    from vram_widget._figures import _tick
+
+    assert _tick("layer4.2.conv3") == "layer4.2.conv3"
+    long = "transformer.encoder.layers.11.self_attn.out_proj"
+    assert _tick(long).startswith("…") and _tick(long).endswith("self_attn.out_proj")
+    assert len(_tick(long)) == 24
+
+
+def test_axis_stops_above_the_step_when_capacity_is_far(mlp_profile: ModelProfile) -> None:
+    est = mlp_profile.estimate(32)
+    fig = build_figure(est, depth=1, capacity_bytes=80 * GIB, gpu_name="H100")
+    note = fig.layout.annotations[0]
+    assert est.peak_bytes * CLIP_RATIO < 80 * GIB
+    assert fig.layout.yaxis.autorange is False
+    assert fig.layout.yaxis.range[1] >= est.peak_bytes  # the peak stays on the chart
+    assert fig.layout.yaxis.range[1] < 80 * GIB
+    assert note.visible and "80 GiB (H100)" in note.text
+    assert f"{est.peak_bytes / (80 * GIB):.1%}" in note.text
+    # The capacity line itself is still drawn (hover, zoom out), just off the clipped axis.
+    assert list(fig.data[TRACE_NAMES.index("capacity")].y) == [80 * GIB, 80 * GIB]
+    # Near the capacity: the axis reaches the line again and the note goes.
+    update_figure(fig, est, depth=1, capacity_bytes=est.peak_bytes * 2, gpu_name="small")
+    assert fig.layout.yaxis.autorange is True
+    assert fig.layout.yaxis.range is None
+    assert not fig.layout.annotations[0].visible
+
+
+def test_bars_have_a_fixed_width(mlp_profile: ModelProfile) -> None:
+    """Sparse traces (FLOPs at a few runs) would otherwise get bars several runs wide."""
+    fig = build_figure(mlp_profile.estimate(32), depth=1)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert len(bars) == 1 + 5 + 2
+    assert all(t.width == 0.8 for t in bars)
+
+
+def test_crowded_labels_are_thinned() -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(38)])
+    est = profile_model(model, input_size=(8,), device="cpu").estimate(4, optimizer="sgd")
+    data = waterfall_data(est, 1)
+    n_bars = len(FLOOR_CATEGORIES) + len(data.run_x)
+    assert len(np.unique(data.run_group)) <= MAX_NAMED_GROUPS
+    fig = build_figure(est, depth=1)
+    ticks = np.asarray(fig.layout.xaxis2.tickvals)
+    assert fig.layout.xaxis2.tickangle == -60
+    assert n_bars > 70  # more bars than labels fit
+    assert np.diff(ticks).min() >= n_bars / 70
+    assert 20 <= len(ticks) <= 70
+
+
+def test_hover_names_type_shape_params_bytes_flops(mlp_profile: ModelProfile) -> None:
+    est = mlp_profile.estimate(32, optimizer="adam")
+    fig = build_figure(est, depth=1)
+    layers = est.layers
+    i = layers.name.index("0")  # Linear 784 -> 512
+    template = fig.data[TRACE_NAMES.index("forward")].hovertemplate
+    for field in ("params", "saved activations", "live after", "FLOPs"):
+        assert field in template
+    for phase, flops in (
+        ("forward", layers.flops_forward[i]),
+        ("backward", layers.flops_backward[i]),
+    ):
+        trace = fig.data[TRACE_NAMES.index(phase)]
+        hits = [k for k, t in enumerate(trace.hovertext) if t.startswith("<b>0</b> (Linear)")]
+        assert hits, phase
+        k = hits[0]  # the group's first run in this phase carries its FLOPs
+        assert "output shape: (32, 512)" in trace.hovertext[k]
+        assert f"phase: {phase}" in trace.hovertext[k]
+        params, acts, change, live_after, _max, run_flops = trace.customdata[k]
+        assert params == layers.param_count[i] == 784 * 512 + 512
+        assert acts == layers.activation_bytes[i]
+        assert run_flops == flops > 0
+        assert live_after == trace.base[k] + trace.y[k]
+        assert change == trace.y[k]

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import io
+import re
+
 import ipywidgets as widgets
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import traitlets
@@ -91,7 +96,11 @@ def test_controls_and_traits_agree(profile: ModelProfile) -> None:
         ("mode", "eval"),
         ("gpu", "TPU v5"),
         ("depth", -1),
+        ("batch_size", 2**40 + 1),
         ("custom_gib", 0.0),
+        ("custom_gib", -8.0),
+        ("custom_gib", float("nan")),
+        ("custom_gib", float("inf")),
     ],
 )
 def test_invalid_values_refused(profile: ModelProfile, name: str, value: object) -> None:
@@ -179,13 +188,104 @@ def test_no_torch_on_update_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(set(peaks)) > 3
 
 
-def test_new_precision_profiles_once(profile: ModelProfile) -> None:
-    w = MemoryWidget(profile, optimizer="sgd")
+class _Spy:
+    """Wraps a profile's source: records what the widget showed while each run was going."""
+
+    def __init__(self, source: object, fail_on: str | None = None) -> None:
+        self.source = source
+        self.fail_on = fail_on
+        self.seen: list[tuple[str, str, bool]] = []  # (run, status html, all controls disabled)
+        self.widget: MemoryWidget | None = None
+
+    def _record(self, run: str) -> None:
+        w = self.widget
+        if w is not None:
+            busy = all(c.disabled for c in w._control_widgets)
+            self.seen.append((run, str(w._status.value), busy))
+
+    def timeline(self, precision: object, mode: object) -> object:
+        self._record(f"timeline {precision} {mode}")
+        if self.fail_on is not None and str(getattr(precision, "value", "")) == self.fail_on:
+            raise RuntimeError(f"no kernel for {self.fail_on}")
+        return self.source.timeline(precision, mode)  # type: ignore[attr-defined]
+
+    def optimizer_trace(self, precision: object, optimizer: object) -> object:
+        self._record(f"optimizer {precision} {optimizer}")
+        return self.source.optimizer_trace(precision, optimizer)  # type: ignore[attr-defined]
+
+
+def _usable(w: MemoryWidget) -> bool:
+    """Every control enabled (the custom-GiB box only while the custom GPU is chosen)."""
+    return all(not c.disabled for c in w._control_widgets if c is not w._custom_box) and (
+        w._custom_box.disabled == (w.gpu != "custom")
+    )
+
+
+def test_new_precision_profiles_once_behind_a_progress_label() -> None:
+    profile = profile_model(zoo.mlp(hidden=(64,)), input_size=(784,), device="cpu")
+    spy = _Spy(profile._source)
+    profile._source = spy  # type: ignore[assignment]
+    w = MemoryWidget(profile, optimizer="sgd", gpu="A100 80GB")
+    spy.widget = w
+    history: list[str] = []
+    w._status.observe(lambda c: history.append(c["new"]), names="value")
     assert not profile.is_cached("amp-bf16")
+    assert _usable(w)
+
     w.precision = "amp-bf16"
+
     assert profile.is_cached("amp-bf16")
     assert w.estimate.precision.value == "amp-bf16"
+    assert w.estimate.peak_bytes == profile.estimate(32, "amp-bf16", "sgd").peak_bytes
+    # Every profiling run happened with the label up and every control disabled.
+    assert spy.seen, "the new precision ran no profiling"
+    for _run, status, busy in spy.seen:
+        assert "profiling amp-bf16 / train / sgd" in status
+        assert busy
+    assert history[0] == spy.seen[0][1]  # shown before the work started
+    # Afterwards: controls back, elapsed time shown.
+    assert _usable(w)
+    assert "profiled amp-bf16 / train / sgd in " in w._status.value
+    # Once: the next moves at that precision run nothing, and the label goes.
+    n = len(spy.seen)
+    w.batch_size = 5
+    w.precision = "fp32"
+    w.precision = "amp-bf16"
+    assert len(spy.seen) == n
     assert w._status.value == ""
+    # Inference at a new precision profiles that pass (no optimizer in the label).
+    w.mode = "inference"
+    w.precision = "bf16"
+    assert any("profiling bf16 / inference (" in s for _r, s, _b in spy.seen[n:]), spy.seen[n:]
+    assert _usable(w)
+
+
+def test_failed_profiling_keeps_last_setting() -> None:
+    profile = profile_model(zoo.mlp(hidden=(64,)), input_size=(784,), device="cpu")
+    spy = _Spy(profile._source, fail_on="fp16")
+    profile._source = spy  # type: ignore[assignment]
+    w = MemoryWidget(profile, batch_size=16)
+    spy.widget = w
+    before = w.estimate
+    w.precision = "fp16"
+    # The trait goes back, the view still shows fp32, the message says why; controls usable.
+    assert w.precision == "fp32"
+    assert w.estimate.precision.value == "fp32"
+    assert w.estimate.peak_bytes == before.peak_bytes
+    assert "could not profile fp16" in w._status.value
+    assert "no kernel for fp16" in w._status.value
+    assert _usable(w)
+    w.batch_size = 17
+    assert w.estimate.batch_size == 17 and w._status.value == ""
+
+
+def test_custom_box_enabled_only_for_custom_gpu(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)
+    assert w._custom_box.disabled
+    w.gpu = "custom"
+    assert not w._custom_box.disabled
+    w.gpu = "T4 16GB"
+    assert w._custom_box.disabled
 
 
 def test_bad_input_is_a_message() -> None:
@@ -228,3 +328,78 @@ def test_thousand_modules() -> None:
     assert len(x) <= 10  # forward runs grouped under the root
     w.batch_size = 1000
     assert w.figure.data[PEAK].y[0] == w.estimate.peak_bytes
+
+
+def test_update_path_formats_only_shown_shapes(
+    profile: ModelProfile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``LayerTable.output_shape`` builds every row's tuple on each access (a 1,000-module
+    model: ~6 ms per access, once per hovered group and table row took a move to 120 ms);
+    the update path formats only the rows it shows."""
+    from vram_widget._estimator import LayerTable
+
+    w = MemoryWidget(profile, depth=2)
+
+    def refuse(self: LayerTable) -> object:
+        raise AssertionError("the update path built every row's output shape")
+
+    monkeypatch.setattr(LayerTable, "output_shape", property(refuse))
+    moves = [("batch_size", 7), ("depth", 0), ("mode", "inference"), ("depth", 1)]
+    for name, value in [*moves, ("mode", "train")]:
+        setattr(w, name, value)
+    shape = "(7, 512)"  # zoo.mlp(): 784 -> 512 -> 512 -> 10
+    assert f"<td>{shape}</td>" in w._table.value
+    forward = w.figure.data[TRACE_NAMES.index("forward")]
+    assert any(f"output shape: {shape}" in str(t) for t in forward.hovertext)
+
+
+def test_download_csv_link(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, batch_size=48)
+    assert w._csv_link.value == ""  # built on demand, not on every move
+    w._csv_button.click()
+    link = w._csv_link.value
+    m = re.search(r"download='([^']+)' href='data:text/csv;base64,([^']+)'", link)
+    assert m is not None, link
+    assert m.group(1) == w.csv_filename == "Sequential_layers.csv"
+    csv = base64.b64decode(m.group(2)).decode("utf-8")
+    assert csv == w.to_csv()
+    df = pd.read_csv(io.StringIO(csv))
+    est = profile.estimate(48)
+    assert len(df) == len(est.layers.name)
+    assert df["activation_bytes"].sum() == est.activation_bytes
+    assert df["flops_forward"].sum() == est.flops_forward
+    # A move makes the link stale: it goes, and the next click has the new numbers.
+    w.batch_size = 96
+    assert w._csv_link.value == ""
+    w._csv_button.click()
+    m = re.search(r"base64,([^']+)'", w._csv_link.value)
+    assert m is not None
+    df = pd.read_csv(io.StringIO(base64.b64decode(m.group(1)).decode("utf-8")))
+    assert df["activation_bytes"].sum() == profile.estimate(96).activation_bytes
+
+
+def test_table_rows_are_the_estimates(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, batch_size=24, depth=1)
+    rows = re.findall(r"<tr>(.*?)</tr>", w._table.value)
+    cells = [re.findall(r"<td>(.*?)</td>", r) for r in rows[1:]]
+    by_name = {c[0]: c for c in cells}
+    layers = w.estimate.layers
+    i = layers.name.index("0")  # the first Linear: 784 -> 512
+    row = by_name["0"]
+    assert row[1] == "Linear" and row[2] == "(24, 512)"
+    assert row[3] == f"{24 * 512:,}" == f"{int(layers.output_numel[i]):,}"  # activations
+    assert row[4] == f"{784 * 512 + 512:,}" == f"{int(layers.param_count[i]):,}"
+    assert row[8] == f"{int(layers.activation_bytes[i]):,}"
+    assert row[9] == f"{int(layers.flops_forward[i]):,}" == f"{2 * 24 * 784 * 512:,}"
+
+
+def test_nothing_fits_names_the_largest_batch(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, gpu="custom", custom_gib=0.125, batch_size=2**20)
+    largest = profile.max_batch_size(GIB // 8, "fp32", "adam", "train")
+    assert w.estimate.total_bytes > GIB // 8
+    assert "does not fit" in w.summary_html
+    assert f"largest batch that fits: <b>{largest:,}</b>" in w.summary_html
+    w.custom_gib = 0.002  # 2 MiB: less than the parameters
+    assert "does not fit" in w.summary_html
+    assert "not even batch size 1 fits" in w.summary_html
+    assert "largest batch that fits" not in w.summary_html

@@ -23,6 +23,7 @@ and its backward FLOPs at its first backward run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +31,18 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ._estimator import MemoryEstimate
+from ._estimator import LayerTable, MemoryEstimate
 from ._options import PHASE_CODE, PHASES, Category, Mode, Phase
 
 __all__ = [
+    "CLIP_RATIO",
     "FLOOR_CATEGORIES",
+    "MAX_NAMED_GROUPS",
     "TRACE_NAMES",
     "WaterfallData",
     "build_figure",
     "group_rows",
+    "output_shape_text",
     "update_figure",
     "waterfall_data",
 ]
@@ -59,6 +63,7 @@ _PHASE_COLOURS: dict[Phase, str] = {
     Phase.INFERENCE: "#4C78A8",
 }
 _FLOOR_COLOUR = "#9D9D9D"
+_BAR_WIDTH = 0.8  # x units; fixed, or plotly widens a trace's bars to its sparsest spacing
 
 TRACE_NAMES: tuple[str, ...] = (
     "resident",
@@ -71,6 +76,20 @@ TRACE_NAMES: tuple[str, ...] = (
     "backward FLOPs",
 )
 """The figure's traces, in order (the widget relies on this order never changing)."""
+
+MAX_NAMED_GROUPS = 40
+"""Up to this many module groups on the x axis, every bar is labelled with its group's name
+(angled); beyond it the axis marks only where each phase starts, and names are on hover."""
+
+_MAX_TICKS = 70  # angled labels that fit a notebook-wide axis without overlapping
+_TICK_CHARS = 24  # longer names keep their tail ("…blocks.11.mlp"): the most specific part
+_NAMED_HEIGHT, _NAMED_MARGIN_B, _NAMED_LEGEND_Y = 720, 170, -0.32
+_PLAIN_HEIGHT, _PLAIN_MARGIN_B, _PLAIN_LEGEND_Y = 620, 40, -0.08
+
+CLIP_RATIO = 3.0
+"""When the capacity exceeds this many times the step's peak, the memory axis stops just
+above the peak (the capacity line is off the chart and a note gives its size and the share
+the peak uses); otherwise the axis reaches the capacity line."""
 
 _I_FLOOR = 0
 _I_PHASE0 = 1
@@ -112,6 +131,28 @@ def group_rows(depths: np.ndarray, depth: int) -> np.ndarray:
     out = np.maximum.accumulate(idx) if len(idx) else idx
     # A deeper row before any shallow row cannot occur (row 0 is the root, depth 0).
     return np.where(out < 0, np.arange(len(d)), out)
+
+
+def output_shape_text(layers: LayerTable, rows: Sequence[int] | np.ndarray) -> list[str]:
+    """The output shapes of ``rows`` as text (``""`` where a row returns no tensor).
+
+    Reads the padded shape arrays for these rows only: ``LayerTable.output_shape`` builds every
+    row's tuple on each access, which costs milliseconds on a 1,000-module model.
+
+    Examples
+    --------
+    >>> from vram_widget import profile_model, zoo
+    >>> layers = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(8).layers
+    >>> output_shape_text(layers, [1, len(layers.name) - 1])
+    ['(8, 512)', '']
+    """
+    idx = np.asarray(rows, dtype=np.int64)
+    dims = layers.output_dims[idx]
+    ndim = layers.output_ndim[idx]
+    return [
+        "" if n < 0 else str(tuple(int(d) for d in row[:n]))
+        for row, n in zip(dims.tolist(), ndim.tolist(), strict=True)
+    ]
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,13 +266,13 @@ def _run_hover(est: MemoryEstimate, data: WaterfallData, sel: np.ndarray) -> dic
     rows = data.run_group[sel]
     uniq, inverse = np.unique(rows, return_inverse=True)
     layers = est.layers
-    # One Python step per distinct group (not per bar or event): names, types and shapes are
-    # tuples of Python objects.
+    # One Python step per distinct group (not per bar or event): names and types are tuples
+    # of Python objects.
+    shapes = output_shape_text(layers, uniq)
     head = np.array(
         [
-            f"<b>{_label(layers.name[i])}</b> ({layers.type[i]})<br>"
-            f"output shape: {layers.output_shape[i] or ''}"
-            for i in uniq
+            f"<b>{_label(layers.name[i])}</b> ({layers.type[i]})<br>output shape: {shape}"
+            for i, shape in zip(uniq.tolist(), shapes, strict=True)
         ],
         dtype=str,
     )
@@ -322,13 +363,37 @@ def _layout_updates(
     est: MemoryEstimate, data: WaterfallData, capacity_bytes: int | None, gpu_name: str
 ) -> dict[str, Any]:
     n_floor = len(FLOOR_CATEGORIES)
-    # Ticks at the start of each phase (a handful of values, not one per bar).
-    tick_x = [0.0]
-    tick_text = ["resident"]
-    if len(data.run_phase):
-        first = np.flatnonzero(np.concatenate([[True], data.run_phase[1:] != data.run_phase[:-1]]))
-        tick_x += (n_floor + first).astype(float).tolist()
-        tick_text += [PHASES[int(c)].value for c in data.run_phase[first]]
+    shown = np.unique(data.run_group)
+    named = 0 < len(shown) <= MAX_NAMED_GROUPS
+    if named:
+        # The floor by category, then each group's name where its forward starts and where
+        # its backward starts (its first run in each phase: backward runs interleave with the
+        # autograd engine's own, so one label per run would repeat names). One Python step per
+        # distinct group, at most MAX_NAMED_GROUPS.
+        names = np.array([_tick(_label(est.layers.name[i])) for i in shown.tolist()], dtype=str)
+        _, first = np.unique(data.run_group * len(PHASES) + data.run_phase, return_index=True)
+        first = np.sort(first)
+        xs = [*range(n_floor), *data.run_x[first].tolist()]
+        texts = [c.value for c in FLOOR_CATEGORIES]
+        texts += names[np.searchsorted(shown, data.run_group[first])].tolist()
+        # Drop a label that would sit on the previous one (at most ~_MAX_TICKS fit the width);
+        # one step per label, not per bar.
+        gap = max(1.0, (n_floor + len(data.run_x)) / _MAX_TICKS)
+        tick_x: list[float] = []
+        tick_text: list[str] = []
+        for x, text in zip(xs, texts, strict=True):
+            if not tick_x or x - tick_x[-1] >= gap:
+                tick_x.append(x)
+                tick_text.append(text)
+    else:
+        # Ticks at the start of each phase (a handful of values, not one per bar).
+        tick_x = [0.0]
+        tick_text = ["resident"]
+        if len(data.run_phase):
+            change = data.run_phase[1:] != data.run_phase[:-1]
+            first = np.flatnonzero(np.concatenate([[True], change]))
+            tick_x += (n_floor + first).astype(float).tolist()
+            tick_text += [PHASES[int(c)].value for c in data.run_phase[first]]
     where = f"{_label(est.peak_module)}, {est.peak_phase.value}"
     title = (
         f"{est.mode.value}, batch {est.batch_size}, {est.precision.value}"
@@ -337,12 +402,35 @@ def _layout_updates(
     )
     if capacity_bytes is not None:
         title += f" of {_gib(capacity_bytes)} on {gpu_name}"
+    # A capacity far above the step would flatten the waterfall to a line: then the axis
+    # stops above the step and a note says where the capacity is.
+    top = max(data.peak_bytes, data.resident_bytes, 1)
+    clip = capacity_bytes is not None and capacity_bytes > CLIP_RATIO * top
+    note = (
+        f"capacity {_gib(capacity_bytes)} ({gpu_name}) is above the chart: the peak uses "
+        f"{data.peak_bytes / capacity_bytes:.1%} of it ↑"
+        if clip and capacity_bytes
+        else ""
+    )
     return {
         "title.text": title,
         "xaxis2.tickvals": tick_x,
         "xaxis2.ticktext": tick_text,
+        "xaxis2.tickangle": -60 if named else 0,
+        "height": _NAMED_HEIGHT if named else _PLAIN_HEIGHT,
+        "margin.b": _NAMED_MARGIN_B if named else _PLAIN_MARGIN_B,
+        "legend.y": _NAMED_LEGEND_Y if named else _PLAIN_LEGEND_Y,
         "xaxis.range": [-0.6, n_floor + len(data.run_x) - 0.4],
+        "yaxis.autorange": not clip,
+        "yaxis.range": [0, 1.2 * top] if clip else None,
+        "annotations[0].text": note,
+        "annotations[0].visible": clip,
     }
+
+
+def _tick(name: str) -> str:
+    """A tick label: the name, or its last ``_TICK_CHARS`` characters after an ellipsis."""
+    return name if len(name) <= _TICK_CHARS else "…" + name[-(_TICK_CHARS - 1) :]
 
 
 def _gib(nbytes: int) -> str:
@@ -390,6 +478,7 @@ def build_figure(
     )
     fig.add_trace(
         go.Bar(
+            width=_BAR_WIDTH,
             name="resident",
             marker_color=_FLOOR_COLOUR,
             hovertemplate=(
@@ -403,6 +492,7 @@ def build_figure(
     for phase in PHASES:
         fig.add_trace(
             go.Bar(
+                width=_BAR_WIDTH,
                 name=phase.value,
                 marker_color=_PHASE_COLOURS[phase],
                 hovertemplate=_BAR_HOVER,
@@ -460,6 +550,7 @@ def build_figure(
     for name, colour in (("forward FLOPs", "#4C78A8"), ("backward FLOPs", "#F58518")):
         fig.add_trace(
             go.Bar(
+                width=_BAR_WIDTH,
                 name=name,
                 marker_color=colour,
                 hovertemplate="<b>%{hovertext}</b><br>%{y:,} FLOPs<extra></extra>",
@@ -470,12 +561,25 @@ def build_figure(
     fig.update_layout(
         barmode="overlay",
         bargap=0.15,
-        height=620,
-        margin={"l": 70, "r": 20, "t": 60, "b": 40},
+        height=_PLAIN_HEIGHT,
+        margin={"l": 70, "r": 20, "t": 60, "b": _PLAIN_MARGIN_B},
         hovermode="closest",
-        legend={"orientation": "h", "y": -0.08},
+        legend={"orientation": "h", "y": _PLAIN_LEGEND_Y},
+        xaxis2={"tickfont": {"size": 10}},
         yaxis={"title": {"text": "live memory"}, "tickformat": ".3s", "ticksuffix": "B"},
         yaxis2={"title": {"text": "FLOPs"}, "tickformat": ".2s"},
+    )
+    fig.add_annotation(
+        text="",
+        visible=False,
+        xref="paper",
+        yref="paper",
+        x=1,
+        y=1,
+        xanchor="right",
+        yanchor="bottom",
+        showarrow=False,
+        font={"color": "#D62728", "size": 12},
     )
     _write(fig, est, depth=depth, capacity_bytes=capacity_bytes, gpu_name=gpu_name)
     return fig
@@ -508,15 +612,15 @@ def _write(
     layout = fig.layout
     for path, value in _layout_updates(est, data, capacity_bytes, gpu_name).items():
         parent, _, key = path.rpartition(".")
-        obj = layout[parent]
+        obj = layout[parent] if parent else layout
         if not _same(obj[key], value):
             obj[key] = value
 
 
 def _same(old: Any, new: Any) -> bool:
     """Whether a property already holds ``new`` (so writing it would only cost time)."""
-    if old is None:
-        return False
+    if old is None or new is None:
+        return old is new
     if isinstance(new, str) or isinstance(old, str):
         return bool(old == new)
     try:

@@ -8,8 +8,11 @@ an optimizer) not yet profiled runs the profiler once more, behind a "profiling�
 
 from __future__ import annotations
 
+import base64
 import html
 import math
+import re
+import time
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -18,7 +21,7 @@ import plotly.graph_objects as go
 import traitlets
 
 from ._estimator import MemoryEstimate
-from ._figures import build_figure, group_rows, update_figure
+from ._figures import build_figure, group_rows, output_shape_text, update_figure
 from ._gpus import CUSTOM_GPU, GPUS, Gpu, custom_gpu
 from ._options import Category, Mode, OptimizerName, Precision
 
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["MemoryWidget", "format_bytes", "show_memory"]
 
 BATCH_SLIDER_MAX = 8192
+BATCH_MAX = 2**40
+"""The largest batch the widget accepts (the exact box's bound and ``max_batch_size``'s limit)."""
 _NO_OPTIMIZER = "none"
 _OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
 _TABLE_ROWS = 25
@@ -87,7 +92,7 @@ class MemoryWidget(widgets.VBox):
     current estimate is ``w.estimate``, the figure ``w.figure`` (a ``go.FigureWidget``).
     """
 
-    batch_size = traitlets.Int(32, min=1)
+    batch_size = traitlets.Int(32, min=1, max=BATCH_MAX)
     precision = traitlets.Enum([p.value for p in Precision], default_value="fp32")
     optimizer = _OptimizerTrait(list(_OPTIMIZERS), default_value="adam")
     mode = traitlets.Enum([m.value for m in Mode], default_value="train")
@@ -98,6 +103,7 @@ class MemoryWidget(widgets.VBox):
     def __init__(self, profile: ModelProfile, **settings: Any) -> None:
         self._profile = profile
         self._syncing = False
+        self._reverting = False
         self._fit_cache: dict[tuple[str, str, str, int], int] = {}
         self._per_sample_cache: dict[tuple[str, str, str], int] = {}
         super().__init__()
@@ -122,13 +128,25 @@ class MemoryWidget(widgets.VBox):
         self._summary = widgets.HTML()
         self._table = widgets.HTML()
         self._status = widgets.HTML()
+        self._csv_button = widgets.Button(
+            description="Download CSV",
+            icon="download",
+            tooltip="the per-layer table of the current setting (w.to_csv())",
+        )
+        self._csv_button.on_click(self._show_csv_link)
+        self._csv_link = widgets.HTML()
         self._render_text()
         self.children = [
             self._controls,
             self._status,
             self._figure,
             self._summary,
-            widgets.Accordion(children=[self._table], titles=("Layers (largest first)",)),
+            widgets.Accordion(
+                children=[
+                    widgets.VBox([widgets.HBox([self._csv_button, self._csv_link]), self._table])
+                ],
+                titles=("Layers (largest first)",),
+            ),
         ]
         self.observe(self._on_change, names=list(_SETTINGS))
 
@@ -169,6 +187,27 @@ class MemoryWidget(widgets.VBox):
         """The per-layer table as CSV: written to ``path``, or returned as a string."""
         return self.to_dataframe().to_csv(path, index=False)
 
+    @property
+    def csv_filename(self) -> str:
+        """The name the "Download CSV" link saves under: ``<model>_layers.csv``."""
+        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", self._profile.model_name or "model").strip("_.")
+        return f"{stem or 'model'}_layers.csv"
+
+    def _show_csv_link(self, _button: Any = None) -> None:
+        """Build the CSV of the current estimate and show it as a download link.
+
+        Built on the button's click, not on every move (the CSV of a 1,000-module model takes
+        ~10 ms); a later move clears the link, so a stale table is never offered.
+        """
+        csv = self.to_csv() or ""
+        payload = base64.b64encode(csv.encode("utf-8")).decode("ascii")
+        name = html.escape(self.csv_filename, quote=True)
+        self._csv_link.value = (
+            f"<a download='{name}' href='data:text/csv;base64,{payload}' target='_blank'>"
+            f"{name}</a> ({len(self._estimate.layers.name):,} rows, batch "
+            f"{self._estimate.batch_size:,})"
+        )
+
     # ------------------------------------------------------------------ validation
 
     @traitlets.validate("custom_gib")
@@ -201,21 +240,41 @@ class MemoryWidget(widgets.VBox):
         return self._profile.estimate(self.batch_size, **self._settings())
 
     def _on_change(self, change: dict[str, Any]) -> None:
-        """The one observer: any setting -> estimate -> figure and summary, in place."""
-        if self._needs_profiling():
-            self._status.value = (
-                f"<i>profiling {html.escape(self.precision)} / {html.escape(self.mode)}"
-                f"{' / ' + html.escape(self.optimizer) if self.mode == 'train' else ''}…</i>"
-            )
+        """The one observer: any setting -> estimate -> figure and summary, in place.
+
+        Where the setting needs a profiling run (torch, seconds), the status says so and the
+        controls are disabled *before* it starts, and both are restored after it; on failure
+        the setting goes back to its last value (traits stay the truth of what is shown).
+        """
+        profiling = self._needs_profiling()
+        what = html.escape(
+            f"{self.precision} / {self.mode}"
+            + (f" / {self.optimizer}" if self.mode == Mode.TRAIN.value else "")
+        )
+        started = 0.0
+        if profiling:
+            self._status.value = f"<i>⏳ profiling {what} (first use, runs once)…</i>"
+            self._set_busy(True)
+            started = time.perf_counter()
         try:
             est = self._compute()
         except Exception as exc:  # a failed extra profiling run: say so, keep the last view
+            self._set_busy(False)
+            self._revert(change)
             self._status.value = (
-                f"<span style='color:#b00'>could not profile this setting: "
-                f"{html.escape(f'{type(exc).__name__}: {exc}')}</span>"
+                f"<span style='color:#b00'>could not profile {what}: "
+                f"{html.escape(f'{type(exc).__name__}: {exc}')}; kept {change['name']} = "
+                f"{html.escape(repr(change['old']))}</span>"
             )
             return
-        self._status.value = ""
+        if profiling:
+            self._set_busy(False)
+            elapsed = _format_seconds(time.perf_counter() - started)
+            self._status.value = f"<i>profiled {what} in {elapsed}</i>"
+        elif self._status.value:
+            self._status.value = ""
+        if self._csv_link.value:
+            self._csv_link.value = ""
         self._estimate = est
         target = self.target
         update_figure(
@@ -227,6 +286,24 @@ class MemoryWidget(widgets.VBox):
         )
         self._sync_controls()
         self._render_text()
+
+    def _revert(self, change: dict[str, Any]) -> None:
+        """Put a setting whose estimate failed back to its last value (re-renders that)."""
+        name = change.get("name")
+        if self._reverting or name not in _SETTINGS or change.get("old") is None:
+            return  # never bounce between two settings that both fail
+        self._reverting = True
+        try:
+            setattr(self, name, change["old"])
+        finally:
+            self._reverting = False
+
+    def _set_busy(self, busy: bool) -> None:
+        """Disable every control while a profiling run blocks the kernel; re-enable after."""
+        for control in self._control_widgets:
+            control.disabled = busy
+        if not busy:
+            self._custom_box.disabled = self.gpu != CUSTOM_GPU
 
     # ------------------------------------------------------------------ derived numbers
 
@@ -334,19 +411,23 @@ class MemoryWidget(widgets.VBox):
         total = sums["param B"] + sums["grad B"] + sums["opt state B"] + sums["activation B"]
         heads = np.flatnonzero(groups == np.arange(n))
         order = heads[np.argsort(-total[heads], kind="stable")][:_TABLE_ROWS]
-        head = "".join(f"<th>{h}</th>" for h in ("module", "type", "output", *cols))
+        heads_row = ("module", "type", "output", "activations", *cols)
+        head = "".join(f"<th>{h}</th>" for h in heads_row)
         body = []
-        for i in order:
+        numel = layers.output_numel
+        for i, shape in zip(order.tolist(), output_shape_text(layers, order), strict=True):
             cells = [
                 html.escape(layers.name[i] or "(model)"),
                 html.escape(layers.type[i]),
-                html.escape(str(layers.output_shape[i] or "")),
+                html.escape(shape),
+                f"{int(numel[i]):,}" if shape else "",
                 *(f"{round(sums[k][i]):,}" for k in cols),
             ]
             body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         return (
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-            f"<p>{len(heads)} groups at depth {self.depth}; full table: "
+            f"<p>{len(heads)} groups at depth {self.depth}; activations: elements of the "
+            f"group's output at this batch; full table: "
             f"<code>w.to_dataframe()</code> / <code>w.to_csv(path)</code></p>"
         )
 
@@ -364,7 +445,7 @@ class MemoryWidget(widgets.VBox):
             readout=False,
         )
         self._batch_box = widgets.BoundedIntText(
-            value=self.batch_size, min=1, max=2**40, layout={"width": "110px"}
+            value=self.batch_size, min=1, max=BATCH_MAX, layout={"width": "110px"}
         )
         self._batch_slider.observe(self._slider_moved, names="value")
         self._batch_box.observe(self._box_changed, names="value")
@@ -372,7 +453,9 @@ class MemoryWidget(widgets.VBox):
         optimizer = widgets.Dropdown(options=list(_OPTIMIZERS))
         mode = widgets.ToggleButtons(options=[m.value for m in Mode])
         gpu = widgets.Dropdown(options=[*GPUS, CUSTOM_GPU])
-        custom = widgets.BoundedFloatText(min=0.001, max=1e6, layout={"width": "90px"})
+        custom = widgets.BoundedFloatText(
+            min=0.001, max=1e6, layout={"width": "170px"}, disabled=self.gpu != CUSTOM_GPU
+        )
         max_depth = (
             int(self._estimate.layers.depth.max()) if len(self._estimate.layers.depth) else 0
         )
@@ -388,6 +471,17 @@ class MemoryWidget(widgets.VBox):
             if label:
                 control.description = label
             widgets.link((self, name), (control, "value"))
+        self._custom_box = custom
+        self._control_widgets: tuple[widgets.DOMWidget, ...] = (
+            self._batch_slider,
+            self._batch_box,
+            precision,
+            optimizer,
+            mode,
+            gpu,
+            custom,
+            depth,
+        )
         self._controls = widgets.VBox(
             [
                 widgets.HBox([self._batch_slider, self._batch_box]),
@@ -412,6 +506,7 @@ class MemoryWidget(widgets.VBox):
             self._batch_box.value = self.batch_size
         finally:
             self._syncing = False
+        self._custom_box.disabled = self.gpu != CUSTOM_GPU
 
     # ------------------------------------------------------------------ static fallback
 
