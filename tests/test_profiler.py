@@ -25,6 +25,7 @@ from torch import nn
 import vram_widget
 from vram_widget import Category, Mode, ModelProfile, Phase, ProfilingError, profile_model, zoo
 from vram_widget._measure import measure
+from vram_widget._options import PHASE_CODE
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -1259,3 +1260,27 @@ def test_shape_mismatch_traceback_ends_at_the_failing_op() -> None:
     assert [name for _file, name in frames] == ["forward", "forward"]
     assert frames[0][0].endswith(os.path.join("torch", "nn", "modules", "container.py"))
     assert frames[1][0].endswith(os.path.join("torch", "nn", "modules", "linear.py"))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_backward_events_belong_to_the_node_that_ran(device: str) -> None:
+    # The autograd engine frees a node's saved tensors and consumed gradients between ops,
+    # and runs AccumulateGrad right after the node producing the gradient: those events
+    # belong to the module whose backward just ran, not to the loss. So, grouped by top-level
+    # block, backward visits each block once, in reverse order of the forward.
+    model = zoo.resnet18()
+    est = profile_model(model, input_size=(3, 32, 32), device=device).estimate(4)
+    names = est.layers.name
+    loss_row = names.index("(loss)")
+    phase = np.asarray(est.event_phase)
+    module = np.asarray(est.event_module)
+    backward = np.flatnonzero(phase == PHASE_CODE[Phase.BACKWARD])
+    first_module_op = backward[np.argmax(module[backward] != loss_row)]
+    assert not np.any(module[backward][backward > first_module_op] == loss_row)
+    top = [n.split(".")[0] for n in np.asarray(names, dtype=object)[module[backward]]]
+    runs = [t for i, t in enumerate(top) if i == 0 or t != top[i - 1]]
+    assert runs[0] == "(loss)"
+    assert len(runs) == len(set(runs))  # each block's backward is one run
+    children = [n for n, _ in model.named_children()]
+    order = [r for r in runs if r in children]
+    assert order == sorted(order, key=children.index, reverse=True)

@@ -99,6 +99,11 @@ class Recorder(TorchDispatchMode):
         self.uses_matmul = False
         self.phase = PHASE_CODE[Phase.FORWARD]
         self._module_stack: list[int] = [loss_row]
+        # The row of the last op dispatched in backward: the autograd engine frees a node's
+        # saved tensors and consumed gradient buffers right after the node runs, outside any
+        # op, so those frees belong to that node's module (not to the loss, where the module
+        # stack stands during backward).
+        self._backward_row = loss_row
         self._input_stack: list[tuple[int, Any]] = []
         self._live: dict[int, int] = {}  # id(storage object) -> storage id
         self._refs: dict[int, weakref.ref[Any]] = {}
@@ -156,7 +161,16 @@ class Recorder(TorchDispatchMode):
             return
         record = self.storages[sid]
         if record.nbytes or record.placeholder:
-            self._emit(sid, -record.nbytes, self._module_stack[-1])
+            self._emit(sid, -record.nbytes, self._free_row())
+
+    def _free_row(self) -> int:
+        """Whose a free is: the backward node that just ran, the optimizer (its step and its
+        ``zero_grad``), or the module running."""
+        if self.phase == PHASE_CODE[Phase.BACKWARD]:
+            return self._backward_row
+        if self.phase in (PHASE_CODE[Phase.OPTIMIZER], PHASE_CODE[Phase.ZERO_GRAD]):
+            return self.optimizer_row
+        return self._module_stack[-1]
 
     def _emit(self, sid: int, delta: int, module: int) -> None:
         self._ev_storage.append(sid)
@@ -222,9 +236,13 @@ class Recorder(TorchDispatchMode):
         if self.phase == PHASE_CODE[Phase.BACKWARD]:
             seq = current_autograd_sequence_nr()
             if seq is None:
-                return self.loss_row  # the engine seeding the loss gradient
-            # AccumulateGrad and other nodes created outside our ops have no row: root.
-            return self._seq_module.get(seq, 0)
+                self._backward_row = self.loss_row  # the engine seeding the loss gradient
+            else:
+                # AccumulateGrad and other nodes created outside our ops have no row of their
+                # own; the engine runs AccumulateGrad (highest priority) right after the node
+                # that produced its gradient, so it stays with that node's module.
+                self._backward_row = self._seq_module.get(seq, self._backward_row)
+            return self._backward_row
         if self.phase == PHASE_CODE[Phase.OPTIMIZER]:
             return self.optimizer_row
         row = self._module_stack[-1]
