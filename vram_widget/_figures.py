@@ -396,12 +396,14 @@ def _layout_updates(
             tick_text += [PHASES[int(c)].value for c in data.run_phase[first]]
     where = f"{_label(est.peak_module)}, {est.peak_phase.value}"
     title = (
-        f"{est.mode.value}, batch {est.batch_size}, {est.precision.value}"
-        f"{', ' + est.optimizer.value if est.optimizer is not None else ''}: "
-        f"peak {_gib(est.peak_bytes)} ({where})"
+        f"peak {_gib(est.peak_bytes)}"
+        + (f" of {_gib(capacity_bytes)}" if capacity_bytes is not None else "")
+        + f" ({where})<br><sup>{est.mode.value}, batch {est.batch_size}, "
+        f"{est.precision.value}"
+        + (f", {est.optimizer.value}" if est.optimizer is not None else "")
+        + (f" · {gpu_name}" if capacity_bytes is not None and gpu_name else "")
+        + "</sup>"
     )
-    if capacity_bytes is not None:
-        title += f" of {_gib(capacity_bytes)} on {gpu_name}"
     # A capacity far above the step would flatten the waterfall to a line: then the axis
     # stops above the step and a note says where the capacity is.
     top = max(data.peak_bytes, data.resident_bytes, 1)
@@ -562,7 +564,8 @@ def build_figure(
         barmode="overlay",
         bargap=0.15,
         height=_PLAIN_HEIGHT,
-        margin={"l": 70, "r": 20, "t": 60, "b": _PLAIN_MARGIN_B},
+        margin={"l": 70, "r": 20, "t": 70, "b": _PLAIN_MARGIN_B},
+        title={"font": {"size": 15}, "x": 0.02, "xanchor": "left"},
         hovermode="closest",
         legend={"orientation": "h", "y": _PLAIN_LEGEND_Y},
         xaxis2={"tickfont": {"size": 10}},

@@ -449,10 +449,14 @@ class MemoryWidget(widgets.VBox):
         )
         self._batch_slider.observe(self._slider_moved, names="value")
         self._batch_box.observe(self._box_changed, names="value")
-        precision = widgets.Dropdown(options=list(self.traits()["precision"].values or []))
-        optimizer = widgets.Dropdown(options=list(_OPTIMIZERS))
-        mode = widgets.ToggleButtons(options=[m.value for m in Mode])
-        gpu = widgets.Dropdown(options=[*GPUS, CUSTOM_GPU])
+        precision = widgets.Dropdown(
+            options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
+        )
+        optimizer = widgets.Dropdown(options=list(_OPTIMIZERS), layout={"width": "220px"})
+        mode = widgets.ToggleButtons(
+            options=[m.value for m in Mode], style={"button_width": "90px"}
+        )
+        gpu = widgets.Dropdown(options=[*GPUS, CUSTOM_GPU], layout={"width": "300px"})
         custom = widgets.BoundedFloatText(
             min=0.001, max=1e6, layout={"width": "170px"}, disabled=self.gpu != CUSTOM_GPU
         )
@@ -470,6 +474,8 @@ class MemoryWidget(widgets.VBox):
         ):
             if label:
                 control.description = label
+            # Labels as wide as their text, so no control wraps under its own label.
+            control.style.description_width = "initial"
             widgets.link((self, name), (control, "value"))
         self._custom_box = custom
         self._control_widgets: tuple[widgets.DOMWidget, ...] = (
