@@ -25,7 +25,9 @@ import warnings
 
 import numpy as np
 import pytest
+from torch import nn
 
+from vram_widget import profile_model
 from vram_widget._accelerator import (
     CUBLAS_WORKSPACE_BYTES_SM90,
     CUDA_CONTEXT_BYTES,
@@ -473,3 +475,25 @@ def test_numpy_layer_modules_do_not_import_torch() -> None:
 def test_numpy_layer_does_not_import_torch() -> None:
     result = _run_python(_NO_TORCH)
     assert result.returncode == 0, result.stderr
+
+
+def test_cublas_workspace_follows_the_target_compute_capability() -> None:
+    # cuBLAS workspace per handle: 32 MiB = 33,554,432 B on compute capability 9.x, and
+    # ":4096:2:16:8" = 4096 KiB * 2 + 16 KiB * 8 = 8,519,680 B before it
+    # (CublasHandlePool.cpp; _accelerator.cublas_workspace_bytes). The rest is unchanged.
+    profile = profile_model(nn.Linear(16, 16), input_size=(16,), device="cuda")
+    hopper = profile.estimate(4)
+    ampere = profile.estimate(4, compute_capability=(8, 0))
+    assert hopper.extras.cublas_workspace_bytes == 33_554_432
+    assert profile.estimate(4, compute_capability=(9, 0)).extras == hopper.extras
+    assert ampere.extras.cublas_workspace_bytes == 8_519_680
+    assert ampere.peak_bytes == hopper.peak_bytes
+    assert hopper.total_bytes - ampere.total_bytes == 33_554_432 - 8_519_680
+    # max_batch_size counts the extras of the GPU it is told about.
+    capacity = hopper.total_bytes
+    assert profile.max_batch_size(capacity) >= 4  # 512-byte rounding: 5..8 may fit too
+    assert profile.max_batch_size(capacity, compute_capability=(8, 0)) > profile.max_batch_size(
+        capacity
+    )
+    with pytest.raises(ValueError, match="compute_capability"):
+        profile.estimate(4, compute_capability=(9,))  # type: ignore[arg-type]

@@ -36,9 +36,9 @@ from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, sum_by
 if TYPE_CHECKING:
     import pandas as pd
 
-# The GPU the CUDA extras are for until the widget's target-GPU setting says otherwise:
-# an H100 (compute capability 9.0).
-DEFAULT_SM = 90
+# The GPU the CUDA extras are for unless the caller names one: an H100 (compute capability
+# 9.0), whose cuBLAS workspace is the largest (32 MiB), so the default does not under-count.
+DEFAULT_COMPUTE_CAPABILITY = (9, 0)
 
 _TEMPORARY = CATEGORY_CODE[Category.TEMPORARY]
 
@@ -161,8 +161,10 @@ def estimate(
     optimizer: OptimizerName | None,
     mode: Mode,
     device: Device,
+    compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
 ) -> MemoryEstimate:
-    """Lay the step's events on top of what is resident and read off the peak."""
+    """Lay the step's events on top of what is resident and read off the peak.
+    ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace)."""
     n_rows = len(rows.names)
     train = mode is Mode.TRAIN
     seq = timeline.events_at(batch_size)
@@ -197,7 +199,9 @@ def estimate(
 
     extras = AcceleratorExtras(0, 0, 0)
     if device is Device.CUDA:
-        extras = _cuda_extras(timeline, opt if train else None, seq, batch_size, peak)
+        extras = _cuda_extras(
+            timeline, opt if train else None, seq, batch_size, peak, compute_capability
+        )
 
     def per_row(category: Category) -> np.ndarray:
         return timeline.rows_of_category(category, batch_size, n_rows)
@@ -275,6 +279,7 @@ def _cuda_extras(
     seq: np.ndarray,
     batch_size: int,
     peak: int,
+    compute_capability: tuple[int, int],
 ) -> AcceleratorExtras:
     """What CUDA adds on top of tensor bytes: each block rounded up to 512 bytes by the
     caching allocator, the cuBLAS workspace, and the CUDA context (sources in _accelerator)."""
@@ -288,6 +293,10 @@ def _cuda_extras(
         rounded_peak = max(rounded_peak, rounded_resident + int(np.cumsum(rounded_seq).max()))
     return AcceleratorExtras(
         allocator_rounding_bytes=max(0, rounded_peak - peak),
-        cublas_workspace_bytes=cublas_workspace_bytes(DEFAULT_SM) if timeline.uses_matmul else 0,
+        cublas_workspace_bytes=(
+            cublas_workspace_bytes(10 * compute_capability[0] + compute_capability[1])
+            if timeline.uses_matmul
+            else 0
+        ),
         cuda_context_bytes=CUDA_CONTEXT_BYTES,
     )

@@ -51,12 +51,17 @@ class Gpu:
         custom entry.
     source
         The vendor document(s) the figures come from, and how they were read.
+    compute_capability
+        CUDA compute capability (major, minor), from NVIDIA's table
+        (https://developer.nvidia.com/cuda-gpus); it sizes the cuBLAS workspace in the
+        estimate's extras. None for a custom entry (the estimate then assumes 9.0).
     """
 
     name: str
     memory_bytes: int
     tflops: Mapping[str, float] = field(default_factory=dict)
     source: str = ""
+    compute_capability: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -123,6 +128,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         80 * _GIB,
         {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5},
         _H100_SXM_SRC,
+        compute_capability=(9, 0),
     ),
     Gpu(
         "H100 PCIe 80GB",
@@ -131,6 +137,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         "NVIDIA H100 datasheet, H100 PCIe column "
         "(https://www.nvidia.com/en-us/data-center/h100/): 80GB HBM2e; FP32 51; TF32 756*, "
         "BF16 1,513*, FP16 1,513* TFLOPS (* with sparsity) -> dense = half. 80 GiB.",
+        compute_capability=(9, 0),
     ),
     Gpu(
         "H200 SXM 141GB",
@@ -140,6 +147,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         "FP32 67; TF32 989*, BF16 1,979*, FP16 1,979* TFLOPS (* with sparsity) -> dense = half. "
         "Memory taken as 141 GiB: UNCONFIRMED whether the vendor's 141GB is GB or GiB "
         "(CUDA-visible total reported near 140 GiB).",
+        compute_capability=(9, 0),
     ),
     Gpu(
         "A100 80GB",
@@ -148,6 +156,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         "NVIDIA A100 datasheet (https://www.nvidia.com/en-us/data-center/a100/), SXM and PCIe "
         "columns: 80GB HBM2e; FP32 19.5; TF32 156 (312*); BF16 312 (624*); FP16 312 (624*) "
         "TFLOPS, * with sparsity. 80 GiB (nvidia-smi: 81,920 MiB).",
+        compute_capability=(8, 0),
     ),
     Gpu(
         "A100 40GB",
@@ -155,6 +164,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
         "NVIDIA A100 datasheet (https://www.nvidia.com/en-us/data-center/a100/): 40GB HBM2; "
         "same rates as the 80GB part (FP32 19.5; TF32 156; BF16/FP16 312 dense). 40 GiB.",
+        compute_capability=(8, 0),
     ),
     Gpu(
         "L40S 48GB",
@@ -163,6 +173,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         "NVIDIA L40S datasheet (https://www.nvidia.com/en-us/data-center/l40s/): 48GB GDDR6 "
         "with ECC; FP32 91.6; TF32 183 (366*); BF16 362.05 (733*); FP16 362.05 (733*) TFLOPS, "
         "* with sparsity. 48 GiB (less with ECC on).",
+        compute_capability=(8, 9),
     ),
     Gpu(
         "L4 24GB",
@@ -171,6 +182,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         "NVIDIA L4 datasheet (https://www.nvidia.com/en-us/data-center/l4/): 24GB GDDR6; "
         "FP32 30.3; TF32 120*, BF16 242*, FP16 242* TFLOPS (* with sparsity) -> dense = half. "
         "24 GiB (less with ECC on). Dense halves UNCONFIRMED beyond the datasheet's footnote.",
+        compute_capability=(8, 9),
     ),
     Gpu(
         "RTX 4090 24GB",
@@ -181,6 +193,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         "nvidia-ada-gpu-architecture.pdf): 24GB GDDR6X; FP32 82.6; TF32 82.6 dense; "
         "FP16/BF16 tensor with FP32 accumulate 165.2 dense (330.4 with FP16 accumulate). "
         "24 GiB. UNCONFIRMED: figures recalled from the whitepaper, not re-read here.",
+        compute_capability=(8, 9),
     ),
     Gpu(
         "RTX 3090 24GB",
@@ -190,6 +203,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         "(https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-"
         "v2.pdf): 24GB GDDR6X; FP32 35.6; TF32 35.6 dense; FP16/BF16 tensor with FP32 "
         "accumulate 71 dense. 24 GiB. UNCONFIRMED: figures recalled, not re-read here.",
+        compute_capability=(8, 6),
     ),
     Gpu(
         "T4 16GB",
@@ -199,6 +213,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         "GDDR6; FP32 8.1; mixed FP16/FP32 tensor 65 TFLOPS. Turing has no TF32 or BF16 tensor "
         "cores: the FP32 rate is given for them. 16 GiB (about 15 GiB visible with ECC on, "
         "UNCONFIRMED).",
+        compute_capability=(7, 5),
     ),
     Gpu(
         "V100 SXM2 16GB",
@@ -207,6 +222,7 @@ _ENTRIES: tuple[Gpu, ...] = (
         "NVIDIA V100 datasheet (https://www.nvidia.com/en-us/data-center/v100/), SXM2 column: "
         "16GB HBM2; FP32 15.7; tensor (mixed FP16) 125 TFLOPS. Volta has no TF32 or BF16 "
         "tensor cores: the FP32 rate is given for them. 16 GiB.",
+        compute_capability=(7, 0),
     ),
 )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ._estimator import MemoryEstimate, estimate
+from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from ._options import (
     Device,
     Mode,
@@ -90,6 +90,8 @@ class ModelProfile:
         precision: str | Precision = "fp32",
         optimizer: str | OptimizerName | None = "adam",
         mode: str | Mode = "train",
+        *,
+        compute_capability: tuple[int, int] | None = None,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -101,6 +103,10 @@ class ModelProfile:
         optimizer : {"sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop", None}
             Ignored in inference mode.
         mode : {"train", "inference"}
+        compute_capability : (major, minor), optional
+            The target GPU's, as ``torch.cuda.get_device_capability()`` gives it; it sizes
+            the cuBLAS workspace in ``est.extras`` (32 MiB on 9.x, 8 MiB before). Default
+            (9, 0), an H100.
 
         Returns
         -------
@@ -131,6 +137,7 @@ class ModelProfile:
             optimizer=opt_name,
             mode=run_mode,
             device=self.device,
+            compute_capability=_check_capability(compute_capability),
         )
 
     def max_batch_size(
@@ -140,6 +147,7 @@ class ModelProfile:
         optimizer: str | OptimizerName | None = "adam",
         mode: str | Mode = "train",
         *,
+        compute_capability: tuple[int, int] | None = None,
         limit: int = 2**40,
     ) -> int:
         """The largest batch whose estimated peak plus accelerator extras fits in
@@ -157,7 +165,10 @@ class ModelProfile:
             return 0
 
         def fits(batch: int) -> bool:
-            return self.estimate(batch, precision, optimizer, mode).total_bytes <= capacity_bytes
+            est = self.estimate(
+                batch, precision, optimizer, mode, compute_capability=compute_capability
+            )
+            return est.total_bytes <= capacity_bytes
 
         if not fits(1):
             return 0
@@ -192,3 +203,17 @@ class ModelProfile:
         big = self.estimate(2**30 + 1, precision, optimizer, mode).peak_bytes
         small = self.estimate(2**30, precision, optimizer, mode).peak_bytes
         return int(big) - int(small)
+
+
+def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
+    if value is None:
+        return DEFAULT_COMPUTE_CAPABILITY
+    try:
+        major, minor = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"compute_capability must be (major, minor), e.g. (8, 0) for an A100; got {value!r}"
+        ) from None
+    if major < 1 or minor < 0:
+        raise ValueError(f"compute_capability must be (major, minor) >= (1, 0); got {value!r}")
+    return major, minor

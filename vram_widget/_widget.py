@@ -104,7 +104,7 @@ class MemoryWidget(widgets.VBox):
         self._profile = profile
         self._syncing = False
         self._reverting = False
-        self._fit_cache: dict[tuple[str, str, str, int], int] = {}
+        self._fit_cache: dict[tuple[Any, ...], int] = {}
         self._per_sample_cache: dict[tuple[str, str, str], int] = {}
         super().__init__()
         # Apply settings before any control exists, so a bad value raises TraitError here.
@@ -224,6 +224,8 @@ class MemoryWidget(widgets.VBox):
             "precision": self.precision,
             "optimizer": None if self.optimizer == _NO_OPTIMIZER else self.optimizer,
             "mode": self.mode,
+            # The chosen GPU's, for the cuBLAS workspace in the extras (custom: default).
+            "compute_capability": self.target.compute_capability,
         }
 
     def _needs_profiling(self) -> bool:
@@ -310,11 +312,11 @@ class MemoryWidget(widgets.VBox):
     def largest_batch(self) -> int:
         """The largest batch whose peak plus extras fits the chosen device (0: none fits).
 
-        Cached per (precision, optimizer, mode, capacity): a batch-size move costs nothing.
+        Cached per (precision, optimizer, mode, GPU): a batch-size move costs nothing.
         """
         s = self._settings()
         capacity = self.target.memory_bytes
-        key = (self.precision, self.optimizer, self.mode, capacity)
+        key = (self.precision, self.optimizer, self.mode, capacity, s["compute_capability"])
         if key not in self._fit_cache:
             self._fit_cache[key] = _largest_batch(self._profile, capacity, s)
         return self._fit_cache[key]
@@ -323,7 +325,9 @@ class MemoryWidget(widgets.VBox):
         """How much the peak grows per extra sample (cached per precision/optimizer/mode)."""
         key = (self.precision, self.optimizer, self.mode)
         if key not in self._per_sample_cache:
-            self._per_sample_cache[key] = self._profile.bytes_per_sample(**self._settings())
+            settings = self._settings()
+            del settings["compute_capability"]  # the extras do not grow with the batch
+            self._per_sample_cache[key] = self._profile.bytes_per_sample(**settings)
         return self._per_sample_cache[key]
 
     # ------------------------------------------------------------------ rendering
