@@ -568,9 +568,17 @@ def build_figure(
         title={"font": {"size": 15}, "x": 0.02, "xanchor": "left"},
         hovermode="closest",
         legend={"orientation": "h", "y": _PLAIN_LEGEND_Y},
-        xaxis2={"tickfont": {"size": 10}},
-        yaxis={"title": {"text": "live memory"}, "tickformat": ".3s", "ticksuffix": "B"},
-        yaxis2={"title": {"text": "FLOPs"}, "tickformat": ".2s"},
+        # ticklabeloverflow="allow": the default ("hide past div") measures every tick
+        # label's box on every redraw, ~40 % of plotly's time per slider move in Chromium.
+        xaxis={"ticklabeloverflow": "allow"},
+        xaxis2={"tickfont": {"size": 10}, "ticklabeloverflow": "allow"},
+        yaxis={
+            "title": {"text": "live memory"},
+            "tickformat": ".3s",
+            "ticksuffix": "B",
+            "ticklabeloverflow": "allow",
+        },
+        yaxis2={"title": {"text": "FLOPs"}, "tickformat": ".2s", "ticklabeloverflow": "allow"},
     )
     fig.add_annotation(
         text="",
