@@ -134,17 +134,18 @@ class Subject:
         return storage_dtype(precision) if t.is_floating_point() else t.dtype
 
     def make_state(
-        self, precision: Precision, real: bool
+        self, precision: Precision, real: bool, device: str = "cpu"
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Parameters and buffers as new leaf tensors in the precision's dtype: fake tensors
-        (call inside the fake mode), or real CPU copies for the fallback."""
+        (call inside the fake mode), meta tensors (``device="meta"``), or real CPU copies for
+        the fallback."""
         params: dict[str, torch.Tensor] = {}
         for name, p, _row in self._params:
             dtype = self._dtype(p, precision)
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
             else:
-                t = torch.empty_strided(tuple(p.shape), p.stride(), dtype=dtype, device="cpu")
+                t = torch.empty_strided(tuple(p.shape), p.stride(), dtype=dtype, device=device)
             params[name] = t.requires_grad_(p.requires_grad)
         buffers: dict[str, torch.Tensor] = {}
         for name, b, _row in self._buffers:
@@ -153,7 +154,7 @@ class Subject:
                 buffers[name] = b.detach().to(device="cpu", dtype=dtype, copy=True)
             else:
                 buffers[name] = torch.empty_strided(
-                    tuple(b.shape), b.stride(), dtype=dtype, device="cpu"
+                    tuple(b.shape), b.stride(), dtype=dtype, device=device
                 )
         return params, buffers
 
@@ -370,26 +371,23 @@ class Profiler:
             n_rows = len(subject.rows.names)
             empty = np.zeros(0, dtype=np.int64)
             return OptimizerTrace(empty, np.zeros(n_rows, dtype=np.int64), empty)
-        # The optimizer needs shapes only, so it runs on fake tensors even in the fallback.
-        fake_mode = new_fake_mode()
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(fake_mode)
-            params, _buffers = subject.make_state(precision, real=False)
-            rows_of = {name: row for name, _p, row in subject._params}
-            # the parameters the traced step gave a gradient (all trainable ones if no
-            # training step was traced yet)
-            trainable = [
-                (name, p)
-                for name, p in params.items()
-                if p.requires_grad and (stepped is None or name in stepped)
-            ]
-            for _name, p in trainable:
-                p.grad = torch.empty_like(p)
-            opt = make_optimizer(
-                optimizer, [p for _n, p in trainable], foreach=True if cuda else None
-            )
-            opt.step()  # first step: creates the state
-            stack.close()
+        # The optimizer needs shapes only, so it runs on meta tensors (even in the fallback):
+        # its ops are elementwise and foreach ops whose meta kernels are C++, so the step costs
+        # next to nothing, where a FakeTensorMode would hash every tensor of every foreach call.
+        # Adam-family ``step`` counters are real 0-dim CPU tensors, as for CUDA parameters.
+        params, _buffers = subject.make_state(precision, real=False, device="meta")
+        rows_of = {name: row for name, _p, row in subject._params}
+        # the parameters the traced step gave a gradient (all trainable ones if no training
+        # step was traced yet)
+        trainable = [
+            (name, p)
+            for name, p in params.items()
+            if p.requires_grad and (stepped is None or name in stepped)
+        ]
+        for _name, p in trainable:
+            p.grad = torch.empty_like(p)
+        opt = make_optimizer(optimizer, [p for _n, p in trainable], foreach=True if cuda else None)
+        opt.step()  # first step: creates the state
         rec = Recorder(
             subject._row_of,
             subject.loss_row,
@@ -419,7 +417,7 @@ class Profiler:
                 seen.add(id(st))
                 state_bytes[rows_of[name]] += st.nbytes()
                 blocks.append(st.nbytes())
-        with paused_gc(), fake_mode, rec:
+        with paused_gc(), rec:
             opt.step()
             rec.stop()
         events = rec.events()
