@@ -211,6 +211,34 @@ class Profiler:
         # CPU kernel workspaces are measured for device="cpu" (see _probe); CUDA's are
         # accounted for by the emulation and the accelerator extras instead.
         self.probe = KernelProbe() if subject.device is Device.CPU else None
+        # One fake mode, and one set of fake parameters and buffers, per precision, shared by
+        # every run of that precision (each batch size, training and inference): building
+        # them costs as much as a small model's whole step, and the fake mode's dispatch cache
+        # then also sees the same tensors' metadata run after run.
+        self._fake_state: dict[
+            Precision, tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+        ] = {}
+
+    def _state(
+        self, precision: Precision
+    ) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The fake mode (None for the real fallback), parameters and buffers of a run.
+
+        Shared fake parameters start every run as fresh leaves: no ``.grad`` (a run that
+        failed half-way through its backward may have left some), so that the backward
+        allocates every gradient as a first step does. Buffers are only updated in place."""
+        if self.real:
+            params, buffers = self.subject.make_state(precision, real=True)
+            return None, params, buffers
+        cached = self._fake_state.get(precision)
+        if cached is None:
+            fake_mode = new_fake_mode()
+            with fake_mode:
+                params, buffers = self.subject.make_state(precision, real=False)
+            cached = self._fake_state[precision] = (fake_mode, params, buffers)
+        for p in cached[1].values():
+            p.grad = None
+        return cached
 
     def _context(
         self, precision: Precision
@@ -226,9 +254,8 @@ class Profiler:
 
     def run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
         subject = self.subject
-        fake_mode = None if self.real else new_fake_mode()
+        fake_mode, params, buffers = self._state(precision)
         with fake_mode or contextlib.nullcontext():
-            params, buffers = subject.make_state(precision, self.real)
             inputs = subject.make_inputs(batch_size, precision, self.real)
         rec = Recorder(
             subject._row_of,
