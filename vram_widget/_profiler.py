@@ -252,7 +252,12 @@ class Profiler:
         amp = autocast_dtype(precision)
         return lambda: CudaEmulation(CudaTarget(), amp)
 
-    def run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
+    def run(
+        self, precision: Precision, batch_size: int, train: bool, flops: bool = True
+    ) -> RawTrace:
+        """One fake (or fallback) run. ``flops=False`` leaves the FLOPs at 0: runs whose
+        FLOPs the table does not fit (the check at a third batch size, the workspace grid)
+        skip counting them."""
         subject = self.subject
         fake_mode, params, buffers = self._state(precision)
         with fake_mode or contextlib.nullcontext():
@@ -264,6 +269,7 @@ class Profiler:
             self.probe,
             autocast_dtype(precision) if subject.device is Device.CPU else None,
             cpu_scalars=subject.device is Device.CPU,
+            count_flops=flops,
         )
         rec.register_resident(
             params.values(), Category.PARAMETER, [row for _n, _p, row in subject._params]
@@ -471,7 +477,10 @@ class _Source:
 
     def timeline(self, precision: Precision, mode: Mode) -> Timeline:
         train = mode is Mode.TRAIN
-        traces = [self._run(precision, b, train) for b in FIT_BATCH_SIZES]
+        # FLOPs are fitted from the first two runs: the check run does not count them
+        traces = [
+            self._run(precision, b, train, flops=i < 2) for i, b in enumerate(FIT_BATCH_SIZES)
+        ]
         if self.profiler.probe is not None and len(traces[0].workspace_storages):
             traces += self._grid_runs(precision, train)
         try:
@@ -496,12 +505,14 @@ class _Source:
         traces = []
         for batch in WORKSPACE_BATCH_SIZES:
             try:
-                traces.append(self._run(precision, batch, train))
+                traces.append(self._run(precision, batch, train, flops=False))
             except ProfilingError:
                 continue
         return traces
 
-    def _run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
+    def _run(
+        self, precision: Precision, batch_size: int, train: bool, flops: bool = True
+    ) -> RawTrace:
         # Every run, the lazy ones a later estimate() asks for included, leaves the model's
         # training flags and the RNG as they were, and records a backward even when the
         # caller sits inside torch.no_grad() or torch.inference_mode().
@@ -510,11 +521,13 @@ class _Source:
             torch.inference_mode(False),
             torch.enable_grad(),
         ):
-            return self._run_once(precision, batch_size, train)
+            return self._run_once(precision, batch_size, train, flops)
 
-    def _run_once(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
+    def _run_once(
+        self, precision: Precision, batch_size: int, train: bool, flops: bool
+    ) -> RawTrace:
         try:
-            return self.profiler.run(precision, batch_size, train)
+            return self.profiler.run(precision, batch_size, train, flops)
         except DATA_DEPENDENT_ERRORS as exc:
             subject = self.profiler.subject
             if self.profiler.real:
@@ -529,7 +542,7 @@ class _Source:
             subject.fallback_reason = reason
             self.profiler.real = True
             warn_fallback(reason)
-            return self.profiler.run(precision, batch_size, train)
+            return self.profiler.run(precision, batch_size, train, flops)
 
     def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
         with torch.inference_mode(False), torch.enable_grad():

@@ -79,8 +79,10 @@ class Recorder(TorchDispatchMode):
         probe: KernelProbe | None = None,
         autocast_dtype: torch.dtype | None = None,
         cpu_scalars: bool = False,
+        count_flops: bool = True,
     ) -> None:
         super().__init__()
+        self.count_flops = count_flops
         # CPU semantics: a Python number passed where an op takes a Tensor costs a 0-dim
         # tensor and a cast copy inside the op (see _wrapped_scalar_bytes)
         self.cpu_scalars = cpu_scalars
@@ -286,7 +288,7 @@ class Recorder(TorchDispatchMode):
                 )
                 self._emit(sid, scalar_bytes, row)
                 self._emit(sid, -scalar_bytes, row)
-        flops = op_flops(func, args, kwargs, out)
+        flops = op_flops(func, args, kwargs, out) if self.count_flops else 0
         if flops:
             if self.phase == _BACKWARD:
                 self.flops_backward[row] += flops
