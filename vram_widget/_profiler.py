@@ -186,6 +186,12 @@ class Subject:
         return self.inputs.map(resize)
 
 
+def _has_hooks(t: torch.Tensor) -> bool:
+    return bool(
+        getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None)
+    )
+
+
 @contextlib.contextmanager
 def _preserved_model_state(model: torch.nn.Module) -> Iterator[None]:
     """Restore every module's training flag and the global RNG state, whatever happens."""
@@ -226,12 +232,15 @@ class Profiler:
 
         Shared fake parameters start every run as fresh leaves: no ``.grad`` (a run that
         failed half-way through its backward may have left some), so that the backward
-        allocates every gradient as a first step does. Buffers are only updated in place."""
+        allocates every gradient as a first step does, and no tensor hooks. Buffers are only
+        updated in place."""
         if self.real:
             params, buffers = self.subject.make_state(precision, real=True)
             return None, params, buffers
         cached = self._fake_state.get(precision)
-        if cached is None:
+        if cached is None or any(_has_hooks(p) for p in cached[1].values()):
+            # (rebuilt when the model's forward registered tensor hooks on its parameters:
+            # on shared parameters they would pile up run after run)
             fake_mode = new_fake_mode()
             with fake_mode:
                 params, buffers = self.subject.make_state(precision, real=False)
