@@ -186,10 +186,20 @@ class Subject:
         return self.inputs.map(resize)
 
 
-def _has_hooks(t: torch.Tensor) -> bool:
-    return bool(
-        getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None)
-    )
+def _describe(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+
+
+def _changed_by_run(tensors: list[torch.Tensor], before: list[tuple[Any, ...]]) -> bool:
+    """Whether a run left shared fake tensors otherwise than it found them: tensor hooks a
+    forward registered (``self.w.register_hook(...)``), which would pile up run after run,
+    or metadata it changed (``.data =``, ``requires_grad_``)."""
+    for t, described in zip(tensors, before, strict=True):
+        if getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None):
+            return True
+        if _describe(t) != described:
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -224,6 +234,7 @@ class Profiler:
         self._fake_state: dict[
             Precision, tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]
         ] = {}
+        self._fake_described: dict[Precision, list[tuple[Any, ...]]] = {}
 
     def _state(
         self, precision: Precision
@@ -232,19 +243,22 @@ class Profiler:
 
         Shared fake parameters start every run as fresh leaves: no ``.grad`` (a run that
         failed half-way through its backward may have left some), so that the backward
-        allocates every gradient as a first step does, and no tensor hooks. Buffers are only
-        updated in place."""
+        allocates every gradient as a first step does; they are rebuilt when a run changed
+        them otherwise (``_changed_by_run``). Buffers are only updated in place."""
         if self.real:
             params, buffers = self.subject.make_state(precision, real=True)
             return None, params, buffers
         cached = self._fake_state.get(precision)
-        if cached is None or any(_has_hooks(p) for p in cached[1].values()):
-            # (rebuilt when the model's forward registered tensor hooks on its parameters:
-            # on shared parameters they would pile up run after run)
+        if cached is None or _changed_by_run(
+            [*cached[1].values(), *cached[2].values()], self._fake_described[precision]
+        ):
             fake_mode = new_fake_mode()
             with fake_mode:
                 params, buffers = self.subject.make_state(precision, real=False)
             cached = self._fake_state[precision] = (fake_mode, params, buffers)
+            self._fake_described[precision] = [
+                _describe(t) for t in (*params.values(), *buffers.values())
+            ]
         for p in cached[1].values():
             p.grad = None
         return cached
