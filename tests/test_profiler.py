@@ -532,6 +532,28 @@ def test_estimate_matches_measure_on_cpu(
 # --------------------------------------------------------------------------------------------
 
 
+class _HookInForward(nn.Module):
+    """Registers a gradient hook on its own weight at every call (the hook allocates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden.weight.register_hook(lambda g: g * 2)
+        return self.out(torch.relu(self.hidden(x)))
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_forward_registering_parameter_hooks(device: str, recwarn: pytest.WarningsRecorder) -> None:
+    # The fake runs of one precision share their fake parameters; hooks a forward puts on
+    # them must not pile up from one run (batch size) to the next, or the runs stop matching.
+    profile = profile_model(_HookInForward(), input_size=(64,), device=device)
+    assert not [w for w in recwarn if "affine" in str(w.message)]
+    assert profile.estimate(7, optimizer="adam").peak_bytes > 0
+
+
 def _inplace_mlp(inplace: bool) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
+    _BypassDispatchCache,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -44,11 +45,82 @@ DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# Marks a tensor in the cache keys of _ProfilingFakeTensorMode: its keys hold tensors in
+# their own (shorter) form, so they can never equal a key of another FakeTensorMode of the
+# process, which shares the same class-level cache.
+_TENSOR_KEY = object()
+# Argument types hashed as (type, value), as FakeTensorMode does for every plain value.
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+
+
+class _ProfilingFakeTensorMode(FakeTensorMode):
+    """FakeTensorMode with a cheaper dispatch-cache key for plain dense fake tensors.
+
+    A cache hit costs mostly its key: per tensor argument, the stock key builds a
+    ``TensorMetadata`` dataclass (memory-format, sparsity and contiguity checks in Python)
+    and flattens each field recursively. Here a dense, non-symbolic fake tensor of this mode
+    becomes one tuple of the same facts read from C++ (dtype, sizes, strides, device, storage
+    offset and bytes, requires_grad, conj/neg bits, inference flag; the memory format the
+    stock key stores follows from the sizes and strides). Anything else (symbolic sizes,
+    sparse or constant tensors, other types) takes the stock path, argument by argument.
+    """
+
+    def _prep_args_for_hash(
+        self,
+        result: list[object],
+        args: Any,
+        state: Any,
+        id_hashed_objects: list[object],
+    ) -> None:
+        if isinstance(args, (list, tuple, dict)):
+            result.append(type(args))
+            result.append(f"length_{len(args)}")
+        if isinstance(args, dict):
+            self._prep_args_for_hash(result, args.keys(), state, id_hashed_objects)
+            self._prep_args_for_hash(result, args.values(), state, id_hashed_objects)
+            return
+        for arg in args:
+            kind = type(arg)
+            if kind in _PLAIN:
+                result.append(kind)
+                result.append(arg)
+            elif kind is FakeTensor and self._plain_fake(arg):
+                if arg.constant is not None:
+                    raise _BypassDispatchCache("constant attribute")
+                result.append(_TENSOR_KEY)
+                result.append(
+                    (
+                        arg.dtype,
+                        tuple(arg.shape),
+                        arg.stride(),
+                        arg.fake_device,
+                        arg.storage_offset(),
+                        arg.untyped_storage().nbytes(),
+                        arg.requires_grad,
+                        arg.is_conj(),
+                        arg.is_neg(),
+                        arg.is_inference(),
+                    )
+                )
+            elif kind is list or kind is tuple:
+                self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+            else:
+                super()._prep_args_for_hash(result, iter((arg,)), state, id_hashed_objects)
+
+    def _plain_fake(self, t: FakeTensor) -> bool:
+        return (
+            t.fake_mode is self
+            and t.layout is torch.strided
+            and not t.is_quantized
+            and not t._has_symbolic_sizes_strides
+        )
+
+
 def new_fake_mode() -> FakeTensorMode:
     """A FakeTensorMode that converts stray real tensors (constants held as plain attributes)
     on the fly instead of raising. Its dispatch cache stays on: it is shared across modes,
     so the second and later runs of a model mostly hit it (3-4x faster here)."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return _ProfilingFakeTensorMode(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager

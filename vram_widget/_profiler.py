@@ -144,17 +144,18 @@ class Subject:
         return storage_dtype(precision) if t.is_floating_point() else t.dtype
 
     def make_state(
-        self, precision: Precision, real: bool
+        self, precision: Precision, real: bool, device: str = "cpu"
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Parameters and buffers as new leaf tensors in the precision's dtype: fake tensors
-        (call inside the fake mode), or real CPU copies for the fallback."""
+        (call inside the fake mode), meta tensors (``device="meta"``), or real CPU copies for
+        the fallback."""
         params: dict[str, torch.Tensor] = {}
         for name, p, _row in self._params:
             dtype = self._dtype(p, precision)
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
             else:
-                t = torch.empty_strided(tuple(p.shape), p.stride(), dtype=dtype, device="cpu")
+                t = torch.empty_strided(tuple(p.shape), p.stride(), dtype=dtype, device=device)
             params[name] = t.requires_grad_(p.requires_grad)
         buffers: dict[str, torch.Tensor] = {}
         for name, b, _row in self._buffers:
@@ -163,7 +164,7 @@ class Subject:
                 buffers[name] = b.detach().to(device="cpu", dtype=dtype, copy=True)
             else:
                 buffers[name] = torch.empty_strided(
-                    tuple(b.shape), b.stride(), dtype=dtype, device="cpu"
+                    tuple(b.shape), b.stride(), dtype=dtype, device=device
                 )
         return params, buffers
 
@@ -195,6 +196,22 @@ class Subject:
         return self.inputs.map(resize)
 
 
+def _describe(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+
+
+def _changed_by_run(tensors: list[torch.Tensor], before: list[tuple[Any, ...]]) -> bool:
+    """Whether a run left shared fake tensors otherwise than it found them: tensor hooks a
+    forward registered (``self.w.register_hook(...)``), which would pile up run after run,
+    or metadata it changed (``.data =``, ``requires_grad_``)."""
+    for t, described in zip(tensors, before, strict=True):
+        if getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None):
+            return True
+        if _describe(t) != described:
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def _preserved_model_state(model: torch.nn.Module) -> Iterator[None]:
     """Restore every module's training flag and the global RNG state, whatever happens."""
@@ -220,6 +237,41 @@ class Profiler:
         # CPU kernel workspaces are measured for device="cpu" (see _probe); CUDA's are
         # accounted for by the emulation and the accelerator extras instead.
         self.probe = KernelProbe() if subject.device is Device.CPU else None
+        # One fake mode, and one set of fake parameters and buffers, per precision, shared by
+        # every run of that precision (each batch size, training and inference): building
+        # them costs as much as a small model's whole step, and the fake mode's dispatch cache
+        # then also sees the same tensors' metadata run after run.
+        self._fake_state: dict[
+            Precision, tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+        ] = {}
+        self._fake_described: dict[Precision, list[tuple[Any, ...]]] = {}
+
+    def _state(
+        self, precision: Precision
+    ) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The fake mode (None for the real fallback), parameters and buffers of a run.
+
+        Shared fake parameters start every run as fresh leaves: no ``.grad`` (a run that
+        failed half-way through its backward may have left some), so that the backward
+        allocates every gradient as a first step does; they are rebuilt when a run changed
+        them otherwise (``_changed_by_run``). Buffers are only updated in place."""
+        if self.real:
+            params, buffers = self.subject.make_state(precision, real=True)
+            return None, params, buffers
+        cached = self._fake_state.get(precision)
+        if cached is None or _changed_by_run(
+            [*cached[1].values(), *cached[2].values()], self._fake_described[precision]
+        ):
+            fake_mode = new_fake_mode()
+            with fake_mode:
+                params, buffers = self.subject.make_state(precision, real=False)
+            cached = self._fake_state[precision] = (fake_mode, params, buffers)
+            self._fake_described[precision] = [
+                _describe(t) for t in (*params.values(), *buffers.values())
+            ]
+        for p in cached[1].values():
+            p.grad = None
+        return cached
 
     def _context(
         self, precision: Precision
@@ -233,11 +285,15 @@ class Profiler:
         amp = autocast_dtype(precision)
         return lambda: CudaEmulation(CudaTarget(), amp)
 
-    def run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
+    def run(
+        self, precision: Precision, batch_size: int, train: bool, flops: bool = True
+    ) -> RawTrace:
+        """One fake (or fallback) run. ``flops=False`` leaves the FLOPs at 0: runs whose
+        FLOPs the table does not fit (the check at a third batch size, the workspace grid)
+        skip counting them."""
         subject = self.subject
-        fake_mode = None if self.real else new_fake_mode()
+        fake_mode, params, buffers = self._state(precision)
         with fake_mode or contextlib.nullcontext():
-            params, buffers = subject.make_state(precision, self.real)
             inputs = subject.make_inputs(batch_size, precision, self.real)
         rec = Recorder(
             subject._row_of,
@@ -246,6 +302,7 @@ class Profiler:
             self.probe,
             autocast_dtype(precision) if subject.device is Device.CPU else None,
             cpu_scalars=subject.device is Device.CPU,
+            count_flops=flops,
         )
         rec.register_resident(
             params.values(), Category.PARAMETER, [row for _n, _p, row in subject._params]
@@ -399,26 +456,23 @@ class Profiler:
             n_rows = len(subject.rows.names)
             empty = np.zeros(0, dtype=np.int64)
             return OptimizerTrace(empty, np.zeros(n_rows, dtype=np.int64), empty)
-        # The optimizer needs shapes only, so it runs on fake tensors even in the fallback.
-        fake_mode = new_fake_mode()
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(fake_mode)
-            params, _buffers = subject.make_state(precision, real=False)
-            rows_of = {name: row for name, _p, row in subject._params}
-            # the parameters the traced step gave a gradient (all trainable ones if no
-            # training step was traced yet)
-            trainable = [
-                (name, p)
-                for name, p in params.items()
-                if p.requires_grad and (stepped is None or name in stepped)
-            ]
-            for _name, p in trainable:
-                p.grad = torch.empty_like(p)
-            opt = make_optimizer(
-                optimizer, [p for _n, p in trainable], foreach=True if cuda else None
-            )
-            opt.step()  # first step: creates the state
-            stack.close()
+        # The optimizer needs shapes only, so it runs on meta tensors (even in the fallback):
+        # its ops are elementwise and foreach ops whose meta kernels are C++, so the step costs
+        # next to nothing, where a FakeTensorMode would hash every tensor of every foreach call.
+        # Adam-family ``step`` counters are real 0-dim CPU tensors, as for CUDA parameters.
+        params, _buffers = subject.make_state(precision, real=False, device="meta")
+        rows_of = {name: row for name, _p, row in subject._params}
+        # the parameters the traced step gave a gradient (all trainable ones if no training
+        # step was traced yet)
+        trainable = [
+            (name, p)
+            for name, p in params.items()
+            if p.requires_grad and (stepped is None or name in stepped)
+        ]
+        for _name, p in trainable:
+            p.grad = torch.empty_like(p)
+        opt = make_optimizer(optimizer, [p for _n, p in trainable], foreach=True if cuda else None)
+        opt.step()  # first step: creates the state
         rec = Recorder(
             subject._row_of,
             subject.loss_row,
@@ -448,7 +502,7 @@ class Profiler:
                 seen.add(id(st))
                 state_bytes[rows_of[name]] += st.nbytes()
                 blocks.append(st.nbytes())
-        with paused_gc(), fake_mode, rec:
+        with paused_gc(), rec:
             opt.step()
             rec.stop()
         events = rec.events()
@@ -475,7 +529,10 @@ class _Source:
 
     def timeline(self, precision: Precision, mode: Mode) -> Timeline:
         train = mode is Mode.TRAIN
-        traces = [self._run(precision, b, train) for b in FIT_BATCH_SIZES]
+        # FLOPs are fitted from the first two runs: the check run does not count them
+        traces = [
+            self._run(precision, b, train, flops=i < 2) for i, b in enumerate(FIT_BATCH_SIZES)
+        ]
         if self.profiler.probe is not None and len(traces[0].workspace_storages):
             traces += self._grid_runs(precision, train)
         try:
@@ -500,12 +557,14 @@ class _Source:
         traces = []
         for batch in WORKSPACE_BATCH_SIZES:
             try:
-                traces.append(self._run(precision, batch, train))
+                traces.append(self._run(precision, batch, train, flops=False))
             except ProfilingError:
                 continue
         return traces
 
-    def _run(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
+    def _run(
+        self, precision: Precision, batch_size: int, train: bool, flops: bool = True
+    ) -> RawTrace:
         # Every run, the lazy ones a later estimate() asks for included, leaves the model's
         # training flags and the RNG as they were, and records a backward even when the
         # caller sits inside torch.no_grad() or torch.inference_mode().
@@ -514,11 +573,13 @@ class _Source:
             torch.inference_mode(False),
             torch.enable_grad(),
         ):
-            return self._run_once(precision, batch_size, train)
+            return self._run_once(precision, batch_size, train, flops)
 
-    def _run_once(self, precision: Precision, batch_size: int, train: bool) -> RawTrace:
+    def _run_once(
+        self, precision: Precision, batch_size: int, train: bool, flops: bool
+    ) -> RawTrace:
         try:
-            return self.profiler.run(precision, batch_size, train)
+            return self.profiler.run(precision, batch_size, train, flops)
         except DATA_DEPENDENT_ERRORS as exc:
             subject = self.profiler.subject
             if self.profiler.real:
@@ -533,7 +594,7 @@ class _Source:
             subject.fallback_reason = reason
             self.profiler.real = True
             warn_fallback(reason)
-            return self.profiler.run(precision, batch_size, train)
+            return self.profiler.run(precision, batch_size, train, flops)
 
     def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
         with torch.inference_mode(False), torch.enable_grad():

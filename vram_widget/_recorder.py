@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +31,9 @@ from ._probe import KernelProbe, wants_probe
 
 _TEMPORARY = CATEGORY_CODE[Category.TEMPORARY]
 _ACTIVATION = CATEGORY_CODE[Category.ACTIVATION]
+_BACKWARD = PHASE_CODE[Phase.BACKWARD]
+_OPTIMIZER = PHASE_CODE[Phase.OPTIMIZER]
+_ZERO_GRAD = PHASE_CODE[Phase.ZERO_GRAD]
 
 # Matrix-multiply ops: the first one a CUDA stream runs allocates the cuBLAS workspace.
 _MATMUL_OPS = frozenset(
@@ -77,8 +80,10 @@ class Recorder(TorchDispatchMode):
         probe: KernelProbe | None = None,
         autocast_dtype: torch.dtype | None = None,
         cpu_scalars: bool = False,
+        count_flops: bool = True,
     ) -> None:
         super().__init__()
+        self.count_flops = count_flops
         # CPU semantics: a Python number passed where an op takes a Tensor costs a 0-dim
         # tensor and a cast copy inside the op (see _wrapped_scalar_bytes)
         self.cpu_scalars = cpu_scalars
@@ -166,9 +171,9 @@ class Recorder(TorchDispatchMode):
     def _free_row(self) -> int:
         """Whose a free is: the backward node that just ran, the optimizer (its step and its
         ``zero_grad``), or the module running."""
-        if self.phase == PHASE_CODE[Phase.BACKWARD]:
+        if self.phase == _BACKWARD:
             return self._backward_row
-        if self.phase in (PHASE_CODE[Phase.OPTIMIZER], PHASE_CODE[Phase.ZERO_GRAD]):
+        if self.phase == _OPTIMIZER or self.phase == _ZERO_GRAD:
             return self.optimizer_row
         return self._module_stack[-1]
 
@@ -233,7 +238,7 @@ class Recorder(TorchDispatchMode):
 
     # -- dispatch -------------------------------------------------------------------------
     def _current_row(self) -> int:
-        if self.phase == PHASE_CODE[Phase.BACKWARD]:
+        if self.phase == _BACKWARD:
             seq = current_autograd_sequence_nr()
             if seq is None:
                 self._backward_row = self.loss_row  # the engine seeding the loss gradient
@@ -243,7 +248,7 @@ class Recorder(TorchDispatchMode):
                 # that produced its gradient, so it stays with that node's module.
                 self._backward_row = self._seq_module.get(seq, self._backward_row)
             return self._backward_row
-        if self.phase == PHASE_CODE[Phase.OPTIMIZER]:
+        if self.phase == _OPTIMIZER:
             return self.optimizer_row
         row = self._module_stack[-1]
         # Every autograd node created since the last op belongs to the module running now.
@@ -262,7 +267,7 @@ class Recorder(TorchDispatchMode):
         input_storages: set[int] | None = None
         probed = self.probe is not None and wants_probe(func, args)
         placeholders: list[tuple[int, int]] = []  # (output position, storage id)
-        for position, t in enumerate(tree_flatten(out)[0]):
+        for position, t in enumerate(_leaves(out)):
             if not isinstance(t, torch.Tensor):
                 continue
             st = t.untyped_storage()
@@ -276,11 +281,7 @@ class Recorder(TorchDispatchMode):
                     record.nbytes = nbytes
                 continue
             if input_storages is None:
-                input_storages = {
-                    id(a.untyped_storage())
-                    for a in tree_flatten((args, kwargs))[0]
-                    if isinstance(a, torch.Tensor)
-                }
+                input_storages = _arg_storages(args, kwargs)
             if key in input_storages:
                 continue  # a view of memory that existed before recording: not an allocation
             nbytes = st.nbytes()
@@ -306,13 +307,13 @@ class Recorder(TorchDispatchMode):
                 )
                 self._emit(sid, scalar_bytes, row)
                 self._emit(sid, -scalar_bytes, row)
-        flops = op_flops(func, args, kwargs, out)
+        flops = op_flops(func, args, kwargs, out) if self.count_flops else 0
         if flops:
-            if self.phase == PHASE_CODE[Phase.BACKWARD]:
+            if self.phase == _BACKWARD:
                 self.flops_backward[row] += flops
             else:
                 self.flops_forward[row] += flops
-        if not self.uses_matmul and func.__name__.split(".")[0] in _MATMUL_OPS:
+        if not self.uses_matmul and _is_matmul(func):
             self.uses_matmul = True
         return out
 
@@ -410,6 +411,36 @@ class Recorder(TorchDispatchMode):
 
     def event_count(self) -> int:
         return len(self._ev_delta)
+
+
+def _leaves(out: Any) -> Sequence[Any]:
+    """``tree_flatten(out)[0]`` for an op's return value, without pytree's per-leaf cost in
+    the common cases: one tensor, or a flat tuple / list (of tensors, None, numbers)."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    kind = type(out)
+    if (kind is tuple or kind is list) and not any(type(x) in (tuple, list, dict) for x in out):
+        return out
+    return tree_flatten(out)[0]
+
+
+def _arg_storages(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:
+    """``id`` of the storage of every tensor in an op's arguments (aten arguments hold
+    tensors directly or in one level of lists)."""
+    out = set()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.add(id(a.untyped_storage()))
+        elif isinstance(a, (tuple, list)):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    out.add(id(x.untyped_storage()))
+    return out
+
+
+@functools.cache
+def _is_matmul(func: Any) -> bool:
+    return func.__name__.split(".")[0] in _MATMUL_OPS
 
 
 def _exception_key(exc: BaseException) -> tuple[int, str, str]:
