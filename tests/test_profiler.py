@@ -1306,3 +1306,22 @@ def test_backward_events_belong_to_the_node_that_ran(device: str) -> None:
     children = [n for n, _ in model.named_children()]
     order = [r for r in runs if r in children]
     assert order == sorted(order, key=children.index, reverse=True)
+
+
+def test_stock_fake_mode_gives_the_same_estimates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cheaper cache keys (_fake._ProfilingFakeTensorMode) are used only on a torch whose
+    # private hook matches; any other torch gets the stock FakeTensorMode. Both must agree.
+    import vram_widget._fake as fake
+
+    model = zoo.resnet18()
+    fast = profile_model(model, input_size=(3, 32, 32))
+    monkeypatch.setattr(fake, "_CHEAP_KEYS_FIT", False)
+    stock = profile_model(model, input_size=(3, 32, 32))
+    for batch, precision, optimizer in ((1, "fp32", "adam"), (7, "bf16", "sgd")):
+        a = fast.estimate(batch, precision, optimizer)
+        b = stock.estimate(batch, precision, optimizer)
+        assert (a.peak_bytes, a.flops, a.activation_bytes) == (
+            b.peak_bytes,
+            b.flops,
+            b.activation_bytes,
+        )
