@@ -108,6 +108,15 @@ def lab_server(workdir: Path, timeout_s: float = 120.0) -> Iterator[LabServer]:
         JUPYTER_CONFIG_DIR=str(workdir / "config"),
         IPYTHONDIR=str(workdir / "ipython"),
     )
+    # In a virtual environment made with --system-site-packages, the front-end extensions
+    # (widget manager, plotly, anywidget) live under the base prefix, which Jupyter does not
+    # search by itself: without them Lab renders each widget's static HTML fallback instead.
+    data_dirs = dict.fromkeys(
+        str(Path(prefix) / "share" / "jupyter") for prefix in (sys.prefix, sys.base_prefix)
+    )
+    env["JUPYTER_PATH"] = os.pathsep.join(
+        [*data_dirs, *filter(None, [os.environ.get("JUPYTER_PATH")])]
+    )
     port, token = _free_port(), secrets.token_hex(16)
     log_path = workdir / "jupyterlab.log"
     log = log_path.open("wb")
