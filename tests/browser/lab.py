@@ -54,12 +54,12 @@ _LAB_SETTINGS = {
 }
 
 
-def missing_requirements() -> list[str]:
+def missing_requirements(front_end: str = "lab") -> list[str]:
     """What this machine lacks to run the browser test (empty when it can run)."""
     missing = []
     if not Path(CHROMIUM).exists():
         missing.append(f"{CHROMIUM} (apt-get install chromium)")
-    for module in ("playwright", "jupyterlab"):
+    for module in ("playwright", "jupyterlab" if front_end == "lab" else "notebook"):
         try:
             __import__(module)
         except ImportError:
@@ -83,16 +83,22 @@ class LabServer:
     process: subprocess.Popen[bytes]
     log_path: Path
 
+    front_end: str = "lab"
+
     def notebook_url(self, name: str) -> str:
-        return f"{self.url}/lab/tree/{name}?token={self.token}"
+        path = "lab/tree" if self.front_end == "lab" else "notebooks"
+        return f"{self.url}/{path}/{name}?token={self.token}"
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
 
 @contextlib.contextmanager
-def lab_server(workdir: Path, timeout_s: float = 120.0) -> Iterator[LabServer]:
-    """Start JupyterLab on a free loopback port; always stop it by its PID at the end."""
+def lab_server(
+    workdir: Path, timeout_s: float = 120.0, front_end: str = "lab"
+) -> Iterator[LabServer]:
+    """Start JupyterLab (``front_end="lab"``) or Notebook 7 (``"notebook"``) on a free
+    loopback port; always stop it by its PID at the end."""
     root = workdir / "notebooks"
     shutil.copytree(NOTEBOOKS, root)  # Lab autosaves: never let it write into the repo
     settings = workdir / "lab-settings"
@@ -124,7 +130,7 @@ def lab_server(workdir: Path, timeout_s: float = 120.0) -> Iterator[LabServer]:
         [
             sys.executable,
             "-m",
-            "jupyterlab",
+            "jupyterlab" if front_end == "lab" else "notebook",
             "--no-browser",
             "--allow-root",
             "--ip=127.0.0.1",
@@ -132,9 +138,15 @@ def lab_server(workdir: Path, timeout_s: float = 120.0) -> Iterator[LabServer]:
             "--port-retries=0",
             f"--IdentityProvider.token={token}",
             f"--ServerApp.root_dir={root}",
-            "--LabApp.expose_app_in_browser=True",
-            "--LabApp.news_url=None",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            *(
+                [
+                    "--LabApp.expose_app_in_browser=True",
+                    "--LabApp.news_url=None",
+                    "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                ]
+                if front_end == "lab"
+                else ["--JupyterNotebookApp.expose_app_in_browser=True"]
+            ),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -142,7 +154,7 @@ def lab_server(workdir: Path, timeout_s: float = 120.0) -> Iterator[LabServer]:
         cwd=root,
     )
     url = f"http://127.0.0.1:{port}"
-    server = LabServer(url, token, root, process, log_path)
+    server = LabServer(url, token, root, process, log_path, front_end)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
