@@ -934,6 +934,33 @@ def test_max_batch_size_is_the_largest_that_fits(capacity: int) -> None:
     assert profile.estimate(b + 1, optimizer="sgd").total_bytes > capacity
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("mode", ["train", "inference"])
+@pytest.mark.parametrize("capacity", [2**30, 10**9 + 7, 2**33])
+def test_max_batch_size_searches_from_the_affine_guess(
+    device: str, mode: str, capacity: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The answer is the boundary (b fits, b + 1 does not) whatever the path; starting from the
+    # affine guess it takes a handful of estimates, where doubling and bisecting from batch 1
+    # takes about 2 * log2(b) (here b is in the hundreds to hundred-thousands: 20-40).
+    entry = zoo.ZOO["mlp"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device=device)
+    estimate = profile.estimate
+    calls: list[int] = []
+
+    def counted(batch: int, *args: Any, **kwargs: Any) -> Any:
+        calls.append(batch)
+        return estimate(batch, *args, **kwargs)
+
+    monkeypatch.setattr(profile, "estimate", counted)
+    b = profile.max_batch_size(capacity, "fp32", "adam", mode)
+    monkeypatch.undo()
+    assert b > 100
+    assert estimate(b, "fp32", "adam", mode).total_bytes <= capacity
+    assert estimate(b + 1, "fp32", "adam", mode).total_bytes > capacity
+    assert len(calls) <= 8, calls
+
+
 def test_max_batch_size_zero_when_nothing_fits() -> None:
     profile = _mlp_profile()
     one = profile.estimate(1, optimizer="adam").total_bytes
@@ -1325,3 +1352,15 @@ def test_stock_fake_mode_gives_the_same_estimates(monkeypatch: pytest.MonkeyPatc
             b.flops,
             b.activation_bytes,
         )
+
+
+def test_is_cached_knows_precision_mode_and_optimizer() -> None:
+    # profile_model runs fp32 training, fp32 inference and Adam; anything else is lazy.
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    assert profile.is_cached("fp32", "train", "adam")
+    assert profile.is_cached("fp32", "train", None)
+    assert profile.is_cached("fp32", "inference", "sgd")  # inference runs no optimizer
+    assert not profile.is_cached("fp32", "train", "sgd")
+    assert not profile.is_cached("bf16", "train", None)
+    profile.estimate(4, "fp32", "sgd")
+    assert profile.is_cached("fp32", "train", "sgd")

@@ -18,7 +18,7 @@ from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
 from vram_widget._figures import TRACE_NAMES
 from vram_widget._gpus import GPUS
 from vram_widget._profile import ModelProfile
-from vram_widget._widget import MemoryWidget, _largest_batch, format_bytes
+from vram_widget._widget import MemoryWidget, format_bytes
 
 GIB = 2**30
 PEAK = TRACE_NAMES.index("peak")
@@ -123,17 +123,6 @@ def test_fits_and_largest_batch(profile: ModelProfile) -> None:
     assert f"largest batch that fits: <b>{largest:,}</b>" in w.summary_html
     w.custom_gib = 0.001  # 1 MiB: not even the parameters fit
     assert "not even batch size 1 fits" in w.summary_html
-
-
-@pytest.mark.parametrize("capacity", [GIB // 8, GIB, 10**9 + 7])
-@pytest.mark.parametrize("mode", ["train", "inference"])
-def test_fast_largest_batch_equals_bisection(
-    profile: ModelProfile, capacity: int, mode: str
-) -> None:
-    settings = {"precision": "fp32", "optimizer": "adam", "mode": mode}
-    assert _largest_batch(profile, capacity, settings) == profile.max_batch_size(
-        capacity, **settings
-    )
 
 
 def test_summary_step_time(profile: ModelProfile) -> None:

@@ -6,7 +6,10 @@ profiler, for one more fake run; every later estimate is numpy arithmetic over t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
+
+import numpy as np
 
 from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from ._options import (
@@ -67,10 +70,20 @@ class ModelProfile:
     def trainable_param_count(self) -> int:
         return int(self.rows.trainable_param_count.sum())
 
-    def is_cached(self, precision: str | Precision, mode: str | Mode = Mode.TRAIN) -> bool:
-        """Whether an estimate at this precision and mode needs no further profiling."""
-        key = (parse_option(Precision, precision, "precision"), parse_option(Mode, mode, "mode"))
-        return key in self._timelines
+    def is_cached(
+        self,
+        precision: str | Precision,
+        mode: str | Mode = Mode.TRAIN,
+        optimizer: str | OptimizerName | None = None,
+    ) -> bool:
+        """Whether an estimate at this precision, mode (and, in training, optimizer) needs no
+        further profiling run."""
+        prec = parse_option(Precision, precision, "precision")
+        run_mode = parse_option(Mode, mode, "mode")
+        if (prec, run_mode) not in self._timelines:
+            return False
+        opt = parse_optimizer(optimizer)
+        return run_mode is Mode.INFERENCE or opt is None or (prec, opt) in self._optimizers
 
     def timeline(self, precision: Precision, mode: Mode) -> Timeline:
         key = (precision, mode)
@@ -164,29 +177,16 @@ class ModelProfile:
         if capacity_bytes <= 0:
             return 0
 
-        def fits(batch: int) -> bool:
-            est = self.estimate(
+        def at(batch: int) -> MemoryEstimate:
+            return self.estimate(
                 batch, precision, optimizer, mode, compute_capability=compute_capability
             )
-            return est.total_bytes <= capacity_bytes
 
-        if not fits(1):
+        one = at(1)
+        if one.total_bytes > capacity_bytes:
             return 0
-        # The peak is a maximum of affine functions of the batch (one per event prefix),
-        # so it is convex and non-decreasing where per-sample bytes are >= 0: double, then
-        # bisect.
-        lo, hi = 1, 2
-        while hi <= limit and fits(hi):
-            lo, hi = hi, hi * 2
-        if hi > limit:
-            return limit
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        start = _affine_guess(one, at(2), capacity_bytes, limit)
+        return _largest_fitting(lambda b: at(b).total_bytes <= capacity_bytes, start, limit)
 
     def bytes_per_sample(
         self,
@@ -217,3 +217,52 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
     if major < 1 or minor < 0:
         raise ValueError(f"compute_capability must be (major, minor) >= (1, 0); got {value!r}")
     return major, minor
+
+
+def _affine_guess(one: MemoryEstimate, two: MemoryEstimate, capacity_bytes: int, limit: int) -> int:
+    """Where the search starts: live bytes after each event are affine in the batch
+    (``a + b * batch``), so the estimates at 1 and 2 give every event's line and the batch
+    where the first one crosses the capacity (less the extras at batch 1). Allocator rounding
+    and interpolated CPU workspaces move the true answer by a few samples at most."""
+    if len(one.live_bytes) != len(two.live_bytes) or not len(one.live_bytes):
+        return 1
+    slope = np.append(
+        two.live_bytes.astype(np.float64) - one.live_bytes, two.peak_bytes - one.peak_bytes
+    )
+    intercept = np.append(one.live_bytes.astype(np.float64), one.peak_bytes) - slope
+    room = capacity_bytes - (one.total_bytes - one.peak_bytes)
+    grows = slope > 0
+    if not grows.any():
+        return limit
+    guess = np.floor(np.min((room - intercept[grows]) / slope[grows]))
+    return int(min(max(1.0, guess), limit))
+
+
+def _largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
+    """The largest batch in [1, limit] that fits, given that batch 1 fits and that fitting is
+    monotone (the peak is a maximum of affine functions of the batch): the bracket grows by
+    doubling steps from ``start`` in the direction that holds the boundary, then is bisected.
+    A good ``start`` (the affine guess) answers in two or three estimates."""
+    start = min(max(1, start), limit)
+    if fits(start):
+        lo, step = start, 1
+        while True:
+            hi = min(lo + step, limit)
+            if hi == lo:
+                return lo  # the limit fits
+            if not fits(hi):
+                break
+            lo, step = hi, step * 2
+    else:
+        hi, step = start, 1
+        lo = max(start - 1, 1)
+        while lo > 1 and not fits(lo):
+            hi, step = lo, step * 2
+            lo = max(start - step, 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

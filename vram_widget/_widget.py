@@ -230,13 +230,9 @@ class MemoryWidget(widgets.VBox):
 
     def _needs_profiling(self) -> bool:
         """Whether the current precision / optimizer still has to be profiled (torch)."""
-        p = self._profile
-        if not p.is_cached(self.precision, self.mode):
-            return True
-        if self.mode == Mode.TRAIN.value and self.optimizer != _NO_OPTIMIZER:
-            key = (Precision(self.precision), OptimizerName(self.optimizer))
-            return key not in getattr(p, "_optimizers", {})
-        return False
+        return not self._profile.is_cached(
+            self.precision, self.mode, self._settings()["optimizer"]
+        )
 
     def _compute(self) -> MemoryEstimate:
         return self._profile.estimate(self.batch_size, **self._settings())
@@ -318,7 +314,7 @@ class MemoryWidget(widgets.VBox):
         capacity = self.target.memory_bytes
         key = (self.precision, self.optimizer, self.mode, capacity, s["compute_capability"])
         if key not in self._fit_cache:
-            self._fit_cache[key] = _largest_batch(self._profile, capacity, s)
+            self._fit_cache[key] = self._profile.max_batch_size(capacity, **s)
         return self._fit_cache[key]
 
     def bytes_per_sample(self) -> int:
@@ -545,52 +541,6 @@ _SETTINGS: tuple[str, ...] = (
     "custom_gib",
     "depth",
 )
-
-
-def _largest_batch(profile: ModelProfile, capacity_bytes: int, settings: dict[str, Any]) -> int:
-    """``profile.max_batch_size`` in a handful of estimates instead of ~40.
-
-    Live bytes after each event are affine in the batch (``a + b * batch``), so two estimates
-    give every event's line and the batch where the first line crosses the capacity (less the
-    extras at batch 1). Allocator rounding moves that by a few samples; the answer is checked
-    with real estimates and searched from there, falling back to ``max_batch_size``.
-    """
-
-    def total(batch: int) -> int:
-        return profile.estimate(batch, **settings).total_bytes
-
-    one = profile.estimate(1, **settings)
-    if one.total_bytes > capacity_bytes:
-        return 0
-    two = profile.estimate(2, **settings)
-    if len(one.live_bytes) != len(two.live_bytes) or not len(one.live_bytes):
-        return profile.max_batch_size(capacity_bytes, **settings)
-    slope = two.live_bytes.astype(np.float64) - one.live_bytes
-    slope = np.append(slope, two.peak_bytes - one.peak_bytes)
-    icpt = np.append(one.live_bytes.astype(np.float64), one.peak_bytes) - slope
-    room = capacity_bytes - (one.total_bytes - one.peak_bytes)
-    grows = slope > 0
-    if not grows.any():
-        return profile.max_batch_size(capacity_bytes, **settings)
-    guess = int(max(1, np.floor(np.min((room - icpt[grows]) / slope[grows]))))
-    guess = min(guess, 2**40)
-    if total(guess) <= capacity_bytes:
-        if total(guess + 1) > capacity_bytes:
-            return guess
-        return profile.max_batch_size(capacity_bytes, **settings)
-    # Rounding pushed it over: step down by doubling, then bisect.
-    hi, step = guess, 1
-    lo = max(1, guess - step)
-    while lo > 1 and total(lo) > capacity_bytes:
-        hi, step = lo, step * 2
-        lo = max(1, guess - step)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if total(mid) <= capacity_bytes:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def show_memory(
