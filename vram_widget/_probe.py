@@ -35,42 +35,38 @@ aten = torch.ops.aten
 # accumulate in fp32. ``mkldnn_rnn_layer_backward`` reads the forward's opaque oneDNN
 # workspace (run on zeros it crashes the process, seen on torch 2.13), so its probe first
 # runs the matching forward to make one (``_PREPARE``).
-PROBED_OPS: frozenset[Any] = frozenset(
+# Matmuls and reductions allocate scratch only in half precision (bf16 packing); the other
+# probed ops allocate in every dtype.
+_HALF_ONLY_OPS: frozenset[Any] = frozenset(
     {
-        aten.convolution.default,
-        aten.convolution_backward.default,
         aten.mm.default,
         aten.addmm.default,
         aten.bmm.default,
         aten.baddbmm.default,
         aten._addmm_activation.default,
         aten.mean.dim,
-        aten.mkldnn_rnn_layer.default,
-        aten.mkldnn_rnn_layer_backward.default,  # with a real workspace: see _PREPARE
-        # fused attention kernels: the CPU flash kernel's scratch, and the eval fast paths of
-        # nn.MultiheadAttention / nn.TransformerEncoderLayer, which build q, k, v and the
-        # scores inside one op (tests/test_profiler.py measured -32 % without them)
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-        aten._native_multi_head_attention.default,
-        aten._transformer_encoder_layer_fwd.default,
     }
 )
+PROBED_OPS: frozenset[Any] = _HALF_ONLY_OPS | {
+    aten.convolution.default,
+    aten.convolution_backward.default,
+    aten.mkldnn_rnn_layer.default,
+    aten.mkldnn_rnn_layer_backward.default,  # with a real workspace: see _PREPARE
+    # fused attention kernels: the CPU flash kernel's scratch, and the eval fast paths of
+    # nn.MultiheadAttention / nn.TransformerEncoderLayer, which build q, k, v and the
+    # scores inside one op (tests/test_profiler.py measured -32 % without them)
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._native_multi_head_attention.default,
+    aten._transformer_encoder_layer_fwd.default,
+}
 
 # The largest real call a probe makes (inputs and outputs): beyond it the workspace is unknown.
 PROBE_LIMIT_BYTES = 64 * 2**20
 UNKNOWN = -1
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-# Ops whose kernels allocate in every dtype; the others (matmuls, reductions) only in half.
-_ANY_DTYPE = PROBED_OPS - {
-    aten.mm.default,
-    aten.addmm.default,
-    aten.bmm.default,
-    aten.baddbmm.default,
-    aten._addmm_activation.default,
-    aten.mean.dim,
-}
+_ANY_DTYPE = PROBED_OPS - _HALF_ONLY_OPS
 
 
 def _rnn_backward_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

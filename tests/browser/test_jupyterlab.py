@@ -28,9 +28,9 @@ from .lab import (
     SliderRun,
     chromium_page,
     lab_server,
-    missing_requirements,
     move_batch_slider,
     open_and_run_all,
+    require,
     screenshot_widget,
 )
 
@@ -54,12 +54,7 @@ class Session:
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
-    missing = missing_requirements()
-    if missing:
-        message = "browser test needs " + ", ".join(missing)
-        if os.environ.get("CI"):
-            pytest.fail(message + " (CI must run it: see scripts/install.sh)")
-        pytest.skip(message)
+    require()
     workdir = tmp_path_factory.mktemp("lab")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with lab_server(workdir) as server, chromium_page(workdir) as (page, blocked):

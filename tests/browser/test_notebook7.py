@@ -9,7 +9,6 @@ limit to work out, not this widget's.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,8 @@ from .lab import (
     CellReport,
     chromium_page,
     lab_server,
-    missing_requirements,
     open_and_run_all,
+    require,
     screenshot_widget,
 )
 from .test_jupyterlab import ARTIFACTS, NOTEBOOK
@@ -42,12 +41,7 @@ class Session:
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
-    missing = missing_requirements(front_end="notebook")
-    if missing:
-        message = "Notebook 7 browser test needs " + ", ".join(missing)
-        if os.environ.get("CI"):
-            pytest.fail(message + " (CI must run it: see scripts/install.sh)")
-        pytest.skip(message)
+    require("notebook")
     workdir = tmp_path_factory.mktemp("notebook7")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with (
