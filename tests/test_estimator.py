@@ -491,7 +491,11 @@ def test_cublas_workspace_follows_the_target_compute_capability() -> None:
     assert hopper.total_bytes - ampere.total_bytes == 33_554_432 - 8_519_680
     # max_batch_size counts the extras of the GPU it is told about.
     capacity = hopper.total_bytes
-    assert profile.max_batch_size(capacity) >= 4  # 512-byte rounding: 5..8 may fit too
+    for capability, extras in (((9, 0), hopper.extras), ((8, 0), ampere.extras)):
+        b = profile.max_batch_size(capacity, compute_capability=capability)
+        at = [profile.estimate(n, compute_capability=capability) for n in (b, b + 1)]
+        assert at[0].extras.cublas_workspace_bytes == extras.cublas_workspace_bytes
+        assert at[0].total_bytes <= capacity < at[1].total_bytes
     assert profile.max_batch_size(capacity, compute_capability=(8, 0)) > profile.max_batch_size(
         capacity
     )
