@@ -241,10 +241,11 @@ class Profiler:
         # every run of that precision (each batch size, training and inference): building
         # them costs as much as a small model's whole step, and the fake mode's dispatch cache
         # then also sees the same tensors' metadata run after run.
+        # precision -> (fake mode, parameters, buffers, their metadata when made)
         self._fake_state: dict[
-            Precision, tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+            Precision,
+            tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[Any, ...]]],
         ] = {}
-        self._fake_described: dict[Precision, list[tuple[Any, ...]]] = {}
 
     def _state(
         self, precision: Precision
@@ -259,19 +260,16 @@ class Profiler:
             params, buffers = self.subject.make_state(precision, real=True)
             return None, params, buffers
         cached = self._fake_state.get(precision)
-        if cached is None or _changed_by_run(
-            [*cached[1].values(), *cached[2].values()], self._fake_described[precision]
-        ):
+        if cached is None or _changed_by_run([*cached[1].values(), *cached[2].values()], cached[3]):
             fake_mode = new_fake_mode()
             with fake_mode:
                 params, buffers = self.subject.make_state(precision, real=False)
-            cached = self._fake_state[precision] = (fake_mode, params, buffers)
-            self._fake_described[precision] = [
-                _describe(t) for t in (*params.values(), *buffers.values())
-            ]
-        for p in cached[1].values():
+            described = [_describe(t) for t in (*params.values(), *buffers.values())]
+            cached = self._fake_state[precision] = (fake_mode, params, buffers, described)
+        fake_mode, params, buffers, _described = cached
+        for p in params.values():
             p.grad = None
-        return cached
+        return fake_mode, params, buffers
 
     def _context(
         self, precision: Precision
