@@ -8,6 +8,7 @@ estimate must reproduce a real CPU step's peak (``measure``) to the byte.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -1364,3 +1365,32 @@ def test_is_cached_knows_precision_mode_and_optimizer() -> None:
     assert not profile.is_cached("bf16", "train", None)
     profile.estimate(4, "fp32", "sgd")
     assert profile.is_cached("fp32", "train", "sgd")
+
+
+class _NoShortcuts(contextlib.nullcontext):  # type: ignore[type-arg]
+    """Stands in for _fake.MetaShortcuts: every meta kernel runs in full."""
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])  # foreach and single-tensor optimizers
+def test_meta_shortcuts_leave_the_optimizer_trace_unchanged(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The optimizer trace skips in-place pointwise meta kernels and reuses the outputs of
+    # repeated out-of-place ones; every event and every state byte must be what the full
+    # meta kernels give, for every optimizer and a half precision.
+    import vram_widget._profiler as profiler_module
+    from vram_widget._options import OptimizerName, Precision
+
+    # ResNet-18: many parameters of repeated shapes, so the reused outputs are exercised
+    profile = profile_model(zoo.resnet18(), input_size=(3, 32, 32), device=device)
+    profiler = profile._source.profiler  # type: ignore[attr-defined]
+    configs = [(p, o) for p in (Precision.FP32, Precision.BF16) for o in OptimizerName]
+    fast = [profiler.run_optimizer(p, o) for p, o in configs]
+    # Adam's step allocates temporaries (sqrt of the second moment, ...): not a vacuous check
+    assert len(fast[configs.index((Precision.FP32, OptimizerName.ADAM))].event_bytes) > 0
+    monkeypatch.setattr(profiler_module, "MetaShortcuts", _NoShortcuts)
+    for (precision, optimizer), a in zip(configs, fast, strict=True):
+        b = profiler.run_optimizer(precision, optimizer)
+        assert np.array_equal(a.event_bytes, b.event_bytes), (precision, optimizer)
+        assert np.array_equal(a.state_bytes, b.state_bytes), (precision, optimizer)
+        assert np.array_equal(a.state_block_bytes, b.state_block_bytes), (precision, optimizer)

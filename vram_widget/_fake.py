@@ -29,10 +29,12 @@ except ImportError:  # pragma: no cover - older torch
     class _BypassDispatchCache(Exception):  # type: ignore[no-redef]
         """Stand-in; the subclass that raises it is not used on such a torch."""
 
+
 __all__ = [
     "DATA_DEPENDENT_ERRORS",
     "FakeTensor",
     "FakeTensorMode",
+    "MetaShortcuts",
     "TorchDispatchMode",
     "current_autograd_sequence_nr",
     "new_fake_mode",
@@ -121,6 +123,104 @@ class _ProfilingFakeTensorMode(FakeTensorMode):
             and not t.is_quantized
             and not t._has_symbolic_sizes_strides
         )
+
+
+def _meta_only(*groups: Any) -> bool | None:
+    """True when the tensors among the arguments (tensors and lists of them) are all on the
+    meta device, False when one is not, None when there is none."""
+    found: bool | None = None
+    for group in groups:
+        for arg in group:
+            if isinstance(arg, torch.Tensor):
+                if arg.device.type != "meta":
+                    return False
+                found = True
+            elif isinstance(arg, (list, tuple)):
+                inner = _meta_only(arg)
+                if inner is False:
+                    return False
+                found = found or inner
+    return found
+
+
+def _meta_key(arg: object) -> object:
+    """A hashable stand-in for one argument of a meta op: a tensor by the facts its meta kernel
+    reads, plain values by themselves; TypeError for anything else."""
+    if isinstance(arg, torch.Tensor):
+        if arg.layout is not torch.strided:
+            raise TypeError("not a strided tensor")
+        return (arg.dtype, tuple(arg.shape), arg.stride(), arg.storage_offset(), arg.device.type)
+    if isinstance(arg, (list, tuple)):
+        return tuple(_meta_key(a) for a in arg)
+    if isinstance(arg, (*_PLAIN, torch.memory_format)):
+        return (type(arg), arg)
+    raise TypeError(type(arg).__name__)
+
+
+class MetaShortcuts(TorchDispatchMode):
+    """Skips the work of pointwise meta kernels whose result is known without it.
+
+    The optimizer trace runs ``torch.optim`` on meta tensors, where the kernels of
+    ``addcmul_``, ``addcdiv_``, ``lerp_``, ``sqrt`` and their ``_foreach_`` forms are Python
+    reference implementations (``torch._refs``, type promotion and broadcasting in Python):
+    about 0.3 ms per tensor, a third of a ResNet-50 profile. Two shortcuts, for ops whose
+    tensor arguments are all on the meta device (the optimizer's CPU ``step`` counters are
+    real and always run):
+
+    * an in-place pointwise op (``Tag.inplace`` with ``Tag.pointwise``, or an in-place
+      ``_foreach_`` op; never an ``inplace_view`` op such as ``resize_``) allocates nothing
+      and returns its ``self`` (``Tensor(a!)``) or nothing (``()``), so it is not run: a meta
+      tensor has no values to update;
+    * any other op that returns new tensors (no alias annotation on its returns) is run once
+      per distinct argument metadata, and later calls get new meta tensors of the remembered
+      sizes, strides and dtypes.
+
+    The recorder above this mode sees every op and its outputs exactly as without it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._outputs: dict[tuple[object, ...], list[tuple[Any, ...]] | None] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _meta_only(args, kwargs.values()) is not True:
+            return func(*args, **kwargs)
+        tags = func.tags
+        schema = func._schema
+        if (
+            torch.Tag.inplace in tags
+            and torch.Tag.inplace_view not in tags
+            and (torch.Tag.pointwise in tags or schema.name.startswith("aten::_foreach_"))
+        ):
+            return args[0] if schema.returns else None
+        if any(r.alias_info is not None for r in schema.returns):
+            return func(*args, **kwargs)
+        try:
+            key = (func, _meta_key(args), _meta_key(tuple(sorted(kwargs.items()))))
+        except TypeError:
+            return func(*args, **kwargs)
+        if key in self._outputs:
+            described = self._outputs[key]
+            if described is not None:
+                outs = [
+                    torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+                    for shape, stride, dtype in described
+                ]
+                return outs if isinstance(schema.returns[0].type, torch._C.ListType) else outs[0]
+        result = func(*args, **kwargs)
+        outs_list = result if isinstance(result, (list, tuple)) else [result]
+        plain = (
+            all(
+                isinstance(o, torch.Tensor) and o.device.type == "meta" and o.storage_offset() == 0
+                for o in outs_list
+            )
+            and len(schema.returns) == 1
+        )
+        self._outputs[key] = (
+            [(tuple(o.shape), o.stride(), o.dtype) for o in outs_list] if plain else None
+        )
+        return result
 
 
 def new_fake_mode() -> FakeTensorMode:

@@ -17,7 +17,7 @@ import torch
 from torch.func import functional_call
 
 from ._errors import entry_codes, user_traceback
-from ._fake import DATA_DEPENDENT_ERRORS, new_fake_mode, quiet_fake_tensor_log
+from ._fake import DATA_DEPENDENT_ERRORS, MetaShortcuts, new_fake_mode, quiet_fake_tensor_log
 from ._options import (
     PHASE_CODE,
     Category,
@@ -470,7 +470,9 @@ class Profiler:
         for _name, p in trainable:
             p.grad = torch.empty_like(p)
         opt = make_optimizer(optimizer, [p for _n, p in trainable], foreach=True if cuda else None)
-        opt.step()  # first step: creates the state
+        shortcuts = MetaShortcuts()
+        with shortcuts:
+            opt.step()  # first step: creates the state
         rec = Recorder(
             subject._row_of,
             subject.loss_row,
@@ -500,7 +502,7 @@ class Profiler:
                 seen.add(id(st))
                 state_bytes[rows_of[name]] += st.nbytes()
                 blocks.append(st.nbytes())
-        with paused_gc(), rec:
+        with paused_gc(), shortcuts, rec:
             opt.step()
             rec.stop()
         events = rec.events()
