@@ -42,6 +42,14 @@ def _speed() -> str:
         f" / {rn['profile_cuda_s']:.2f} s | <= torchinfo (not met) |",
         f'| `profile_model`, same model, `device="cpu"` (real kernel probes): first / again '
         f"| {rn['profile_cpu_first_s']:.2f} / {rn['profile_cpu_s']:.2f} s | |",
+    ]
+    if "bare_fake_train_step_s" in rn:
+        lines.append(
+            "| the floor: one bare training step / one forward of the same model under a stock "
+            "`FakeTensorMode`, batch 2, nothing recorded (a profile runs three of each) "
+            f"| {rn['bare_fake_train_step_s']:.2f} / {rn['bare_fake_forward_s']:.2f} s | |"
+        )
+    lines += [
         f"| `estimate()`, {est['modules']}-module ResNet-101, median / p90 "
         f"| {est['estimate_median_ms']:.2f} / {est['estimate_p90_ms']:.2f} ms | <= 2 ms median |",
     ]

@@ -10,7 +10,9 @@ meta-device giant needs.
    counted. ``profile_*_s`` is the best of the repeats; ``profile_*_first_s`` is the first
    profile of ResNet-50 for that device in the process (the cuda one with a cold FakeTensor
    dispatch cache for its shapes; the cpu one, which runs after it, with a cold cache of CPU
-   kernel workspace probes).
+   kernel workspace probes). ``bare_fake_*`` is the floor under any fake-tensor profile:
+   one training step and one forward of the same model under a stock ``FakeTensorMode``,
+   nothing recorded.
 2. ``ModelProfile.estimate`` latency on a model with more than 200 modules (ResNet-101), median
    of many calls at random batch sizes and settings of cached precisions.
 3. A Llama-7B-shaped decoder built on the meta device, profiled in a fresh process: wall time
@@ -57,6 +59,48 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t0
 
 
+def bare_fake_step(model: torch.nn.Module, repeats: int) -> dict[str, float]:
+    """The floor under any profile on fake tensors: one forward + backward of the model at
+    batch 2 under a stock ``FakeTensorMode`` with nothing recorded (best of ``repeats``
+    after one warm-up run, so the fake dispatch cache is warm), and one ``no_grad`` forward.
+    A profile runs three of each (two fitted batch sizes and a check)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    mode = FakeTensorMode()
+    with mode:
+        params = {
+            n: torch.empty(p.shape).requires_grad_(p.requires_grad)
+            for n, p in model.named_parameters()
+        }
+        buffers = {n: torch.empty(b.shape, dtype=b.dtype) for n, b in model.named_buffers()}
+    state = {**params, **buffers}
+    training = model.training
+
+    def step() -> None:
+        model.train()
+        with mode:
+            out = functional_call(model, state, (torch.empty(2, 3, 224, 224),))
+            out.float().mean().backward()
+        for p in params.values():
+            p.grad = None
+
+    def forward() -> None:
+        model.eval()
+        with mode, torch.no_grad():
+            functional_call(model, state, (torch.empty(2, 3, 224, 224),))
+
+    step()
+    forward()
+    try:
+        return {
+            "bare_fake_train_step_s": min(_timed(step) for _ in range(repeats)),
+            "bare_fake_forward_s": min(_timed(forward) for _ in range(repeats)),
+        }
+    finally:
+        model.train(training)
+
+
 def profile_vs_torchinfo(repeats: int) -> dict[str, float]:
     import torchinfo
 
@@ -77,6 +121,7 @@ def profile_vs_torchinfo(repeats: int) -> dict[str, float]:
         ]
         out[f"profile_{device}_s"] = min(times)
         out[f"profile_{device}_first_s"] = times[0]
+    out.update(bare_fake_step(model, max(repeats, 3)))
     return out
 
 
