@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from ._composites import real_run_composites, rules_hold
 from ._errors import entry_codes, user_traceback
 from ._fake import DATA_DEPENDENT_ERRORS, MetaShortcuts, new_fake_mode, quiet_fake_tensor_log
 from ._options import (
@@ -333,6 +334,7 @@ class Profiler:
                 rec.set_phase(Phase.ZERO_GRAD)
 
         context = self._context(precision)
+        rules_hold()  # before any mode: it probes real tensors
         subject.model.train(train)
         with contextlib.ExitStack() as stack:
             stack.enter_context(paused_gc())
@@ -341,6 +343,7 @@ class Profiler:
                 stack.enter_context(fake_mode)
             stack.enter_context(rec)
             stack.enter_context(module_hooks(rec))
+            stack.enter_context(real_run_composites())
             if train:
                 stack.enter_context(
                     torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, rec.unpack_hook)
@@ -359,6 +362,7 @@ class Profiler:
                         params=trainable,
                         between=between,
                         context=context,
+                        on_loss=rec.watch_accumulations,
                     )
                 else:
                     inference_pass(model_fn, inputs, precision, "cpu", context=context)

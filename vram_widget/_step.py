@@ -197,6 +197,7 @@ def training_iteration(
     params: Sequence[torch.Tensor] = (),
     between: Callable[[str], None] | None = None,
     context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    on_loss: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
     """Run one training iteration by the protocol above.
 
@@ -207,13 +208,16 @@ def training_iteration(
     where ``zero_grad`` would run.
 
     ``between(phase)`` is called at each phase boundary ("backward", "optimizer",
-    "zero_grad", "end"), which is how the profiler tags phases and ``measure`` resets peaks.
+    "zero_grad", "end"), which is how the profiler tags phases and ``measure`` resets peaks;
+    ``on_loss(loss)`` right before the backward.
     """
     mark = between or (lambda _phase: None)
     with context() if context is not None else forward_context(precision, device_type):
         output = inputs.call(model)
         loss = compute_loss(output, loss_fn)
     mark("backward")
+    if on_loss is not None:
+        on_loss(loss)  # the profiler's recorder reads the autograd graph before backward
     if loss.requires_grad:  # nothing to differentiate (no trainable parameter): no backward
         loss.backward()
     mark("optimizer")
