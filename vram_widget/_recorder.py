@@ -268,8 +268,11 @@ class Recorder(TorchDispatchMode):
         stack = [grad_fn]
         while stack:
             node = stack.pop()
-            seq = int(node._sequence_nr())
-            node.register_hook(functools.partial(self._node_ran, seq))
+            # A leaf's AccumulateGrad has no outputs (nothing is summed after it), and it
+            # can outlive the graph on a parameter shared by later runs: no hook there.
+            if type(node).__name__ != "AccumulateGrad":
+                seq = int(node._sequence_nr())
+                node.register_hook(functools.partial(self._node_ran, seq))
             for next_node, _input_nr in node.next_functions:
                 if next_node is not None and id(next_node) not in seen:
                     seen.add(id(next_node))
