@@ -1253,6 +1253,34 @@ def test_forward_that_raises_keeps_the_users_exception(
     assert_model_unchanged(model, before)
 
 
+class _KeywordOnly(nn.Module):
+    """Takes its batch as keywords, Hugging Face style, and rejects the mask's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(
+        self, input_ids: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        assert input_ids is not None and mask is not None
+        if mask.dtype is torch.bool:
+            raise ValueError("mask must be float")
+        return self.fc(input_ids) * mask
+
+
+def test_root_failure_names_the_keyword_inputs() -> None:
+    # Module hooks see positional arguments only; the root's keyword tensors are named too.
+    inputs = {"input_ids": torch.zeros(2, 4), "mask": torch.ones(2, 4, dtype=torch.bool)}
+    with pytest.raises(ProfilingError) as info:
+        profile_model(_KeywordOnly(), inputs=inputs, device="cpu")
+    assert str(info.value) == (
+        "module '(root)' (_KeywordOnly) failed on inputs () and keywords "
+        "{input_ids: Tensor(2, 4) float32, mask: Tensor(2, 4) bool} in the forward of a "
+        "training step (fp32, batch 2): ValueError: mask must be float"
+    )
+
+
 class _BadBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from ._options import (
 )
 from ._probe import KernelProbe
 from ._profile import ModelProfile
-from ._recorder import Recorder, module_hooks
+from ._recorder import Recorder, describe_args, module_hooks
 from ._step import (
     ModelInputs,
     autocast_dtype,
@@ -369,7 +369,7 @@ class Profiler:
             except DATA_DEPENDENT_ERRORS:
                 raise
             except Exception as exc:
-                error = self._explain(exc, rec, precision, batch_size)
+                error = self._explain(exc, rec, precision, batch_size, inputs)
                 if error is exc:  # already names the problem (our loss checks)
                     raise
                 raise error from exc
@@ -400,7 +400,12 @@ class Profiler:
         )
 
     def _explain(
-        self, exc: Exception, rec: Recorder, precision: Precision, batch_size: int
+        self,
+        exc: Exception,
+        rec: Recorder,
+        precision: Precision,
+        batch_size: int,
+        inputs: ModelInputs,
     ) -> Exception:
         """One clear line: which module failed on which input shapes, in which phase of which
         run, or the loss, or the backward. The user's exception becomes its cause, with its
@@ -427,6 +432,10 @@ class Profiler:
         if call is None or call[0] >= subject.loss_row:
             return ProfilingError(f"the model's forward raised {what} (in {phase}, {run})")
         row, shapes = call
+        if row == 0 and inputs.kwargs:
+            # module hooks see positional arguments only; the root's keyword tensors (a
+            # Hugging Face batch) are the example inputs themselves
+            shapes = f"{shapes} and keywords {describe_args(inputs.kwargs)}"
         name = names[row] or "(root)"
         kind = subject.rows.types[row]
         return ProfilingError(
