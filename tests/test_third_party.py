@@ -101,8 +101,9 @@ def _build(name: str) -> Any:
 @pytest.mark.parametrize("name", sorted(_MODELS))
 def test_hugging_face_model_estimate_equals_measure(name: str) -> None:
     # Keyword batches, ModelOutput results and the model's own loss (output.loss), profiled
-    # at batches 2, 3, 5 and estimated at 7: the CPU step's peak to within 0.01 % (GPT-2's
-    # Adam step was 48 bytes under, in 5.9 MB, when this was written).
+    # at batches 2, 3, 5 and estimated at 7: the CPU step's peak to within 0.01 % (when this
+    # was written, to the byte but for the Adam steps of GPT-2, 48 bytes under in 5.9 MB,
+    # and T5, 8 bytes under in 6.1 MB).
     model = _build(name)
     make = _MODELS[name][1]
     profile = profile_model(model, inputs=make(2), device="cpu")
