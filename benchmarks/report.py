@@ -49,6 +49,12 @@ def _speed() -> str:
             "`FakeTensorMode`, batch 2, nothing recorded (a profile runs three of each) "
             f"| {rn['bare_fake_train_step_s']:.2f} / {rn['bare_fake_forward_s']:.2f} s | |"
         )
+    if "real_train_step_b1_s" in rn:
+        lines.append(
+            "| beside it: a real training step of the same model at batch 1 / one fake step "
+            "with a symbolic batch dimension (instead of three concrete runs) "
+            f"| {rn['real_train_step_b1_s']:.2f} / {rn['symbolic_batch_train_step_s']:.2f} s | |"
+        )
     lines += [
         f"| `estimate()`, {est['modules']}-module ResNet-101, median / p90 "
         f"| {est['estimate_median_ms']:.2f} / {est['estimate_p90_ms']:.2f} ms | <= 2 ms median |",

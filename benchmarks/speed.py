@@ -12,7 +12,8 @@ meta-device giant needs.
    dispatch cache for its shapes; the cpu one, which runs after it, with a cold cache of CPU
    kernel workspace probes). ``bare_fake_*`` is the floor under any fake-tensor profile:
    one training step and one forward of the same model under a stock ``FakeTensorMode``,
-   nothing recorded.
+   nothing recorded; beside it, a real training step at batch 1 (any method that runs the
+   backward pays at least that much) and one fake training step with a symbolic batch.
 2. ``ModelProfile.estimate`` latency on a model with more than 200 modules (ResNet-101), median
    of many calls at random batch sizes and settings of cached precisions.
 3. A Llama-7B-shaped decoder built on the meta device, profiled in a fresh process: wall time
@@ -90,15 +91,58 @@ def bare_fake_step(model: torch.nn.Module, repeats: int) -> dict[str, float]:
         with mode, torch.no_grad():
             functional_call(model, state, (torch.empty(2, 3, 224, 224),))
 
+    def real_step() -> None:
+        model.train()
+        model(torch.zeros(1, 3, 224, 224)).mean().backward()
+        model.zero_grad(set_to_none=True)
+
     step()
     forward()
+    real_step()
     try:
         return {
             "bare_fake_train_step_s": min(_timed(step) for _ in range(repeats)),
             "bare_fake_forward_s": min(_timed(forward) for _ in range(repeats)),
+            "real_train_step_b1_s": min(_timed(real_step) for _ in range(repeats)),
+            "symbolic_batch_train_step_s": _symbolic_batch_step(model),
         }
     finally:
         model.train(training)
+        model.zero_grad(set_to_none=True)
+
+
+def _symbolic_batch_step(model: torch.nn.Module) -> float:
+    """One training step with a symbolic batch dimension (a ShapeEnv, the batch marked
+    dynamic): the alternative to three concrete runs, where each allocation's bytes would
+    come out as an expression in the batch. Second of two runs (the first fills caches)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    def once() -> float:
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        with mode:
+            params = {
+                n: torch.empty(p.shape).requires_grad_(p.requires_grad)
+                for n, p in model.named_parameters()
+            }
+            buffers = {n: torch.empty(b.shape, dtype=b.dtype) for n, b in model.named_buffers()}
+        dynamic = StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * 3
+        )
+        x = mode.from_tensor(torch.empty(2, 3, 224, 224), symbolic_context=dynamic)
+        t0 = time.perf_counter()
+        with mode:
+            functional_call(model, {**params, **buffers}, (x,)).float().mean().backward()
+        return time.perf_counter() - t0
+
+    model.train()
+    once()
+    return once()
 
 
 def profile_vs_torchinfo(repeats: int) -> dict[str, float]:
