@@ -131,3 +131,13 @@ def test_hugging_face_model_profiles_for_cuda(name: str) -> None:
     # between precisions: in bf16 CUDA picks a fused attention kernel, whose backward
     # recomputes the scores, one more matmul as torch.utils.flop_counter counts it)
     assert fp32.flops == profile.estimate(8, "fp32", "sgd").flops > 0
+
+
+def test_hugging_face_root_row_shows_the_logits_shape() -> None:
+    # A ModelOutput flattens to (loss, logits, ...): the root row shows the logits, not the
+    # 0-dim loss.
+    profile = profile_model(_build("gpt2"), inputs=_tokens(2), device="cpu")
+    df = profile.estimate(4).to_dataframe()
+    root = df[df["name"] == ""].iloc[0]
+    assert root["output_shape"] == (4, 16, _VOCAB)
+    assert root["output_numel"] == 4 * 16 * _VOCAB

@@ -226,10 +226,12 @@ class Recorder(TorchDispatchMode):
             if row == 0:
                 self.model_returned = True
             if self.output_shapes[row] is None:
-                for t in tree_flatten(output)[0]:
-                    if isinstance(t, torch.Tensor):
-                        self.output_shapes[row] = tuple(int(d) for d in t.shape)
-                        break
+                # The first tensor of the output, or rather its first non-scalar one: a
+                # Hugging Face ModelOutput puts the 0-dim loss before the logits.
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+                shown = next((t for t in tensors if t.dim() > 0), tensors[0] if tensors else None)
+                if shown is not None:
+                    self.output_shapes[row] = tuple(int(d) for d in shown.shape)
 
     def failed_call(self, exc: BaseException) -> tuple[int, str] | None:
         """The row and input shapes of the innermost module that ``exc`` came out of."""
