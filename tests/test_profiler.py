@@ -1449,22 +1449,40 @@ class _PermutedLinear(nn.Module):
         return self.head(torch.tanh(z))
 
 
+class _MixedDtypes(nn.Module):
+    """bf16 activations meeting fp32 tensors in pointwise ops (as under CPU amp-bf16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = torch.tanh(self.fc(x)).bfloat16()
+        gate = (x > 0).float()
+        mixed = half * gate  # bf16 * fp32: the CPU copies `half` to fp32 first
+        picked = torch.where(x > 0, half, x)  # the bool condition is not copied
+        return (mixed + picked).sum(-1)
+
+
 def _dispatch_mode_case(name: str) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if name == "diamond":
             return _Diamond(), lambda b: torch.randn(b, 32, generator=gen)
+        if name == "mixed_dtypes":
+            return _MixedDtypes(), lambda b: torch.randn(b, 64, generator=gen)
         return _PermutedLinear(), lambda b: torch.randn(b, 8, 5, 7, generator=gen)
 
 
-@pytest.mark.parametrize("name", ["diamond", "permuted_linear"])
+@pytest.mark.parametrize("name", ["diamond", "permuted_linear", "mixed_dtypes"])
 @pytest.mark.parametrize(
     ("optimizer", "mode"), [("sgd", "train"), ("adam", "train"), (None, "inference")]
 )
 def test_dispatch_mode_differences_are_undone(name: str, optimizer: str | None, mode: str) -> None:
     # Under any dispatch mode, the autograd engine sums gradients out of place and F.linear
     # adds its bias out of place (isTensorSubclassLike); a real step does both in place.
+    # And the CPU copies mixed-dtype inputs of pointwise ops, which fake kernels do not.
     # Estimated from the profile, the step's peak equals the measured one to the byte.
     model, make = _dispatch_mode_case(name)
     profile = profile_model(model, inputs=make(2), device="cpu")
@@ -1494,3 +1512,29 @@ def test_gradient_sums_in_place_allocate_one_tensor_fewer() -> None:
         recorder_module.Recorder._is_buffer_sum = original  # type: ignore[method-assign]
     for batch in (3, 7):
         assert allocated(out_of_place, batch) - allocated(in_place, batch) == batch * 64 * 4
+
+
+def test_mixed_dtype_copies_are_counted_on_the_cpu_only() -> None:
+    # `half * gate` at batch 7: the CPU copies the (7, 64) bf16 operand to fp32 for the
+    # call, 7 * 64 * 4 = 1792 bytes beside the output; CUDA kernels cast as they load.
+    import vram_widget._recorder as recorder_module
+
+    model, make = _dispatch_mode_case("mixed_dtypes")
+    with_copies = profile_model(model, inputs=make(2), device="cpu")
+    original = recorder_module._promotion_copy_bytes
+    try:
+        recorder_module._promotion_copy_bytes = lambda *_a: 0  # type: ignore[assignment]
+        without = profile_model(model, inputs=make(2), device="cpu")
+    finally:
+        recorder_module._promotion_copy_bytes = original  # type: ignore[assignment]
+    a = with_copies.estimate(7, "fp32", None, "inference")
+    b = without.estimate(7, "fp32", None, "inference")
+    copies = (
+        np.clip(np.diff(a.live_bytes), 0, None).sum()
+        - np.clip(np.diff(b.live_bytes), 0, None).sum()
+    )
+    # half * gate (7*64*4), where(x > 0, half, x) (the same), mixed + picked (fp32 + fp32: 0)
+    assert copies == 2 * 7 * 64 * 4
+    cuda = profile_model(model, inputs=make(2)).estimate(7, "fp32", None, "inference")
+    cuda_allocated = np.clip(np.diff(cuda.live_bytes), 0, None).sum()
+    assert cuda_allocated == np.clip(np.diff(b.live_bytes), 0, None).sum()
