@@ -69,6 +69,15 @@ def _speed() -> str:
             f"| ... its parameters vs the closed form | {ll['param_count']:,} vs "
             f"{ll['closed_form']:,} | equal |"
         )
+    if "hf_llama_7b_meta" in data:
+        hf = data["hf_llama_7b_meta"]
+        lines.append(
+            "| `transformers.LlamaForCausalLM`, Llama-2-7B config, on the meta device: profile "
+            "+ bf16/AdamW estimate, peak RSS; peak at batch 8 x 128 tokens; largest batch on "
+            f"80 GiB | {hf['seconds']:.1f} s, {hf['max_rss_bytes'] / 2**30:.2f} GiB; "
+            f"{hf['peak_bytes_bf16_adamw_b8'] / 2**30:.1f} GiB; "
+            f"{hf['max_batch_80gib_bf16_adamw']} | < 2 GB |"
+        )
     widget = RESULTS / "widget_latency.json"
     if widget.exists():
         w = json.loads(widget.read_text())

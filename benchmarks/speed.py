@@ -17,7 +17,8 @@ meta-device giant needs.
 2. ``ModelProfile.estimate`` latency on a model with more than 200 modules (ResNet-101), median
    of many calls at random batch sizes and settings of cached precisions.
 3. A Llama-7B-shaped decoder built on the meta device, profiled in a fresh process: wall time
-   and the process's peak resident memory (``ru_maxrss``).
+   and the process's own peak resident memory (VmHWM); the zoo's, and Hugging Face's
+   ``LlamaForCausalLM`` with Llama-2-7B's config where ``transformers`` is installed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ from vram_widget import profile_model, zoo
 _LLAMA_SCRIPT = """
 import resource, time, json, torch
 from vram_widget import profile_model, zoo
+def peak_rss_bytes():
+    # VmHWM: this process's own peak RSS. ru_maxrss is not: Linux carries it over exec
+    # from the parent, so a child of a large process reports the parent's peak.
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 with torch.device("meta"):
     model = zoo.llama_decoder(zoo.LLAMA_7B)
 t0 = time.perf_counter()
@@ -46,10 +58,42 @@ profile = profile_model(model, inputs=torch.zeros(1, 128, dtype=torch.long))
 est = profile.estimate(8, "bf16", "adamw")
 print(json.dumps({
     "seconds": time.perf_counter() - t0,
-    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "max_rss_bytes": peak_rss_bytes(),
     "param_count": profile.param_count,
     "closed_form": zoo.llama_param_count(zoo.LLAMA_7B),
     "peak_bytes_bf16_adamw_b8": est.peak_bytes,
+}))
+"""
+
+
+_HF_LLAMA_SCRIPT = """
+import resource, time, json, torch, transformers
+from vram_widget import profile_model
+def peak_rss_bytes():
+    # VmHWM: this process's own peak RSS. ru_maxrss is not: Linux carries it over exec
+    # from the parent, so a child of a large process reports the parent's peak.
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
+                                  num_hidden_layers=32, num_attention_heads=32)
+with torch.device("meta"):
+    model = transformers.LlamaForCausalLM(config)
+ids = torch.zeros(1, 128, dtype=torch.long)
+t0 = time.perf_counter()
+profile = profile_model(model, inputs={"input_ids": ids, "labels": ids})
+est = profile.estimate(8, "bf16", "adamw")
+print(json.dumps({
+    "seconds": time.perf_counter() - t0,
+    "max_rss_bytes": peak_rss_bytes(),
+    "param_count": profile.param_count,
+    "peak_bytes_bf16_adamw_b8": est.peak_bytes,
+    "max_batch_80gib_bf16_adamw": profile.max_batch_size(80 * 2**30, "bf16", "adamw"),
 }))
 """
 
@@ -191,9 +235,9 @@ def estimate_latency(calls: int) -> dict[str, float]:
     }
 
 
-def llama_meta() -> dict[str, float]:
+def llama_meta(script: str = _LLAMA_SCRIPT) -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, "-c", _LLAMA_SCRIPT],
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         check=True,
@@ -217,6 +261,13 @@ def main() -> None:
     if not args.skip_llama:
         results["llama_7b_meta"] = llama_meta()
         print("Llama-7B on meta:", results["llama_7b_meta"], flush=True)
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            results["hf_llama_7b_meta"] = llama_meta(_HF_LLAMA_SCRIPT)
+            print("transformers Llama-2-7B on meta:", results["hf_llama_7b_meta"], flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

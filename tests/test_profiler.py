@@ -699,6 +699,17 @@ def test_meta_llama_7b_profiles_without_memory() -> None:
 _LLAMA_70B_SCRIPT = """
 import json, resource, torch
 from vram_widget import profile_model, zoo
+def peak_rss_bytes():
+    # VmHWM: this process's own peak RSS. ru_maxrss is not: Linux carries it over exec
+    # from the parent, so a child of a large process reports the parent's peak.
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 with torch.device("meta"):
     model = zoo.llama_decoder(zoo.LLAMA_70B)
 profile = profile_model(model, inputs=torch.zeros(1, 16, dtype=torch.long))
@@ -706,7 +717,7 @@ est = profile.estimate(1, "bf16", "adamw")
 print(json.dumps({
     "param_count": profile.param_count,
     "parameter_bytes": est.parameter_bytes,
-    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "max_rss_bytes": peak_rss_bytes(),
 }))
 """
 
