@@ -1549,3 +1549,20 @@ def test_mixed_dtype_copies_are_counted_on_the_cpu_only() -> None:
     cuda = profile_model(model, inputs=make(2)).estimate(7, "fp32", None, "inference")
     cuda_allocated = np.clip(np.diff(cuda.live_bytes), 0, None).sum()
     assert cuda_allocated == np.clip(np.diff(b.live_bytes), 0, None).sum()
+
+
+def test_fused_transformer_layers_under_cpu_autocast() -> None:
+    # In eval, nn.TransformerEncoderLayer runs one fused CPU kernel whose inner matmuls
+    # autocast casts: it returns bf16 where its meta kernel says fp32, and the bf16 copies of
+    # its weights stay in autocast's cast cache until the forward ends. Both are modelled:
+    # the amp-bf16 inference peak equals the measured one to the byte (was -9.5 % at batch 1,
+    # +6.5 % at 32, when the cache was counted as a transient and the next layer saw fp32).
+    entry = zoo.ZOO["transformer_encoder"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cpu")
+    for batch in (1, 8):
+        est = profile.estimate(batch, "amp-bf16", None, "inference")
+        measured = measure(
+            entry.build(), entry.make_inputs(batch), optimizer=None, precision="amp-bf16",
+            mode="inference",
+        )  # fmt: skip
+        assert est.peak_bytes == measured.peak_bytes, (batch, est.peak_bytes, measured)

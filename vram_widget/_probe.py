@@ -139,7 +139,7 @@ def _signature(
 # signature does not change while the process runs, unless the CPU thread count or the
 # oneDNN switch does (both part of the key). A second profile of the same model, or of a
 # model sharing layer shapes, runs no kernel twice. Entries hold shapes and sizes only.
-_MEASURED: dict[tuple[Any, ...], tuple[int, tuple[int, ...]]] = {}
+_MEASURED: dict[tuple[Any, ...], tuple[int, tuple[int, ...], int]] = {}
 
 
 def _environment() -> tuple[Any, ...]:
@@ -153,6 +153,7 @@ class KernelProbe:
     def __init__(self) -> None:
         self._cache: dict[tuple[Any, ...], int] = {}
         self._outputs: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        self._retained: dict[tuple[Any, ...], int] = {}
         self._pending: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
 
     def request(
@@ -176,6 +177,13 @@ class KernelProbe:
         self._resolve()
         return self._cache.get(sig, UNKNOWN)
 
+    def retained_bytes(self, sig: tuple[Any, ...]) -> int:
+        """Bytes a call under CPU autocast leaves in autocast's cast cache (the bf16 copies
+        of the weights a fused kernel casts inside): they live until the autocast region
+        ends, not just for the call (UNKNOWN if not run; 0 without autocast)."""
+        self._resolve()
+        return self._retained.get(sig, UNKNOWN)
+
     def output_bytes(self, sig: tuple[Any, ...], position: int) -> int:
         """Real storage bytes of the call's ``position``-th flattened output (UNKNOWN if not
         run). Fake kernels return 0-byte placeholders for some outputs (the oneDNN LSTM
@@ -193,17 +201,18 @@ class KernelProbe:
         for sig, call in pending.items():
             measured = _MEASURED.get((sig, env))
             if measured is not None:
-                self._cache[sig], self._outputs[sig] = measured
+                self._cache[sig], self._outputs[sig], self._retained[sig] = measured
             elif _call_bytes(call) <= PROBE_LIMIT_BYTES:
                 runnable[sig] = call
                 self._cache[sig] = UNKNOWN
             else:
                 self._cache[sig] = UNKNOWN
         if runnable:
-            for sig, (workspace, outputs) in _measure_workspaces(runnable).items():
+            for sig, (workspace, outputs, retained) in _measure_workspaces(runnable).items():
                 self._cache[sig] = workspace
                 self._outputs[sig] = outputs
-                _MEASURED[(sig, env)] = (workspace, outputs)
+                self._retained[sig] = retained
+                _MEASURED[(sig, env)] = (workspace, outputs, retained)
 
 
 class _TensorSpec:
@@ -215,13 +224,19 @@ class _TensorSpec:
         self.shape = tuple(int(d) for d in t.shape)
         self.stride = tuple(int(s) for s in t.stride())
         self.dtype = t.dtype
-        self.requires_grad = False
+        self.requires_grad = t.requires_grad
         span = sum((d - 1) * s for d, s in zip(self.shape, self.stride, strict=True)) + 1
         self.numel_bytes = 0 if 0 in self.shape else span * t.element_size()
 
-    def make(self) -> torch.Tensor:
-        # zeros, not empty: uninitialised memory can hold denormals that slow kernels down
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype).zero_()
+    def make(self, leaf_grad: bool = False) -> torch.Tensor:
+        """Zeros, not empty (uninitialised memory can hold denormals that slow kernels
+        down). ``leaf_grad``: a tensor that required grad in the step (a parameter) does so
+        here too, since autocast caches the casts of such leaves only; set for calls under
+        autocast with grad disabled, where no graph is built."""
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype).zero_()
+        if leaf_grad and self.requires_grad and self.dtype.is_floating_point:
+            t.requires_grad_(True)
+        return t
 
 
 def _call_bytes(call: tuple[Any, ...]) -> int:
@@ -251,8 +266,12 @@ def quiet_stderr_fd() -> Iterator[None]:
 
 def _measure_workspaces(
     calls: dict[tuple[Any, ...], tuple[Any, ...]],
-) -> dict[tuple[Any, ...], tuple[int, tuple[int, ...]]]:
-    """Run each call once under the profiler; workspace = in-call peak - output bytes."""
+) -> dict[tuple[Any, ...], tuple[int, tuple[int, ...], int]]:
+    """Run each call once under the profiler: (workspace, output sizes, retained).
+
+    The outputs are dropped inside the call's marked range and autocast is left after it, so
+    what the range allocated and did not free is what autocast's cast cache kept (retained,
+    under autocast only); workspace = in-call peak - output bytes - retained."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     keys = list(calls)
@@ -274,8 +293,10 @@ def _measure_workspaces(
                 if autocast_dtype is not None
                 else contextlib.nullcontext()
             )
+            leaf_grad = autocast_dtype is not None and not sig[-1]
             real_args, real_kwargs = tree_map(
-                lambda x: x.make() if isinstance(x, _TensorSpec) else x, (args, kwargs)
+                lambda x, grad=leaf_grad: x.make(grad) if isinstance(x, _TensorSpec) else x,
+                (args, kwargs),
             )
             prepare = _PREPARE.get(func)
             if prepare is not None:  # outside the marker: its allocations are not the op's
@@ -296,12 +317,17 @@ def _measure_workspaces(
                 out_sizes.append(sizes)
                 del out, outs
             del real_args, real_kwargs
-    peaks = _peaks_by_marker(prof, len(keys))
-    return {sig: (max(0, peaks[i] - out_bytes[i]), out_sizes[i]) for i, sig in enumerate(keys)}
+    peaks, nets = _peaks_by_marker(prof, len(keys))
+    results = {}
+    for i, sig in enumerate(keys):
+        retained = max(0, nets[i]) if sig[-2] is not None else 0
+        results[sig] = (max(0, peaks[i] - out_bytes[i] - retained), out_sizes[i], retained)
+    return results
 
 
-def _peaks_by_marker(prof: Any, n: int) -> list[int]:
-    """The peak of allocator events inside each ``vram_widget_probe_i`` range."""
+def _peaks_by_marker(prof: Any, n: int) -> tuple[list[int], list[int]]:
+    """The peak and the net sum of allocator events inside each ``vram_widget_probe_i``
+    range."""
     ranges: dict[int, tuple[int, int]] = {}
     allocations: list[tuple[int, int]] = []
     # Depth-first in recorded order, then a stable sort by time: ties keep that order
@@ -319,10 +345,12 @@ def _peaks_by_marker(prof: Any, n: int) -> list[int]:
     allocations.sort(key=lambda e: e[0])
     times = [t for t, _ in allocations]
     peaks = [0] * n
+    nets = [0] * n
     for i, (start, end) in ranges.items():
         running = peak = 0
         for _t, nbytes in allocations[bisect_left(times, start) : bisect_right(times, end)]:
             running += nbytes
             peak = max(peak, running)
         peaks[i] = peak
-    return peaks
+        nets[i] = running
+    return peaks, nets

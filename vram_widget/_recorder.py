@@ -91,8 +91,11 @@ class Recorder(TorchDispatchMode):
         # CPU autocast of amp precisions covers the forward (and inference) pass only
         self.autocast_dtype = autocast_dtype
         self._autocast_phases = (PHASE_CODE[Phase.FORWARD], PHASE_CODE[Phase.INFERENCE])
-        # (storage id, probe signature, output position or -1 for the workspace)
+        # (storage id, probe signature, output position, or -1 for the workspace, or
+        # _RETAINED for what the call leaves in autocast's cast cache)
         self._probe_slots: list[tuple[int, tuple[Any, ...], int]] = []
+        # storages of cast-cache bytes still held: freed when the autocast region ends
+        self._retained_open: list[int] = []
         self.rows = rows
         self.loss_row = loss_row
         self.optimizer_row = optimizer_row
@@ -242,11 +245,23 @@ class Recorder(TorchDispatchMode):
     def set_phase(self, phase: Phase) -> None:
         self._settle_pending_sum()
         self._accumulating_after = None
+        if self.phase in self._autocast_phases and PHASE_CODE[phase] not in self._autocast_phases:
+            self._close_retained()  # the forward's autocast region has ended
         self.phase = PHASE_CODE[phase]
 
     def stop(self) -> None:
         self._settle_pending_sum()
+        if self._recording:
+            self._close_retained()
         self._recording = False
+
+    def _close_retained(self) -> None:
+        """Autocast clears its cast cache when its region ends: the weight casts fused
+        kernels made inside their calls are freed here (sized by ``apply_probes``)."""
+        row = self._free_row()
+        for sid in self._retained_open:
+            self._emit(sid, 0, row)
+        self._retained_open.clear()
 
     # -- gradient accumulation ------------------------------------------------------------
     def watch_accumulations(self, root: torch.Tensor) -> None:
@@ -362,6 +377,12 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self._recording:
             return out
+        if (
+            func in _AUTOCAST_FUSED_OPS
+            and self.autocast_dtype is not None
+            and self.phase in self._autocast_phases
+        ):
+            out = _in_dtype(out, self.autocast_dtype)
         if self.phase == _BACKWARD and self._is_buffer_sum(func, args, kwargs):
             st = out.untyped_storage()
             if id(st) not in self._live:
@@ -442,6 +463,13 @@ class Recorder(TorchDispatchMode):
         assert self.probe is not None
         autocast = self.autocast_dtype if self.phase in self._autocast_phases else None
         sig = self.probe.request(func, args, kwargs, autocast)
+        if autocast is not None:
+            # the casts are made as the call starts and outlive it: live beside its scratch
+            rid = len(self.storages)
+            self.storages.append(StorageRecord(0, row, self.phase, _TEMPORARY, False))
+            self._emit(rid, 0, row)  # its free comes when the autocast region ends
+            self._retained_open.append(rid)
+            self._probe_slots.append((rid, sig, _RETAINED))
         sid = len(self.storages)
         self.storages.append(StorageRecord(0, row, self.phase, _TEMPORARY, False))
         self._emit(sid, 0, row)
@@ -464,7 +492,9 @@ class Recorder(TorchDispatchMode):
             events_of.setdefault(sid, []).append(i)
         for sid, sig, position in self._probe_slots:
             record = self.storages[sid]
-            if position < 0:
+            if position == _RETAINED:
+                nbytes = max(self.probe.retained_bytes(sig), 0)  # unknown: none
+            elif position < 0:
                 nbytes = self.probe.workspace_bytes(sig)  # -1: too large to run, unknown
             else:
                 nbytes = self.probe.output_bytes(sig, position)
@@ -526,6 +556,33 @@ class Recorder(TorchDispatchMode):
 
 
 _ADD = torch.ops.aten.add.Tensor
+# Probe slot position of the bytes a call leaves in autocast's cast cache.
+_RETAINED = -2
+
+# Fused CPU kernels that autocast does not cast, but whose inner matmuls it does: under CPU
+# autocast they return the autocast dtype (measured: bf16 from fp32 inputs), where their meta
+# kernels keep the input's dtype. The next layer then gets a bf16 input, as in a real step.
+_AUTOCAST_FUSED_OPS = frozenset(
+    {
+        torch.ops.aten._transformer_encoder_layer_fwd.default,
+        torch.ops.aten._native_multi_head_attention.default,
+    }
+)
+
+
+def _in_dtype(out: Any, dtype: torch.dtype) -> Any:
+    """The op's floating fp32 outputs as new tensors of ``dtype`` (same sizes and strides),
+    made by the mode below the recorder (fake tensors), so nothing is recorded for them
+    but the outputs themselves."""
+
+    def cast(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+            return torch.empty_strided(tuple(t.shape), t.stride(), dtype=dtype, device=t.device)
+        return t
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(cast(t) for t in out)
+    return cast(out)
 
 
 @dataclass
