@@ -37,9 +37,9 @@ import torch
 
 from vram_widget import profile_model, zoo
 
-_LLAMA_SCRIPT = """
-import resource, time, json, torch
-from vram_widget import profile_model, zoo
+# The process's own peak RSS, defined in each measuring script.
+_PEAK_RSS = """
+import resource
 def peak_rss_bytes():
     # VmHWM: this process's own peak RSS. ru_maxrss is not: Linux carries it over exec
     # from the parent, so a child of a large process reports the parent's peak.
@@ -51,6 +51,13 @@ def peak_rss_bytes():
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+"""
+
+_LLAMA_SCRIPT = (
+    _PEAK_RSS
+    + """
+import resource, time, json, torch
+from vram_widget import profile_model, zoo
 with torch.device("meta"):
     model = zoo.llama_decoder(zoo.LLAMA_7B)
 t0 = time.perf_counter()
@@ -64,22 +71,14 @@ print(json.dumps({
     "peak_bytes_bf16_adamw_b8": est.peak_bytes,
 }))
 """
+)
 
 
-_HF_LLAMA_SCRIPT = """
+_HF_LLAMA_SCRIPT = (
+    _PEAK_RSS
+    + """
 import resource, time, json, torch, transformers
 from vram_widget import profile_model
-def peak_rss_bytes():
-    # VmHWM: this process's own peak RSS. ru_maxrss is not: Linux carries it over exec
-    # from the parent, so a child of a large process reports the parent's peak.
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
                                   num_hidden_layers=32, num_attention_heads=32)
 with torch.device("meta"):
@@ -96,6 +95,7 @@ print(json.dumps({
     "max_batch_80gib_bf16_adamw": profile.max_batch_size(80 * 2**30, "bf16", "adamw"),
 }))
 """
+)
 
 
 def _timed(fn) -> float:  # type: ignore[no-untyped-def]
