@@ -26,9 +26,13 @@ def test_rules_match_this_torch() -> None:
     ],
 )
 def test_which_inputs_take_the_in_place_add(x: torch.Tensor, in_place: bool) -> None:
-    weight, bias = torch.zeros(3, 4), torch.zeros(3)
+    weight = torch.zeros(3, 4, requires_grad=True)
+    bias = torch.zeros(3, requires_grad=True)
     assert _linear_adds_bias_in_place(x, weight, bias) is in_place
     assert _linear_adds_bias_in_place(x, weight, None) is False  # no bias, no add
+    # what the real kernel did: an in-place bias add leaves AddBackward0 as the last node
+    node = F.linear(x, weight, bias).grad_fn
+    assert (node is not None and node.name() == "AddBackward0") is in_place
 
 
 def test_real_run_form_equals_f_linear() -> None:

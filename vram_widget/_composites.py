@@ -9,9 +9,10 @@ below the Python API, so the only place to restore the real choice is at that AP
 running the real decomposition there (which autograd records exactly as it records the C++
 one: the same ops, the same saved tensors).
 
-Each entry of ``_REAL_RUN_FORMS`` maps a torch function to its real-run form; the rule each
-one follows is checked once per process against real CPU tensors (``rules_hold``), and
-nothing is changed on a torch whose kernel chooses otherwise.
+One such kernel changes what a step allocates: ``linear``'s bias add. The rule it follows
+is checked once per process against real CPU tensors (``rules_hold``), and nothing is
+changed on a torch whose kernel chooses otherwise. ``F.linear`` is swapped for the length of
+a profiling run only; a profile is not thread-safe against other threads calling it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -57,12 +58,6 @@ def _linear_as_real_run(
     return output.add_(bias)
 
 
-# torch function -> (whether a real run takes the form that differs, that form)
-_REAL_RUN_FORMS: dict[Callable[..., Any], tuple[Callable[..., bool], Callable[..., Any]]] = {
-    F.linear: (_linear_adds_bias_in_place, _linear_as_real_run),
-}
-
-
 @functools.cache
 def rules_hold() -> bool:
     """Whether this torch's real ``linear`` chooses as ``_linear_adds_bias_in_place`` says,
@@ -88,16 +83,6 @@ def rules_hold() -> bool:
 
 
 @contextlib.contextmanager
-def _patched(namespace: Any, name: str, wrapper: Callable[..., Any]) -> Iterator[None]:
-    original = getattr(namespace, name)
-    setattr(namespace, name, wrapper)
-    try:
-        yield
-    finally:
-        setattr(namespace, name, original)
-
-
-@contextlib.contextmanager
 def real_run_composites() -> Iterator[None]:
     """Within this context, ``torch.nn.functional.linear`` runs in the form a real step
     takes (a no-op where this torch's kernel chooses otherwise than the rules say).
@@ -111,15 +96,17 @@ def real_run_composites() -> Iterator[None]:
         yield
         return
     original = F.linear
-    differs, real_form = _REAL_RUN_FORMS[original]
 
     def linear(input: Any, weight: Any, bias: Any = None) -> Any:
-        if isinstance(input, torch.Tensor) and differs(input, weight, bias):
-            return real_form(input, weight, bias)
+        if isinstance(input, torch.Tensor) and _linear_adds_bias_in_place(input, weight, bias):
+            return _linear_as_real_run(input, weight, bias)
         return original(input, weight, bias)
 
-    with _patched(F, "linear", linear):
+    F.linear = linear
+    try:
         yield
+    finally:
+        F.linear = original
 
 
 __all__ = ["real_run_composites", "rules_hold"]

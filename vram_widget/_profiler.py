@@ -300,7 +300,7 @@ class Profiler:
             subject.optimizer_row,
             self.probe,
             autocast_dtype(precision) if subject.device is Device.CPU else None,
-            cpu_scalars=subject.device is Device.CPU,
+            cpu_semantics=subject.device is Device.CPU,
             count_flops=flops,
         )
         rec.register_resident(
@@ -490,7 +490,7 @@ class Profiler:
             subject._row_of,
             subject.loss_row,
             subject.optimizer_row,
-            cpu_scalars=not cuda,
+            cpu_semantics=not cuda,
         )
         rec.set_phase(Phase.OPTIMIZER)
         rec.register_resident([p for _n, p in trainable], Category.PARAMETER)

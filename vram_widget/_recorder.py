@@ -79,14 +79,15 @@ class Recorder(TorchDispatchMode):
         optimizer_row: int,
         probe: KernelProbe | None = None,
         autocast_dtype: torch.dtype | None = None,
-        cpu_scalars: bool = False,
+        cpu_semantics: bool = False,
         count_flops: bool = True,
     ) -> None:
         super().__init__()
         self.count_flops = count_flops
         # CPU semantics: a Python number passed where an op takes a Tensor costs a 0-dim
-        # tensor and a cast copy inside the op (see _wrapped_scalar_bytes)
-        self.cpu_scalars = cpu_scalars
+        # tensor and a cast copy inside the op (_wrapped_scalar_bytes), and a pointwise op
+        # on mixed dtypes copies its inputs to the computation dtype (_promotion_copy_bytes)
+        self.cpu_semantics = cpu_semantics
         self.probe = probe
         # CPU autocast of amp precisions covers the forward (and inference) pass only
         self.autocast_dtype = autocast_dtype
@@ -420,8 +421,7 @@ class Recorder(TorchDispatchMode):
             sid = self._new_storage(st, record)
             if probed:
                 # The probe gives each output's real size: fake kernels return empty
-                # placeholders for some (the oneDNN LSTM workspace), and fused kernels under
-                # autocast return bf16 where their meta kernel says fp32.
+                # placeholders for some (the oneDNN LSTM workspace).
                 record.placeholder = True
                 self._emit(sid, nbytes, row)
                 placeholders.append((position, sid))
@@ -429,7 +429,7 @@ class Recorder(TorchDispatchMode):
                 self._emit(sid, nbytes, row)
         if probed:
             self._reserve_workspace(func, args, kwargs, row, placeholders)
-        if self.cpu_scalars:
+        if self.cpu_semantics:
             scalar_bytes = _wrapped_scalar_bytes(func, args) + _promotion_copy_bytes(
                 func, args, out
             )
@@ -692,18 +692,14 @@ def _promotion_copy_bytes(func: Any, args: tuple[Any, ...], out: Any) -> int:
         return 0
     skip = _UNPROMOTED_ARGS.get(func, frozenset())
     tensors = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in skip]
-    if len(tensors) < 1 or (
-        len({t.dtype for t in tensors}) == 1
-        and not (isinstance(out, torch.Tensor) and out.dtype not in (tensors[0].dtype, torch.bool))
-    ):
+    if not tensors:
         return 0
-    shaped = [t for t in tensors if t.dim() > 0] or tensors
-    common = shaped[0].dtype
-    for t in shaped[1:]:
-        common = torch.promote_types(common, t.dtype)
     in_place = torch.Tag.inplace in tags
     if not in_place and isinstance(out, torch.Tensor) and out.dtype is not torch.bool:
         common = out.dtype
+    else:
+        shaped = [t for t in tensors if t.dim() > 0] or tensors
+        common = functools.reduce(torch.promote_types, (t.dtype for t in shaped))
     itemsize = common.itemsize
     total = sum(t.numel() * itemsize for t in tensors if t.dtype != common)
     if in_place and tensors[0].dtype != common:
