@@ -8,12 +8,22 @@ optimizer x precision) is estimated from that one cached profile and measured wi
     python benchmarks/accuracy.py --quick         # a smaller matrix
     python benchmarks/accuracy.py --models mlp,resnet18 --out results/x.json
 
+The CPU's instruction set decides which kernels run (oneDNN's bf16 paths need avx512_bf16 or
+AMX; ATen's vectorized kernels follow its CPU capability), and the estimate probes the real
+kernels, so it must be exact under any of them. To check one narrower than the machine's:
+
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/accuracy.py --quick \
+        --out benchmarks/results/accuracy_quick_avx2.json
+
+The JSON records the ISA it ran under (``isa``).
+
 Writes a JSON file of every row and prints a markdown summary for the README.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -47,6 +57,25 @@ MODELS = (
 BATCHES = (1, 8, 32)
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop", None)
 PRECISIONS = ("fp32", "bf16", "amp-bf16")
+
+
+def cpu_isa() -> dict[str, object]:
+    """The instruction set the step's kernels ran with: ATen's CPU capability, the cap on
+    oneDNN's ISA if one was set, and the CPU's own bf16 / AMX flags (Linux)."""
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return {
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "(native)"),
+        "cpu_flags": sorted(f for f in flags if f in _ISA_FLAGS),
+    }
+
+
+_ISA_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"})
 
 
 def run(
@@ -182,6 +211,7 @@ def main() -> None:
                 "torch": torch.__version__,
                 "machine": platform.machine(),
                 "cpus": os.cpu_count(),
+                "isa": cpu_isa(),
                 "seconds": time.perf_counter() - t0,
                 "rows": rows,
                 "summary": summary,

@@ -7,3 +7,14 @@ bash scripts/install.sh
 python3 -m ruff check vram_widget tests benchmarks
 python3 -m mypy
 python3 -m pytest
+# Once more under a narrower instruction set than this CPU may have. Which kernels run (and so
+# what measure() sees and what the CPU probes measure) depends on the ISA: oneDNN takes its
+# bf16 paths only with avx512_bf16 or AMX, and ATen dispatches its vectorized kernels by CPU
+# capability. Capping both to AVX2 runs the CPU-kernel-sensitive tests (tests/, without the
+# notebooks and the browser) on the kernels of a CPU without AVX-512, which every x86-64 CPU
+# we support can run. ONEDNN_MAX_CPU_ISA: oneDNN's dispatcher control
+# (https://uxlfoundation.github.io/oneDNN/dev_guide_cpu_dispatcher_control.html);
+# ATEN_CPU_CAPABILITY: aten/src/ATen/native/DispatchStub.cpp (compute_cpu_capability).
+export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+python3 -c 'import torch; print("narrowed ISA: ATen", torch.backends.cpu.get_cpu_capability())'
+python3 -m pytest -m "not browser" -q
