@@ -1,0 +1,323 @@
+"""Tests for the command line (vram_widget._cli): real numbers against the Python API, and
+every bad value a usage error (exit code 2) that names the valid forms, never a traceback.
+
+Small models only: the zoo's ``mlp`` on --device cpu, a tiny callable written to a module
+under tmp_path (tests/ is not a package, so ``tests.test_cli:...`` would not import), and a
+one-layer GPT-2 built from a config (no download).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vram_widget import profile_model, zoo
+from vram_widget._cli import main
+from vram_widget._gpus import resolve_gpu
+
+_MODULE = "vram_cli_models"
+_GPT2 = [
+    "--transformers",
+    "gpt2",
+    "--config",
+    "n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=64",
+    "--seq-len",
+    "16",
+]
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A module ``vram_cli_models`` on sys.path with the callables the tests name."""
+    (tmp_path / f"{_MODULE}.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            # The same instance every call, so a test can check the CLI left it as it was.
+            MODEL = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            MODEL.eval()
+
+            def tiny_model():
+                return MODEL
+
+            def not_a_module():
+                return {"weights": torch.zeros(3)}
+
+            def broken():
+                raise RuntimeError("no such checkpoint")
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop(_MODULE, None)
+    yield __import__(_MODULE)
+    sys.modules.pop(_MODULE, None)
+
+
+def _run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: vram-widget" in err
+    assert "Traceback" not in err
+    return err
+
+
+# --- results --------------------------------------------------------------------------------
+
+
+def test_json_matches_python_api(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run_json(
+        ["mlp", "--device", "cpu", "--batch-size", "64", "--gpu", "24GiB",
+         "--precision", "fp32", "--precision", "bf16,amp-bf16", "--optimizer", "sgd"],
+        capsys,
+    )  # fmt: skip
+    entry = zoo.ZOO["mlp"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cpu")
+    assert out["model"] == "mlp"
+    assert out["input_shape"] == profile.input_shape == "batch × 784"
+    assert out["device"] == "cpu"
+    assert out["gpu"] == {"name": "custom 24 GiB", "memory_bytes": 24 * 2**30}
+    assert out["peak_bytes_means"] == "allocated tensor bytes"
+    assert [s["precision"] for s in out["settings"]] == ["fp32", "bf16", "amp-bf16"]
+    for setting in out["settings"]:
+        est = profile.estimate(64, setting["precision"], "sgd", "train")
+        assert setting["batch_size"] == 64
+        assert (setting["optimizer"], setting["mode"]) == ("sgd", "train")
+        assert setting["peak_bytes"] == est.peak_bytes > 0
+        assert setting["extras_bytes"] == est.extras.total_bytes == 0  # nothing extra on cpu
+        assert setting["total_bytes"] == est.total_bytes
+        assert setting["peak_phase"] == est.peak_phase.value
+        assert setting["peak_module"] == est.peak_module
+        assert setting["flops"] == est.flops > 0
+        assert setting["fits"] is True
+        largest = profile.max_batch_size(24 * 2**30, setting["precision"], "sgd", "train")
+        assert setting["max_batch_size"] == largest > 64
+
+
+def test_text_output_states_settings_and_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "mlp", "--device", "cpu", "--batch-size", "64", "--gpu", "24GiB",
+                 "--precision", "fp32"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    entry = zoo.ZOO["mlp"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cpu")
+    assert lines[0] == repr(profile)
+    assert "inputs: batch × 784" in lines[0]
+    text = "\n".join(lines)
+    assert "peak = allocated tensor bytes" in text
+    assert "total = peak + extras" in text
+    row = next(line for line in lines if line.split()[:4] == ["64", "fp32", "adam", "train"])
+    est = profile.estimate(64, "fp32", "adam", "train")
+    assert est.peak_location in row
+    (fit,) = [line for line in lines if "fits on" in line]
+    largest = profile.max_batch_size(24 * 2**30, "fp32", "adam", "train")
+    assert fit.startswith("fp32:")
+    assert "fits on custom 24 GiB (24.0 GiB) at batch 64: yes," in fit
+    assert fit.endswith(f"largest batch that fits: {largest:,}")
+    assert "per-layer table" not in text  # only with --layers
+
+
+def test_fit_line_says_no_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    # 16 MiB holds the mlp's weights, gradients and Adam state (10.7 MB) at a few hundred samples.
+    out = _run_json(["mlp", "--device", "cpu", "--batch-size", "4096", "--gpu", "16MiB",
+                     "--precision", "fp32"], capsys)  # fmt: skip
+    (setting,) = out["settings"]
+    assert setting["fits"] is False
+    assert setting["total_bytes"] > 16 * 2**20
+    assert main(["mlp", "--device", "cpu", "--batch-size", "4096", "--gpu", "16MiB",
+                 "--precision", "fp32"]) == 0  # fmt: skip
+    fit = next(line for line in capsys.readouterr().out.splitlines() if "fits on" in line)
+    assert ": no, needs" in fit
+    largest = setting["max_batch_size"]
+    assert fit.endswith(
+        f"largest batch that fits: {largest:,}" if largest else "not even batch 1 fits"
+    )
+
+
+def test_gpu_catalog_name_and_cuda_extras(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run_json(["mlp", "--gpu", "a100 80gb", "--precision", "bf16", "--mode",
+                     "inference"], capsys)  # fmt: skip
+    a100 = resolve_gpu("A100 80GB")
+    assert out["gpu"] == {"name": "A100 80GB", "memory_bytes": 80 * 2**30}
+    entry = zoo.ZOO["mlp"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cuda")
+    est = profile.estimate(32, "bf16", None, "inference", compute_capability=(8, 0))
+    (setting,) = out["settings"]
+    assert setting["optimizer"] is None  # inference runs no optimizer
+    assert setting["extras_bytes"] == est.extras.total_bytes > 0  # CUDA context and friends
+    assert setting["total_bytes"] == est.total_bytes
+    assert setting["max_batch_size"] == profile.max_batch_size(
+        a100, "bf16", None, "inference", compute_capability=a100.compute_capability
+    )
+
+
+def test_layers_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["mlp", "--device", "cpu", "--precision", "bf16,fp32", "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "per-layer table (bf16, batch 32):" in out
+    assert "param_count" in out
+
+
+def test_callable_model(user_module: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    model = user_module.MODEL
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = _run_json([f"{_MODULE}:tiny_model", "--input-size", "8", "--device", "cpu",
+                     "--precision", "fp32"], capsys)  # fmt: skip
+    profile = profile_model(model, input_size=(8,), device="cpu")
+    assert out["model"] == f"{_MODULE}:tiny_model"
+    assert out["input_shape"] == "batch × 8"
+    assert out["settings"][0]["peak_bytes"] == profile.estimate(32).peak_bytes
+    # The CLI's profile left the user's model as it was.
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert model.training is False
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_transformers_model(capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    out = _run_json([*_GPT2, "--device", "cpu", "--precision", "fp32", "--batch-size", "4"],
+                    capsys)  # fmt: skip
+    config = transformers.AutoConfig.for_model(
+        "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    profile = profile_model(model, inputs={"input_ids": ids, "labels": ids}, device="cpu")
+    assert out["model_class"] == "GPT2LMHeadModel"
+    assert out["input_shape"] == profile.input_shape
+    assert "batch × 16 int64" in out["input_shape"]
+    assert out["param_count"] == profile.param_count
+    (setting,) = out["settings"]
+    assert setting["peak_bytes"] == profile.estimate(4).peak_bytes
+    assert setting["flops"] == profile.estimate(4).flops
+
+
+def test_console_entry_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "vram_widget", "mlp", "--device", "cpu", "--precision", "bf16",
+         "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["settings"][0]["precision"] == "bf16"
+    assert out["settings"][0]["max_batch_size"] > 0
+
+
+def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^  vram-widget ", out, flags=re.MULTILINE)) == 3
+    assert "--transformers" in out and ":build_model" in out
+
+
+def test_profiling_error_is_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    # The mlp takes 784 features; 3 × 4 samples fail in its first Linear.
+    assert main(["mlp", "--device", "cpu", "--input-size", "3,4", "--precision", "fp32"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("vram-widget: error: ")
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+# --- usage errors: exit code 2, the valid forms named -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--batch-size", "0"], ">= 1"),
+        (["--batch-size", "x"], ">= 1"),
+        (["--precision", "fp8"], "'fp32', 'bf16', 'fp16', 'amp-bf16', 'amp-fp16'"),
+        (["--precision", "fp32,fp8"], "'amp-bf16'"),
+        (["--optimizer", "lion"], "sgd, sgd-momentum, adam, adamw, adagrad, rmsprop, none"),
+        (["--mode", "eval"], "'train', 'inference'"),
+        (["--device", "tpu"], "'cuda', 'cpu'"),
+        (["--gpu", "80"], "below 1 MiB"),
+        (["--gpu", "TPU v5"], "'80GiB'"),
+        (["--input-size", "3,x"], "comma-separated positive integers"),
+        (["--input-size", "0"], "comma-separated positive integers"),
+        (["--seq-len", "0"], ">= 1"),
+        (["resnet19"], "resnet18"),
+        (["mlp", "--model", "mlp"], "not both"),
+        (["mlp", "--config", "n_layer=1"], "--transformers"),
+    ],
+)
+def test_bad_values_are_usage_errors(
+    argv: list[str], names: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _usage_error(argv, capsys)
+    assert names in err
+    if argv[0] == "--gpu":
+        assert "a GPU name of the catalog" in err
+
+
+def test_bad_config_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    err = _usage_error(["--transformers", "gpt2", "--config", "n_layer"], capsys)
+    assert "key=value,key=value" in err
+
+
+def test_unknown_transformers_type(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    err = _usage_error(["--transformers", "not_a_model"], capsys)
+    assert "unknown transformers model type 'not_a_model'" in err
+    assert "gpt2, llama" in err
+
+
+def test_transformers_config_the_model_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    err = _usage_error(["--transformers", "gpt2", "--config", "n_layer=abc"], capsys)
+    assert "n_layer" in err
+
+
+def test_missing_module(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error(["no_such_pkg_xyz.models:build", "--input-size", "8"], capsys)
+    assert "cannot import module 'no_such_pkg_xyz.models'" in err
+    assert "package.module:callable" in err
+
+
+def test_missing_callable(user_module: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error([f"{_MODULE}:no_such_fn", "--input-size", "8"], capsys)
+    assert f"module {_MODULE!r} has no attribute 'no_such_fn'" in err
+    assert "package.module:callable" in err
+
+
+def test_callable_returning_non_module(
+    user_module: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _usage_error([f"{_MODULE}:not_a_module", "--input-size", "8"], capsys)
+    assert "returned a dict, not a torch.nn.Module" in err
+
+
+def test_callable_that_raises(user_module: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error([f"{_MODULE}:broken", "--input-size", "8"], capsys)
+    assert "RuntimeError: no such checkpoint" in err
+
+
+def test_callable_needs_input_size(user_module: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error([f"{_MODULE}:tiny_model"], capsys)
+    assert "--input-size is needed" in err
+    assert "3,224,224" in err
