@@ -382,3 +382,106 @@ __all__ = [
     "output_case_name",
     "unique_param_count",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# The model is left alone: every entry point's promise, checked the same way everywhere
+# --------------------------------------------------------------------------------------------
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def _hooks(obj: Any, names: tuple[str, ...]) -> dict[str, dict[Any, int]]:
+    return {n: {k: id(v) for k, v in getattr(obj, n, {}).items()} for n in names}
+
+
+def _tensor_state(t: torch.Tensor) -> dict[str, Any]:
+    return {
+        "value": t.detach().clone(),
+        "data_ptr": t.data_ptr(),
+        "dtype": t.dtype,
+        "device": t.device,
+        "shape": tuple(t.shape),
+        "requires_grad": t.requires_grad,
+        "version": t._version,
+    }
+
+
+def snapshot_model(model: nn.Module) -> dict[str, Any]:
+    """Everything ``profile_model`` promises to leave alone."""
+    import torch.nn.modules.module as module_mod
+
+    return {
+        "params": {
+            name: {
+                **_tensor_state(p),
+                "id": id(p),
+                "grad": None if p.grad is None else _tensor_state(p.grad),
+            }
+            for name, p in model.named_parameters(remove_duplicate=False)
+        },
+        "buffers": {
+            name: _tensor_state(b) for name, b in model.named_buffers(remove_duplicate=False)
+        },
+        "training": {name: m.training for name, m in model.named_modules(remove_duplicate=False)},
+        "hooks": {
+            name: _hooks(m, _HOOK_DICTS) for name, m in model.named_modules(remove_duplicate=False)
+        },
+        "global_hooks": _hooks(module_mod, _GLOBAL_HOOK_DICTS),
+        "rng": torch.random.get_rng_state(),
+        "grad_enabled": torch.is_grad_enabled(),
+    }
+
+
+def _assert_tensor_state(now: torch.Tensor, then: dict[str, Any], what: str) -> None:
+    assert now.dtype == then["dtype"], what
+    assert now.device == then["device"], what
+    assert tuple(now.shape) == then["shape"], what
+    assert now.data_ptr() == then["data_ptr"], what
+    assert now.requires_grad == then["requires_grad"], what
+    assert now._version == then["version"], f"{what} was modified in place"
+    assert torch.equal(now.detach(), then["value"]), f"{what} changed value"
+
+
+def assert_model_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
+    """Parameters (value, storage, dtype, device, requires_grad, identity, tying), gradients,
+    buffers, training flags, hook dictionaries (the modules' and the global ones) and the
+    global RNG state are as ``snapshot_model`` recorded them."""
+    after = snapshot_model(model)
+    assert after["params"].keys() == before["params"].keys()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        then = before["params"][name]
+        _assert_tensor_state(p, then, f"parameter {name}")
+        assert id(p) == then["id"], f"parameter {name} was replaced"
+        if then["grad"] is None:
+            assert p.grad is None, f"parameter {name} got a .grad"
+        else:
+            assert p.grad is not None, f"parameter {name} lost its .grad"
+            _assert_tensor_state(p.grad, then["grad"], f"{name}.grad")
+    assert after["buffers"].keys() == before["buffers"].keys()
+    for name, b in model.named_buffers(remove_duplicate=False):
+        _assert_tensor_state(b, before["buffers"][name], f"buffer {name}")
+    assert after["training"] == before["training"]
+    assert after["hooks"] == before["hooks"]
+    assert after["global_hooks"] == before["global_hooks"]
+    assert torch.equal(after["rng"], before["rng"]), "the global RNG state changed"
+    assert after["grad_enabled"] == before["grad_enabled"]

@@ -110,6 +110,9 @@ def make_timeline(*, workspace: bool = False) -> Timeline:
         event_module=np.asarray(module, dtype=np.int32),
         event_phase=np.asarray(phase, dtype=np.int8),
         event_category=storage_category[event_storage],
+        # the op running at each event: the forward's addmm, the backward's AddmmBackward0
+        event_op=np.asarray([0, 0, 0, 1, 1, -1], np.int32),
+        op_names=("aten.addmm", "AddmmBackward0"),
         storage_bytes=Affine(_i64(800, 0, 0, 16, 800), _i64(0, 40, 80, 8, 0)),
         storage_category=storage_category,
         storage_module=np.asarray([FC, -1, FC, FC, FC], dtype=np.int32),
@@ -167,7 +170,8 @@ def test_peak_in_the_optimizer_at_small_batch() -> None:
     assert est.live_bytes.tolist() == [2644, 2676, 2644, 3444, 3284, 3384, 3584, 3384, 3284, 2484]
     assert est.peak_bytes == 3584
     assert est.peak_phase is Phase.OPTIMIZER
-    assert est.peak_module == "(optimizer)"
+    assert est.peak_module == "(optimizer)" and est.peak_op == ""
+    assert est.peak_location == "(optimizer), optimizer"
     assert est.peak_breakdown == {
         Category.PARAMETER: 800,
         Category.BUFFER: 0,
@@ -186,7 +190,7 @@ def test_peak_moves_to_backward_at_large_batch() -> None:
     est = run(20, opt=make_optimizer())
     assert est.peak_bytes == 3204 + 1600 + 800 == 5604
     assert est.peak_phase is Phase.BACKWARD
-    assert est.peak_module == ""
+    assert est.peak_module == "Net"  # the root, by its class name
     assert est.peak_breakdown[Category.ACTIVATION] == 1600
     assert est.peak_breakdown[Category.GRADIENT] == 800
     assert est.peak_breakdown[Category.TEMPORARY] == 0
@@ -247,6 +251,22 @@ def test_inference_mode_ignores_optimizer_and_backward() -> None:
     assert est.peak_bytes == 880 + 160 + 800  # the synthetic events are replayed as given
 
 
+@pytest.mark.parametrize(
+    ("batch", "module", "op", "location"),
+    [
+        # No optimizer; resident 800 + 40 B. Event 3 (root, backward, +800 grad): 1600 + 120 B;
+        # event 1 (fc, forward): 816 + 128 B.
+        # B = 10: event 3 (2800 > 2096): in the root's own code, so its op is named
+        (10, "Net", "AddmmBackward0", "Net: AddmmBackward0, backward"),
+        # B = 200: event 1 (26416 > 25600): a leaf module, whose type names the op
+        (200, "fc", "", "fc, forward"),
+    ],
+)
+def test_peak_location_names_module_and_op(batch: int, module: str, op: str, location: str) -> None:
+    est = run(batch)
+    assert (est.peak_module, est.peak_op, est.peak_location) == (module, op, location)
+
+
 def test_peak_never_above_resident() -> None:
     tl = make_timeline()
     empty = Timeline(
@@ -256,6 +276,7 @@ def test_peak_never_above_resident() -> None:
             "event_module": np.zeros(0, np.int32),
             "event_phase": np.zeros(0, np.int8),
             "event_category": np.zeros(0, np.int8),
+            "event_op": np.zeros(0, np.int32),
             "backward_start": 0,
             "optimizer_at": 0,
         }
@@ -263,7 +284,8 @@ def test_peak_never_above_resident() -> None:
     est = run(3, timeline=empty)
     assert est.peak_bytes == 800 + 120
     assert est.peak_phase is Phase.FORWARD
-    assert est.peak_module == ""
+    assert est.peak_module == "Net"  # the root, by its class
+    assert est.peak_op == ""
     assert est.peak_breakdown[Category.INPUT] == 120
 
 
@@ -401,11 +423,14 @@ class _Trace:
         self.event_bytes = _i64(per_sample * batch + 4, -(per_sample * batch + 4))
         self.event_module = np.asarray([1, 1], np.int32)
         self.event_phase = np.asarray([0, 1], np.int8)
+        self.event_op = np.asarray([0, 0], np.int32)
+        self.op_names = ("aten.mul",)
         if extra_event:
             self.event_storage = _i64(2, 2, 2)
             self.event_bytes = _i64(per_sample * batch + 4, 0, -(per_sample * batch + 4))
             self.event_module = np.asarray([1, 1, 1], np.int32)
             self.event_phase = np.asarray([0, 0, 1], np.int8)
+            self.event_op = np.asarray([0, 0, 0], np.int32)
         self.storage_category = np.asarray([0, 6, 4], np.int8)
         self.storage_module = np.asarray([1, -1, 1], np.int32)
         self.storage_resident = np.asarray([True, True, False])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from vram_widget._gpus import (
@@ -11,6 +12,8 @@ from vram_widget._gpus import (
     Gpu,
     custom_gpu,
     dtype_for_precision,
+    parse_capacity,
+    resolve_gpu,
 )
 
 GIB = 2**30
@@ -59,3 +62,55 @@ def test_custom_gpu_and_validation() -> None:
     with pytest.raises(TypeError):
         h100 = GPUS["H100 SXM 80GB"]
         h100.tflops["fp32"] = 1.0  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------------------------
+# Capacities: bytes, strings with a unit, catalog names
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "nbytes"),
+    [
+        (80 * 2**30, 80 * 2**30),
+        (np.int64(2**30), 2**30),  # numpy ints are ints
+        ("80GiB", 80 * 2**30),
+        ("80 gib", 80 * 2**30),
+        ("24 GB", 24 * 10**9),  # SI: GB = 10**9 bytes
+        ("1.5 TiB", 3 * 2**39),
+        ("512MiB", 2**29),
+        ("2048 MB", 2048 * 10**6),
+        ("A100 80GB", 80 * 2**30),  # a catalog entry (its vendor's GB read as GiB)
+        ("a100 80gb", 80 * 2**30),  # case and spaces ignored
+        ("H100SXM80GB", 80 * 2**30),
+    ],
+)
+def test_capacity_forms(value: object, nbytes: int) -> None:
+    assert parse_capacity(value) == nbytes
+
+
+def test_catalog_names_resolve_to_their_entry() -> None:
+    assert resolve_gpu("l4 24gb") is GPUS["L4 24GB"]
+    custom = resolve_gpu("24 GiB")
+    assert custom.name not in GPUS and custom.memory_bytes == 24 * 2**30 and not custom.tflops
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (80, r"80 bytes, below 1 MiB: capacities are bytes"),  # max_batch_size(80) for 80 GiB
+        (0, r"below 1 MiB"),
+        (-5, r"below 1 MiB"),
+        ("0.5 KiB", r"below 1 MiB"),
+        ("80", r"unknown capacity or GPU '80'"),
+        ("80 XB", r"unknown capacity or GPU"),
+        ("TPU v5", r"catalog: 'H100 SXM 80GB'"),
+        (80.0, r"got 80.0 \(float\)"),
+        (True, r"got True \(bool\)"),
+        (None, r"got None"),
+    ],
+)
+def test_bad_capacities_name_the_valid_forms(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        parse_capacity(value)
+    assert "'80GiB'" in str(err.value) and "'A100 80GB'" in str(err.value)

@@ -20,7 +20,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from models import CASES, OUTPUT_KINDS, ReusedLinear, output_case_name, unique_param_count
+from models import (
+    CASES,
+    OUTPUT_KINDS,
+    ReusedLinear,
+    assert_model_unchanged,
+    output_case_name,
+    snapshot_model,
+    unique_param_count,
+)
 from torch import nn
 
 import vram_widget
@@ -31,104 +39,6 @@ from vram_widget._options import PHASE_CODE
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-_GLOBAL_HOOK_DICTS = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks_always_called",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-)
-
-
-def _hooks(obj: Any, names: tuple[str, ...]) -> dict[str, dict[Any, int]]:
-    return {n: {k: id(v) for k, v in getattr(obj, n, {}).items()} for n in names}
-
-
-def _tensor_state(t: torch.Tensor) -> dict[str, Any]:
-    return {
-        "value": t.detach().clone(),
-        "data_ptr": t.data_ptr(),
-        "dtype": t.dtype,
-        "device": t.device,
-        "shape": tuple(t.shape),
-        "requires_grad": t.requires_grad,
-        "version": t._version,
-    }
-
-
-def snapshot_model(model: nn.Module) -> dict[str, Any]:
-    """Everything ``profile_model`` promises to leave alone."""
-    import torch.nn.modules.module as module_mod
-
-    return {
-        "params": {
-            name: {
-                **_tensor_state(p),
-                "id": id(p),
-                "grad": None if p.grad is None else _tensor_state(p.grad),
-            }
-            for name, p in model.named_parameters(remove_duplicate=False)
-        },
-        "buffers": {
-            name: _tensor_state(b) for name, b in model.named_buffers(remove_duplicate=False)
-        },
-        "training": {name: m.training for name, m in model.named_modules(remove_duplicate=False)},
-        "hooks": {
-            name: _hooks(m, _HOOK_DICTS) for name, m in model.named_modules(remove_duplicate=False)
-        },
-        "global_hooks": _hooks(module_mod, _GLOBAL_HOOK_DICTS),
-        "rng": torch.random.get_rng_state(),
-        "grad_enabled": torch.is_grad_enabled(),
-    }
-
-
-def _assert_tensor_state(now: torch.Tensor, then: dict[str, Any], what: str) -> None:
-    assert now.dtype == then["dtype"], what
-    assert now.device == then["device"], what
-    assert tuple(now.shape) == then["shape"], what
-    assert now.data_ptr() == then["data_ptr"], what
-    assert now.requires_grad == then["requires_grad"], what
-    assert now._version == then["version"], f"{what} was modified in place"
-    assert torch.equal(now.detach(), then["value"]), f"{what} changed value"
-
-
-def assert_model_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
-    """Parameters (value, storage, dtype, device, requires_grad, identity, tying), gradients,
-    buffers, training flags, hook dictionaries (the modules' and the global ones) and the
-    global RNG state are as ``snapshot_model`` recorded them."""
-    after = snapshot_model(model)
-    assert after["params"].keys() == before["params"].keys()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        then = before["params"][name]
-        _assert_tensor_state(p, then, f"parameter {name}")
-        assert id(p) == then["id"], f"parameter {name} was replaced"
-        if then["grad"] is None:
-            assert p.grad is None, f"parameter {name} got a .grad"
-        else:
-            assert p.grad is not None, f"parameter {name} lost its .grad"
-            _assert_tensor_state(p.grad, then["grad"], f"{name}.grad")
-    assert after["buffers"].keys() == before["buffers"].keys()
-    for name, b in model.named_buffers(remove_duplicate=False):
-        _assert_tensor_state(b, before["buffers"][name], f"buffer {name}")
-    assert after["training"] == before["training"]
-    assert after["hooks"] == before["hooks"]
-    assert after["global_hooks"] == before["global_hooks"]
-    assert torch.equal(after["rng"], before["rng"]), "the global RNG state changed"
-    assert after["grad_enabled"] == before["grad_enabled"]
 
 
 def _rel_err(estimated: int, measured: int) -> float:
@@ -456,7 +366,8 @@ def test_rows_sum_to_totals(name: str, device: str) -> None:
         assert df["param_count"].sum() == profile.param_count == unique, setting
         assert sum(est.peak_breakdown.values()) == est.peak_bytes, setting
         assert len(df) == len(list(model.named_modules())) + 2
-        assert est.peak_module in set(df["name"])
+        # a module's qualified name; the root (named "") by its class
+        assert est.peak_module in set(df["name"]) - {""} | {type(model).__name__}
         if est.mode is Mode.INFERENCE:
             assert est.gradient_bytes == est.optimizer_state_bytes == est.flops_backward == 0
 
@@ -969,8 +880,26 @@ def test_max_batch_size_zero_when_nothing_fits() -> None:
     one = profile.estimate(1, optimizer="adam").total_bytes
     assert profile.max_batch_size(one - 1, optimizer="adam") == 0
     assert profile.max_batch_size(one, optimizer="adam") >= 1
-    assert profile.max_batch_size(0) == 0
-    assert profile.max_batch_size(-5) == 0
+
+
+@pytest.mark.parametrize("capacity", [0, -5, 80, 2**20 - 1, "80", "80 XB", 80.0, True, None])
+def test_max_batch_size_refuses_capacities_that_are_not_bytes(capacity: object) -> None:
+    # max_batch_size(80) meaning 80 GiB used to return 0 in silence
+    with pytest.raises(ValueError, match="capacit") as err:
+        _mlp_profile().max_batch_size(capacity)  # type: ignore[arg-type]
+    assert "'80GiB'" in str(err.value) and "A100 80GB" in str(err.value)
+
+
+def test_max_batch_size_takes_units_and_gpu_names() -> None:
+    profile = _mlp_profile()
+    in_bytes = profile.max_batch_size(80 * 2**30, optimizer="sgd")
+    assert profile.max_batch_size("80GiB", optimizer="sgd") == in_bytes
+    assert profile.max_batch_size("80 gib", optimizer="sgd") == in_bytes
+    assert profile.max_batch_size("A100 80GB", optimizer="sgd") == in_bytes  # 80 GiB entry
+    # GB is SI: 24 GB = 24 * 10**9 bytes, less than 24 GiB
+    assert profile.max_batch_size("24 GB", optimizer="sgd") == profile.max_batch_size(
+        24 * 10**9, optimizer="sgd"
+    )
 
 
 def test_max_batch_size_counts_cuda_extras() -> None:
@@ -1566,3 +1495,108 @@ def test_fused_transformer_layers_under_cpu_autocast() -> None:
             mode="inference",
         )  # fmt: skip
         assert est.peak_bytes == measured.peak_bytes, (batch, est.peak_bytes, measured)
+
+
+# --------------------------------------------------------------------------------------------
+# The input shape, stated
+# --------------------------------------------------------------------------------------------
+
+
+def test_profile_states_the_input_shape() -> None:
+    assert "inputs: batch × 784," in repr(profile_model(zoo.mlp(), input_size=(784,)))
+    entry = zoo.ZOO["dict_input"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2))
+    assert profile.input_shape == (
+        "input_ids: batch × 32 int64, attention_mask: batch × 32 int64, labels: batch int64"
+    )
+    positional = profile_model(_Scaled(), inputs=(torch.randn(2, 4), torch.randn(6)))
+    assert positional.input_shape == "[0]: batch × 4, [1]: 6"  # the second has no batch dim
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * scale
+
+
+class _NeedsThreeDims(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError("expected (batch, time, features)")
+        return self.fc(x)
+
+
+def test_batch_size_looking_input_size_warns_when_the_model_also_takes_less() -> None:
+    # (32, 784) for an MLP: a batch of 32 given as one sample's shape. It profiles (Linear
+    # takes any leading dims) and answered for 32x the memory and FLOPs, silently.
+    with pytest.warns(vram_widget.InputShapeWarning, match=r"input_size=\(784,\)") as record:
+        profile = profile_model(zoo.mlp(), input_size=(32, 784), device="cpu")
+    assert "batch × 32 × 784" in str(record[0].message)
+    assert profile.input_shape == "batch × 32 × 784"  # the shape as given is what is profiled
+    one = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    # 32 samples per sample: the forward FLOPs are exactly 32x
+    assert profile.estimate(2).flops_forward == 32 * one.estimate(2).flops_forward
+
+
+@pytest.mark.parametrize(
+    ("model", "size"),
+    [
+        (zoo.mlp(hidden=(8,)), (784,)),  # one dimension: nothing to drop
+        (nn.Conv2d(3, 4, 3), (3, 16, 16)),  # 3 is not a common batch size
+        (_NeedsThreeDims(), (16, 8)),  # the model needs the leading dim: a real axis
+    ],
+)
+def test_no_input_shape_warning_where_the_shape_is_plausible(
+    model: nn.Module, size: tuple[int, ...]
+) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", vram_widget.InputShapeWarning)
+        profile_model(model, input_size=size, device="cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Errors that say what to do
+# --------------------------------------------------------------------------------------------
+
+
+class _TwoTensors(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + y
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "message"),
+    [
+        (nn.Linear, {"input_size": (4,)}, r"class Linear, not a module: instantiate it"),
+        (
+            nn.Linear(4, 4).state_dict(),
+            {"input_size": (4,)},
+            r"state dict: it holds weights but no architecture.*load_state_dict",
+        ),
+        (_TwoTensors(), {"input_size": (4,)}, r"forward\(x, y\).*'y'.*inputs=\(x, y\)"),
+        (_TwoTensors(), {"inputs": torch.randn(2, 4)}, r"inputs=\(x, y\).*inputs=\{'name'"),
+        (_TwoTensors(), {"inputs": {"x": torch.randn(2, 4), "z": torch.randn(2, 4)}}, r"'z'"),
+    ],
+)
+def test_errors_say_what_to_do(model: Any, kwargs: dict[str, Any], message: str) -> None:
+    inputs = kwargs.get("inputs", torch.randn(2, 4))
+    before = snapshot_model(model) if isinstance(model, nn.Module) else None
+    with pytest.raises(TypeError, match=message):
+        profile_model(model, **kwargs)
+    with pytest.raises(TypeError, match=message):
+        measure(model, inputs)
+    if before is not None:
+        assert_model_unchanged(model, before)

@@ -141,3 +141,17 @@ def test_hugging_face_root_row_shows_the_logits_shape() -> None:
     root = df[df["name"] == ""].iloc[0]
     assert root["output_shape"] == (4, 16, _VOCAB)
     assert root["output_numel"] == 4 * 16 * _VOCAB
+
+
+def test_peak_in_the_roots_own_code_is_named() -> None:
+    # GPT-2's loss runs in GPT2LMHeadModel.forward itself (no submodule): its backward peak
+    # used to be reported in module '' (the root's qualified name). Now the root is named by
+    # its class, and the autograd node running at the peak names the op.
+    profile = profile_model(_build("gpt2"), inputs=_tokens(2), device="cpu")
+    est = profile.estimate(8, "fp32", "adam")
+    assert est.peak_phase.value == "backward"
+    assert est.peak_module == "GPT2LMHeadModel"
+    assert est.peak_op == "LogSoftmaxBackward0"  # the cross-entropy's log-softmax
+    assert est.peak_location == "GPT2LMHeadModel: LogSoftmaxBackward0, backward"
+    inference = profile.estimate(8, "fp32", None, "inference")
+    assert inference.peak_location == "GPT2LMHeadModel: aten.nll_loss_forward, inference"

@@ -101,6 +101,7 @@ def test_controls_and_traits_agree(profile: ModelProfile) -> None:
         ("custom_gib", -8.0),
         ("custom_gib", float("nan")),
         ("custom_gib", float("inf")),
+        ("custom_gib", 0.0005),  # below 1 MiB
     ],
 )
 def test_invalid_values_refused(profile: ModelProfile, name: str, value: object) -> None:
@@ -109,6 +110,33 @@ def test_invalid_values_refused(profile: ModelProfile, name: str, value: object)
     with pytest.raises(traitlets.TraitError):
         setattr(w, name, value)
     assert w.estimate is before
+
+
+@pytest.mark.parametrize(
+    ("gpu", "expected_gpu", "expected_gib"),
+    [
+        ("a100 80gb", "A100 80GB", None),  # catalog names, case and spaces ignored
+        ("80GiB", "custom", 80.0),
+        ("24 GB", "custom", 24e9 / GIB),  # SI: 24 * 10**9 bytes
+        (16 * GIB, "custom", 16.0),  # bytes
+    ],
+)
+def test_gpu_setting_takes_every_capacity_form(
+    profile: ModelProfile, gpu: object, expected_gpu: str, expected_gib: float | None
+) -> None:
+    w = MemoryWidget(profile, gpu=gpu)
+    assert w.gpu == expected_gpu
+    if expected_gib is not None:
+        assert w.custom_gib == pytest.approx(expected_gib)
+        assert w.target.memory_bytes == round(expected_gib * GIB)
+    assert format_bytes(w.target.memory_bytes) in w.summary_html
+
+
+@pytest.mark.parametrize("gpu", [80, "80", "TPU v5", 2.5])
+def test_gpu_setting_that_is_not_a_capacity_is_an_error_message(gpu: object) -> None:
+    w = show_memory(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu", gpu=gpu)
+    assert isinstance(w, widgets.HTML) and not isinstance(w, MemoryWidget)
+    assert "capacit" in w.value and "80GiB" in w.value
 
 
 def test_fits_and_largest_batch(profile: ModelProfile) -> None:
@@ -394,8 +422,6 @@ def test_nothing_fits_names_the_largest_batch(profile: ModelProfile) -> None:
     assert "largest batch that fits" not in w.summary_html
 
 
-
-
 def test_extras_follow_the_chosen_gpu() -> None:
     # The cuBLAS workspace in the reserve is the chosen GPU's: 32 MiB on an H100 (9.0),
     # 8,519,680 B on an A100 (8.0) or a T4 (7.5); same capacity, so the A100 fits more.
@@ -406,9 +432,7 @@ def test_extras_follow_the_chosen_gpu() -> None:
     w.gpu = "A100 80GB"
     assert w.estimate.extras.cublas_workspace_bytes == 8_519_680
     assert w.estimate.peak_bytes == profile.estimate(w.batch_size).peak_bytes
-    assert w.largest_batch() == profile.max_batch_size(
-        80 * GIB, compute_capability=(8, 0)
-    )
+    assert w.largest_batch() == profile.max_batch_size(80 * GIB, compute_capability=(8, 0))
     assert w.largest_batch() > h100_largest
     w.gpu = "T4 16GB"
     assert w.estimate.extras.cublas_workspace_bytes == 8_519_680

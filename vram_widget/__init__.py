@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ._gpus import GPUS, Gpu
     from ._measure import Measurement, measure
     from ._profile import ModelProfile
-    from ._profiler import ProfilingError, profile_model
+    from ._profiler import InputShapeWarning, ProfilingError, profile_model
     from ._widget import MemoryWidget, show_memory
 
 _LAZY = {
@@ -26,6 +26,7 @@ _LAZY = {
     "Gpu": "._gpus",
     "LayerTable": "._estimator",
     "MemoryEstimate": "._estimator",
+    "InputShapeWarning": "._profiler",
     "Measurement": "._measure",
     "measure": "._measure",
     "ModelProfile": "._profile",
@@ -41,6 +42,7 @@ __all__ = [
     "Category",
     "Device",
     "Gpu",
+    "InputShapeWarning",
     "LayerTable",
     "Measurement",
     "MemoryEstimate",

@@ -111,6 +111,7 @@ class MemoryEstimate:
     peak_bytes: int
     peak_phase: Phase
     peak_module: str
+    peak_op: str
     parameter_bytes: int
     buffer_bytes: int
     gradient_bytes: int
@@ -126,6 +127,15 @@ class MemoryEstimate:
     live_bytes: np.ndarray = field(repr=False)  # after each event of the step
     event_module: np.ndarray = field(repr=False)  # row of each event
     event_phase: np.ndarray = field(repr=False)  # phase code of each event
+
+    @property
+    def peak_location(self) -> str:
+        """Where the peak is, as a person reads it: the module, the op or autograd node
+        running in the module's own code where that is not a leaf module's (a root's loss,
+        an attention block's math), and the phase, e.g. ``"GPT2LMHeadModel: NllLossBackward0,
+        backward"`` or ``"features.28, forward"``."""
+        where = f"{self.peak_module}: {self.peak_op}" if self.peak_op else self.peak_module
+        return f"{where}, {self.peak_phase.value}"
 
     @property
     def flops(self) -> int:
@@ -171,6 +181,7 @@ def estimate(
     modules = timeline.event_module
     phases = timeline.event_phase
     cats = timeline.event_category
+    ops = timeline.event_op
     resident = timeline.resident_by_category(batch_size)
     if train and opt is not None:
         k = timeline.optimizer_at
@@ -181,6 +192,7 @@ def estimate(
             [phases[:k], np.full(n_opt, PHASE_CODE[Phase.OPTIMIZER], np.int8), phases[k:]]
         )
         cats = np.concatenate([cats[:k], np.full(n_opt, _TEMPORARY, np.int8), cats[k:]])
+        ops = np.concatenate([ops[:k], np.full(n_opt, -1, np.int32), ops[k:]])
         resident[CATEGORY_CODE[Category.OPTIMIZER_STATE]] += int(opt.state_bytes.sum())
     resident_total = _as_int(resident.sum())
     live = resident_total + np.cumsum(seq) if len(seq) else np.zeros(0, dtype=np.int64)
@@ -188,13 +200,14 @@ def estimate(
         at = int(np.argmax(live))
         peak = _as_int(live[at])
         peak_phase = PHASES[int(phases[at])]
-        peak_module = rows.names[int(modules[at])]
+        peak_row = int(modules[at])
+        peak_op = _op_shown(rows, peak_row, int(ops[at]), timeline.op_names)
         by_cat = sum_by(cats[: at + 1], seq[: at + 1], N_CATEGORIES)
         breakdown = {c: _as_int(resident[i] + by_cat[i]) for i, c in enumerate(CATEGORIES)}
     else:
         peak = resident_total
         peak_phase = Phase.FORWARD if train else Phase.INFERENCE
-        peak_module = rows.names[0]
+        peak_row, peak_op = 0, ""
         breakdown = {c: _as_int(resident[i]) for i, c in enumerate(CATEGORIES)}
 
     extras = AcceleratorExtras(0, 0, 0)
@@ -245,7 +258,8 @@ def estimate(
         device=device,
         peak_bytes=peak,
         peak_phase=peak_phase,
-        peak_module=peak_module,
+        peak_module=module_label(rows, peak_row),
+        peak_op=peak_op,
         parameter_bytes=_as_int(resident[CATEGORY_CODE[Category.PARAMETER]]),
         buffer_bytes=_as_int(resident[CATEGORY_CODE[Category.BUFFER]]),
         gradient_bytes=int(grad_rows.sum()),
@@ -262,6 +276,23 @@ def estimate(
         event_module=modules,
         event_phase=phases,
     )
+
+
+def module_label(rows: ModuleRows, row: int) -> str:
+    """A row's qualified name; the root (whose name is ``""``) by its class."""
+    return rows.names[row] or rows.types[row] or "(root)"
+
+
+def _op_shown(rows: ModuleRows, row: int, op: int, op_names: tuple[str, ...]) -> str:
+    """The op at the peak where it says more than the module does: in a module with children
+    (its own code between them: the root's loss, attention math), or the loss / optimizer
+    pseudo-rows; not in a leaf module, whose op its type already names."""
+    if op < 0:
+        return ""
+    depths = rows.depths
+    n_modules = len(rows.names) - 2
+    leaf = row < n_modules and (row + 1 >= n_modules or depths[row + 1] <= depths[row])
+    return "" if leaf and row != 0 else op_names[op]
 
 
 def _blocks(nbytes: np.ndarray) -> np.ndarray:

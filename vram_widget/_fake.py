@@ -41,6 +41,7 @@ __all__ = [
     "FakeTensorMode",
     "MetaShortcuts",
     "TorchDispatchMode",
+    "current_autograd_node_name",
     "current_autograd_sequence_nr",
     "new_fake_mode",
     "next_sequence_nr",
@@ -303,3 +304,10 @@ def current_autograd_sequence_nr() -> int | None:
     """The sequence number of the autograd node whose backward is running, or None."""
     node: Any = torch._C._current_autograd_node()
     return None if node is None else int(node._sequence_nr())
+
+
+def current_autograd_node_name() -> str | None:
+    """The name of the autograd node whose backward is running (``"NllLossBackward0"``), or
+    None outside one (the engine's own work between nodes)."""
+    node: Any = torch._C._current_autograd_node()
+    return None if node is None else str(node.name())

@@ -336,7 +336,7 @@ def _trace_updates(
             }
         )
         updates.append({"x": x_edges, "y": np.array([capacity_bytes, capacity_bytes])})
-    peak_text = f"peak: {_label(est.peak_module)} ({est.peak_phase.value})"
+    peak_text = f"peak: {est.peak_location}"
     updates.append(
         {"x": [data.peak_x], "y": [data.peak_bytes], "text": [peak_text], "hovertext": [peak_text]}
     )
@@ -394,7 +394,7 @@ def _layout_updates(
             first = np.flatnonzero(np.concatenate([[True], change]))
             tick_x += (n_floor + first).astype(float).tolist()
             tick_text += [PHASES[int(c)].value for c in data.run_phase[first]]
-    where = f"{_label(est.peak_module)}, {est.peak_phase.value}"
+    where = est.peak_location
     title = (
         f"peak {_gib(est.peak_bytes)}"
         + (f" of {_gib(capacity_bytes)}" if capacity_bytes is not None else "")

@@ -21,11 +21,24 @@ Conventions
 
 from __future__ import annotations
 
+import numbers
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
-__all__ = ["CUSTOM_GPU", "GPUS", "TFLOPS_KEYS", "Gpu", "custom_gpu", "dtype_for_precision"]
+__all__ = [
+    "CUSTOM_GPU",
+    "GPUS",
+    "MIN_CAPACITY_BYTES",
+    "TFLOPS_KEYS",
+    "Gpu",
+    "custom_gpu",
+    "dtype_for_precision",
+    "parse_capacity",
+    "resolve_gpu",
+]
 
 _GIB = 2**30
 
@@ -114,6 +127,108 @@ def custom_gpu(memory_gib: float) -> Gpu:
         {},
         "user-supplied size (GiB = 2**30 bytes)",
     )
+
+
+# Units of a capacity string: IEC binary (KiB = 2**10, ...) and SI decimal (KB = 10**3, ...),
+# as IEC 80000-13 defines them. A catalog name such as "A100 80GB" is an entry of the catalog
+# (its vendor's "GB" read as GiB, see the module notes), not a capacity string.
+_UNITS: dict[str, int] = {
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
+# No accelerator of interest has less: an int below this is a capacity in GiB or GB by mistake
+# (``max_batch_size(80)`` meaning 80 GiB), which would otherwise silently fit nothing.
+MIN_CAPACITY_BYTES = 2**20
+_FORMS = (
+    "a capacity is bytes (an int, e.g. 80 * 2**30), a string with a unit ('80GiB', "
+    "'24 GB', '512 MiB'; GiB = 2**30 bytes, GB = 10**9), or a GPU name of the catalog "
+    "(e.g. 'A100 80GB')"
+)
+
+
+def resolve_gpu(value: Any) -> Gpu:
+    """The device a capacity names: a catalog entry, or a custom entry of that many bytes.
+
+    Parameters
+    ----------
+    value : Gpu, str or int
+        A :class:`Gpu`; a catalog name (case and spaces ignored: ``"a100 80gb"``); a string
+        with a unit (``"80GiB"``, ``"24 GB"``; IEC units are powers of 2, SI units powers of
+        10); or an int number of bytes (at least 1 MiB).
+
+    Raises
+    ------
+    ValueError
+        For anything else, naming the valid forms (an int below 1 MiB is most likely GiB
+        meant as bytes).
+
+    Examples
+    --------
+    >>> resolve_gpu("A100 80GB").memory_bytes == 80 * 2**30
+    True
+    >>> resolve_gpu("24 GB").memory_bytes
+    24000000000
+    """
+    if isinstance(value, Gpu):
+        return value
+    if isinstance(value, str):
+        key = _catalog_key(value)
+        for gpu in _ENTRIES:
+            if _catalog_key(gpu.name) == key:
+                return gpu
+        match = _CAPACITY.match(value)
+        unit = _UNITS.get(match.group(2).lower()) if match else None
+        if match is None or unit is None:
+            raise ValueError(f"unknown capacity or GPU {value!r}: {_FORMS}; catalog: {_names()}")
+        nbytes = round(float(match.group(1)) * unit)
+        return _custom_bytes(nbytes, value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints too
+        raise ValueError(
+            f"capacity must be bytes, a string with a unit or a GPU name, got {value!r} "
+            f"({type(value).__name__}): {_FORMS}"
+        )
+    return _custom_bytes(int(value), value)
+
+
+def parse_capacity(value: Any) -> int:
+    """Bytes of a capacity given in any form :func:`resolve_gpu` takes.
+
+    Examples
+    --------
+    >>> parse_capacity("80GiB") == 80 * 2**30
+    True
+    """
+    return resolve_gpu(value).memory_bytes
+
+
+def _custom_bytes(nbytes: int, given: Any) -> Gpu:
+    if nbytes < MIN_CAPACITY_BYTES:
+        raise ValueError(
+            f"capacity {given!r} is {nbytes:,} bytes, below 1 MiB: capacities are bytes "
+            f"(did you mean {given!r} GiB, i.e. {given!r} * 2**30?); {_FORMS}"
+        )
+    return Gpu(
+        f"custom {nbytes / _GIB:.4g} GiB",
+        nbytes,
+        {},
+        f"user-supplied capacity {given!r} (GiB = 2**30 bytes, GB = 10**9)",
+    )
+
+
+def _catalog_key(name: str) -> str:
+    return re.sub(r"\s+", "", name).lower()
+
+
+def _names() -> str:
+    return ", ".join(repr(g.name) for g in _ENTRIES)
 
 
 _H100_SXM_SRC = (

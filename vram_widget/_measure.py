@@ -36,6 +36,8 @@ from ._options import Mode, OptimizerName, Precision, parse_optimizer, parse_opt
 from ._step import (
     ModelInputs,
     cast_floating,
+    check_forward_accepts,
+    check_model,
     inference_pass,
     make_optimizer,
     paused_gc,
@@ -206,11 +208,11 @@ def _measure(
     prec = parse_option(Precision, precision, "precision")
     opt_name = parse_optimizer(optimizer)
     run_mode = parse_option(Mode, mode, "mode")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
     device = _model_device(model)
     user_inputs = ModelInputs.from_user(inputs)
     batch_size = user_inputs.batch_size()
+    check_forward_accepts(model, user_inputs)
 
     def session() -> _Session:
         return _Session(model, user_inputs, loss_fn, opt_name, prec, run_mode, device)

@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
+from ._gpus import Gpu, parse_capacity
 from ._options import (
     Device,
     Mode,
@@ -45,11 +46,15 @@ class ModelProfile:
         source: ProfileSource,
         *,
         model_name: str = "",
+        input_shape: str = "",
         fallback_reason: str | None = None,
     ) -> None:
         self.rows = rows
         self.device = device
         self.model_name = model_name
+        # The profiled inputs as a person reads them ("batch × 3 × 224 × 224"): every
+        # estimate is for this shape at its batch size, so it is shown wherever one is.
+        self.input_shape = input_shape
         self.fallback_reason = fallback_reason
         self._source = source
         self._timelines: dict[tuple[Precision, Mode], Timeline] = {}
@@ -58,7 +63,8 @@ class ModelProfile:
     def __repr__(self) -> str:
         return (
             f"ModelProfile({self.model_name or 'model'}: {self.param_count:,} parameters, "
-            f"{len(self.rows.names) - 2} modules, device={self.device.value!r})"
+            f"{len(self.rows.names) - 2} modules, inputs: {self.input_shape or '?'}, "
+            f"device={self.device.value!r})"
         )
 
     @property
@@ -155,7 +161,7 @@ class ModelProfile:
 
     def max_batch_size(
         self,
-        capacity_bytes: int,
+        capacity_bytes: int | str | Gpu,
         precision: str | Precision = "fp32",
         optimizer: str | OptimizerName | None = "adam",
         mode: str | Mode = "train",
@@ -166,6 +172,15 @@ class ModelProfile:
         """The largest batch whose estimated peak plus accelerator extras fits in
         ``capacity_bytes`` (0 when not even one sample fits).
 
+        Parameters
+        ----------
+        capacity_bytes : int, str or Gpu
+            Bytes (an int, at least 1 MiB: ``max_batch_size(80)`` is refused, not read as
+            80 bytes), a string with a unit (``"80GiB"``, ``"24 GB"``: GiB = 2**30, GB =
+            10**9) or a GPU name of the catalog (``"A100 80GB"``).
+        precision, optimizer, mode, compute_capability
+            As for :meth:`estimate`.
+
         Examples
         --------
         >>> from vram_widget import profile_model, zoo
@@ -174,8 +189,7 @@ class ModelProfile:
         >>> profile.estimate(b).total_bytes <= 2**30 < profile.estimate(b + 1).total_bytes
         True
         """
-        if capacity_bytes <= 0:
-            return 0
+        capacity = parse_capacity(capacity_bytes)
 
         def at(batch: int) -> MemoryEstimate:
             return self.estimate(
@@ -183,10 +197,10 @@ class ModelProfile:
             )
 
         one = at(1)
-        if one.total_bytes > capacity_bytes:
+        if one.total_bytes > capacity:
             return 0
-        start = _affine_guess(one, at(2), capacity_bytes, limit)
-        return _largest_fitting(lambda b: at(b).total_bytes <= capacity_bytes, start, limit)
+        start = _affine_guess(one, at(2), capacity, limit)
+        return _largest_fitting(lambda b: at(b).total_bytes <= capacity, start, limit)
 
     def bytes_per_sample(
         self,

@@ -35,6 +35,8 @@ from ._recorder import Recorder, describe_args, module_hooks
 from ._step import (
     ModelInputs,
     autocast_dtype,
+    check_forward_accepts,
+    check_model,
     inference_pass,
     make_optimizer,
     paused_gc,
@@ -51,6 +53,17 @@ class ProfilingError(RuntimeError):
     """The model could not be run on the example inputs (the message says where and why)."""
 
 
+class InputShapeWarning(UserWarning):
+    """``input_size`` may hold a batch dimension: the profile is for the shape as given.
+
+    Silence it with ``warnings.filterwarnings("ignore", category=InputShapeWarning)`` where
+    the leading dimension is meant (a sequence of 32 frames, say)."""
+
+
+# Leading dimensions of an ``input_size`` that look like a batch size (1 and powers of two)
+_COMMON_BATCH_SIZES = frozenset({1, *(2**k for k in range(1, 13))})
+
+
 @dataclass(frozen=True)
 class RawTrace:
     """What the recorder saw in one run at one batch size."""
@@ -60,6 +73,8 @@ class RawTrace:
     event_bytes: np.ndarray  # int64, signed
     event_module: np.ndarray  # int32
     event_phase: np.ndarray  # int8
+    event_op: np.ndarray  # int32 index into op_names (-1: none)
+    op_names: tuple[str, ...]  # "aten.addmm", or the autograd node in backward
     storage_category: np.ndarray  # int8, per storage id
     storage_module: np.ndarray  # int32, per storage id (row that allocated it; -1 resident)
     storage_resident: np.ndarray  # bool
@@ -169,6 +184,29 @@ class Subject:
                 )
         return params, buffers
 
+    def describe_inputs(self) -> str:
+        """The inputs' shapes as a person reads them, with the batch dimension named:
+        ``"batch × 3 × 224 × 224"``, or ``"input_ids: batch × 128 int64, labels: ..."``."""
+        if self.inputs is None:
+            assert self.input_size is not None
+            return _shape_text(("batch", *self.input_size))
+        n = self.inputs.batch_size()
+
+        def one(t: torch.Tensor) -> str:
+            dims: tuple[Any, ...] = tuple(t.shape)
+            if dims and dims[0] == n:
+                dims = ("batch", *dims[1:])
+            text = _shape_text(dims) if dims else "scalar"
+            dtype = str(t.dtype).removeprefix("torch.")
+            return text if t.is_floating_point() else f"{text} {dtype}"
+
+        named = [(f"[{i}]", v) for i, v in enumerate(self.inputs.args)]
+        named += [(str(k), v) for k, v in self.inputs.kwargs.items()]
+        tensors = [(k, v) for k, v in named if isinstance(v, torch.Tensor)]
+        if len(tensors) == 1 and not self.inputs.kwargs:
+            return one(tensors[0][1])
+        return ", ".join(f"{k}: {one(v)}" for k, v in tensors)
+
     def make_inputs(self, batch_size: int, precision: Precision, real: bool) -> ModelInputs:
         """The example batch resized to ``batch_size`` along dim 0, floats in the storage
         dtype (fake tensors inside the fake mode, or real CPU tensors)."""
@@ -195,6 +233,10 @@ class Subject:
             return src.to(dtype).clone()
 
         return self.inputs.map(resize)
+
+
+def _shape_text(dims: tuple[Any, ...]) -> str:
+    return " × ".join(str(d) for d in dims)
 
 
 def _describe(t: torch.Tensor) -> tuple[Any, ...]:
@@ -386,6 +428,8 @@ class Profiler:
             event_bytes=events.delta_bytes,
             event_module=events.module,
             event_phase=events.phase,
+            event_op=events.op,
+            op_names=tuple(rec.op_names),
             storage_category=np.asarray([s.category for s in storages], dtype=np.int8),
             storage_module=np.asarray([s.module for s in storages], dtype=np.int32),
             storage_resident=np.asarray([s.resident for s in storages], dtype=bool),
@@ -706,8 +750,7 @@ def profile_model(
     >>> est.optimizer_state_bytes == 2 * 4 * profile.param_count + 6 * 4
     True
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
     target = parse_option(Device, device, "device")
     if inputs is None and input_size is None:
         raise ValueError(
@@ -724,16 +767,65 @@ def profile_model(
         _check_devices(model, model_inputs)
     else:
         size = _check_input_size(input_size)
+    check_forward_accepts(model, model_inputs or ModelInputs((None,), {}))
     subject = Subject(model, model_inputs, size, loss_fn, target)
     profiler = Profiler(subject)
     source = _Source(profiler)
-    profile = ModelProfile(subject.rows, target, source, model_name=type(model).__name__)
+    profile = ModelProfile(
+        subject.rows,
+        target,
+        source,
+        model_name=type(model).__name__,
+        input_shape=subject.describe_inputs(),
+    )
     # fp32 training and inference, and Adam, are what the first estimate asks for.
     profile.timeline(Precision.FP32, Mode.TRAIN)
     profile.timeline(Precision.FP32, Mode.INFERENCE)
     profile.optimizer_trace(Precision.FP32, OptimizerName.ADAM)
     profile.fallback_reason = subject.fallback_reason
+    if size is not None:
+        _warn_if_batch_in_input_size(subject)
     return profile
+
+
+def _warn_if_batch_in_input_size(subject: Subject) -> None:
+    """Warn where ``input_size`` starts with a common batch size and the model would also run
+    on one sample without that dimension: then the user more likely gave a batch's shape."""
+    size = subject.input_size
+    if size is None or len(size) < 2 or size[0] not in _COMMON_BATCH_SIZES:
+        return
+    if not _forward_runs(subject, size[1:]):
+        return
+    warnings.warn(
+        f"input_size={size} is read as the shape of ONE sample (inputs: batch × "
+        f"{_shape_text(size)}), but it starts with {size[0]}, a common batch size, and the "
+        f"model also runs on samples of shape {size[1:]}. If {size[0]} is the batch, pass "
+        f"input_size={size[1:]}. (Silence with warnings.filterwarnings('ignore', "
+        "category=vram_widget.InputShapeWarning).)",
+        InputShapeWarning,
+        stacklevel=3,
+    )
+
+
+def _forward_runs(subject: Subject, sample_shape: tuple[int, ...]) -> bool:
+    """Whether one fake inference forward of the model runs on samples of this shape."""
+    probe = Subject(subject.model, None, sample_shape, None, subject.device)
+    fake_mode = new_fake_mode()
+    with (
+        _preserved_model_state(subject.model),
+        paused_gc(),
+        quiet_fake_tensor_log(),
+        fake_mode,
+        torch.no_grad(),
+    ):
+        params, buffers = probe.make_state(Precision.FP32, real=False)
+        (x,) = probe.make_inputs(2, Precision.FP32, real=False).args
+        subject.model.eval()
+        try:
+            functional_call(subject.model, {**params, **buffers}, (x,), tie_weights=True)
+        except Exception:
+            return False
+    return True
 
 
 def warn_fallback(reason: str) -> None:
@@ -748,6 +840,7 @@ def warn_fallback(reason: str) -> None:
 
 
 __all__ = [
+    "InputShapeWarning",
     "ModuleRows",
     "OptimizerTrace",
     "Profiler",

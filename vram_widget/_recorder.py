@@ -21,6 +21,7 @@ import torch
 
 from ._fake import (
     TorchDispatchMode,
+    current_autograd_node_name,
     current_autograd_sequence_nr,
     next_sequence_nr,
     tree_flatten,
@@ -62,6 +63,7 @@ class Events:
     delta_bytes: np.ndarray  # int64, signed
     module: np.ndarray  # int32 row of the module running
     phase: np.ndarray  # int8 phase code
+    op: np.ndarray  # int32 index into Recorder.op_names of the op running (-1: none)
 
 
 class Recorder(TorchDispatchMode):
@@ -120,6 +122,13 @@ class Recorder(TorchDispatchMode):
         self._ev_delta: list[int] = []
         self._ev_module: list[int] = []
         self._ev_phase: list[int] = []
+        # The op (forward) or autograd node (backward) running at each event, as an index
+        # into op_names: where the peak falls inside a module's own code (a root's loss, a
+        # block's attention math), this names what runs there.
+        self._ev_op: list[int] = []
+        self.op_names: list[str] = []
+        self._op_code: dict[Any, int] = {}
+        self._op = -1
         self._seq_module: dict[int, int] = {}
         self._seq_seen = next_sequence_nr()
         self._recording = True
@@ -204,6 +213,19 @@ class Recorder(TorchDispatchMode):
         self._ev_delta.append(delta)
         self._ev_module.append(module)
         self._ev_phase.append(self.phase)
+        self._ev_op.append(self._op)
+
+    def _set_op(self, func: Any) -> None:
+        """Note the op being dispatched: in backward, the autograd node running it."""
+        key: Any = func
+        if self.phase == _BACKWARD:
+            key = current_autograd_node_name() or func
+        code = self._op_code.get(key)
+        if code is None:
+            name = key if isinstance(key, str) else f"aten.{func.overloadpacket.__name__}"
+            code = self._op_code[key] = len(self.op_names)
+            self.op_names.append(name)
+        self._op = code
 
     # -- modules --------------------------------------------------------------------------
     def enter_module(self, module: torch.nn.Module, args: Any) -> None:
@@ -336,6 +358,7 @@ class Recorder(TorchDispatchMode):
         self._ev_delta.insert(at, pending.nbytes)
         self._ev_module.insert(at, pending.row)
         self._ev_phase.insert(at, _BACKWARD)
+        self._ev_op.insert(at, pending.op)
 
     # -- autograd -------------------------------------------------------------------------
     def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
@@ -375,6 +398,8 @@ class Recorder(TorchDispatchMode):
         if self._pending_sum is not None:
             self._settle_pending_sum()
         row = self._current_row()
+        if self._recording:
+            self._set_op(func)
         out = func(*args, **kwargs)
         if not self._recording:
             return out
@@ -394,6 +419,7 @@ class Recorder(TorchDispatchMode):
                     nbytes=st.nbytes(),
                     row=row,
                     event_index=len(self._ev_delta),
+                    op=self._op,
                 )
                 return out
         input_storages: set[int] | None = None
@@ -528,6 +554,7 @@ class Recorder(TorchDispatchMode):
         delta = np.asarray(self._ev_delta, dtype=np.int64)
         module = np.asarray(self._ev_module, dtype=np.int32)
         phase = np.asarray(self._ev_phase, dtype=np.int8)
+        op = np.asarray(self._ev_op, dtype=np.int32)
         # a workspace's free is its second event (it may be 0 bytes until measured)
         is_free = delta < 0
         seen_storage: set[int] = set()
@@ -543,13 +570,14 @@ class Recorder(TorchDispatchMode):
         if len(starts) and len(starts) < is_free.sum():
             run_id = np.cumsum(np.isin(np.arange(len(delta)), starts) | ~is_free)
             order = np.lexsort((np.where(is_free, storage, 0), run_id))
-            storage, delta, module, phase = (
+            storage, delta, module, phase, op = (
                 storage[order],
                 delta[order],
                 module[order],
                 phase[order],
+                op[order],
             )
-        return Events(storage=storage, delta_bytes=delta, module=module, phase=phase)
+        return Events(storage=storage, delta_bytes=delta, module=module, phase=phase, op=op)
 
     def event_count(self) -> int:
         return len(self._ev_delta)
@@ -597,6 +625,7 @@ class _PendingSum:
     nbytes: int
     row: int
     event_index: int
+    op: int
 
 
 def _non_overlapping_and_dense(t: torch.Tensor) -> bool:

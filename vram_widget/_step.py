@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -179,6 +180,54 @@ class ModelInputs:
 
     def call(self, model: Callable[..., Any]) -> Any:
         return model(*self.args, **self.kwargs)
+
+
+def check_model(model: Any) -> None:
+    """Raise a TypeError that says what to do when ``model`` is not a module instance."""
+    if isinstance(model, torch.nn.Module):
+        return
+    if isinstance(model, type) and issubclass(model, torch.nn.Module):
+        raise TypeError(
+            f"model is the class {model.__name__}, not a module: instantiate it, e.g. "
+            f"{model.__name__}(...) with its constructor arguments"
+        )
+    if (
+        isinstance(model, Mapping)
+        and model
+        and all(isinstance(v, torch.Tensor) for v in model.values())
+    ):
+        raise TypeError(
+            "model is a state dict: it holds weights but no architecture. Build the model "
+            "first, then load the weights into it: model = MyModel(...); "
+            "model.load_state_dict(state_dict)"
+        )
+    raise TypeError(f"model must be a torch.nn.Module instance, got {type(model).__name__}")
+
+
+_STARS: dict[Any, str] = {
+    inspect.Parameter.VAR_POSITIONAL: "*",
+    inspect.Parameter.VAR_KEYWORD: "**",
+}
+
+
+def check_forward_accepts(model: torch.nn.Module, inputs: ModelInputs) -> None:
+    """Raise a TypeError naming the forward's parameters when the example inputs cannot be
+    bound to them (a forward that needs two tensors, given one), before any run."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C++ forward: let the run decide
+        return
+    try:
+        signature.bind(*inputs.args, **inputs.kwargs)
+    except TypeError as exc:
+        given = [f"{len(inputs.args)} positional"] + [f"keyword {k!r}" for k in inputs.kwargs]
+        names = ", ".join(_STARS.get(p.kind, "") + p.name for p in signature.parameters.values())
+        raise TypeError(
+            f"{type(model).__name__}.forward({names}) cannot take the example inputs "
+            f"({', '.join(given)}): {exc}. Give every input the forward needs: "
+            "inputs=(x, y) for positional arguments, or inputs={'name': tensor, ...} for "
+            "keyword arguments (dim 0 of each batched tensor is the batch)"
+        ) from None
 
 
 def cast_floating(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,8 @@ class _Trace(Protocol):
     event_bytes: np.ndarray
     event_module: np.ndarray
     event_phase: np.ndarray
+    event_op: np.ndarray
+    op_names: tuple[str, ...]
     storage_category: np.ndarray
     storage_module: np.ndarray
     storage_resident: np.ndarray
@@ -69,6 +71,8 @@ class Timeline:
     event_module: np.ndarray  # int32 row
     event_phase: np.ndarray  # int8 phase code
     event_category: np.ndarray  # int8 category code of the storage
+    event_op: np.ndarray  # int32 index into op_names of the op running (-1: none)
+    op_names: tuple[str, ...]  # "aten.addmm" in forward, the autograd node in backward
     storage_bytes: Affine  # per storage id
     storage_category: np.ndarray  # int8
     storage_module: np.ndarray  # int32 row that allocated it (owner row for residents)
@@ -274,6 +278,8 @@ def fit_timeline(t1: _Trace, t2: _Trace, t3: _Trace, *grid_traces: _Trace) -> Ti
         event_module=t1.event_module,
         event_phase=t1.event_phase,
         event_category=category.astype(np.int8),
+        event_op=t1.event_op,
+        op_names=t1.op_names,
         storage_bytes=storages,
         storage_category=t1.storage_category,
         storage_module=t1.storage_module,

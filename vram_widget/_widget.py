@@ -22,7 +22,7 @@ import traitlets
 
 from ._estimator import MemoryEstimate
 from ._figures import build_figure, group_rows, output_shape_text, update_figure
-from ._gpus import CUSTOM_GPU, GPUS, Gpu, custom_gpu
+from ._gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
 from ._options import Category, Mode, OptimizerName, Precision
 
 if TYPE_CHECKING:
@@ -107,6 +107,9 @@ class MemoryWidget(widgets.VBox):
         self._fit_cache: dict[tuple[Any, ...], int] = {}
         self._per_sample_cache: dict[tuple[str, str, str], int] = {}
         super().__init__()
+        if "gpu" in settings:
+            # any form a capacity takes: a catalog name, "80GiB", bytes (custom size)
+            settings = {**settings, **_gpu_settings(settings["gpu"])}
         # Apply settings before any control exists, so a bad value raises TraitError here.
         with self.hold_trait_notifications():
             for name, value in settings.items():
@@ -213,8 +216,10 @@ class MemoryWidget(widgets.VBox):
     @traitlets.validate("custom_gib")
     def _valid_custom_gib(self, proposal: dict[str, Any]) -> float:
         value = float(proposal["value"])
-        if not math.isfinite(value) or value <= 0:
-            raise traitlets.TraitError(f"custom_gib must be a positive number, got {value!r}")
+        if not math.isfinite(value) or value * 2**30 < MIN_CAPACITY_BYTES:
+            raise traitlets.TraitError(
+                f"custom_gib must be a number of GiB of at least 1/1024 (1 MiB), got {value!r}"
+            )
         return value
 
     # ------------------------------------------------------------------ update path
@@ -230,9 +235,7 @@ class MemoryWidget(widgets.VBox):
 
     def _needs_profiling(self) -> bool:
         """Whether the current precision / optimizer still has to be profiled (torch)."""
-        return not self._profile.is_cached(
-            self.precision, self.mode, self._settings()["optimizer"]
-        )
+        return not self._profile.is_cached(self.precision, self.mode, self._settings()["optimizer"])
 
     def _compute(self) -> MemoryEstimate:
         return self._profile.estimate(self.batch_size, **self._settings())
@@ -342,11 +345,12 @@ class MemoryWidget(widgets.VBox):
             f"<b>{html.escape(self._profile.model_name or 'model')}</b>: "
             f"{self._profile.param_count:,} parameters "
             f"({self._profile.trainable_param_count:,} trainable); {est.mode.value}, batch "
-            f"{est.batch_size:,}, {est.precision.value}"
+            f"{est.batch_size:,} (inputs: {html.escape(self._profile.input_shape)}), "
+            f"{est.precision.value}"
             f"{', optimizer ' + est.optimizer.value if est.optimizer else ''}, for "
             f"{est.device.value} kernels",
             f"<b>Peak</b>: {format_bytes(est.peak_bytes)} ({est.peak_bytes:,} B) in "
-            f"{html.escape(est.peak_module or '(model)')}, {est.peak_phase.value}",
+            f"{html.escape(est.peak_location)}",
         ]
         parts = [
             f"{c.value} {format_bytes(est.peak_breakdown.get(c, 0))}"
@@ -568,8 +572,9 @@ def show_memory(
     **initial_settings
         Starting values of the controls: ``batch_size`` (int >= 1), ``precision``
         ({"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}), ``optimizer`` (an optimizer name
-        or ``"none"``/None), ``mode`` ({"train", "inference"}), ``gpu`` (a key of
-        :data:`vram_widget._gpus.GPUS` or ``"custom"``), ``custom_gib`` (float), ``depth``
+        or ``"none"``/None), ``mode`` ({"train", "inference"}), ``gpu`` (a GPU name of
+        the catalog, ``"custom"``, or a capacity: ``"80GiB"``, ``"24 GB"`` or bytes, which
+        selects the custom size), ``custom_gib`` (float), ``depth``
         (module grouping depth, int >= 0).
 
     Returns
@@ -600,6 +605,16 @@ def show_memory(
         return MemoryWidget(profile, **initial_settings)
     except (ProfilingError, ValueError, TypeError, traitlets.TraitError) as exc:
         return _error_widget(exc)
+
+
+def _gpu_settings(value: Any) -> dict[str, Any]:
+    """The ``gpu`` (and ``custom_gib``) traits for a ``gpu=`` setting in any capacity form."""
+    if value == CUSTOM_GPU:
+        return {"gpu": CUSTOM_GPU}
+    target = resolve_gpu(value)
+    if target.name in GPUS:
+        return {"gpu": target.name}
+    return {"gpu": CUSTOM_GPU, "custom_gib": target.memory_bytes / 2**30}
 
 
 def _error_widget(exc: BaseException) -> widgets.HTML:
