@@ -952,26 +952,48 @@ class _CheckpointedNet(torch.nn.Module):
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 @pytest.mark.parametrize(
-    ("checkpointed", "reentrant", "tolerance"),
+    ("checkpointed", "reentrant"),
     [
-        (False, False, 0.0),  # exact
-        # Recomputation changes what is saved; measured within 0.9 % (batch 64, sgd) here.
-        (True, False, 0.01),
+        (False, False),
+        # The recompute runs in the backward with the profile's parameters swapped in (it ran
+        # with the model's own until the swap held through the backward: +0.9 % at batch 3,
+        # +5.7 % at 7 on a Hugging Face model) and checkpoint's saved CPU RNG state counted
+        # (5,056 B per region; inference missed it).
+        (True, False),
         # A reentrant checkpoint whose input needs no grad gives its parameters no gradient,
-        # so Adam keeps no state for them; measured within 0.85 % here.
-        (True, True, 0.01),
+        # so Adam keeps no state for them.
+        (True, True),
     ],
 )
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_checkpointing_and_unused_parameters(
-    checkpointed: bool, reentrant: bool, tolerance: float, optimizer: str
+    checkpointed: bool, reentrant: bool, precision: str
 ) -> None:
     model = _CheckpointedNet(checkpointed, reentrant)
     profile = profile_model(model, input_size=(64,), device="cpu")
-    for batch in (8, 64):
-        est = profile.estimate(batch, optimizer=optimizer).peak_bytes
-        real = measure(model, torch.zeros(batch, 64), optimizer=optimizer).peak_bytes
-        assert abs(est - real) <= tolerance * real, (batch, est, real)
+    # batch sizes where the CPU's bf16 matmul scratch is measured, not interpolated
+    for batch in (8, 32):
+        for optimizer, mode in (("sgd", "train"), ("adam", "train"), (None, "inference")):
+            est = profile.estimate(batch, precision, optimizer, mode).peak_bytes
+            real = measure(
+                model, torch.zeros(batch, 64), optimizer=optimizer, precision=precision, mode=mode
+            ).peak_bytes
+            assert est == real, (batch, optimizer, mode)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16", "amp-fp16"])
+def test_checkpointed_model_profiles_for_cuda(precision: str) -> None:
+    # device="cuda" (the default) emulates CUDA's kernels in the forward; the recompute in
+    # the backward must see the same emulation, or autograd finds other tensors saved
+    # ("a different number of tensors was saved") and the profile failed. Checkpointing
+    # keeps only the blocks' inputs: at batch 4096 the four blocks' saved activations
+    # (4 x (256 + 256 + 64) x 4 B per sample in fp32) shrink to the inputs (64 x 4 B each).
+    plain = profile_model(_CheckpointedNet(False, False), input_size=(64,))
+    checkpointed = profile_model(_CheckpointedNet(True, False), input_size=(64,))
+    est = checkpointed.estimate(4096, precision, "adam")
+    assert est.peak_bytes < plain.estimate(4096, precision, "adam").peak_bytes
+    assert est.flops > plain.estimate(4096, precision, "adam").flops  # the recompute
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _checkpoint_module
 from torch._C._autograd import _get_sequence_nr
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -19,6 +20,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -41,11 +43,13 @@ __all__ = [
     "FakeTensorMode",
     "MetaShortcuts",
     "TorchDispatchMode",
+    "checkpoint_recompute_context",
     "current_autograd_node_name",
     "current_autograd_sequence_nr",
     "new_fake_mode",
     "next_sequence_nr",
     "quiet_fake_tensor_log",
+    "reparametrized",
     "tree_flatten",
     "tree_map",
 ]
@@ -289,6 +293,72 @@ def quiet_fake_tensor_log() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def reparametrized(
+    module: torch.nn.Module, state: dict[str, torch.Tensor]
+) -> Iterator[None]:
+    """Swap ``state`` (fake parameters and buffers) into ``module`` for the whole block.
+
+    ``torch.func.functional_call`` swaps them only for the length of the forward call, so a
+    forward that a checkpoint re-runs during the backward would see the module's own
+    parameters there (a bf16 profile recomputing in fp32). This is the context manager
+    ``functional_call`` itself uses (torch/nn/utils/stateless.py), held across forward,
+    loss and backward; tied weights are tied as ``functional_call(tie_weights=True)`` ties
+    them."""
+    with _reparametrize_module(module, state, tie_weights=True, strict=False):
+        yield
+
+
+@contextlib.contextmanager
+def checkpoint_recompute_context(
+    make_context: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Iterator[None]:
+    """Make every non-reentrant ``torch.utils.checkpoint`` region that starts in this block
+    re-run its forward (during the backward) inside ``make_context()`` as well.
+
+    The forward ran inside the profiler's CUDA emulation (kernel choices, autocast lists); a
+    recompute runs in the backward, outside it, and would save other tensors than the
+    forward did ("a different number of tensors was saved"). On CUDA the recompute repeats
+    the forward's kernel choices, and checkpoint restores CUDA autocast around it
+    (torch/utils/checkpoint.py, ``_checkpoint_without_reentrant_generator``: ``recompute_fn``
+    enters ``device_autocast_ctx`` and the ``recompute_context`` of ``context_fn``). Each
+    region's ``context_fn`` is composed with ours by wrapping that generator function, which
+    ``checkpoint`` looks up at call time, so it also reaches a ``functools.partial`` of
+    ``checkpoint`` made earlier (Hugging Face's ``_gradient_checkpointing_func``)."""
+    original = getattr(_checkpoint_module, "_checkpoint_without_reentrant_generator", None)
+    if original is None:  # a torch without it: recomputes run as they are
+        yield
+        return
+
+    def generator(
+        fn: Any,
+        preserve_rng_state: bool = True,
+        context_fn: Callable[[], tuple[Any, Any]] = _checkpoint_module.noop_context_fn,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        def contexts() -> tuple[Any, Any]:
+            forward, recompute = context_fn()
+            return forward, _both(recompute, make_context)
+
+        return original(fn, preserve_rng_state, contexts, *args, **kwargs)
+
+    _checkpoint_module._checkpoint_without_reentrant_generator = generator
+    try:
+        yield
+    finally:
+        _checkpoint_module._checkpoint_without_reentrant_generator = original
+
+
+@contextlib.contextmanager
+def _both(
+    first: contextlib.AbstractContextManager[Any],
+    make_second: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Iterator[None]:
+    with first, make_second():
+        yield
 
 
 def next_sequence_nr() -> int:

@@ -18,7 +18,14 @@ from torch.func import functional_call
 
 from ._composites import real_run_composites, rules_hold
 from ._errors import entry_codes, user_traceback
-from ._fake import DATA_DEPENDENT_ERRORS, MetaShortcuts, new_fake_mode, quiet_fake_tensor_log
+from ._fake import (
+    DATA_DEPENDENT_ERRORS,
+    MetaShortcuts,
+    checkpoint_recompute_context,
+    new_fake_mode,
+    quiet_fake_tensor_log,
+    reparametrized,
+)
 from ._options import (
     PHASE_CODE,
     Category,
@@ -31,7 +38,7 @@ from ._options import (
 )
 from ._probe import KernelProbe
 from ._profile import ModelProfile
-from ._recorder import Recorder, describe_args, module_hooks
+from ._recorder import Recorder, describe_args, module_hooks, tracked_rng_states
 from ._step import (
     ModelInputs,
     autocast_dtype,
@@ -353,11 +360,7 @@ class Profiler:
         )
         rec.register_resident(inputs.tensors(), Category.INPUT)
         state = {**params, **buffers}
-
-        def model_fn(*args: Any, **kwargs: Any) -> Any:
-            return functional_call(
-                subject.model, state, args, kwargs, tie_weights=True, strict=False
-            )
+        model_fn = subject.model  # run with ``state`` swapped in (below)
 
         marks: dict[str, int] = {}
         named_trainable = [(n, p) for n, p in params.items() if p.requires_grad]
@@ -386,6 +389,13 @@ class Profiler:
             stack.enter_context(rec)
             stack.enter_context(module_hooks(rec))
             stack.enter_context(real_run_composites())
+            # the fake parameters stay swapped in through the backward, where a checkpointed
+            # forward is re-run, and that re-run gets the forward's CUDA emulation
+            stack.enter_context(reparametrized(subject.model, state))
+            if context is not None:
+                stack.enter_context(checkpoint_recompute_context(context))
+            else:  # CPU semantics: the CPU generator states checkpoint keeps are CPU memory
+                stack.enter_context(tracked_rng_states(rec))
             if train:
                 stack.enter_context(
                     torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, rec.unpack_hook)

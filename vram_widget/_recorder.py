@@ -199,6 +199,16 @@ class Recorder(TorchDispatchMode):
         if record.nbytes or record.placeholder:
             self._emit(sid, -record.nbytes, self._free_row())
 
+    def track_host_tensor(self, t: torch.Tensor) -> None:
+        """Record a tensor made outside the dispatcher (C++ code that allocates directly, as
+        ``torch.get_rng_state()`` does): allocated now, freed when its storage dies."""
+        st = t.untyped_storage()
+        if not self._recording or id(st) in self._live:
+            return
+        row = self._free_row()
+        record = StorageRecord(st.nbytes(), row, self.phase, _TEMPORARY, False)
+        self._emit(self._new_storage(st, record), record.nbytes, row)
+
     def _free_row(self) -> int:
         """Whose a free is: the backward node that just ran, the optimizer (its step and its
         ``zero_grad``), or the module running."""
@@ -762,6 +772,32 @@ def _wrapped_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
     if total and common_itemsize and common_itemsize != total:
         total += common_itemsize  # the cast copy to the computation dtype
     return total
+
+
+@contextmanager
+def tracked_rng_states(recorder: Recorder) -> Iterator[None]:
+    """Count the CPU generator states that ``torch.get_rng_state()`` hands out while a run is
+    recorded (CPU semantics).
+
+    ``torch.utils.checkpoint`` keeps one per checkpointed region for its recompute
+    (``preserve_rng_state=True``, the default: ``fwd_cpu_state = torch.get_rng_state()`` in
+    torch/utils/checkpoint.py), and ``torch.random.fork_rng`` holds one while it runs: 5,056
+    bytes each for the CPU's Mersenne Twister state (CPUGeneratorImpl::get_state). C++ makes
+    them outside the dispatcher, so no dispatch mode sees them, but a CPU step's allocator
+    does. On CUDA they are host memory (CUDA's generator states too), so the CUDA emulation
+    leaves them out. Both callers look ``torch.get_rng_state`` up at call time."""
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        recorder.track_host_tensor(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 @contextmanager
