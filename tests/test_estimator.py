@@ -45,10 +45,10 @@ from vram_widget._options import (
     Precision,
 )
 from vram_widget._table import (
-    Affine,
     ModuleRows,
     NotAffineError,
     OptimizerTrace,
+    Poly,
     Timeline,
     fit_timeline,
     interpolate_columns,
@@ -106,24 +106,24 @@ def make_timeline(*, workspace: bool = False) -> Timeline:
             "workspace_bytes": np.asarray([[100, 800, 800]], dtype=np.int64),
         }
     return Timeline(
-        event_bytes=Affine(a, b),
+        event_bytes=Poly.affine(a, b),
         event_module=np.asarray(module, dtype=np.int32),
         event_phase=np.asarray(phase, dtype=np.int8),
         event_category=storage_category[event_storage],
         # the op running at each event: the forward's addmm, the backward's AddmmBackward0
         event_op=np.asarray([0, 0, 0, 1, 1, -1], np.int32),
         op_names=("aten.addmm", "AddmmBackward0"),
-        storage_bytes=Affine(_i64(800, 0, 0, 16, 800), _i64(0, 40, 80, 8, 0)),
+        storage_bytes=Poly.affine(_i64(800, 0, 0, 16, 800), _i64(0, 40, 80, 8, 0)),
         storage_category=storage_category,
         storage_module=np.asarray([FC, -1, FC, FC, FC], dtype=np.int32),
         storage_resident=np.asarray([True, True, False, False, False]),
-        flops_forward=Affine(_i64(0, 0, 0, 0), _i64(0, 400, 0, 0)),
-        flops_backward=Affine(_i64(0, 0, 0, 0), _i64(0, 400, 0, 0)),
+        flops_forward=Poly.affine(_i64(0, 0, 0, 0), _i64(0, 400, 0, 0)),
+        flops_backward=Poly.affine(_i64(0, 0, 0, 0), _i64(0, 400, 0, 0)),
         output_shapes=(((0, 1), (10, 0)), ((0, 1), (10, 0)), None, None),
         backward_start=3,
         optimizer_at=5,
         uses_matmul=True,
-        affine=True,
+        exact=True,
         nonaffine_row=None,
         **ws,
     )
@@ -272,7 +272,7 @@ def test_peak_never_above_resident() -> None:
     empty = Timeline(
         **{
             **tl.__dict__,
-            "event_bytes": Affine(_i64(), _i64()),
+            "event_bytes": Poly.affine(_i64(), _i64()),
             "event_module": np.zeros(0, np.int32),
             "event_phase": np.zeros(0, np.int8),
             "event_category": np.zeros(0, np.int8),
@@ -348,42 +348,42 @@ def test_cuda_block_bytes() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Affine arithmetic and the fit
+# Polynomial arithmetic and the fit
 # --------------------------------------------------------------------------------------------
 
 
 def test_affine_at_small_is_int64() -> None:
-    f = Affine(_i64(1, 2), _i64(10, 3))
+    f = Poly.affine(_i64(1, 2), _i64(10, 3))
     out = f.at(5)
     assert out.dtype == np.int64 and out.tolist() == [51, 17]
 
 
 def test_affine_at_beyond_int64_returns_python_ints() -> None:
-    f = Affine(_i64(1, 2), _i64(2**40, 3))
+    f = Poly.affine(_i64(1, 2), _i64(2**40, 3))
     out = f.at(2**30)
     assert out.dtype == object
     assert all(type(v) is int for v in out)
     assert out.tolist() == [1 + 2**70, 2 + 3 * 2**30]
     # just below the switch it stays exact int64
-    assert Affine(_i64(0), _i64(2**31)).at(2**30).tolist() == [2**61]
+    assert Poly.affine(_i64(0), _i64(2**31)).at(2**30).tolist() == [2**61]
 
 
 def test_affine_at_empty() -> None:
-    assert Affine(_i64(), _i64()).at(10**30).size == 0
+    assert Poly.affine(_i64(), _i64()).at(10**30).size == 0
 
 
 def test_affine_fit() -> None:
-    f = Affine.fit(_i64(10, 7), _i64(16, 7), 2, 4)
-    assert f.a.tolist() == [4, 7] and f.b.tolist() == [3, 0]
+    f = Poly.fit((2, 4), (_i64(10, 7), _i64(16, 7)))
+    assert f.coef[:, 0].tolist() == [4, 7] and f.coef[:, 1].tolist() == [3, 0]
 
 
 def test_huge_batch_peak_is_a_python_int() -> None:
-    # At batch 2**56 the fc output alone is 80 * 2**56 B: Affine.at switches to Python ints
+    # At batch 2**56 the fc output alone is 80 * 2**56 B: Poly.at switches to Python ints
     # (its bound passes 2**62), and the peak stays exact. (No FLOPs in this timeline: see
     # the next test.)
     batch = 2**56
     tl = make_timeline()
-    zero = Affine(_i64(0, 0, 0, 0), _i64(0, 0, 0, 0))
+    zero = Poly.affine(_i64(0, 0, 0, 0), _i64(0, 0, 0, 0))
     no_flops = Timeline(**{**tl.__dict__, "flops_forward": zero, "flops_backward": zero})
     est = run(batch, opt=make_optimizer(), timeline=no_flops)
     assert isinstance(est.peak_bytes, int)
@@ -417,10 +417,13 @@ def test_interpolation() -> None:
 class _Trace:
     """A minimal raw trace for ``fit_timeline`` (the fields it reads)."""
 
-    def __init__(self, batch: int, per_sample: int = 8, extra_event: bool = False) -> None:
+    def __init__(
+        self, batch: int, per_sample: int = 8, extra_event: bool = False, per_pair: int = 0
+    ) -> None:
         self.batch_size = batch
         self.event_storage = _i64(2, 2)
-        self.event_bytes = _i64(per_sample * batch + 4, -(per_sample * batch + 4))
+        nbytes = per_pair * batch * batch + per_sample * batch + 4
+        self.event_bytes = _i64(nbytes, -nbytes)
         self.event_module = np.asarray([1, 1], np.int32)
         self.event_phase = np.asarray([0, 1], np.int8)
         self.event_op = np.asarray([0, 0], np.int32)
@@ -434,7 +437,7 @@ class _Trace:
         self.storage_category = np.asarray([0, 6, 4], np.int8)
         self.storage_module = np.asarray([1, -1, 1], np.int32)
         self.storage_resident = np.asarray([True, True, False])
-        self.storage_bytes = _i64(64, 12 * batch, per_sample * batch + 4)
+        self.storage_bytes = _i64(64, 12 * batch, nbytes)
         self.flops_forward = _i64(0, 6 * batch, 0, 0)
         self.flops_backward = _i64(0, 12 * batch, 0, 0)
         self.output_shapes = (None, (batch, 3), None, None)
@@ -445,9 +448,9 @@ class _Trace:
 
 
 def test_fit_timeline_exact() -> None:
-    tl = fit_timeline(_Trace(2), _Trace(3), _Trace(5))
-    assert tl.affine and tl.nonaffine_row is None
-    assert tl.event_bytes.a.tolist() == [4, -4] and tl.event_bytes.b.tolist() == [8, -8]
+    tl = fit_timeline((_Trace(2), _Trace(3)), _Trace(5))
+    assert tl.exact and tl.nonaffine_row is None
+    assert tl.event_bytes.coef.tolist() == [[4, 8], [-4, -8]]
     assert tl.storage_bytes.at(10).tolist() == [64, 120, 84]
     assert tl.flops_forward.at(7).tolist() == [0, 42, 0, 0]
     assert tl.output_shapes[1] == ((0, 1), (3, 0))
@@ -459,13 +462,26 @@ def test_fit_timeline_flags_a_nonaffine_model() -> None:
     # flags it; the profiler is what warns)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tl = fit_timeline(_Trace(2), _Trace(3), _Trace(5, per_sample=9))
-    assert not tl.affine and tl.nonaffine_row == 1
+        tl = fit_timeline((_Trace(2), _Trace(3)), _Trace(5, per_sample=9))
+    assert not tl.exact and tl.nonaffine_row == 1
+
+
+def test_fit_timeline_quadratic_in_the_batch() -> None:
+    # A B x B similarity matrix of fp32 (4 B per pair) plus 8 B per sample plus 4 B: the
+    # line through batch 2 (36 B) and 3 (64 B) says 120 B at 5, where it is 144 B; the
+    # quadratic through 2, 3 and 5 is checked exactly at 8 (4 * 64 + 64 + 4 = 324 B).
+    line = fit_timeline((_Trace(2, per_pair=4), _Trace(3, per_pair=4)), _Trace(5, per_pair=4))
+    assert not line.exact and line.check_peaks == (5, 64 + 60 + 120, 64 + 60 + 144)
+    fit = (_Trace(2, per_pair=4), _Trace(3, per_pair=4), _Trace(5, per_pair=4))
+    tl = fit_timeline(fit, _Trace(8, per_pair=4))
+    assert tl.exact and tl.event_bytes.degree == 2
+    assert tl.event_bytes.at(1000).tolist() == [4_008_004, -4_008_004]
+    assert not fit_timeline(fit, _Trace(8, per_pair=5)).exact  # a wrong check is caught
 
 
 def test_fit_timeline_refuses_mismatched_traces() -> None:
     with pytest.raises(NotAffineError, match="batch 2 and 3"):
-        fit_timeline(_Trace(2), _Trace(3, extra_event=True), _Trace(5))
+        fit_timeline((_Trace(2), _Trace(3, extra_event=True)), _Trace(5))
 
 
 # --------------------------------------------------------------------------------------------

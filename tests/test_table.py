@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from vram_widget._table import Affine, _fill_unknown, interpolate_columns
+from vram_widget._table import Poly, _fill_unknown, interpolate_columns
 
 
 def test_affine_fit_and_evaluation() -> None:
     # bytes 100 + 40 * batch: at batch 2 -> 180, at 3 -> 220
-    fit = Affine.fit(np.array([180]), np.array([220]), 2, 3)
-    assert fit.a.tolist() == [100] and fit.b.tolist() == [40]
+    fit = Poly.fit((2, 3), (np.array([180]), np.array([220])))
+    assert fit.coef[:, 0].tolist() == [100] and fit.coef[:, 1].tolist() == [40]
     assert fit.at(10).tolist() == [500]
 
 
 def test_affine_switches_to_python_ints_before_int64_overflows() -> None:
-    fit = Affine(np.array([1], dtype=np.int64), np.array([2**40], dtype=np.int64))
+    fit = Poly.affine(np.array([1], dtype=np.int64), np.array([2**40], dtype=np.int64))
     value = fit.at(10**9)[0]
     assert value == 1 + 2**40 * 10**9 and isinstance(value, int)
 
@@ -35,3 +35,22 @@ def test_unknown_workspaces_continue_the_known_line() -> None:
     values = np.array([[10, 20, 30, -1], [7, -1, -1, -1]])
     filled = _fill_unknown(grid, values)
     assert filled.tolist() == [[10, 20, 30, 80], [7, 7, 7, 7]]
+
+
+def test_quadratic_fit_and_evaluation() -> None:
+    # B x B fp32 logits plus 64 B per sample plus 16 B: 4 B^2 + 64 B + 16.
+    # At batch 2: 16 + 128 + 16 = 160; at 3: 36 + 192 + 16 = 244; at 5: 100 + 320 + 16 = 436.
+    # A second entry, 7 (constant), and a third, -(the first) (its free).
+    values = tuple(np.array([v, 7, -v]) for v in (160, 244, 436))
+    fit = Poly.fit((2, 3, 5), values)
+    assert fit.degree == 2
+    assert fit.coef.tolist() == [[16, 64, 4], [7, 0, 0], [-16, -64, -4]]
+    # at 1024: 4 * 1024**2 + 64 * 1024 + 16 = 4,194,304 + 65,536 + 16 = 4,259,856
+    assert fit.at(1024).tolist() == [4_259_856, 7, -4_259_856]
+    # past int64: exact Python ints
+    assert fit.at(2**40).tolist()[0] == 4 * 2**80 + 64 * 2**40 + 16
+
+
+def test_quadratic_fit_of_a_line_has_no_square_term() -> None:
+    fit = Poly.fit((2, 3, 5), (np.array([180]), np.array([220]), np.array([300])))
+    assert fit.coef.tolist() == [[100, 40, 0]]

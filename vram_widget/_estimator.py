@@ -122,7 +122,7 @@ class MemoryEstimate:
     flops_forward: int
     flops_backward: int
     extras: AcceleratorExtras
-    affine: bool
+    exact: bool  # every event verified at a held-out batch size (False: extrapolated)
     layers: LayerTable
     live_bytes: np.ndarray = field(repr=False)  # after each event of the step
     event_module: np.ndarray = field(repr=False)  # row of each event
@@ -229,8 +229,8 @@ def estimate(
     flops_b = timeline.flops_backward.at(batch_size)
     if not train:
         flops_b = np.zeros_like(flops_b)
-    dims_affine, ndim = timeline.output_dims
-    dims = dims_affine.at(batch_size)
+    dims_poly, ndim = timeline.output_dims
+    dims = dims_poly.at(batch_size)
     if batch_size >= 2**31:  # products past int64: exact Python ints
         dims = dims.astype(object)
     numel = np.where(ndim >= 0, dims.prod(axis=1), 0)
@@ -270,7 +270,7 @@ def estimate(
         flops_forward=_as_int(flops_f.sum()),
         flops_backward=_as_int(flops_b.sum()),
         extras=extras,
-        affine=timeline.affine,
+        exact=timeline.exact,
         layers=layers,
         live_bytes=live,
         event_module=modules,

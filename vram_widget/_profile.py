@@ -210,7 +210,7 @@ class ModelProfile:
     ) -> int:
         """How much the peak grows per extra sample, asymptotically.
 
-        The peak is a maximum of affine functions of the batch (one per moment of the step),
+        The peak is a maximum of polynomials in the batch (one per moment of the step),
         so its slope rises with the batch until one moment dominates; this is that final
         slope, read between batch 2**30 and 2**30 + 1.
         """
@@ -234,10 +234,11 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
 
 
 def _affine_guess(one: MemoryEstimate, two: MemoryEstimate, capacity_bytes: int, limit: int) -> int:
-    """Where the search starts: live bytes after each event are affine in the batch
+    """Where the search starts: live bytes after each event are mostly affine in the batch
     (``a + b * batch``), so the estimates at 1 and 2 give every event's line and the batch
     where the first one crosses the capacity (less the extras at batch 1). Allocator rounding
-    and interpolated CPU workspaces move the true answer by a few samples at most."""
+    and interpolated CPU workspaces move the true answer by a few samples at most; a step
+    quadratic in the batch (a loss over every pair) by more, which the search then walks."""
     if len(one.live_bytes) != len(two.live_bytes) or not len(one.live_bytes):
         return 1
     slope = np.append(
@@ -254,8 +255,9 @@ def _affine_guess(one: MemoryEstimate, two: MemoryEstimate, capacity_bytes: int,
 
 def _largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
     """The largest batch in [1, limit] that fits, given that batch 1 fits and that fitting is
-    monotone (the peak is a maximum of affine functions of the batch): the bracket grows by
-    doubling steps from ``start`` in the direction that holds the boundary, then is bisected.
+    monotone (the peak is a maximum of polynomials in the batch, none decreasing): the
+    bracket grows by doubling steps from ``start`` in the direction that holds the boundary,
+    then is bisected.
     A good ``start`` (the affine guess) answers in two or three estimates."""
     start = min(max(1, start), limit)
     if fits(start):

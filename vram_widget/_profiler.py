@@ -18,6 +18,7 @@ from torch.func import functional_call
 
 from ._composites import real_run_composites, rules_hold
 from ._errors import entry_codes, user_traceback
+from ._estimator import module_label
 from ._fake import (
     DATA_DEPENDENT_ERRORS,
     MetaShortcuts,
@@ -50,7 +51,14 @@ from ._step import (
     storage_dtype,
     training_iteration,
 )
-from ._table import ModuleRows, NotAffineError, OptimizerTrace, Timeline, fit_timeline
+from ._table import (
+    ModuleRows,
+    NotAffineError,
+    OptimizerTrace,
+    Timeline,
+    fit_timeline,
+    same_step,
+)
 
 LOSS_ROW_NAME = "(loss)"
 OPTIMIZER_ROW_NAME = "(optimizer)"
@@ -276,6 +284,47 @@ def _preserved_model_state(model: torch.nn.Module) -> Iterator[None]:
         torch.random.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+# Training-time randomness that changes the graph, not just values: each knob is a module or
+# config attribute whose name ends so, and the value that runs every layer. Hugging Face's
+# LayerDrop skips a random layer per step (``if self.training and torch.rand([]) <
+# self.layerdrop: continue``, in ~50 models: wav2vec2, hubert, BART, Whisper, ...); fake
+# tensors cannot decide the comparison, and two real runs drop different layers. The
+# estimate is for the step that drops none: the worst case, and the one every step can hit.
+_WORST_CASE_KNOBS: dict[str, float] = {"layerdrop": 0.0}
+
+
+def _graph_randomness(model: torch.nn.Module) -> list[tuple[Any, str, float, float]]:
+    """(object, attribute, value, the value that runs every layer) of every knob set to
+    randomize the graph: module attributes and those of each module's ``config`` (once per
+    config object)."""
+    found: list[tuple[Any, str, float, float]] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for owner in (module, getattr(module, "config", None)):
+            if owner is None or id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            for name, value in list(vars(owner).items()):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                for suffix, off in _WORST_CASE_KNOBS.items():
+                    if name.endswith(suffix) and value != off:
+                        found.append((owner, name, value, off))
+    return found
+
+
+@contextlib.contextmanager
+def _worst_case_graph(knobs: list[tuple[Any, str, float, float]]) -> Iterator[None]:
+    """Set the knobs to the value that runs every layer, and back, whatever happens."""
+    try:
+        for owner, name, _value, off in knobs:
+            setattr(owner, name, off)
+        yield
+    finally:
+        for owner, name, value, _off in knobs:
+            setattr(owner, name, value)
 
 
 class Profiler:
@@ -583,6 +632,8 @@ class Profiler:
 # Batch sizes of the fake runs: the fit uses the first two, the third checks it. Not 1, where
 # BatchNorm and squeeze-happy code behave unlike any larger batch.
 FIT_BATCH_SIZES = (2, 3, 5)
+# Where memory is quadratic in the batch, the three fit it and this one checks it.
+QUADRATIC_CHECK_BATCH = 8
 # CPU kernel workspaces are not affine in the batch (oneDNN picks its algorithm per shape):
 # they are measured on this grid too and interpolated (device="cpu" only).
 WORKSPACE_BATCH_SIZES = (1, 8, 32)
@@ -600,23 +651,58 @@ class _Source:
         traces = [
             self._run(precision, b, train, flops=i < 2) for i, b in enumerate(FIT_BATCH_SIZES)
         ]
+        grid: list[RawTrace] = []
         if self.profiler.probe is not None and len(traces[0].workspace_storages):
-            traces += self._grid_runs(precision, train)
+            grid = self._grid_runs(precision, train)
         try:
-            timeline = fit_timeline(*traces)  # type: ignore[arg-type]
+            timeline = fit_timeline((traces[0], traces[1]), traces[2], tuple(grid))
+            if not timeline.exact and same_step(traces[0], traces[2]):
+                # The same step, but not a line in the batch: memory quadratic in it (a
+                # loss over every pair of samples, CLIP's B x B logits). Three runs give
+                # the quadratic, checked exactly at a fourth batch size.
+                quadratic = self._quadratic(precision, train, traces, grid)
+                if quadratic.exact:
+                    timeline = quadratic
         except NotAffineError as exc:
-            raise ProfilingError(f"cannot fit memory to the batch size: {exc}") from None
-        if not timeline.affine and not self.profiler.real:  # the fallback already warned
-            row = timeline.nonaffine_row
-            name = (self.profiler.subject.rows.names[row] or "(root)") if row is not None else "?"
+            raise ProfilingError(
+                f"cannot fit memory to the batch size: {exc}; first difference "
+                f"{self._where(exc.row)}. Randomness that changes which layers run "
+                "(a random skip, early exit) or shapes that depend on values do this"
+            ) from None
+        if not timeline.exact and not self.profiler.real:  # the fallback already warned
+            off = ""
+            if timeline.check_peaks is not None:
+                batch, fitted, profiled = timeline.check_peaks
+                off = (
+                    f": at batch {batch} the fitted peak is {fitted - profiled:+,} bytes "
+                    f"({(fitted - profiled) / max(profiled, 1):+.1%}) off the profiled one, "
+                    "and the error grows with the distance (memory quadratic in the batch, "
+                    "a B x B similarity matrix, grows faster than any line through two points)"
+                )
             warnings.warn(
-                f"memory is not affine in the batch size (first seen in module {name!r}); "
-                f"estimates away from batch {FIT_BATCH_SIZES[0]}-{FIT_BATCH_SIZES[1]} "
-                "are extrapolated",
+                "memory is not affine in the batch size (first seen "
+                f"{self._where(timeline.nonaffine_row)}); estimates away from batch "
+                f"{FIT_BATCH_SIZES[0]}-{FIT_BATCH_SIZES[1]} are extrapolated{off}",
                 UserWarning,
                 stacklevel=4,
             )
         return timeline
+
+    def _where(self, row: int | None) -> str:
+        """A module row as a person reads it: ``in module 'encoder.layers.3' (Wav2Vec2Layer)``."""
+        rows = self.profiler.subject.rows
+        if row is None or not 0 <= row < len(rows.names):
+            return "at the end of the step"
+        return f"in module {module_label(rows, row)!r} ({rows.types[row]})"
+
+    def _quadratic(
+        self, precision: Precision, train: bool, traces: list[RawTrace], grid: list[RawTrace]
+    ) -> Timeline:
+        third = self._run(precision, FIT_BATCH_SIZES[2], train, flops=True)  # with FLOPs
+        check = next((t for t in grid if t.batch_size == QUADRATIC_CHECK_BATCH), None)
+        if check is None:
+            check = self._run(precision, QUADRATIC_CHECK_BATCH, train, flops=False)
+        return fit_timeline((traces[0], traces[1], third), check, tuple(grid))
 
     def _grid_runs(self, precision: Precision, train: bool) -> list[RawTrace]:
         """Runs at the extra workspace batch sizes; one the model cannot run (BatchNorm in
@@ -637,6 +723,7 @@ class _Source:
         # caller sits inside torch.no_grad() or torch.inference_mode().
         with (
             _preserved_model_state(self.profiler.subject.model),
+            _worst_case_graph(_graph_randomness(self.profiler.subject.model)),
             torch.inference_mode(False),
             torch.enable_grad(),
         ):
@@ -793,6 +880,15 @@ def profile_model(
     profile.timeline(Precision.FP32, Mode.INFERENCE)
     profile.optimizer_trace(Precision.FP32, OptimizerName.ADAM)
     profile.fallback_reason = subject.fallback_reason
+    knobs = _graph_randomness(model)
+    if knobs:
+        where = ", ".join(f"{type(o).__name__}.{n}={v:g}" for o, n, v, _off in knobs[:3])
+        warnings.warn(
+            f"{type(model).__name__} drops random layers in training ({where}): the training "
+            "estimate is for the step in which no layer is dropped, the worst case",
+            UserWarning,
+            stacklevel=2,
+        )
     if size is not None:
         _warn_if_batch_in_input_size(subject)
     return profile

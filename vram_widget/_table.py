@@ -1,8 +1,11 @@
-"""The profile table: raw traces at a few batch sizes, fitted to ``bytes = a + b * batch``.
+"""The profile table: raw traces at a few batch sizes, fitted to integer polynomials in the
+batch size (``bytes = a + b * batch``, or ``+ c * batch**2`` where a loss compares every pair
+of samples).
 
 numpy only. Each allocation or free of a step is one event; profiling at two batch sizes
 and matching events one to one gives each event's constant part ``a`` and per-sample part
-``b``; a third batch size checks the fit exactly.
+``b``; a third batch size checks the fit exactly. Where that check fails but the step is the
+same event for event, the three give a quadratic, checked exactly at a fourth.
 """
 
 from __future__ import annotations
@@ -19,66 +22,130 @@ N_CATEGORIES = len(CATEGORIES)
 
 
 class _Trace(Protocol):
-    """The fields of the profiler's RawTrace the table uses (no import of the profiler)."""
+    """The fields of the profiler's RawTrace the table uses (no import of the profiler);
+    read-only, as the frozen RawTrace has them."""
 
-    batch_size: int
-    event_storage: np.ndarray
-    event_bytes: np.ndarray
-    event_module: np.ndarray
-    event_phase: np.ndarray
-    event_op: np.ndarray
-    op_names: tuple[str, ...]
-    storage_category: np.ndarray
-    storage_module: np.ndarray
-    storage_resident: np.ndarray
-    storage_bytes: np.ndarray
-    flops_forward: np.ndarray
-    flops_backward: np.ndarray
-    output_shapes: tuple[tuple[int, ...] | None, ...]
-    workspace_storages: np.ndarray
-    backward_start: int
-    optimizer_at: int
-    uses_matmul: bool
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def event_storage(self) -> np.ndarray: ...
+
+    @property
+    def event_bytes(self) -> np.ndarray: ...
+
+    @property
+    def event_module(self) -> np.ndarray: ...
+
+    @property
+    def event_phase(self) -> np.ndarray: ...
+
+    @property
+    def event_op(self) -> np.ndarray: ...
+
+    @property
+    def op_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def storage_category(self) -> np.ndarray: ...
+
+    @property
+    def storage_module(self) -> np.ndarray: ...
+
+    @property
+    def storage_resident(self) -> np.ndarray: ...
+
+    @property
+    def storage_bytes(self) -> np.ndarray: ...
+
+    @property
+    def flops_forward(self) -> np.ndarray: ...
+
+    @property
+    def flops_backward(self) -> np.ndarray: ...
+
+    @property
+    def output_shapes(self) -> tuple[tuple[int, ...] | None, ...]: ...
+
+    @property
+    def workspace_storages(self) -> np.ndarray: ...
+
+    @property
+    def backward_start(self) -> int: ...
+
+    @property
+    def optimizer_at(self) -> int: ...
+
+    @property
+    def uses_matmul(self) -> bool: ...
 
 
 @dataclass(frozen=True)
-class Affine:
-    """Integer arrays ``a + b * batch``."""
+class Poly:
+    """Integer arrays that are polynomials in the batch size: ``coef[..., k] * batch**k``
+    summed over ``k`` (the last axis; its length is the degree + 1)."""
 
-    a: np.ndarray
-    b: np.ndarray
+    coef: np.ndarray  # int64 (..., degree + 1)
+
+    @property
+    def degree(self) -> int:
+        return self.coef.shape[-1] - 1
 
     def at(self, batch_size: int) -> np.ndarray:
         """Evaluate at one batch size; Python ints (object array) where int64 could overflow."""
-        if self.a.size == 0:
-            return self.a.copy()
-        bound = int(np.abs(self.a).max()) + int(np.abs(self.b).max()) * batch_size
+        if self.coef.size == 0:
+            return np.zeros(self.coef.shape[:-1], np.int64)
+        powers = [batch_size**k for k in range(self.degree + 1)]
+        bound = sum(int(np.abs(self.coef[..., k]).max()) * p for k, p in enumerate(powers))
         if bound < 2**62:
-            return self.a + self.b * np.int64(batch_size)
-        return self.a.astype(object) + self.b.astype(object) * batch_size
+            return self.coef @ np.asarray(powers, dtype=np.int64)
+        return self.coef.astype(object) @ np.asarray(powers, dtype=object)
 
     @staticmethod
-    def fit(x1: np.ndarray, x2: np.ndarray, b1: int, b2: int) -> Affine:
-        slope = (x2 - x1) // (b2 - b1)
-        return Affine(x1 - slope * b1, slope)
+    def affine(a: np.ndarray, b: np.ndarray) -> Poly:
+        """``a + b * batch``."""
+        return Poly(np.stack([np.asarray(a, np.int64), np.asarray(b, np.int64)], axis=-1))
+
+    @staticmethod
+    def fit(batches: tuple[int, ...], values: tuple[np.ndarray, ...]) -> Poly:
+        """The polynomial of degree ``len(batches) - 1`` through the points, by Newton's
+        divided differences in integers (floor division: where the data is not an integer
+        polynomial the result is off, which the caller's check at another batch finds)."""
+        x = [int(b) for b in batches]
+        # divided differences: table[k] holds f[x_0, ..., x_k] (its top entries)
+        diffs = [np.asarray(v, np.int64) for v in values]
+        newton = [diffs[0]]
+        for k in range(1, len(x)):
+            diffs = [(diffs[i + 1] - diffs[i]) // (x[i + k] - x[i]) for i in range(len(diffs) - 1)]
+            newton.append(diffs[0])
+        # expand sum_k newton[k] * prod_{i<k} (batch - x_i) into powers of batch
+        coef = np.zeros((*newton[0].shape, len(x)), np.int64)
+        basis = [1]  # coefficients of prod_{i<k} (batch - x_i), lowest power first
+        for k, n_k in enumerate(newton):
+            for power, c in enumerate(basis):
+                coef[..., power] += n_k * c
+            basis = [0, *basis]
+            for power in range(len(basis) - 1):
+                basis[power] -= x[k] * basis[power + 1]
+        return Poly(coef)
 
 
 @dataclass(frozen=True)
 class Timeline:
     """Every allocation (+) and free (-) of one run, in order, as affine functions of batch."""
 
-    event_bytes: Affine
+    event_bytes: Poly
     event_module: np.ndarray  # int32 row
     event_phase: np.ndarray  # int8 phase code
     event_category: np.ndarray  # int8 category code of the storage
     event_op: np.ndarray  # int32 index into op_names of the op running (-1: none)
     op_names: tuple[str, ...]  # "aten.addmm" in forward, the autograd node in backward
-    storage_bytes: Affine  # per storage id
+    storage_bytes: Poly  # per storage id
     storage_category: np.ndarray  # int8
     storage_module: np.ndarray  # int32 row that allocated it (owner row for residents)
     storage_resident: np.ndarray  # bool
-    flops_forward: Affine  # per row
-    flops_backward: Affine  # per row
+    flops_forward: Poly  # per row
+    flops_backward: Poly  # per row
     output_shapes: tuple[tuple[tuple[int, int], ...] | None, ...]  # per row: (a, b) per dim
     workspace_alloc_at: np.ndarray  # event index of each kernel workspace's allocation
     workspace_free_at: np.ndarray  # ... and of its free
@@ -87,11 +154,13 @@ class Timeline:
     backward_start: int
     optimizer_at: int
     uses_matmul: bool
-    affine: bool  # False when the check at a third batch size failed
-    nonaffine_row: int | None  # the first row whose memory is not affine in the batch
+    exact: bool  # False when the check at a held-out batch size failed: extrapolated
+    nonaffine_row: int | None  # the first row whose memory the fit does not reproduce
+    # where the check failed and the events still match: (batch, fitted peak, profiled peak)
+    check_peaks: tuple[int, int, int] | None = None
 
     @functools.cached_property
-    def output_dims(self) -> tuple[Affine, np.ndarray]:
+    def output_dims(self) -> tuple[Poly, np.ndarray]:
         """Every row's output shape as one padded (rows x max_ndim) affine array (padding is
         1, so a row's numel is the product of its row), and each row's ndim (-1: no output).
         Derived once, so that an estimate builds no per-row Python objects."""
@@ -102,7 +171,7 @@ class Timeline:
         for row, shape in enumerate(self.output_shapes):
             for dim, (ad, bd) in enumerate(shape or ()):
                 a[row, dim], b[row, dim] = ad, bd
-        return Affine(a, b), ndim
+        return Poly(np.stack([a, b], axis=-1)), ndim
 
     def events_at(self, batch_size: int) -> np.ndarray:
         """Signed bytes of every event at this batch size (workspaces interpolated)."""
@@ -196,7 +265,12 @@ def _fill_unknown(grid: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 class NotAffineError(ValueError):
-    """Two traces do not match event for event, so no per-event fit exists."""
+    """Two traces do not match event for event, so no per-event fit exists. ``row`` is the
+    module row where they first differ (None if unknown), for the caller to name."""
+
+    def __init__(self, message: str, row: int | None = None) -> None:
+        super().__init__(message)
+        self.row = row
 
 
 def _shapes_fit(
@@ -211,33 +285,28 @@ def _shapes_fit(
     return tuple(out)
 
 
-def fit_timeline(t1: _Trace, t2: _Trace, t3: _Trace, *grid_traces: _Trace) -> Timeline:
-    """Fit two traces to ``a + b * batch`` and check the fit against the third.
+def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...] = ()) -> Timeline:
+    """Fit the ``fit`` traces (two: ``a + b * batch``; three: with ``c * batch**2``) and check
+    the fit exactly against ``check``, a trace at another batch size.
 
-    Kernel workspaces (measured, not affine) are left out of the check; their sizes at every
-    trace's batch size make an interpolation grid.
-    Raises NotAffineError when the first two do not match event for event.
+    Kernel workspaces (measured, not polynomial) are left out of the check; their sizes at
+    every trace's batch size (``grid`` too) make an interpolation grid. Output shapes are
+    fitted per dimension from the first two (a dimension is affine in the batch).
+    Raises NotAffineError when the fit traces do not match event for event.
     """
-    same = (
-        len(t1.event_bytes) == len(t2.event_bytes)
-        and len(t1.storage_bytes) == len(t2.storage_bytes)
-        and np.array_equal(t1.event_storage, t2.event_storage)
-        and np.array_equal(t1.event_module, t2.event_module)
-        and np.array_equal(t1.event_phase, t2.event_phase)
-        and np.array_equal(t1.storage_category, t2.storage_category)
-        and t1.backward_start == t2.backward_start
-        and t1.optimizer_at == t2.optimizer_at
-    )
-    if not same:
-        raise NotAffineError(_first_difference(t1, t2))
-    b1, b2, b3 = t1.batch_size, t2.batch_size, t3.batch_size
-    events = Affine.fit(t1.event_bytes, t2.event_bytes, b1, b2)
-    storages = Affine.fit(t1.storage_bytes, t2.storage_bytes, b1, b2)
-    flops_f = Affine.fit(t1.flops_forward, t2.flops_forward, b1, b2)
-    flops_b = Affine.fit(t1.flops_backward, t2.flops_backward, b1, b2)
+    t1 = fit[0]
+    for other in fit[1:]:
+        if not same_step(t1, other):
+            raise NotAffineError(_first_difference(t1, other), _first_difference_row(t1, other))
+    batches = tuple(t.batch_size for t in fit)
+    events = Poly.fit(batches, tuple(t.event_bytes for t in fit))
+    storages = Poly.fit(batches, tuple(t.storage_bytes for t in fit))
+    flops_f = Poly.fit(batches, tuple(t.flops_forward for t in fit))
+    flops_b = Poly.fit(batches, tuple(t.flops_backward for t in fit))
+    b1, b2 = batches[:2]
     shapes = tuple(
         _shapes_fit(s1, s2, b1, b2)
-        for s1, s2 in zip(t1.output_shapes, t2.output_shapes, strict=True)
+        for s1, s2 in zip(t1.output_shapes, fit[1].output_shapes, strict=True)
     )
     ws_sids = t1.workspace_storages
     is_ws = np.isin(t1.event_storage, ws_sids)
@@ -252,8 +321,10 @@ def fit_timeline(t1: _Trace, t2: _Trace, t3: _Trace, *grid_traces: _Trace) -> Ti
         ],
         dtype=np.int64,
     )
-    traces = sorted((t1, t2, t3, *grid_traces), key=lambda t: t.batch_size)
-    aligned = [t for t in traces if len(t.storage_bytes) == len(t1.storage_bytes)]
+    traces = {t.batch_size: t for t in (*fit, check, *grid)}
+    aligned = [
+        traces[b] for b in sorted(traces) if len(traces[b].storage_bytes) == len(t1.storage_bytes)
+    ]
     ws_grid = np.asarray([t.batch_size for t in aligned], dtype=np.int64)
     ws_bytes = (
         np.stack([t.storage_bytes[ws_sids] for t in aligned], axis=1)
@@ -261,15 +332,24 @@ def fit_timeline(t1: _Trace, t2: _Trace, t3: _Trace, *grid_traces: _Trace) -> Ti
         else np.zeros((0, len(aligned)), np.int64)
     )
     ws_bytes = _fill_unknown(ws_grid, ws_bytes)
-    affine, bad_row = True, None
-    if len(t3.event_bytes) != len(t1.event_bytes):
-        affine = False
-        bad_row = _first_difference_row(t1, t3)
+    exact, bad_row, check_peaks = True, None, None
+    b3 = check.batch_size
+    if len(check.event_bytes) != len(t1.event_bytes):
+        exact = False
+        bad_row = _first_difference_row(t1, check)
     else:
-        wrong = np.flatnonzero((events.at(b3) != t3.event_bytes) & ~is_ws)
+        fitted = events.at(b3)
+        wrong = np.flatnonzero((fitted != check.event_bytes) & ~is_ws)
         if wrong.size:
-            affine = False
-            bad_row = int(t3.event_module[wrong[0]])
+            exact = False
+            bad_row = int(check.event_module[wrong[0]])
+            resident = int(storages.at(b3)[t1.storage_resident].sum())
+            check_peaks = (
+                b3,
+                resident + _max_prefix(np.where(is_ws, check.event_bytes, fitted)),
+                int(check.storage_bytes[check.storage_resident].sum())
+                + _max_prefix(check.event_bytes),
+            )
     category = (
         t1.storage_category[t1.event_storage] if len(t1.event_storage) else np.zeros(0, np.int8)
     )
@@ -294,9 +374,28 @@ def fit_timeline(t1: _Trace, t2: _Trace, t3: _Trace, *grid_traces: _Trace) -> Ti
         backward_start=t1.backward_start,
         optimizer_at=t1.optimizer_at,
         uses_matmul=t1.uses_matmul,
-        affine=affine,
+        exact=exact,
         nonaffine_row=bad_row,
+        check_peaks=check_peaks,
     )
+
+
+def same_step(t1: _Trace, t2: _Trace) -> bool:
+    """Whether two traces are the same step event for event (sizes aside)."""
+    return (
+        len(t1.event_bytes) == len(t2.event_bytes)
+        and len(t1.storage_bytes) == len(t2.storage_bytes)
+        and np.array_equal(t1.event_storage, t2.event_storage)
+        and np.array_equal(t1.event_module, t2.event_module)
+        and np.array_equal(t1.event_phase, t2.event_phase)
+        and np.array_equal(t1.storage_category, t2.storage_category)
+        and t1.backward_start == t2.backward_start
+        and t1.optimizer_at == t2.optimizer_at
+    )
+
+
+def _max_prefix(deltas: np.ndarray) -> int:
+    return max(0, int(np.cumsum(deltas).max())) if len(deltas) else 0
 
 
 def _first_difference_row(t1: _Trace, t2: _Trace) -> int | None:
@@ -312,8 +411,7 @@ def _first_difference_row(t1: _Trace, t2: _Trace) -> int | None:
 
 
 def _first_difference(t1: _Trace, t2: _Trace) -> str:
-    row = _first_difference_row(t1, t2)
     return (
         f"the step allocates differently at batch {t1.batch_size} and {t2.batch_size} "
-        f"({len(t1.event_bytes)} vs {len(t2.event_bytes)} events); first difference at row {row}"
+        f"({len(t1.event_bytes)} vs {len(t2.event_bytes)} allocations and frees)"
     )

@@ -393,8 +393,11 @@ class MemoryWidget(widgets.VBox):
             )
         else:
             lines.append("<b>Step time</b>: no FLOP rate for this device")
-        if not est.affine:
-            lines.append("<i>memory is not affine in the batch size for this model</i>")
+        if not est.exact:
+            lines.append(
+                "<i>memory is not a polynomial the profile could verify in the batch size for "
+                "this model: estimates away from the profiled batches are extrapolated</i>"
+            )
         return "<br>".join(lines)
 
     def _table_html(self) -> str:
