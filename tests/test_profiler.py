@@ -32,7 +32,16 @@ from models import (
 from torch import nn
 
 import vram_widget
-from vram_widget import Category, Mode, ModelProfile, Phase, ProfilingError, profile_model, zoo
+from vram_widget import (
+    Category,
+    Mode,
+    ModelProfile,
+    Phase,
+    ProfilingError,
+    profile_model,
+    show_memory,
+    zoo,
+)
 from vram_widget._measure import measure
 from vram_widget._options import PHASE_CODE
 
@@ -1664,3 +1673,41 @@ def test_memory_no_polynomial_fits_warns_how_far_off() -> None:
 
     with pytest.warns(UserWarning, match=r"at batch 5 the fitted peak is -?[\d,]+ bytes"):
         profile_model(Exponential(), input_size=(4,), device="cpu")
+
+
+class _HalfOnly(nn.Module):
+    """A layer whose kernel runs in bf16 only (as CUDA's grouped GEMM did)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            raise RuntimeError("Expected inputs of BF16 type")
+        return self.fc(x)
+
+
+def test_a_precision_that_cannot_run_fails_alone() -> None:
+    # profile_model used to profile fp32 first and fail the whole model; now the profile
+    # serves the precisions that run and the others raise naming the module and the op
+    model = nn.Sequential(nn.Linear(8, 8), _HalfOnly())
+    profile = profile_model(model, input_size=(8,))
+    assert profile.estimate(4, "bf16").peak_bytes > 0
+    with pytest.raises(ProfilingError, match=r"train in fp32 cannot run for device='cuda' "
+                       r"\(bf16 can\): module '1' \(_HalfOnly\)") as err:  # fmt: skip
+        profile.estimate(4, "fp32")
+    assert "Expected inputs of BF16 type" in str(err.value)
+    with pytest.raises(ProfilingError, match="fp32 cannot run"):  # cached: no second run
+        profile.estimate(8, "fp32", None, "inference")
+    w = show_memory(model, input_size=(8,))
+    assert w.precision == "bf16"  # the widget starts where the model runs
+
+
+def test_a_model_that_runs_in_no_precision_raises() -> None:
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("broken model")
+
+    with pytest.raises(ProfilingError, match="broken model"):
+        profile_model(Broken(), input_size=(8,))

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from ._estimator import LayerTable, MemoryEstimate
     from ._gpus import GPUS, Gpu
     from ._measure import Measurement, measure
-    from ._profile import ModelProfile
-    from ._profiler import InputShapeWarning, ProfilingError, profile_model
+    from ._profile import ModelProfile, ProfilingError
+    from ._profiler import InputShapeWarning, profile_model
     from ._widget import MemoryWidget, show_memory
 
 _LAZY = {
@@ -30,7 +30,7 @@ _LAZY = {
     "Measurement": "._measure",
     "measure": "._measure",
     "ModelProfile": "._profile",
-    "ProfilingError": "._profiler",
+    "ProfilingError": "._profile",
     "profile_model": "._profiler",
     "MemoryWidget": "._widget",
     "show_memory": "._widget",

@@ -296,9 +296,7 @@ def quiet_fake_tensor_log() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def reparametrized(
-    module: torch.nn.Module, state: dict[str, torch.Tensor]
-) -> Iterator[None]:
+def reparametrized(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
     """Swap ``state`` (fake parameters and buffers) into ``module`` for the whole block.
 
     ``torch.func.functional_call`` swaps them only for the length of the forward call, so a

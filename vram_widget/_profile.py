@@ -25,6 +25,10 @@ from ._options import (
 from ._table import ModuleRows, OptimizerTrace, Timeline
 
 
+class ProfilingError(RuntimeError):
+    """The model could not be run on the example inputs (the message says where and why)."""
+
+
 class ProfileSource(Protocol):
     """What the profile asks its profiler for, once per key."""
 
@@ -58,6 +62,8 @@ class ModelProfile:
         self.fallback_reason = fallback_reason
         self._source = source
         self._timelines: dict[tuple[Precision, Mode], Timeline] = {}
+        # a setting that failed to profile fails again at once, without another run
+        self._failures: dict[tuple[Precision, Mode], ProfilingError] = {}
         self._optimizers: dict[tuple[Precision, OptimizerName], OptimizerTrace] = {}
 
     def __repr__(self) -> str:
@@ -93,9 +99,27 @@ class ModelProfile:
 
     def timeline(self, precision: Precision, mode: Mode) -> Timeline:
         key = (precision, mode)
-        if key not in self._timelines:
-            self._timelines[key] = self._source.timeline(precision, mode)
+        if key not in self._timelines and key not in self._failures:
+            try:
+                self._timelines[key] = self._source.timeline(precision, mode)
+            except ProfilingError as exc:
+                self._failures[key] = exc
+        failure = self._failures.get(key)
+        if failure is not None:
+            others = [p.value for p, m in self._timelines if m is mode]
+            if not others:  # no precision runs: the model's own failure, as it came
+                raise failure
+            raise ProfilingError(
+                f"{mode.value} in {precision.value} cannot run for device={self.device.value!r} "
+                f"({', '.join(others)} can): {failure}"
+            ) from failure.__cause__
         return self._timelines[key]
+
+    @property
+    def precisions(self) -> tuple[Precision, ...]:
+        """The precisions profiled so far whose training step runs (the widget starts there
+        when fp32 does not: a kernel that runs in bf16 only)."""
+        return tuple(p for p, m in self._timelines if m is Mode.TRAIN)
 
     def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
         key = (precision, optimizer)

@@ -38,7 +38,7 @@ from ._options import (
     parse_option,
 )
 from ._probe import KernelProbe
-from ._profile import ModelProfile
+from ._profile import ModelProfile, ProfilingError
 from ._recorder import Recorder, describe_args, module_hooks, tracked_rng_states
 from ._step import (
     ModelInputs,
@@ -62,10 +62,6 @@ from ._table import (
 
 LOSS_ROW_NAME = "(loss)"
 OPTIMIZER_ROW_NAME = "(optimizer)"
-
-
-class ProfilingError(RuntimeError):
-    """The model could not be run on the example inputs (the message says where and why)."""
 
 
 class InputShapeWarning(UserWarning):
@@ -541,9 +537,10 @@ class Profiler:
             shapes = f"{shapes} and keywords {describe_args(inputs.kwargs)}"
         name = names[row] or "(root)"
         kind = subject.rows.types[row]
+        op = rec.op_that_raised(exc)
         return ProfilingError(
-            f"module {name!r} ({kind}) failed on inputs {shapes} in {phase} ({run}): "
-            f"{what}{self._input_size_hint()}"
+            f"module {name!r} ({kind}) failed on inputs {shapes} in {phase} ({run})"
+            f"{' at ' + op if op else ''}: {what}{self._input_size_hint()}"
         )
 
     def _input_size_hint(self) -> str:
@@ -876,9 +873,16 @@ def profile_model(
         input_shape=subject.describe_inputs(),
     )
     # fp32 training and inference, and Adam, are what the first estimate asks for.
-    profile.timeline(Precision.FP32, Mode.TRAIN)
-    profile.timeline(Precision.FP32, Mode.INFERENCE)
-    profile.optimizer_trace(Precision.FP32, OptimizerName.ADAM)
+    try:
+        profile.timeline(Precision.FP32, Mode.TRAIN)
+        profile.timeline(Precision.FP32, Mode.INFERENCE)
+        profile.optimizer_trace(Precision.FP32, OptimizerName.ADAM)
+    except ProfilingError:
+        # A kernel that runs in some dtypes only (the CUDA grouped GEMM of mixture-of-experts
+        # layers: bf16) fails fp32 alone. The profile serves the precisions that run, and
+        # an estimate in fp32 raises that error; where none runs, the model cannot be run.
+        if not _another_precision_runs(profile):
+            raise
     profile.fallback_reason = subject.fallback_reason
     knobs = _graph_randomness(model)
     if knobs:
@@ -892,6 +896,17 @@ def profile_model(
     if size is not None:
         _warn_if_batch_in_input_size(subject)
     return profile
+
+
+def _another_precision_runs(profile: ModelProfile) -> bool:
+    for precision in (Precision.BF16, Precision.FP16):
+        try:
+            profile.timeline(precision, Mode.TRAIN)
+            profile.timeline(precision, Mode.INFERENCE)
+        except ProfilingError:
+            continue
+        return True
+    return False
 
 
 def _warn_if_batch_in_input_size(subject: Subject) -> None:

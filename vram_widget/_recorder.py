@@ -140,6 +140,8 @@ class Recorder(TorchDispatchMode):
         self.model_returned = False  # the root module's forward has returned
         # (exception key, row, input shapes) of the innermost module a forward raised from
         self.failure: tuple[tuple[int, str, str], int, str] | None = None
+        # (exception key, op) of the op whose kernel raised, if one did
+        self.failed_op: tuple[tuple[int, str, str], str] | None = None
 
     # -- storages -------------------------------------------------------------------------
     def register_resident(
@@ -225,6 +227,13 @@ class Recorder(TorchDispatchMode):
         self._ev_phase.append(self.phase)
         self._ev_op.append(self._op)
 
+    def op_that_raised(self, exc: BaseException) -> str:
+        """The op whose kernel raised ``exc`` ("aten._grouped_mm.default"), or "" where the
+        exception came from the model's own code."""
+        if self.failed_op is not None and self.failed_op[0] == _exception_key(exc):
+            return self.failed_op[1]
+        return ""
+
     def _set_op(self, func: Any) -> None:
         """Note the op being dispatched: in backward, the autograd node running it."""
         key: Any = func
@@ -232,7 +241,9 @@ class Recorder(TorchDispatchMode):
             key = current_autograd_node_name() or func
         code = self._op_code.get(key)
         if code is None:
-            name = key if isinstance(key, str) else f"aten.{func.overloadpacket.__name__}"
+            name = (
+                key if isinstance(key, str) else f"{func.namespace}.{func.overloadpacket.__name__}"
+            )
             code = self._op_code[key] = len(self.op_names)
             self.op_names.append(name)
         self._op = code
@@ -410,7 +421,14 @@ class Recorder(TorchDispatchMode):
         row = self._current_row()
         if self._recording:
             self._set_op(func)
-        out = func(*args, **kwargs)
+        try:
+            if func in _ANY_DTYPE_OPS:
+                out = _ANY_DTYPE_OPS[func](func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
+        except Exception as exc:
+            self.failed_op = (_exception_key(exc), str(func))
+            raise
         if not self._recording:
             return out
         if (
@@ -594,6 +612,39 @@ class Recorder(TorchDispatchMode):
 
 
 _ADD = torch.ops.aten.add.Tensor
+
+
+def _grouped_mm_in_any_dtype(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``aten._grouped_mm`` in any floating dtype. Its meta kernel refuses anything but bf16
+    (torch/_meta_registrations.py, ``_meta_grouped_mm_common``, "Implementing all the checks
+    from _grouped_mm_cuda()"), but the kernels run every dtype: the CUDA one takes its CUTLASS
+    fast path for bf16 on sm90/sm100 and otherwise ``_grouped_mm_fallback``, an mm per group
+    into the output it allocated (aten/src/ATen/native/cuda/GroupedBlas.cpp,
+    ``_grouped_mm_cuda``), and the CPU one runs float32 too (measured here, torch 2.13). Either
+    allocates the output alone: the meta kernel's layout in the result dtype."""
+    a, b = args[0], args[1]
+    if a.dtype == b.dtype == torch.bfloat16 or not (
+        a.is_floating_point() and b.is_floating_point()
+    ):
+        return func(*args, **kwargs)
+    out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or a.dtype
+
+    def bf16(x: Any) -> Any:
+        return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    rest = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+    out = func(
+        bf16(a), bf16(b), *(bf16(x) for x in args[2:4]), **{k: bf16(v) for k, v in rest.items()}
+    )
+    return out.to(out_dtype)
+
+
+# Ops whose kernels take dtypes their meta kernels refuse (torch >= 2.8 has _grouped_mm)
+_ANY_DTYPE_OPS: dict[Any, Any] = (
+    {torch.ops.aten._grouped_mm.default: _grouped_mm_in_any_dtype}
+    if hasattr(torch.ops.aten, "_grouped_mm")
+    else {}
+)
 # Probe slot position of the bytes a call leaves in autocast's cast cache.
 _RETAINED = -2
 

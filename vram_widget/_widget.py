@@ -107,6 +107,9 @@ class MemoryWidget(widgets.VBox):
         self._fit_cache: dict[tuple[Any, ...], int] = {}
         self._per_sample_cache: dict[tuple[str, str, str], int] = {}
         super().__init__()
+        if "precision" not in settings and Precision.FP32 not in profile.precisions:
+            # a model with a kernel that runs in some dtypes only: start where it runs
+            settings = {**settings, "precision": profile.precisions[0].value}
         if "gpu" in settings:
             # any form a capacity takes: a catalog name, "80GiB", bytes (custom size)
             settings = {**settings, **_gpu_settings(settings["gpu"])}
