@@ -29,6 +29,30 @@ def _accuracy() -> str:
     return head + "\n\n" + data["summary"]
 
 
+def _isa() -> str:
+    """The quick accuracy matrix under the machine's own ISA and under AVX2 (no AVX-512)."""
+    lines = [
+        "| instruction set (ATen / oneDNN cap; CPU flags) | configurations | train median / "
+        "worst | inference median / worst |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in ("native", "avx2"):
+        path = RESULTS / f"accuracy_quick_{name}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        isa = data["isa"]
+        cells = []
+        for mode in ("train", "inference"):
+            errs = sorted(abs(float(r["error_pct"])) for r in data["rows"] if r["mode"] == mode)
+            cells.append(f"{errs[len(errs) // 2]:.3f} % / {errs[-1]:.3f} %")
+        lines.append(
+            f"| {isa['aten_cpu_capability']} / {isa['onednn_max_cpu_isa']}; "
+            f"{' '.join(isa['cpu_flags'])} | {len(data['rows'])} | {cells[0]} | {cells[1]} |"
+        )
+    return "\n".join(lines)
+
+
 def _speed() -> str:
     data = json.loads((RESULTS / "speed.json").read_text())
     rn = data["resnet50_224"]
@@ -103,7 +127,7 @@ def _speed() -> str:
 def main() -> None:
     readme = ROOT / "README.md"
     text = readme.read_text()
-    for name, body in (("accuracy", _accuracy()), ("speed", _speed())):
+    for name, body in (("accuracy", _accuracy()), ("isa", _isa()), ("speed", _speed())):
         pattern = re.compile(rf"<!-- {name} -->.*?<!-- /{name} -->", re.S)
         text = pattern.sub(f"<!-- {name} -->\n{body}\n<!-- /{name} -->", text)
     readme.write_text(text)

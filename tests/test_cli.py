@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import assert_model_unchanged, snapshot_model
 
 from vram_widget import profile_model, zoo
 from vram_widget._cli import main
@@ -177,19 +178,34 @@ def test_layers_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_callable_model(user_module: Any, capsys: pytest.CaptureFixture[str]) -> None:
     model = user_module.MODEL
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = snapshot_model(model)
     out = _run_json([f"{_MODULE}:tiny_model", "--input-size", "8", "--device", "cpu",
                      "--precision", "fp32"], capsys)  # fmt: skip
     profile = profile_model(model, input_size=(8,), device="cpu")
     assert out["model"] == f"{_MODULE}:tiny_model"
     assert out["input_shape"] == "batch × 8"
     assert out["settings"][0]["peak_bytes"] == profile.estimate(32).peak_bytes
-    # The CLI's profile left the user's model as it was.
-    after = model.state_dict()
-    assert before.keys() == after.keys()
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    assert model.training is False
-    assert all(p.grad is None for p in model.parameters())
+    # The CLI's profile left the user's model as it was (the suite's shared check).
+    assert_model_unchanged(model, before)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--batch-size", "0"],
+        ["--precision", "fp8"],
+        ["--gpu", "80"],
+        ["--input-size", "8,x"],
+        ["--optimizer", "lion"],
+    ],
+)
+def test_bad_values_leave_the_callable_model_alone(
+    user_module: Any, capsys: pytest.CaptureFixture[str], bad: list[str]
+) -> None:
+    model = user_module.MODEL
+    before = snapshot_model(model)
+    _usage_error([f"{_MODULE}:tiny_model", "--input-size", "8", "--device", "cpu", *bad], capsys)
+    assert_model_unchanged(model, before)
 
 
 def test_transformers_model(capsys: pytest.CaptureFixture[str]) -> None:
