@@ -326,6 +326,70 @@ def test_gqa() -> None:
         assert select_sdpa_backend(TORCH_2_8, q, k, v, enable_gqa=True) is SdpaBackend.MATH
 
 
+def _saved_bytes(saved: Saved) -> int:
+    """Bytes of the distinct storages autograd saved."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _s, _d, t in saved}
+    return sum(storages.values())
+
+
+def _repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    # transformers/integrations/sdpa_attention.py · repeat_kv: expand + reshape, a copy
+    b, h, s, d = t.shape
+    return t[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+@pytest.mark.parametrize(
+    ("target", "dtype", "repeat", "backend", "expected"),
+    [
+        # B=2, H=4 query heads, 2 k/v heads, L=S=128, D=64. q and out: 2*4*128*64*2 = 131,072
+        # bytes each in bf16; un-repeated k and v: 2*2*128*64*2 = 65,536 each; repeated:
+        # 131,072 each. The fused kernels take k/v with fewer heads as they are (torch 2.13
+        # F.scaled_dot_product_attention docstring: "GQA ... works only for Flash_attention and
+        # math kernel on CUDA"; attention.cpp passes k/v to the op without repeating them), so
+        # enable_gqa keeps no copy; repeat_kv's copies are what the kernel saves instead.
+        # flash: + lse (2,4,128) fp32 4,096 + rng (2,) u64 16 + () u64 8 (E2)
+        # 131,072*2 + 65,536*2 + 4,120 = 397,336; repeated: 131,072*4 + 4,120 = 528,408
+        (TORCH_2_8, torch.bfloat16, False, SdpaBackend.FLASH, 397_336),
+        (TORCH_2_8, torch.bfloat16, True, SdpaBackend.FLASH, 528_408),
+        # cuDNN (first on H100, recent torch): + lse (2,4,128,1) fp32 4,096 + seed/offset
+        # int64 8 + 8: 397,328 and 528,400
+        (TORCH_2_13, torch.bfloat16, False, SdpaBackend.CUDNN, 397_328),
+        (TORCH_2_13, torch.bfloat16, True, SdpaBackend.CUDNN, 528_400),
+        # fp32: flash and cuDNN need fp16/bf16 and mem-eff refuses unequal heads (same
+        # docstring; sdp_utils.cpp check_batch_size_and_num_heads_dense<false>), so enable_gqa
+        # runs math (§1.5): repeat_interleave'd k^T (8,64,128) and v (8,128,64), the scaled q
+        # (8,128,64) and the softmax (8,128,128), fp32: 262,144*3 + 524,288 = 1,310,720.
+        (TORCH_2_13, torch.float32, False, SdpaBackend.MATH, 1_310_720),
+        # repeat_kv gives equal heads, so mem-eff runs: q, k, v, out 262,144 each + lse
+        # (2,4,ceil32(128)) 4,096 + philox seed/offset 16 = 1,052,688
+        (TORCH_2_13, torch.float32, True, SdpaBackend.EFFICIENT, 1_052_688),
+    ],
+)
+def test_grouped_query_attention_keeps_what_the_cuda_kernel_keeps(
+    target: CudaTarget, dtype: torch.dtype, repeat: bool, backend: SdpaBackend, expected: int
+) -> None:
+    # Hugging Face's two GQA paths (sdpa_attention.py): enable_gqa=True without a mask, or
+    # repeat_kv; here both causal and unmasked, to isolate what the repeat costs.
+    with FakeTensorMode():
+        q, k, v = qkv(kv_heads=2, dtype=dtype)
+        with CudaEmulation(target) as mode, saved_tensors() as saved:
+            if repeat:
+                out = F.scaled_dot_product_attention(
+                    q, _repeat_kv(k, 2), _repeat_kv(v, 2), is_causal=True
+                )
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert mode.sdpa_calls[-1].backend is backend
+        assert _saved_bytes(saved) == expected
+        # head counts of the 4-D (B, heads, L, D) tensors kept: the 2-head k/v themselves
+        # unless repeated (math keeps only 3-D (B*H, ., .) tensors)
+        heads_saved = {s[1] for s, d, _t in saved if len(s) == 4 and s[-1] == 64}
+        if backend is not SdpaBackend.MATH:
+            assert heads_saved == ({4} if repeat else {2, 4})
+        out.sum().backward()
+        assert k.grad is not None and k.grad.shape == (2, 2, 128, 64)
+
+
 def test_attention_under_autocast_casts_first() -> None:
     with FakeTensorMode():
         q, k, v = qkv(dtype=torch.float32)

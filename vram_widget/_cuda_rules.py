@@ -289,7 +289,10 @@ def _can_use_efficient(
     if not _common_fused_ok(q, k, v, mask, ignore_singleton_dim=False):
         return False
     # The 2.9-era copy rejects GQA here (check_batch_size_and_num_heads_dense<false>), and the
-    # 2.13 meta backward fails on GQA shapes, so GQA with unequal heads falls to math.
+    # 2.13 meta backward fails on GQA shapes, so GQA with unequal heads falls to math (the
+    # 2.13 F.scaled_dot_product_attention docstring agrees: "GQA ... currently works only for
+    # Flash_attention and math kernel on CUDA tensor"). Hugging Face's repeat_kv path passes
+    # equal heads, so it may take mem-eff while enable_gqa in fp32 runs math.
     if not _heads_ok(q, k, v, gqa=False, same=True):
         return False
     allowed = (*_HALF, torch.float32) if t.major >= 8 else (torch.float16, torch.float32)
@@ -790,6 +793,12 @@ def _sdpa_kernel(
     backend = select_sdpa_backend(mode.target, q, k, v, mask, dropout_p, is_causal, gqa)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     aten = torch.ops.aten
+    # GQA (enable_gqa, unequal heads): attention.cpp · scaled_dot_product_attention hands k/v
+    # to the flash / cuDNN ops un-repeated (the kernels index k/v head h // (Hq / Hkv); the
+    # FA2 mha_fwd check num_heads % num_heads_k == 0 is UNCONFIRMED here, read in no source
+    # copy), so they save the Hkv-head k/v and no copy; only math repeat_interleaves k and v
+    # (attention.cpp · _scaled_dot_product_attention_math, and the 2.13 docstring's
+    # reference code). tests/test_cuda_rules.py works the bytes out per backend.
     extra = {"enable_gqa": True} if gqa else {}  # 2.4 ops have no enable_gqa argument
     try:
         if backend is SdpaBackend.CUDNN:

@@ -17,6 +17,7 @@ import torch
 from torch.func import functional_call
 
 from ._composites import real_run_composites, rules_hold
+from ._data_dependent import example_mask_values, graph_randomness, worst_case_graph
 from ._errors import entry_codes, user_traceback
 from ._estimator import module_label
 from ._fake import (
@@ -280,47 +281,6 @@ def _preserved_model_state(model: torch.nn.Module) -> Iterator[None]:
         torch.random.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-
-
-# Training-time randomness that changes the graph, not just values: each knob is a module or
-# config attribute whose name ends so, and the value that runs every layer. Hugging Face's
-# LayerDrop skips a random layer per step (``if self.training and torch.rand([]) <
-# self.layerdrop: continue``, in ~50 models: wav2vec2, hubert, BART, Whisper, ...); fake
-# tensors cannot decide the comparison, and two real runs drop different layers. The
-# estimate is for the step that drops none: the worst case, and the one every step can hit.
-_WORST_CASE_KNOBS: dict[str, float] = {"layerdrop": 0.0}
-
-
-def _graph_randomness(model: torch.nn.Module) -> list[tuple[Any, str, float, float]]:
-    """(object, attribute, value, the value that runs every layer) of every knob set to
-    randomize the graph: module attributes and those of each module's ``config`` (once per
-    config object)."""
-    found: list[tuple[Any, str, float, float]] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        for owner in (module, getattr(module, "config", None)):
-            if owner is None or id(owner) in seen:
-                continue
-            seen.add(id(owner))
-            for name, value in list(vars(owner).items()):
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    continue
-                for suffix, off in _WORST_CASE_KNOBS.items():
-                    if name.endswith(suffix) and value != off:
-                        found.append((owner, name, value, off))
-    return found
-
-
-@contextlib.contextmanager
-def _worst_case_graph(knobs: list[tuple[Any, str, float, float]]) -> Iterator[None]:
-    """Set the knobs to the value that runs every layer, and back, whatever happens."""
-    try:
-        for owner, name, _value, off in knobs:
-            setattr(owner, name, off)
-        yield
-    finally:
-        for owner, name, value, _off in knobs:
-            setattr(owner, name, value)
 
 
 class Profiler:
@@ -712,6 +672,12 @@ class _Source:
                 continue
         return traces
 
+    def _example(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The example batch as the user gave it (positional, keyword): its values decide
+        what fake tensors cannot (``_data_dependent``)."""
+        inputs = self.profiler.subject.inputs
+        return ((), {}) if inputs is None else (inputs.args, inputs.kwargs)
+
     def _run(
         self, precision: Precision, batch_size: int, train: bool, flops: bool = True
     ) -> RawTrace:
@@ -720,7 +686,8 @@ class _Source:
         # caller sits inside torch.no_grad() or torch.inference_mode().
         with (
             _preserved_model_state(self.profiler.subject.model),
-            _worst_case_graph(_graph_randomness(self.profiler.subject.model)),
+            worst_case_graph(graph_randomness(self.profiler.subject.model)),
+            example_mask_values(self.profiler.subject.model, *self._example()),
             torch.inference_mode(False),
             torch.enable_grad(),
         ):
@@ -884,7 +851,7 @@ def profile_model(
         if not _another_precision_runs(profile):
             raise
     profile.fallback_reason = subject.fallback_reason
-    knobs = _graph_randomness(model)
+    knobs = graph_randomness(model)
     if knobs:
         where = ", ".join(f"{type(o).__name__}.{n}={v:g}" for o, n, v, _off in knobs[:3])
         warnings.warn(
