@@ -1537,8 +1537,9 @@ def test_profile_states_the_input_shape() -> None:
     assert "inputs: batch × 784," in repr(profile_model(zoo.mlp(), input_size=(784,)))
     entry = zoo.ZOO["dict_input"]
     profile = profile_model(entry.build(), inputs=entry.make_inputs(2))
-    assert profile.input_shape == (
-        "input_ids: batch × 32 int64, attention_mask: batch × 32 int64, labels: batch int64"
+    assert profile.input_shape == (  # the token inputs' dim 1 is the sequence
+        "input_ids: batch × seq int64, attention_mask: batch × seq int64, labels: batch int64 "
+        "(seq = 32)"
     )
     positional = profile_model(_Scaled(), inputs=(torch.randn(2, 4), torch.randn(6)))
     assert positional.input_shape == "[0]: batch × 4, [1]: 6"  # the second has no batch dim
@@ -1711,3 +1712,109 @@ def test_a_model_that_runs_in_no_precision_raises() -> None:
 
     with pytest.raises(ProfilingError, match="broken model"):
         profile_model(Broken(), input_size=(8,))
+
+
+# --------------------------------------------------------------------------------------------
+# The sequence axis
+# --------------------------------------------------------------------------------------------
+
+
+def test_token_inputs_give_the_sequence_axis() -> None:
+    entry = zoo.ZOO["dict_input"]  # input_ids, attention_mask (B, 32) int64; labels (B,)
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cpu")
+    assert profile.has_seq_axis and profile.seq_len == 32
+    assert profile.input_shape == (
+        "input_ids: batch × seq int64, attention_mask: batch × seq int64, labels: batch int64 "
+        "(seq = 32)"
+    )
+    est = profile.estimate(4, optimizer="sgd", seq_len=50)
+    assert est.seq_len == 50 and profile.estimate(4).seq_len == 32
+    # exact: the same as profiling an example of that length
+    other = profile_model(entry.build(), inputs=_dict_inputs(entry, 2, 50), device="cpu")
+    assert est.peak_bytes == other.estimate(4, optimizer="sgd").peak_bytes
+    assert est.flops == other.estimate(4, optimizer="sgd").flops
+
+
+def _dict_inputs(entry: Any, batch: int, seq: int) -> dict[str, torch.Tensor]:
+    inputs = entry.make_inputs(batch)
+    return {k: v[:, :1].repeat(1, seq) if v.dim() == 2 else v for k, v in inputs.items()}
+
+
+def test_explicit_seq_axis_on_a_float_input() -> None:
+    # input_size=(12, 16): 12 frames of 16 features; seq_axis=1 is dim 1 of the batch
+    model = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    profile = profile_model(model, input_size=(12, 16), seq_axis=1, device="cpu")
+    assert profile.seq_len == 12 and profile.input_shape == "batch × seq × 16 (seq = 12)"
+    longer = profile_model(model, input_size=(30, 16), device="cpu")
+    assert profile.estimate(3, seq_len=30).peak_bytes == longer.estimate(3).peak_bytes
+    assert not profile_model(model, input_size=(12, 16), device="cpu").has_seq_axis
+
+
+def test_max_seq_len_is_the_boundary() -> None:
+    emb = nn.Embedding(100, 64)
+    profile = profile_model(emb, inputs=torch.zeros(2, 8, dtype=torch.long), device="cpu")
+    n = profile.max_seq_len(2**21, batch_size=4, optimizer="sgd")
+    assert n > 8
+    assert profile.estimate(4, optimizer="sgd", seq_len=n).total_bytes <= 2**21
+    assert profile.estimate(4, optimizer="sgd", seq_len=n + 1).total_bytes > 2**21
+    assert profile.max_batch_size(2**21, optimizer="sgd", seq_len=n) >= 4
+
+
+@pytest.mark.parametrize(
+    ("seq_axis", "error", "message"),
+    [
+        ({"tokens": 1}, ValueError, r"names input 'tokens'.*input_ids: \(2, 32\)"),
+        ({"input_ids": 2}, ValueError, r"give a dim from 1 to 1 of input_ids"),
+        (0, ValueError, r"dim 0 is the batch"),
+        (3, ValueError, r"no batched input has dim 3"),
+        ({"input_ids": 1, "labels": 0}, ValueError, r"dim 0 is the batch"),
+        ("seq", TypeError, r"seq_axis must be None .*False .*int.*dict"),
+    ],
+)
+def test_bad_seq_axis_names_the_inputs(seq_axis: Any, error: type[Exception], message: str) -> None:
+    entry = zoo.ZOO["dict_input"]
+    model = entry.build()
+    inputs = entry.make_inputs(2)
+    before = snapshot_model(model)
+    with pytest.raises(error, match=message):
+        profile_model(model, inputs=inputs, seq_axis=seq_axis)
+    assert_model_unchanged(model, before)
+
+
+def test_seq_axes_of_different_lengths_are_refused() -> None:
+    ids, short = torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
+
+    class TwoTowers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.emb(a).sum() + self.emb(b).sum()
+
+    with pytest.raises(ValueError, match=r"different lengths \(\[0\]: 16, \[1\]: 8\)"):
+        profile_model(TwoTowers(), inputs=(ids, short), seq_axis=1)
+    # found automatically: no axis, and an estimate at a length says why
+    profile = profile_model(TwoTowers(), inputs=(ids, short))
+    assert not profile.has_seq_axis
+    with pytest.raises(ValueError, match=r"no sequence axis .*different lengths"):
+        profile.estimate(2, seq_len=20)
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "error"), [(0, ValueError), (-3, ValueError), (2.5, TypeError)]
+)
+def test_bad_seq_len(seq_len: Any, error: type[Exception]) -> None:
+    entry = zoo.ZOO["dict_input"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cpu")
+    with pytest.raises(error, match="seq_len"):
+        profile.estimate(2, seq_len=seq_len)
+
+
+def test_a_model_without_a_sequence_refuses_seq_len() -> None:
+    profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
+    assert not profile.has_seq_axis and profile.seq_len is None
+    with pytest.raises(ValueError, match=r"no sequence axis \(inputs: batch × 784"):
+        profile.estimate(2, seq_len=16)
+    with pytest.raises(ValueError, match="no sequence axis"):
+        profile.max_seq_len("1 GiB")

@@ -30,10 +30,10 @@ def _tokens(batch: int, seq: int = 16, labels_seq: int | None = None) -> dict[st
     return {"input_ids": ids, "labels": labels}
 
 
-def _classify(batch: int) -> dict[str, torch.Tensor]:
+def _classify(batch: int, seq: int = 16) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(batch)
     return {
-        "input_ids": torch.randint(0, _VOCAB, (batch, 16), generator=gen),
+        "input_ids": torch.randint(0, _VOCAB, (batch, seq), generator=gen),
         "labels": torch.randint(0, 3, (batch,), generator=gen),
     }
 
@@ -349,3 +349,48 @@ def test_grouped_query_sdpa_with_an_all_ones_mask_estimate_equals_measure() -> N
         measured = measure(model, make(7), optimizer=optimizer, mode=mode)
         err = (est.peak_bytes - measured.peak_bytes) / measured.peak_bytes
         assert abs(err) <= 1e-4, (mode, est.peak_bytes, measured.peak_bytes)
+
+
+# -- the sequence axis -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_sequence_length_estimate_equals_measure(name: str) -> None:
+    # Profiled at 16 tokens; input_ids (and a causal LM's labels) are the sequence axis found
+    # by default. Another length is exact (profiled at that length, cached).
+    model = _build(name)
+    make = {"gpt2": _tokens, "llama": _tokens, "bert": _classify}[name]
+    profile = profile_model(model, inputs=make(2), device="cpu")
+    assert profile.has_seq_axis and profile.seq_len == 16
+    for seq in (9, 40):
+        for optimizer, mode in (("adam", "train"), (None, "inference")):
+            est = profile.estimate(3, "fp32", optimizer, mode, seq_len=seq)
+            real = measure(model, make(3, seq), optimizer=optimizer, mode=mode)
+            err = (est.peak_bytes - real.peak_bytes) / real.peak_bytes
+            assert abs(err) <= 1e-4, (seq, mode, est.peak_bytes, real.peak_bytes)
+
+
+def test_learned_positions_bound_the_sequence() -> None:
+    # GPT-2's wpe has n_positions = 64 rows here: a real step past it indexes out of range
+    profile = profile_model(_build("gpt2"), inputs=_tokens(2), device="cpu")
+    assert profile.seq_len_limit == 64
+    with pytest.raises(ValueError, match=r"seq_len=65 is beyond the model's 64 learned positions"):
+        profile.estimate(2, seq_len=65)
+    assert profile.max_seq_len("1 GiB", batch_size=1) == 64
+    assert profile_model(_build("llama"), inputs=_tokens(2)).seq_len_limit is None  # rotary
+
+
+def test_encoder_decoder_lengths_that_differ_need_an_explicit_axis() -> None:
+    # T5: 16 encoder tokens, 8 label tokens. One axis is supported: none by default (and an
+    # estimate at a length says why), or the encoder's, named.
+    model = _build("t5")
+    profile = profile_model(model, inputs=_tokens(2, 16, 8), device="cpu")
+    assert not profile.has_seq_axis
+    with pytest.raises(ValueError, match=r"different lengths .*input_ids: \(2, 16\)"):
+        profile.estimate(2, seq_len=32)
+    encoder = profile_model(
+        model, inputs=_tokens(2, 16, 8), device="cpu", seq_axis={"input_ids": 1}
+    )
+    est = encoder.estimate(3, "fp32", "adam", seq_len=24)
+    real = measure(model, _tokens(3, 24, 8), optimizer="adam")
+    assert abs(est.peak_bytes - real.peak_bytes) <= 1e-4 * real.peak_bytes

@@ -108,6 +108,7 @@ class MemoryEstimate:
     optimizer: OptimizerName | None
     mode: Mode
     device: Device
+    seq_len: int | None  # tokens per sample (None: the profile has no sequence axis)
     peak_bytes: int
     peak_phase: Phase
     peak_module: str
@@ -171,6 +172,7 @@ def estimate(
     optimizer: OptimizerName | None,
     mode: Mode,
     device: Device,
+    seq_len: int | None = None,
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
@@ -256,6 +258,7 @@ def estimate(
         optimizer=optimizer if train else None,
         mode=mode,
         device=device,
+        seq_len=seq_len,
         peak_bytes=peak,
         peak_phase=peak_phase,
         peak_module=module_label(rows, peak_row),

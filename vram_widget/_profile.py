@@ -32,7 +32,9 @@ class ProfilingError(RuntimeError):
 class ProfileSource(Protocol):
     """What the profile asks its profiler for, once per key."""
 
-    def timeline(self, precision: Precision, mode: Mode) -> Timeline: ...
+    def timeline(
+        self, precision: Precision, mode: Mode, seq_len: int | None = None
+    ) -> Timeline: ...
 
     def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace: ...
 
@@ -52,6 +54,9 @@ class ModelProfile:
         model_name: str = "",
         input_shape: str = "",
         fallback_reason: str | None = None,
+        seq_len: int | None = None,
+        no_seq_reason: str = "",
+        seq_len_limit: int | None = None,
     ) -> None:
         self.rows = rows
         self.device = device
@@ -61,7 +66,14 @@ class ModelProfile:
         self.input_shape = input_shape
         self.fallback_reason = fallback_reason
         self._source = source
+        # The example's sequence length (None: no sequence axis), and why there is none
+        self.seq_len = seq_len
+        self._no_seq_reason = no_seq_reason
+        # the longest sequence the model takes (learned absolute positions), if it has one
+        self.seq_len_limit = seq_len_limit
         self._timelines: dict[tuple[Precision, Mode], Timeline] = {}
+        # other sequence lengths, each profiled on first use (cached)
+        self._other_lengths: dict[tuple[Precision, Mode, int], Timeline] = {}
         # a setting that failed to profile fails again at once, without another run
         self._failures: dict[tuple[Precision, Mode], ProfilingError] = {}
         self._optimizers: dict[tuple[Precision, OptimizerName], OptimizerTrace] = {}
@@ -97,7 +109,41 @@ class ModelProfile:
         opt = parse_optimizer(optimizer)
         return run_mode is Mode.INFERENCE or opt is None or (prec, opt) in self._optimizers
 
-    def timeline(self, precision: Precision, mode: Mode) -> Timeline:
+    @property
+    def has_seq_axis(self) -> bool:
+        """Whether ``estimate(seq_len=...)`` can vary the sequence length."""
+        return self.seq_len is not None
+
+    def _check_seq_len(self, seq_len: object) -> int | None:
+        """``seq_len`` validated; None where it is the example's own length."""
+        if seq_len is None:
+            return None
+        if not self.has_seq_axis:
+            raise ValueError(
+                f"seq_len={seq_len!r}: this profile has no sequence axis (inputs: "
+                f"{self.input_shape}; {self._no_seq_reason})"
+            )
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer):
+            raise TypeError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len} (inputs: {self.input_shape})")
+        if self.seq_len_limit is not None and seq_len > self.seq_len_limit:
+            raise ValueError(
+                f"seq_len={seq_len} is beyond the model's {self.seq_len_limit} learned "
+                "positions (config.max_position_embeddings): a real step would index past "
+                "its position table"
+            )
+        return None if seq_len == self.seq_len else int(seq_len)
+
+    def timeline(self, precision: Precision, mode: Mode, seq_len: int | None = None) -> Timeline:
+        if seq_len is not None and seq_len != self.seq_len:
+            # Another length: profiled as the example was, at that length (cached). Exact,
+            # and it costs one profile per new length.
+            length_key = (precision, mode, seq_len)
+            if length_key not in self._other_lengths:
+                self.timeline(precision, mode)  # fails as the example's length fails
+                self._other_lengths[length_key] = self._source.timeline(precision, mode, seq_len)
+            return self._other_lengths[length_key]
         key = (precision, mode)
         if key not in self._timelines and key not in self._failures:
             try:
@@ -134,6 +180,7 @@ class ModelProfile:
         optimizer: str | OptimizerName | None = "adam",
         mode: str | Mode = "train",
         *,
+        seq_len: int | None = None,
         compute_capability: tuple[int, int] | None = None,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
@@ -146,6 +193,10 @@ class ModelProfile:
         optimizer : {"sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop", None}
             Ignored in inference mode.
         mode : {"train", "inference"}
+        seq_len : int, optional
+            Tokens per sample, where the profile has a sequence axis (``has_seq_axis``);
+            None is the example's length (``self.seq_len``). A length used for the first time
+            is profiled at that length (cached), so the answer is exact at any length.
         compute_capability : (major, minor), optional
             The target GPU's, as ``torch.cuda.get_device_capability()`` gives it; it sizes
             the cuBLAS workspace in ``est.extras`` (32 MiB on 9.x, 8 MiB before). Default
@@ -167,7 +218,8 @@ class ModelProfile:
         prec = parse_option(Precision, precision, "precision")
         opt_name = parse_optimizer(optimizer)
         run_mode = parse_option(Mode, mode, "mode")
-        timeline = self.timeline(prec, run_mode)
+        length = self._check_seq_len(seq_len)
+        timeline = self.timeline(prec, run_mode, length)
         opt = None
         if run_mode is Mode.TRAIN and opt_name is not None:
             opt = self.optimizer_trace(prec, opt_name)
@@ -180,6 +232,7 @@ class ModelProfile:
             optimizer=opt_name,
             mode=run_mode,
             device=self.device,
+            seq_len=self.seq_len if length is None else length,
             compute_capability=_check_capability(compute_capability),
         )
 
@@ -190,11 +243,13 @@ class ModelProfile:
         optimizer: str | OptimizerName | None = "adam",
         mode: str | Mode = "train",
         *,
+        seq_len: int | None = None,
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**40,
     ) -> int:
         """The largest batch whose estimated peak plus accelerator extras fits in
-        ``capacity_bytes`` (0 when not even one sample fits).
+        ``capacity_bytes`` (0 when not even one sample fits), at ``seq_len`` tokens per
+        sample where the profile has a sequence axis (None: the example's length).
 
         Parameters
         ----------
@@ -202,7 +257,7 @@ class ModelProfile:
             Bytes (an int, at least 1 MiB: ``max_batch_size(80)`` is refused, not read as
             80 bytes), a string with a unit (``"80GiB"``, ``"24 GB"``: GiB = 2**30, GB =
             10**9) or a GPU name of the catalog (``"A100 80GB"``).
-        precision, optimizer, mode, compute_capability
+        precision, optimizer, mode, seq_len, compute_capability
             As for :meth:`estimate`.
 
         Examples
@@ -217,7 +272,12 @@ class ModelProfile:
 
         def at(batch: int) -> MemoryEstimate:
             return self.estimate(
-                batch, precision, optimizer, mode, compute_capability=compute_capability
+                batch,
+                precision,
+                optimizer,
+                mode,
+                seq_len=seq_len,
+                compute_capability=compute_capability,
             )
 
         one = at(1)
@@ -225,6 +285,58 @@ class ModelProfile:
             return 0
         start = _affine_guess(one, at(2), capacity, limit)
         return _largest_fitting(lambda b: at(b).total_bytes <= capacity, start, limit)
+
+    def max_seq_len(
+        self,
+        capacity_bytes: int | str | Gpu,
+        batch_size: int = 1,
+        precision: str | Precision = "fp32",
+        optimizer: str | OptimizerName | None = "adam",
+        mode: str | Mode = "train",
+        *,
+        compute_capability: tuple[int, int] | None = None,
+        limit: int = 2**20,
+    ) -> int:
+        """The longest sequence whose estimated peak plus accelerator extras fits in
+        ``capacity_bytes`` at ``batch_size`` (0 when not even one token fits).
+
+        Each length the search tries for the first time is profiled at that length (about
+        as long as the first profile; cached), so this takes one profile per length tried:
+        a doubling bracket from the example's length, then bisection (about ``2 *
+        log2(answer / seq_len)`` lengths).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> emb = torch.nn.Embedding(100, 16)
+        >>> profile = profile_model(emb, inputs=torch.zeros(2, 8, dtype=torch.long))
+        >>> n = profile.max_seq_len("64 MiB", batch_size=4, optimizer="sgd")
+        >>> profile.estimate(4, optimizer="sgd", seq_len=n).total_bytes <= 64 * 2**20
+        True
+        """
+        if not self.has_seq_axis:
+            self._check_seq_len(1)  # raises: no sequence axis
+        capacity = parse_capacity(capacity_bytes)
+        batch = parse_batch_size(batch_size)
+        assert self.seq_len is not None
+
+        def fits(length: int) -> bool:
+            est = self.estimate(
+                batch,
+                precision,
+                optimizer,
+                mode,
+                seq_len=length,
+                compute_capability=compute_capability,
+            )
+            return est.total_bytes <= capacity
+
+        if not fits(1):
+            return 0
+        if self.seq_len_limit is not None:
+            limit = min(limit, self.seq_len_limit)
+        return _largest_fitting(fits, min(self.seq_len, limit), limit)
 
     def bytes_per_sample(
         self,

@@ -115,6 +115,8 @@ class Subject:
     _buffers: list[tuple[str, torch.Tensor, int]] = field(init=False)
     fallback_reason: str | None = None
     params_with_grad: set[str] | None = None  # names; set by the first traced training step
+    # input name ("[0]" positional, or the keyword) -> its dim that is the sequence
+    seq_axes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         names, types, depths, mods = [], [], [], []
@@ -197,54 +199,82 @@ class Subject:
         return params, buffers
 
     def describe_inputs(self) -> str:
-        """The inputs' shapes as a person reads them, with the batch dimension named:
-        ``"batch × 3 × 224 × 224"``, or ``"input_ids: batch × 128 int64, labels: ..."``."""
+        """The inputs' shapes as a person reads them, with the batch and sequence dimensions
+        named: ``"batch × 3 × 224 × 224"``, or ``"input_ids: batch × seq int64, labels:
+        batch × seq int64 (seq = 128)"``."""
+        seq = f" (seq = {self.seq_len})" if self.seq_axes else ""
         if self.inputs is None:
             assert self.input_size is not None
-            return _shape_text(("batch", *self.input_size))
+            dims: list[Any] = ["batch", *self.input_size]
+            for dim in self.seq_axes.values():
+                dims[dim] = "seq"
+            return _shape_text(tuple(dims)) + seq
         n = self.inputs.batch_size()
 
-        def one(t: torch.Tensor) -> str:
-            dims: tuple[Any, ...] = tuple(t.shape)
+        def one(name: str, t: torch.Tensor) -> str:
+            dims: list[Any] = list(t.shape)
             if dims and dims[0] == n:
-                dims = ("batch", *dims[1:])
-            text = _shape_text(dims) if dims else "scalar"
+                dims[0] = "batch"
+            if name in self.seq_axes:
+                dims[self.seq_axes[name]] = "seq"
+            text = _shape_text(tuple(dims)) if dims else "scalar"
             dtype = str(t.dtype).removeprefix("torch.")
             return text if t.is_floating_point() else f"{text} {dtype}"
 
-        named = [(f"[{i}]", v) for i, v in enumerate(self.inputs.args)]
-        named += [(str(k), v) for k, v in self.inputs.kwargs.items()]
-        tensors = [(k, v) for k, v in named if isinstance(v, torch.Tensor)]
+        tensors = self.inputs.named_tensors()
         if len(tensors) == 1 and not self.inputs.kwargs:
-            return one(tensors[0][1])
-        return ", ".join(f"{k}: {one(v)}" for k, v in tensors)
+            return one(*tensors[0]) + seq
+        return ", ".join(f"{k}: {one(k, v)}" for k, v in tensors) + seq
 
-    def make_inputs(self, batch_size: int, precision: Precision, real: bool) -> ModelInputs:
-        """The example batch resized to ``batch_size`` along dim 0, floats in the storage
-        dtype (fake tensors inside the fake mode, or real CPU tensors)."""
+    @property
+    def seq_len(self) -> int | None:
+        """The example's sequence length (None without a sequence axis)."""
+        if not self.seq_axes:
+            return None
+        name, dim = next(iter(self.seq_axes.items()))
+        if self.inputs is None:
+            assert self.input_size is not None
+            return self.input_size[dim - 1]
+        return int(dict(self.inputs.named_tensors())[name].shape[dim])
+
+    def make_inputs(
+        self, batch_size: int, precision: Precision, real: bool, seq_len: int | None = None
+    ) -> ModelInputs:
+        """The example batch resized to ``batch_size`` along dim 0 (and to ``seq_len`` along
+        the sequence axes), floats in the storage dtype (fake tensors inside the fake mode, or
+        real CPU tensors: the example's values tiled)."""
         half = storage_dtype(precision)
         if self.inputs is None:
             assert self.input_size is not None
-            shape = (batch_size, *self.input_size)
+            shape = [batch_size, *self.input_size]
+            if seq_len is not None:
+                for dim in self.seq_axes.values():
+                    shape[dim] = seq_len
             if real:
                 gen = torch.Generator().manual_seed(0)
                 return ModelInputs((torch.randn(shape, generator=gen).to(half),), {})
             return ModelInputs((torch.empty(shape, dtype=half),), {})
         n = self.inputs.batch_size()
 
-        def resize(t: torch.Tensor) -> torch.Tensor:
+        def resize(name: str, t: torch.Tensor) -> torch.Tensor:
             dtype = half if t.is_floating_point() else t.dtype
-            batched = t.dim() > 0 and t.shape[0] == n
-            shape = (batch_size, *t.shape[1:]) if batched else tuple(t.shape)
+            sizes = list(t.shape)
+            if t.dim() > 0 and t.shape[0] == n:
+                sizes[0] = batch_size
+            seq_dim = self.seq_axes.get(name)
+            if seq_len is not None and seq_dim is not None:
+                sizes[seq_dim] = seq_len
             if not real:
-                return torch.empty(shape, dtype=dtype)
+                return torch.empty(sizes, dtype=dtype)
             src = t.detach().to("cpu")
-            if batched:
-                reps = -(-batch_size // n)
-                src = src.repeat(reps, *([1] * (t.dim() - 1)))[:batch_size]
+            for dim, size in enumerate(sizes):  # tile the example's values to the new sizes
+                if size != src.shape[dim]:
+                    reps = [1] * src.dim()
+                    reps[dim] = -(-size // src.shape[dim])
+                    src = src.repeat(*reps).narrow(dim, 0, size)
             return src.to(dtype).clone()
 
-        return self.inputs.map(resize)
+        return self.inputs.map_named(resize)
 
 
 def _shape_text(dims: tuple[Any, ...]) -> str:
@@ -292,6 +322,8 @@ class Profiler:
         # CPU kernel workspaces are measured for device="cpu" (see _probe); CUDA's are
         # accounted for by the emulation and the accelerator extras instead.
         self.probe = KernelProbe() if subject.device is Device.CPU else None
+        # the sequence length of the runs (None: the example's)
+        self.seq_len: int | None = None
         # One fake mode, and one set of fake parameters and buffers, per precision, shared by
         # every run of that precision (each batch size, training and inference): building
         # them costs as much as a small model's whole step, and the fake mode's dispatch cache
@@ -347,7 +379,7 @@ class Profiler:
         subject = self.subject
         fake_mode, params, buffers = self._state(precision)
         with fake_mode or contextlib.nullcontext():
-            inputs = subject.make_inputs(batch_size, precision, self.real)
+            inputs = subject.make_inputs(batch_size, precision, self.real, self.seq_len)
         rec = Recorder(
             subject._row_of,
             subject.loss_row,
@@ -602,7 +634,14 @@ class _Source:
     def __init__(self, profiler: Profiler) -> None:
         self.profiler = profiler
 
-    def timeline(self, precision: Precision, mode: Mode) -> Timeline:
+    def timeline(self, precision: Precision, mode: Mode, seq_len: int | None = None) -> Timeline:
+        self.profiler.seq_len = seq_len
+        try:
+            return self._timeline(precision, mode)
+        finally:
+            self.profiler.seq_len = None
+
+    def _timeline(self, precision: Precision, mode: Mode) -> Timeline:
         train = mode is Mode.TRAIN
         # FLOPs are fitted from the first two runs: the check run does not count them
         traces = [
@@ -732,6 +771,124 @@ def _check_input_size(input_size: Any) -> tuple[int, ...]:
     return dims
 
 
+# Hugging Face's token inputs: dim 1 of each is the sequence where they share one length
+# (tokenizer outputs, and the labels of a causal LM).
+_TOKEN_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "position_ids",
+    "labels",
+    "decoder_input_ids",
+)
+
+
+def find_seq_axes(
+    inputs: ModelInputs | None, input_size: tuple[int, ...] | None, seq_axis: Any
+) -> tuple[dict[str, int], str]:
+    """The sequence dimension of each input (``{}``: none), and why there is none where
+    the automatic search found token inputs of different lengths.
+
+    ``seq_axis``: None (find Hugging Face token inputs: dim 1 of the 2-D integer tensors named
+    in ``_TOKEN_INPUTS``, or of 2-D integer positional tensors, where they share one length),
+    False (none), an int (that dim of every batched input that has it) or a dict of input
+    names (``"[0]"`` for the first positional) to dims.
+    """
+    if seq_axis is False:
+        return {}, "seq_axis=False"
+    # batched input name -> its ndim (input_size: the one float input)
+    if inputs is None:
+        assert input_size is not None
+        ndims = {"[0]": 1 + len(input_size)}
+        tensors: dict[str, torch.Tensor] = {}
+    else:
+        n = inputs.batch_size()
+        tensors = {k: t for k, t in inputs.named_tensors() if t.dim() > 0 and t.shape[0] == n}
+        ndims = {k: t.dim() for k, t in tensors.items()}
+    shapes = _shapes_text(inputs, input_size)
+    if seq_axis is None:
+        if inputs is None:
+            return {}, "input_size= has no automatic sequence axis (give seq_axis=)"
+        found = {
+            k: 1
+            for k, t in tensors.items()
+            if t.dim() == 2
+            and not t.is_floating_point()
+            and (k in _TOKEN_INPUTS or k.startswith("["))
+        }
+        if len({int(tensors[k].shape[1]) for k in found}) > 1:
+            return {}, (
+                f"the token inputs have different lengths ({shapes}): one sequence axis is "
+                "supported; pass seq_axis={name: dim, ...} for the inputs that share it"
+            )
+        return found, "no token inputs (input_ids, ...) found; pass seq_axis= to name one"
+    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, dict)):
+        raise TypeError(
+            f"seq_axis must be None (find token inputs), False (none), a dim (int) or a dict "
+            f"of input names to dims; got {seq_axis!r}"
+        )
+    if isinstance(seq_axis, int):
+        if seq_axis < 1:
+            raise ValueError(
+                f"seq_axis={seq_axis}: dim 0 is the batch; the sequence is a later dim of the "
+                f"inputs ({shapes})"
+            )
+        axes = {k: seq_axis for k, ndim in ndims.items() if ndim > seq_axis}
+        if not axes:
+            raise ValueError(f"seq_axis={seq_axis}: no batched input has dim {seq_axis} ({shapes})")
+    else:
+        axes = {}
+        for k, dim in seq_axis.items():
+            if k not in ndims:
+                raise ValueError(
+                    f"seq_axis names input {k!r}, which is not a batched input; the inputs "
+                    f"are {shapes}"
+                )
+            ndim = ndims[k]
+            if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim < ndim:
+                raise ValueError(
+                    f"seq_axis[{k!r}] = {dim!r}: give a dim from 1 to {ndim - 1} of {k} "
+                    f"(dim 0 is the batch); the inputs are {shapes}"
+                )
+            axes[k] = dim
+    lengths = {k: _dim_size(inputs, input_size, k, d) for k, d in axes.items()}
+    if len(set(lengths.values())) > 1:
+        listed = ", ".join(f"{k}: {v}" for k, v in lengths.items())
+        raise ValueError(
+            f"the sequence axes have different lengths ({listed}): one sequence axis is "
+            "supported; name only the inputs that share it"
+        )
+    return axes, ""
+
+
+def _dim_size(
+    inputs: ModelInputs | None, input_size: tuple[int, ...] | None, name: str, dim: int
+) -> int:
+    if inputs is None:
+        assert input_size is not None
+        return input_size[dim - 1]
+    return int(dict(inputs.named_tensors())[name].shape[dim])
+
+
+def _shapes_text(inputs: ModelInputs | None, input_size: tuple[int, ...] | None) -> str:
+    if inputs is None:
+        return f"input_size={input_size}"
+    return ", ".join(f"{k}: {tuple(t.shape)}" for k, t in inputs.named_tensors())
+
+
+def position_limit(model: torch.nn.Module) -> int | None:
+    """The longest sequence a model with learned absolute positions can take: its config's
+    ``max_position_embeddings`` where an ``nn.Embedding`` of that many rows holds them
+    (GPT-2's ``wpe``, BERT's ``position_embeddings``; a real step past it indexes out of
+    range, which fake tensors do not check). Rotary or relative positions (Llama, T5) have no
+    such table, and no limit here."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    tables = (m for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    return limit if any(t.num_embeddings == limit for t in tables) else None
+
+
 def _check_devices(model: torch.nn.Module, inputs: ModelInputs) -> None:
     """The example inputs must be where the model's parameters and buffers are, as the user's
     real step needs them: a CPU model fed CUDA tensors (or ``cuda:1`` tensors to a ``cuda:0``
@@ -768,6 +925,7 @@ def profile_model(
     inputs: Any = None,
     loss_fn: Callable[[Any], Any] | None = None,
     device: str = "cuda",
+    seq_axis: Any = None,
 ) -> ModelProfile:
     """Profile one training step and one inference pass of ``model`` on fake tensors.
 
@@ -794,6 +952,13 @@ def profile_model(
         Whose kernels and defaults the estimate is for. ``"cuda"`` emulates CUDA's kernel
         choices (fused dropout masks, flash / memory-efficient attention, foreach optimizers,
         CUDA autocast lists, 512-byte allocator blocks); ``"cpu"`` reproduces a CPU step.
+    seq_axis : None, False, int or dict, optional
+        The sequence dimension, which ``estimate(seq_len=...)`` varies. None finds Hugging
+        Face token inputs (dim 1 of ``input_ids``, ``attention_mask``, ``token_type_ids``,
+        ``position_ids``, ``labels``, ``decoder_input_ids`` as 2-D integer tensors, or of
+        2-D integer positional tensors) where they share one length; an int is that dim of
+        every batched input that has it; a dict maps input names (``"[0]"`` for the first
+        positional) to dims; False means none.
 
     Returns
     -------
@@ -829,7 +994,8 @@ def profile_model(
     else:
         size = _check_input_size(input_size)
     check_forward_accepts(model, model_inputs or ModelInputs((None,), {}))
-    subject = Subject(model, model_inputs, size, loss_fn, target)
+    seq_axes, no_seq_reason = find_seq_axes(model_inputs, size, seq_axis)
+    subject = Subject(model, model_inputs, size, loss_fn, target, seq_axes=seq_axes)
     profiler = Profiler(subject)
     source = _Source(profiler)
     profile = ModelProfile(
@@ -838,6 +1004,9 @@ def profile_model(
         source,
         model_name=type(model).__name__,
         input_shape=subject.describe_inputs(),
+        seq_len=subject.seq_len,
+        no_seq_reason=no_seq_reason,
+        seq_len_limit=position_limit(model) if seq_axes else None,
     )
     # fp32 training and inference, and Adam, are what the first estimate asks for.
     try:

@@ -172,6 +172,23 @@ class ModelInputs:
             tuple(apply(v) for v in self.args), {k: apply(v) for k, v in self.kwargs.items()}
         )
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors with their names: ``"[i]"`` for the i-th positional, else the keyword."""
+        named = [(f"[{i}]", v) for i, v in enumerate(self.args)]
+        named += list(self.kwargs.items())
+        return [(k, v) for k, v in named if isinstance(v, torch.Tensor)]
+
+    def map_named(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> ModelInputs:
+        """Apply ``fn(name, tensor)`` to every tensor (names as ``named_tensors`` gives)."""
+
+        def apply(name: str, value: Any) -> Any:
+            return fn(name, value) if isinstance(value, torch.Tensor) else value
+
+        return ModelInputs(
+            tuple(apply(f"[{i}]", v) for i, v in enumerate(self.args)),
+            {k: apply(k, v) for k, v in self.kwargs.items()},
+        )
+
     def batch_size(self) -> int:
         tensors = [t for t in self.tensors() if t.dim() > 0]
         if not tensors:
