@@ -232,10 +232,7 @@ class Subject:
         if not self.seq_axes:
             return None
         name, dim = next(iter(self.seq_axes.items()))
-        if self.inputs is None:
-            assert self.input_size is not None
-            return self.input_size[dim - 1]
-        return int(dict(self.inputs.named_tensors())[name].shape[dim])
+        return _dim_size(self.inputs, self.input_size, name, dim)
 
     def make_inputs(
         self, batch_size: int, precision: Precision, real: bool, seq_len: int | None = None
@@ -431,7 +428,7 @@ class Profiler:
             stack.enter_context(reparametrized(subject.model, state))
             if context is not None:
                 stack.enter_context(checkpoint_recompute_context(context))
-            else:  # CPU semantics: the CPU generator states checkpoint keeps are CPU memory
+            if subject.device is Device.CPU:  # the RNG states checkpoint keeps are CPU memory
                 stack.enter_context(tracked_rng_states(rec))
             if train:
                 stack.enter_context(
