@@ -43,7 +43,7 @@ from vram_widget import (
     zoo,
 )
 from vram_widget._measure import measure
-from vram_widget._options import PHASE_CODE
+from vram_widget._options import PHASE_CODE, Precision
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -1818,3 +1818,46 @@ def test_a_model_without_a_sequence_refuses_seq_len() -> None:
         profile.estimate(2, seq_len=16)
     with pytest.raises(ValueError, match="no sequence axis"):
         profile.max_seq_len("1 GiB")
+
+
+def test_other_lengths_are_numpy_once_the_length_is_fitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first other length fits the profile as a polynomial in (batch, seq), checked at a
+    # fourth length; every later length is numpy: no more runs.
+    entry = zoo.ZOO["dict_input"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2))  # device="cuda"
+    first = profile.estimate(4, optimizer="sgd", seq_len=50)
+    assert profile.timeline(Precision.FP32, Mode.TRAIN, 50).seq_degree == 2
+    monkeypatch.setattr(profile, "_source", None)  # any further profiling would fail
+    for seq in (7, 300, 4096):
+        est = profile.estimate(4, optimizer="sgd", seq_len=seq)
+        assert est.seq_len == seq and est.peak_bytes > 0
+    assert profile.estimate(4, optimizer="sgd", seq_len=50).peak_bytes == first.peak_bytes
+    # exact where measured: the same as profiling an example of that length
+    other = profile_model(entry.build(), inputs=_dict_inputs(entry, 2, 300))
+    assert profile.estimate(4, optimizer="sgd", seq_len=300).peak_bytes == (
+        other.estimate(4, optimizer="sgd").peak_bytes
+    )
+
+
+class _PadsToEight(nn.Module):
+    """Pads the sequence to a multiple of 8 (as tensor-core friendly code does): memory is a
+    step function of the length, no polynomial."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pad = -ids.shape[1] % 8
+        return self.fc(torch.nn.functional.pad(self.emb(ids), (0, 0, 0, pad)))
+
+
+def test_length_that_is_no_polynomial_is_profiled_at_the_length() -> None:
+    model = _PadsToEight()
+    profile = profile_model(model, inputs=torch.zeros(2, 16, dtype=torch.long))
+    for seq in (17, 23, 24, 40):
+        est = profile.estimate(3, optimizer="sgd", seq_len=seq)
+        at_length = profile_model(model, inputs=torch.zeros(2, seq, dtype=torch.long))
+        assert est.peak_bytes == at_length.estimate(3, optimizer="sgd").peak_bytes, seq
+    assert profile.timeline(Precision.FP32, Mode.TRAIN, 17).seq_degree == 0  # per length

@@ -54,3 +54,21 @@ def test_quadratic_fit_and_evaluation() -> None:
 def test_quadratic_fit_of_a_line_has_no_square_term() -> None:
     fit = Poly.fit((2, 3, 5), (np.array([180]), np.array([220]), np.array([300])))
     assert fit.coef.tolist() == [[100, 40, 0]]
+
+
+def test_polynomial_across_lengths() -> None:
+    # bytes = 4 B S^2 + 8 B S + 2 S + 16 (attention scores, a projection, a mask row, a
+    # constant): profiled at S = 16, 33, 50, each a line in B (a = 2 S + 16, b = 4 S^2 + 8 S)
+    def line(s: int) -> Poly:
+        return Poly.affine(np.array([2 * s + 16]), np.array([4 * s * s + 8 * s]))
+
+    fit = Poly.across((16, 33, 50), (line(16), line(33), line(50)))
+    assert (fit.degree, fit.seq_degree) == (1, 2)
+    # at B = 8, S = 4096: 4 * 8 * 4096^2 + 8 * 8 * 4096 + 2 * 4096 + 16
+    #                   = 536,870,912 + 262,144 + 8,192 + 16 = 537,141,264
+    assert fit.at(8, 4096).tolist() == [537_141_264]
+    assert fit.at(3, 16).tolist() == line(16).at(3).tolist()
+    # a quadratic in the batch at one length and a line at others pads to one degree
+    quad = Poly(np.array([[16, 8, 4]]))
+    mixed = Poly.across((1, 2, 3), (quad, line(2), line(3)))
+    assert mixed.degree == 2

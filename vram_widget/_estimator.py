@@ -179,12 +179,13 @@ def estimate(
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace)."""
     n_rows = len(rows.names)
     train = mode is Mode.TRAIN
-    seq = timeline.events_at(batch_size)
+    length = seq_len or 1  # a timeline of one length has no seq terms: any value serves
+    seq = timeline.events_at(batch_size, length)
     modules = timeline.event_module
     phases = timeline.event_phase
     cats = timeline.event_category
     ops = timeline.event_op
-    resident = timeline.resident_by_category(batch_size)
+    resident = timeline.resident_by_category(batch_size, length)
     if train and opt is not None:
         k = timeline.optimizer_at
         n_opt = len(opt.event_bytes)
@@ -215,11 +216,11 @@ def estimate(
     extras = AcceleratorExtras(0, 0, 0)
     if device is Device.CUDA:
         extras = _cuda_extras(
-            timeline, opt if train else None, seq, batch_size, peak, compute_capability
+            timeline, opt if train else None, seq, batch_size, length, peak, compute_capability
         )
 
     def per_row(category: Category) -> np.ndarray:
-        return timeline.rows_of_category(category, batch_size, n_rows)
+        return timeline.rows_of_category(category, batch_size, n_rows, length)
 
     param_bytes = per_row(Category.PARAMETER)
     buffer_bytes = per_row(Category.BUFFER)
@@ -227,12 +228,12 @@ def estimate(
     act_rows = per_row(Category.ACTIVATION) if train else np.zeros(n_rows, np.int64)
     opt_rows = opt.state_bytes if train and opt is not None else np.zeros(n_rows, np.int64)
     # int64 while it fits; Python ints (object arrays) for astronomical batches
-    flops_f = timeline.flops_forward.at(batch_size)
-    flops_b = timeline.flops_backward.at(batch_size)
+    flops_f = timeline.flops_forward.at(batch_size, length)
+    flops_b = timeline.flops_backward.at(batch_size, length)
     if not train:
         flops_b = np.zeros_like(flops_b)
     dims_poly, ndim = timeline.output_dims
-    dims = dims_poly.at(batch_size)
+    dims = dims_poly.at(batch_size, length)
     if batch_size >= 2**31:  # products past int64: exact Python ints
         dims = dims.astype(object)
     numel = np.where(ndim >= 0, dims.prod(axis=1), 0)
@@ -312,12 +313,13 @@ def _cuda_extras(
     opt: OptimizerTrace | None,
     seq: np.ndarray,
     batch_size: int,
+    seq_len: int,
     peak: int,
     compute_capability: tuple[int, int],
 ) -> AcceleratorExtras:
     """What CUDA adds on top of tensor bytes: each block rounded up to 512 bytes by the
     caching allocator, the cuBLAS workspace, and the CUDA context (sources in _accelerator)."""
-    sizes = timeline.storage_bytes.at(batch_size)[timeline.storage_resident]
+    sizes = timeline.storage_bytes.at(batch_size, seq_len)[timeline.storage_resident]
     rounded_resident = _as_int(_blocks(sizes).sum())
     if opt is not None:
         rounded_resident += int(cuda_block_bytes(opt.state_block_bytes).sum())

@@ -36,6 +36,10 @@ class ProfileSource(Protocol):
         self, precision: Precision, mode: Mode, seq_len: int | None = None
     ) -> Timeline: ...
 
+    def timeline_across_lengths(
+        self, precision: Precision, mode: Mode, base: Timeline
+    ) -> Timeline | None: ...
+
     def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace: ...
 
 
@@ -72,7 +76,10 @@ class ModelProfile:
         # the longest sequence the model takes (learned absolute positions), if it has one
         self.seq_len_limit = seq_len_limit
         self._timelines: dict[tuple[Precision, Mode], Timeline] = {}
-        # other sequence lengths, each profiled on first use (cached)
+        # the timeline as a polynomial in (batch, seq), made on the first other length
+        # asked (None: memory is no such polynomial in the length)
+        self._across_lengths: dict[tuple[Precision, Mode], Timeline | None] = {}
+        # where it is none: other sequence lengths, each profiled on first use (cached)
         self._other_lengths: dict[tuple[Precision, Mode, int], Timeline] = {}
         # a setting that failed to profile fails again at once, without another run
         self._failures: dict[tuple[Precision, Mode], ProfilingError] = {}
@@ -99,13 +106,20 @@ class ModelProfile:
         precision: str | Precision,
         mode: str | Mode = Mode.TRAIN,
         optimizer: str | OptimizerName | None = None,
+        seq_len: int | None = None,
     ) -> bool:
-        """Whether an estimate at this precision, mode (and, in training, optimizer) needs no
-        further profiling run."""
+        """Whether an estimate at this precision, mode (in training, optimizer) and sequence
+        length needs no further profiling run."""
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
         if (prec, run_mode) not in self._timelines:
             return False
+        if seq_len is not None and seq_len != self.seq_len:
+            if (prec, run_mode) not in self._across_lengths:
+                return False  # the fit in the length runs first
+            no_fit = self._across_lengths[(prec, run_mode)] is None
+            if no_fit and (prec, run_mode, seq_len) not in self._other_lengths:
+                return False  # profiled at that length
         opt = parse_optimizer(optimizer)
         return run_mode is Mode.INFERENCE or opt is None or (prec, opt) in self._optimizers
 
@@ -114,8 +128,9 @@ class ModelProfile:
         """Whether ``estimate(seq_len=...)`` can vary the sequence length."""
         return self.seq_len is not None
 
-    def _check_seq_len(self, seq_len: object) -> int | None:
-        """``seq_len`` validated; None where it is the example's own length."""
+    def check_seq_len(self, seq_len: object) -> int | None:
+        """``seq_len`` validated (ValueError / TypeError naming the problem); None where it is
+        None or the example's own length."""
         if seq_len is None:
             return None
         if not self.has_seq_axis:
@@ -137,11 +152,20 @@ class ModelProfile:
 
     def timeline(self, precision: Precision, mode: Mode, seq_len: int | None = None) -> Timeline:
         if seq_len is not None and seq_len != self.seq_len:
-            # Another length: profiled as the example was, at that length (cached). Exact,
-            # and it costs one profile per new length.
+            # Another length. Once per setting, the profile is fitted as a polynomial in the
+            # length too (runs at two more lengths, checked exactly at a fourth); then every
+            # length is numpy. Where memory is no such polynomial, the length is profiled as
+            # the example was, at that length (cached): exact either way.
+            base = self.timeline(precision, mode)  # fails as the example's length fails
+            if (precision, mode) not in self._across_lengths:
+                self._across_lengths[(precision, mode)] = self._source.timeline_across_lengths(
+                    precision, mode, base
+                )
+            polynomial = self._across_lengths[(precision, mode)]
+            if polynomial is not None:
+                return polynomial
             length_key = (precision, mode, seq_len)
             if length_key not in self._other_lengths:
-                self.timeline(precision, mode)  # fails as the example's length fails
                 self._other_lengths[length_key] = self._source.timeline(precision, mode, seq_len)
             return self._other_lengths[length_key]
         key = (precision, mode)
@@ -218,7 +242,7 @@ class ModelProfile:
         prec = parse_option(Precision, precision, "precision")
         opt_name = parse_optimizer(optimizer)
         run_mode = parse_option(Mode, mode, "mode")
-        length = self._check_seq_len(seq_len)
+        length = self.check_seq_len(seq_len)
         timeline = self.timeline(prec, run_mode, length)
         opt = None
         if run_mode is Mode.TRAIN and opt_name is not None:
@@ -316,7 +340,7 @@ class ModelProfile:
         True
         """
         if not self.has_seq_axis:
-            self._check_seq_len(1)  # raises: no sequence axis
+            self.check_seq_len(1)  # raises: no sequence axis
         capacity = parse_capacity(capacity_bytes)
         batch = parse_batch_size(batch_size)
         assert self.seq_len is not None
@@ -343,15 +367,17 @@ class ModelProfile:
         precision: str | Precision = "fp32",
         optimizer: str | OptimizerName | None = "adam",
         mode: str | Mode = "train",
+        seq_len: int | None = None,
     ) -> int:
-        """How much the peak grows per extra sample, asymptotically.
+        """How much the peak grows per extra sample, asymptotically (at ``seq_len`` tokens
+        per sample where the profile has a sequence axis).
 
         The peak is a maximum of polynomials in the batch (one per moment of the step),
         so its slope rises with the batch until one moment dominates; this is that final
         slope, read between batch 2**30 and 2**30 + 1.
         """
-        big = self.estimate(2**30 + 1, precision, optimizer, mode).peak_bytes
-        small = self.estimate(2**30, precision, optimizer, mode).peak_bytes
+        big = self.estimate(2**30 + 1, precision, optimizer, mode, seq_len=seq_len).peak_bytes
+        small = self.estimate(2**30, precision, optimizer, mode, seq_len=seq_len).peak_bytes
         return int(big) - int(small)
 
 

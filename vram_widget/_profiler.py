@@ -57,6 +57,7 @@ from ._table import (
     NotAffineError,
     OptimizerTrace,
     Timeline,
+    across_lengths,
     fit_timeline,
     same_step,
 )
@@ -687,6 +688,39 @@ class _Source:
         if row is None or not 0 <= row < len(rows.names):
             return "at the end of the step"
         return f"in module {module_label(rows, row)!r} ({rows.types[row]})"
+
+    def timeline_across_lengths(
+        self, precision: Precision, mode: Mode, base: Timeline
+    ) -> Timeline | None:
+        """The timeline as a polynomial in (batch, seq), from ``base`` (the example's
+        length) and runs at two more lengths, checked exactly at a fourth length and another
+        batch size; None where memory is no such polynomial in the length (padding to a
+        multiple, windows, kernel choices that switch with the length), where the batch fit
+        is quadratic or extrapolated, or where CPU kernel workspaces are measured."""
+        s0 = self.profiler.subject.seq_len
+        if s0 is None or not base.exact or base.event_bytes.degree > 1:
+            return None
+        if len(base.workspace_alloc_at):
+            return None
+        # Lengths far from the example and from multiples of 8, so that padding or a
+        # window the example does not reach shows at the check rather than in an answer.
+        lengths = (s0, 2 * s0 + 1, 3 * s0 + 2)
+        check_len = 4 * s0 + 3
+        train = mode is Mode.TRAIN
+        try:
+            self.profiler.seq_len = None
+            lines = [base]
+            for length in lengths[1:]:
+                self.profiler.seq_len = length
+                t2, t3 = (self._run(precision, b, train) for b in FIT_BATCH_SIZES[:2])
+                lines.append(fit_timeline((t2, t3), t3))
+            self.profiler.seq_len = check_len
+            check = self._run(precision, FIT_BATCH_SIZES[2], train, flops=False)
+        except (NotAffineError, ProfilingError):
+            return None
+        finally:
+            self.profiler.seq_len = None
+        return across_lengths(lengths, tuple(lines), check, check_len)
 
     def _quadratic(
         self, precision: Precision, train: bool, traces: list[RawTrace], grid: list[RawTrace]

@@ -10,6 +10,7 @@ same event for event, the three give a quadratic, checked exactly at a fourth.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Protocol
@@ -82,20 +83,34 @@ class _Trace(Protocol):
 
 @dataclass(frozen=True)
 class Poly:
-    """Integer arrays that are polynomials in the batch size: ``coef[..., k] * batch**k``
-    summed over ``k`` (the last axis; its length is the degree + 1)."""
+    """Integer arrays that are polynomials in the batch size and the sequence length:
+    ``coef[..., k] * batch**i * seq**j`` summed over the monomials ``k``, whose exponents
+    ``(i, j)`` are ``exponents[k]`` (by default ``(k, 0)``: the batch alone)."""
 
-    coef: np.ndarray  # int64 (..., degree + 1)
+    coef: np.ndarray  # int64 (..., monomials)
+    exponents: tuple[tuple[int, int], ...] | None = None  # None: ((0, 0), (1, 0), ...)
+
+    @property
+    def monomials(self) -> tuple[tuple[int, int], ...]:
+        if self.exponents is not None:
+            return self.exponents
+        return tuple((k, 0) for k in range(self.coef.shape[-1]))
 
     @property
     def degree(self) -> int:
-        return self.coef.shape[-1] - 1
+        """The degree in the batch size."""
+        return max((i for i, _j in self.monomials), default=0)
 
-    def at(self, batch_size: int) -> np.ndarray:
-        """Evaluate at one batch size; Python ints (object array) where int64 could overflow."""
+    @property
+    def seq_degree(self) -> int:
+        """The degree in the sequence length (0: the same at every length)."""
+        return max((j for _i, j in self.monomials), default=0)
+
+    def at(self, batch_size: int, seq_len: int = 1) -> np.ndarray:
+        """Evaluate at one point; Python ints (object array) where int64 could overflow."""
         if self.coef.size == 0:
             return np.zeros(self.coef.shape[:-1], np.int64)
-        powers = [batch_size**k for k in range(self.degree + 1)]
+        powers = [batch_size**i * seq_len**j for i, j in self.monomials]
         bound = sum(int(np.abs(self.coef[..., k]).max()) * p for k, p in enumerate(powers))
         if bound < 2**62:
             return self.coef @ np.asarray(powers, dtype=np.int64)
@@ -108,26 +123,51 @@ class Poly:
 
     @staticmethod
     def fit(batches: tuple[int, ...], values: tuple[np.ndarray, ...]) -> Poly:
-        """The polynomial of degree ``len(batches) - 1`` through the points, by Newton's
-        divided differences in integers (floor division: where the data is not an integer
-        polynomial the result is off, which the caller's check at another batch finds)."""
-        x = [int(b) for b in batches]
-        # divided differences: table[k] holds f[x_0, ..., x_k] (its top entries)
-        diffs = [np.asarray(v, np.int64) for v in values]
-        newton = [diffs[0]]
-        for k in range(1, len(x)):
-            diffs = [(diffs[i + 1] - diffs[i]) // (x[i + k] - x[i]) for i in range(len(diffs) - 1)]
-            newton.append(diffs[0])
-        # expand sum_k newton[k] * prod_{i<k} (batch - x_i) into powers of batch
-        coef = np.zeros((*newton[0].shape, len(x)), np.int64)
-        basis = [1]  # coefficients of prod_{i<k} (batch - x_i), lowest power first
-        for k, n_k in enumerate(newton):
-            for power, c in enumerate(basis):
-                coef[..., power] += n_k * c
-            basis = [0, *basis]
-            for power in range(len(basis) - 1):
-                basis[power] -= x[k] * basis[power + 1]
-        return Poly(coef)
+        """The polynomial of degree ``len(batches) - 1`` in the batch through the points, by
+        Newton's divided differences in integers (floor division: where the data is not an
+        integer polynomial the result is off, which the caller's check at another batch
+        finds)."""
+        return Poly(np.stack(_newton(batches, values), axis=-1))
+
+    @staticmethod
+    def across(lengths: tuple[int, ...], polys: tuple[Poly, ...]) -> Poly:
+        """The polynomial in (batch, seq) whose value at ``lengths[j]`` is ``polys[j]`` (each a
+        polynomial in the batch alone, profiled at that length): each batch coefficient is
+        interpolated in the length, to degree ``len(lengths) - 1``."""
+        degree = max(p.degree for p in polys)
+        columns = [_pad_batch_degree(p, degree) for p in polys]  # (..., degree + 1) each
+        coef = np.stack(_newton(lengths, tuple(columns)), axis=-1)  # (..., degree + 1, len)
+        exponents = tuple((i, j) for j in range(len(lengths)) for i in range(degree + 1))
+        return Poly(np.swapaxes(coef, -1, -2).reshape(*coef.shape[:-2], -1), exponents)
+
+
+def _pad_batch_degree(poly: Poly, degree: int) -> np.ndarray:
+    assert poly.seq_degree == 0
+    out = np.zeros((*poly.coef.shape[:-1], degree + 1), np.int64)
+    out[..., : poly.coef.shape[-1]] = poly.coef
+    return out
+
+
+def _newton(xs: tuple[int, ...], values: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+    """Coefficients of ``1, x, x**2, ...`` of the integer polynomial through ``(xs[k],
+    values[k])``, by Newton's divided differences (floor division: off where the data is not
+    such a polynomial, which a check at another point finds)."""
+    x = [int(v) for v in xs]
+    diffs = [np.asarray(v, np.int64) for v in values]
+    newton = [diffs[0]]
+    for k in range(1, len(x)):
+        diffs = [(diffs[i + 1] - diffs[i]) // (x[i + k] - x[i]) for i in range(len(diffs) - 1)]
+        newton.append(diffs[0])
+    # expand sum_k newton[k] * prod_{i<k} (x - x_i) into powers of x
+    coef = [np.zeros(newton[0].shape, np.int64) for _ in x]
+    basis = [1]  # coefficients of prod_{i<k} (x - x_i), lowest power first
+    for k, n_k in enumerate(newton):
+        for power, c in enumerate(basis):
+            coef[power] = coef[power] + n_k * c
+        basis = [0, *basis]
+        for power in range(len(basis) - 1):
+            basis[power] -= x[k] * basis[power + 1]
+    return coef
 
 
 @dataclass(frozen=True)
@@ -158,12 +198,22 @@ class Timeline:
     nonaffine_row: int | None  # the first row whose memory the fit does not reproduce
     # where the check failed and the events still match: (batch, fitted peak, profiled peak)
     check_peaks: tuple[int, int, int] | None = None
+    # the output dims as polynomials in (batch, seq), where the timeline spans lengths
+    dims_across_lengths: Poly | None = None
+
+    @property
+    def seq_degree(self) -> int:
+        """0 for a timeline of one sequence length; else its degree in the length."""
+        return self.event_bytes.seq_degree
 
     @functools.cached_property
     def output_dims(self) -> tuple[Poly, np.ndarray]:
-        """Every row's output shape as one padded (rows x max_ndim) affine array (padding is
-        1, so a row's numel is the product of its row), and each row's ndim (-1: no output).
-        Derived once, so that an estimate builds no per-row Python objects."""
+        """Every row's output shape as one padded (rows x max_ndim) polynomial array (padding
+        is 1, so a row's numel is the product of its row), and each row's ndim (-1: no
+        output). Derived once, so that an estimate builds no per-row Python objects."""
+        ndim = np.asarray([-1 if s is None else len(s) for s in self.output_shapes], np.int64)
+        if self.dims_across_lengths is not None:
+            return self.dims_across_lengths, ndim
         ndim = np.asarray([-1 if s is None else len(s) for s in self.output_shapes], np.int64)
         width = max(1, int(ndim.max(initial=0)))
         a = np.ones((len(ndim), width), np.int64)
@@ -173,9 +223,10 @@ class Timeline:
                 a[row, dim], b[row, dim] = ad, bd
         return Poly(np.stack([a, b], axis=-1)), ndim
 
-    def events_at(self, batch_size: int) -> np.ndarray:
-        """Signed bytes of every event at this batch size (workspaces interpolated)."""
-        seq = self.event_bytes.at(batch_size)
+    def events_at(self, batch_size: int, seq_len: int = 1) -> np.ndarray:
+        """Signed bytes of every event at this batch size and length (workspaces
+        interpolated)."""
+        seq = self.event_bytes.at(batch_size, seq_len)
         if len(self.workspace_alloc_at):
             ws = interpolate_columns(self.workspace_grid, self.workspace_bytes, batch_size)
             seq = seq.copy()
@@ -184,21 +235,22 @@ class Timeline:
             seq[self.workspace_free_at[freed]] = -ws[freed]
         return seq
 
-    def resident_by_category(self, batch_size: int) -> np.ndarray:
+    def resident_by_category(self, batch_size: int, seq_len: int = 1) -> np.ndarray:
         """Bytes resident before the run starts, per category code."""
-        sizes = self.storage_bytes.at(batch_size)[self.storage_resident]
+        sizes = self.storage_bytes.at(batch_size, seq_len)[self.storage_resident]
         cats = self.storage_category[self.storage_resident]
         out = np.zeros(N_CATEGORIES, dtype=object if sizes.dtype == object else np.int64)
         for code in range(N_CATEGORIES):
             out[code] = sizes[cats == code].sum()
         return out
 
-    def rows_of_category(self, category: Category, batch_size: int, n_rows: int) -> np.ndarray:
+    def rows_of_category(
+        self, category: Category, batch_size: int, n_rows: int, seq_len: int = 1
+    ) -> np.ndarray:
         """Bytes of the storages of one category, per row (the allocating or owning row)."""
         mask = self.storage_category == CATEGORY_CODE[category]
-        return sum_by(
-            self.storage_module[mask].clip(0), self.storage_bytes.at(batch_size)[mask], n_rows
-        )
+        sizes = self.storage_bytes.at(batch_size, seq_len)[mask]
+        return sum_by(self.storage_module[mask].clip(0), sizes, n_rows)
 
 
 @dataclass(frozen=True)
@@ -377,6 +429,46 @@ def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...
         exact=exact,
         nonaffine_row=bad_row,
         check_peaks=check_peaks,
+    )
+
+
+def across_lengths(
+    lengths: tuple[int, ...], timelines: tuple[Timeline, ...], check: _Trace, check_seq: int
+) -> Timeline | None:
+    """One timeline in (batch, seq) from timelines profiled at ``lengths`` (each exact in the
+    batch), checked exactly against ``check``, a trace at another batch size and length
+    ``check_seq``; None where the lengths do not make the same step event for event, a
+    timeline is not exact, kernel workspaces are measured (not polynomial), or the check
+    fails: memory is then not such a polynomial in the length."""
+    first = timelines[0]
+    for tl in timelines:
+        if not tl.exact or len(tl.workspace_alloc_at) or not _same_timeline_steps(first, tl):
+            return None
+    events = Poly.across(lengths, tuple(tl.event_bytes for tl in timelines))
+    fitted = events.at(check.batch_size, check_seq)
+    if len(check.event_bytes) != len(fitted) or not np.array_equal(fitted, check.event_bytes):
+        return None
+    return dataclasses.replace(
+        first,
+        event_bytes=events,
+        storage_bytes=Poly.across(lengths, tuple(tl.storage_bytes for tl in timelines)),
+        flops_forward=Poly.across(lengths, tuple(tl.flops_forward for tl in timelines)),
+        flops_backward=Poly.across(lengths, tuple(tl.flops_backward for tl in timelines)),
+        dims_across_lengths=Poly.across(lengths, tuple(tl.output_dims[0] for tl in timelines)),
+    )
+
+
+def _same_timeline_steps(a: Timeline, b: Timeline) -> bool:
+    return (
+        a.event_bytes.coef.shape == b.event_bytes.coef.shape
+        and a.storage_bytes.coef.shape == b.storage_bytes.coef.shape
+        and a.output_dims[0].coef.shape == b.output_dims[0].coef.shape
+        and np.array_equal(a.event_module, b.event_module)
+        and np.array_equal(a.event_phase, b.event_phase)
+        and np.array_equal(a.event_category, b.event_category)
+        and np.array_equal(a.storage_category, b.storage_category)
+        and a.backward_start == b.backward_start
+        and a.optimizer_at == b.optimizer_at
     )
 
 
