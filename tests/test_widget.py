@@ -436,3 +436,50 @@ def test_extras_follow_the_chosen_gpu() -> None:
     assert w.largest_batch() > h100_largest
     w.gpu = "T4 16GB"
     assert w.estimate.extras.cublas_workspace_bytes == 8_519_680
+
+
+# --------------------------------------------------------------------------------------------
+# The sequence length
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def token_profile() -> ModelProfile:
+    entry = zoo.ZOO["dict_input"]  # input_ids / attention_mask (B, 32): a sequence axis
+    return profile_model(entry.build(), inputs=entry.make_inputs(2))
+
+
+def test_sequence_slider_drives_the_estimate(token_profile: ModelProfile) -> None:
+    w = MemoryWidget(token_profile, batch_size=8)
+    assert w.seq_len == 32 and w._seq_row.layout.display is None  # shown
+    assert "Tokens per step</b>: 8 x 32 = 256" in w.summary_html
+    w.seq_len = 200  # the first other length fits the profile in the length: "profiling"
+    assert "profiled" in w._status.value and "200 tokens" in w._status.value
+    expected = token_profile.estimate(8, seq_len=200)
+    assert w.estimate.seq_len == 200 and w.estimate.peak_bytes == expected.peak_bytes
+    assert "Tokens per step</b>: 8 x 200 = 1,600" in w.summary_html
+    assert w._seq_slider.value == 200.0 and w._seq_box.value == 200
+    w.seq_len = 1000  # numpy from here: no profiling status
+    assert w._status.value == ""
+    assert w.estimate.peak_bytes == token_profile.estimate(8, seq_len=1000).peak_bytes
+    assert w.largest_batch() == token_profile.max_batch_size(
+        w.target.memory_bytes, seq_len=1000, compute_capability=w.target.compute_capability
+    )
+    w._seq_box.value = 64  # the box is a control too
+    assert w.seq_len == 64 and w.estimate.seq_len == 64
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_bad_sequence_lengths_are_refused(token_profile: ModelProfile, value: int) -> None:
+    w = MemoryWidget(token_profile)
+    with pytest.raises(traitlets.TraitError, match="seq_len"):
+        w.seq_len = value
+    assert w.seq_len == 32
+
+
+def test_no_sequence_slider_without_a_sequence(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)
+    assert w.seq_len is None and w._seq_row.layout.display == "none"
+    assert "Tokens per step" not in w.summary_html
+    with pytest.raises(traitlets.TraitError, match="no sequence axis"):
+        w.seq_len = 16

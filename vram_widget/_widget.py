@@ -34,6 +34,8 @@ __all__ = ["MemoryWidget", "format_bytes", "show_memory"]
 
 BATCH_SLIDER_MAX = 8192
 BATCH_MAX = 2**40
+# The sequence slider's top where the model has no learned position table: 128k tokens
+SEQ_SLIDER_MAX = 2**17
 """The largest batch the widget accepts (the exact box's bound and ``max_batch_size``'s limit)."""
 _NO_OPTIMIZER = "none"
 _OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
@@ -93,6 +95,8 @@ class MemoryWidget(widgets.VBox):
     """
 
     batch_size = traitlets.Int(32, min=1, max=BATCH_MAX)
+    # tokens per sample; None where the profile has no sequence axis
+    seq_len = traitlets.Int(None, allow_none=True)
     precision = traitlets.Enum([p.value for p in Precision], default_value="fp32")
     optimizer = _OptimizerTrait(list(_OPTIMIZERS), default_value="adam")
     mode = traitlets.Enum([m.value for m in Mode], default_value="train")
@@ -105,8 +109,10 @@ class MemoryWidget(widgets.VBox):
         self._syncing = False
         self._reverting = False
         self._fit_cache: dict[tuple[Any, ...], int] = {}
-        self._per_sample_cache: dict[tuple[str, str, str], int] = {}
+        self._per_sample_cache: dict[tuple[Any, ...], int] = {}
         super().__init__()
+        if profile.has_seq_axis and settings.get("seq_len") is None:
+            settings = {**settings, "seq_len": profile.seq_len}
         if "precision" not in settings and Precision.FP32 not in profile.precisions:
             # a model with a kernel that runs in some dtypes only: start where it runs
             settings = {**settings, "precision": profile.precisions[0].value}
@@ -216,6 +222,17 @@ class MemoryWidget(widgets.VBox):
 
     # ------------------------------------------------------------------ validation
 
+    @traitlets.validate("seq_len")
+    def _valid_seq_len(self, proposal: dict[str, Any]) -> int | None:
+        value = proposal["value"]
+        if value is None and not self._profile.has_seq_axis:
+            return None
+        try:
+            self._profile.check_seq_len(value if value is not None else 0)
+        except (TypeError, ValueError) as exc:
+            raise traitlets.TraitError(str(exc)) from None
+        return int(value)
+
     @traitlets.validate("custom_gib")
     def _valid_custom_gib(self, proposal: dict[str, Any]) -> float:
         value = float(proposal["value"])
@@ -232,13 +249,16 @@ class MemoryWidget(widgets.VBox):
             "precision": self.precision,
             "optimizer": None if self.optimizer == _NO_OPTIMIZER else self.optimizer,
             "mode": self.mode,
+            "seq_len": self.seq_len,
             # The chosen GPU's, for the cuBLAS workspace in the extras (custom: default).
             "compute_capability": self.target.compute_capability,
         }
 
     def _needs_profiling(self) -> bool:
         """Whether the current precision / optimizer still has to be profiled (torch)."""
-        return not self._profile.is_cached(self.precision, self.mode, self._settings()["optimizer"])
+        return not self._profile.is_cached(
+            self.precision, self.mode, self._settings()["optimizer"], self.seq_len
+        )
 
     def _compute(self) -> MemoryEstimate:
         return self._profile.estimate(self.batch_size, **self._settings())
@@ -254,6 +274,7 @@ class MemoryWidget(widgets.VBox):
         what = html.escape(
             f"{self.precision} / {self.mode}"
             + (f" / {self.optimizer}" if self.mode == Mode.TRAIN.value else "")
+            + (f" / {self.seq_len} tokens" if self.seq_len is not None else "")
         )
         started = 0.0
         if profiling:
@@ -318,14 +339,21 @@ class MemoryWidget(widgets.VBox):
         """
         s = self._settings()
         capacity = self.target.memory_bytes
-        key = (self.precision, self.optimizer, self.mode, capacity, s["compute_capability"])
+        key = (
+            self.precision,
+            self.optimizer,
+            self.mode,
+            self.seq_len,
+            capacity,
+            s["compute_capability"],
+        )
         if key not in self._fit_cache:
             self._fit_cache[key] = self._profile.max_batch_size(capacity, **s)
         return self._fit_cache[key]
 
     def bytes_per_sample(self) -> int:
         """How much the peak grows per extra sample (cached per precision/optimizer/mode)."""
-        key = (self.precision, self.optimizer, self.mode)
+        key = (self.precision, self.optimizer, self.mode, self.seq_len)
         if key not in self._per_sample_cache:
             settings = self._settings()
             del settings["compute_capability"]  # the extras do not grow with the batch
@@ -355,6 +383,12 @@ class MemoryWidget(widgets.VBox):
             f"<b>Peak</b>: {format_bytes(est.peak_bytes)} ({est.peak_bytes:,} B) in "
             f"{html.escape(est.peak_location)}",
         ]
+        if est.seq_len is not None:
+            lines.insert(
+                1,
+                f"<b>Tokens per step</b>: {est.batch_size:,} x {est.seq_len:,} = "
+                f"{est.batch_size * est.seq_len:,}",
+            )
         parts = [
             f"{c.value} {format_bytes(est.peak_breakdown.get(c, 0))}"
             for c in Category
@@ -459,6 +493,28 @@ class MemoryWidget(widgets.VBox):
         )
         self._batch_slider.observe(self._slider_moved, names="value")
         self._batch_box.observe(self._box_changed, names="value")
+        # The sequence length, where the profile has a sequence axis: a log slider like the
+        # batch's, up to the model's learned positions (else 128k tokens), and a box.
+        seq_max = self._profile.seq_len_limit or SEQ_SLIDER_MAX
+        self._seq_slider = widgets.FloatLogSlider(
+            value=float(self.seq_len or 1),
+            base=2,
+            min=0,
+            max=math.log2(seq_max),
+            step=0.25,
+            description="sequence length",
+            continuous_update=False,
+            readout=False,
+        )
+        self._seq_box = widgets.BoundedIntText(
+            value=self.seq_len or 1, min=1, max=seq_max, layout={"width": "110px"}
+        )
+        self._seq_slider.observe(self._seq_slider_moved, names="value")
+        self._seq_box.observe(self._seq_box_changed, names="value")
+        self._seq_row = widgets.HBox(
+            [self._seq_slider, self._seq_box],
+            layout={"display": None if self._profile.has_seq_axis else "none"},
+        )
         precision = widgets.Dropdown(
             options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
         )
@@ -491,6 +547,8 @@ class MemoryWidget(widgets.VBox):
         self._control_widgets: tuple[widgets.DOMWidget, ...] = (
             self._batch_slider,
             self._batch_box,
+            self._seq_slider,
+            self._seq_box,
             precision,
             optimizer,
             mode,
@@ -500,11 +558,21 @@ class MemoryWidget(widgets.VBox):
         )
         self._controls = widgets.VBox(
             [
+                # the step's shape, then what is stored and run, then the device
                 widgets.HBox([self._batch_slider, self._batch_box]),
+                self._seq_row,
                 widgets.HBox([precision, optimizer, mode]),
                 widgets.HBox([gpu, custom, depth]),
             ]
         )
+
+    def _seq_slider_moved(self, change: dict[str, Any]) -> None:
+        if not self._syncing and self.seq_len is not None:
+            self.seq_len = max(1, round(change["new"]))
+
+    def _seq_box_changed(self, change: dict[str, Any]) -> None:
+        if not self._syncing and self.seq_len is not None:
+            self.seq_len = int(change["new"])
 
     def _slider_moved(self, change: dict[str, Any]) -> None:
         if not self._syncing:
@@ -520,6 +588,9 @@ class MemoryWidget(widgets.VBox):
         try:
             self._batch_slider.value = float(min(self.batch_size, BATCH_SLIDER_MAX))
             self._batch_box.value = self.batch_size
+            if self.seq_len is not None:
+                self._seq_slider.value = float(self.seq_len)
+                self._seq_box.value = self.seq_len
         finally:
             self._syncing = False
         self._custom_box.disabled = self.gpu != CUSTOM_GPU
@@ -544,6 +615,7 @@ class MemoryWidget(widgets.VBox):
 
 _SETTINGS: tuple[str, ...] = (
     "batch_size",
+    "seq_len",
     "precision",
     "optimizer",
     "mode",
@@ -576,7 +648,9 @@ def show_memory(
     device : {"cuda", "cpu"}
         Whose kernels the estimate is for.
     **initial_settings
-        Starting values of the controls: ``batch_size`` (int >= 1), ``precision``
+        Starting values of the controls: ``batch_size`` (int >= 1), ``seq_len`` (tokens
+        per sample, where the profile has a sequence axis; default: the example's),
+        ``precision``
         ({"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}), ``optimizer`` (an optimizer name
         or ``"none"``/None), ``mode`` ({"train", "inference"}), ``gpu`` (a GPU name of
         the catalog, ``"custom"``, or a capacity: ``"80GiB"``, ``"24 GB"`` or bytes, which
