@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from vram_widget import profile_model
+from vram_widget import Mode, profile_model
 from vram_widget._measure import measure
 
 transformers = pytest.importorskip("transformers")
@@ -394,3 +395,33 @@ def test_encoder_decoder_lengths_that_differ_need_an_explicit_axis() -> None:
     est = encoder.estimate(3, "fp32", "adam", seq_len=24)
     real = measure(model, _tokens(3, 24, 8), optimizer="adam")
     assert abs(est.peak_bytes - real.peak_bytes) <= 1e-4 * real.peak_bytes
+
+
+def test_sliding_window_bounds_the_fit_in_the_length() -> None:
+    # Mistral's sliding window (80 here): from 80 tokens on, Hugging Face materializes the
+    # mask it skips below (masking_utils: kv_length >= local_attention_size), so memory
+    # changes form there. The fit in the length (runs at 16, 33, 50, checked at 67: all
+    # below the window) serves the example's side only; a length past the window is
+    # profiled at that length, where the fit would have been wrong.
+    config = transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=_VOCAB, sliding_window=80, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.MistralForCausalLM(config)
+    profile = profile_model(model, inputs=_tokens(2))
+    assert profile.seq_window == 80
+    fp32 = profile.precisions[0]
+    for seq in (40, 120):
+        at_length = profile_model(model, inputs=_tokens(2, seq))
+        assert profile.estimate(3, seq_len=seq).peak_bytes == at_length.estimate(3).peak_bytes
+    fitted = profile.timeline(fp32, Mode.TRAIN, 40)
+    assert fitted.seq_degree == 2  # below the window: the fit
+    assert profile.timeline(fp32, Mode.TRAIN, 120).seq_degree == 0  # past it: that length
+    # the fit's steps at 120 tokens are not the step there (the mask it does not have)
+    real = profile_model(model, inputs=_tokens(2, 120)).timeline(fp32, Mode.TRAIN)
+    assert len(real.event_module) != len(fitted.event_module) or not np.array_equal(
+        real.events_at(3), fitted.events_at(3, 120)
+    )

@@ -61,6 +61,7 @@ class ModelProfile:
         seq_len: int | None = None,
         no_seq_reason: str = "",
         seq_len_limit: int | None = None,
+        seq_window: int | None = None,
     ) -> None:
         self.rows = rows
         self.device = device
@@ -75,6 +76,9 @@ class ModelProfile:
         self._no_seq_reason = no_seq_reason
         # the longest sequence the model takes (learned absolute positions), if it has one
         self.seq_len_limit = seq_len_limit
+        # a length where the model's attention changes form (a sliding window, chunks): the
+        # fit in the length serves only lengths on the example's side of it
+        self.seq_window = seq_window
         self._timelines: dict[tuple[Precision, Mode], Timeline] = {}
         # the timeline as a polynomial in (batch, seq), made on the first other length
         # asked (None: memory is no such polynomial in the length)
@@ -117,11 +121,18 @@ class ModelProfile:
         if seq_len is not None and seq_len != self.seq_len:
             if (prec, run_mode) not in self._across_lengths:
                 return False  # the fit in the length runs first
-            no_fit = self._across_lengths[(prec, run_mode)] is None
+            fitted = self._across_lengths[(prec, run_mode)]
+            no_fit = fitted is None or not self._same_side_of_window(seq_len)
             if no_fit and (prec, run_mode, seq_len) not in self._other_lengths:
                 return False  # profiled at that length
         opt = parse_optimizer(optimizer)
         return run_mode is Mode.INFERENCE or opt is None or (prec, opt) in self._optimizers
+
+    def _same_side_of_window(self, seq_len: int) -> bool:
+        window = self.seq_window
+        return (
+            window is None or self.seq_len is None or (seq_len < window) == (self.seq_len < window)
+        )
 
     @property
     def has_seq_axis(self) -> bool:
@@ -162,7 +173,7 @@ class ModelProfile:
                     precision, mode, base
                 )
             polynomial = self._across_lengths[(precision, mode)]
-            if polynomial is not None:
+            if polynomial is not None and self._same_side_of_window(seq_len):
                 return polynomial
             length_key = (precision, mode, seq_len)
             if length_key not in self._other_lengths:

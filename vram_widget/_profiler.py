@@ -920,6 +920,21 @@ def position_limit(model: torch.nn.Module) -> int | None:
     return limit if any(t.num_embeddings == limit for t in tables) else None
 
 
+# Config fields of a length at which attention changes form: Mistral's and Qwen2's sliding
+# window, Llama 4's chunked attention (transformers' configs). Hugging Face materializes the
+# mask once the key length reaches it (masking_utils._ignore_causal_mask_sdpa: "if
+# local_attention_size is not None and kv_length >= local_attention_size: return False").
+_WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")
+
+
+def attention_window(model: torch.nn.Module) -> int | None:
+    """The smallest length at which the model's attention changes form, if it has one."""
+    config = getattr(model, "config", None)
+    sizes = [getattr(config, name, None) for name in _WINDOW_FIELDS]
+    windows = [v for v in sizes if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return min(windows, default=None)
+
+
 def _check_devices(model: torch.nn.Module, inputs: ModelInputs) -> None:
     """The example inputs must be where the model's parameters and buffers are, as the user's
     real step needs them: a CPU model fed CUDA tensors (or ``cuda:1`` tensors to a ``cuda:0``
@@ -1038,6 +1053,7 @@ def profile_model(
         seq_len=subject.seq_len,
         no_seq_reason=no_seq_reason,
         seq_len_limit=position_limit(model) if seq_axes else None,
+        seq_window=attention_window(model) if seq_axes else None,
     )
     # fp32 training and inference, and Adam, are what the first estimate asks for.
     try:
