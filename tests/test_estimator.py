@@ -542,3 +542,32 @@ def test_cublas_workspace_follows_the_target_compute_capability() -> None:
     )
     with pytest.raises(ValueError, match="compute_capability"):
         profile.estimate(4, compute_capability=(9,))  # type: ignore[arg-type]
+
+
+def test_batch_one_as_profiled_where_it_is_not_the_line() -> None:
+    # A step whose batch-1 run allocates 20 B per sample where batches 2 and 3 allocate 8:
+    # the fit (a line through 2 and 3) says 12 B at batch 1; the batch-1 timeline, made from
+    # its one trace, says 24 at any batch (no slope) and is used at batch 1 only.
+    line = fit_timeline((_Trace(2), _Trace(3)), _Trace(5))
+    one = fit_timeline((_Trace(1, per_sample=20),), _Trace(1, per_sample=20))
+    assert one.event_bytes.at(1).tolist() == [24, -24] == one.event_bytes.at(7).tolist()
+    assert line.events_at(1).tolist() == [12, -12]
+    tl = Timeline(**{**line.__dict__, "batch_one": one})
+    rows = ModuleRows(
+        names=("", "fc", "(loss)", "(optimizer)"),
+        types=("Net", "Linear", "loss", "optimizer"),
+        depths=np.asarray([0, 1, 0, 0], dtype=np.int32),
+        param_count=_i64(0, 16, 0, 0),
+        trainable_param_count=_i64(0, 16, 0, 0),
+        buffer_count=_i64(0, 0, 0, 0),
+    )
+
+    def peak(batch: int) -> int:
+        return estimate(
+            rows, tl, None, batch_size=batch, precision=Precision.FP32, optimizer=None,
+            mode=Mode.TRAIN, device=Device.CPU,
+        ).peak_bytes  # fmt: skip
+
+    # resident: storage 0 (64 B) + storage 1 (12 B per sample); the event's bytes on top
+    assert peak(1) == 64 + 12 + 24
+    assert peak(2) == 64 + 24 + 20  # the line: 8 * 2 + 4

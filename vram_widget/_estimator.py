@@ -177,6 +177,8 @@ def estimate(
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace)."""
+    if batch_size == 1 and timeline.batch_one is not None:
+        timeline = timeline.batch_one  # the step at batch 1 as profiled there
     n_rows = len(rows.names)
     train = mode is Mode.TRAIN
     length = seq_len or 1  # a timeline of one length has no seq terms: any value serves

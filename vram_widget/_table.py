@@ -200,6 +200,8 @@ class Timeline:
     check_peaks: tuple[int, int, int] | None = None
     # the output dims as polynomials in (batch, seq), where the timeline spans lengths
     dims_across_lengths: Poly | None = None
+    # the step at batch 1 where it is not the fit's at 1 (size-1 dims take other paths)
+    batch_one: Timeline | None = None
 
     @property
     def seq_degree(self) -> int:
@@ -351,6 +353,8 @@ def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...
         if not same_step(t1, other):
             raise NotAffineError(_first_difference(t1, other), _first_difference_row(t1, other))
     batches = tuple(t.batch_size for t in fit)
+    if len(fit) == 1:  # one batch size: the step there as it is (no slope)
+        fit, batches = (t1, t1), (t1.batch_size, t1.batch_size + 1)
     events = Poly.fit(batches, tuple(t.event_bytes for t in fit))
     storages = Poly.fit(batches, tuple(t.storage_bytes for t in fit))
     flops_f = Poly.fit(batches, tuple(t.flops_forward for t in fit))
@@ -455,6 +459,7 @@ def across_lengths(
         flops_forward=Poly.across(lengths, tuple(tl.flops_forward for tl in timelines)),
         flops_backward=Poly.across(lengths, tuple(tl.flops_backward for tl in timelines)),
         dims_across_lengths=Poly.across(lengths, tuple(tl.output_dims[0] for tl in timelines)),
+        batch_one=None,  # the caller fits batch 1 across the lengths apart, where it differs
     )
 
 
