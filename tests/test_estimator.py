@@ -553,14 +553,7 @@ def test_batch_one_as_profiled_where_it_is_not_the_line() -> None:
     assert one.event_bytes.at(1).tolist() == [24, -24] == one.event_bytes.at(7).tolist()
     assert line.events_at(1).tolist() == [12, -12]
     tl = Timeline(**{**line.__dict__, "batch_one": one})
-    rows = ModuleRows(
-        names=("", "fc", "(loss)", "(optimizer)"),
-        types=("Net", "Linear", "loss", "optimizer"),
-        depths=np.asarray([0, 1, 0, 0], dtype=np.int32),
-        param_count=_i64(0, 16, 0, 0),
-        trainable_param_count=_i64(0, 16, 0, 0),
-        buffer_count=_i64(0, 0, 0, 0),
-    )
+    rows = make_rows()
 
     def peak(batch: int) -> int:
         return estimate(
