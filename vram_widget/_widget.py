@@ -9,6 +9,7 @@ an optimizer) not yet profiled runs the profiler once more, behind a "profilingâ
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import math
 import re
@@ -478,39 +479,20 @@ class MemoryWidget(widgets.VBox):
     # ------------------------------------------------------------------ controls
 
     def _build_controls(self) -> None:
-        self._batch_slider = widgets.FloatLogSlider(
-            value=min(self.batch_size, BATCH_SLIDER_MAX),
-            base=2,
-            min=0,
-            max=math.log2(BATCH_SLIDER_MAX),
-            step=0.25,
-            description="batch size",
-            continuous_update=True,
-            readout=False,
+        self._batch_slider, self._batch_box = _log_slider_and_box(
+            "batch size", self.batch_size, BATCH_SLIDER_MAX, BATCH_MAX, continuous=True
         )
-        self._batch_box = widgets.BoundedIntText(
-            value=self.batch_size, min=1, max=BATCH_MAX, layout={"width": "110px"}
-        )
-        self._batch_slider.observe(self._slider_moved, names="value")
-        self._batch_box.observe(self._box_changed, names="value")
+        self._batch_slider.observe(functools.partial(self._control_moved, "batch_size"), "value")
+        self._batch_box.observe(functools.partial(self._control_moved, "batch_size"), "value")
         # The sequence length, where the profile has a sequence axis: a log slider like the
-        # batch's, up to the model's learned positions (else 128k tokens), and a box.
+        # batch's, up to the model's learned positions (else 128k tokens), and a box. A move
+        # may profile (the first other length), so the slider reports on release.
         seq_max = self._profile.seq_len_limit or SEQ_SLIDER_MAX
-        self._seq_slider = widgets.FloatLogSlider(
-            value=float(self.seq_len or 1),
-            base=2,
-            min=0,
-            max=math.log2(seq_max),
-            step=0.25,
-            description="sequence length",
-            continuous_update=False,
-            readout=False,
+        self._seq_slider, self._seq_box = _log_slider_and_box(
+            "sequence length", self.seq_len or 1, seq_max, seq_max, continuous=False
         )
-        self._seq_box = widgets.BoundedIntText(
-            value=self.seq_len or 1, min=1, max=seq_max, layout={"width": "110px"}
-        )
-        self._seq_slider.observe(self._seq_slider_moved, names="value")
-        self._seq_box.observe(self._seq_box_changed, names="value")
+        self._seq_slider.observe(functools.partial(self._control_moved, "seq_len"), "value")
+        self._seq_box.observe(functools.partial(self._control_moved, "seq_len"), "value")
         self._seq_row = widgets.HBox(
             [self._seq_slider, self._seq_box],
             layout={"display": None if self._profile.has_seq_axis else "none"},
@@ -566,21 +548,11 @@ class MemoryWidget(widgets.VBox):
             ]
         )
 
-    def _seq_slider_moved(self, change: dict[str, Any]) -> None:
-        if not self._syncing and self.seq_len is not None:
-            self.seq_len = max(1, round(change["new"]))
-
-    def _seq_box_changed(self, change: dict[str, Any]) -> None:
-        if not self._syncing and self.seq_len is not None:
-            self.seq_len = int(change["new"])
-
-    def _slider_moved(self, change: dict[str, Any]) -> None:
-        if not self._syncing:
-            self.batch_size = max(1, round(change["new"]))
-
-    def _box_changed(self, change: dict[str, Any]) -> None:
-        if not self._syncing:
-            self.batch_size = int(change["new"])
+    def _control_moved(self, name: str, change: dict[str, Any]) -> None:
+        """A slider or box of an integer setting moved: set the trait (never feeding back
+        while the controls are synced to the traits)."""
+        if not self._syncing and getattr(self, name) is not None:
+            setattr(self, name, max(1, round(change["new"])))
 
     def _sync_controls(self) -> None:
         """Show the batch size on the slider and the box without feeding back."""
@@ -611,6 +583,25 @@ class MemoryWidget(widgets.VBox):
             fig.to_html(include_plotlyjs="cdn", full_html=False)
             + f"<div>{self._summary.value}</div>"
         )
+
+
+def _log_slider_and_box(
+    description: str, value: int, slider_max: int, box_max: int, *, continuous: bool
+) -> tuple[widgets.FloatLogSlider, widgets.BoundedIntText]:
+    """A base-2 log slider from 1 to ``slider_max`` in quarter steps, and an exact-value box
+    beside it (up to ``box_max``)."""
+    slider = widgets.FloatLogSlider(
+        value=float(min(value, slider_max)),
+        base=2,
+        min=0,
+        max=math.log2(slider_max),
+        step=0.25,
+        description=description,
+        continuous_update=continuous,
+        readout=False,
+    )
+    box = widgets.BoundedIntText(value=value, min=1, max=box_max, layout={"width": "110px"})
+    return slider, box
 
 
 _SETTINGS: tuple[str, ...] = (
