@@ -1839,25 +1839,56 @@ def test_other_lengths_are_numpy_once_the_length_is_fitted(monkeypatch: pytest.M
     )
 
 
-class _PadsToEight(nn.Module):
-    """Pads the sequence to a multiple of 8 (as tensor-core friendly code does): memory is a
-    step function of the length, no polynomial."""
+class _PadsToMultiple(nn.Module):
+    """Pads the sequence to a multiple of ``multiple`` (as tensor-core friendly code does):
+    memory is a step function of the length."""
 
-    def __init__(self) -> None:
+    def __init__(self, multiple: int) -> None:
         super().__init__()
+        self.multiple = multiple
         self.emb = nn.Embedding(50, 16)
         self.fc = nn.Linear(16, 16)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pad = -ids.shape[1] % 8
+        pad = -ids.shape[1] % self.multiple
         return self.fc(torch.nn.functional.pad(self.emb(ids), (0, 0, 0, pad)))
 
 
-def test_length_that_is_no_polynomial_is_profiled_at_the_length() -> None:
-    model = _PadsToEight()
+def test_padding_to_eight_is_fitted_in_the_padding() -> None:
+    # Padding to a multiple of 8 is one of the kernels' paddings (PADDED_TERMS): the fit in
+    # the length and that padding reproduces a profile at each length exactly.
+    model = _PadsToMultiple(8)
     profile = profile_model(model, inputs=torch.zeros(2, 16, dtype=torch.long))
-    for seq in (17, 23, 24, 40):
+    for seq in (17, 23, 24, 40, 1001):
+        est = profile.estimate(3, optimizer="sgd", seq_len=seq)
+        at_length = profile_model(model, inputs=torch.zeros(2, seq, dtype=torch.long))
+        assert est.peak_bytes == at_length.estimate(3, optimizer="sgd").peak_bytes, seq
+    fitted = profile.timeline(Precision.FP32, Mode.TRAIN, 17).event_bytes
+    assert any(e[2:] == (8,) for e in fitted.monomials)
+
+
+def test_length_that_is_no_polynomial_is_profiled_at_the_length() -> None:
+    # Padding to 48 is in no fit's terms: each length is profiled as it is asked.
+    model = _PadsToMultiple(48)
+    profile = profile_model(model, inputs=torch.zeros(2, 16, dtype=torch.long))
+    for seq in (17, 23, 48, 49):
         est = profile.estimate(3, optimizer="sgd", seq_len=seq)
         at_length = profile_model(model, inputs=torch.zeros(2, seq, dtype=torch.long))
         assert est.peak_bytes == at_length.estimate(3, optimizer="sgd").peak_bytes, seq
     assert profile.timeline(Precision.FP32, Mode.TRAIN, 17).seq_degree == 0  # per length
+
+
+def test_memory_efficient_attention_padding_is_fitted() -> None:
+    # device="cuda" in fp32 emulates the memory-efficient SDPA kernel, whose logsumexp is
+    # (B, H, ceil(S / 32) * 32) fp32: no polynomial in S alone, one in S and its padding.
+    # The fit reproduces a profile made at each length, to the byte.
+    model = zoo.causal_decoder(vocab_size=64, d_model=32, n_head=2, n_layer=1, max_len=128)
+    profile = profile_model(model, inputs=torch.zeros(2, 20, dtype=torch.long))
+    for seq in (1, 31, 32, 33, 100, 128):
+        for mode in ("train", "inference"):
+            est = profile.estimate(3, mode=mode, seq_len=seq)
+            other = profile_model(model, inputs=torch.zeros(2, seq, dtype=torch.long))
+            assert est.peak_bytes == other.estimate(3, mode=mode).peak_bytes, (seq, mode)
+            assert est.flops == other.estimate(3, mode=mode).flops, (seq, mode)
+    fitted = profile.timeline(Precision.FP32, Mode.TRAIN, 33).event_bytes
+    assert any(e[2:] == (32,) for e in fitted.monomials)

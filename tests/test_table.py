@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from vram_widget._table import Poly, _fill_unknown, interpolate_columns
+from vram_widget._table import (
+    PADDED_TERMS,
+    Poly,
+    _fill_unknown,
+    interpolate_columns,
+    pad_to,
+    padded_fit_lengths,
+    seq_term,
+)
 
 
 def test_affine_fit_and_evaluation() -> None:
@@ -72,3 +81,48 @@ def test_polynomial_across_lengths() -> None:
     quad = Poly(np.array([[16, 8, 4]]))
     mixed = Poly.across((1, 2, 3), (quad, line(2), line(3)))
     assert mixed.degree == 2
+
+
+def test_polynomial_across_lengths_and_their_padding() -> None:
+    # A memory-efficient attention's logsumexp, (B, 2 heads, ceil(S / 32) * 32) fp32:
+    # 8 B ceil32(S) = 8 B S + 8 B pad32(S); a bool mask (S, ceil(S / 8) * 8): S^2 + S pad8(S);
+    # and 16 B constant. At each length a line in B: a = S ceil8(S) + 16, b = 8 ceil32(S).
+    def ceil(s: int, m: int) -> int:
+        return -(-s // m) * m
+
+    def line(s: int) -> Poly:
+        return Poly.affine(np.array([s * ceil(s, 8) + 16]), np.array([8 * ceil(s, 32)]))
+
+    lengths, check = padded_fit_lengths(20, PADDED_TERMS)
+    fit = Poly.across_terms(lengths, tuple(line(s) for s in lengths), PADDED_TERMS)
+    assert fit is not None
+    assert fit.at(5, check).tolist() == line(check).at(5).tolist()
+    # at B = 8, S = 4097 (pad32 = 31, pad8 = 7): a = 4097 * 4104 + 16 = 16,814,104,
+    # b = 8 * 4128 = 33,024: 16,814,104 + 8 * 33,024 = 16,814,104 + 264,192 = 17,078,296
+    assert fit.at(8, 4097).tolist() == [17_078_296]
+    # at a multiple of 32 the padding is 0: 4096^2 + 16 + 8 * 8 * 4096 = 16,777,232 + 262,144
+    assert fit.at(8, 4096).tolist() == [17_039_376]
+    assert (fit.degree, fit.seq_degree) == (1, 2)
+
+
+def test_lengths_that_are_no_combination_of_the_terms_give_none() -> None:
+    # S // 3 is no integer combination of 1, S, S^2 and the paddings to 32 and 8
+    lengths, _check = padded_fit_lengths(20, PADDED_TERMS)
+    values = tuple(Poly.affine(np.array([s // 3]), np.array([0])) for s in lengths)
+    assert Poly.across_terms(lengths, values, PADDED_TERMS) is None
+    # lengths that cannot tell the terms apart (all multiples of 32: no padding) give none
+    same = (32, 64, 96, 128, 160, 192)
+    assert Poly.across_terms(same, tuple(line for line in values), PADDED_TERMS) is None
+
+
+@pytest.mark.parametrize("s0", [1, 2, 7, 16, 20, 32, 64, 100, 512, 4096])
+def test_padded_fit_lengths_start_with_the_plain_fit_and_solve(s0: int) -> None:
+    lengths, check = padded_fit_lengths(s0, PADDED_TERMS)
+    assert lengths[:3] == (s0, 2 * s0 + 1, 3 * s0 + 2)  # the plain fit's runs serve again
+    assert len(set(lengths)) == len(PADDED_TERMS) and check not in lengths
+
+
+def test_seq_terms() -> None:
+    assert [pad_to(s, 32) for s in (1, 31, 32, 33)] == [31, 1, 0, 31]
+    # S^1 * pad8(S) at 13: 13 * 3 = 39; S^2 at 13: 169
+    assert seq_term(13, (1, 8)) == 39 and seq_term(13, (2, 0)) == 169 and seq_term(13, (2,)) == 169

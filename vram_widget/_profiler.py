@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,12 +54,14 @@ from ._step import (
     training_iteration,
 )
 from ._table import (
+    PADDED_TERMS,
     ModuleRows,
     NotAffineError,
     OptimizerTrace,
     Timeline,
     across_lengths,
     fit_timeline,
+    padded_fit_lengths,
     same_step,
 )
 
@@ -728,49 +730,70 @@ class _Source:
     ) -> Timeline | None:
         """The timeline as a polynomial in (batch, seq), from ``base`` (the example's
         length) and runs at two more lengths, checked exactly at a fourth length and another
-        batch size; None where memory is no such polynomial in the length (padding to a
-        multiple, windows, kernel choices that switch with the length), where the batch fit
-        is quadratic or extrapolated, or where CPU kernel workspaces are measured."""
+        batch size. Where that check fails, three more lengths fit it in the length and the
+        padding kernels add to a multiple (``PADDED_TERMS``), checked at another length.
+        None where memory is neither (windows, kernel choices that switch with the length),
+        where the batch fit is quadratic or extrapolated, or where CPU kernel workspaces are
+        measured."""
         s0 = self.profiler.subject.seq_len
         if s0 is None or not base.exact or base.event_bytes.degree > 1:
             return None
         if len(base.workspace_alloc_at):
             return None
-        # Lengths far from the example and from multiples of 8, so that padding or a
-        # window the example does not reach shows at the check rather than in an answer.
-        lengths = (s0, 2 * s0 + 1, 3 * s0 + 2)
-        check_len = 4 * s0 + 3
         train = mode is Mode.TRAIN
         # Where batch 1 takes its own path, it is run at each length too and fitted apart.
-        ones: list[Timeline] | None = None if base.batch_one is None else [base.batch_one]
-        try:
-            lines = [base]
-            for length in lengths[1:]:
+        lines: dict[int, Timeline] = {s0: base}
+        ones: dict[int, Timeline] | None = None
+        if base.batch_one is not None:
+            ones = {s0: base.batch_one}
+
+        def profile_lengths(lengths: Sequence[int]) -> None:
+            for length in lengths:
+                if length in lines:
+                    continue
                 self.profiler.seq_len = length
                 t2, t3 = (self._run(precision, b, train) for b in FIT_BATCH_SIZES[:2])
-                lines.append(fit_timeline((t2, t3), t3))
+                lines[length] = fit_timeline((t2, t3), t3)
                 if ones is not None:
                     one = self._run(precision, 1, train, flops=False)
-                    ones.append(fit_timeline((one,), one))
+                    ones[length] = fit_timeline((one,), one)
+
+        def fitted(
+            lengths: tuple[int, ...], check_len: int, terms: tuple[tuple[int, int], ...] | None
+        ) -> Timeline | None:
+            profile_lengths(lengths)
             self.profiler.seq_len = check_len
             check = self._run(precision, FIT_BATCH_SIZES[2], train, flops=False)
-            check_one = None if ones is None else self._run(precision, 1, train, flops=False)
+            combined = across_lengths(
+                lengths, tuple(lines[n] for n in lengths), check, check_len, terms
+            )
+            if combined is None or ones is None:
+                return combined
+            check_one = self._run(precision, 1, train, flops=False)
+            combined_one = across_lengths(
+                lengths, tuple(ones[n] for n in lengths), check_one, check_len, terms, flops=False
+            )
+            if combined_one is None:
+                return None
+            combined_one = dataclasses.replace(
+                combined_one,
+                flops_forward=combined.flops_forward,
+                flops_backward=combined.flops_backward,
+            )
+            return dataclasses.replace(combined, batch_one=combined_one)
+
+        try:
+            # Lengths far from the example and from multiples of 8, so that padding or a
+            # window the example does not reach shows at the check rather than in an answer.
+            plain = fitted((s0, 2 * s0 + 1, 3 * s0 + 2), 4 * s0 + 3, None)
+            if plain is not None:
+                return plain
+            lengths, check_len = padded_fit_lengths(s0, PADDED_TERMS)
+            return fitted(lengths, check_len, PADDED_TERMS)
         except (NotAffineError, ProfilingError):
             return None
         finally:
             self.profiler.seq_len = None
-        combined = across_lengths(lengths, tuple(lines), check, check_len)
-        if combined is None or ones is None or check_one is None:
-            return combined
-        combined_one = across_lengths(lengths, tuple(ones), check_one, check_len)
-        if combined_one is None:
-            return None
-        combined_one = dataclasses.replace(
-            combined_one,
-            flops_forward=combined.flops_forward,
-            flops_backward=combined.flops_backward,
-        )
-        return dataclasses.replace(combined, batch_one=combined_one)
 
     def _quadratic(
         self, precision: Precision, train: bool, traces: list[RawTrace], grid: list[RawTrace]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Protocol
 
 import numpy as np
@@ -85,13 +87,17 @@ class _Trace(Protocol):
 class Poly:
     """Integer arrays that are polynomials in the batch size and the sequence length:
     ``coef[..., k] * batch**i * seq**j`` summed over the monomials ``k``, whose exponents
-    ``(i, j)`` are ``exponents[k]`` (by default ``(k, 0)``: the batch alone)."""
+    ``(i, j)`` are ``exponents[k]`` (by default ``(k, 0)``: the batch alone).
+
+    A monomial ``(i, j, m)`` is ``batch**i * seq**j * pad(seq, m)``: ``pad(seq, m) =
+    ceil(seq / m) * m - seq``, the padding a kernel adds to reach a multiple of ``m``
+    (:data:`PAD_MULTIPLES`)."""
 
     coef: np.ndarray  # int64 (..., monomials)
-    exponents: tuple[tuple[int, int], ...] | None = None  # None: ((0, 0), (1, 0), ...)
+    exponents: tuple[tuple[int, ...], ...] | None = None  # None: ((0, 0), (1, 0), ...)
 
     @property
-    def monomials(self) -> tuple[tuple[int, int], ...]:
+    def monomials(self) -> tuple[tuple[int, ...], ...]:
         if self.exponents is not None:
             return self.exponents
         return tuple((k, 0) for k in range(self.coef.shape[-1]))
@@ -99,18 +105,19 @@ class Poly:
     @property
     def degree(self) -> int:
         """The degree in the batch size."""
-        return max((i for i, _j in self.monomials), default=0)
+        return max((e[0] for e in self.monomials), default=0)
 
     @property
     def seq_degree(self) -> int:
-        """The degree in the sequence length (0: the same at every length)."""
-        return max((j for _i, j in self.monomials), default=0)
+        """The degree in the sequence length (0: the same at every length; a padding term
+        counts 1)."""
+        return max((e[1] + (len(e) > 2 and e[2] > 0) for e in self.monomials), default=0)
 
     def at(self, batch_size: int, seq_len: int = 1) -> np.ndarray:
         """Evaluate at one point; Python ints (object array) where int64 could overflow."""
         if self.coef.size == 0:
             return np.zeros(self.coef.shape[:-1], np.int64)
-        powers = [batch_size**i * seq_len**j for i, j in self.monomials]
+        powers = [batch_size ** e[0] * seq_term(seq_len, e[1:]) for e in self.monomials]
         bound = sum(int(np.abs(self.coef[..., k]).max()) * p for k, p in enumerate(powers))
         if bound < 2**62:
             return self.coef @ np.asarray(powers, dtype=np.int64)
@@ -139,6 +146,109 @@ class Poly:
         coef = np.stack(_newton(lengths, tuple(columns)), axis=-1)  # (..., degree + 1, len)
         exponents = tuple((i, j) for j in range(len(lengths)) for i in range(degree + 1))
         return Poly(np.swapaxes(coef, -1, -2).reshape(*coef.shape[:-2], -1), exponents)
+
+    @staticmethod
+    def across_terms(
+        lengths: tuple[int, ...], polys: tuple[Poly, ...], terms: tuple[tuple[int, int], ...]
+    ) -> Poly | None:
+        """As :meth:`across`, in the functions of the length ``terms`` (``(j, m)``: ``seq**j
+        * pad(seq, m)``, or ``seq**j`` where ``m`` is 0), one per length: each batch
+        coefficient solves the square system exactly in integers. None where the lengths
+        do not tell the terms apart, or the data is no integer combination of them."""
+        degree = max(p.degree for p in polys)
+        columns = [_pad_batch_degree(p, degree).astype(object) for p in polys]
+        matrix = [[Fraction(seq_term(n, t)) for t in terms] for n in lengths]
+        inverse = _inverse(matrix)
+        if inverse is None:
+            return None
+        denominator = math.lcm(*(f.denominator for row in inverse for f in row))
+        solved = []
+        for row in inverse:
+            scaled = sum(
+                (int(f * denominator) * col for f, col in zip(row, columns, strict=True)),
+                start=np.zeros_like(columns[0]),
+            )
+            if np.any(scaled % denominator):
+                return None  # not an integer combination of the terms
+            solved.append(scaled // denominator)
+        coef = np.stack(solved, axis=-2)  # (..., terms, degree + 1)
+        if coef.size and np.abs(coef).max() >= 2**62:
+            return None
+        exponents = tuple((i, *t) for t in terms for i in range(degree + 1))
+        return Poly(coef.reshape(*coef.shape[:-2], -1).astype(np.int64), exponents)
+
+
+# Kernels that pad a length to a multiple, so that memory is a polynomial in the length and
+# that padding: the memory-efficient attention's logsumexp is (B, H, ceil(S / 32) * 32) fp32
+# (torch/_meta_registrations.py, meta__efficient_attention_forward: "logsumexp = ...
+# math.ceil(max_seqlen_q / 32) * 32" where compute_log_sumexp); an attention mask handed to
+# it is padded to a multiple of 8 in its last dim (aten/src/ATen/native/transformers/
+# attention.cpp, preprocess_mask: pad_bias<8>; _cuda_rules._preprocess_mask).
+PAD_MULTIPLES = (32, 8)
+
+# The functions of the length tried after the powers 1, S, S**2 fail their check: the
+# padding to 32 and to 8, and S times the padding to 8 (a (S, ceil(S / 8) * 8) mask).
+PADDED_TERMS: tuple[tuple[int, int], ...] = ((0, 0), (1, 0), (2, 0), (0, 32), (0, 8), (1, 8))
+
+
+def padded_fit_lengths(s0: int, terms: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], int]:
+    """Lengths to fit ``terms`` at (the example's ``s0`` and the plain fit's ``2 * s0 + 1``
+    and ``3 * s0 + 2`` first, so their runs serve again) and a length to check at: more
+    lengths of the form ``k * s0 + c`` taken while they make the system better determined,
+    until it is square and invertible; the check is the next such length.
+
+    Examples
+    --------
+    >>> padded_fit_lengths(20, PADDED_TERMS)
+    ((20, 41, 62, 85, 87, 89), 147)
+    """
+    chosen = [s0, 2 * s0 + 1, 3 * s0 + 2]
+    candidates = (k * s0 + c for k in range(4, 64) for c in (5, 7, 9, 11, 13, 3))
+    for n in candidates:
+        if len(chosen) == len(terms):
+            break
+        if n in chosen:
+            continue
+        rows = [[seq_term(m, t) for t in terms] for m in (*chosen, n)]
+        if np.linalg.matrix_rank(np.asarray(rows, dtype=np.float64)) == len(chosen) + 1:
+            chosen.append(n)
+    square = [[Fraction(seq_term(m, t)) for t in terms] for m in chosen]
+    if len(chosen) != len(terms) or _inverse(square) is None:
+        raise ValueError(f"no lengths near {s0} tell the terms {terms} apart")
+    check = next(n for n in (k * s0 + 7 for k in range(len(terms) + 1, 128)) if n not in chosen)
+    return tuple(chosen), check
+
+
+def pad_to(seq_len: int, multiple: int) -> int:
+    """``ceil(seq_len / multiple) * multiple - seq_len``: what a kernel pads ``seq_len`` by."""
+    return -seq_len % multiple
+
+
+def seq_term(seq_len: int, term: tuple[int, ...]) -> int:
+    """The value of one function of the length: ``seq**j`` times ``pad_to(seq, m)`` where a
+    multiple ``m`` is given (``term = (j,)`` or ``(j, m)``)."""
+    value = seq_len ** term[0]
+    if len(term) > 1 and term[1]:
+        value *= pad_to(seq_len, term[1])
+    return int(value)
+
+
+def _inverse(matrix: list[list[Fraction]]) -> list[list[Fraction]] | None:
+    """The exact inverse of a small square matrix (Gauss-Jordan), None where singular."""
+    n = len(matrix)
+    rows = [[*row, *(Fraction(int(i == j)) for j in range(n))] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = next((r for r in range(col, n) if rows[r][col] != 0), None)
+        if pivot is None:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        lead = rows[col][col]
+        rows[col] = [v / lead for v in rows[col]]
+        for r in range(n):
+            if r != col and rows[r][col] != 0:
+                factor = rows[r][col]
+                rows[r] = [v - factor * w for v, w in zip(rows[r], rows[col], strict=True)]
+    return [row[n:] for row in rows]
 
 
 def _pad_batch_degree(poly: Poly, degree: int) -> np.ndarray:
@@ -437,28 +547,54 @@ def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...
 
 
 def across_lengths(
-    lengths: tuple[int, ...], timelines: tuple[Timeline, ...], check: _Trace, check_seq: int
+    lengths: tuple[int, ...],
+    timelines: tuple[Timeline, ...],
+    check: _Trace,
+    check_seq: int,
+    terms: tuple[tuple[int, int], ...] | None = None,
+    flops: bool = True,
 ) -> Timeline | None:
     """One timeline in (batch, seq) from timelines profiled at ``lengths`` (each exact in the
     batch), checked exactly against ``check``, a trace at another batch size and length
     ``check_seq``; None where the lengths do not make the same step event for event, a
     timeline is not exact, kernel workspaces are measured (not polynomial), or the check
-    fails: memory is then not such a polynomial in the length."""
+    fails: memory is then not such a polynomial in the length.
+
+    ``terms`` are the functions of the length to fit in (:meth:`Poly.across_terms`, one per
+    length); None: the powers of the length, ``len(lengths) - 1`` at most. ``flops=False``
+    leaves the FLOPs out of the fit (the batch-1 timelines, whose FLOPs are the fit's)."""
     first = timelines[0]
     for tl in timelines:
         if not tl.exact or len(tl.workspace_alloc_at) or not _same_timeline_steps(first, tl):
             return None
-    events = Poly.across(lengths, tuple(tl.event_bytes for tl in timelines))
+
+    def fit(polys: tuple[Poly, ...]) -> Poly | None:
+        if terms is None:
+            return Poly.across(lengths, polys)
+        return Poly.across_terms(lengths, polys, terms)
+
+    events = fit(tuple(tl.event_bytes for tl in timelines))
+    if events is None:
+        return None
     fitted = events.at(check.batch_size, check_seq)
     if len(check.event_bytes) != len(fitted) or not np.array_equal(fitted, check.event_bytes):
+        return None
+    storage = fit(tuple(tl.storage_bytes for tl in timelines))
+    dims = fit(tuple(tl.output_dims[0] for tl in timelines))
+    forward: Poly | None = first.flops_forward
+    backward: Poly | None = first.flops_backward
+    if flops:
+        forward = fit(tuple(tl.flops_forward for tl in timelines))
+        backward = fit(tuple(tl.flops_backward for tl in timelines))
+    if storage is None or dims is None or forward is None or backward is None:
         return None
     return dataclasses.replace(
         first,
         event_bytes=events,
-        storage_bytes=Poly.across(lengths, tuple(tl.storage_bytes for tl in timelines)),
-        flops_forward=Poly.across(lengths, tuple(tl.flops_forward for tl in timelines)),
-        flops_backward=Poly.across(lengths, tuple(tl.flops_backward for tl in timelines)),
-        dims_across_lengths=Poly.across(lengths, tuple(tl.output_dims[0] for tl in timelines)),
+        storage_bytes=storage,
+        dims_across_lengths=dims,
+        flops_forward=forward,
+        flops_backward=backward,
         batch_one=None,  # the caller fits batch 1 across the lengths apart, where it differs
     )
 
