@@ -483,3 +483,40 @@ def test_no_sequence_slider_without_a_sequence(profile: ModelProfile) -> None:
     assert "Tokens per step" not in w.summary_html
     with pytest.raises(traitlets.TraitError, match="no sequence axis"):
         w.seq_len = 16
+
+
+def test_frontier_panel_draws_the_profile_frontier(token_profile: ModelProfile) -> None:
+    w = MemoryWidget(token_profile, batch_size=8, gpu="A100 80GB")
+    assert w._frontier_panel in w.children and w._frontier_panel.selected_index is None
+    assert len(w._frontier_figure.data[0].x) == 0  # nothing computed while closed
+    w._frontier_panel.selected_index = 0  # opening the panel is the trait
+    assert w.show_frontier
+    expected = token_profile.frontier(80 * GIB, compute_capability=w.target.compute_capability)
+    line, here, largest = w._frontier_figure.data
+    fits = expected.max_batch_sizes > 0
+    assert list(line.x) == expected.seq_lens[fits].tolist()
+    assert list(line.y) == expected.max_batch_sizes[fits].tolist()
+    assert (here.x, here.y) == ((32,), (8,)) and here.marker.color == "#2CA02C"  # fits
+    assert largest.y == (w.largest_batch(),)
+    assert "A100 80GB" in w._frontier_figure.layout.title.text
+    # the length and the batch move the markers only; the line is the same object's data
+    w.seq_len = 1000
+    assert here.x == (1000,) and largest.x == (1000,)
+    assert largest.y == (
+        token_profile.max_batch_size(80 * GIB, seq_len=1000, compute_capability=(8, 0)),
+    )
+    w.batch_size = largest.y[0] + 1
+    assert here.marker.color == "#D62728"  # one sample past the frontier
+    assert list(line.y) == expected.max_batch_sizes[fits].tolist()
+    # the GPU and the precision redraw the line
+    w.gpu = "T4 16GB"
+    assert max(line.y) < expected.max_batch_sizes.max()
+    assert "T4 16GB" in w._frontier_figure.layout.title.text
+    w.show_frontier = False
+    assert w._frontier_panel.selected_index is None
+
+
+def test_no_frontier_panel_without_a_sequence(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, show_frontier=True)
+    assert w._frontier_panel not in w.children
+    assert len(w._frontier_figure.data[0].x) == 0

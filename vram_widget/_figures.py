@@ -23,6 +23,7 @@ and its backward FLOPs at its first backward run.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,17 +34,21 @@ from plotly.subplots import make_subplots
 
 from ._estimator import LayerTable, MemoryEstimate
 from ._options import PHASE_CODE, PHASES, Category, Mode, Phase
+from ._tradeoff import Frontier
 
 __all__ = [
     "CLIP_RATIO",
     "FLOOR_CATEGORIES",
+    "FRONTIER_TRACE_NAMES",
     "MAX_NAMED_GROUPS",
     "TRACE_NAMES",
     "WaterfallData",
     "build_figure",
+    "build_frontier_figure",
     "group_rows",
     "output_shape_text",
     "update_figure",
+    "update_frontier_figure",
     "waterfall_data",
 ]
 
@@ -661,3 +666,157 @@ def update_figure(
             _write(fig, est, depth=depth, capacity_bytes=capacity_bytes, gpu_name=gpu_name)
     else:
         _write(fig, est, depth=depth, capacity_bytes=capacity_bytes, gpu_name=gpu_name)
+
+
+# ------------------------------------------------------------------------------------------
+# The batch x sequence-length frontier
+# ------------------------------------------------------------------------------------------
+
+FRONTIER_TRACE_NAMES: tuple[str, ...] = (
+    "largest batch that fits",
+    "this setting",
+    "largest batch at this length",
+)
+"""The frontier figure's traces, in order (the same traces on every update)."""
+
+_FITS_COLOUR = "#2CA02C"
+_OVER_COLOUR = "#D62728"
+
+
+def _frontier_updates(
+    frontier: Frontier,
+    batch_size: int,
+    seq_len: int,
+    max_batch_here: int,
+    title: str,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    # A log axis has no 0: lengths where not even one sample fits end the line.
+    some = frontier.max_batch_sizes > 0
+    lengths = frontier.seq_lens[some]
+    batches = frontier.max_batch_sizes[some]
+    fits = 1 <= batch_size <= max_batch_here
+    here_x, here_y = ([seq_len], [max_batch_here]) if max_batch_here > 0 else ([], [])
+    traces = [
+        {
+            "x": lengths,
+            "y": batches,
+            "customdata": lengths * batches,
+        },
+        {
+            "x": [seq_len],
+            "y": [batch_size],
+            "marker.color": _FITS_COLOUR if fits else _OVER_COLOUR,
+            "customdata": [batch_size * seq_len],
+        },
+        {"x": here_x, "y": here_y, "customdata": [h * seq_len for h in here_y]},
+    ]
+    note = "" if frontier.complete else " (lengths profiled so far: not a polynomial in length)"
+    layout = {"title.text": title + note}
+    return traces, layout
+
+
+def _write_frontier(fig: go.Figure, *args: Any) -> None:
+    traces, layout = _frontier_updates(*args)
+    if len(fig.data) != len(traces):
+        raise ValueError(
+            f"figure has {len(fig.data)} traces, expected {len(traces)}: "
+            "build it with build_frontier_figure()"
+        )
+    for trace, update in zip(fig.data, traces, strict=True):
+        for path, value in update.items():
+            head, _, key = path.rpartition(".")
+            obj = trace[head] if head else trace
+            if not _same(obj[key], value):
+                obj[key] = value
+    for path, value in layout.items():
+        head, _, key = path.rpartition(".")
+        obj = fig.layout[head] if head else fig.layout
+        if not _same(obj[key], value):
+            obj[key] = value
+
+
+def build_frontier_figure(
+    frontier: Frontier,
+    *,
+    batch_size: int,
+    seq_len: int,
+    max_batch_here: int,
+    title: str = "",
+) -> go.Figure:
+    """The batch x sequence-length frontier as a line on log axes, with the current
+    setting marked (green where it fits, red where not) and the largest batch at its length.
+
+    Parameters
+    ----------
+    frontier : Frontier
+        From :meth:`ModelProfile.frontier`.
+    batch_size, seq_len : int
+        The current setting.
+    max_batch_here : int
+        The largest batch that fits at ``seq_len`` (``max_batch_size(..., seq_len=...)``).
+    title : str
+        What the frontier is for (GPU, precision, optimizer, mode).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from vram_widget._tradeoff import Frontier
+    >>> f = Frontier(2**30, np.array([64, 128]), np.array([40, 18]), complete=True)
+    >>> fig = build_frontier_figure(f, batch_size=32, seq_len=128, max_batch_here=18)
+    >>> fig.data[1].marker.color      # batch 32 at 128 tokens does not fit
+    '#D62728'
+    """
+    fig = go.Figure()
+    tokens = "%{customdata:,} tokens per step"
+    fig.add_trace(
+        go.Scatter(
+            name=FRONTIER_TRACE_NAMES[0],
+            mode="lines+markers",
+            line={"color": "#4C78A8", "shape": "hv"},
+            marker={"size": 5},
+            hovertemplate=f"%{{x:,}} tokens: batch %{{y:,}}<br>{tokens}<extra></extra>",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            name=FRONTIER_TRACE_NAMES[1],
+            mode="markers",
+            marker={"symbol": "star", "size": 16, "line": {"width": 1, "color": "#333333"}},
+            hovertemplate=f"batch %{{y:,}} at %{{x:,}} tokens<br>{tokens}<extra></extra>",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            name=FRONTIER_TRACE_NAMES[2],
+            mode="markers",
+            marker={"symbol": "circle-open", "size": 12, "color": "#333333"},
+            hovertemplate=f"largest at %{{x:,}} tokens: batch %{{y:,}}<br>{tokens}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        height=380,
+        margin={"l": 70, "r": 20, "t": 50, "b": 50},
+        title={"font": {"size": 14}, "x": 0.02, "xanchor": "left"},
+        xaxis={"type": "log", "title": {"text": "sequence length (tokens per sample)"}},
+        yaxis={"type": "log", "title": {"text": "batch size"}},
+        legend={"orientation": "h", "y": -0.2},
+        hovermode="closest",
+    )
+    _write_frontier(fig, frontier, batch_size, seq_len, max_batch_here, title)
+    return fig
+
+
+def update_frontier_figure(
+    fig: go.Figure,
+    frontier: Frontier,
+    *,
+    batch_size: int,
+    seq_len: int,
+    max_batch_here: int,
+    title: str = "",
+) -> None:
+    """Write a frontier and setting into a figure made by :func:`build_frontier_figure`,
+    in place (inside ``batch_update()`` on a ``FigureWidget``)."""
+    batch = getattr(fig, "batch_update", None)
+    with batch() if batch is not None else contextlib.nullcontext():
+        _write_frontier(fig, frontier, batch_size, seq_len, max_batch_here, title)

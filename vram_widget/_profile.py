@@ -6,7 +6,7 @@ profiler, for one more fake run; every later estimate is numpy arithmetic over t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -23,6 +23,10 @@ from ._options import (
     parse_option,
 )
 from ._table import ModuleRows, OptimizerTrace, Timeline
+from ._tradeoff import Frontier, batch_seq_frontier, length_grid
+
+# The frontier's longest length where the model has no learned position table: 128k tokens
+DEFAULT_MAX_SEQ_LEN = 2**17
 
 
 class ProfilingError(RuntimeError):
@@ -127,6 +131,12 @@ class ModelProfile:
                 return False  # profiled at that length
         opt = parse_optimizer(optimizer)
         return run_mode is Mode.INFERENCE or opt is None or (prec, opt) in self._optimizers
+
+    def length_fit_tried(self, precision: str | Precision, mode: str | Mode = Mode.TRAIN) -> bool:
+        """Whether the fit in the sequence length has been made (or found impossible) for
+        this precision and mode: from then on, which other lengths are numpy is known."""
+        prec = parse_option(Precision, precision, "precision")
+        return (prec, parse_option(Mode, mode, "mode")) in self._across_lengths
 
     def _same_side_of_window(self, seq_len: int) -> bool:
         window = self.seq_window
@@ -372,6 +382,91 @@ class ModelProfile:
         if self.seq_len_limit is not None:
             limit = min(limit, self.seq_len_limit)
         return _largest_fitting(fits, min(self.seq_len, limit), limit)
+
+    def frontier(
+        self,
+        capacity_bytes: int | str | Gpu,
+        precision: str | Precision = "fp32",
+        optimizer: str | OptimizerName | None = "adam",
+        mode: str | Mode = "train",
+        *,
+        seq_lens: Sequence[int] | None = None,
+        compute_capability: tuple[int, int] | None = None,
+        profile_lengths: bool = False,
+    ) -> Frontier:
+        """The batch x sequence-length frontier: the largest batch that fits
+        ``capacity_bytes`` at each sequence length (:meth:`max_batch_size` per length).
+
+        Parameters
+        ----------
+        capacity_bytes : int, str or Gpu
+            As for :meth:`max_batch_size`.
+        precision, optimizer, mode, compute_capability
+            As for :meth:`estimate`.
+        seq_lens : sequence of int, optional
+            The lengths; default two per doubling from 1 to the model's position limit (or
+            ``DEFAULT_MAX_SEQ_LEN``), plus the example's length.
+        profile_lengths : bool
+            Where memory is no verified polynomial in the length (padding, windows, kernel
+            choices that switch with the length), each length needs a profiling run of its
+            own. False (default) leaves those lengths out, except ones already profiled, and
+            the result's ``complete`` is False; True profiles each (seconds per length).
+
+        Returns
+        -------
+        Frontier
+            ``seq_lens`` and ``max_batch_sizes`` arrays, ascending in the length.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> emb = torch.nn.Embedding(100, 16)
+        >>> profile = profile_model(emb, inputs=torch.zeros(2, 8, dtype=torch.long))
+        >>> f = profile.frontier("64 MiB", optimizer="sgd", seq_lens=[8, 64, 512])
+        >>> f.seq_lens.tolist()
+        [8, 64, 512]
+        >>> b = f.max_batch_at(64)
+        >>> profile.estimate(b, optimizer="sgd", seq_len=64).total_bytes <= 64 * 2**20
+        True
+        """
+        if not self.has_seq_axis:
+            self.check_seq_len(1)  # raises: no sequence axis
+        assert self.seq_len is not None
+        capacity = parse_capacity(capacity_bytes)
+        prec = parse_option(Precision, precision, "precision")
+        run_mode = parse_option(Mode, mode, "mode")
+        if seq_lens is None:
+            limit = self.seq_len_limit or DEFAULT_MAX_SEQ_LEN
+            lengths = length_grid(limit, extra=[self.seq_len]).tolist()
+        else:
+            # check_seq_len gives None for the example's own length
+            checked = [self.check_seq_len(n) for n in seq_lens]
+            lengths = [self.seq_len if n is None else n for n in checked]
+        opt = parse_optimizer(optimizer)
+        self.estimate(1, prec, opt, run_mode)  # the example's length and the optimizer
+
+        def answerable(length: int) -> bool:
+            return profile_lengths or self.is_cached(prec, run_mode, opt, length)
+
+        # the first other length makes the fit in the length (runs once), so that
+        # ``answerable`` can tell which lengths are numpy from here on
+        other = next((n for n in lengths if n != self.seq_len), None)
+        if other is not None and not self.is_cached(prec, run_mode, opt, other):
+            self.timeline(prec, run_mode, other)
+        return batch_seq_frontier(
+            lambda length: self.max_batch_size(
+                capacity,
+                prec,
+                opt,
+                run_mode,
+                seq_len=length,
+                compute_capability=compute_capability,
+            ),
+            lengths,
+            capacity,
+            answerable,
+        )
 
     def bytes_per_sample(
         self,

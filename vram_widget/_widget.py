@@ -22,9 +22,18 @@ import plotly.graph_objects as go
 import traitlets
 
 from ._estimator import MemoryEstimate
-from ._figures import build_figure, group_rows, output_shape_text, update_figure
+from ._figures import (
+    build_figure,
+    build_frontier_figure,
+    group_rows,
+    output_shape_text,
+    update_figure,
+    update_frontier_figure,
+)
 from ._gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
 from ._options import Category, Mode, OptimizerName, Precision
+from ._profile import DEFAULT_MAX_SEQ_LEN
+from ._tradeoff import Frontier
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -35,9 +44,9 @@ __all__ = ["MemoryWidget", "format_bytes", "show_memory"]
 
 BATCH_SLIDER_MAX = 8192
 BATCH_MAX = 2**40
-# The sequence slider's top where the model has no learned position table: 128k tokens
-SEQ_SLIDER_MAX = 2**17
 """The largest batch the widget accepts (the exact box's bound and ``max_batch_size``'s limit)."""
+# The sequence slider's top where the model has no learned position table: 128k tokens
+SEQ_SLIDER_MAX = DEFAULT_MAX_SEQ_LEN
 _NO_OPTIMIZER = "none"
 _OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
 _TABLE_ROWS = 25
@@ -104,6 +113,9 @@ class MemoryWidget(widgets.VBox):
     gpu = traitlets.Enum([*GPUS, CUSTOM_GPU], default_value="H100 SXM 80GB")
     custom_gib = traitlets.Float(24.0)
     depth = traitlets.Int(1, min=0)
+    # the batch x sequence-length frontier panel is open (where the profile has a sequence
+    # axis): its figure is computed while open, and first opening it may profile lengths
+    show_frontier = traitlets.Bool(False)
 
     def __init__(self, profile: ModelProfile, **settings: Any) -> None:
         self._profile = profile
@@ -111,6 +123,7 @@ class MemoryWidget(widgets.VBox):
         self._reverting = False
         self._fit_cache: dict[tuple[Any, ...], int] = {}
         self._per_sample_cache: dict[tuple[Any, ...], int] = {}
+        self._frontier_cache: dict[tuple[Any, ...], Frontier] = {}
         super().__init__()
         if profile.has_seq_axis and settings.get("seq_len") is None:
             settings = {**settings, "seq_len": profile.seq_len}
@@ -149,19 +162,36 @@ class MemoryWidget(widgets.VBox):
         self._csv_button.on_click(self._show_csv_link)
         self._csv_link = widgets.HTML()
         self._render_text()
-        self.children = [
-            self._controls,
-            self._status,
-            self._figure,
-            self._summary,
+        panels = [
             widgets.Accordion(
                 children=[
                     widgets.VBox([widgets.HBox([self._csv_button, self._csv_link]), self._table])
                 ],
                 titles=("Layers (largest first)",),
-            ),
+            )
         ]
+        # The frontier panel, where lengths vary: an empty line until first opened.
+        nothing = np.zeros(0, dtype=np.int64)
+        self._frontier_figure = go.FigureWidget(
+            build_frontier_figure(
+                Frontier(0, nothing, nothing, complete=False),
+                batch_size=self.batch_size,
+                seq_len=self.seq_len or 1,
+                max_batch_here=0,
+            )
+        )
+        self._frontier_panel = widgets.Accordion(
+            children=[self._frontier_figure],
+            titles=("Batch x sequence length: what fits the GPU",),
+            selected_index=None,
+        )
+        if self._profile.has_seq_axis:
+            self._frontier_panel.observe(self._frontier_toggled, "selected_index")
+            panels.insert(0, self._frontier_panel)
+        self.children = [self._controls, self._status, self._figure, self._summary, *panels]
         self.observe(self._on_change, names=list(_SETTINGS))
+        if self.show_frontier:
+            self._on_change({"name": "show_frontier", "old": False, "new": True})
 
     # ------------------------------------------------------------------ public properties
 
@@ -256,10 +286,38 @@ class MemoryWidget(widgets.VBox):
         }
 
     def _needs_profiling(self) -> bool:
-        """Whether the current precision / optimizer still has to be profiled (torch)."""
-        return not self._profile.is_cached(
+        """Whether the current precision / optimizer (or, with the frontier open, the fit
+        in the length) still has to be profiled (torch)."""
+        cached = self._profile.is_cached(
             self.precision, self.mode, self._settings()["optimizer"], self.seq_len
         )
+        if self._frontier_shown() and self._frontier_key() not in self._frontier_cache:
+            cached = cached and self._profile.length_fit_tried(self.precision, self.mode)
+        return not cached
+
+    def _frontier_shown(self) -> bool:
+        return self.show_frontier and self._profile.has_seq_axis
+
+    def _frontier_key(self) -> tuple[Any, ...]:
+        s = self._settings()
+        return (
+            self.precision,
+            self.optimizer,
+            self.mode,
+            self.target.memory_bytes,
+            s["compute_capability"],
+        )
+
+    def frontier(self) -> Frontier:
+        """The batch x sequence-length frontier of the current precision, optimizer, mode
+        and GPU (:meth:`ModelProfile.frontier`; cached per setting, so moving the batch or
+        the length only moves the marker)."""
+        key = self._frontier_key()
+        if key not in self._frontier_cache:
+            s = self._settings()
+            del s["seq_len"]
+            self._frontier_cache[key] = self._profile.frontier(self.target.memory_bytes, **s)
+        return self._frontier_cache[key]
 
     def _compute(self) -> MemoryEstimate:
         return self._profile.estimate(self.batch_size, **self._settings())
@@ -284,6 +342,7 @@ class MemoryWidget(widgets.VBox):
             started = time.perf_counter()
         try:
             est = self._compute()
+            frontier = self.frontier() if self._frontier_shown() else None
         except Exception as exc:  # a failed extra profiling run: say so, keep the last view
             self._set_busy(False)
             self._revert(change)
@@ -310,8 +369,30 @@ class MemoryWidget(widgets.VBox):
             capacity_bytes=target.memory_bytes,
             gpu_name=target.name,
         )
+        if frontier is not None:
+            self._draw_frontier(frontier)
         self._sync_controls()
         self._render_text()
+
+    def _draw_frontier(self, frontier: Frontier) -> None:
+        assert self.seq_len is not None
+        target = self.target
+        opt = f", {self.optimizer}" if self.mode == Mode.TRAIN.value else ""
+        update_frontier_figure(
+            self._frontier_figure,
+            frontier,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            max_batch_here=self.largest_batch(),
+            title=(
+                f"Largest batch per length on {target.name} ({format_bytes(target.memory_bytes)}"
+                f"): {self.precision}{opt}, {self.mode}"
+            ),
+        )
+
+    def _frontier_toggled(self, change: dict[str, Any]) -> None:
+        if not self._syncing:
+            self.show_frontier = change["new"] is not None
 
     def _revert(self, change: dict[str, Any]) -> None:
         """Put a setting whose estimate failed back to its last value (re-renders that)."""
@@ -563,6 +644,7 @@ class MemoryWidget(widgets.VBox):
             if self.seq_len is not None:
                 self._seq_slider.value = float(self.seq_len)
                 self._seq_box.value = self.seq_len
+            self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
         finally:
             self._syncing = False
         self._custom_box.disabled = self.gpu != CUSTOM_GPU
@@ -613,6 +695,7 @@ _SETTINGS: tuple[str, ...] = (
     "gpu",
     "custom_gib",
     "depth",
+    "show_frontier",
 )
 
 
@@ -622,6 +705,7 @@ def show_memory(
     inputs: Any = None,
     loss_fn: Any = None,
     device: str = "cuda",
+    seq_axis: Any = None,
     **initial_settings: Any,
 ) -> MemoryWidget | widgets.HTML:
     """Profile ``model`` once and show an interactive memory / FLOPs widget.
@@ -638,6 +722,9 @@ def show_memory(
         Maps the model's output to a scalar loss (see :func:`vram_widget.profile_model`).
     device : {"cuda", "cpu"}
         Whose kernels the estimate is for.
+    seq_axis : None, False, int or dict, optional
+        The sequence dimension the "sequence length" slider varies (see
+        :func:`vram_widget.profile_model`; None finds Hugging Face token inputs).
     **initial_settings
         Starting values of the controls: ``batch_size`` (int >= 1), ``seq_len`` (tokens
         per sample, where the profile has a sequence axis; default: the example's),
@@ -646,7 +733,8 @@ def show_memory(
         or ``"none"``/None), ``mode`` ({"train", "inference"}), ``gpu`` (a GPU name of
         the catalog, ``"custom"``, or a capacity: ``"80GiB"``, ``"24 GB"`` or bytes, which
         selects the custom size), ``custom_gib`` (float), ``depth``
-        (module grouping depth, int >= 0).
+        (module grouping depth, int >= 0), ``show_frontier`` (bool: open the batch x
+        sequence-length panel, where the profile has a sequence axis).
 
     Returns
     -------
@@ -671,7 +759,12 @@ def show_memory(
 
     try:
         profile = profile_model(
-            model, input_size=input_size, inputs=inputs, loss_fn=loss_fn, device=device
+            model,
+            input_size=input_size,
+            inputs=inputs,
+            loss_fn=loss_fn,
+            device=device,
+            seq_axis=seq_axis,
         )
         return MemoryWidget(profile, **initial_settings)
     except (ProfilingError, ValueError, TypeError, traitlets.TraitError) as exc:
