@@ -319,12 +319,14 @@ JS_PLOTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map
 # What changes when the figure is redrawn with new data.
 _JS_FINGERPRINT = "JSON.stringify(gd.data.map(t => [t.y, t.x, t.base]))"
 
-# The first MemoryWidget in the notebook: its batch-size slider, its figure and its summary.
-# Each is found from the slider's description label, so other widgets on the page do not
-# confuse it.
-_JS_WIDGET = """
+
+def _js_widget(label: str) -> str:
+    """JS that finds the first MemoryWidget with a visible slider labelled ``label``: that
+    slider's handle, the widget's (first) figure and its summary. Each is found from the
+    slider's description label, so other widgets on the page do not confuse it."""
+    return f"""
 const label = Array.from(document.querySelectorAll('.widget-slider .widget-label'))
-  .find(l => l.textContent.trim() === 'batch size');
+  .find(l => l.textContent.trim() === {json.dumps(label)} && l.offsetParent !== null);
 const root = label && label.closest('.jp-OutputArea-output');
 const gd = root && root.querySelector('.js-plotly-plot');
 const summary = root && Array.from(root.querySelectorAll('.widget-html-content'))
@@ -332,8 +334,12 @@ const summary = root && Array.from(root.querySelectorAll('.widget-html-content')
 const handle = label && label.closest('.widget-slider').querySelector('.noUi-handle');
 """
 
-JS_WIDGET_STATE = f"""() => {{
-  {_JS_WIDGET}
+
+def js_widget_state(label: str = "batch size") -> str:
+    """JS returning the figure fingerprint, summary, trace count and slider position of the
+    first widget with a visible ``label`` slider (null where there is none)."""
+    return f"""() => {{
+  {_js_widget(label)}
   if (!gd) return null;
   return {{
     fingerprint: {_JS_FINGERPRINT},
@@ -343,10 +349,16 @@ JS_WIDGET_STATE = f"""() => {{
   }};
 }}"""
 
-# Arm a watcher before a key press: it timestamps the keydown on the slider handle, then
-# checks on every animation frame whether the figure's data changed, and stamps that frame.
-JS_ARM = f"""() => {{
-  {_JS_WIDGET}
+
+JS_WIDGET_STATE = js_widget_state("batch size")
+
+
+def _js_arm(label: str) -> str:
+    """Arm a watcher before a key press: it timestamps the keydown on the slider handle, then
+    checks on every animation frame whether the figure's data changed, and stamps that
+    frame."""
+    return f"""() => {{
+  {_js_widget(label)}
   const before = {_JS_FINGERPRINT};
   const probe = window.__vramProbe = {{ t0: null, t1: null }};
   handle.addEventListener('keydown', () => {{ probe.t0 = performance.now(); }},
@@ -362,13 +374,17 @@ JS_ARM = f"""() => {{
 }}"""
 
 
-def press_slider_key(page: Any, key: str, timeout_s: float = 30.0) -> float:
-    """Press ``key`` on the batch-size slider handle; the ms from the keydown to the frame
-    in which the figure's data had changed."""
-    handle = page.locator(".widget-slider:has(.widget-label:text-is('batch size')) .noUi-handle")
+def press_slider_key(
+    page: Any, key: str, timeout_s: float = 30.0, label: str = "batch size"
+) -> float:
+    """Press ``key`` on the handle of the first visible slider labelled ``label``; the ms
+    from the keydown to the frame in which its widget's figure's data had changed."""
+    handle = page.locator(
+        f".widget-slider:has(.widget-label:text-is('{label}')):visible .noUi-handle"
+    )
     handle.first.scroll_into_view_if_needed()
     handle.first.focus()
-    page.evaluate(JS_ARM)
+    page.evaluate(_js_arm(label))
     handle.first.press(key)
     page.wait_for_function(
         "() => window.__vramProbe && window.__vramProbe.t1 !== null",
@@ -388,13 +404,52 @@ class SliderRun:
         return statistics.median(self.latencies_ms)
 
 
-def move_batch_slider(page: Any, moves: int) -> SliderRun:
-    """Alternate right/left arrow presses on the batch slider, waiting for each redraw."""
+def move_slider(
+    page: Any, moves: int, label: str = "batch size", timeout_s: float = 30.0
+) -> SliderRun:
+    """Alternate right/left arrow presses on a slider, waiting for each redraw."""
     latencies = []
     for i in range(moves):
-        latencies.append(press_slider_key(page, "ArrowRight" if i % 2 == 0 else "ArrowLeft"))
+        key = "ArrowRight" if i % 2 == 0 else "ArrowLeft"
+        latencies.append(press_slider_key(page, key, timeout_s, label))
         page.wait_for_timeout(200)  # let the summary and any trailing update settle
     return SliderRun(latencies)
+
+
+def move_batch_slider(page: Any, moves: int) -> SliderRun:
+    """Alternate right/left arrow presses on the batch slider, waiting for each redraw."""
+    return move_slider(page, moves, "batch size")
+
+
+# The frontier panel of the first widget with a visible sequence slider: open it (a click on
+# its title) and read its figure, the second plotly figure in that widget's output.
+FRONTIER_TITLE = "Batch x sequence length: what fits the GPU"
+
+JS_FRONTIER_STATE = f"""() => {{
+  {_js_widget("sequence length")}
+  if (!root) return null;
+  const plots = Array.from(root.querySelectorAll('.js-plotly-plot'));
+  const fr = plots.find(p => p !== gd);
+  if (!fr || !fr.data) return null;
+  return {{
+    points: (fr.data[0].x || []).length,
+    marker: fr.data[1].x ? Array.from(fr.data[1].x) : [],
+    visible: fr.getBoundingClientRect().width > 0,
+    title: (fr.layout.title && fr.layout.title.text) || '',
+  }};
+}}"""
+
+
+def open_frontier(page: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Open the frontier panel of the first widget with a sequence axis and wait until its
+    figure has a line; returns :data:`JS_FRONTIER_STATE`."""
+    page.get_by_text(FRONTIER_TITLE, exact=True).first.click()
+    page.wait_for_function(
+        f"() => {{ const s = ({JS_FRONTIER_STATE})(); return s && s.visible && s.points > 0; }}",
+        timeout=timeout_s * 1000,
+        polling=100,
+    )
+    return dict(page.evaluate(JS_FRONTIER_STATE))
 
 
 def screenshot_widget(page: Any, path: Path) -> None:

@@ -1,5 +1,7 @@
 """The quickstart notebook in a real JupyterLab, in headless Chromium: Run All, the widget
-renders, a batch-size slider move redraws the figure and the summary.
+renders, a batch-size slider move redraws the figure and the summary; on the widget of a
+model with a sequence axis (the quickstart's BERT), a sequence-length move does too, and the
+batch x sequence-length panel opens onto its frontier, whose marker follows the length.
 
 Run alone with ``python -m pytest -m browser``. Needs ``/usr/bin/chromium`` (Debian's package,
 installed by ``scripts/install.sh``), ``playwright`` and ``jupyterlab``. Where they are absent
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 
 from .lab import (
+    JS_FRONTIER_STATE,
     JS_PLOTS,
     JS_WIDGET_STATE,
     REPO,
@@ -27,9 +30,12 @@ from .lab import (
     CellReport,
     SliderRun,
     chromium_page,
+    js_widget_state,
     lab_server,
     move_batch_slider,
+    move_slider,
     open_and_run_all,
+    open_frontier,
     require,
     screenshot_widget,
 )
@@ -50,6 +56,12 @@ class Session:
     after: dict[str, Any] | None
     slider: SliderRun | None
     slider_error: str | None
+    seq_before: dict[str, Any] | None
+    seq_after: dict[str, Any] | None
+    seq_slider: SliderRun | None
+    frontier: dict[str, Any] | None
+    frontier_after_move: dict[str, Any] | None
+    seq_error: str | None
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +83,20 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
                 slider_error = f"{type(exc).__name__}: {exc}"
             page.wait_for_timeout(500)
             after = page.evaluate(JS_WIDGET_STATE)
+            seq_state = js_widget_state("sequence length")
+            seq_before = page.evaluate(seq_state)
+            seq_slider = frontier = frontier_after_move = seq_after = None
+            seq_error = None
+            try:
+                # The first other length fits the profile in the length (a few fake runs):
+                # a longer wait than a batch move.
+                frontier = open_frontier(page)
+                seq_slider = move_slider(page, 1, "sequence length", timeout_s=120)
+                page.wait_for_timeout(500)
+                seq_after = page.evaluate(seq_state)
+                frontier_after_move = page.evaluate(JS_FRONTIER_STATE)
+            except Exception as exc:  # reported by the sequence test, not here
+                seq_error = f"{type(exc).__name__}: {exc}"
         finally:
             screenshot_widget(page, ARTIFACTS / "quickstart.png")
             (ARTIFACTS / "jupyterlab.log").write_text(server.log_tail(200_000))
@@ -84,7 +110,21 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
                 indent=1,
             )
         )
-        yield Session(report, blocked, plots, before, after, slider, slider_error)
+        yield Session(
+            report,
+            blocked,
+            plots,
+            before,
+            after,
+            slider,
+            slider_error,
+            seq_before,
+            seq_after,
+            seq_slider,
+            frontier,
+            frontier_after_move,
+            seq_error,
+        )
 
 
 def test_no_request_left_loopback(session: Session) -> None:
@@ -118,3 +158,19 @@ def test_slider_move_redraws_figure_and_summary(session: Session) -> None:
     assert session.after["fingerprint"] != session.before["fingerprint"]
     assert session.after["summary"] != session.before["summary"]
     assert session.after["slider"] != session.before["slider"]
+
+
+def test_sequence_slider_and_frontier_panel(session: Session) -> None:
+    # The BERT widget (transformers is a test dependency): its sequence slider is shown.
+    assert session.seq_error is None, session.seq_error
+    assert session.seq_before is not None, "no widget with a visible sequence-length slider"
+    assert session.frontier is not None and session.frontier["points"] > 1
+    assert "Largest batch per length on" in session.frontier["title"]
+    assert session.seq_after is not None and session.seq_slider is not None
+    assert session.seq_after["slider"] != session.seq_before["slider"]
+    assert session.seq_after["fingerprint"] != session.seq_before["fingerprint"]
+    assert "Tokens per step" in session.seq_after["summary"]
+    assert session.seq_after["summary"] != session.seq_before["summary"]
+    # the frontier's marker moved to the new length
+    assert session.frontier_after_move is not None
+    assert session.frontier_after_move["marker"] != session.frontier["marker"]
