@@ -98,6 +98,103 @@ print(json.dumps({
 )
 
 
+# profile_model against its floor, in a fresh process per model (issue 12's targets): the
+# first profile of the model in the process (imports and a tiny warm-up profile excluded, so
+# it counts the FakeTensor dispatch cache misses of the model's own shapes), the best of two
+# repeats, and the floor measured in the same process: one training step and one no_grad
+# forward of the same model and inputs under a stock FakeTensorMode, nothing recorded (best
+# of three after a warm-up). For GPT-2, also the first estimate at another length (the fit
+# in the length, several runs, once) and an estimate after it.
+_FLOOR_SCRIPT = """
+import json, sys, time, warnings
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from vram_widget import profile_model, zoo
+
+warnings.simplefilter("ignore")
+which = sys.argv[1]
+if which == "resnet50":
+    model = zoo.resnet50()
+    def make_inputs(device=None):
+        return (torch.empty(2, 3, 224, 224, device=device),), {}
+    profile_kwargs = {"input_size": (3, 224, 224)}
+    loss = lambda out: out.float().mean()
+else:
+    import transformers
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    def make_inputs(device=None):
+        ids = torch.zeros(2, 128, dtype=torch.long, device=device)
+        return (), {"input_ids": ids, "labels": ids}
+    args, kwargs = make_inputs("meta")
+    profile_kwargs = {"inputs": kwargs}
+    loss = lambda out: out.loss
+
+profile_model(zoo.mlp(hidden=(8,)), input_size=(784,))  # imports and one-off set-up
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+first = timed(lambda: profile_model(model, **profile_kwargs))
+again = min(timed(lambda: profile_model(model, **profile_kwargs)) for _ in range(2))
+
+mode = FakeTensorMode(allow_non_fake_inputs=False)
+with mode:
+    params = {n: torch.empty(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
+              for n, p in model.named_parameters()}
+    buffers = {n: torch.empty(b.shape, dtype=b.dtype) for n, b in model.named_buffers()}
+state = {**params, **buffers}
+
+def step():
+    model.train()
+    with mode:
+        a, k = make_inputs()
+        loss(functional_call(model, state, a, k)).backward()
+    for p in params.values():
+        p.grad = None
+
+def forward():
+    model.eval()
+    with mode, torch.no_grad():
+        a, k = make_inputs()
+        functional_call(model, state, a, k)
+
+step(); forward()
+train_s = min(timed(step) for _ in range(3))
+forward_s = min(timed(forward) for _ in range(3))
+out = {"profile_first_s": first, "profile_again_s": again,
+       "bare_train_step_s": train_s, "bare_forward_s": forward_s}
+if which == "gpt2":
+    profile = profile_model(model, **profile_kwargs)
+    out["first_other_length_s"] = timed(lambda: profile.estimate(8, seq_len=1000))
+    out["other_length_after_fit_ms"] = 1e3 * min(
+        timed(lambda n=n: profile.estimate(8, seq_len=n)) for n in (300, 500, 777))
+print(json.dumps(out))
+"""
+
+
+def profile_vs_floor(which: str) -> dict[str, float]:
+    """``_FLOOR_SCRIPT`` for ``which`` ("resnet50" or "gpt2") in a fresh process, with
+    the two ratios of issue 12's targets."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FLOOR_SCRIPT, which],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "KINETO_LOG_LEVEL": "5"},
+    )
+    out: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    floor = out["bare_train_step_s"] + out["bare_forward_s"]
+    out["profile_over_floor"] = out["profile_again_s"] / floor
+    out["first_over_again"] = out["profile_first_s"] / out["profile_again_s"]
+    return out
+
+
 def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
     fn()
@@ -256,6 +353,9 @@ def main() -> None:
     results: dict[str, object] = {"torch": torch.__version__, "cpus": os.cpu_count()}
     results["resnet50_224"] = profile_vs_torchinfo(args.repeats)
     print("ResNet-50 3x224x224:", results["resnet50_224"], flush=True)
+    for which in ("resnet50", "gpt2"):
+        results[f"floor_{which}"] = profile_vs_floor(which)
+        print(f"{which} against the floor:", results[f"floor_{which}"], flush=True)
     results["estimate"] = estimate_latency(args.calls)
     print("estimate():", results["estimate"], flush=True)
     if not args.skip_llama:

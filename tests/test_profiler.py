@@ -1892,3 +1892,40 @@ def test_memory_efficient_attention_padding_is_fitted() -> None:
             assert est.flops == other.estimate(3, mode=mode).flops, (seq, mode)
     fitted = profile.timeline(Precision.FP32, Mode.TRAIN, 33).event_bytes
     assert any(e[2:] == (32,) for e in fitted.monomials)
+
+
+def test_batch_one_checks_the_fit_where_it_is_the_same_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # device="cuda" (no measured workspaces): batch 1 is run anyway, and where it is the
+    # line's step at 1 to the byte it is the check too: three runs per mode (2, 3, 1).
+    # Where it is not (here a model that takes another path at batch 1), batch 5 checks
+    # the line and batch 1 is kept as profiled: four runs, exact at both.
+    from vram_widget._profiler import Profiler
+
+    batches: list[int] = []
+    original = Profiler.run
+
+    def counting(self: Profiler, precision: Precision, batch_size: int, *args: Any) -> Any:
+        batches.append(batch_size)
+        return original(self, precision, batch_size, *args)
+
+    monkeypatch.setattr(Profiler, "run", counting)
+    profile_model(zoo.mlp(hidden=(16,)), input_size=(784,))
+    assert batches == [2, 3, 1, 2, 3, 1]  # training, then inference
+
+    class OtherPathAtOne(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            return y * 2 if x.size(0) == 1 else y  # one more tensor at batch 1
+
+    batches.clear()
+    profile = profile_model(OtherPathAtOne(), input_size=(8,))
+    assert batches[:4] == [2, 3, 1, 5]
+    for batch in (1, 2, 5, 9):
+        est = profile.estimate(batch, optimizer="sgd")
+        assert est.batch_size == batch and est.exact

@@ -619,8 +619,9 @@ class Profiler:
         )
 
 
-# Batch sizes of the fake runs: the fit uses the first two, the third checks it. Not 1, where
-# BatchNorm and squeeze-happy code behave unlike any larger batch.
+# Batch sizes of the fake runs: the fit uses the first two; batch 1 (run anyway) checks it
+# where it is the same step, else the third does. Not 1 in the fit: there BatchNorm and
+# squeeze-happy code behave unlike any larger batch.
 FIT_BATCH_SIZES = (2, 3, 5)
 # Where memory is quadratic in the batch, the three fit it and this one checks it.
 QUADRATIC_CHECK_BATCH = 8
@@ -644,20 +645,29 @@ class _Source:
 
     def _timeline(self, precision: Precision, mode: Mode) -> Timeline:
         train = mode is Mode.TRAIN
-        # FLOPs are fitted from the first two runs: the check run does not count them
-        traces = [
-            self._run(precision, b, train, flops=i < 2) for i, b in enumerate(FIT_BATCH_SIZES)
-        ]
+        # FLOPs are fitted from the first two runs (batch 1 does not count them)
+        fit = tuple(self._run(precision, b, train) for b in FIT_BATCH_SIZES[:2])
         grid: list[RawTrace] = []
-        if self.profiler.probe is not None and len(traces[0].workspace_storages):
+        if self.profiler.probe is not None and len(fit[0].workspace_storages):
             grid = self._grid_runs(precision, train)
+        # Batch 1 is run anyway (it may take paths of its own). Where it is the fit's step at
+        # 1, to the byte, it is the check too, and the step costs three runs; where not, a
+        # third batch size checks the fit and batch 1 is kept as it is. Where CPU kernel
+        # workspaces are measured, the third batch size is a point of their interpolation
+        # grid too, so it always runs.
+        one = self._batch_one(precision, train, grid)
+        if not grid and one is not None and same_step(fit[0], one):
+            timeline = fit_timeline(fit, one, tuple(grid))
+            if timeline.exact:
+                return timeline
+        third = self._run(precision, FIT_BATCH_SIZES[2], train)  # FLOPs for a quadratic
         try:
-            timeline = fit_timeline((traces[0], traces[1]), traces[2], tuple(grid))
-            if not timeline.exact and same_step(traces[0], traces[2]):
+            timeline = fit_timeline(fit, third, tuple(grid))
+            if not timeline.exact and same_step(fit[0], third):
                 # The same step, but not a line in the batch: memory quadratic in it (a
                 # loss over every pair of samples, CLIP's B x B logits). Three runs give
                 # the quadratic, checked exactly at a fourth batch size.
-                quadratic = self._quadratic(precision, train, traces, grid)
+                quadratic = self._quadratic(precision, train, [*fit, third], grid)
                 if quadratic.exact:
                     timeline = quadratic
         except NotAffineError as exc:
@@ -683,14 +693,26 @@ class _Source:
                 UserWarning,
                 stacklevel=4,
             )
-        return self._with_batch_one(precision, train, timeline, traces[0], grid)
+        return self._with_batch_one(timeline, fit[0], one, grid)
+
+    def _batch_one(
+        self, precision: Precision, train: bool, grid: list[RawTrace]
+    ) -> RawTrace | None:
+        """The step at batch 1 (from the CPU workspace grid where it ran there); None where
+        the model refuses a batch of one (BatchNorm in training on a 1x1 map)."""
+        one = next((t for t in grid if t.batch_size == 1), None)
+        if one is not None:
+            return one
+        try:
+            return self._run(precision, 1, train, flops=False)
+        except ProfilingError:
+            return None
 
     def _with_batch_one(
         self,
-        precision: Precision,
-        train: bool,
         timeline: Timeline,
         fitted_trace: RawTrace,
+        one: RawTrace | None,
         grid: list[RawTrace],
     ) -> Timeline:
         """``timeline`` with the step at batch 1 where that step is not the fit's at 1.
@@ -698,14 +720,9 @@ class _Source:
         The fit runs at batch 2 and up, because at 1 code takes other paths: size-1
         dimensions broadcast, squeeze and fold (GPT-2's eager attention trains at batch 1
         with one more copy of its scores than the line through 2 and 3 says: -65,536 bytes
-        at 64 tokens). So batch 1 is run too (the CPU workspace grid has it already) and
-        kept as it is where it differs."""
-        one = next((t for t in grid if t.batch_size == 1), None)
+        at 64 tokens). So batch 1 is kept as it is where it differs."""
         if one is None:
-            try:
-                one = self._run(precision, 1, train, flops=False)
-            except ProfilingError:  # BatchNorm in training refuses a batch of one
-                return timeline
+            return timeline
         if same_step(fitted_trace, one):
             measured = np.isin(one.event_storage, one.workspace_storages)  # interpolated
             fitted = np.where(measured, 0, timeline.events_at(1))
@@ -798,11 +815,10 @@ class _Source:
     def _quadratic(
         self, precision: Precision, train: bool, traces: list[RawTrace], grid: list[RawTrace]
     ) -> Timeline:
-        third = self._run(precision, FIT_BATCH_SIZES[2], train, flops=True)  # with FLOPs
         check = next((t for t in grid if t.batch_size == QUADRATIC_CHECK_BATCH), None)
         if check is None:
             check = self._run(precision, QUADRATIC_CHECK_BATCH, train, flops=False)
-        return fit_timeline((traces[0], traces[1], third), check, tuple(grid))
+        return fit_timeline(tuple(traces[:3]), check, tuple(grid))
 
     def _grid_runs(self, precision: Precision, train: bool) -> list[RawTrace]:
         """Runs at the extra workspace batch sizes; one the model cannot run (BatchNorm in
