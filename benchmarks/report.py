@@ -95,6 +95,34 @@ def _speed() -> str:
             "with a symbolic batch dimension (instead of three concrete runs) "
             f"| {rn['real_train_step_b1_s']:.2f} / {rn['symbolic_batch_train_step_s']:.2f} s | |"
         )
+    for key, label in (
+        ("floor_resnet50", "ResNet-50 at 224"),
+        ("floor_gpt2", "GPT-2 small (SDPA) at 2 x 128 tokens, its sequence axis found"),
+    ):
+        if key not in data:
+            continue
+        f = data[key]
+        floor = f["bare_train_step_s"] + f["bare_forward_s"]
+        lines.append(
+            f"| fresh process, {label}: `profile_model` again / the floor (one bare fake "
+            f"training step + one bare forward, same process) "
+            f"| {f['profile_again_s']:.2f} / {floor:.2f} s = "
+            f"{f['profile_over_floor']:.1f}x | <= 1.5x "
+            f"({'met' if f['profile_over_floor'] <= 1.5 else 'not met'}) |"
+        )
+        lines.append(
+            f"| ... first profile of it in the process / again "
+            f"| {f['profile_first_s']:.2f} / {f['profile_again_s']:.2f} s = "
+            f"{f['first_over_again']:.1f}x | <= 2x "
+            f"({'met' if f['first_over_again'] <= 2 else 'not met'}) |"
+        )
+        if "first_other_length_s" in f:
+            lines.append(
+                "| ... first estimate at another length (fits the profile in the length and "
+                "the attention kernel's padding, once) / any length after that "
+                f"| {f['first_other_length_s']:.1f} s / {f['other_length_after_fit_ms']:.2f} ms "
+                "| |"
+            )
     lines += [
         f"| `estimate()`, {est['modules']}-module ResNet-101, median / p90 "
         f"| {est['estimate_median_ms']:.2f} / {est['estimate_p90_ms']:.2f} ms | <= 2 ms median |",
@@ -129,6 +157,13 @@ def _speed() -> str:
             f"| widget: same, 1,000-module model, median "
             f"| {w['sequential_1000_modules']['median_ms']:.1f} ms | <= 50 ms |"
         )
+        if "gpt2_small_seq_frontier" in w:
+            g = w["gpt2_small_seq_frontier"]
+            lines.append(
+                "| widget: GPT-2 small, frontier panel open, sequence-length / batch moves, "
+                f"median | {g['seq_only_median_ms']:.1f} / {g['batch_only_median_ms']:.1f} ms "
+                "| <= 20 ms |"
+            )
     browser = RESULTS / "browser_latency.json"
     if browser.exists():
         b = json.loads(browser.read_text())

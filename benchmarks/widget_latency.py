@@ -1,6 +1,7 @@
 """Widget latency: a trait change -> estimate -> figure and summary updated, median of 50 moves.
 
-Targets: <= 20 ms (ResNet-50 at 3x64x64) and <= 50 ms (a 1,000-module model). Run with
+Targets: <= 20 ms (ResNet-50 at 3x64x64, and GPT-2 small's sequence and batch sliders with
+the batch x length frontier panel open) and <= 50 ms (a 1,000-module model). Run with
 ``python benchmarks/widget_latency.py``; writes ``benchmarks/results/widget_latency.json``.
 """
 
@@ -43,17 +44,46 @@ def _moves() -> list[tuple[str, Any]]:
     return moves
 
 
-def _measure(w: MemoryWidget) -> dict[str, float]:
+def _seq_moves() -> list[tuple[str, Any]]:
+    """50 moves of a token model's widget: sequence-length and batch-size drags, alternating."""
+    moves: list[tuple[str, Any]] = []
+    for i in range(MOVES):
+        if i % 2:
+            moves.append(("seq_len", 16 + (i * 89) % 1000))
+        else:
+            moves.append(("batch_size", 1 + (i * 37) % 256))
+    return moves
+
+
+def _gpt2_small() -> tuple[nn.Module, dict[str, Any]]:
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _measure(w: MemoryWidget, moves: list[tuple[str, Any]] | None = None) -> dict[str, float]:
     all_s: list[float] = []
     batch_s: list[float] = []
-    for name, value in _moves():
+    seq_s: list[float] = []
+    for name, value in moves or _moves():
         t0 = time.perf_counter()
         setattr(w, name, value)
         dt = time.perf_counter() - t0
         all_s.append(dt)
         if name == "batch_size":
             batch_s.append(dt)
+        if name == "seq_len":
+            seq_s.append(dt)
+    seq = {"seq_only_median_ms": 1e3 * statistics.median(seq_s)} if seq_s else {}
     return {
+        **seq,
         "median_ms": 1e3 * statistics.median(all_s),
         "p90_ms": 1e3 * statistics.quantiles(all_s, n=10)[-1],
         "max_ms": 1e3 * max(all_s),
@@ -74,15 +104,25 @@ def main() -> None:
     results: dict[str, Any] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "note": "cuda profile (default), fp32 cached; every move is a cached estimate",
+        "note": "cuda profile (default), fp32 cached; every move is a cached estimate (the "
+        "token model's fit in the length made in the warm-up pass)",
     }
-    for name, (model, size, target_ms) in cases.items():
+    runs: list[tuple[str, Any, float, dict[str, Any], list[tuple[str, Any]] | None]] = [
+        (name, model, target_ms, {"input_size": size}, None)
+        for name, (model, size, target_ms) in cases.items()
+    ]
+    gpt2, tokens = _gpt2_small()
+    seq_case = {"inputs": tokens, "show_frontier": True, "gpu": "A100 80GB"}
+    runs.insert(1, ("gpt2_small_seq_frontier", gpt2, 20.0, seq_case, _seq_moves()))
+    for name, model, target_ms, kwargs, moves in runs:
         t0 = time.perf_counter()
-        w = show_memory(model, input_size=size)
+        w = show_memory(model, **kwargs)
         assert isinstance(w, MemoryWidget), w
         build_s = time.perf_counter() - t0
-        _measure(w)  # warm: fill the per-setting caches (largest batch, bytes per sample)
-        stats = _measure(w)
+        # warm: fill the per-setting caches (largest batch, bytes per sample; for the token
+        # model the fit in the length, run once on the first other length)
+        _measure(w, moves)
+        stats = _measure(w, moves)
         stats.update(
             target_ms=target_ms,
             meets_target=stats["median_ms"] <= target_ms,
