@@ -15,15 +15,19 @@ if TYPE_CHECKING:
     from ._accelerator import AcceleratorExtras
     from ._estimator import LayerTable, MemoryEstimate
     from ._gpus import GPUS, Gpu
+    from ._levers import Levers
     from ._measure import Measurement, measure
     from ._profile import ModelProfile, ProfilingError
     from ._profiler import InputShapeWarning, profile_model
+    from ._tradeoff import Frontier
     from ._widget import MemoryWidget, show_memory
 
 _LAZY = {
     "AcceleratorExtras": "._accelerator",
     "GPUS": "._gpus",
     "Gpu": "._gpus",
+    "Frontier": "._tradeoff",
+    "Levers": "._levers",
     "LayerTable": "._estimator",
     "MemoryEstimate": "._estimator",
     "InputShapeWarning": "._profiler",
@@ -41,9 +45,11 @@ __all__ = [
     "AcceleratorExtras",
     "Category",
     "Device",
+    "Frontier",
     "Gpu",
     "InputShapeWarning",
     "LayerTable",
+    "Levers",
     "Measurement",
     "MemoryEstimate",
     "MemoryWidget",

@@ -19,6 +19,7 @@ from ._accelerator import (
     cublas_workspace_bytes,
     cuda_block_bytes,
 )
+from ._levers import NO_LEVERS, Levers
 from ._options import (
     CATEGORIES,
     CATEGORY_CODE,
@@ -128,6 +129,8 @@ class MemoryEstimate:
     live_bytes: np.ndarray = field(repr=False)  # after each event of the step
     event_module: np.ndarray = field(repr=False)  # row of each event
     event_phase: np.ndarray = field(repr=False)  # phase code of each event
+    # the memory levers the step was estimated with (checkpointing, frozen subset, accumulation)
+    levers: Levers = NO_LEVERS
 
     @property
     def peak_location(self) -> str:
@@ -174,6 +177,7 @@ def estimate(
     device: Device,
     seq_len: int | None = None,
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
+    levers: Levers = NO_LEVERS,
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace)."""
@@ -281,6 +285,7 @@ def estimate(
         live_bytes=live,
         event_module=modules,
         event_phase=phases,
+        levers=levers if train else NO_LEVERS,
     )
 
 

@@ -20,6 +20,10 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -379,3 +383,12 @@ def current_autograd_node_name() -> str | None:
     None outside one (the engine's own work between nodes)."""
     node: Any = torch._C._current_autograd_node()
     return None if node is None else str(node.name())
+
+
+def checkpoint_wrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` inside torch's own activation-checkpoint wrapper, non-reentrant: the
+    wrapper torchtitan and torchtune put around each block (torch/distributed/algorithms/
+    _checkpoint/checkpoint_wrapper.py, ``checkpoint_wrapper(..., CheckpointImpl.NO_REENTRANT)``
+    calls ``torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)``, so the
+    block's own hooks run, and re-run, inside the checkpoint)."""
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)

@@ -32,14 +32,19 @@ from typing import Any
 
 import torch
 
+from ._levers import NO_LEVERS, Levers
 from ._options import Mode, OptimizerName, Precision, parse_optimizer, parse_option
 from ._step import (
+    PEFT_PREFIX,
     ModelInputs,
+    apply_levers,
     cast_floating,
     check_forward_accepts,
     check_model,
     inference_pass,
+    lora_wrapped,
     make_optimizer,
+    model_levers,
     paused_gc,
     storage_dtype,
     training_iteration,
@@ -122,6 +127,12 @@ def measure(
     optimizer: str | OptimizerName | None = "adam",
     precision: str | Precision = "fp32",
     mode: str | Mode = "train",
+    *,
+    checkpoint: object = None,
+    trainable: object = None,
+    grad_accumulation: int = 1,
+    lora_rank: int | None = None,
+    lora_targets: object = "auto",
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -154,6 +165,13 @@ def measure(
     mode : str
         ``"train"`` (one training step) or ``"inference"`` (one forward under
         ``torch.no_grad()``, the model copy in eval mode).
+    checkpoint, trainable, grad_accumulation, lora_rank, lora_targets
+        The memory levers, as ``ModelProfile.estimate`` takes them, applied to the model copy
+        the way the libraries apply them: PEFT's ``get_peft_model`` for LoRA, Hugging Face's
+        ``activation_checkpointing_enable`` (non-reentrant) for its models' ``"auto"``,
+        torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
+        module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
+        and ``grad_accumulation`` forward and backward passes before the optimizer step.
 
     Returns
     -------
@@ -193,7 +211,15 @@ def measure(
     >>> model.weight.grad is None  # the model passed in is untouched
     True
     """
-    return _measure(model, inputs, loss_fn, optimizer, precision, mode)[0]
+    levers = {
+        "checkpoint": checkpoint,
+        "trainable": trainable,
+        "lora_rank": lora_rank,
+        "lora_targets": lora_targets,
+    }
+    return _measure(
+        model, inputs, loss_fn, optimizer, precision, mode, grad_accumulation, **levers
+    )[0]
 
 
 def _measure(
@@ -203,19 +229,27 @@ def _measure(
     optimizer: Any,
     precision: Any,
     mode: Any,
+    grad_accumulation: int = 1,
+    checkpoint: object = None,
+    trainable: object = None,
+    lora_rank: object = None,
+    lora_targets: object = "auto",
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests."""
     prec = parse_option(Precision, precision, "precision")
     opt_name = parse_optimizer(optimizer)
     run_mode = parse_option(Mode, mode, "mode")
     check_model(model)
+    levers = model_levers(model, checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
+    if run_mode is not Mode.TRAIN:
+        levers = NO_LEVERS
     device = _model_device(model)
     user_inputs = ModelInputs.from_user(inputs)
     batch_size = user_inputs.batch_size()
     check_forward_accepts(model, user_inputs)
 
     def session() -> _Session:
-        return _Session(model, user_inputs, loss_fn, opt_name, prec, run_mode, device)
+        return _Session(model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers)
 
     with _preserved_global_state(device), paused_gc(), _grad_mode(run_mode):
         if device.type == "cuda":
@@ -225,7 +259,9 @@ def _measure(
             resident, trace = _run_cpu(session)
             peak = resident + trace.peak_above_start()
             reserved = None
-    has_optimizer = run_mode is Mode.TRAIN and opt_name is not None and _has_trainable(model)
+    trains = _has_trainable(model) if levers.trainable is None else bool(levers.trainable)
+    trains = trains or levers.lora_rank is not None
+    has_optimizer = run_mode is Mode.TRAIN and opt_name is not None and trains
     result = Measurement(
         peak_bytes=int(peak),
         resident_bytes=int(resident),
@@ -251,9 +287,16 @@ class _Session:
         precision: Precision,
         mode: Mode,
         device: torch.device,
+        levers: Levers = NO_LEVERS,
     ) -> None:
         dtype = storage_dtype(precision)
         self.model = _copy_model(model, dtype, mode)
+        if levers.lora_rank is not None:  # PEFT wraps the copy; names gain its prefix
+            self.model = lora_wrapped(self.model, levers.lora_rank, levers.lora_targets)
+            names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
+            levers = dataclasses.replace(levers, checkpoint=names)
+        apply_levers(self.model, levers)  # the copy, as the libraries apply them
+        self.micro_batches = levers.grad_accumulation
         self.inputs = inputs.map(lambda t: _copy_input(t, dtype, device))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = (
@@ -276,6 +319,7 @@ class _Session:
                 self.precision,
                 self.device_type,
                 params=self.params,
+                micro_batches=self.micro_batches,
             )
         else:
             inference_pass(self.model, self.inputs, self.precision, self.device_type)

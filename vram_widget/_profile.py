@@ -6,13 +6,15 @@ profiler, for one more fake run; every later estimate is numpy arithmetic over t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from ._gpus import Gpu, parse_capacity
+from ._levers import NO_LEVERS, Levers, resolve_levers, resolve_lora
 from ._options import (
     Device,
     Mode,
@@ -22,7 +24,7 @@ from ._options import (
     parse_optimizer,
     parse_option,
 )
-from ._table import ModuleRows, OptimizerTrace, Timeline
+from ._table import ModuleRows, OptimizerTrace, Poly, Timeline
 from ._tradeoff import Frontier, batch_seq_frontier, length_grid
 
 # The frontier's longest length where the model has no learned position table: 128k tokens
@@ -37,14 +39,18 @@ class ProfileSource(Protocol):
     """What the profile asks its profiler for, once per key."""
 
     def timeline(
-        self, precision: Precision, mode: Mode, seq_len: int | None = None
+        self, precision: Precision, mode: Mode, seq_len: int | None = None, levers: Levers = ...
     ) -> Timeline: ...
 
     def timeline_across_lengths(
-        self, precision: Precision, mode: Mode, base: Timeline
+        self, precision: Precision, mode: Mode, base: Timeline, levers: Levers = ...
     ) -> Timeline | None: ...
 
-    def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace: ...
+    def optimizer_trace(
+        self, precision: Precision, optimizer: OptimizerName, levers: Levers = ...
+    ) -> OptimizerTrace: ...
+
+    def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
 
 
 class ModelProfile:
@@ -66,6 +72,9 @@ class ModelProfile:
         no_seq_reason: str = "",
         seq_len_limit: int | None = None,
         seq_window: int | None = None,
+        param_names: tuple[str, ...] = (),
+        checkpoint_blocks: tuple[str, ...] = (),
+        hf_checkpointing: bool = False,
     ) -> None:
         self.rows = rows
         self.device = device
@@ -83,15 +92,25 @@ class ModelProfile:
         # a length where the model's attention changes form (a sliding window, chunks): the
         # fit in the length serves only lengths on the example's side of it
         self.seq_window = seq_window
-        self._timelines: dict[tuple[Precision, Mode], Timeline] = {}
+        # the parameters' qualified names (tied ones once), which ``trainable`` patterns match
+        self.param_names = param_names
+        # what ``checkpoint="auto"`` wraps, and whether Hugging Face's own call applies it
+        self.checkpoint_blocks = checkpoint_blocks
+        self.hf_checkpointing = hf_checkpointing
+        # Every cache is per (precision, mode, levers); inference has no levers.
+        self._timelines: dict[tuple[Precision, Mode, Levers], Timeline] = {}
         # the timeline as a polynomial in (batch, seq), made on the first other length
         # asked (None: memory is no such polynomial in the length)
-        self._across_lengths: dict[tuple[Precision, Mode], Timeline | None] = {}
+        self._across_lengths: dict[tuple[Precision, Mode, Levers], Timeline | None] = {}
         # where it is none: other sequence lengths, each profiled on first use (cached)
-        self._other_lengths: dict[tuple[Precision, Mode, int], Timeline] = {}
+        self._other_lengths: dict[tuple[Precision, Mode, Levers, int], Timeline] = {}
         # a setting that failed to profile fails again at once, without another run
-        self._failures: dict[tuple[Precision, Mode], ProfilingError] = {}
-        self._optimizers: dict[tuple[Precision, OptimizerName], OptimizerTrace] = {}
+        self._failures: dict[tuple[Precision, Mode, Levers], ProfilingError] = {}
+        self._optimizers: dict[tuple[Precision, OptimizerName, Levers], OptimizerTrace] = {}
+        # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
+        # targets); its module names carry PEFT's prefix
+        self._lora_profiles: dict[tuple[int, tuple[str, ...] | None], ModelProfile] = {}
+        self.name_prefix = ""
 
     def __repr__(self) -> str:
         return (
@@ -109,34 +128,101 @@ class ModelProfile:
     def trainable_param_count(self) -> int:
         return int(self.rows.trainable_param_count.sum())
 
+    def levers(
+        self,
+        checkpoint: object = None,
+        trainable: object = None,
+        grad_accumulation: object = 1,
+        lora_rank: object = None,
+        lora_targets: object = "auto",
+    ) -> Levers:
+        """The :class:`Levers` that ``estimate``'s lever keywords mean for this model (a
+        ValueError / TypeError naming the problem and the valid forms)."""
+        rank, targets = resolve_lora(lora_rank, lora_targets)
+        if rank is not None and trainable is not None:
+            raise ValueError(
+                "give trainable or lora_rank, not both: with LoRA, PEFT decides what trains "
+                "(the adapters; every base weight is frozen)"
+            )
+        if isinstance(checkpoint, list | tuple) and self.name_prefix:
+            # patterns of the plain model's names also match inside PEFT's wrapper
+            checkpoint = [self.name_prefix + str(p) for p in checkpoint]
+        levers = resolve_levers(
+            module_names=self.rows.names[:-2],
+            module_types=self.rows.types[:-2],
+            param_names=self.param_names,
+            auto_blocks=self.checkpoint_blocks,
+            hf_auto=self.hf_checkpointing,
+            model_name=self.model_name,
+            checkpoint=checkpoint,
+            trainable=trainable,
+            grad_accumulation=grad_accumulation,
+        )
+        return dataclasses.replace(levers, lora_rank=rank, lora_targets=targets)
+
+    def _lora(self, levers: Levers) -> tuple[ModelProfile, dict[str, Any]]:
+        """The LoRA profile of ``levers`` (made on first use) and the levers to ask it for:
+        checkpointing by the same names inside PEFT's wrapper, accumulation as it is."""
+        assert levers.lora_rank is not None
+        key = (levers.lora_rank, levers.lora_targets)
+        if key not in self._lora_profiles:
+            self._lora_profiles[key] = self._source.lora_profile(*key)
+        sub = self._lora_profiles[key]
+        checkpoint: object = None
+        if levers.checkpoint_hf:
+            checkpoint = "auto"
+        elif levers.checkpoint:
+            checkpoint = list(levers.checkpoint)  # prefixed by the sub-profile's levers()
+        return sub, {"checkpoint": checkpoint, "grad_accumulation": levers.grad_accumulation}
+
     def is_cached(
         self,
         precision: str | Precision,
         mode: str | Mode = Mode.TRAIN,
         optimizer: str | OptimizerName | None = None,
         seq_len: int | None = None,
+        levers: Levers = NO_LEVERS,
     ) -> bool:
-        """Whether an estimate at this precision, mode (in training, optimizer) and sequence
-        length needs no further profiling run."""
+        """Whether an estimate at this precision, mode (in training, optimizer), sequence
+        length and levers needs no further profiling run."""
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
-        if (prec, run_mode) not in self._timelines:
+        if levers.lora_rank is not None and run_mode is Mode.TRAIN:
+            if (levers.lora_rank, levers.lora_targets) not in self._lora_profiles:
+                return False
+            sub, kwargs = self._lora(levers)
+            return sub.is_cached(prec, run_mode, optimizer, seq_len, sub.levers(**kwargs))
+        key = (prec, run_mode, _profiled(levers, run_mode))
+        if key not in self._timelines:
             return False
         if seq_len is not None and seq_len != self.seq_len:
-            if (prec, run_mode) not in self._across_lengths:
+            if key not in self._across_lengths:
                 return False  # the fit in the length runs first
-            fitted = self._across_lengths[(prec, run_mode)]
+            fitted = self._across_lengths[key]
             no_fit = fitted is None or not self._same_side_of_window(seq_len)
-            if no_fit and (prec, run_mode, seq_len) not in self._other_lengths:
+            if no_fit and (*key, seq_len) not in self._other_lengths:
                 return False  # profiled at that length
         opt = parse_optimizer(optimizer)
-        return run_mode is Mode.INFERENCE or opt is None or (prec, opt) in self._optimizers
+        return (
+            run_mode is Mode.INFERENCE
+            or opt is None
+            or (prec, opt, _optimizer_levers(levers)) in self._optimizers
+        )
 
-    def length_fit_tried(self, precision: str | Precision, mode: str | Mode = Mode.TRAIN) -> bool:
+    def length_fit_tried(
+        self, precision: str | Precision, mode: str | Mode = Mode.TRAIN, levers: Levers = NO_LEVERS
+    ) -> bool:
         """Whether the fit in the sequence length has been made (or found impossible) for
-        this precision and mode: from then on, which other lengths are numpy is known."""
+        this precision, mode and levers: from then on, which other lengths are numpy is
+        known."""
         prec = parse_option(Precision, precision, "precision")
-        return (prec, parse_option(Mode, mode, "mode")) in self._across_lengths
+        run_mode = parse_option(Mode, mode, "mode")
+        if levers.lora_rank is not None and run_mode is Mode.TRAIN:
+            if (levers.lora_rank, levers.lora_targets) not in self._lora_profiles:
+                return False
+            sub, kwargs = self._lora(levers)
+            return sub.length_fit_tried(prec, run_mode, sub.levers(**kwargs))
+        return (prec, run_mode, _profiled(levers, run_mode)) in self._across_lengths
 
     def _same_side_of_window(self, seq_len: int) -> bool:
         window = self.seq_window
@@ -171,33 +257,53 @@ class ModelProfile:
             )
         return None if seq_len == self.seq_len else int(seq_len)
 
-    def timeline(self, precision: Precision, mode: Mode, seq_len: int | None = None) -> Timeline:
+    def timeline(
+        self,
+        precision: Precision,
+        mode: Mode,
+        seq_len: int | None = None,
+        levers: Levers = NO_LEVERS,
+    ) -> Timeline:
+        asked = levers if mode is Mode.TRAIN else NO_LEVERS
+        profiled = _profiled(levers, mode)
+        timeline = self._profiled_timeline(precision, mode, seq_len, profiled)
+        if asked.grad_accumulation > profiled.grad_accumulation:
+            # k > 2 micro-batches: the memory of 2, the FLOPs of k (2 profiled: exact halves)
+            timeline = _scaled_flops(timeline, asked.grad_accumulation, 2)
+        return timeline
+
+    def _profiled_timeline(
+        self, precision: Precision, mode: Mode, seq_len: int | None, levers: Levers
+    ) -> Timeline:
         if seq_len is not None and seq_len != self.seq_len:
             # Another length. Once per setting, the profile is fitted as a polynomial in the
             # length too (runs at two more lengths, checked exactly at a fourth); then every
             # length is numpy. Where memory is no such polynomial, the length is profiled as
             # the example was, at that length (cached): exact either way.
-            base = self.timeline(precision, mode)  # fails as the example's length fails
-            if (precision, mode) not in self._across_lengths:
-                self._across_lengths[(precision, mode)] = self._source.timeline_across_lengths(
-                    precision, mode, base
+            base = self._profiled_timeline(precision, mode, None, levers)  # fails as it fails
+            key = (precision, mode, levers)
+            if key not in self._across_lengths:
+                self._across_lengths[key] = self._source.timeline_across_lengths(
+                    precision, mode, base, levers
                 )
-            polynomial = self._across_lengths[(precision, mode)]
+            polynomial = self._across_lengths[key]
             if polynomial is not None and self._same_side_of_window(seq_len):
                 return polynomial
-            length_key = (precision, mode, seq_len)
+            length_key = (*key, seq_len)
             if length_key not in self._other_lengths:
-                self._other_lengths[length_key] = self._source.timeline(precision, mode, seq_len)
+                self._other_lengths[length_key] = self._source.timeline(
+                    precision, mode, seq_len, levers
+                )
             return self._other_lengths[length_key]
-        key = (precision, mode)
+        key = (precision, mode, levers)
         if key not in self._timelines and key not in self._failures:
             try:
-                self._timelines[key] = self._source.timeline(precision, mode)
+                self._timelines[key] = self._source.timeline(precision, mode, None, levers)
             except ProfilingError as exc:
                 self._failures[key] = exc
         failure = self._failures.get(key)
         if failure is not None:
-            others = [p.value for p, m in self._timelines if m is mode]
+            others = [p.value for p, m, lv in self._timelines if m is mode and lv == levers]
             if not others:  # no precision runs: the model's own failure, as it came
                 raise failure
             raise ProfilingError(
@@ -209,13 +315,20 @@ class ModelProfile:
     @property
     def precisions(self) -> tuple[Precision, ...]:
         """The precisions profiled so far whose training step runs (the widget starts there
-        when fp32 does not: a kernel that runs in bf16 only)."""
-        return tuple(p for p, m in self._timelines if m is Mode.TRAIN)
+        when fp32 does not: a kernel that runs in some dtypes only)."""
+        return tuple(p for p, m, lv in self._timelines if m is Mode.TRAIN and lv == NO_LEVERS)
 
-    def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
-        key = (precision, optimizer)
+    def optimizer_trace(
+        self, precision: Precision, optimizer: OptimizerName, levers: Levers = NO_LEVERS
+    ) -> OptimizerTrace:
+        key = (precision, optimizer, _optimizer_levers(levers))
         if key not in self._optimizers:
-            self._optimizers[key] = self._source.optimizer_trace(precision, optimizer)
+            # the training step of these levers first: it says which parameters got a
+            # gradient (the optimizer's state is made for those)
+            self.timeline(precision, Mode.TRAIN, None, levers)
+            self._optimizers[key] = self._source.optimizer_trace(
+                precision, optimizer, _profiled(levers, Mode.TRAIN)
+            )
         return self._optimizers[key]
 
     def estimate(
@@ -227,6 +340,11 @@ class ModelProfile:
         *,
         seq_len: int | None = None,
         compute_capability: tuple[int, int] | None = None,
+        checkpoint: object = None,
+        trainable: object = None,
+        grad_accumulation: int = 1,
+        lora_rank: int | None = None,
+        lora_targets: object = "auto",
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -246,6 +364,33 @@ class ModelProfile:
             The target GPU's, as ``torch.cuda.get_device_capability()`` gives it; it sizes
             the cuBLAS workspace in ``est.extras`` (32 MiB on 9.x, 8 MiB before). Default
             (9, 0), an H100.
+        checkpoint : None, "auto", str or list of str
+            Activation checkpointing (``torch.utils.checkpoint``, ``use_reentrant=False``):
+            the modules whose forward is recomputed in the backward. ``"auto"``: each child
+            of the model's largest ``ModuleList`` of repeated blocks (for a Hugging Face
+            model, applied by its own ``activation_checkpointing_enable``); a class name
+            (``"GPT2Block"``); or a list of fnmatch patterns of qualified module names
+            (``["layer1", "layer2"]``), each wrapped as torch's ``checkpoint_wrapper`` wraps
+            it. The recompute's FLOPs are in the backward's.
+        trainable : None, str or list of str
+            fnmatch patterns of the parameter names that train (``"classifier.*"``); every
+            other parameter is frozen (no gradient, no optimizer state). None: as the model's
+            ``requires_grad`` flags are.
+        grad_accumulation : int
+            Micro-batches of ``batch_size`` whose gradients accumulate before one optimizer
+            step: the peak is over the whole step (the second micro-batch's backward runs with
+            the gradients resident), the FLOPs those of all micro-batches.
+        lora_rank : int, optional
+            LoRA adapters of this rank, applied by PEFT's own ``get_peft_model(model,
+            LoraConfig(r=lora_rank, target_modules=...))`` on a meta copy of the model (the
+            model itself is not touched), so what is frozen, added and saved is exactly
+            PEFT's. Needs ``pip install peft``. Not with ``trainable``.
+        lora_targets : "auto", "all-linear" or list of str
+            PEFT's ``target_modules``; ``"auto"``: PEFT's defaults for the architecture
+            (Hugging Face models; other models must name their modules).
+
+        The levers apply in training; a new combination costs one more profiling run
+        (cached), as a new precision does.
 
         Returns
         -------
@@ -264,10 +409,25 @@ class ModelProfile:
         opt_name = parse_optimizer(optimizer)
         run_mode = parse_option(Mode, mode, "mode")
         length = self.check_seq_len(seq_len)
-        timeline = self.timeline(prec, run_mode, length)
+        levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
+        if run_mode is not Mode.TRAIN:
+            levers = NO_LEVERS
+        if levers.lora_rank is not None:
+            sub, kwargs = self._lora(levers)
+            est = sub.estimate(
+                batch,
+                prec,
+                opt_name,
+                run_mode,
+                seq_len=seq_len,
+                compute_capability=compute_capability,
+                **kwargs,
+            )
+            return dataclasses.replace(est, levers=levers)
+        timeline = self.timeline(prec, run_mode, length, levers)
         opt = None
         if run_mode is Mode.TRAIN and opt_name is not None:
-            opt = self.optimizer_trace(prec, opt_name)
+            opt = self.optimizer_trace(prec, opt_name, levers)
         return estimate(
             self.rows,
             timeline,
@@ -279,6 +439,7 @@ class ModelProfile:
             device=self.device,
             seq_len=self.seq_len if length is None else length,
             compute_capability=_check_capability(compute_capability),
+            levers=levers,
         )
 
     def max_batch_size(
@@ -291,6 +452,7 @@ class ModelProfile:
         seq_len: int | None = None,
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**40,
+        **levers: Any,
     ) -> int:
         """The largest batch whose estimated peak plus accelerator extras fits in
         ``capacity_bytes`` (0 when not even one sample fits), at ``seq_len`` tokens per
@@ -304,6 +466,9 @@ class ModelProfile:
             10**9) or a GPU name of the catalog (``"A100 80GB"``).
         precision, optimizer, mode, seq_len, compute_capability
             As for :meth:`estimate`.
+        **levers
+            ``checkpoint``, ``trainable``, ``grad_accumulation``: as for :meth:`estimate`
+            (the batch is then the micro-batch).
 
         Examples
         --------
@@ -323,6 +488,7 @@ class ModelProfile:
                 mode,
                 seq_len=seq_len,
                 compute_capability=compute_capability,
+                **levers,
             )
 
         one = at(1)
@@ -341,6 +507,7 @@ class ModelProfile:
         *,
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**20,
+        **levers: Any,
     ) -> int:
         """The longest sequence whose estimated peak plus accelerator extras fits in
         ``capacity_bytes`` at ``batch_size`` (0 when not even one token fits).
@@ -374,6 +541,7 @@ class ModelProfile:
                 mode,
                 seq_len=length,
                 compute_capability=compute_capability,
+                **levers,
             )
             return est.total_bytes <= capacity
 
@@ -393,6 +561,7 @@ class ModelProfile:
         seq_lens: Sequence[int] | None = None,
         compute_capability: tuple[int, int] | None = None,
         profile_lengths: bool = False,
+        **levers: Any,
     ) -> Frontier:
         """The batch x sequence-length frontier: the largest batch that fits
         ``capacity_bytes`` at each sequence length (:meth:`max_batch_size` per length).
@@ -444,16 +613,29 @@ class ModelProfile:
             checked = [self.check_seq_len(n) for n in seq_lens]
             lengths = [self.seq_len if n is None else n for n in checked]
         opt = parse_optimizer(optimizer)
-        self.estimate(1, prec, opt, run_mode)  # the example's length and the optimizer
+        self.estimate(1, prec, opt, run_mode, **levers)  # the example's length, the optimizer
+        resolved = self.levers(**levers) if run_mode is Mode.TRAIN else NO_LEVERS
+        if resolved.lora_rank is not None:
+            sub, kwargs = self._lora(resolved)
+            return sub.frontier(
+                capacity,
+                prec,
+                opt,
+                run_mode,
+                seq_lens=lengths,
+                compute_capability=compute_capability,
+                profile_lengths=profile_lengths,
+                **kwargs,
+            )
 
         def answerable(length: int) -> bool:
-            return profile_lengths or self.is_cached(prec, run_mode, opt, length)
+            return profile_lengths or self.is_cached(prec, run_mode, opt, length, resolved)
 
         # the first other length makes the fit in the length (runs once), so that
         # ``answerable`` can tell which lengths are numpy from here on
         other = next((n for n in lengths if n != self.seq_len), None)
-        if other is not None and not self.is_cached(prec, run_mode, opt, other):
-            self.timeline(prec, run_mode, other)
+        if other is not None and not self.is_cached(prec, run_mode, opt, other, resolved):
+            self.timeline(prec, run_mode, other, resolved)
         return batch_seq_frontier(
             lambda length: self.max_batch_size(
                 capacity,
@@ -462,6 +644,7 @@ class ModelProfile:
                 run_mode,
                 seq_len=length,
                 compute_capability=compute_capability,
+                **levers,
             ),
             lengths,
             capacity,
@@ -474,6 +657,7 @@ class ModelProfile:
         optimizer: str | OptimizerName | None = "adam",
         mode: str | Mode = "train",
         seq_len: int | None = None,
+        **levers: Any,
     ) -> int:
         """How much the peak grows per extra sample, asymptotically (at ``seq_len`` tokens
         per sample where the profile has a sequence axis).
@@ -482,9 +666,40 @@ class ModelProfile:
         so its slope rises with the batch until one moment dominates; this is that final
         slope, read between batch 2**30 and 2**30 + 1.
         """
-        big = self.estimate(2**30 + 1, precision, optimizer, mode, seq_len=seq_len).peak_bytes
-        small = self.estimate(2**30, precision, optimizer, mode, seq_len=seq_len).peak_bytes
+        big = self.estimate(
+            2**30 + 1, precision, optimizer, mode, seq_len=seq_len, **levers
+        ).peak_bytes
+        small = self.estimate(
+            2**30, precision, optimizer, mode, seq_len=seq_len, **levers
+        ).peak_bytes
         return int(big) - int(small)
+
+
+def _profiled(levers: Levers, mode: Mode) -> Levers:
+    """The levers of the run that profiles ``levers`` in ``mode`` (none in inference)."""
+    return levers.for_profiling() if mode is Mode.TRAIN else NO_LEVERS
+
+
+def _optimizer_levers(levers: Levers) -> Levers:
+    """What the optimizer's trace depends on: which parameters train."""
+    return Levers(trainable=levers.trainable)
+
+
+def _scaled_flops(timeline: Timeline, numerator: int, denominator: int) -> Timeline:
+    """``timeline`` with its FLOPs (and batch 1's) times ``numerator / denominator``."""
+
+    def scale(poly: Poly) -> Poly:
+        return dataclasses.replace(poly, coef=poly.coef // denominator * numerator)
+
+    one = timeline.batch_one
+    if one is not None:
+        one = _scaled_flops(one, numerator, denominator)
+    return dataclasses.replace(
+        timeline,
+        flops_forward=scale(timeline.flops_forward),
+        flops_backward=scale(timeline.flops_backward),
+        batch_one=one,
+    )
 
 
 def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:

@@ -29,6 +29,7 @@ from ._fake import (
     quiet_fake_tensor_log,
     reparametrized,
 )
+from ._levers import NO_LEVERS, Levers
 from ._options import (
     PHASE_CODE,
     Category,
@@ -43,13 +44,20 @@ from ._probe import KernelProbe
 from ._profile import ModelProfile, ProfilingError
 from ._recorder import Recorder, describe_args, module_hooks, tracked_rng_states
 from ._step import (
+    PEFT_PREFIX,
     ModelInputs,
+    apply_levers,
     autocast_dtype,
     check_forward_accepts,
     check_model,
+    checkpoint_auto,
+    frozen_by,
     inference_pass,
+    lora_wrapped,
     make_optimizer,
+    meta_copy,
     paused_gc,
+    restored_modules,
     storage_dtype,
     training_iteration,
 )
@@ -118,9 +126,14 @@ class Subject:
     _params: list[tuple[str, torch.nn.Parameter, int]] = field(init=False)
     _buffers: list[tuple[str, torch.Tensor, int]] = field(init=False)
     fallback_reason: str | None = None
-    params_with_grad: set[str] | None = None  # names; set by the first traced training step
+    # names of the parameters a traced training step gave a gradient, per levers (set by
+    # that step; the optimizer state is made for these only)
+    params_with_grad: dict[Levers, set[str]] = field(default_factory=dict)
     # input name ("[0]" positional, or the keyword) -> its dim that is the sequence
     seq_axes: dict[str, int] = field(default_factory=dict)
+    # parameters that keep their own dtype whatever the precision (PEFT's adapters, which it
+    # keeps in fp32 on an fp16 / bf16 base)
+    fixed_dtypes: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         names, types, depths, mods = [], [], [], []
@@ -185,7 +198,7 @@ class Subject:
         the fallback."""
         params: dict[str, torch.Tensor] = {}
         for name, p, _row in self._params:
-            dtype = self._dtype(p, precision)
+            dtype = p.dtype if name in self.fixed_dtypes else self._dtype(p, precision)
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
             else:
@@ -325,6 +338,8 @@ class Profiler:
         self.probe = KernelProbe() if subject.device is Device.CPU else None
         # the sequence length of the runs (None: the example's)
         self.seq_len: int | None = None
+        # the memory levers of the runs (checkpointing, a frozen subset, accumulation)
+        self.levers: Levers = NO_LEVERS
         # One fake mode, and one set of fake parameters and buffers, per precision, shared by
         # every run of that precision (each batch size, training and inference): building
         # them costs as much as a small model's whole step, and the fake mode's dispatch cache
@@ -399,21 +414,29 @@ class Profiler:
         rec.register_resident(inputs.tensors(), Category.INPUT)
         state = {**params, **buffers}
         model_fn = subject.model  # run with ``state`` swapped in (below)
+        levers = self.levers if train else NO_LEVERS
 
         marks: dict[str, int] = {}
+        frozen = [params[n] for n in frozen_by(levers, params) if params[n].requires_grad]
+        for p in frozen:  # restored after the run: the fake parameters are shared
+            p.requires_grad_(False)
         named_trainable = [(n, p) for n, p in params.items() if p.requires_grad]
         trainable = [p for _n, p in named_trainable]
 
         def between(phase: str) -> None:
-            marks[phase] = rec.event_count()
-            if phase == "backward":
+            marks.setdefault(phase, rec.event_count())  # the first micro-batch's
+            if phase == "forward":  # the next micro-batch of an accumulated step
+                rec.set_phase(Phase.FORWARD)
+            elif phase == "backward":
                 rec.set_phase(Phase.BACKWARD)
             elif phase == "optimizer":
                 grads = [rec.storage_id(p.grad) for p in trainable if p.grad is not None]
                 rec.set_category([g for g in grads if g is not None], Category.GRADIENT)
                 # torch.optim skips parameters whose .grad is None (unused in the forward,
                 # or behind a reentrant checkpoint whose input needs no grad): no state
-                subject.params_with_grad = {n for n, p in named_trainable if p.grad is not None}
+                subject.params_with_grad[levers] = {
+                    n for n, p in named_trainable if p.grad is not None
+                }
                 rec.set_phase(Phase.ZERO_GRAD)
 
         context = self._context(precision)
@@ -430,6 +453,10 @@ class Profiler:
             # the fake parameters stay swapped in through the backward, where a checkpointed
             # forward is re-run, and that re-run gets the forward's CUDA emulation
             stack.enter_context(reparametrized(subject.model, state))
+            if levers.checkpoint:
+                # the model as the libraries leave it with checkpointing on, for this run only
+                stack.enter_context(restored_modules(subject.model))
+                apply_levers(subject.model, dataclasses.replace(levers, trainable=None))
             if context is not None:
                 stack.enter_context(checkpoint_recompute_context(context))
             if subject.device is Device.CPU:  # the RNG states checkpoint keeps are CPU memory
@@ -453,6 +480,7 @@ class Profiler:
                         between=between,
                         context=context,
                         on_loss=rec.watch_accumulations,
+                        micro_batches=levers.profiled_micro_batches,
                     )
                 else:
                     inference_pass(model_fn, inputs, precision, "cpu", context=context)
@@ -465,6 +493,8 @@ class Profiler:
                 raise error from exc
             finally:
                 rec.stop()
+                for p in frozen:
+                    p.requires_grad_(True)
         rec.mark_saved_as_activations()
         rec.apply_probes()
         events = rec.events()
@@ -551,9 +581,10 @@ class Profiler:
         state, is recorded. Its allocations do not depend on the batch size."""
         subject = self.subject
         cuda = subject.device is Device.CUDA
-        stepped = subject.params_with_grad
+        stepped = subject.params_with_grad.get(self.levers)
+        frozen = frozen_by(self.levers, [name for name, _p, _r in subject._params])
         if not any(
-            p.requires_grad and (stepped is None or name in stepped)
+            p.requires_grad and name not in frozen and (stepped is None or name in stepped)
             for name, p, _r in subject._params
         ):
             # Nothing to optimize: torch.optim refuses an empty list, and the step is a no-op.
@@ -571,7 +602,7 @@ class Profiler:
         trainable = [
             (name, p)
             for name, p in params.items()
-            if p.requires_grad and (stepped is None or name in stepped)
+            if p.requires_grad and name not in frozen and (stepped is None or name in stepped)
         ]
         for _name, p in trainable:
             p.grad = torch.empty_like(p)
@@ -636,12 +667,20 @@ class _Source:
     def __init__(self, profiler: Profiler) -> None:
         self.profiler = profiler
 
-    def timeline(self, precision: Precision, mode: Mode, seq_len: int | None = None) -> Timeline:
+    def timeline(
+        self,
+        precision: Precision,
+        mode: Mode,
+        seq_len: int | None = None,
+        levers: Levers = NO_LEVERS,
+    ) -> Timeline:
         self.profiler.seq_len = seq_len
+        self.profiler.levers = levers
         try:
             return self._timeline(precision, mode)
         finally:
             self.profiler.seq_len = None
+            self.profiler.levers = NO_LEVERS
 
     def _timeline(self, precision: Precision, mode: Mode) -> Timeline:
         train = mode is Mode.TRAIN
@@ -743,7 +782,7 @@ class _Source:
         return f"in module {module_label(rows, row)!r} ({rows.types[row]})"
 
     def timeline_across_lengths(
-        self, precision: Precision, mode: Mode, base: Timeline
+        self, precision: Precision, mode: Mode, base: Timeline, levers: Levers = NO_LEVERS
     ) -> Timeline | None:
         """The timeline as a polynomial in (batch, seq), from ``base`` (the example's
         length) and runs at two more lengths, checked exactly at a fourth length and another
@@ -799,6 +838,7 @@ class _Source:
             )
             return dataclasses.replace(combined, batch_one=combined_one)
 
+        self.profiler.levers = levers
         try:
             # Lengths far from the example and from multiples of 8, so that padding or a
             # window the example does not reach shows at the check rather than in an answer.
@@ -811,6 +851,7 @@ class _Source:
             return None
         finally:
             self.profiler.seq_len = None
+            self.profiler.levers = NO_LEVERS
 
     def _quadratic(
         self, precision: Precision, train: bool, traces: list[RawTrace], grid: list[RawTrace]
@@ -873,9 +914,47 @@ class _Source:
             warn_fallback(reason)
             return self.profiler.run(precision, batch_size, train, flops)
 
-    def optimizer_trace(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
-        with torch.inference_mode(False), torch.enable_grad():
-            return self.profiler.run_optimizer(precision, optimizer)
+    def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile:
+        """The profile of a meta copy of the model with PEFT's LoRA adapters (the model
+        itself untouched), with the same inputs, loss, device and sequence axis."""
+        subject = self.profiler.subject
+        # PEFT builds each adapter as a CPU nn.Linear (initialized from the global RNG)
+        # before moving it to the base layer's (meta) device: the user's RNG is left as it was
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # the plain profile already said what these say; PEFT's and transformers' notes
+            # on a wrapping the user did not do themselves are not theirs to act on
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"(peft|transformers)(\.|$)")
+            base = meta_copy(subject.model)
+            base_ids = {id(p) for p in base.parameters()}
+            wrapped = lora_wrapped(base, rank, targets)
+            sub = profile_model(
+                wrapped,
+                input_size=subject.input_size,
+                inputs=subject.inputs,
+                loss_fn=subject.loss_fn,
+                device=subject.device.value,
+                seq_axis=dict(subject.seq_axes) or False,
+            )
+        sub.name_prefix = PEFT_PREFIX
+        # PEFT keeps the adapters in fp32 on an fp16 / bf16 base (get_peft_model's
+        # autocast_adapter_dtype=True, peft/tuners/tuners_utils.py, _cast_adapter_dtype):
+        # the base is cast to the precision, the adapters are not. (fp32 profiles alike.)
+        adapters = {n for n, p in wrapped.named_parameters() if id(p) not in base_ids}
+        source = sub._source
+        assert isinstance(source, _Source)
+        source.profiler.subject.fixed_dtypes = frozenset(adapters)
+        return sub
+
+    def optimizer_trace(
+        self, precision: Precision, optimizer: OptimizerName, levers: Levers = NO_LEVERS
+    ) -> OptimizerTrace:
+        self.profiler.levers = levers
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                return self.profiler.run_optimizer(precision, optimizer)
+        finally:
+            self.profiler.levers = NO_LEVERS
 
 
 def _check_input_size(input_size: Any) -> tuple[int, ...]:
@@ -1133,6 +1212,7 @@ def profile_model(
     subject = Subject(model, model_inputs, size, loss_fn, target, seq_axes=seq_axes)
     profiler = Profiler(subject)
     source = _Source(profiler)
+    auto_blocks, hf_auto = checkpoint_auto(model, subject.rows.names[:-2], subject.rows.types[:-2])
     profile = ModelProfile(
         subject.rows,
         target,
@@ -1143,6 +1223,9 @@ def profile_model(
         no_seq_reason=no_seq_reason,
         seq_len_limit=position_limit(model) if seq_axes else None,
         seq_window=attention_window(model) if seq_axes else None,
+        param_names=tuple(name for name, _p, _row in subject._params),
+        checkpoint_blocks=auto_blocks,
+        hf_checkpointing=hf_auto,
     )
     # fp32 training and inference, and Adam, are what the first estimate asks for.
     try:

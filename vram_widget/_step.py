@@ -12,11 +12,17 @@ input batch resident,
     del output, loss
 
 Inference is ``output = model(...)`` under ``torch.no_grad()``, then ``del output``.
+
+With gradient accumulation of k, the forward, loss and backward run k times (the gradients
+summing into ``.grad``) before the one ``optimizer.step()`` and ``zero_grad``. The other levers
+(activation checkpointing, a frozen subset) are applied to the model by ``applied_levers``,
+the way the real libraries apply them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import inspect
@@ -25,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ._levers import Levers, repeated_blocks, resolve_levers, resolve_lora
 from ._options import OptimizerName, Precision
 
 # The optimizer registry: name -> (class, keyword arguments). Hyper-parameters do not change
@@ -149,6 +156,8 @@ class ModelInputs:
 
     @staticmethod
     def from_user(inputs: Any) -> ModelInputs:
+        if isinstance(inputs, ModelInputs):
+            return inputs
         if isinstance(inputs, Mapping):
             return ModelInputs((), dict(inputs))
         if isinstance(inputs, (tuple, list)):
@@ -264,8 +273,10 @@ def training_iteration(
     between: Callable[[str], None] | None = None,
     context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     on_loss: Callable[[torch.Tensor], None] | None = None,
+    micro_batches: int = 1,
 ) -> None:
-    """Run one training iteration by the protocol above.
+    """Run one training iteration by the protocol above (``micro_batches`` forward and
+    backward passes, accumulating into ``.grad``, before one optimizer step).
 
     ``context`` replaces the default forward context (autocast for amp precisions); the
     profiler passes its CUDA emulation there.
@@ -274,18 +285,24 @@ def training_iteration(
     where ``zero_grad`` would run.
 
     ``between(phase)`` is called at each phase boundary ("backward", "optimizer",
-    "zero_grad", "end"), which is how the profiler tags phases and ``measure`` resets peaks;
-    ``on_loss(loss)`` right before the backward.
+    "zero_grad", "end", and "forward" before each micro-batch after the first), which is how
+    the profiler tags phases and ``measure`` resets peaks; ``on_loss(loss)`` right before
+    each backward.
     """
     mark = between or (lambda _phase: None)
-    with context() if context is not None else forward_context(precision, device_type):
-        output = inputs.call(model)
-        loss = compute_loss(output, loss_fn)
-    mark("backward")
-    if on_loss is not None:
-        on_loss(loss)  # the profiler's recorder reads the autograd graph before backward
-    if loss.requires_grad:  # nothing to differentiate (no trainable parameter): no backward
-        loss.backward()
+    for micro in range(micro_batches):
+        if micro:
+            mark("forward")
+        with context() if context is not None else forward_context(precision, device_type):
+            output = inputs.call(model)
+            loss = compute_loss(output, loss_fn)
+        mark("backward")
+        if on_loss is not None:
+            on_loss(loss)  # the profiler's recorder reads the autograd graph before backward
+        if loss.requires_grad:  # nothing to differentiate (no trainable parameter)
+            loss.backward()
+        if micro + 1 < micro_batches:
+            del output, loss
     mark("optimizer")
     if optimizer is not None:
         optimizer.step()
@@ -333,3 +350,185 @@ def paused_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def restored_modules(model: torch.nn.Module) -> Iterator[None]:
+    """Put every module of ``model`` back exactly as it was on exit: its attributes, and the
+    contents of its dicts (submodules, parameters, hooks), whatever a lever changed (Hugging
+    Face's checkpointing flags and input hook, wrapped children)."""
+    saved = []
+    for module in model.modules():
+        attrs = dict(module.__dict__)
+        contents = {k: dict(v) for k, v in attrs.items() if isinstance(v, dict)}
+        saved.append((module, attrs, contents))
+    try:
+        yield
+    finally:
+        for module, attrs, contents in saved:
+            module.__dict__.clear()
+            module.__dict__.update(attrs)
+            for key, items in contents.items():
+                target = attrs[key]
+                target.clear()
+                target.update(items)
+
+
+def _hf_checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face's own activation checkpointing, non-reentrant (``activation_
+    checkpointing_enable``; ``gradient_checkpointing_enable`` before transformers 5)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+
+
+def apply_levers(model: torch.nn.Module, levers: Levers) -> None:
+    """Apply ``levers`` to ``model`` in place, as the libraries do: Hugging Face's
+    ``activation_checkpointing_enable`` for its models' ``checkpoint="auto"``, torch's
+    ``checkpoint_wrapper`` (non-reentrant) around each other module to checkpoint, and
+    ``requires_grad_(False)`` on every parameter not in ``levers.trainable``. (Gradient
+    accumulation is the iteration's ``micro_batches``.)"""
+    from ._fake import checkpoint_wrapped
+
+    if levers.trainable is not None:  # by the names before any wrapper renames them
+        keep = set(levers.trainable)
+        for name, p in model.named_parameters():
+            if name not in keep:
+                p.requires_grad_(False)
+    if levers.checkpoint_hf:
+        _hf_checkpointing(model)
+    else:
+        modules = dict(model.named_modules())
+        for name in levers.checkpoint:
+            parent_name, _, child = name.rpartition(".")
+            parent = modules[parent_name]
+            parent._modules[child] = checkpoint_wrapped(modules[name])
+
+
+def frozen_by(levers: Levers, names: Iterable[str]) -> set[str]:
+    """The parameter names (of ``names``) that ``levers`` freeze."""
+    if levers.trainable is None:
+        return set()
+    keep = set(levers.trainable)
+    return {n for n in names if n not in keep}
+
+
+def _hf_checkpointing_layer() -> type | None:
+    """transformers' ``GradientCheckpointingLayer`` (None before transformers 4.52, where
+    the layers carry the ``gradient_checkpointing`` flag themselves)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    return GradientCheckpointingLayer
+
+
+def checkpoint_auto(
+    model: torch.nn.Module, names: Sequence[str], types: Sequence[str]
+) -> tuple[tuple[str, ...], bool]:
+    """What ``checkpoint="auto"`` wraps, and whether Hugging Face's own call applies it: for
+    a Hugging Face model that supports it, the layers its ``activation_checkpointing_enable``
+    wraps (``GradientCheckpointingLayer``s, transformers/modeling_layers.py); for any other
+    model, each child of its largest ``ModuleList`` of repeated blocks."""
+    hf = bool(getattr(model, "supports_gradient_checkpointing", False)) and (
+        hasattr(model, "activation_checkpointing_enable")
+        or hasattr(model, "gradient_checkpointing_enable")
+    )
+    if hf:
+        layer_class = _hf_checkpointing_layer()
+        if layer_class is not None:
+            layers = [n for n, m in model.named_modules() if isinstance(m, layer_class)]
+            outer = [n for n in layers if not any(n.startswith(o + ".") for o in layers)]
+            if outer:
+                return tuple(outer), True
+    blocks = repeated_blocks(names, types)
+    return blocks, hf and bool(blocks)
+
+
+def model_levers(
+    model: torch.nn.Module,
+    checkpoint: object,
+    trainable: object,
+    grad_accumulation: object,
+    lora_rank: object = None,
+    lora_targets: object = "auto",
+) -> Levers:
+    """The :class:`Levers` the keywords mean for ``model`` (as ``ModelProfile.levers`` does
+    from a profile's names)."""
+    rank, targets = resolve_lora(lora_rank, lora_targets)
+    if rank is not None and trainable is not None:
+        raise ValueError(
+            "give trainable or lora_rank, not both: with LoRA, PEFT decides what trains "
+            "(the adapters; every base weight is frozen)"
+        )
+    names, types = [], []
+    for name, module in model.named_modules():
+        names.append(name)
+        types.append(type(module).__name__)
+    auto, hf = checkpoint_auto(model, names, types)
+    levers = resolve_levers(
+        module_names=names,
+        module_types=types,
+        param_names=[n for n, _p in model.named_parameters()],
+        auto_blocks=auto,
+        hf_auto=hf,
+        model_name=type(model).__name__,
+        checkpoint=checkpoint,
+        trainable=trainable,
+        grad_accumulation=grad_accumulation,
+    )
+    return dataclasses.replace(levers, lora_rank=rank, lora_targets=targets)
+
+
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are meta tensors of the same
+    shapes, dtypes, strides and ``requires_grad`` (tied ones stay tied): the module tree to
+    wrap (PEFT's LoRA) without copying, or touching, any weight."""
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) in memo:
+            continue
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        if isinstance(t, torch.nn.Parameter):
+            meta = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+        memo[id(t)] = meta
+    return copy.deepcopy(model, memo)
+
+
+# Where PEFT's get_peft_model puts the wrapped model: its modules' names gain this prefix
+# (PeftModel.base_model is the LoraModel, whose .model is the user's model).
+PEFT_PREFIX = "base_model.model."
+
+
+def lora_wrapped(
+    model: torch.nn.Module, rank: int, targets: Sequence[str] | None
+) -> torch.nn.Module:
+    """``model`` with LoRA adapters of rank ``rank`` by PEFT's own ``get_peft_model`` (in
+    place: give it a copy), with PEFT's ``LoraConfig`` defaults otherwise (alpha 8, no
+    dropout); ``targets`` None takes PEFT's defaults for the architecture."""
+    try:
+        import peft
+    except ImportError:
+        raise ImportError(
+            "LoRA (lora_rank=...) is applied by PEFT itself, which is not installed: "
+            "pip install peft"
+        ) from None
+    # PEFT reads a string as one pattern (its "all-linear" shorthand) and a list as names or
+    # name suffixes (peft/tuners/tuners_utils.py, check_target_module_exists)
+    target_modules: str | list[str] | None = list(targets) if targets else None
+    if targets is not None and len(targets) == 1 and targets[0] == "all-linear":
+        target_modules = "all-linear"
+    config = peft.LoraConfig(r=rank, target_modules=target_modules)
+    try:
+        return peft.get_peft_model(model, config)
+    except (ValueError, TypeError, KeyError) as exc:
+        what = "PEFT's defaults" if targets is None else f"lora_targets={list(targets)}"
+        raise ValueError(
+            f"LoRA cannot be applied to {type(model).__name__} with {what}: {exc}. LoRA "
+            "targets must be Linear, Conv or Embedding modules, named by a suffix of their "
+            "qualified names (lora_targets=['q_proj', 'v_proj']) or 'all-linear'"
+        ) from None

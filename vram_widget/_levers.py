@@ -1,0 +1,306 @@
+"""Memory levers: which modules recompute their forward (activation checkpointing), which
+parameters train, and how many micro-batches accumulate before one optimizer step.
+
+No torch here. A :class:`Levers` is the canonical, hashable form of what a user asked for
+(``checkpoint="auto"``, ``trainable="lm_head.*"``, ``grad_accumulation=4``), resolved
+against the profiled model's module and parameter names; it keys the profile's cache (a
+new lever costs one more profiling run, once) and is applied on the torch side by
+``_step.applied_levers`` the way the real libraries apply it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["NO_LEVERS", "Levers", "repeated_blocks", "resolve_levers", "resolve_lora"]
+
+
+@dataclass(frozen=True)
+class Levers:
+    """Levers of one training step, resolved to names.
+
+    Attributes
+    ----------
+    checkpoint : tuple of str
+        Qualified names of the modules whose forward is recomputed in the backward
+        (``torch.utils.checkpoint``, ``use_reentrant=False``), outermost only.
+    checkpoint_hf : bool
+        True where ``checkpoint="auto"`` on a Hugging Face model: applied by its own
+        ``activation_checkpointing_enable`` (which wraps ``checkpoint``), so that what it
+        also changes (``use_cache`` off in training, inputs that require grad) is applied too.
+    trainable : tuple of str or None
+        Names of the parameters that train (all others frozen); None: as the model has them.
+    grad_accumulation : int
+        Micro-batches whose gradients accumulate before one ``optimizer.step()``.
+    lora_rank : int or None
+        LoRA adapters of this rank, applied by PEFT's ``get_peft_model`` (None: no LoRA).
+    lora_targets : tuple of str or None
+        PEFT's ``target_modules`` (None: PEFT's defaults for the architecture).
+    """
+
+    checkpoint: tuple[str, ...] = ()
+    checkpoint_hf: bool = False
+    trainable: tuple[str, ...] | None = None
+    grad_accumulation: int = 1
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] | None = None
+
+    @property
+    def active(self) -> bool:
+        return (
+            bool(self.checkpoint)
+            or self.trainable is not None
+            or self.grad_accumulation > 1
+            or self.lora_rank is not None
+        )
+
+    @property
+    def profiled_micro_batches(self) -> int:
+        """Micro-batches a profiling run takes: 2 for any accumulation (the second and later
+        ones run with the gradients resident, and are the same step), else 1."""
+        return min(self.grad_accumulation, 2)
+
+    def for_profiling(self) -> Levers:
+        """The levers of the run that profiles these: accumulation of k > 2 is the run of 2
+        (the same memory; its FLOPs are scaled by k / 2)."""
+        if self.grad_accumulation <= 2:
+            return self
+        return dataclasses.replace(self, grad_accumulation=2)
+
+    def describe(self) -> str:
+        """A short text: ``checkpoint 12 modules (GPT2Block), trainable 2 tensors, x4``."""
+        parts = []
+        if self.checkpoint:
+            parts.append(f"checkpointing {len(self.checkpoint)} module(s)")
+        if self.trainable is not None:
+            parts.append(f"{len(self.trainable)} trainable tensor(s)")
+        if self.lora_rank is not None:
+            targets = ", ".join(self.lora_targets) if self.lora_targets else "PEFT's defaults"
+            parts.append(f"LoRA rank {self.lora_rank} on {targets}")
+        if self.grad_accumulation > 1:
+            parts.append(f"{self.grad_accumulation} micro-batches accumulated")
+        return ", ".join(parts) or "no levers"
+
+
+NO_LEVERS = Levers()
+
+
+def _outermost(names: Sequence[str]) -> tuple[str, ...]:
+    """Names none of whose ancestors is in ``names`` (a checkpointed block's children are
+    recomputed with it), in the given order."""
+    chosen = set(names)
+
+    def has_ancestor(name: str) -> bool:
+        parts = name.split(".")
+        return ("" in chosen and name != "") or any(
+            ".".join(parts[:k]) in chosen for k in range(1, len(parts))
+        )
+
+    return tuple(n for n in names if not has_ancestor(n))
+
+
+def _examples(names: Sequence[str], limit: int = 6) -> str:
+    shown = [repr(n) for n in names[:limit]]
+    return ", ".join(shown) + (", ..." if len(names) > limit else "")
+
+
+def _resolve_checkpoint(
+    value: object,
+    module_names: Sequence[str],
+    module_types: Sequence[str],
+    auto_blocks: Sequence[str],
+    hf_auto: bool,
+    model_name: str,
+) -> tuple[tuple[str, ...], bool]:
+    if value is None or value is False:
+        return (), False
+    if value == "auto":
+        if not auto_blocks:
+            raise ValueError(
+                f"checkpoint='auto': {model_name or 'the model'} has no ModuleList of repeated "
+                "blocks to checkpoint; name the modules instead: a class name "
+                "(checkpoint='Bottleneck') or a list of qualified-name patterns "
+                "(checkpoint=['layer1', 'layer2'])"
+            )
+        return tuple(auto_blocks), hf_auto
+    if isinstance(value, str):
+        matched = [n for n, t in zip(module_names, module_types, strict=True) if t == value and n]
+        if not matched:
+            classes = sorted({t for t in module_types if module_types.count(t) > 1})
+            raise ValueError(
+                f"checkpoint={value!r}: no module of that class in {model_name or 'the model'}; "
+                f"valid forms: 'auto', a class name (classes with repeated instances: "
+                f"{', '.join(classes) or 'none'}), or a list of qualified-name patterns"
+            )
+        return _outermost(matched), False
+    if isinstance(value, Sequence) and not isinstance(value, bytes):
+        patterns = list(value)
+        if not patterns or not all(isinstance(p, str) for p in patterns):
+            raise TypeError(
+                f"checkpoint={value!r}: give 'auto', a class name, or a non-empty list of "
+                "qualified-name patterns (strings, fnmatch syntax)"
+            )
+        matched_names: list[str] = []
+        for pattern in patterns:
+            hits = [n for n in module_names if n and fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                raise ValueError(
+                    f"checkpoint pattern {pattern!r} matches no module; module names look "
+                    f"like {_examples([n for n in module_names if n])}"
+                )
+            matched_names += [h for h in hits if h not in matched_names]
+        order = {n: i for i, n in enumerate(module_names)}
+        return _outermost(sorted(matched_names, key=order.__getitem__)), False
+    raise TypeError(
+        f"checkpoint={value!r}: give None, 'auto', a class name, or a list of qualified-name "
+        "patterns"
+    )
+
+
+def _resolve_trainable(value: object, param_names: Sequence[str]) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    patterns = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(patterns, Sequence)
+        or not patterns
+        or not all(isinstance(p, str) for p in patterns)
+    ):
+        raise TypeError(
+            f"trainable={value!r}: give None (as the model is) or glob patterns of parameter "
+            "names (a string or a non-empty list of strings, fnmatch syntax)"
+        )
+    chosen: set[str] = set()
+    for pattern in patterns:
+        hits = {n for n in param_names if fnmatch.fnmatchcase(n, pattern)}
+        if not hits:
+            raise ValueError(
+                f"trainable pattern {pattern!r} matches no parameter; parameter names look "
+                f"like {_examples(list(param_names))}"
+            )
+        chosen |= hits
+    return tuple(n for n in param_names if n in chosen)
+
+
+def resolve_levers(
+    *,
+    module_names: Sequence[str],
+    module_types: Sequence[str],
+    param_names: Sequence[str],
+    auto_blocks: Sequence[str] = (),
+    hf_auto: bool = False,
+    model_name: str = "",
+    checkpoint: object = None,
+    trainable: object = None,
+    grad_accumulation: object = 1,
+) -> Levers:
+    """The :class:`Levers` a user's keywords mean for this model, or a ValueError /
+    TypeError that names the problem and the valid forms.
+
+    Parameters
+    ----------
+    module_names, module_types
+        Qualified names and class names of the model's modules (``named_modules`` order).
+    param_names
+        Qualified names of its parameters (tied ones once).
+    auto_blocks, hf_auto
+        What ``checkpoint="auto"`` means: the children of the largest ``ModuleList`` of
+        repeated blocks (the layers Hugging Face's ``activation_checkpointing_enable``
+        wraps, for its models), and whether Hugging Face's own call applies it.
+    checkpoint : None, "auto", str or list of str
+        None: no checkpointing. ``"auto"``: ``auto_blocks``. A class name: every module of
+        that class (outermost ones). A list: fnmatch patterns of qualified module names.
+    trainable : None, str or list of str
+        fnmatch patterns of the parameter names that train; every other is frozen.
+    grad_accumulation : int
+        Micro-batches per optimizer step (>= 1).
+
+    Examples
+    --------
+    >>> names = ("", "h", "h.0", "h.0.fc", "h.1", "h.1.fc", "head")
+    >>> types = ("Net", "ModuleList", "Block", "Linear", "Block", "Linear", "Linear")
+    >>> params = ("h.0.fc.weight", "h.1.fc.weight", "head.weight", "head.bias")
+    >>> lv = resolve_levers(module_names=names, module_types=types, param_names=params,
+    ...                     checkpoint="Block", trainable="head.*", grad_accumulation=4)
+    >>> lv.checkpoint, lv.trainable, lv.grad_accumulation
+    (('h.0', 'h.1'), ('head.weight', 'head.bias'), 4)
+    """
+    if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int):
+        raise TypeError(f"grad_accumulation must be an integer >= 1, got {grad_accumulation!r}")
+    if grad_accumulation < 1:
+        raise ValueError(
+            f"grad_accumulation must be >= 1 (micro-batches per optimizer step), got "
+            f"{grad_accumulation}"
+        )
+    names, hf = _resolve_checkpoint(
+        checkpoint, module_names, module_types, auto_blocks, hf_auto, model_name
+    )
+    return Levers(
+        checkpoint=names,
+        checkpoint_hf=hf,
+        trainable=_resolve_trainable(trainable, param_names),
+        grad_accumulation=int(grad_accumulation),
+    )
+
+
+def repeated_blocks(module_names: Sequence[str], module_types: Sequence[str]) -> tuple[str, ...]:
+    """The children of the largest ``ModuleList`` whose children are all of one class (at
+    least two of them): the per-layer blocks that Hugging Face's checkpointing and
+    torchtune's per-layer checkpointing wrap. Ties go to the first in module order.
+
+    Examples
+    --------
+    >>> repeated_blocks(("", "h", "h.0", "h.1", "h.0.fc"), ("M", "ModuleList", "B", "B", "L"))
+    ('h.0', 'h.1')
+    """
+    best: tuple[str, ...] = ()
+    types = dict(zip(module_names, module_types, strict=True))
+    for name, kind in types.items():
+        if kind != "ModuleList":
+            continue
+        prefix = name + "." if name else ""
+        children = [
+            n for n in module_names if n.startswith(prefix) and "." not in n[len(prefix) :] and n
+        ]
+        children = [n for n in children if n != name]
+        same_class = len(children) >= 2 and len({types[c] for c in children}) == 1
+        if same_class and len(children) > len(best):
+            best = tuple(children)
+    return best
+
+
+def resolve_lora(rank: object, targets: object) -> tuple[int | None, tuple[str, ...] | None]:
+    """``lora_rank`` and ``lora_targets`` checked: (None, None) without LoRA; targets None
+    for ``"auto"`` (PEFT's defaults for the architecture), else PEFT's ``target_modules``
+    (module-name suffixes, or ``"all-linear"``).
+
+    Examples
+    --------
+    >>> resolve_lora(8, "auto"), resolve_lora(4, ["q_proj", "v_proj"]), resolve_lora(None, "auto")
+    ((8, None), (4, ('q_proj', 'v_proj')), (None, None))
+    """
+    if rank is None:
+        if targets not in ("auto", None):
+            raise ValueError("lora_targets needs lora_rank: give lora_rank=<int >= 1> too")
+        return None, None
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"lora_rank must be an integer >= 1 (the adapters' rank), got {rank!r}")
+    if rank < 1:
+        raise ValueError(f"lora_rank must be >= 1 (the adapters' rank), got {rank}")
+    if targets in ("auto", None):
+        return rank, None
+    names = [targets] if isinstance(targets, str) else targets
+    if (
+        not isinstance(names, Sequence)
+        or not names
+        or not all(isinstance(n, str) and n for n in names)
+    ):
+        raise TypeError(
+            f"lora_targets={targets!r}: give 'auto' (PEFT's defaults for the architecture), "
+            "'all-linear', or a non-empty list of module names or name suffixes "
+            "(PEFT's target_modules)"
+        )
+    return rank, tuple(names)
