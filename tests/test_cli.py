@@ -337,3 +337,22 @@ def test_callable_needs_input_size(user_module: Any, capsys: pytest.CaptureFixtu
     err = _usage_error([f"{_MODULE}:tiny_model"], capsys)
     assert "--input-size is needed" in err
     assert "3,224,224" in err
+
+
+def test_memory_lever_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    # the flags are estimate()'s lever keywords: the JSON's peak is estimate()'s with them
+    argv = ["mlp", "--device", "cpu", "--batch-size", "8", "--precision", "fp32", "--json"]
+    assert main([*argv, "--trainable", "6.*", "--grad-accumulation", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)["settings"][0]
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    expected = profile.estimate(8, "fp32", "adam", trainable=["6.*"], grad_accumulation=3)
+    assert out["peak_bytes"] == expected.peak_bytes
+    assert "3 micro-batches accumulated" in out["levers"]
+
+
+def test_bad_lever_flag_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["mlp", "--device", "cpu", "--trainable", "nope.*"]) == 1
+    assert "trainable pattern 'nope.*' matches no parameter" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["mlp", "--grad-accumulation", "0"])
+    assert exit_info.value.code == 2

@@ -220,15 +220,15 @@ class _Spy:
             busy = all(c.disabled for c in w._control_widgets)
             self.seen.append((run, str(w._status.value), busy))
 
-    def timeline(self, precision: object, mode: object) -> object:
+    def timeline(self, precision: object, mode: object, *rest: object) -> object:
         self._record(f"timeline {precision} {mode}")
         if self.fail_on is not None and str(getattr(precision, "value", "")) == self.fail_on:
             raise RuntimeError(f"no kernel for {self.fail_on}")
-        return self.source.timeline(precision, mode)  # type: ignore[attr-defined]
+        return self.source.timeline(precision, mode, *rest)  # type: ignore[attr-defined]
 
-    def optimizer_trace(self, precision: object, optimizer: object) -> object:
+    def optimizer_trace(self, precision: object, optimizer: object, *rest: object) -> object:
         self._record(f"optimizer {precision} {optimizer}")
-        return self.source.optimizer_trace(precision, optimizer)  # type: ignore[attr-defined]
+        return self.source.optimizer_trace(precision, optimizer, *rest)  # type: ignore[attr-defined]
 
 
 def _usable(w: MemoryWidget) -> bool:
@@ -520,3 +520,62 @@ def test_no_frontier_panel_without_a_sequence(profile: ModelProfile) -> None:
     w = MemoryWidget(profile, show_frontier=True)
     assert w._frontier_panel not in w.children
     assert len(w._frontier_figure.data[0].x) == 0
+
+
+def test_levers_group_drives_the_estimate(token_profile: ModelProfile) -> None:
+    # The zoo dict_input model has no repeated blocks: its checkpointing choices are "off"
+    # and the classes with repeated instances; trainable patterns and micro-batches apply.
+    w = MemoryWidget(token_profile, batch_size=8)
+    assert w._levers_row in w._controls.children
+    assert "Levers" not in w.summary_html
+    w.trainable = "head.*"
+    expected = token_profile.estimate(8, trainable=["head.*"])
+    assert w.estimate.peak_bytes == expected.peak_bytes
+    assert w.estimate.levers.trainable == expected.levers.trainable
+    w.grad_accumulation = 4
+    expected = token_profile.estimate(8, trainable=["head.*"], grad_accumulation=4)
+    assert w.estimate.peak_bytes == expected.peak_bytes and w.estimate.flops == expected.flops
+    base = token_profile.estimate(8)
+    saved = base.peak_bytes - expected.peak_bytes
+    assert f"saves {format_bytes(saved)} at the peak" in w.summary_html
+    assert "effective batch 4 x 8 = 32" in w.summary_html
+    assert w.largest_batch() == token_profile.max_batch_size(
+        w.target.memory_bytes,
+        compute_capability=w.target.compute_capability,
+        trainable=["head.*"],
+        grad_accumulation=4,
+    )
+    with pytest.raises(traitlets.TraitError, match="matches no parameter"):
+        w.trainable = "nothing.*"
+    with pytest.raises(traitlets.TraitError, match=r"grad_accumulation|minimum"):
+        w.grad_accumulation = 0
+    assert w.trainable == "head.*" and w.grad_accumulation == 4
+
+
+def test_checkpoint_choice_follows_the_model() -> None:
+    model = zoo.causal_decoder(vocab_size=64, d_model=32, n_head=2, n_layer=2, max_len=64)
+    profile = profile_model(model, inputs=torch.zeros(2, 16, dtype=torch.long))
+    w = MemoryWidget(profile, batch_size=4, checkpoint="auto")
+    dropdown = w._levers_row.children[1]
+    assert list(dropdown.options)[:2] == ["off", "auto"] and "DecoderBlock" in dropdown.options
+    assert w.estimate.levers.checkpoint == profile.checkpoint_blocks == ("blocks.0", "blocks.1")
+    assert w.estimate.peak_bytes == profile.estimate(4, checkpoint="auto").peak_bytes
+    dropdown.value = "off"
+    assert w.checkpoint == "off" and not w.estimate.levers.active
+    with pytest.raises(traitlets.TraitError, match="no module of that class"):
+        w.checkpoint = "Bottleneck"
+
+
+def test_lora_rank_control() -> None:
+    pytest.importorskip("peft")
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    profile = profile_model(model, input_size=(16,))
+    w = MemoryWidget(profile, batch_size=4, optimizer="adamw")
+    w.lora_rank = 2  # PEFT has no default targets for a plain Sequential: said, and kept
+    assert "could not profile" in w._status.value and "target_modules" in w._status.value
+    assert w.lora_rank == 0 and not w.estimate.levers.active
+    w.trainable = "2.*"
+    with pytest.raises(traitlets.TraitError, match="trainable or lora_rank, not both"):
+        w.lora_rank = 2
+    w.trainable = ""
+    assert w.estimate.peak_bytes == profile.estimate(4, optimizer="adamw").peak_bytes

@@ -424,6 +424,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPU to fit on: a catalog name (e.g. 'A100 80GB', 'RTX 4090 24GB') or a capacity "
         f"('80GiB', '24 GB', or bytes) (default: {DEFAULT_GPU!r})",
     )
+    levers = parser.add_argument_group("memory levers (training)")
+    levers.add_argument(
+        "--checkpoint",
+        metavar="WHAT",
+        help="activation checkpointing: 'auto' (each repeated block; Hugging Face's own "
+        "checkpointing on its models), a class name, or comma-separated module-name patterns",
+    )
+    levers.add_argument(
+        "--trainable",
+        metavar="PATTERNS",
+        help="comma-separated parameter-name patterns that train (the rest frozen)",
+    )
+    levers.add_argument(
+        "--grad-accumulation",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="micro-batches of --batch-size per optimizer step (default: 1)",
+    )
+    levers.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        metavar="R",
+        help="LoRA adapters of rank R by PEFT (its default targets; needs `pip install peft`)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument(
@@ -521,17 +546,39 @@ def _profile(
     settings: list[_Setting] = []
     opt = args.optimizer if args.mode is Mode.TRAIN else None
     cc = args.gpu.compute_capability
+    levers = _levers(args)
     for precision in args.precisions:
-        est = profile.estimate(args.batch_size, precision, opt, args.mode, compute_capability=cc)
+        est = profile.estimate(
+            args.batch_size, precision, opt, args.mode, compute_capability=cc, **levers
+        )
         largest = profile.max_batch_size(
             args.gpu.memory_bytes,
             precision=precision,
             optimizer=opt,
             mode=args.mode,
             compute_capability=cc,
+            **levers,
         )
         settings.append(_Setting(precision, est, largest))
     return profile, settings
+
+
+def _levers(args: argparse.Namespace) -> dict[str, Any]:
+    """The lever keywords of ``estimate`` from the flags (the profile checks the names)."""
+
+    def patterns(text: str | None) -> list[str] | None:
+        return None if text is None else [p.strip() for p in text.split(",") if p.strip()]
+
+    text: str | None = args.checkpoint
+    checkpoint: object = text
+    if text is not None and any(c in text for c in ",*."):  # patterns, not a class name
+        checkpoint = patterns(text)
+    return {
+        "checkpoint": checkpoint,
+        "trainable": patterns(args.trainable),
+        "grad_accumulation": args.grad_accumulation,
+        "lora_rank": args.lora_rank,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -597,6 +644,7 @@ def _as_json(
                 "peak_module": s.estimate.peak_module,
                 "peak_op": s.estimate.peak_op,
                 "flops": s.estimate.flops,
+                "levers": s.estimate.levers.describe(),
                 "fits": s.estimate.total_bytes <= gpu.memory_bytes,
                 "max_batch_size": s.max_batch_size,
             }
@@ -620,6 +668,8 @@ def _layer_frame(est: MemoryEstimate) -> Any:
 def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[_Setting]) -> None:
     gpu: Gpu = args.gpu
     print(profile)
+    if settings and settings[0].estimate.levers.active:
+        print(f"levers: {settings[0].estimate.levers.describe()}")
     print("peak = allocated tensor bytes at the step's peak (torch.cuda.max_memory_allocated);")
     print("extras = CUDA context + cuBLAS workspace + allocator rounding (0 on --device cpu);")
     print("total = peak + extras: what is compared with the GPU's memory")

@@ -31,6 +31,7 @@ from ._figures import (
     update_frontier_figure,
 )
 from ._gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
+from ._levers import Levers
 from ._options import Category, Mode, OptimizerName, Precision
 from ._profile import DEFAULT_MAX_SEQ_LEN
 from ._tradeoff import Frontier
@@ -48,6 +49,7 @@ BATCH_MAX = 2**40
 # The sequence slider's top where the model has no learned position table: 128k tokens
 SEQ_SLIDER_MAX = DEFAULT_MAX_SEQ_LEN
 _NO_OPTIMIZER = "none"
+_CHECKPOINT_OFF = "off"
 _OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
 _TABLE_ROWS = 25
 
@@ -116,6 +118,13 @@ class MemoryWidget(widgets.VBox):
     # the batch x sequence-length frontier panel is open (where the profile has a sequence
     # axis): its figure is computed while open, and first opening it may profile lengths
     show_frontier = traitlets.Bool(False)
+    # memory levers: "off", "auto" or a class name of repeated blocks; glob patterns of the
+    # parameters that train, comma-separated ("" = as the model is); micro-batches per step
+    checkpoint = traitlets.Unicode(_CHECKPOINT_OFF)
+    trainable = traitlets.Unicode("")
+    grad_accumulation = traitlets.Int(1, min=1)
+    # LoRA adapters of this rank on PEFT's default targets (0: none)
+    lora_rank = traitlets.Int(0, min=0)
 
     def __init__(self, profile: ModelProfile, **settings: Any) -> None:
         self._profile = profile
@@ -264,6 +273,24 @@ class MemoryWidget(widgets.VBox):
             raise traitlets.TraitError(str(exc)) from None
         return int(value)
 
+    @traitlets.validate("checkpoint", "trainable", "grad_accumulation", "lora_rank")
+    def _valid_levers(self, proposal: dict[str, Any]) -> Any:
+        value = proposal["value"]
+        name = proposal["trait"].name
+        raw = {n: getattr(self, n) for n in ("checkpoint", "trainable", "grad_accumulation")}
+        raw = {**raw, "lora_rank": self.lora_rank, name: value}
+        settings = {
+            "checkpoint": _checkpoint_arg(raw["checkpoint"]),
+            "trainable": _trainable_arg(raw["trainable"]),
+            "grad_accumulation": raw["grad_accumulation"],
+            "lora_rank": raw["lora_rank"] or None,
+        }
+        try:
+            self._profile.levers(**settings)
+        except (TypeError, ValueError) as exc:
+            raise traitlets.TraitError(str(exc)) from None
+        return value
+
     @traitlets.validate("custom_gib")
     def _valid_custom_gib(self, proposal: dict[str, Any]) -> float:
         value = float(proposal["value"])
@@ -283,16 +310,33 @@ class MemoryWidget(widgets.VBox):
             "seq_len": self.seq_len,
             # The chosen GPU's, for the cuBLAS workspace in the extras (custom: default).
             "compute_capability": self.target.compute_capability,
+            **self._lever_settings(),
         }
+
+    def _lever_settings(self) -> dict[str, Any]:
+        return {
+            "checkpoint": _checkpoint_arg(self.checkpoint),
+            "trainable": _trainable_arg(self.trainable),
+            "grad_accumulation": self.grad_accumulation,
+            "lora_rank": self.lora_rank or None,
+        }
+
+    def _levers(self) -> Levers:
+        return self._profile.levers(**self._lever_settings())
 
     def _needs_profiling(self) -> bool:
         """Whether the current precision / optimizer (or, with the frontier open, the fit
         in the length) still has to be profiled (torch)."""
+        levers = self._levers()
         cached = self._profile.is_cached(
-            self.precision, self.mode, self._settings()["optimizer"], self.seq_len
+            self.precision, self.mode, self._settings()["optimizer"], self.seq_len, levers
         )
+        if cached and self.mode == Mode.TRAIN.value and levers.active:
+            # the summary compares with the same step without levers
+            optimizer = self._settings()["optimizer"]
+            cached = self._profile.is_cached(self.precision, self.mode, optimizer, self.seq_len)
         if self._frontier_shown() and self._frontier_key() not in self._frontier_cache:
-            cached = cached and self._profile.length_fit_tried(self.precision, self.mode)
+            cached = cached and self._profile.length_fit_tried(self.precision, self.mode, levers)
         return not cached
 
     def _frontier_shown(self) -> bool:
@@ -306,6 +350,7 @@ class MemoryWidget(widgets.VBox):
             self.mode,
             self.target.memory_bytes,
             s["compute_capability"],
+            self._levers(),
         )
 
     def frontier(self) -> Frontier:
@@ -334,6 +379,7 @@ class MemoryWidget(widgets.VBox):
             f"{self.precision} / {self.mode}"
             + (f" / {self.optimizer}" if self.mode == Mode.TRAIN.value else "")
             + (f" / {self.seq_len} tokens" if self.seq_len is not None else "")
+            + (f" / {self._levers().describe()}" if self._levers().active else "")
         )
         started = 0.0
         if profiling:
@@ -428,6 +474,7 @@ class MemoryWidget(widgets.VBox):
             self.seq_len,
             capacity,
             s["compute_capability"],
+            self._levers(),
         )
         if key not in self._fit_cache:
             self._fit_cache[key] = self._profile.max_batch_size(capacity, **s)
@@ -435,7 +482,7 @@ class MemoryWidget(widgets.VBox):
 
     def bytes_per_sample(self) -> int:
         """How much the peak grows per extra sample (cached per precision/optimizer/mode)."""
-        key = (self.precision, self.optimizer, self.mode, self.seq_len)
+        key = (self.precision, self.optimizer, self.mode, self.seq_len, self._levers())
         if key not in self._per_sample_cache:
             settings = self._settings()
             del settings["compute_capability"]  # the extras do not grow with the batch
@@ -465,6 +512,8 @@ class MemoryWidget(widgets.VBox):
             f"<b>Peak</b>: {format_bytes(est.peak_bytes)} ({est.peak_bytes:,} B) in "
             f"{html.escape(est.peak_location)}",
         ]
+        if est.levers.active:
+            lines.append(self._levers_line(est))
         if est.seq_len is not None:
             lines.insert(
                 1,
@@ -518,6 +567,23 @@ class MemoryWidget(widgets.VBox):
                 "this model: estimates away from the profiled batches are extrapolated</i>"
             )
         return "<br>".join(lines)
+
+    def _levers_line(self, est: MemoryEstimate) -> str:
+        """What the active levers save and cost against the same step without them."""
+        settings = {k: v for k, v in self._settings().items() if k not in self._lever_settings()}
+        base = self._profile.estimate(self.batch_size, **settings)
+        saved = base.peak_bytes - est.peak_bytes
+        change = "saves" if saved >= 0 else "adds"
+        flops = est.flops / base.flops - 1 if base.flops else 0.0
+        line = (
+            f"<b>Levers</b> ({html.escape(est.levers.describe())}): {change} "
+            f"{format_bytes(abs(saved))} at the peak ({format_bytes(base.peak_bytes)} without), "
+            f"FLOPs {flops:+.0%}"
+        )
+        if est.levers.grad_accumulation > 1:
+            k = est.levers.grad_accumulation
+            line += f"; effective batch {k} x {est.batch_size:,} = {k * est.batch_size:,}"
+        return line
 
     def _table_html(self) -> str:
         """The largest module groups at the current depth (numpy ranking, few rows)."""
@@ -593,6 +659,24 @@ class MemoryWidget(widgets.VBox):
             int(self._estimate.layers.depth.max()) if len(self._estimate.layers.depth) else 0
         )
         depth = widgets.IntSlider(min=0, max=max(max_depth, 1), description="group depth")
+        # The memory levers: checkpointing ("auto" where the model has repeated blocks, and
+        # each class with repeated instances), the parameters that train, accumulation.
+        types = self._profile.rows.types[:-2]
+        repeated = sorted({t for t in types[1:] if types.count(t) > 1})
+        auto = ["auto"] if self._profile.checkpoint_blocks else []
+        options = [_CHECKPOINT_OFF, *auto, *repeated]
+        if self.checkpoint not in options:
+            options.append(self.checkpoint)
+        checkpoint = widgets.Dropdown(options=options, layout={"width": "260px"})
+        trainable = widgets.Text(
+            placeholder="all (or patterns: head.*, *.bias)",
+            continuous_update=False,
+            layout={"width": "300px"},
+        )
+        accumulation = widgets.BoundedIntText(min=1, max=1 << 20, layout={"width": "190px"})
+        lora = widgets.BoundedIntText(
+            min=0, max=4096, layout={"width": "170px"}, tooltip="0: no LoRA (PEFT's targets)"
+        )
         for control, name, label in (
             (precision, "precision", "precision"),
             (optimizer, "optimizer", "optimizer"),
@@ -600,6 +684,10 @@ class MemoryWidget(widgets.VBox):
             (gpu, "gpu", "GPU"),
             (custom, "custom_gib", "custom GiB"),
             (depth, "depth", ""),
+            (checkpoint, "checkpoint", "checkpointing"),
+            (trainable, "trainable", "trainable"),
+            (accumulation, "grad_accumulation", "micro-batches"),
+            (lora, "lora_rank", "LoRA rank"),
         ):
             if label:
                 control.description = label
@@ -618,13 +706,28 @@ class MemoryWidget(widgets.VBox):
             gpu,
             custom,
             depth,
+            checkpoint,
+            trainable,
+            accumulation,
+            lora,
+        )
+        self._levers_row = widgets.HBox(
+            [
+                widgets.HTML("<b>memory levers</b>&nbsp;"),
+                checkpoint,
+                trainable,
+                accumulation,
+                lora,
+            ]
         )
         self._controls = widgets.VBox(
             [
-                # the step's shape, then what is stored and run, then the device
+                # the step's shape, then what is stored and run, then the levers that trade
+                # compute for memory, then the device
                 widgets.HBox([self._batch_slider, self._batch_box]),
                 self._seq_row,
                 widgets.HBox([precision, optimizer, mode]),
+                self._levers_row,
                 widgets.HBox([gpu, custom, depth]),
             ]
         )
@@ -667,6 +770,17 @@ class MemoryWidget(widgets.VBox):
         )
 
 
+def _checkpoint_arg(value: str) -> str | None:
+    """The ``checkpoint`` trait as ``estimate`` takes it ("off": None)."""
+    return None if value in (_CHECKPOINT_OFF, "") else value
+
+
+def _trainable_arg(value: str) -> list[str] | None:
+    """The ``trainable`` trait (comma-separated patterns) as ``estimate`` takes it."""
+    patterns = [p.strip() for p in value.split(",") if p.strip()]
+    return patterns or None
+
+
 def _log_slider_and_box(
     description: str, value: int, slider_max: int, box_max: int, *, continuous: bool
 ) -> tuple[widgets.FloatLogSlider, widgets.BoundedIntText]:
@@ -696,6 +810,10 @@ _SETTINGS: tuple[str, ...] = (
     "custom_gib",
     "depth",
     "show_frontier",
+    "checkpoint",
+    "trainable",
+    "grad_accumulation",
+    "lora_rank",
 )
 
 

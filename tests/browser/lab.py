@@ -421,6 +421,28 @@ def move_batch_slider(page: Any, moves: int) -> SliderRun:
     return move_slider(page, moves, "batch size")
 
 
+def set_micro_batches(page: Any, value: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Type ``value`` into the first widget's "micro-batches" box (the memory levers row) and
+    wait until its figure changed; returns :data:`JS_WIDGET_STATE` after."""
+    before = page.evaluate(JS_WIDGET_STATE)
+    box = page.locator(
+        ".widget-inline-hbox:has(.widget-label:text-is('micro-batches')) input"
+    ).first
+    box.scroll_into_view_if_needed()
+    box.fill(str(value))
+    box.press("Enter")
+    changed = (
+        f"(before) => {{ const s = ({JS_WIDGET_STATE})(); return s && s.fingerprint !== before; }}"
+    )
+    page.wait_for_function(
+        changed,
+        arg=before["fingerprint"],
+        timeout=timeout_s * 1000,
+        polling=100,
+    )
+    return dict(page.evaluate(JS_WIDGET_STATE))
+
+
 # The frontier panel of the first widget with a visible sequence slider: open it (a click on
 # its title) and read its figure, the second plotly figure in that widget's output.
 FRONTIER_TITLE = "Batch x sequence length: what fits the GPU"

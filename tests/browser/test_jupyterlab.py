@@ -38,6 +38,7 @@ from .lab import (
     open_frontier,
     require,
     screenshot_widget,
+    set_micro_batches,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
@@ -62,6 +63,8 @@ class Session:
     frontier: dict[str, Any] | None
     frontier_after_move: dict[str, Any] | None
     seq_error: str | None
+    levers_after: dict[str, Any] | None
+    levers_error: str | None
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +100,11 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
                 frontier_after_move = page.evaluate(JS_FRONTIER_STATE)
             except Exception as exc:  # reported by the sequence test, not here
                 seq_error = f"{type(exc).__name__}: {exc}"
+            levers_after, levers_error = None, None
+            try:  # the memory levers row: 4 micro-batches (one more profiling run)
+                levers_after = set_micro_batches(page, 4)
+            except Exception as exc:  # reported by the levers test, not here
+                levers_error = f"{type(exc).__name__}: {exc}"
         finally:
             screenshot_widget(page, ARTIFACTS / "quickstart.png")
             (ARTIFACTS / "jupyterlab.log").write_text(server.log_tail(200_000))
@@ -124,6 +132,8 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
             frontier,
             frontier_after_move,
             seq_error,
+            levers_after,
+            levers_error,
         )
 
 
@@ -174,3 +184,12 @@ def test_sequence_slider_and_frontier_panel(session: Session) -> None:
     # the frontier's marker moved to the new length
     assert session.frontier_after_move is not None
     assert session.frontier_after_move["marker"] != session.frontier["marker"]
+
+
+def test_memory_levers_row_redraws(session: Session) -> None:
+    # 4 micro-batches typed into the levers row: a new profiling run, then the figure and
+    # the summary show the accumulated step ("effective batch 4 x ...")
+    assert session.levers_error is None, session.levers_error
+    assert session.levers_after is not None and session.after is not None
+    assert session.levers_after["fingerprint"] != session.after["fingerprint"]
+    assert "effective batch 4 x" in session.levers_after["summary"]
