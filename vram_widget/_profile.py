@@ -73,6 +73,7 @@ class ModelProfile:
         seq_len_limit: int | None = None,
         seq_window: int | None = None,
         param_names: tuple[str, ...] = (),
+        param_shapes: tuple[tuple[int, ...], ...] = (),
         checkpoint_blocks: tuple[str, ...] = (),
         hf_checkpointing: bool = False,
     ) -> None:
@@ -94,6 +95,7 @@ class ModelProfile:
         self.seq_window = seq_window
         # the parameters' qualified names (tied ones once), which ``trainable`` patterns match
         self.param_names = param_names
+        self.param_shapes = param_shapes
         # what ``checkpoint="auto"`` wraps, and whether Hugging Face's own call applies it
         self.checkpoint_blocks = checkpoint_blocks
         self.hf_checkpointing = hf_checkpointing
@@ -345,6 +347,7 @@ class ModelProfile:
         grad_accumulation: int = 1,
         lora_rank: int | None = None,
         lora_targets: object = "auto",
+        base_quantization: str | None = None,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -388,6 +391,11 @@ class ModelProfile:
         lora_targets : "auto", "all-linear" or list of str
             PEFT's ``target_modules``; ``"auto"``: PEFT's defaults for the architecture
             (Hugging Face models; other models must name their modules).
+        base_quantization : None
+            4-bit base weights (QLoRA's ``"nf4"``) run bitsandbytes' CUDA kernels, which
+            fake tensors cannot run: not estimated. Asking for it raises a ValueError that
+            gives what the nf4 storage of the weights alone would be
+            (:meth:`nf4_weight_bytes`), as a separate figure, not folded into a step.
 
         The levers apply in training; a new combination costs one more profiling run
         (cached), as a new precision does.
@@ -409,6 +417,8 @@ class ModelProfile:
         opt_name = parse_optimizer(optimizer)
         run_mode = parse_option(Mode, mode, "mode")
         length = self.check_seq_len(seq_len)
+        if base_quantization is not None:
+            self._refuse_quantization(base_quantization)
         levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
         if run_mode is not Mode.TRAIN:
             levers = NO_LEVERS
@@ -440,6 +450,50 @@ class ModelProfile:
             seq_len=self.seq_len if length is None else length,
             compute_capability=_check_capability(compute_capability),
             levers=levers,
+        )
+
+    def nf4_weight_bytes(self) -> tuple[int, int]:
+        """What QLoRA's 4-bit NF4 storage of the model's ``nn.Linear`` weights would take,
+        and what those weights take in bf16: ``(nf4_bytes, bf16_bytes)``.
+
+        bitsandbytes stores 4 bits per weight in blocks of 64, each with an absmax scale;
+        QLoRA's double quantization stores those scales in 8 bits per block plus one fp32
+        scale per 256 blocks: 4 + 8 / 64 + 32 / (64 * 256) bits per weight (Dettmers et al.,
+        "QLoRA", 2023, section 3, Double Quantization: "0.127 bits per parameter"), rounded
+        up per tensor. The output layer is left out (transformers keeps ``lm_head`` in its
+        dtype: ``get_keys_to_not_convert``). Biases, norms and embeddings are not quantized.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> profile = profile_model(torch.nn.Linear(4096, 4096), input_size=(4096,))
+        >>> # 16,777,216 weights: 8,388,608 B of 4-bit codes + 262,144 8-bit block scales
+        >>> # + 1,024 fp32 second-level scales (4,096 B); bf16: 2 B per weight
+        >>> profile.nf4_weight_bytes()
+        (8654848, 33554432)
+        """
+        types = dict(zip(self.rows.names[:-2], self.rows.types[:-2], strict=True))
+        nf4 = bf16 = 0
+        for name, shape in zip(self.param_names, self.param_shapes, strict=True):
+            module, _, leaf = name.rpartition(".")
+            if leaf != "weight" or types.get(module) != "Linear" or module.endswith("lm_head"):
+                continue
+            numel = int(np.prod(shape))
+            blocks = -(-numel // 64)
+            nf4 += -(-numel // 2) + blocks + 4 * -(-blocks // 256)
+            bf16 += 2 * numel
+        return nf4, bf16
+
+    def _refuse_quantization(self, value: str) -> None:
+        nf4, bf16 = self.nf4_weight_bytes()
+        raise ValueError(
+            f"base_quantization={value!r}: 4-bit base weights (QLoRA) run bitsandbytes' CUDA "
+            "kernels, which fake tensors cannot run, so the step is not estimated. For "
+            f"reference, the nf4 storage of this model's Linear weights alone would be "
+            f"{nf4:,} bytes instead of {bf16:,} in bf16 (profile.nf4_weight_bytes(); "
+            "4.127 bits per weight with QLoRA's double quantization). Estimate LoRA on a "
+            "bf16 base with lora_rank=... and precision='bf16'"
         )
 
     def max_batch_size(
@@ -522,7 +576,7 @@ class ModelProfile:
         >>> import torch
         >>> from vram_widget import profile_model
         >>> emb = torch.nn.Embedding(100, 16)
-        >>> profile = profile_model(emb, inputs=torch.zeros(2, 8, dtype=torch.long))
+        >>> profile = profile_model(emb, inputs=torch.zeros(2, 8, dtype=torch.long), device="cpu")
         >>> n = profile.max_seq_len("64 MiB", batch_size=4, optimizer="sgd")
         >>> profile.estimate(4, optimizer="sgd", seq_len=n).total_bytes <= 64 * 2**20
         True
@@ -591,7 +645,7 @@ class ModelProfile:
         >>> import torch
         >>> from vram_widget import profile_model
         >>> emb = torch.nn.Embedding(100, 16)
-        >>> profile = profile_model(emb, inputs=torch.zeros(2, 8, dtype=torch.long))
+        >>> profile = profile_model(emb, inputs=torch.zeros(2, 8, dtype=torch.long), device="cpu")
         >>> f = profile.frontier("64 MiB", optimizer="sgd", seq_lens=[8, 64, 512])
         >>> f.seq_lens.tolist()
         [8, 64, 512]

@@ -1224,6 +1224,7 @@ def profile_model(
         seq_len_limit=position_limit(model) if seq_axes else None,
         seq_window=attention_window(model) if seq_axes else None,
         param_names=tuple(name for name, _p, _row in subject._params),
+        param_shapes=tuple(tuple(p.shape) for _name, p, _row in subject._params),
         checkpoint_blocks=auto_blocks,
         hf_checkpointing=hf_auto,
     )
