@@ -491,7 +491,7 @@ def test_fit_timeline_refuses_mismatched_traces() -> None:
 
 _NO_TORCH = (
     "import sys; import vram_widget._estimator, vram_widget._table, vram_widget._profile, "
-    "vram_widget._tradeoff, vram_widget._levers; "
+    "vram_widget._tradeoff, vram_widget._levers, vram_widget._allocator; "
     "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
 )
 

@@ -1,0 +1,328 @@
+"""The CUDA caching allocator, replayed: what ``max_memory_reserved`` would be for a step.
+
+No torch here: plain Python over an allocation and free sequence. The rules are those of
+PyTorch's ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``; read at commit
+001074d2, the one ``CUDA_SEMANTICS.md`` section 6.1 cites), with the default configuration
+(no ``max_split_size_mb``, no ``roundup_power2_divisions``, no memory fraction, one stream):
+
+* ``round_size``: a request is rounded up to a multiple of 512 bytes (``kMinBlockSize``), at
+  least 512.
+* ``get_pool``: a rounded size of at most 1 MiB (``kSmallSize``) goes to the small pool,
+  larger ones to the large pool; freed blocks are reused within their pool only.
+* ``get_free_block``: the smallest cached free block of at least the size, the lowest
+  address among equal sizes (``BlockComparatorSize`` orders by stream, size, address).
+* ``get_allocation_size``: a new segment (``cudaMalloc``) is 2 MiB (``kSmallBuffer``) for the
+  small pool, 20 MiB (``kLargeBuffer``) for sizes under 10 MiB (``kMinLargeAlloc``), and the
+  size rounded up to 2 MiB (``kRoundLarge``) above.
+* ``should_split``: a block found is split when the remainder is at least 512 bytes (small
+  pool) or more than 1 MiB (large pool); an unsplit block is charged in full to
+  ``memory_allocated``.
+* ``free_block`` / ``try_merge_blocks``: a freed block merges with its free neighbours in
+  the same segment.
+* ``malloc``: where ``cudaMalloc`` fails (a capacity is given and the new segment would pass
+  it), every cached segment with no block in use is released (``release_cached_blocks``)
+  and the segment is tried once more; failing that, the allocation is out of memory.
+
+``expandable_segments:True`` is not replayed here yet (it maps 2 MiB / 20 MiB pages into one
+growing segment per pool).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "K_LARGE_BUFFER",
+    "K_MIN_BLOCK_SIZE",
+    "K_MIN_LARGE_ALLOC",
+    "K_ROUND_LARGE",
+    "K_SMALL_BUFFER",
+    "K_SMALL_SIZE",
+    "AllocatorReplay",
+    "CachingAllocator",
+    "OutOfMemory",
+    "allocation_size",
+    "replay",
+    "round_size",
+]
+
+# c10/cuda/CUDACachingAllocator.cpp, the constants at the top of the file
+K_MIN_BLOCK_SIZE = 512  # "all sizes are rounded to at least 512 bytes"
+K_SMALL_SIZE = 1_048_576  # "largest 'small' allocation is 1 MiB"
+K_SMALL_BUFFER = 2_097_152  # "'small' allocations are packed in 2 MiB blocks"
+K_LARGE_BUFFER = 20_971_520  # "'large' allocations may be packed in 20 MiB blocks"
+K_MIN_LARGE_ALLOC = 10_485_760  # "allocations between 1 and 10 MiB may use kLargeBuffer"
+K_ROUND_LARGE = 2_097_152  # "round up large allocations to 2 MiB"
+
+
+def round_size(nbytes: int) -> int:
+    """``round_size``: at least 512 bytes, else up to a multiple of 512.
+
+    Examples
+    --------
+    >>> round_size(1), round_size(512), round_size(513)
+    (512, 512, 1024)
+    """
+    if nbytes < K_MIN_BLOCK_SIZE:
+        return K_MIN_BLOCK_SIZE
+    return K_MIN_BLOCK_SIZE * ((nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
+
+
+def allocation_size(size: int) -> int:
+    """``get_allocation_size``: the segment ``cudaMalloc`` gets for a rounded ``size``.
+
+    Examples
+    --------
+    >>> [allocation_size(s) >> 20 for s in (1024, 1_572_864, 11_534_336)]  # MiB
+    [2, 20, 12]
+    """
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
+
+
+class OutOfMemory(Exception):
+    """``cudaMalloc`` of a new segment failed even after the cached segments were released."""
+
+    def __init__(self, request: int, segment: int, reserved: int, allocated: int) -> None:
+        super().__init__(
+            f"out of memory: a {request:,}-byte request needs a {segment:,}-byte segment with "
+            f"{reserved:,} bytes reserved ({allocated:,} in use)"
+        )
+        self.request = request
+        self.segment = segment
+        self.reserved = reserved
+        self.allocated = allocated
+
+
+@dataclass
+class _Block:
+    address: int
+    size: int
+    small: bool
+    segment: int  # the segment's base address
+    allocated: bool = False
+    prev: _Block | None = field(default=None, repr=False)
+    next: _Block | None = field(default=None, repr=False)
+
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.address)
+
+
+class CachingAllocator:
+    """One device's caching allocator, one stream, default configuration (module docstring).
+
+    ``malloc(nbytes)`` returns a block handle, ``free(handle)`` gives it back; the counters
+    are those of ``torch.cuda.memory_stats()``: ``allocated`` (``allocated_bytes``, whole
+    blocks), ``reserved`` (``reserved_bytes``, whole segments) and their peaks.
+
+    ``capacity_bytes``: where given, a new segment that would take ``reserved`` past it fails
+    as ``cudaMalloc`` would, and the allocator releases its unused cached segments and
+    tries again before raising :class:`OutOfMemory`.
+
+    Examples
+    --------
+    >>> a = CachingAllocator()
+    >>> x = a.malloc(1024)                 # small pool: a new 2 MiB segment
+    >>> a.allocated, a.reserved
+    (1024, 2097152)
+    """
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.segments: dict[int, int] = {}  # base address -> size
+        self.segment_allocs = 0
+        self.segment_frees = 0
+        self._next_address = 0
+        # free cached blocks per pool, sorted by (size, address): best fit by bisection
+        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+        self._free_blocks: dict[tuple[int, int, bool], _Block] = {}
+
+    # -- counters -------------------------------------------------------------------------
+    def reset_peaks(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats()``."""
+        self.peak_allocated = self.allocated
+        self.peak_reserved = self.reserved
+
+    # -- the pools ------------------------------------------------------------------------
+    def _insert_free(self, block: _Block) -> None:
+        bisect.insort(self._free[block.small], block.key())
+        self._free_blocks[(block.size, block.address, block.small)] = block
+
+    def _remove_free(self, block: _Block) -> None:
+        pool = self._free[block.small]
+        i = bisect.bisect_left(pool, block.key())
+        del pool[i]
+        del self._free_blocks[(block.size, block.address, block.small)]
+
+    def _best_fit(self, size: int, small: bool) -> _Block | None:
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        block = self._free_blocks[(*pool[i], small)]
+        self._remove_free(block)
+        return block
+
+    # -- segments -------------------------------------------------------------------------
+    def _cuda_malloc(self, nbytes: int, small: bool) -> _Block | None:
+        if self.capacity_bytes is not None and self.reserved + nbytes > self.capacity_bytes:
+            return None
+        address = self._next_address
+        self._next_address += nbytes
+        self.segments[address] = nbytes
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.segment_allocs += 1
+        return _Block(address, nbytes, small, address)
+
+    def _release_cached_blocks(self) -> bool:
+        """``release_cached_blocks``: return every free block that is a whole segment."""
+        released = False
+        for small in (False, True):
+            for size, address in list(self._free[small]):
+                block = self._free_blocks[(size, address, small)]
+                if block.prev is None and block.next is None:
+                    self._remove_free(block)
+                    del self.segments[block.segment]
+                    self.reserved -= block.size
+                    self.segment_frees += 1
+                    released = True
+        return released
+
+    # -- malloc / free --------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> _Block:
+        """``DeviceCachingAllocator::malloc`` for a request of ``nbytes``."""
+        size = round_size(nbytes)
+        small = size <= K_SMALL_SIZE
+        block = self._best_fit(size, small)
+        if block is None:
+            segment = allocation_size(size)
+            block = self._cuda_malloc(segment, small)
+            if block is None and self._release_cached_blocks():
+                block = self._cuda_malloc(segment, small)
+            if block is None:
+                raise OutOfMemory(nbytes, segment, self.reserved, self.allocated)
+        remaining = block.size - size
+        split = remaining >= K_MIN_BLOCK_SIZE if small else remaining > K_SMALL_SIZE
+        if split:  # alloc_found_block: the front is handed out, the rest stays cached
+            rest = _Block(block.address + size, remaining, small, block.segment)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._insert_free(rest)
+        block.allocated = True
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block: _Block) -> None:
+        """``free`` / ``free_block``: back to its pool, merged with free neighbours."""
+        block.allocated = False
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated:
+                continue
+            self._remove_free(neighbour)  # try_merge_blocks
+            if neighbour is block.prev:
+                block.address = neighbour.address
+                block.prev = neighbour.prev
+                if block.prev is not None:
+                    block.prev.next = block
+            else:
+                block.next = neighbour.next
+                if block.next is not None:
+                    block.next.prev = block
+            block.size += neighbour.size
+        self._insert_free(block)
+
+    def cached_free_bytes(self) -> int:
+        """Reserved but not in use: free blocks held in the pools."""
+        return self.reserved - self.allocated
+
+
+@dataclass(frozen=True)
+class AllocatorReplay:
+    """What the caching allocator holds over a replayed step.
+
+    Attributes
+    ----------
+    peak_reserved_bytes : int
+        ``max_memory_reserved()`` over the measured (last) iteration.
+    peak_allocated_bytes : int
+        ``max_memory_allocated()`` over it: whole blocks (512-byte rounding, unsplit large
+        blocks charged in full).
+    reserved_at_end_bytes : int
+        ``memory_reserved()`` after it.
+    segments : int
+        Segments held at the end.
+    """
+
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    reserved_at_end_bytes: int
+    segments: int
+
+
+def replay(
+    resident_bytes: Iterable[int],
+    events: Iterable[tuple[int, int]],
+    *,
+    iterations: int = 2,
+    capacity_bytes: int | None = None,
+) -> AllocatorReplay:
+    """Replay a step through :class:`CachingAllocator`: the resident tensors allocated first
+    (parameters, buffers, optimizer state, inputs, in that order), then ``iterations`` runs
+    of ``events``, each ``(storage, nbytes)`` with ``nbytes > 0`` an allocation and ``< 0``
+    the free of that storage; the peaks are those of the last iteration, after
+    ``reset_peak_memory_stats()``, as ``measure`` reads them (the first iteration leaves
+    the cache the second one finds).
+
+    Examples
+    --------
+    >>> # 1 KiB, then 1.5 MiB, then 11.5 MiB; free the 1.5 MiB; then 0.9 MiB. The 1 KiB
+    >>> # opens a 2 MiB small segment; 1.5 MiB a 20 MiB large one, split (18.5 MiB left
+    >>> # > 1 MiB); 11.5 MiB fits the 18.5 MiB remainder (best fit), split again; 0.9 MiB
+    >>> # is small (944,128 B rounded) and fits the 2 MiB segment's remainder.
+    >>> events = [(0, 1024), (1, 1_572_864), (2, 12_058_624), (1, -1_572_864), (3, 943_718)]
+    >>> r = replay([], events, iterations=1)
+    >>> r.peak_reserved_bytes >> 20, r.segments   # 2 + 20 MiB
+    (22, 2)
+    >>> r.peak_allocated_bytes  # 1,024 + 1,572,864 + 12,058,624, before the free
+    13632512
+    """
+    sizes = [int(n) for n in resident_bytes]
+    steps = [(int(s), int(n)) for s, n in events]
+    allocator = CachingAllocator(capacity_bytes)
+    for nbytes in sizes:
+        if nbytes > 0:
+            allocator.malloc(nbytes)
+    for iteration in range(iterations):
+        if iteration == iterations - 1:
+            allocator.reset_peaks()
+        live: dict[int, _Block] = {}
+        for storage, nbytes in steps:
+            if nbytes > 0:
+                live[storage] = allocator.malloc(nbytes)
+            elif nbytes < 0:
+                block = live.pop(storage, None)
+                if block is not None:
+                    allocator.free(block)
+        for block in live.values():  # what outlives the step (none in a steady state)
+            allocator.free(block)
+    return AllocatorReplay(
+        peak_reserved_bytes=allocator.peak_reserved,
+        peak_allocated_bytes=allocator.peak_allocated,
+        reserved_at_end_bytes=allocator.reserved,
+        segments=len(allocator.segments),
+    )
