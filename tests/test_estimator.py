@@ -565,3 +565,41 @@ def test_batch_one_as_profiled_where_it_is_not_the_line() -> None:
     # resident: storage 0 (64 B) + storage 1 (12 B per sample); the event's bytes on top
     assert peak(1) == 64 + 12 + 24
     assert peak(2) == 64 + 24 + 20  # the line: 8 * 2 + 4
+
+
+def test_reserved_bytes_replay_a_linear_step_by_hand() -> None:
+    # Linear(1024, 1024), batch 1, fp32, device="cuda", replayed through the caching
+    # allocator (_allocator). The 4 MiB weight opens a 20 MiB large segment (16 MiB left,
+    # split); the 4 MiB weight gradient is cut from the same segment. Everything else (the
+    # 4 KiB bias and its gradient, the 4 KiB input and output, the loss) is small: one 2 MiB
+    # segment. Reserved: 20 + 2 MiB = 23,068,672 B. With Adam, exp_avg and exp_avg_sq
+    # (4 MiB each) and one 4 MiB foreach temporary at a time fill that 20 MiB segment
+    # exactly (5 x 4 MiB): still 22 MiB, with 20 MiB of large blocks in use at the peak.
+    profile = profile_model(nn.Linear(1024, 1024), input_size=(1024,))
+    sgd = profile.estimate(1, "fp32", "sgd")
+    assert sgd.reserved_bytes == 23_068_672 and sgd.allocator is not None
+    assert sgd.allocator.segments == 2
+    adam = profile.estimate(1, "fp32", "adam")
+    assert adam.reserved_bytes == 23_068_672
+    assert adam.allocator is not None and adam.allocator.peak_allocated_bytes >= 20 * 2**20
+    # whole blocks: the replay's allocated peak is at least the estimate's, and reserved
+    # at least that
+    for est in (sgd, adam):
+        assert est.allocator is not None
+        assert est.reserved_bytes >= est.allocator.peak_allocated_bytes >= est.peak_bytes
+    cpu = profile_model(nn.Linear(1024, 1024), input_size=(1024,), device="cpu")
+    assert cpu.estimate(1).reserved_bytes is None  # no caching allocator on the CPU
+
+
+@pytest.mark.parametrize("name", ["resnet18", "transformer_encoder", "causal_decoder", "lstm"])
+def test_reserved_is_at_least_the_whole_blocks_in_use(name: str) -> None:
+    # Invariants of any replay: the allocator's allocated peak (whole blocks) is at least the
+    # estimate's, and what it reserves at least that; every estimate of the profile has one.
+    from vram_widget import zoo
+
+    entry = zoo.ZOO[name]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2))
+    for batch, optimizer in ((1, "sgd"), (8, "adamw")):
+        est = profile.estimate(batch, "fp32", optimizer)
+        assert est.allocator is not None and est.reserved_bytes is not None
+        assert est.reserved_bytes >= est.allocator.peak_allocated_bytes >= est.peak_bytes

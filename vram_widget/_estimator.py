@@ -19,6 +19,7 @@ from ._accelerator import (
     cublas_workspace_bytes,
     cuda_block_bytes,
 )
+from ._allocator import AllocatorReplay, replay
 from ._levers import NO_LEVERS, Levers
 from ._options import (
     CATEGORIES,
@@ -131,6 +132,33 @@ class MemoryEstimate:
     event_phase: np.ndarray = field(repr=False)  # phase code of each event
     # the memory levers the step was estimated with (checkpointing, frozen subset, accumulation)
     levers: Levers = NO_LEVERS
+    # for the allocator replay: each event's storage (None: not recorded) and the sizes of
+    # the storages resident before the step (parameters, buffers, optimizer state, inputs)
+    event_storage: np.ndarray | None = field(default=None, repr=False)
+    event_bytes: np.ndarray | None = field(default=None, repr=False)  # signed, per event
+    resident_storage_bytes: np.ndarray | None = field(default=None, repr=False)
+
+    @cached_property
+    def allocator(self) -> AllocatorReplay | None:
+        """The step replayed through the CUDA caching allocator's rules (``_allocator``):
+        residents first, then the step twice, the peaks of the second (steady-state)
+        iteration. None for ``device="cpu"`` (no caching allocator) or an estimate made
+        without storage ids."""
+        if self.device is not Device.CUDA or self.event_storage is None:
+            return None
+        assert self.resident_storage_bytes is not None and self.event_bytes is not None
+        return replay(
+            self.resident_storage_bytes.tolist(),
+            zip(self.event_storage.tolist(), self.event_bytes.tolist(), strict=True),
+        )
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """What ``torch.cuda.max_memory_reserved()`` would report for a steady-state step:
+        the caching allocator's segments at their peak (``allocator``); None for
+        ``device="cpu"``. Not yet checked on a GPU."""
+        replayed = self.allocator
+        return None if replayed is None else replayed.peak_reserved_bytes
 
     @property
     def peak_location(self) -> str:
@@ -192,9 +220,20 @@ def estimate(
     cats = timeline.event_category
     ops = timeline.event_op
     resident = timeline.resident_by_category(batch_size, length)
+    storage = timeline.event_storage
+    resident_blocks = np.asarray(
+        timeline.storage_bytes.at(batch_size, length)[timeline.storage_resident], dtype=object
+    )
     if train and opt is not None:
         k = timeline.optimizer_at
         n_opt = len(opt.event_bytes)
+        if storage is not None and opt.event_storage is not None:
+            # the optimizer's storages after the step's (ids of their own)
+            opt_ids = opt.event_storage + len(timeline.storage_category)
+            storage = np.concatenate([storage[:k], opt_ids, storage[k:]])
+        else:
+            storage = None
+        resident_blocks = np.concatenate([resident_blocks, opt.state_block_bytes.astype(object)])
         seq = np.concatenate([seq[:k], opt.event_bytes.astype(seq.dtype), seq[k:]])
         modules = np.concatenate([modules[:k], np.full(n_opt, n_rows - 1, np.int32), modules[k:]])
         phases = np.concatenate(
@@ -286,6 +325,9 @@ def estimate(
         event_module=modules,
         event_phase=phases,
         levers=levers if train else NO_LEVERS,
+        event_storage=storage,
+        event_bytes=seq,
+        resident_storage_bytes=resident_blocks,
     )
 
 

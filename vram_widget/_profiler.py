@@ -647,6 +647,7 @@ class Profiler:
             event_bytes=events.delta_bytes,
             state_bytes=state_bytes,
             state_block_bytes=np.asarray(blocks, dtype=np.int64),
+            event_storage=np.asarray(events.storage, dtype=np.int64),
         )
 
 

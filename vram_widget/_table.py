@@ -312,6 +312,8 @@ class Timeline:
     dims_across_lengths: Poly | None = None
     # the step at batch 1 where it is not the fit's at 1 (size-1 dims take other paths)
     batch_one: Timeline | None = None
+    # the storage id of each event (None: not recorded), for the allocator replay
+    event_storage: np.ndarray | None = None
 
     @property
     def seq_degree(self) -> int:
@@ -385,6 +387,7 @@ class OptimizerTrace:
     event_bytes: np.ndarray  # int64, signed
     state_bytes: np.ndarray  # int64 per row (state of the parameters each row owns)
     state_block_bytes: np.ndarray  # int64, the size of each state storage on the device
+    event_storage: np.ndarray | None = None  # the storage id of each event (None: unknown)
 
 
 def sum_by(groups: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:
@@ -543,6 +546,7 @@ def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...
         exact=exact,
         nonaffine_row=bad_row,
         check_peaks=check_peaks,
+        event_storage=np.asarray(t1.event_storage, dtype=np.int64),
     )
 
 
