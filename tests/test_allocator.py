@@ -10,6 +10,7 @@ from vram_widget._allocator import (
     K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     CachingAllocator,
+    ExpandableAllocator,
     OutOfMemory,
     allocation_size,
     replay,
@@ -140,3 +141,61 @@ def test_fragmentation_needs_a_new_segment() -> None:
     reused = a.malloc(12 * MIB)
     assert reused.address == middle.address and a.reserved == 40 * MIB
     assert first.allocated
+
+
+def test_expandable_segment_grows_in_20_mib_pages() -> None:
+    # expandable_segments:True. 11.5 MiB maps one 20 MiB page and splits off the 8.5 MiB
+    # left (a remainder of 512 B or more is split in either pool). A second 11.5 MiB does
+    # not fit the 8.5 MiB at the end: the segment grows by what is missing, 3 MiB, rounded
+    # to one 20 MiB page (28.5 MiB free at the end, 17 MiB left after the split): 40 MiB
+    # reserved for 23 MiB allocated. Without expandable segments the two get 12 MiB
+    # segments each, unsplit: 24 MiB reserved and charged.
+    e = ExpandableAllocator()
+    for _ in range(2):
+        e.malloc(11 * MIB + MIB // 2)
+    assert (e.reserved, e.allocated) == (40 * MIB, 23 * MIB)
+    a = CachingAllocator()
+    for _ in range(2):
+        a.malloc(11 * MIB + MIB // 2)
+    assert (a.reserved, a.allocated) == (24 * MIB, 24 * MIB)
+
+
+def test_expandable_segments_tile_a_slightly_larger_batch() -> None:
+    # The case of Note [Expandable Segments]: ten 12 MiB tensors, freed, then ten of
+    # 12.5 MiB (the next batch is a little larger). Plain segments: ten 12 MiB segments,
+    # which no 12.5 MiB request fits, then ten 14 MiB ones (12.5 MiB rounded up to 2 MiB):
+    # 120 + 140 = 260 MiB reserved. Expandable: the ten 12 MiB tile 120 MiB (six 20 MiB
+    # pages), free they merge into one 120 MiB block at the end, nine 12.5 MiB take 112.5
+    # MiB of it and the tenth grows the segment by one page: 140 MiB.
+    sizes = [12 * MIB] * 10 + [12 * MIB + MIB // 2] * 10
+
+    def run(allocator: CachingAllocator) -> int:
+        first = [allocator.malloc(n) for n in sizes[:10]]
+        for block in first:
+            allocator.free(block)
+        for n in sizes[10:]:
+            allocator.malloc(n)
+        return allocator.peak_reserved
+
+    assert run(CachingAllocator()) == 260 * MIB
+    assert run(ExpandableAllocator()) == 140 * MIB
+    events = [(i, n) for i, n in enumerate(sizes[:10])] + [
+        (i, -n) for i, n in enumerate(sizes[:10])
+    ]
+    events += [(10 + i, n) for i, n in enumerate(sizes[10:])]
+    assert replay([], events, iterations=1, expandable_segments=True).peak_reserved_bytes == (
+        140 * MIB
+    )
+
+
+def test_expandable_best_fit_prefers_a_block_not_at_the_growing_end() -> None:
+    # A 6 MiB hole in the middle and 14 MiB free at the end of a 40 MiB mapping: a 5 MiB
+    # request takes the hole (the end's block could grow, so it counts as larger).
+    e = ExpandableAllocator()
+    a = e.malloc(10 * MIB)
+    hole = e.malloc(6 * MIB)
+    e.malloc(10 * MIB)
+    e.free(hole)
+    assert e.reserved == 40 * MIB  # 26 MiB in blocks, 14 MiB free at the end
+    taken = e.malloc(5 * MIB)
+    assert taken.address == a.address + 10 * MIB and e.reserved == 40 * MIB

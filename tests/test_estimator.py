@@ -603,3 +603,8 @@ def test_reserved_is_at_least_the_whole_blocks_in_use(name: str) -> None:
         est = profile.estimate(batch, "fp32", optimizer)
         assert est.allocator is not None and est.reserved_bytes is not None
         assert est.reserved_bytes >= est.allocator.peak_allocated_bytes >= est.peak_bytes
+        # with expandable segments every remainder of 512 B is split: the same whole
+        # blocks at most, and reserved at least those
+        grown = est.replayed(expandable_segments=True)
+        assert grown is not None
+        assert grown.peak_reserved_bytes >= grown.peak_allocated_bytes >= est.peak_bytes

@@ -23,15 +23,22 @@ PyTorch's ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``; rea
   it), every cached segment with no block in use is released (``release_cached_blocks``)
   and the segment is tried once more; failing that, the allocation is out of memory.
 
-``expandable_segments:True`` is not replayed here yet (it maps 2 MiB / 20 MiB pages into one
-growing segment per pool).
+With ``expandable_segments:True`` (:class:`ExpandableAllocator`), each pool is one segment
+that grows by mapping pages, 2 MiB for the small pool and 20 MiB for the large one (Note
+[Expandable Segments]; ``find_expandable_block``, ``map_block``,
+``try_allocate_expandable_block``): a request nothing cached fits extends the segment at its
+end, taking the free block there if there is one; any remainder of 512 bytes or more is split
+off (``should_split``); best fit prefers a block that is not at the growing end
+(``get_free_block``'s ``expandable_size``). Pages are not unmapped here (that happens on
+out-of-memory or ``empty_cache``), so no capacity is modelled with it.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 __all__ = [
     "K_LARGE_BUFFER",
@@ -42,6 +49,7 @@ __all__ = [
     "K_SMALL_SIZE",
     "AllocatorReplay",
     "CachingAllocator",
+    "ExpandableAllocator",
     "OutOfMemory",
     "allocation_size",
     "replay",
@@ -251,6 +259,97 @@ class CachingAllocator:
         return self.reserved - self.allocated
 
 
+class ExpandableAllocator(CachingAllocator):
+    """``expandable_segments:True``: one growing segment per pool (module docstring).
+
+    Examples
+    --------
+    >>> a = ExpandableAllocator()
+    >>> _ = a.malloc(11 * 2**20 + 2**19)   # 11.5 MiB: one 20 MiB page mapped
+    >>> a.reserved >> 20, a.allocated >> 19  # split off the 8.5 MiB left: 11.5 MiB charged
+    (20, 23)
+    """
+
+    # Note [Expandable Segments]: "we use 2MiB pages for our small pool and 20MiB pages for
+    # our large pool" (find_expandable_block: kSmallBuffer / kLargeBuffer)
+    PAGE_BYTES: ClassVar[Mapping[bool, int]] = {True: K_SMALL_BUFFER, False: K_LARGE_BUFFER}
+    # the two pools' segments at distinct addresses
+    BASE_ADDRESS: ClassVar[Mapping[bool, int]] = {True: 0, False: 1 << 50}
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self._last: dict[bool, _Block | None] = {True: None, False: None}
+        self._mapped_end = dict(self.BASE_ADDRESS)
+
+    def _best_fit(self, size: int, small: bool) -> _Block | None:
+        pool = self._free[small]
+        last = self._last[small]
+        tail: _Block | None = None
+        for key in pool[bisect.bisect_left(pool, (size, -1)) :]:
+            block = self._free_blocks[(*key, small)]
+            if block is last:  # its expandable size is the largest: taken only if alone
+                tail = block
+                continue
+            self._remove_free(block)
+            return block
+        if tail is not None:
+            self._remove_free(tail)
+        return tail
+
+    def _map(self, nbytes: int, small: bool) -> int:
+        page = self.PAGE_BYTES[small]
+        grow = page * ((nbytes + page - 1) // page)
+        self._mapped_end[small] += grow
+        self.reserved += grow
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.segments[self.BASE_ADDRESS[small]] = (
+            self._mapped_end[small] - (self.BASE_ADDRESS[small])
+        )
+        self.segment_allocs += 1
+        return grow
+
+    def malloc(self, nbytes: int) -> _Block:
+        """``malloc`` with ``expandable_segments:True``."""
+        size = round_size(nbytes)
+        small = size <= K_SMALL_SIZE
+        block = self._best_fit(size, small)
+        if block is None:  # try_allocate_expandable_block: grow at the end
+            last = self._last[small]
+            if last is not None and not last.allocated:
+                self._remove_free(last)
+                last.size += self._map(size - last.size, small)
+                block = last
+            else:
+                address = self._mapped_end[small]
+                grow = self._map(size, small)
+                block = _Block(address, grow, small, self.BASE_ADDRESS[small], prev=last)
+                if last is not None:
+                    last.next = block
+                self._last[small] = block
+        remaining = block.size - size
+        if remaining >= K_MIN_BLOCK_SIZE:  # should_split, expandable: 512 B in both pools
+            rest = _Block(block.address + size, remaining, small, block.segment)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            if self._last[small] is block:
+                self._last[small] = rest
+            self._insert_free(rest)
+        block.allocated = True
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block: _Block) -> None:
+        last = self._last[block.small]
+        absorbs_last = block.next is last and last is not None and not last.allocated
+        super().free(block)
+        if absorbs_last or block.next is None:
+            self._last[block.small] = block
+
+
 @dataclass(frozen=True)
 class AllocatorReplay:
     """What the caching allocator holds over a replayed step.
@@ -280,13 +379,15 @@ def replay(
     *,
     iterations: int = 2,
     capacity_bytes: int | None = None,
+    expandable_segments: bool = False,
 ) -> AllocatorReplay:
     """Replay a step through :class:`CachingAllocator`: the resident tensors allocated first
     (parameters, buffers, optimizer state, inputs, in that order), then ``iterations`` runs
     of ``events``, each ``(storage, nbytes)`` with ``nbytes > 0`` an allocation and ``< 0``
     the free of that storage; the peaks are those of the last iteration, after
     ``reset_peak_memory_stats()``, as ``measure`` reads them (the first iteration leaves
-    the cache the second one finds).
+    the cache the second one finds). ``expandable_segments`` replays
+    :class:`ExpandableAllocator` (no capacity with it).
 
     Examples
     --------
@@ -303,7 +404,9 @@ def replay(
     """
     sizes = [int(n) for n in resident_bytes]
     steps = [(int(s), int(n)) for s, n in events]
-    allocator = CachingAllocator(capacity_bytes)
+    if expandable_segments and capacity_bytes is not None:
+        raise ValueError("a capacity is not modelled with expandable_segments")
+    allocator = ExpandableAllocator() if expandable_segments else CachingAllocator(capacity_bytes)
     for nbytes in sizes:
         if nbytes > 0:
             allocator.malloc(nbytes)

@@ -144,12 +144,18 @@ class MemoryEstimate:
         residents first, then the step twice, the peaks of the second (steady-state)
         iteration. None for ``device="cpu"`` (no caching allocator) or an estimate made
         without storage ids."""
+        return self.replayed(expandable_segments=False)
+
+    def replayed(self, expandable_segments: bool = False) -> AllocatorReplay | None:
+        """:attr:`allocator`, or the same replay with ``expandable_segments:True`` (one
+        growing segment per pool, ``_allocator.ExpandableAllocator``)."""
         if self.device is not Device.CUDA or self.event_storage is None:
             return None
         assert self.resident_storage_bytes is not None and self.event_bytes is not None
         return replay(
             self.resident_storage_bytes.tolist(),
             zip(self.event_storage.tolist(), self.event_bytes.tolist(), strict=True),
+            expandable_segments=expandable_segments,
         )
 
     @property
