@@ -26,18 +26,17 @@ results/accuracy_levers.json and prints a markdown summary for the README.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import torch
 import transformers
+from _results import write_results
 from torch import nn
 
 from vram_widget import profile_model, zoo
@@ -168,26 +167,9 @@ def summarize(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     rows = run()
-    summary = summarize(rows)
-    out = Path(__file__).parent / "results" / "accuracy_levers.json"
-    out.write_text(
-        json.dumps(
-            {
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "cpus": os.cpu_count(),
-                "seconds": time.perf_counter() - t0,
-                "rows": rows,
-                "summary": summary,
-            },
-            indent=1,
-        )
-    )
-    print()
-    print(summary)
-    print(f"\n{len(rows)} configurations in {time.perf_counter() - t0:.0f} s; rows in {out}")
+    write_results("accuracy_levers", rows, summarize(rows), started)
 
 
 if __name__ == "__main__":

@@ -220,9 +220,19 @@ class CachingAllocator:
             if block is None:
                 raise OutOfMemory(nbytes, segment, self.reserved, self.allocated)
         remaining = block.size - size
-        split = remaining >= K_MIN_BLOCK_SIZE if small else remaining > K_SMALL_SIZE
-        if split:  # alloc_found_block: the front is handed out, the rest stays cached
-            rest = _Block(block.address + size, remaining, small, block.segment)
+        # should_split: 512 bytes in the small pool, more than 1 MiB in the large one
+        self._hand_out(
+            block, size, remaining >= K_MIN_BLOCK_SIZE if small else remaining > K_SMALL_SIZE
+        )
+        return block
+
+    def _hand_out(self, block: _Block, size: int, split: bool) -> _Block | None:
+        """``alloc_found_block``: the front ``size`` bytes are handed out and, where
+        ``split``, the rest stays cached as a block of its own (returned); an unsplit block
+        is charged in full."""
+        rest = None
+        if split:
+            rest = _Block(block.address + size, block.size - size, block.small, block.segment)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -232,7 +242,7 @@ class CachingAllocator:
         block.allocated = True
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
-        return block
+        return rest
 
     def free(self, block: _Block) -> None:
         """``free`` / ``free_block``: back to its pool, merged with free neighbours."""
@@ -326,20 +336,10 @@ class ExpandableAllocator(CachingAllocator):
                 if last is not None:
                     last.next = block
                 self._last[small] = block
-        remaining = block.size - size
-        if remaining >= K_MIN_BLOCK_SIZE:  # should_split, expandable: 512 B in both pools
-            rest = _Block(block.address + size, remaining, small, block.segment)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            if self._last[small] is block:
-                self._last[small] = rest
-            self._insert_free(rest)
-        block.allocated = True
-        self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        # should_split with expandable segments: 512 bytes in both pools
+        rest = self._hand_out(block, size, block.size - size >= K_MIN_BLOCK_SIZE)
+        if rest is not None and self._last[small] is block:
+            self._last[small] = rest
         return block
 
     def free(self, block: _Block) -> None:

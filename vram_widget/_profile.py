@@ -177,6 +177,14 @@ class ModelProfile:
             checkpoint = list(levers.checkpoint)  # prefixed by the sub-profile's levers()
         return sub, {"checkpoint": checkpoint, "grad_accumulation": levers.grad_accumulation}
 
+    def _made_lora(self, levers: Levers) -> tuple[ModelProfile, Levers] | None:
+        """The LoRA profile of ``levers`` and the levers to ask it for, where it was made
+        already (None: asking would profile it)."""
+        if (levers.lora_rank, levers.lora_targets) not in self._lora_profiles:
+            return None
+        sub, kwargs = self._lora(levers)
+        return sub, sub.levers(**kwargs)
+
     def is_cached(
         self,
         precision: str | Precision,
@@ -190,10 +198,10 @@ class ModelProfile:
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
         if levers.lora_rank is not None and run_mode is Mode.TRAIN:
-            if (levers.lora_rank, levers.lora_targets) not in self._lora_profiles:
-                return False
-            sub, kwargs = self._lora(levers)
-            return sub.is_cached(prec, run_mode, optimizer, seq_len, sub.levers(**kwargs))
+            made = self._made_lora(levers)
+            return made is not None and made[0].is_cached(
+                prec, run_mode, optimizer, seq_len, made[1]
+            )
         key = (prec, run_mode, _profiled(levers, run_mode))
         if key not in self._timelines:
             return False
@@ -220,10 +228,8 @@ class ModelProfile:
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
         if levers.lora_rank is not None and run_mode is Mode.TRAIN:
-            if (levers.lora_rank, levers.lora_targets) not in self._lora_profiles:
-                return False
-            sub, kwargs = self._lora(levers)
-            return sub.length_fit_tried(prec, run_mode, sub.levers(**kwargs))
+            made = self._made_lora(levers)
+            return made is not None and made[0].length_fit_tried(prec, run_mode, made[1])
         return (prec, run_mode, _profiled(levers, run_mode)) in self._across_lengths
 
     def _same_side_of_window(self, seq_len: int) -> bool:
