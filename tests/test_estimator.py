@@ -568,27 +568,39 @@ def test_batch_one_as_profiled_where_it_is_not_the_line() -> None:
 
 
 def test_reserved_bytes_replay_a_linear_step_by_hand() -> None:
-    # Linear(1024, 1024), batch 1, fp32, device="cuda", replayed through the caching
+    # Linear(1024, 1024), batch 1, fp32, SGD, device="cuda", replayed through the caching
     # allocator (_allocator). The 4 MiB weight opens a 20 MiB large segment (16 MiB left,
-    # split); the 4 MiB weight gradient is cut from the same segment. Everything else (the
-    # 4 KiB bias and its gradient, the 4 KiB input and output, the loss) is small: one 2 MiB
-    # segment. Reserved: 20 + 2 MiB = 23,068,672 B. With Adam, exp_avg and exp_avg_sq
-    # (4 MiB each) and one 4 MiB foreach temporary at a time fill that 20 MiB segment
-    # exactly (5 x 4 MiB): still 22 MiB, with 20 MiB of large blocks in use at the peak.
+    # split). Everything small (the 4 KiB bias and its gradient, the 4 KiB input and output,
+    # the loss) shares one 2 MiB segment. The cuBLAS workspace goes through the allocator
+    # too: on an H100 (9.0) 32 MiB, a segment of its own (>= 10 MiB: rounded to 2 MiB), so
+    # 20 + 2 + 32 = 54 MiB; on an A100 (8.0) 8,519,680 B, cut from the weight's segment
+    # (16 MiB left), as is the 4 MiB weight gradient after it: 20 + 2 = 22 MiB. Nothing is
+    # cached that could be released, so the device needs all of it plus the CUDA context.
     profile = profile_model(nn.Linear(1024, 1024), input_size=(1024,))
-    sgd = profile.estimate(1, "fp32", "sgd")
-    assert sgd.reserved_bytes == 23_068_672 and sgd.allocator is not None
-    assert sgd.allocator.segments == 2
-    adam = profile.estimate(1, "fp32", "adam")
-    assert adam.reserved_bytes == 23_068_672
-    assert adam.allocator is not None and adam.allocator.peak_allocated_bytes >= 20 * 2**20
+    h100 = profile.estimate(1, "fp32", "sgd")
+    assert h100.reserved_bytes == 54 * 2**20 and h100.allocator is not None
+    assert h100.allocator.segments == 3
+    assert h100.device_bytes == 54 * 2**20 + CUDA_CONTEXT_BYTES
+    a100 = profile.estimate(1, "fp32", "sgd", compute_capability=(8, 0))
+    assert a100.reserved_bytes == 22 * 2**20 and a100.device_bytes == 22 * 2**20 + (
+        CUDA_CONTEXT_BYTES
+    )
+    # fits exactly at device_bytes, not 2 MiB below
+    assert a100.fits_device(a100.device_bytes) is True
+    assert a100.fits_device(a100.device_bytes - 2**21) is False
+    # with Adam the residents are the weight, exp_avg and exp_avg_sq (4 MiB each): 8 MiB
+    # left in the 20 MiB segment, less than the A100's 8,519,680 B workspace, which opens a
+    # second 20 MiB segment (a 1-10 MiB request): 20 + 20 + 2 = 42 MiB
+    adam = profile.estimate(1, "fp32", "adam", compute_capability=(8, 0))
+    assert adam.reserved_bytes == 42 * 2**20
     # whole blocks: the replay's allocated peak is at least the estimate's, and reserved
     # at least that
-    for est in (sgd, adam):
-        assert est.allocator is not None
+    for est in (h100, a100, adam):
+        assert est.allocator is not None and est.reserved_bytes is not None
         assert est.reserved_bytes >= est.allocator.peak_allocated_bytes >= est.peak_bytes
     cpu = profile_model(nn.Linear(1024, 1024), input_size=(1024,), device="cpu")
     assert cpu.estimate(1).reserved_bytes is None  # no caching allocator on the CPU
+    assert cpu.estimate(1).device_bytes is None and cpu.estimate(1).fits_device(2**30) is None
 
 
 @pytest.mark.parametrize("name", ["resnet18", "transformer_encoder", "causal_decoder", "lstm"])

@@ -1929,3 +1929,18 @@ def test_batch_one_checks_the_fit_where_it_is_the_same_step(
     for batch in (1, 2, 5, 9):
         est = profile.estimate(batch, optimizer="sgd")
         assert est.batch_size == batch and est.exact
+
+
+def test_max_batch_size_on_the_device_basis() -> None:
+    # basis="device": the largest batch whose step the caching allocator, replayed under the
+    # capacity less the CUDA context, runs without an out-of-memory error; one more does not.
+    profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
+    capacity = 4 * 2**30
+    b = profile.max_batch_size(capacity, "fp32", "adamw", basis="device")
+    assert profile.estimate(b, "fp32", "adamw").fits_device(capacity) is True
+    assert profile.estimate(b + 1, "fp32", "adamw").fits_device(capacity) is False
+    # the CPU has no caching allocator: both bases are the allocated one
+    cpu = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
+    assert cpu.max_batch_size(2**30, basis="device") == cpu.max_batch_size(2**30)
+    with pytest.raises(ValueError, match="basis.*allocated.*device"):
+        profile.max_batch_size(capacity, basis="reserved")

@@ -19,7 +19,7 @@ from ._accelerator import (
     cublas_workspace_bytes,
     cuda_block_bytes,
 )
-from ._allocator import AllocatorReplay, replay
+from ._allocator import K_ROUND_LARGE, AllocatorReplay, OutOfMemory, replay
 from ._levers import NO_LEVERS, Levers
 from ._options import (
     CATEGORIES,
@@ -146,17 +146,62 @@ class MemoryEstimate:
         without storage ids."""
         return self.replayed(expandable_segments=False)
 
-    def replayed(self, expandable_segments: bool = False) -> AllocatorReplay | None:
+    def replayed(
+        self, expandable_segments: bool = False, capacity_bytes: int | None = None
+    ) -> AllocatorReplay | None:
         """:attr:`allocator`, or the same replay with ``expandable_segments:True`` (one
-        growing segment per pool, ``_allocator.ExpandableAllocator``)."""
+        growing segment per pool, ``_allocator.ExpandableAllocator``), or under a cap on
+        what the allocator may reserve (raises ``_allocator.OutOfMemory`` where the step
+        does not fit it). The cuBLAS workspace of the extras goes through the allocator as
+        well (CublasHandlePool.cpp allocates it with the caching allocator), resident from
+        the first matmul on."""
         if self.device is not Device.CUDA or self.event_storage is None:
             return None
         assert self.resident_storage_bytes is not None and self.event_bytes is not None
+        residents = self.resident_storage_bytes.tolist()
+        if self.extras.cublas_workspace_bytes:
+            residents.append(self.extras.cublas_workspace_bytes)
         return replay(
-            self.resident_storage_bytes.tolist(),
+            residents,
             zip(self.event_storage.tolist(), self.event_bytes.tolist(), strict=True),
             expandable_segments=expandable_segments,
+            capacity_bytes=capacity_bytes,
         )
+
+    def fits_device(self, capacity_bytes: int) -> bool | None:
+        """Whether the step runs on a device of ``capacity_bytes`` without a CUDA
+        out-of-memory error: the allocator, replayed with what is left after the CUDA
+        context, never fails to reserve a segment after releasing its cached ones. None for
+        ``device="cpu"``."""
+        if self.allocator is None:
+            return None
+        try:
+            self.replayed(capacity_bytes=capacity_bytes - self.extras.cuda_context_bytes)
+        except OutOfMemory:
+            return False
+        return True
+
+    @cached_property
+    def device_bytes(self) -> int | None:
+        """The device memory the step needs: the least the allocator can reserve and still
+        run the step (releasing cached segments as it does before an out-of-memory error;
+        to 2 MiB), plus the CUDA context outside it. Between the whole-block allocated peak
+        and the unconstrained reserved peak, plus the context. None for ``device="cpu"``."""
+        free = self.allocator
+        if free is None:
+            return None
+        step = K_ROUND_LARGE
+        lo = (free.peak_allocated_bytes - 1) // step  # in 2 MiB units: infeasible below
+        hi = -(-free.peak_reserved_bytes // step)  # feasible (nothing had to be released)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                self.replayed(capacity_bytes=mid * step)
+            except OutOfMemory:
+                lo = mid
+            else:
+                hi = mid
+        return hi * step + self.extras.cuda_context_bytes
 
     @property
     def reserved_bytes(self) -> int | None:

@@ -50,6 +50,17 @@ class Mode(StrEnum):
     INFERENCE = "inference"
 
 
+class FitBasis(StrEnum):
+    """What "fits" compares with a capacity: ``ALLOCATED`` is the allocated peak plus the
+    accelerator extras (``MemoryEstimate.total_bytes``); ``DEVICE`` replays the CUDA caching
+    allocator under the capacity less the CUDA context and asks whether a segment it needs
+    could not be reserved even after releasing its cached ones
+    (``MemoryEstimate.fits_device``). On ``device="cpu"`` both are the allocated basis."""
+
+    ALLOCATED = "allocated"
+    DEVICE = "device"
+
+
 class Device(StrEnum):
     """Whose kernels and defaults the estimate is for."""
 

@@ -17,6 +17,7 @@ from ._gpus import Gpu, parse_capacity
 from ._levers import NO_LEVERS, Levers, resolve_levers, resolve_lora
 from ._options import (
     Device,
+    FitBasis,
     Mode,
     OptimizerName,
     Precision,
@@ -512,6 +513,7 @@ class ModelProfile:
         seq_len: int | None = None,
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**40,
+        basis: str | FitBasis = FitBasis.ALLOCATED,
         **levers: Any,
     ) -> int:
         """The largest batch whose estimated peak plus accelerator extras fits in
@@ -526,6 +528,13 @@ class ModelProfile:
             10**9) or a GPU name of the catalog (``"A100 80GB"``).
         precision, optimizer, mode, seq_len, compute_capability
             As for :meth:`estimate`.
+        basis : {"allocated", "device"}
+            ``"allocated"`` (default): ``est.total_bytes`` (the allocated peak plus the
+            CUDA context, cuBLAS workspace and 512-byte rounding) must not pass the
+            capacity. ``"device"``: the step, replayed through the CUDA caching allocator
+            under the capacity less the CUDA context, never fails to reserve a segment
+            (``est.fits_device``): fragmentation and segment sizes count, as for a real
+            out-of-memory error. The same on ``device="cpu"``.
         **levers
             ``checkpoint``, ``trainable``, ``grad_accumulation``: as for :meth:`estimate`
             (the batch is then the micro-batch).
@@ -551,11 +560,18 @@ class ModelProfile:
                 **levers,
             )
 
+        by_device = parse_option(FitBasis, basis, "basis") is FitBasis.DEVICE
+
+        def fits(batch: int) -> bool:
+            est = at(batch)
+            device = est.fits_device(capacity) if by_device else None
+            return est.total_bytes <= capacity if device is None else device
+
         one = at(1)
-        if one.total_bytes > capacity:
+        if not fits(1):
             return 0
         start = _affine_guess(one, at(2), capacity, limit)
-        return _largest_fitting(lambda b: at(b).total_bytes <= capacity, start, limit)
+        return _largest_fitting(fits, start, limit)
 
     def max_seq_len(
         self,
