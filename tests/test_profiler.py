@@ -1942,5 +1942,5 @@ def test_max_batch_size_on_the_device_basis() -> None:
     # the CPU has no caching allocator: both bases are the allocated one
     cpu = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
     assert cpu.max_batch_size(2**30, basis="device") == cpu.max_batch_size(2**30)
-    with pytest.raises(ValueError, match="basis.*allocated.*device"):
+    with pytest.raises(ValueError, match=r"basis.*allocated.*device"):
         profile.max_batch_size(capacity, basis="reserved")
