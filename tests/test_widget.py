@@ -579,3 +579,27 @@ def test_lora_rank_control() -> None:
         w.lora_rank = 2
     w.trainable = ""
     assert w.estimate.peak_bytes == profile.estimate(4, optimizer="adamw").peak_bytes
+
+
+def test_reserved_line_and_expandable_toggle() -> None:
+    # device="cuda": the summary gives the replayed allocator's reserved peak, the whole
+    # blocks in use, and the other expandable_segments setting; the toggle swaps them.
+    profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
+    w = MemoryWidget(profile, batch_size=16)
+    plain = profile.estimate(16).allocator
+    grown = profile.estimate(16).replayed(expandable_segments=True)
+    assert plain is not None and grown is not None
+
+    def reserved_line() -> str:
+        return next(line for line in w.summary_html.split("<br>") if "Reserved" in line)
+
+    assert f"{format_bytes(plain.peak_reserved_bytes)} at its peak" in reserved_line()
+    assert f"expandable_segments:True: {format_bytes(grown.peak_reserved_bytes)}" in (
+        reserved_line()
+    )
+    w.expandable_segments = True
+    assert f"{format_bytes(grown.peak_reserved_bytes)} at its peak" in reserved_line()
+    assert "expandable_segments:False" in reserved_line()
+    # the CPU has no caching allocator: no line, no toggle
+    cpu = MemoryWidget(profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu"))
+    assert "Reserved" not in cpu.summary_html

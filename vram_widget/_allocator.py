@@ -107,7 +107,7 @@ class OutOfMemory(Exception):
         self.allocated = allocated
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class _Block:
     address: int
     size: int
@@ -116,9 +116,6 @@ class _Block:
     allocated: bool = False
     prev: _Block | None = field(default=None, repr=False)
     next: _Block | None = field(default=None, repr=False)
-
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.address)
 
 
 class CachingAllocator:
@@ -152,7 +149,8 @@ class CachingAllocator:
         self._next_address = 0
         # free cached blocks per pool, sorted by (size, address): best fit by bisection
         self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
-        self._free_blocks: dict[tuple[int, int, bool], _Block] = {}
+        # the same free blocks by address, per pool
+        self._free_at: dict[bool, dict[int, _Block]] = {True: {}, False: {}}
 
     # -- counters -------------------------------------------------------------------------
     def reset_peaks(self) -> None:
@@ -162,23 +160,21 @@ class CachingAllocator:
 
     # -- the pools ------------------------------------------------------------------------
     def _insert_free(self, block: _Block) -> None:
-        bisect.insort(self._free[block.small], block.key())
-        self._free_blocks[(block.size, block.address, block.small)] = block
+        bisect.insort(self._free[block.small], (block.size, block.address))
+        self._free_at[block.small][block.address] = block
 
     def _remove_free(self, block: _Block) -> None:
         pool = self._free[block.small]
-        i = bisect.bisect_left(pool, block.key())
-        del pool[i]
-        del self._free_blocks[(block.size, block.address, block.small)]
+        del pool[bisect.bisect_left(pool, (block.size, block.address))]
+        del self._free_at[block.small][block.address]
 
     def _best_fit(self, size: int, small: bool) -> _Block | None:
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1))
         if i == len(pool):
             return None
-        block = self._free_blocks[(*pool[i], small)]
-        self._remove_free(block)
-        return block
+        _size, address = pool.pop(i)
+        return self._free_at[small].pop(address)
 
     # -- segments -------------------------------------------------------------------------
     def _cuda_malloc(self, nbytes: int, small: bool) -> _Block | None:
@@ -196,8 +192,8 @@ class CachingAllocator:
         """``release_cached_blocks``: return every free block that is a whole segment."""
         released = False
         for small in (False, True):
-            for size, address in list(self._free[small]):
-                block = self._free_blocks[(size, address, small)]
+            for _size, address in list(self._free[small]):
+                block = self._free_at[small][address]
                 if block.prev is None and block.next is None:
                     self._remove_free(block)
                     del self.segments[block.segment]
@@ -295,8 +291,8 @@ class ExpandableAllocator(CachingAllocator):
         pool = self._free[small]
         last = self._last[small]
         tail: _Block | None = None
-        for key in pool[bisect.bisect_left(pool, (size, -1)) :]:
-            block = self._free_blocks[(*key, small)]
+        for i in range(bisect.bisect_left(pool, (size, -1)), len(pool)):
+            block = self._free_at[small][pool[i][1]]
             if block is last:  # its expandable size is the largest: taken only if alone
                 tail = block
                 continue

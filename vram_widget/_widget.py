@@ -32,7 +32,7 @@ from ._figures import (
 )
 from ._gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
 from ._levers import Levers
-from ._options import Category, Mode, OptimizerName, Precision
+from ._options import Category, Device, Mode, OptimizerName, Precision
 from ._profile import DEFAULT_MAX_SEQ_LEN
 from ._tradeoff import Frontier
 
@@ -125,6 +125,8 @@ class MemoryWidget(widgets.VBox):
     grad_accumulation = traitlets.Int(1, min=1)
     # LoRA adapters of this rank on PEFT's default targets (0: none)
     lora_rank = traitlets.Int(0, min=0)
+    # the caching allocator replayed with expandable_segments:True (CUDA estimates)
+    expandable_segments = traitlets.Bool(False)
 
     def __init__(self, profile: ModelProfile, **settings: Any) -> None:
         self._profile = profile
@@ -533,6 +535,9 @@ class MemoryWidget(widgets.VBox):
             f"{format_bytes(x.allocator_rounding_bytes)}; total needed "
             f"{format_bytes(est.total_bytes)}"
         )
+        allocator_line = self._allocator_line(est)
+        if allocator_line:
+            lines.append(allocator_line)
         verdict = (
             f"<span style='color:#080'><b>fits</b></span> {html.escape(target.name)} "
             f"({format_bytes(capacity)}; {est.total_bytes / capacity:.0%} used)"
@@ -567,6 +572,27 @@ class MemoryWidget(widgets.VBox):
                 "this model: estimates away from the profiled batches are extrapolated</i>"
             )
         return "<br>".join(lines)
+
+    def _allocator_line(self, est: MemoryEstimate) -> str:
+        """The caching allocator's view (CUDA): what it reserves at its peak, the gap to
+        the whole blocks in use, and the other expandable_segments setting; empty on CPU."""
+        plain = est.allocator
+        grown = est.replayed(expandable_segments=True)
+        if plain is None or grown is None:
+            return ""
+        shown, other = (grown, plain) if self.expandable_segments else (plain, grown)
+        gap = shown.peak_reserved_bytes - shown.peak_allocated_bytes
+        delta = other.peak_reserved_bytes - shown.peak_reserved_bytes
+        setting = "expandable_segments:" + ("False" if self.expandable_segments else "True")
+        return (
+            f"<b>Reserved</b> (caching allocator replayed"
+            f"{', expandable segments' if self.expandable_segments else ''}; not yet checked on "
+            f"a GPU): {format_bytes(shown.peak_reserved_bytes)} at its peak for "
+            f"{format_bytes(shown.peak_allocated_bytes)} of whole blocks in use; "
+            f"{format_bytes(gap)} is fragmentation and segment rounding; with {setting}: "
+            f"{format_bytes(other.peak_reserved_bytes)} ({'+' if delta >= 0 else '-'}"
+            f"{format_bytes(abs(delta))})"
+        )
 
     def _levers_line(self, est: MemoryEstimate) -> str:
         """What the active levers save and cost against the same step without them."""
@@ -677,6 +703,15 @@ class MemoryWidget(widgets.VBox):
         lora = widgets.BoundedIntText(
             min=0, max=4096, layout={"width": "170px"}, tooltip="0: no LoRA (PEFT's targets)"
         )
+        expandable = widgets.Checkbox(
+            description="expandable_segments",
+            indent=False,
+            layout={"width": "190px"},
+            tooltip="replay the caching allocator with PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True",
+        )
+        if self._profile.device is not Device.CUDA:  # no caching allocator to replay
+            expandable.layout.display = "none"
         for control, name, label in (
             (precision, "precision", "precision"),
             (optimizer, "optimizer", "optimizer"),
@@ -688,6 +723,7 @@ class MemoryWidget(widgets.VBox):
             (trainable, "trainable", "trainable"),
             (accumulation, "grad_accumulation", "micro-batches"),
             (lora, "lora_rank", "LoRA rank"),
+            (expandable, "expandable_segments", ""),
         ):
             if label:
                 control.description = label
@@ -710,6 +746,7 @@ class MemoryWidget(widgets.VBox):
             trainable,
             accumulation,
             lora,
+            expandable,
         )
         self._levers_row = widgets.HBox(
             [
@@ -728,7 +765,7 @@ class MemoryWidget(widgets.VBox):
                 self._seq_row,
                 widgets.HBox([precision, optimizer, mode]),
                 self._levers_row,
-                widgets.HBox([gpu, custom, depth]),
+                widgets.HBox([gpu, custom, expandable, depth]),
             ]
         )
 
@@ -814,6 +851,7 @@ _SETTINGS: tuple[str, ...] = (
     "trainable",
     "grad_accumulation",
     "lora_rank",
+    "expandable_segments",
 )
 
 
