@@ -22,6 +22,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -620,3 +621,43 @@ def test_reserved_is_at_least_the_whole_blocks_in_use(name: str) -> None:
         grown = est.replayed(expandable_segments=True)
         assert grown is not None
         assert grown.peak_reserved_bytes >= grown.peak_allocated_bytes >= est.peak_bytes
+
+
+def test_memory_snapshot_opens_in_pytorch_memory_viewer(tmp_path: Any) -> None:
+    # The predicted step in torch.cuda.memory._snapshot() format: PyTorch's own viewer code
+    # (torch.cuda._memory_viz, no GPU needed) reads it. Each segment's blocks tile it; every
+    # allocation of the trace is freed, except the residents'; frames name module and phase.
+    import pickle
+
+    import torch.cuda._memory_viz as memory_viz
+
+    from vram_widget import zoo
+
+    profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
+    est = profile.estimate(8, "fp32", "adamw")
+    snapshot = est.memory_snapshot()
+    assert snapshot is not None and est.allocator is not None
+    segments = snapshot["segments"]
+    assert sum(s["total_size"] for s in segments) == est.allocator.reserved_at_end_bytes
+    for segment in segments:
+        assert sum(b["size"] for b in segment["blocks"]) == segment["total_size"]
+    trace = snapshot["device_traces"][0]
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    frees = [e for e in trace if e["action"] == "free_completed"]
+    residents = [e for e in allocs if e["frames"][0]["name"] == "resident"]
+    assert len(allocs) - len(frees) == len(residents) > 0
+    named = {e["frames"][0]["filename"] for e in allocs}
+    assert "layer1.0.conv1 (Conv2d)" in named
+    assert {e["frames"][0]["name"] for e in allocs} >= {"forward", "backward", "optimizer"}
+    assert "Active Memory Timeline" in memory_viz.trace_plot(snapshot)
+    assert "Allocator State History" in memory_viz.segment_plot(snapshot)
+    assert memory_viz.segsum(snapshot).startswith("Summary of segments")
+    # saved as torch.cuda.memory._dump_snapshot saves a real one
+    path = tmp_path / "predicted.pickle"
+    est.save_memory_snapshot(str(path))
+    with open(path, "rb") as f:
+        assert pickle.load(f)["segments"] == segments
+    cpu = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu").estimate(2)
+    assert cpu.memory_snapshot() is None
+    with pytest.raises(ValueError, match='device="cuda"'):
+        cpu.save_memory_snapshot(str(tmp_path / "cpu.pickle"))

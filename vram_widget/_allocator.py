@@ -36,9 +36,9 @@ out-of-memory or ``empty_cache``), so no capacity is modelled with it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 __all__ = [
     "K_LARGE_BUFFER",
@@ -114,6 +114,8 @@ class _Block:
     small: bool
     segment: int  # the segment's base address
     allocated: bool = False
+    requested: int = 0  # the unrounded request (``requested_size``)
+    frames: list[dict[str, Any]] = field(default_factory=list, repr=False)
     prev: _Block | None = field(default=None, repr=False)
     next: _Block | None = field(default=None, repr=False)
 
@@ -151,6 +153,11 @@ class CachingAllocator:
         self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
         # the same free blocks by address, per pool
         self._free_at: dict[bool, dict[int, _Block]] = {True: {}, False: {}}
+        self._active: dict[int, _Block] = {}  # id -> block in use
+        # torch.cuda.memory._record_memory_history's trace, where recording (else None),
+        # and the frames the next request is made from
+        self.trace: list[dict[str, Any]] | None = None
+        self.frames: list[dict[str, Any]] = []
 
     # -- counters -------------------------------------------------------------------------
     def reset_peaks(self) -> None:
@@ -186,7 +193,13 @@ class CachingAllocator:
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self.segment_allocs += 1
+        self._record("segment_alloc", address, nbytes)
         return _Block(address, nbytes, small, address)
+
+    def _record(self, action: str, address: int, nbytes: int) -> None:
+        if self.trace is not None:
+            entry = {"action": action, "addr": address, "size": nbytes, "stream": 0}
+            self.trace.append({**entry, "frames": self.frames})
 
     def _release_cached_blocks(self) -> bool:
         """``release_cached_blocks``: return every free block that is a whole segment."""
@@ -199,6 +212,7 @@ class CachingAllocator:
                     del self.segments[block.segment]
                     self.reserved -= block.size
                     self.segment_frees += 1
+                    self._record("segment_free", block.segment, block.size)
                     released = True
         return released
 
@@ -220,7 +234,14 @@ class CachingAllocator:
         self._hand_out(
             block, size, remaining >= K_MIN_BLOCK_SIZE if small else remaining > K_SMALL_SIZE
         )
+        self._handed_out(block, nbytes)
         return block
+
+    def _handed_out(self, block: _Block, nbytes: int) -> None:
+        block.requested = nbytes
+        block.frames = self.frames
+        self._active[id(block)] = block
+        self._record("alloc", block.address, nbytes)
 
     def _hand_out(self, block: _Block, size: int, split: bool) -> _Block | None:
         """``alloc_found_block``: the front ``size`` bytes are handed out and, where
@@ -242,6 +263,9 @@ class CachingAllocator:
 
     def free(self, block: _Block) -> None:
         """``free`` / ``free_block``: back to its pool, merged with free neighbours."""
+        self._record("free_requested", block.address, block.requested)
+        self._record("free_completed", block.address, block.requested)
+        del self._active[id(block)]
         block.allocated = False
         self.allocated -= block.size
         for neighbour in (block.prev, block.next):
@@ -259,6 +283,47 @@ class CachingAllocator:
                     block.next.prev = block
             block.size += neighbour.size
         self._insert_free(block)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The allocator's state and trace in the format of ``torch.cuda.memory._snapshot()``
+        (``segments`` with their ``blocks``, ``device_traces`` of one device), which
+        PyTorch's memory viewer (``torch.cuda._memory_viz``, pytorch.org/memory_viz) reads."""
+        blocks = [*self._active.values()]
+        for pool in self._free_at.values():
+            blocks.extend(pool.values())
+        by_segment: dict[int, list[_Block]] = {}
+        for block in blocks:
+            by_segment.setdefault(block.segment, []).append(block)
+        segments = []
+        for base, size in sorted(self.segments.items()):
+            held = sorted(by_segment.get(base, []), key=lambda b: b.address)
+            active = [b for b in held if b.allocated]
+            segments.append(
+                {
+                    "device": 0,
+                    "address": base,
+                    "total_size": size,
+                    "stream": 0,
+                    "segment_type": "small" if held and held[0].small else "large",
+                    "segment_pool_id": (0, 0),
+                    "is_expandable": isinstance(self, ExpandableAllocator),
+                    "allocated_size": sum(b.size for b in active),
+                    "active_size": sum(b.size for b in active),
+                    "requested_size": sum(b.requested for b in active),
+                    "frames": [],
+                    "blocks": [
+                        {
+                            "address": b.address,
+                            "size": b.size,
+                            "requested_size": b.requested if b.allocated else 0,
+                            "state": "active_allocated" if b.allocated else "inactive",
+                            "frames": b.frames if b.allocated else [],
+                        }
+                        for b in held
+                    ],
+                }
+            )
+        return {"segments": segments, "device_traces": [list(self.trace or [])]}
 
     def cached_free_bytes(self) -> int:
         """Reserved but not in use: free blocks held in the pools."""
@@ -305,6 +370,7 @@ class ExpandableAllocator(CachingAllocator):
     def _map(self, nbytes: int, small: bool) -> int:
         page = self.PAGE_BYTES[small]
         grow = page * ((nbytes + page - 1) // page)
+        self._record("segment_map", self._mapped_end[small], grow)
         self._mapped_end[small] += grow
         self.reserved += grow
         self.peak_reserved = max(self.peak_reserved, self.reserved)
@@ -336,6 +402,7 @@ class ExpandableAllocator(CachingAllocator):
         rest = self._hand_out(block, size, block.size - size >= K_MIN_BLOCK_SIZE)
         if rest is not None and self._last[small] is block:
             self._last[small] = rest
+        self._handed_out(block, nbytes)
         return block
 
     def free(self, block: _Block) -> None:
@@ -367,6 +434,8 @@ class AllocatorReplay:
     peak_allocated_bytes: int
     reserved_at_end_bytes: int
     segments: int
+    # with record=True: the step in torch.cuda.memory._snapshot() format
+    snapshot: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
 
 def replay(
@@ -376,6 +445,8 @@ def replay(
     iterations: int = 2,
     capacity_bytes: int | None = None,
     expandable_segments: bool = False,
+    frames: Sequence[list[dict[str, Any]]] | None = None,
+    record: bool = False,
 ) -> AllocatorReplay:
     """Replay a step through :class:`CachingAllocator`: the resident tensors allocated first
     (parameters, buffers, optimizer state, inputs, in that order), then ``iterations`` runs
@@ -383,7 +454,9 @@ def replay(
     the free of that storage; the peaks are those of the last iteration, after
     ``reset_peak_memory_stats()``, as ``measure`` reads them (the first iteration leaves
     the cache the second one finds). ``expandable_segments`` replays
-    :class:`ExpandableAllocator` (no capacity with it).
+    :class:`ExpandableAllocator` (no capacity with it). ``record=True`` keeps the trace and
+    the final state as a ``torch.cuda.memory._snapshot()`` (``snapshot``), each request
+    with ``frames[i]`` where given (the residents with a frame named "resident").
 
     Examples
     --------
@@ -403,6 +476,9 @@ def replay(
     if expandable_segments and capacity_bytes is not None:
         raise ValueError("a capacity is not modelled with expandable_segments")
     allocator = ExpandableAllocator() if expandable_segments else CachingAllocator(capacity_bytes)
+    if record:
+        allocator.trace = []
+        allocator.frames = [{"filename": "resident", "line": 0, "name": "resident"}]
     for nbytes in sizes:
         if nbytes > 0:
             allocator.malloc(nbytes)
@@ -410,7 +486,9 @@ def replay(
         if iteration == iterations - 1:
             allocator.reset_peaks()
         live: dict[int, _Block] = {}
-        for storage, nbytes in steps:
+        for i, (storage, nbytes) in enumerate(steps):
+            if record and frames is not None:
+                allocator.frames = frames[i]
             if nbytes > 0:
                 live[storage] = allocator.malloc(nbytes)
             elif nbytes < 0:
@@ -424,4 +502,5 @@ def replay(
         peak_allocated_bytes=allocator.peak_allocated,
         reserved_at_end_bytes=allocator.reserved,
         segments=len(allocator.segments),
+        snapshot=allocator.snapshot() if record else None,
     )

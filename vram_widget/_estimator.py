@@ -6,6 +6,7 @@ lays the step's events end to end on top of what is resident and reads off the p
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -167,6 +168,58 @@ class MemoryEstimate:
             expandable_segments=expandable_segments,
             capacity_bytes=capacity_bytes,
         )
+
+    def memory_snapshot(self, expandable_segments: bool = False) -> dict[str, Any] | None:
+        """The predicted step in the format of ``torch.cuda.memory._snapshot()``: the
+        replayed allocator's segments and blocks at the end, and its trace (segment
+        allocations, allocations and frees of the residents and of two iterations of the
+        step), each request framed by the module that made it and the phase
+        (``{"filename": "layer1.0.conv1 (Conv2d)", "line": 0, "name": "forward"}``). Open it
+        in PyTorch's memory viewer (https://pytorch.org/memory_viz, or
+        ``torch.cuda._memory_viz.trace_plot``) beside a snapshot of a real run. None for
+        ``device="cpu"``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> est = profile_model(torch.nn.Linear(1024, 1024), input_size=(1024,)).estimate(1)
+        >>> snap = est.memory_snapshot()
+        >>> [s["total_size"] >> 20 for s in snap["segments"]]  # MiB: weight, small, cuBLAS
+        [20, 2, 32]
+        """
+        if self.device is not Device.CUDA or self.event_storage is None:
+            return None
+        assert self.resident_storage_bytes is not None and self.event_bytes is not None
+        names, types = self.layers.name, self.layers.type
+        labels = [f"{n or '(model)'} ({t})" if t else n for n, t in zip(names, types, strict=True)]
+        frames = [
+            [{"filename": labels[int(row)], "line": 0, "name": PHASES[int(phase)].value}]
+            for row, phase in zip(self.event_module, self.event_phase, strict=True)
+        ]
+        residents = self.resident_storage_bytes.tolist()
+        if self.extras.cublas_workspace_bytes:
+            residents.append(self.extras.cublas_workspace_bytes)
+        replayed = replay(
+            residents,
+            zip(self.event_storage.tolist(), self.event_bytes.tolist(), strict=True),
+            expandable_segments=expandable_segments,
+            frames=frames,
+            record=True,
+        )
+        return replayed.snapshot
+
+    def save_memory_snapshot(self, path: str, expandable_segments: bool = False) -> None:
+        """Pickle :meth:`memory_snapshot` to ``path``, as
+        ``torch.cuda.memory._dump_snapshot`` writes a real one."""
+        snapshot = self.memory_snapshot(expandable_segments)
+        if snapshot is None:
+            raise ValueError(
+                "a memory snapshot is the CUDA caching allocator's: this estimate is for "
+                'device="cpu"; profile with device="cuda"'
+            )
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f)
 
     def fits_device(self, capacity_bytes: int) -> bool | None:
         """Whether the step runs on a device of ``capacity_bytes`` without a CUDA
