@@ -661,3 +661,23 @@ def test_memory_snapshot_opens_in_pytorch_memory_viewer(tmp_path: Any) -> None:
     assert cpu.memory_snapshot() is None
     with pytest.raises(ValueError, match='device="cuda"'):
         cpu.save_memory_snapshot(str(tmp_path / "cpu.pickle"))
+
+
+def test_expandable_segments_is_a_setting_of_the_estimate() -> None:
+    from vram_widget import zoo
+
+    profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
+    plain = profile.estimate(16, "fp32", "adamw")
+    grown = profile.estimate(16, "fp32", "adamw", expandable_segments=True)
+    assert grown.expandable_segments and not plain.expandable_segments
+    assert grown.peak_bytes == plain.peak_bytes  # allocated bytes do not depend on it
+    replayed = plain.replayed(expandable_segments=True)
+    assert replayed is not None and grown.reserved_bytes == replayed.peak_reserved_bytes
+    # pages are not unmapped in the replay: the device needs the pages mapped at the peak
+    assert grown.device_bytes == replayed.peak_reserved_bytes + CUDA_CONTEXT_BYTES
+    assert grown.fits_device(grown.device_bytes) and not grown.fits_device(grown.device_bytes - 1)
+    snapshot = grown.memory_snapshot()
+    assert snapshot is not None and all(s["is_expandable"] for s in snapshot["segments"])
+    cpu = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
+    with pytest.raises(ValueError, match=r'CUDA caching allocator.*device="cpu"'):
+        cpu.estimate(2, expandable_segments=True)

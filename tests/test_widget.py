@@ -603,3 +603,11 @@ def test_reserved_line_and_expandable_toggle() -> None:
     # the CPU has no caching allocator: no line, no toggle
     cpu = MemoryWidget(profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu"))
     assert "Reserved" not in cpu.summary_html
+
+
+def test_capacity_below_the_cuda_context_is_said() -> None:
+    profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,))  # device="cuda"
+    w = MemoryWidget(profile, gpu="64 MiB")
+    assert "does not fit" in w.summary_html
+    assert "the capacity is below the CUDA context alone" in w.summary_html
+    assert w.largest_batch() == 0

@@ -138,14 +138,16 @@ class MemoryEstimate:
     event_storage: np.ndarray | None = field(default=None, repr=False)
     event_bytes: np.ndarray | None = field(default=None, repr=False)  # signed, per event
     resident_storage_bytes: np.ndarray | None = field(default=None, repr=False)
+    # the caching allocator's setting the reserved and device figures are for
+    expandable_segments: bool = False
 
     @cached_property
     def allocator(self) -> AllocatorReplay | None:
         """The step replayed through the CUDA caching allocator's rules (``_allocator``):
         residents first, then the step twice, the peaks of the second (steady-state)
-        iteration. None for ``device="cpu"`` (no caching allocator) or an estimate made
-        without storage ids."""
-        return self.replayed(expandable_segments=False)
+        iteration, with the estimate's ``expandable_segments`` setting. None for
+        ``device="cpu"`` (no caching allocator) or an estimate made without storage ids."""
+        return self.replayed(expandable_segments=self.expandable_segments)
 
     def replayed(
         self, expandable_segments: bool = False, capacity_bytes: int | None = None
@@ -169,7 +171,7 @@ class MemoryEstimate:
             capacity_bytes=capacity_bytes,
         )
 
-    def memory_snapshot(self, expandable_segments: bool = False) -> dict[str, Any] | None:
+    def memory_snapshot(self, expandable_segments: bool | None = None) -> dict[str, Any] | None:
         """The predicted step in the format of ``torch.cuda.memory._snapshot()``: the
         replayed allocator's segments and blocks at the end, and its trace (segment
         allocations, allocations and frees of the residents and of two iterations of the
@@ -191,6 +193,8 @@ class MemoryEstimate:
         if self.device is not Device.CUDA or self.event_storage is None:
             return None
         assert self.resident_storage_bytes is not None and self.event_bytes is not None
+        if expandable_segments is None:
+            expandable_segments = self.expandable_segments
         names, types = self.layers.name, self.layers.type
         labels = [f"{n or '(model)'} ({t})" if t else n for n, t in zip(names, types, strict=True)]
         frames = [
@@ -209,7 +213,7 @@ class MemoryEstimate:
         )
         return replayed.snapshot
 
-    def save_memory_snapshot(self, path: str, expandable_segments: bool = False) -> None:
+    def save_memory_snapshot(self, path: str, expandable_segments: bool | None = None) -> None:
         """Pickle :meth:`memory_snapshot` to ``path``, as
         ``torch.cuda.memory._dump_snapshot`` writes a real one."""
         snapshot = self.memory_snapshot(expandable_segments)
@@ -228,6 +232,10 @@ class MemoryEstimate:
         ``device="cpu"``."""
         if self.allocator is None:
             return None
+        if self.expandable_segments:  # no capacity modelled: the pages it maps must fit
+            return self.allocator.peak_reserved_bytes + self.extras.cuda_context_bytes <= (
+                capacity_bytes
+            )
         try:
             self.replayed(capacity_bytes=capacity_bytes - self.extras.cuda_context_bytes)
         except OutOfMemory:
@@ -243,6 +251,10 @@ class MemoryEstimate:
         free = self.allocator
         if free is None:
             return None
+        if self.expandable_segments:
+            # pages are unmapped only on out-of-memory, which is not replayed: the pages
+            # mapped at the peak (an upper bound)
+            return free.peak_reserved_bytes + self.extras.cuda_context_bytes
         step = K_ROUND_LARGE
         lo = (free.peak_allocated_bytes - 1) // step  # in 2 MiB units: infeasible below
         hi = -(-free.peak_reserved_bytes // step)  # feasible (nothing had to be released)
@@ -310,6 +322,7 @@ def estimate(
     seq_len: int | None = None,
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
     levers: Levers = NO_LEVERS,
+    expandable_segments: bool = False,
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace)."""
@@ -432,6 +445,7 @@ def estimate(
         event_storage=storage,
         event_bytes=seq,
         resident_storage_bytes=resident_blocks,
+        expandable_segments=expandable_segments,
     )
 
 

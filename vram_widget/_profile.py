@@ -355,6 +355,7 @@ class ModelProfile:
         lora_rank: int | None = None,
         lora_targets: object = "auto",
         base_quantization: str | None = None,
+        expandable_segments: bool = False,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -403,6 +404,10 @@ class ModelProfile:
             fake tensors cannot run: not estimated. Asking for it raises a ValueError that
             gives what the nf4 storage of the weights alone would be
             (:meth:`nf4_weight_bytes`), as a separate figure, not folded into a step.
+        expandable_segments : bool
+            The caching allocator's ``expandable_segments:True`` for ``reserved_bytes``,
+            ``device_bytes``, ``fits_device`` and ``memory_snapshot`` (``device="cuda"``
+            only).
 
         The levers apply in training; a new combination costs one more profiling run
         (cached), as a new precision does.
@@ -424,6 +429,11 @@ class ModelProfile:
         opt_name = parse_optimizer(optimizer)
         run_mode = parse_option(Mode, mode, "mode")
         length = self.check_seq_len(seq_len)
+        if expandable_segments and self.device is not Device.CUDA:
+            raise ValueError(
+                "expandable_segments is a setting of the CUDA caching allocator; this profile "
+                'is for device="cpu", which has none: profile with device="cuda"'
+            )
         if base_quantization is not None:
             self._refuse_quantization(base_quantization)
         levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
@@ -438,6 +448,7 @@ class ModelProfile:
                 run_mode,
                 seq_len=seq_len,
                 compute_capability=compute_capability,
+                expandable_segments=expandable_segments,
                 **kwargs,
             )
             return dataclasses.replace(est, levers=levers)
@@ -457,6 +468,7 @@ class ModelProfile:
             seq_len=self.seq_len if length is None else length,
             compute_capability=_check_capability(compute_capability),
             levers=levers,
+            expandable_segments=bool(expandable_segments),
         )
 
     def nf4_weight_bytes(self) -> tuple[int, int]:
@@ -690,7 +702,8 @@ class ModelProfile:
             lengths = [self.seq_len if n is None else n for n in checked]
         opt = parse_optimizer(optimizer)
         self.estimate(1, prec, opt, run_mode, **levers)  # the example's length, the optimizer
-        resolved = self.levers(**levers) if run_mode is Mode.TRAIN else NO_LEVERS
+        lever_keywords = {k: v for k, v in levers.items() if k != "expandable_segments"}
+        resolved = self.levers(**lever_keywords) if run_mode is Mode.TRAIN else NO_LEVERS
         if resolved.lora_rank is not None:
             sub, kwargs = self._lora(resolved)
             return sub.frontier(
@@ -701,6 +714,7 @@ class ModelProfile:
                 seq_lens=lengths,
                 compute_capability=compute_capability,
                 profile_lengths=profile_lengths,
+                expandable_segments=levers.get("expandable_segments", False),
                 **kwargs,
             )
 

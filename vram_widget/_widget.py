@@ -313,7 +313,12 @@ class MemoryWidget(widgets.VBox):
             # The chosen GPU's, for the cuBLAS workspace in the extras (custom: default).
             "compute_capability": self.target.compute_capability,
             **self._lever_settings(),
+            **({"expandable_segments": self.expandable_segments} if self._cuda else {}),
         }
+
+    @property
+    def _cuda(self) -> bool:
+        return self._profile.device is Device.CUDA
 
     def _lever_settings(self) -> dict[str, Any]:
         return {
@@ -545,7 +550,10 @@ class MemoryWidget(widgets.VBox):
             else f"<span style='color:#b00'><b>does not fit</b></span> "
             f"{html.escape(target.name)} ({format_bytes(capacity)})"
         )
-        if largest == 0:
+        context = est.extras.cuda_context_bytes
+        if capacity < context:
+            verdict += f"; the capacity is below the CUDA context alone ({format_bytes(context)})"
+        elif largest == 0:
             verdict += "; not even batch size 1 fits"
         else:
             verdict += f"; largest batch that fits: <b>{largest:,}</b>"
@@ -576,17 +584,16 @@ class MemoryWidget(widgets.VBox):
     def _allocator_line(self, est: MemoryEstimate) -> str:
         """The caching allocator's view (CUDA): what it reserves at its peak, the gap to
         the whole blocks in use, and the other expandable_segments setting; empty on CPU."""
-        plain = est.allocator
-        grown = est.replayed(expandable_segments=True)
-        if plain is None or grown is None:
+        shown = est.allocator
+        other = est.replayed(expandable_segments=not est.expandable_segments)
+        if shown is None or other is None:
             return ""
-        shown, other = (grown, plain) if self.expandable_segments else (plain, grown)
         gap = shown.peak_reserved_bytes - shown.peak_allocated_bytes
         delta = other.peak_reserved_bytes - shown.peak_reserved_bytes
-        setting = "expandable_segments:" + ("False" if self.expandable_segments else "True")
+        setting = "expandable_segments:" + ("False" if est.expandable_segments else "True")
         return (
             f"<b>Reserved</b> (caching allocator replayed"
-            f"{', expandable segments' if self.expandable_segments else ''}; not yet checked on "
+            f"{', expandable segments' if est.expandable_segments else ''}; not yet checked on "
             f"a GPU): {format_bytes(shown.peak_reserved_bytes)} at its peak for "
             f"{format_bytes(shown.peak_allocated_bytes)} of whole blocks in use; "
             f"{format_bytes(gap)} is fragmentation and segment rounding; with {setting}: "
