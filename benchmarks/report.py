@@ -145,6 +145,14 @@ def _speed() -> str:
         f"| `estimate()`, {est['modules']}-module ResNet-101, median / p90 "
         f"| {est['estimate_median_ms']:.2f} / {est['estimate_p90_ms']:.2f} ms | <= 2 ms median |",
     ]
+    if "replay" in data:
+        r = data["replay"]
+        lines.append(
+            f"| caching-allocator replay, ResNet-50 at 224, batch 32, fp32, AdamW ({r['events']:,} "
+            f"events), median: plain / expandable_segments / `device_bytes` (a bisection) "
+            f"| {r['replay_ms']:.1f} / {r['replay_expandable_ms']:.1f} / "
+            f"{r['device_bytes_ms']:.0f} ms | <= 20 ms |"
+        )
     if "llama_7b_meta" in data:
         ll = data["llama_7b_meta"]
         lines.append(
@@ -155,6 +163,13 @@ def _speed() -> str:
             f"| ... its parameters vs the closed form | {ll['param_count']:,} vs "
             f"{ll['closed_form']:,} | equal |"
         )
+        if "replay_ms" in ll:
+            lines.append(
+                f"| ... the caching-allocator replay of its step at batch 8 (bf16, AdamW; "
+                f"{ll['replay_events']:,} events): time; reserved vs allocated peak "
+                f"| {ll['replay_ms']:.0f} ms; {ll['reserved_bytes_bf16_adamw_b8'] / 2**30:.1f} "
+                f"vs {ll['peak_bytes_bf16_adamw_b8'] / 2**30:.1f} GiB | <= 20 ms (ResNet-50) |"
+            )
     if "hf_llama_7b_meta" in data:
         hf = data["hf_llama_7b_meta"]
         lines.append(

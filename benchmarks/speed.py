@@ -63,12 +63,19 @@ with torch.device("meta"):
 t0 = time.perf_counter()
 profile = profile_model(model, inputs=torch.zeros(1, 128, dtype=torch.long))
 est = profile.estimate(8, "bf16", "adamw")
+seconds = time.perf_counter() - t0
+t1 = time.perf_counter()
+replayed = est.allocator
+replay_s = time.perf_counter() - t1
 print(json.dumps({
-    "seconds": time.perf_counter() - t0,
+    "seconds": seconds,
     "max_rss_bytes": peak_rss_bytes(),
     "param_count": profile.param_count,
     "closed_form": zoo.llama_param_count(zoo.LLAMA_7B),
     "peak_bytes_bf16_adamw_b8": est.peak_bytes,
+    "replay_ms": replay_s * 1e3,
+    "replay_events": len(est.event_bytes),
+    "reserved_bytes_bf16_adamw_b8": replayed.peak_reserved_bytes,
 }))
 """
 )
@@ -332,6 +339,26 @@ def estimate_latency(calls: int) -> dict[str, float]:
     }
 
 
+def replay_latency(repeats: int = 20) -> dict[str, float]:
+    """The caching-allocator replay of ResNet-50's step at 224 x 224, batch 32, fp32, AdamW
+    (``device="cuda"``): median of ``repeats`` replays, plain and with expandable segments,
+    and ``device_bytes`` (a bisection over capacities, several replays)."""
+    profile = profile_model(zoo.resnet50(), input_size=(3, 224, 224))
+    est = profile.estimate(32, "fp32", "adamw")
+    plain = [_timed(lambda: est.replayed(False)) for _ in range(repeats)]
+    grown = [_timed(lambda: est.replayed(True)) for _ in range(repeats)]
+    fresh = profile.estimate(32, "fp32", "adamw")
+    return {
+        "events": len(est.event_bytes) if est.event_bytes is not None else 0,
+        "replay_ms": 1e3 * statistics.median(plain),
+        "replay_expandable_ms": 1e3 * statistics.median(grown),
+        "device_bytes_ms": 1e3 * _timed(lambda: fresh.device_bytes),
+        "peak_bytes": est.peak_bytes,
+        "reserved_bytes": est.reserved_bytes or 0,
+        "device_bytes": fresh.device_bytes or 0,
+    }
+
+
 def llama_meta(script: str = _LLAMA_SCRIPT) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, "-c", script],
@@ -357,6 +384,8 @@ def main() -> None:
         results[f"floor_{which}"] = profile_vs_floor(which)
         print(f"{which} against the floor:", results[f"floor_{which}"], flush=True)
     results["estimate"] = estimate_latency(args.calls)
+    results["replay"] = replay_latency()
+    print("allocator replay:", results["replay"], flush=True)
     print("estimate():", results["estimate"], flush=True)
     if not args.skip_llama:
         results["llama_7b_meta"] = llama_meta()
