@@ -175,7 +175,8 @@ def _speed() -> str:
         lines.append(
             "| `transformers.LlamaForCausalLM`, Llama-2-7B config, on the meta device: profile "
             "+ bf16/AdamW estimate, peak RSS; peak at batch 8 x 128 tokens; largest batch on "
-            f"80 GiB | {hf['seconds']:.1f} s, {hf['max_rss_bytes'] / 2**30:.2f} GiB; "
+            f"80 GiB (device basis) | {hf['seconds']:.1f} s, "
+            f"{hf['max_rss_bytes'] / 2**30:.2f} GiB; "
             f"{hf['peak_bytes_bf16_adamw_b8'] / 2**30:.1f} GiB; "
             f"{hf['max_batch_80gib_bf16_adamw']} | < 2 GB |"
         )

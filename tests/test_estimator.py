@@ -532,16 +532,17 @@ def test_cublas_workspace_follows_the_target_compute_capability() -> None:
     assert ampere.extras.cublas_workspace_bytes == 8_519_680
     assert ampere.peak_bytes == hopper.peak_bytes
     assert hopper.total_bytes - ampere.total_bytes == 33_554_432 - 8_519_680
-    # max_batch_size counts the extras of the GPU it is told about.
+    # max_batch_size counts the extras of the GPU it is told about (on the allocated basis:
+    # total_bytes against the capacity; the device basis replays the workspace too).
     capacity = hopper.total_bytes
     for capability, extras in (((9, 0), hopper.extras), ((8, 0), ampere.extras)):
-        b = profile.max_batch_size(capacity, compute_capability=capability)
+        b = profile.max_batch_size(capacity, compute_capability=capability, basis="allocated")
         at = [profile.estimate(n, compute_capability=capability) for n in (b, b + 1)]
         assert at[0].extras.cublas_workspace_bytes == extras.cublas_workspace_bytes
         assert at[0].total_bytes <= capacity < at[1].total_bytes
-    assert profile.max_batch_size(capacity, compute_capability=(8, 0)) > profile.max_batch_size(
-        capacity
-    )
+    assert profile.max_batch_size(
+        capacity, compute_capability=(8, 0), basis="allocated"
+    ) > profile.max_batch_size(capacity, basis="allocated")
     with pytest.raises(ValueError, match="compute_capability"):
         profile.estimate(4, compute_capability=(9,))  # type: ignore[arg-type]
 

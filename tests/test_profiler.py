@@ -9,6 +9,7 @@ estimate must reproduce a real CPU step's peak (``measure``) to the byte.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
 import time
@@ -863,9 +864,10 @@ def test_max_batch_size_is_the_largest_that_fits(capacity: int) -> None:
 def test_max_batch_size_searches_from_the_affine_guess(
     device: str, mode: str, capacity: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The answer is the boundary (b fits, b + 1 does not) whatever the path; starting from the
-    # affine guess it takes a handful of estimates, where doubling and bisecting from batch 1
-    # takes about 2 * log2(b) (here b is in the hundreds to hundred-thousands: 20-40).
+    # The answer is the boundary (b fits, b + 1 does not, on the device basis: the replayed
+    # allocator on CUDA) whatever the path; starting from the affine guess it takes a handful
+    # of estimates, where doubling and bisecting from batch 1 takes about 2 * log2(b) (here b
+    # is in the hundreds to hundred-thousands: 20-40).
     entry = zoo.ZOO["mlp"]
     profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device=device)
     estimate = profile.estimate
@@ -876,12 +878,21 @@ def test_max_batch_size_searches_from_the_affine_guess(
         return estimate(batch, *args, **kwargs)
 
     monkeypatch.setattr(profile, "estimate", counted)
-    b = profile.max_batch_size(capacity, "fp32", "adam", mode)
+    b = profile.max_batch_size(capacity, "fp32", "adam", mode, basis="allocated")
+    allocated_calls = len(calls)
+    calls.clear()
+    on_device = profile.max_batch_size(capacity, "fp32", "adam", mode)
     monkeypatch.undo()
     assert b > 100
     assert estimate(b, "fp32", "adam", mode).total_bytes <= capacity
     assert estimate(b + 1, "fp32", "adam", mode).total_bytes > capacity
-    assert len(calls) <= 8, calls
+    assert allocated_calls <= 8, allocated_calls
+    # the device basis: the allocated answer, then a walk from a line through the replayed
+    # reserved memory (a step function of segments): at most one doubling-and-bisection
+    # walk, 2 * log2(b) estimates, more (on the CPU it is the allocated basis)
+    assert estimate(on_device, "fp32", "adam", mode).fits(capacity)
+    assert not estimate(on_device + 1, "fp32", "adam", mode).fits(capacity)
+    assert len(calls) <= allocated_calls + 2 * math.log2(b) + 3, calls
 
 
 def test_max_batch_size_zero_when_nothing_fits() -> None:
@@ -917,11 +928,15 @@ def test_max_batch_size_counts_cuda_extras() -> None:
     est = profile.estimate(1, optimizer="adam")
     assert est.extras.cuda_context_bytes > 0 and est.total_bytes > est.peak_bytes
     # a capacity the tensors alone would fit, but not with the context and workspaces
-    assert profile.max_batch_size(est.peak_bytes * 10, optimizer="adam") == 0
+    for basis in ("device", "allocated"):
+        assert profile.max_batch_size(est.peak_bytes * 10, optimizer="adam", basis=basis) == 0
     cap = 2**30
-    b = profile.max_batch_size(cap, optimizer="adam")
+    b = profile.max_batch_size(cap, optimizer="adam", basis="allocated")
     assert profile.estimate(b, optimizer="adam").total_bytes <= cap
     assert profile.estimate(b + 1, optimizer="adam").total_bytes > cap
+    # the device basis also counts segments and fragmentation: never a larger batch here
+    on_device = profile.max_batch_size(cap, optimizer="adam")
+    assert on_device <= b and profile.estimate(on_device, optimizer="adam").fits(cap)
 
 
 def test_batch_dimension_in_input_size_is_named() -> None:

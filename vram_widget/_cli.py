@@ -629,6 +629,9 @@ def _as_json(
         "device": args.device.value,
         "gpu": {"name": gpu.name, "memory_bytes": gpu.memory_bytes},
         "peak_bytes_means": "allocated tensor bytes",
+        "fits_means": "on CUDA: the caching allocator, replayed under the GPU's memory less "
+        "the CUDA context, never runs out (device_bytes is the least memory for which it "
+        "does not; reserved_bytes its unconstrained peak); on the CPU: total_bytes fits",
         "total_bytes_means": "peak_bytes + extras_bytes (CUDA context, cuBLAS workspace, "
         "allocator rounding): what is compared with the GPU's memory",
         "settings": [
@@ -645,7 +648,9 @@ def _as_json(
                 "peak_op": s.estimate.peak_op,
                 "flops": s.estimate.flops,
                 "levers": s.estimate.levers.describe(),
-                "fits": s.estimate.total_bytes <= gpu.memory_bytes,
+                "reserved_bytes": s.estimate.reserved_bytes,
+                "device_bytes": s.estimate.device_bytes,
+                "fits": s.estimate.fits(gpu.memory_bytes),
                 "max_batch_size": s.max_batch_size,
             }
             for s in settings
@@ -672,7 +677,9 @@ def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[
         print(f"levers: {settings[0].estimate.levers.describe()}")
     print("peak = allocated tensor bytes at the step's peak (torch.cuda.max_memory_allocated);")
     print("extras = CUDA context + cuBLAS workspace + allocator rounding (0 on --device cpu);")
-    print("total = peak + extras: what is compared with the GPU's memory")
+    print("total = peak + extras; fits: on CUDA, the caching allocator replayed under the")
+    print("GPU's memory less the CUDA context never runs out (the figure below is the least")
+    print("memory for which it does not); on the CPU, total fits")
     rows = [
         (
             f"{s.estimate.batch_size:,}",
@@ -714,8 +721,12 @@ def _fit_line(s: _Setting, gpu: Gpu) -> str:
     # GiB with one decimal reads best for real GPUs; a tiny custom capacity in its own unit.
     gib = gpu.memory_bytes / 2**30
     capacity = f"{gib:.1f} GiB" if gib >= 1 else _bytes(gpu.memory_bytes)
-    share = est.total_bytes / gpu.memory_bytes * 100
-    fits = est.total_bytes <= gpu.memory_bytes
+    # the device basis (the caching allocator replayed under the capacity less the CUDA
+    # context) on CUDA, where device_bytes is what the device must have; the allocated
+    # total on the CPU
+    needed = est.device_bytes if est.device_bytes is not None else est.total_bytes
+    share = needed / gpu.memory_bytes * 100
+    fits = est.fits(gpu.memory_bytes)
     verdict = "yes," if fits else "no, needs"
     if s.max_batch_size == 0:
         largest = "not even batch 1 fits"
@@ -723,7 +734,7 @@ def _fit_line(s: _Setting, gpu: Gpu) -> str:
         largest = f"largest batch that fits: {s.max_batch_size:,}"
     return (
         f"fits on {gpu.name} ({capacity}) at batch {est.batch_size:,}: {verdict} "
-        f"{_bytes(est.total_bytes)} of {capacity} ({_percent(share)}); {largest}"
+        f"{_bytes(needed)} of {capacity} ({_percent(share)}); {largest}"
     )
 
 

@@ -29,10 +29,12 @@ from ._options import (
     PHASES,
     Category,
     Device,
+    FitBasis,
     Mode,
     OptimizerName,
     Phase,
     Precision,
+    parse_option,
 )
 from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, sum_by
 
@@ -297,8 +299,32 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        """``peak_bytes`` plus the accelerator extras: what must fit on the device."""
+        """``peak_bytes`` plus the accelerator extras (CUDA context, cuBLAS workspace,
+        512-byte rounding): the allocated basis of "fits"."""
         return self.peak_bytes + self.extras.total_bytes
+
+    def fits(self, capacity_bytes: int, basis: str | FitBasis = FitBasis.DEVICE) -> bool:
+        """Whether the step fits ``capacity_bytes`` of device memory.
+
+        ``basis="device"`` (default): on ``device="cuda"``, the step's allocator replayed
+        under the capacity less the CUDA context never fails to reserve a segment after
+        releasing its cached ones (:meth:`fits_device`): what a CUDA out-of-memory error
+        decides on. ``basis="allocated"``, and always on ``device="cpu"``:
+        ``total_bytes <= capacity_bytes``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> est = profile_model(torch.nn.Linear(1024, 1024), input_size=(1024,)).estimate(1)
+        >>> est.fits(est.device_bytes), est.fits(est.device_bytes - 2**21)
+        (True, False)
+        """
+        if parse_option(FitBasis, basis, "basis") is FitBasis.DEVICE:
+            device = self.fits_device(capacity_bytes)
+            if device is not None:
+                return device
+        return self.total_bytes <= capacity_bytes
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per module (and the loss and optimizer pseudo-rows); rows sum to totals."""

@@ -525,7 +525,7 @@ class ModelProfile:
         seq_len: int | None = None,
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**40,
-        basis: str | FitBasis = FitBasis.ALLOCATED,
+        basis: str | FitBasis = FitBasis.DEVICE,
         **levers: Any,
     ) -> int:
         """The largest batch whose estimated peak plus accelerator extras fits in
@@ -540,13 +540,13 @@ class ModelProfile:
             10**9) or a GPU name of the catalog (``"A100 80GB"``).
         precision, optimizer, mode, seq_len, compute_capability
             As for :meth:`estimate`.
-        basis : {"allocated", "device"}
-            ``"allocated"`` (default): ``est.total_bytes`` (the allocated peak plus the
-            CUDA context, cuBLAS workspace and 512-byte rounding) must not pass the
-            capacity. ``"device"``: the step, replayed through the CUDA caching allocator
-            under the capacity less the CUDA context, never fails to reserve a segment
-            (``est.fits_device``): fragmentation and segment sizes count, as for a real
-            out-of-memory error. The same on ``device="cpu"``.
+        basis : {"device", "allocated"}
+            What "fits" means (``MemoryEstimate.fits``). ``"device"`` (default): the step,
+            replayed through the CUDA caching allocator under the capacity less the CUDA
+            context, never fails to reserve a segment (fragmentation and segment sizes count,
+            as for a real out-of-memory error). ``"allocated"``: ``est.total_bytes``, the
+            allocated peak plus the CUDA context, cuBLAS workspace and 512-byte rounding,
+            must not pass the capacity. On ``device="cpu"`` both are the allocated basis.
         **levers
             ``checkpoint``, ``trainable``, ``grad_accumulation``: as for :meth:`estimate`
             (the batch is then the micro-batch).
@@ -556,8 +556,8 @@ class ModelProfile:
         >>> from vram_widget import profile_model, zoo
         >>> profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
         >>> b = profile.max_batch_size(2**30, optimizer="adam")
-        >>> profile.estimate(b).total_bytes <= 2**30 < profile.estimate(b + 1).total_bytes
-        True
+        >>> profile.estimate(b).fits(2**30), profile.estimate(b + 1).fits(2**30)
+        (True, False)
         """
         capacity = parse_capacity(capacity_bytes)
 
@@ -572,17 +572,21 @@ class ModelProfile:
                 **levers,
             )
 
-        by_device = parse_option(FitBasis, basis, "basis") is FitBasis.DEVICE
+        fit_basis = parse_option(FitBasis, basis, "basis")
 
         def fits(batch: int) -> bool:
-            est = at(batch)
-            device = est.fits_device(capacity) if by_device else None
-            return est.total_bytes <= capacity if device is None else device
+            return at(batch).fits(capacity, fit_basis)
 
         one = at(1)
         if not fits(1):
             return 0
         start = _affine_guess(one, at(2), capacity, limit)
+        if fit_basis is FitBasis.DEVICE and one.allocator is not None:
+            # The allocated answer first (numpy), then a line through what the replayed
+            # allocator reserves at batch 1 and there: reserved bounds the device need from
+            # above, so the guess fits and the walk up from it is short.
+            allocated = _largest_fitting(lambda b: at(b).total_bytes <= capacity, start, limit)
+            start = _reserved_guess(one, at(allocated), capacity, allocated)
         return _largest_fitting(fits, start, limit)
 
     def max_seq_len(
@@ -595,10 +599,12 @@ class ModelProfile:
         *,
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**20,
+        basis: str | FitBasis = FitBasis.DEVICE,
         **levers: Any,
     ) -> int:
         """The longest sequence whose estimated peak plus accelerator extras fits in
-        ``capacity_bytes`` at ``batch_size`` (0 when not even one token fits).
+        ``capacity_bytes`` at ``batch_size`` (0 when not even one token fits), "fits" on
+        the ``basis`` of :meth:`max_batch_size`.
 
         Each length the search tries for the first time is profiled at that length (about
         as long as the first profile; cached), so this takes one profile per length tried:
@@ -612,13 +618,14 @@ class ModelProfile:
         >>> emb = torch.nn.Embedding(100, 16)
         >>> profile = profile_model(emb, inputs=torch.zeros(2, 8, dtype=torch.long), device="cpu")
         >>> n = profile.max_seq_len("64 MiB", batch_size=4, optimizer="sgd")
-        >>> profile.estimate(4, optimizer="sgd", seq_len=n).total_bytes <= 64 * 2**20
+        >>> profile.estimate(4, optimizer="sgd", seq_len=n).fits(64 * 2**20)
         True
         """
         if not self.has_seq_axis:
             self.check_seq_len(1)  # raises: no sequence axis
         capacity = parse_capacity(capacity_bytes)
         batch = parse_batch_size(batch_size)
+        fit_basis = parse_option(FitBasis, basis, "basis")
         assert self.seq_len is not None
 
         def fits(length: int) -> bool:
@@ -631,7 +638,7 @@ class ModelProfile:
                 compute_capability=compute_capability,
                 **levers,
             )
-            return est.total_bytes <= capacity
+            return est.fits(capacity, fit_basis)
 
         if not fits(1):
             return 0
@@ -649,6 +656,7 @@ class ModelProfile:
         seq_lens: Sequence[int] | None = None,
         compute_capability: tuple[int, int] | None = None,
         profile_lengths: bool = False,
+        basis: str | FitBasis = FitBasis.DEVICE,
         **levers: Any,
     ) -> Frontier:
         """The batch x sequence-length frontier: the largest batch that fits
@@ -668,6 +676,8 @@ class ModelProfile:
             choices that switch with the length), each length needs a profiling run of its
             own. False (default) leaves those lengths out, except ones already profiled, and
             the result's ``complete`` is False; True profiles each (seconds per length).
+        basis : {"device", "allocated"}
+            What "fits" means, as for :meth:`max_batch_size`.
 
         Returns
         -------
@@ -684,7 +694,7 @@ class ModelProfile:
         >>> f.seq_lens.tolist()
         [8, 64, 512]
         >>> b = f.max_batch_at(64)
-        >>> profile.estimate(b, optimizer="sgd", seq_len=64).total_bytes <= 64 * 2**20
+        >>> profile.estimate(b, optimizer="sgd", seq_len=64).fits(64 * 2**20)
         True
         """
         if not self.has_seq_axis:
@@ -714,6 +724,7 @@ class ModelProfile:
                 seq_lens=lengths,
                 compute_capability=compute_capability,
                 profile_lengths=profile_lengths,
+                basis=basis,
                 expandable_segments=levers.get("expandable_segments", False),
                 **kwargs,
             )
@@ -734,6 +745,7 @@ class ModelProfile:
                 run_mode,
                 seq_len=length,
                 compute_capability=compute_capability,
+                basis=basis,
                 **levers,
             ),
             lengths,
@@ -824,6 +836,22 @@ def _affine_guess(one: MemoryEstimate, two: MemoryEstimate, capacity_bytes: int,
         return limit
     guess = np.floor(np.min((room - intercept[grows]) / slope[grows]))
     return int(min(max(1.0, guess), limit))
+
+
+def _reserved_guess(
+    one: MemoryEstimate, there: MemoryEstimate, capacity_bytes: int, batch: int
+) -> int:
+    """Where the device-basis search starts: the batch where a line through the reserved
+    memory (plus the CUDA context) at batch 1 and at ``batch`` meets the capacity."""
+    if one.allocator is None or there.allocator is None or batch <= 1:
+        return max(1, batch)
+    context = one.extras.cuda_context_bytes
+    need_one = one.allocator.peak_reserved_bytes + context
+    need_there = there.allocator.peak_reserved_bytes + context
+    slope = (need_there - need_one) / (batch - 1)
+    if slope <= 0:
+        return batch
+    return max(1, min(batch, 1 + int((capacity_bytes - need_one) // slope)))
 
 
 def _largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:

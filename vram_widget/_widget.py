@@ -506,7 +506,7 @@ class MemoryWidget(widgets.VBox):
         est = self._estimate
         target = self.target
         capacity = target.memory_bytes
-        fits = est.total_bytes <= capacity
+        fits = est.fits(capacity)  # the device basis on CUDA (the replayed allocator)
         largest = self.largest_batch()
         lines = [
             f"<b>{html.escape(self._profile.model_name or 'model')}</b>: "
@@ -543,12 +543,20 @@ class MemoryWidget(widgets.VBox):
         allocator_line = self._allocator_line(est)
         if allocator_line:
             lines.append(allocator_line)
+        # On CUDA, "fits" is the allocator replayed under the capacity less the context (no
+        # out-of-memory error); what is used at its peak is the reserved memory plus the
+        # context, as nvidia-smi would show it. On the CPU: the allocated peak.
+        used = est.total_bytes
+        if est.allocator is not None:
+            used = est.allocator.peak_reserved_bytes + est.extras.cuda_context_bytes
         verdict = (
             f"<span style='color:#080'><b>fits</b></span> {html.escape(target.name)} "
-            f"({format_bytes(capacity)}; {est.total_bytes / capacity:.0%} used)"
+            f"({format_bytes(capacity)}; {used / capacity:.0%} used at the peak"
+            f"{', reserved + context' if est.allocator is not None else ''})"
             if fits
             else f"<span style='color:#b00'><b>does not fit</b></span> "
-            f"{html.escape(target.name)} ({format_bytes(capacity)})"
+            f"{html.escape(target.name)} ({format_bytes(capacity)}"
+            f"{': the replayed allocator runs out of memory' if est.allocator else ''})"
         )
         context = est.extras.cuda_context_bytes
         if capacity < context:

@@ -423,7 +423,7 @@ def move_batch_slider(page: Any, moves: int) -> SliderRun:
 
 def set_micro_batches(page: Any, value: int, timeout_s: float = 60.0) -> dict[str, Any]:
     """Type ``value`` into the first widget's "micro-batches" box (the memory levers row) and
-    wait until its figure changed; returns :data:`JS_WIDGET_STATE` after."""
+    wait until its figure and its summary changed; returns :data:`JS_WIDGET_STATE` after."""
     before = page.evaluate(JS_WIDGET_STATE)
     box = page.locator(
         ".widget-inline-hbox:has(.widget-label:text-is('micro-batches')) input"
@@ -431,12 +431,14 @@ def set_micro_batches(page: Any, value: int, timeout_s: float = 60.0) -> dict[st
     box.scroll_into_view_if_needed()
     box.fill(str(value))
     box.press("Enter")
+    # the figure and the summary are separate messages from the kernel: wait for both
     changed = (
-        f"(before) => {{ const s = ({JS_WIDGET_STATE})(); return s && s.fingerprint !== before; }}"
+        f"(before) => {{ const s = ({JS_WIDGET_STATE})(); "
+        "return s && s.fingerprint !== before[0] && s.summary !== before[1]; }"
     )
     page.wait_for_function(
         changed,
-        arg=before["fingerprint"],
+        arg=[before["fingerprint"], before["summary"]],
         timeout=timeout_s * 1000,
         polling=100,
     )
