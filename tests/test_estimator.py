@@ -682,3 +682,33 @@ def test_expandable_segments_is_a_setting_of_the_estimate() -> None:
     cpu = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
     with pytest.raises(ValueError, match=r'CUDA caching allocator.*device="cpu"'):
         cpu.estimate(2, expandable_segments=True)
+
+
+def test_compare_snapshot_pairs_allocations_by_module_and_phase() -> None:
+    # A "measured" trace made from the prediction's own second iteration with one allocation
+    # 512 B larger: the comparison puts the +512 B on that allocation's module and phase, and
+    # 0 everywhere else.
+    import copy
+
+    from vram_widget import zoo
+
+    est = profile_model(zoo.mlp(hidden=(16,)), input_size=(784,)).estimate(4, optimizer="sgd")
+    snapshot = est.memory_snapshot()
+    assert snapshot is not None
+    allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    step = [e for e in allocs if e["frames"][0]["name"] != "resident"]
+    second = copy.deepcopy(step[len(step) // 2 :])
+    changed = second[1]
+    changed["size"] += 512
+    table = est.compare_snapshot({"device_traces": [second]})
+    assert table.attrs["note"] == ""
+    top = table.iloc[0]
+    assert (top["module"], top["phase"], top["difference_bytes"]) == (
+        changed["frames"][0]["filename"],
+        changed["frames"][0]["name"],
+        512,
+    )
+    assert (table["difference_bytes"].iloc[1:] == 0).all()
+    # fewer measured allocations: said, and the common prefix compared
+    short = est.compare_snapshot({"device_traces": [second[:3]]})
+    assert "the first 3 are compared" in short.attrs["note"]

@@ -47,10 +47,12 @@ __all__ = [
     "K_ROUND_LARGE",
     "K_SMALL_BUFFER",
     "K_SMALL_SIZE",
+    "AlignedAllocation",
     "AllocatorReplay",
     "CachingAllocator",
     "ExpandableAllocator",
     "OutOfMemory",
+    "align_allocations",
     "allocation_size",
     "replay",
     "round_size",
@@ -504,3 +506,63 @@ def replay(
         segments=len(allocator.segments),
         snapshot=allocator.snapshot() if record else None,
     )
+
+
+@dataclass(frozen=True)
+class AlignedAllocation:
+    """One allocation of a predicted step beside the real one made in its place."""
+
+    module: str
+    phase: str
+    predicted_bytes: int
+    measured_bytes: int
+
+
+def align_allocations(
+    predicted: Mapping[str, Any], measured: Mapping[str, Any]
+) -> tuple[list[AlignedAllocation], str]:
+    """The allocations of one measured step's trace (``torch.cuda.memory._snapshot()``
+    recorded around that step, as ``measure(..., snapshot=True)`` does) beside those of the
+    predicted step's last iteration (:meth:`MemoryEstimate.memory_snapshot`), in order: the
+    same step makes the same allocations in the same order, so the i-th of each are the same
+    tensor, and the predicted one's frame names its module and phase. Returns the pairs and
+    a note ("" where the counts agree; else how they differ: the pairs then cover the
+    common prefix only).
+
+    Examples
+    --------
+    >>> def alloc(size, module="fc", phase="forward"):
+    ...     return {"action": "alloc", "size": size,
+    ...             "frames": [{"filename": module, "line": 0, "name": phase}]}
+    >>> resident = alloc(64, "resident", "resident")
+    >>> step = [alloc(512), alloc(1024)]
+    >>> predicted = {"device_traces": [[resident, *step, *step]]}  # residents, two iterations
+    >>> measured = {"device_traces": [[alloc(512), alloc(1536)]]}
+    >>> pairs, note = align_allocations(predicted, measured)
+    >>> [(p.predicted_bytes, p.measured_bytes) for p in pairs], note
+    ([(512, 512), (1024, 1536)], '')
+    """
+
+    def allocs(snapshot: Mapping[str, Any]) -> list[dict[str, Any]]:
+        traces = snapshot.get("device_traces") or [[]]
+        return [e for trace in traces for e in trace if e.get("action") == "alloc"]
+
+    ours = allocs(predicted)
+    step = [e for e in ours if not (e["frames"] and e["frames"][0]["name"] == "resident")]
+    last = step[len(step) // 2 :] if len(step) % 2 == 0 else step  # the second iteration
+    theirs = allocs(measured)
+    note = ""
+    if len(theirs) != len(last):
+        note = (
+            f"the measured trace has {len(theirs):,} allocations, the predicted step "
+            f"{len(last):,}: the first {min(len(theirs), len(last)):,} are compared"
+        )
+    pairs = []
+    for mine, real in zip(last, theirs, strict=False):
+        frame = mine["frames"][0] if mine["frames"] else {"filename": "?", "name": "?"}
+        pairs.append(
+            AlignedAllocation(
+                frame["filename"], frame["name"], int(mine["size"]), int(real["size"])
+            )
+        )
+    return pairs, note

@@ -20,7 +20,13 @@ from ._accelerator import (
     cublas_workspace_bytes,
     cuda_block_bytes,
 )
-from ._allocator import K_ROUND_LARGE, AllocatorReplay, OutOfMemory, replay
+from ._allocator import (
+    K_ROUND_LARGE,
+    AllocatorReplay,
+    OutOfMemory,
+    align_allocations,
+    replay,
+)
 from ._levers import NO_LEVERS, Levers
 from ._options import (
     CATEGORIES,
@@ -226,6 +232,38 @@ class MemoryEstimate:
             )
         with open(path, "wb") as f:
             pickle.dump(snapshot, f)
+
+    def compare_snapshot(self, measured: Mapping[str, Any]) -> pd.DataFrame:
+        """Where a real step's allocations differ from this prediction, per module and phase.
+
+        ``measured`` is a ``torch.cuda.memory._snapshot()`` recorded around one steady-state
+        step of the same model and setting (``measure(..., snapshot=True).snapshot`` on a
+        GPU). The allocations are paired in order with those of the predicted step
+        (``_allocator.align_allocations``) and summed per module and phase: columns
+        ``module``, ``phase``, ``predicted_bytes``, ``measured_bytes``,
+        ``difference_bytes`` (measured minus predicted), largest differences first;
+        ``df.attrs["note"]`` says where the allocation counts differ.
+        """
+        import pandas as pd
+
+        predicted = self.memory_snapshot()
+        if predicted is None:
+            raise ValueError(
+                'a snapshot comparison is the CUDA caching allocator\'s: this estimate is for '
+                'device="cpu"; profile with device="cuda"'
+            )
+        pairs, note = align_allocations(predicted, measured)
+        frame = pd.DataFrame(
+            [(p.module, p.phase, p.predicted_bytes, p.measured_bytes) for p in pairs],
+            columns=["module", "phase", "predicted_bytes", "measured_bytes"],
+        )
+        table = frame.groupby(["module", "phase"], sort=False, as_index=False).sum()
+        table["difference_bytes"] = table["measured_bytes"] - table["predicted_bytes"]
+        table = table.sort_values(
+            "difference_bytes", key=lambda d: d.abs(), ascending=False, kind="stable"
+        ).reset_index(drop=True)
+        table.attrs["note"] = note
+        return table
 
     def fits_device(self, capacity_bytes: int) -> bool | None:
         """Whether the step runs on a device of ``capacity_bytes`` without a CUDA

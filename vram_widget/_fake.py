@@ -392,3 +392,18 @@ def checkpoint_wrapped(module: torch.nn.Module) -> torch.nn.Module:
     calls ``torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)``, so the
     block's own hooks run, and re-run, inside the checkpoint)."""
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+@contextlib.contextmanager
+def recorded_cuda_memory(device: torch.device) -> Iterator[list[dict[str, Any]]]:
+    """Record the CUDA caching allocator's history over the block
+    (``torch.cuda.memory._record_memory_history``, Python stacks) and append its
+    ``torch.cuda.memory._snapshot()`` to the yielded list at the end; recording stops in
+    any case."""
+    snapshots: list[dict[str, Any]] = []
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        yield snapshots
+        snapshots.append(torch.cuda.memory._snapshot(device))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._fake import recorded_cuda_memory
 from ._levers import NO_LEVERS, Levers
 from ._options import Mode, OptimizerName, Precision, parse_optimizer, parse_option
 from ._step import (
@@ -91,6 +92,9 @@ class Measurement:
     mode: Mode
     batch_size: int
     max_reserved_bytes: int | None = None
+    # with snapshot=True on CUDA: torch.cuda.memory._snapshot() recorded over the measured
+    # iteration (compare with MemoryEstimate.compare_snapshot)
+    snapshot: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def transient_bytes(self) -> int:
@@ -133,6 +137,7 @@ def measure(
     grad_accumulation: int = 1,
     lora_rank: int | None = None,
     lora_targets: object = "auto",
+    snapshot: bool = False,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -172,6 +177,10 @@ def measure(
         torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
         module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
         and ``grad_accumulation`` forward and backward passes before the optimizer step.
+    snapshot : bool
+        CUDA only: record the caching allocator's history over the measured iteration and
+        return its ``torch.cuda.memory._snapshot()`` as ``Measurement.snapshot`` (for
+        ``MemoryEstimate.compare_snapshot`` and PyTorch's memory viewer).
 
     Returns
     -------
@@ -218,7 +227,15 @@ def measure(
         "lora_targets": lora_targets,
     }
     return _measure(
-        model, inputs, loss_fn, optimizer, precision, mode, grad_accumulation, **levers
+        model,
+        inputs,
+        loss_fn,
+        optimizer,
+        precision,
+        mode,
+        grad_accumulation,
+        snapshot=snapshot,
+        **levers,
     )[0]
 
 
@@ -234,6 +251,7 @@ def _measure(
     trainable: object = None,
     lora_rank: object = None,
     lora_targets: object = "auto",
+    snapshot: bool = False,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests."""
     prec = parse_option(Precision, precision, "precision")
@@ -251,9 +269,15 @@ def _measure(
     def session() -> _Session:
         return _Session(model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers)
 
+    if snapshot and device.type != "cuda":
+        raise ValueError(
+            "snapshot=True records the CUDA caching allocator's history "
+            f"(torch.cuda.memory._record_memory_history); the model is on {device.type!r}"
+        )
+    recorded: dict[str, Any] | None = None
     with _preserved_global_state(device), paused_gc(), _grad_mode(run_mode):
         if device.type == "cuda":
-            resident, peak, reserved = _run_cuda(session, device)
+            resident, peak, reserved, recorded = _run_cuda(session, device, snapshot)
             trace = None
         else:
             resident, trace = _run_cpu(session)
@@ -271,6 +295,7 @@ def _measure(
         mode=run_mode,
         batch_size=batch_size,
         max_reserved_bytes=reserved,
+        snapshot=recorded,
     )
     return result, trace
 
@@ -359,8 +384,11 @@ def _run_cpu(session: Callable[[], _Session]) -> tuple[int, _CpuTrace]:
     return resident, _cpu_trace(prof)
 
 
-def _run_cuda(session: Callable[[], _Session], device: torch.device) -> tuple[int, int, int]:
-    """Run both iterations; return resident, peak and max reserved bytes."""
+def _run_cuda(
+    session: Callable[[], _Session], device: torch.device, snapshot: bool = False
+) -> tuple[int, int, int, dict[str, Any] | None]:
+    """Run both iterations; return resident, peak and max reserved bytes (and, with
+    ``snapshot``, the allocator's snapshot recorded over the second)."""
     with torch.cuda.device(device):
         _warm_up_cublas(device)
     torch.cuda.synchronize(device)
@@ -371,13 +399,18 @@ def _run_cuda(session: Callable[[], _Session], device: torch.device) -> tuple[in
     torch.cuda.synchronize(device)
     resident = torch.cuda.memory_allocated(device) - baseline
     torch.cuda.reset_peak_memory_stats(device)
-    run.iterate()
-    torch.cuda.synchronize(device)
+    recorded = None
+    with contextlib.ExitStack() as stack:
+        snapshots = stack.enter_context(recorded_cuda_memory(device)) if snapshot else None
+        run.iterate()
+        torch.cuda.synchronize(device)
+    if snapshots:
+        recorded = snapshots[0]
     peak = torch.cuda.max_memory_allocated(device) - baseline
     reserved = torch.cuda.max_memory_reserved(device)
     del run
     gc.collect(0)
-    return resident, peak, reserved
+    return resident, peak, reserved, recorded
 
 
 def _warm_up_cublas(device: torch.device) -> None:
