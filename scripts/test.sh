@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 python3 -m ruff check vram_widget tests benchmarks
 python3 -m mypy
+lint-imports
 python3 -m pytest
 # Once more under a narrower instruction set than this CPU may have. Which kernels run (and so
 # what measure() sees and what the CPU probes measure) depends on the ISA: oneDNN takes its
