@@ -905,7 +905,10 @@ def show_memory(
         the catalog, ``"custom"``, or a capacity: ``"80GiB"``, ``"24 GB"`` or bytes, which
         selects the custom size), ``custom_gib`` (float), ``depth``
         (module grouping depth, int >= 0), ``show_frontier`` (bool: open the batch x
-        sequence-length panel, where the profile has a sequence axis).
+        sequence-length panel, where the profile has a sequence axis), the memory levers
+        ``checkpoint`` ("off", "auto" or a class name), ``trainable`` (comma-separated
+        parameter-name patterns, "" for all), ``grad_accumulation`` (int >= 1) and
+        ``lora_rank`` (0 for none), and ``expandable_segments`` (bool, CUDA profiles).
 
     Returns
     -------
