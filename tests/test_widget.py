@@ -508,8 +508,10 @@ def test_frontier_panel_draws_the_profile_frontier(token_profile: ModelProfile) 
     w.batch_size = largest.y[0] + 1
     assert here.marker.color == "#D62728"  # one sample past the frontier
     assert list(line.y) == expected.max_batch_sizes[fits].tolist()
-    # the GPU and the precision redraw the line
+    # the GPU and the precision redraw the line (a search with allocator replays at each
+    # length, behind the same label as a profiling run)
     w.gpu = "T4 16GB"
+    assert "computed the frontier for" in w._status.value
     assert max(line.y) < expected.max_batch_sizes.max()
     assert "T4 16GB" in w._frontier_figure.layout.title.text
     w.show_frontier = False

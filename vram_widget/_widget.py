@@ -382,6 +382,11 @@ class MemoryWidget(widgets.VBox):
         the setting goes back to its last value (traits stay the truth of what is shown).
         """
         profiling = self._needs_profiling()
+        # the frontier of a new setting is a search with allocator replays at each length:
+        # a second or two, so it gets the same label and disabled controls
+        frontier_pending = (
+            self._frontier_shown() and self._frontier_key() not in self._frontier_cache
+        )
         what = html.escape(
             f"{self.precision} / {self.mode}"
             + (f" / {self.optimizer}" if self.mode == Mode.TRAIN.value else "")
@@ -389,8 +394,9 @@ class MemoryWidget(widgets.VBox):
             + (f" / {self._levers().describe()}" if self._levers().active else "")
         )
         started = 0.0
-        if profiling:
-            self._status.value = f"<i>⏳ profiling {what} (first use, runs once)…</i>"
+        if profiling or frontier_pending:
+            doing = "profiling" if profiling else "computing the batch x length frontier for"
+            self._status.value = f"<i>⏳ {doing} {what} (first use, runs once)…</i>"
             self._set_busy(True)
             started = time.perf_counter()
         try:
@@ -405,10 +411,11 @@ class MemoryWidget(widgets.VBox):
                 f"{html.escape(repr(change['old']))}</span>"
             )
             return
-        if profiling:
+        if profiling or frontier_pending:
             self._set_busy(False)
             elapsed = _format_seconds(time.perf_counter() - started)
-            self._status.value = f"<i>profiled {what} in {elapsed}</i>"
+            done = "profiled" if profiling else "computed the frontier for"
+            self._status.value = f"<i>{done} {what} in {elapsed}</i>"
         elif self._status.value:
             self._status.value = ""
         if self._csv_link.value:
