@@ -249,7 +249,7 @@ class MemoryEstimate:
         predicted = self.memory_snapshot()
         if predicted is None:
             raise ValueError(
-                'a snapshot comparison is the CUDA caching allocator\'s: this estimate is for '
+                "a snapshot comparison is the CUDA caching allocator's: this estimate is for "
                 'device="cpu"; profile with device="cuda"'
             )
         pairs, note = align_allocations(predicted, measured)
