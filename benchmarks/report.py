@@ -53,38 +53,43 @@ def _isa() -> str:
     return "\n".join(lines)
 
 
-def _accuracy_seq() -> str:
-    path = RESULTS / "accuracy_seq.json"
+def _sweep(name: str, what: str, targets: str) -> str:
+    """The README section of one accuracy sweep written by benchmarks/_results.py: what it
+    covers, the versions and time it ran with, the targets, and its summary table."""
+    path = RESULTS / f"{name}.json"
     if not path.exists():
-        return "(not run yet: python benchmarks/accuracy_seq.py)"
+        return f"(not run yet: python benchmarks/{name}.py)"
     data = json.loads(path.read_text())
     head = (
-        f"{len(data['rows'])} configurations (Hugging Face GPT-2, BERT, Llama, T5 with eager "
-        f"and SDPA attention, and a torch TransformerEncoder; batch 1, 3, 8 x 17, 64, 200, "
-        f"512 tokens x Adam training / inference, fp32), each estimated from one profile at "
-        f"batch 2 x 16 tokens and measured on a real CPU step; torch {data['torch']}, "
-        f"transformers {data['transformers']}, {data['cpus']} CPUs, {data['seconds']:.0f} s. "
-        "Targets: train median <= 0.1 %, worst <= 2 %; inference worst <= 5 %."
+        f"{len(data['rows'])} configurations ({what}; torch {data['torch']}, transformers "
+        f"{data['transformers']}, {data['cpus']} CPUs, {data['seconds']:.0f} s. Targets: "
+        f"{targets}."
     )
     return head + "\n\n" + data["summary"]
+
+
+def _accuracy_seq() -> str:
+    return _sweep(
+        "accuracy_seq",
+        "Hugging Face GPT-2, BERT, Llama, T5 with eager and SDPA attention, and a torch "
+        "TransformerEncoder; batch 1, 3, 8 x 17, 64, 200, 512 tokens x Adam training / "
+        "inference, fp32), each estimated from one profile at batch 2 x 16 tokens and "
+        "measured on a real CPU step",
+        "train median <= 0.1 %, worst <= 2 %; inference worst <= 5 %",
+    )
 
 
 def _accuracy_levers() -> str:
-    path = RESULTS / "accuracy_levers.json"
-    if not path.exists():
-        return "(not run yet: python benchmarks/accuracy_levers.py)"
-    data = json.loads(path.read_text())
-    head = (
-        f"{len(data['rows'])} configurations (Hugging Face GPT-2, Llama, BERT and the zoo "
-        "ResNet-50; checkpointing, a frozen backbone, accumulation of 4 and LoRA rank 8; batch "
-        "1 and 8 x fp32 and bf16, AdamW), each estimated from the plain model's profile and "
-        "measured on a real CPU step with the lever applied by the real library (Hugging "
-        "Face's activation_checkpointing_enable, torch's checkpoint_wrapper, "
-        "requires_grad_(False), the accumulation loop, PEFT's get_peft_model); torch "
-        f"{data['torch']}, transformers {data['transformers']}, {data['cpus']} CPUs, "
-        f"{data['seconds']:.0f} s. Targets: median <= 0.1 %, worst <= 2 %."
+    return _sweep(
+        "accuracy_levers",
+        "Hugging Face GPT-2, Llama, BERT and the zoo ResNet-50; checkpointing, a frozen "
+        "backbone, accumulation of 4 and LoRA rank 8; batch 1 and 8 x fp32 and bf16, AdamW), "
+        "each estimated from the plain model's profile and measured on a real CPU step with "
+        "the lever applied by the real library (Hugging Face's "
+        "activation_checkpointing_enable, torch's checkpoint_wrapper, requires_grad_(False), "
+        "the accumulation loop, PEFT's get_peft_model)",
+        "median <= 0.1 %, worst <= 2 %",
     )
-    return head + "\n\n" + data["summary"]
 
 
 def _speed() -> str:

@@ -158,14 +158,18 @@ class MemoryEstimate:
         return self.replayed(expandable_segments=self.expandable_segments)
 
     def replayed(
-        self, expandable_segments: bool = False, capacity_bytes: int | None = None
+        self,
+        expandable_segments: bool = False,
+        capacity_bytes: int | None = None,
+        frames: list[list[dict[str, Any]]] | None = None,
     ) -> AllocatorReplay | None:
         """:attr:`allocator`, or the same replay with ``expandable_segments:True`` (one
         growing segment per pool, ``_allocator.ExpandableAllocator``), or under a cap on
         what the allocator may reserve (raises ``_allocator.OutOfMemory`` where the step
         does not fit it). The cuBLAS workspace of the extras goes through the allocator as
         well (CublasHandlePool.cpp allocates it with the caching allocator), resident from
-        the first matmul on."""
+        the first matmul on. ``frames`` (one list per event) records the replay as a
+        snapshot (:meth:`memory_snapshot`)."""
         if self.device is not Device.CUDA or self.event_storage is None:
             return None
         assert self.resident_storage_bytes is not None and self.event_bytes is not None
@@ -177,6 +181,8 @@ class MemoryEstimate:
             zip(self.event_storage.tolist(), self.event_bytes.tolist(), strict=True),
             expandable_segments=expandable_segments,
             capacity_bytes=capacity_bytes,
+            frames=frames,
+            record=frames is not None,
         )
 
     def memory_snapshot(self, expandable_segments: bool | None = None) -> dict[str, Any] | None:
@@ -209,17 +215,8 @@ class MemoryEstimate:
             [{"filename": labels[int(row)], "line": 0, "name": PHASES[int(phase)].value}]
             for row, phase in zip(self.event_module, self.event_phase, strict=True)
         ]
-        residents = self.resident_storage_bytes.tolist()
-        if self.extras.cublas_workspace_bytes:
-            residents.append(self.extras.cublas_workspace_bytes)
-        replayed = replay(
-            residents,
-            zip(self.event_storage.tolist(), self.event_bytes.tolist(), strict=True),
-            expandable_segments=expandable_segments,
-            frames=frames,
-            record=True,
-        )
-        return replayed.snapshot
+        replayed = self.replayed(expandable_segments, frames=frames)
+        return None if replayed is None else replayed.snapshot
 
     def save_memory_snapshot(self, path: str, expandable_segments: bool | None = None) -> None:
         """Pickle :meth:`memory_snapshot` to ``path``, as
@@ -272,12 +269,13 @@ class MemoryEstimate:
         ``device="cpu"``."""
         if self.allocator is None:
             return None
+        room = capacity_bytes - self.extras.cuda_context_bytes
+        if self.allocator.peak_reserved_bytes <= room:
+            return True  # the unconstrained run never reaches the cap: the same run
         if self.expandable_segments:  # no capacity modelled: the pages it maps must fit
-            return self.allocator.peak_reserved_bytes + self.extras.cuda_context_bytes <= (
-                capacity_bytes
-            )
+            return False
         try:
-            self.replayed(capacity_bytes=capacity_bytes - self.extras.cuda_context_bytes)
+            self.replayed(capacity_bytes=room)
         except OutOfMemory:
             return False
         return True
@@ -286,8 +284,8 @@ class MemoryEstimate:
     def device_bytes(self) -> int | None:
         """The device memory the step needs: the least the allocator can reserve and still
         run the step (releasing cached segments as it does before an out-of-memory error;
-        to 2 MiB), plus the CUDA context outside it. Between the whole-block allocated peak
-        and the unconstrained reserved peak, plus the context. None for ``device="cpu"``."""
+        to 2 MiB), plus the CUDA context outside it: at most the unconstrained reserved peak
+        plus the context. None for ``device="cpu"``."""
         free = self.allocator
         if free is None:
             return None
@@ -296,8 +294,11 @@ class MemoryEstimate:
             # mapped at the peak (an upper bound)
             return free.peak_reserved_bytes + self.extras.cuda_context_bytes
         step = K_ROUND_LARGE
-        lo = (free.peak_allocated_bytes - 1) // step  # in 2 MiB units: infeasible below
-        hi = -(-free.peak_reserved_bytes // step)  # feasible (nothing had to be released)
+        # In 2 MiB units. Below the peak of 512-byte blocks the step cannot run whatever the
+        # allocator does; at the unconstrained reserved peak nothing had to be released.
+        rounded = self.peak_bytes + self.extras.allocator_rounding_bytes
+        lo = (rounded + self.extras.cublas_workspace_bytes - 1) // step
+        hi = -(-free.peak_reserved_bytes // step)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             try:

@@ -15,7 +15,14 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["NO_LEVERS", "Levers", "repeated_blocks", "resolve_levers", "resolve_lora"]
+__all__ = [
+    "LEVER_KEYWORDS",
+    "NO_LEVERS",
+    "Levers",
+    "repeated_blocks",
+    "resolve_levers",
+    "resolve_lora",
+]
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,9 @@ class Levers:
 
 
 NO_LEVERS = Levers()
+
+# The keywords of ``estimate`` (and of everything that forwards to it) that are levers.
+LEVER_KEYWORDS = ("checkpoint", "trainable", "grad_accumulation", "lora_rank", "lora_targets")
 
 
 def _outermost(names: Sequence[str]) -> tuple[str, ...]:
@@ -196,6 +206,8 @@ def resolve_levers(
     checkpoint: object = None,
     trainable: object = None,
     grad_accumulation: object = 1,
+    lora_rank: object = None,
+    lora_targets: object = "auto",
 ) -> Levers:
     """The :class:`Levers` a user's keywords mean for this model, or a ValueError /
     TypeError that names the problem and the valid forms.
@@ -217,6 +229,9 @@ def resolve_levers(
         fnmatch patterns of the parameter names that train; every other is frozen.
     grad_accumulation : int
         Micro-batches per optimizer step (>= 1).
+    lora_rank, lora_targets
+        LoRA by PEFT (:func:`resolve_lora`); not with ``trainable`` (PEFT decides what
+        trains).
 
     Examples
     --------
@@ -235,6 +250,12 @@ def resolve_levers(
             f"grad_accumulation must be >= 1 (micro-batches per optimizer step), got "
             f"{grad_accumulation}"
         )
+    rank, targets = resolve_lora(lora_rank, lora_targets)
+    if rank is not None and trainable is not None:
+        raise ValueError(
+            "give trainable or lora_rank, not both: with LoRA, PEFT decides what trains "
+            "(the adapters; every base weight is frozen)"
+        )
     names, hf = _resolve_checkpoint(
         checkpoint, module_names, module_types, auto_blocks, hf_auto, model_name
     )
@@ -243,6 +264,8 @@ def resolve_levers(
         checkpoint_hf=hf,
         trainable=_resolve_trainable(trainable, param_names),
         grad_accumulation=int(grad_accumulation),
+        lora_rank=rank,
+        lora_targets=targets,
     )
 
 

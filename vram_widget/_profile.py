@@ -14,7 +14,7 @@ import numpy as np
 
 from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from ._gpus import Gpu, parse_capacity
-from ._levers import NO_LEVERS, Levers, resolve_levers, resolve_lora
+from ._levers import LEVER_KEYWORDS, NO_LEVERS, Levers, resolve_levers
 from ._options import (
     Device,
     FitBasis,
@@ -141,16 +141,10 @@ class ModelProfile:
     ) -> Levers:
         """The :class:`Levers` that ``estimate``'s lever keywords mean for this model (a
         ValueError / TypeError naming the problem and the valid forms)."""
-        rank, targets = resolve_lora(lora_rank, lora_targets)
-        if rank is not None and trainable is not None:
-            raise ValueError(
-                "give trainable or lora_rank, not both: with LoRA, PEFT decides what trains "
-                "(the adapters; every base weight is frozen)"
-            )
         if isinstance(checkpoint, list | tuple) and self.name_prefix:
             # patterns of the plain model's names also match inside PEFT's wrapper
             checkpoint = [self.name_prefix + str(p) for p in checkpoint]
-        levers = resolve_levers(
+        return resolve_levers(
             module_names=self.rows.names[:-2],
             module_types=self.rows.types[:-2],
             param_names=self.param_names,
@@ -160,8 +154,9 @@ class ModelProfile:
             checkpoint=checkpoint,
             trainable=trainable,
             grad_accumulation=grad_accumulation,
+            lora_rank=lora_rank,
+            lora_targets=lora_targets,
         )
-        return dataclasses.replace(levers, lora_rank=rank, lora_targets=targets)
 
     def _lora(self, levers: Levers) -> tuple[ModelProfile, dict[str, Any]]:
         """The LoRA profile of ``levers`` (made on first use) and the levers to ask it for:
@@ -606,10 +601,10 @@ class ModelProfile:
         ``capacity_bytes`` at ``batch_size`` (0 when not even one token fits), "fits" on
         the ``basis`` of :meth:`max_batch_size`.
 
-        Each length the search tries for the first time is profiled at that length (about
-        as long as the first profile; cached), so this takes one profile per length tried:
-        a doubling bracket from the example's length, then bisection (about ``2 *
-        log2(answer / seq_len)`` lengths).
+        The search is a doubling bracket from the example's length, then bisection (about
+        ``2 * log2(answer / seq_len)`` lengths). Where the profile holds memory as a verified
+        polynomial in the length (made on the first other length), each is numpy; where
+        not, each length tried is profiled once (cached).
 
         Examples
         --------
@@ -712,7 +707,9 @@ class ModelProfile:
             lengths = [self.seq_len if n is None else n for n in checked]
         opt = parse_optimizer(optimizer)
         self.estimate(1, prec, opt, run_mode, **levers)  # the example's length, the optimizer
-        lever_keywords = {k: v for k, v in levers.items() if k != "expandable_segments"}
+        # ``levers`` are estimate keywords: the levers among them, and the others as they are
+        lever_keywords = {k: v for k, v in levers.items() if k in LEVER_KEYWORDS}
+        others = {k: v for k, v in levers.items() if k not in LEVER_KEYWORDS}
         resolved = self.levers(**lever_keywords) if run_mode is Mode.TRAIN else NO_LEVERS
         if resolved.lora_rank is not None:
             sub, kwargs = self._lora(resolved)
@@ -725,7 +722,7 @@ class ModelProfile:
                 compute_capability=compute_capability,
                 profile_lengths=profile_lengths,
                 basis=basis,
-                expandable_segments=levers.get("expandable_segments", False),
+                **others,
                 **kwargs,
             )
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._levers import Levers, repeated_blocks, resolve_levers, resolve_lora
+from ._levers import Levers, repeated_blocks, resolve_levers
 from ._options import OptimizerName, Precision
 
 # The optimizer registry: name -> (class, keyword arguments). Hyper-parameters do not change
@@ -459,18 +459,12 @@ def model_levers(
 ) -> Levers:
     """The :class:`Levers` the keywords mean for ``model`` (as ``ModelProfile.levers`` does
     from a profile's names)."""
-    rank, targets = resolve_lora(lora_rank, lora_targets)
-    if rank is not None and trainable is not None:
-        raise ValueError(
-            "give trainable or lora_rank, not both: with LoRA, PEFT decides what trains "
-            "(the adapters; every base weight is frozen)"
-        )
     names, types = [], []
     for name, module in model.named_modules():
         names.append(name)
         types.append(type(module).__name__)
     auto, hf = checkpoint_auto(model, names, types)
-    levers = resolve_levers(
+    return resolve_levers(
         module_names=names,
         module_types=types,
         param_names=[n for n, _p in model.named_parameters()],
@@ -480,8 +474,9 @@ def model_levers(
         checkpoint=checkpoint,
         trainable=trainable,
         grad_accumulation=grad_accumulation,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
     )
-    return dataclasses.replace(levers, lora_rank=rank, lora_targets=targets)
 
 
 def meta_copy(model: torch.nn.Module) -> torch.nn.Module:

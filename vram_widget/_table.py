@@ -614,6 +614,12 @@ def _same_timeline_steps(a: Timeline, b: Timeline) -> bool:
         and np.array_equal(a.storage_category, b.storage_category)
         and a.backward_start == b.backward_start
         and a.optimizer_at == b.optimizer_at
+        # the allocator replay pairs frees with allocations by storage id
+        and (
+            a.event_storage is None
+            or b.event_storage is None
+            or np.array_equal(a.event_storage, b.event_storage)
+        )
     )
 
 

@@ -278,17 +278,8 @@ class MemoryWidget(widgets.VBox):
     @traitlets.validate("checkpoint", "trainable", "grad_accumulation", "lora_rank")
     def _valid_levers(self, proposal: dict[str, Any]) -> Any:
         value = proposal["value"]
-        name = proposal["trait"].name
-        raw = {n: getattr(self, n) for n in ("checkpoint", "trainable", "grad_accumulation")}
-        raw = {**raw, "lora_rank": self.lora_rank, name: value}
-        settings = {
-            "checkpoint": _checkpoint_arg(raw["checkpoint"]),
-            "trainable": _trainable_arg(raw["trainable"]),
-            "grad_accumulation": raw["grad_accumulation"],
-            "lora_rank": raw["lora_rank"] or None,
-        }
         try:
-            self._profile.levers(**settings)
+            self._profile.levers(**self._lever_settings(**{proposal["trait"].name: value}))
         except (TypeError, ValueError) as exc:
             raise traitlets.TraitError(str(exc)) from None
         return value
@@ -320,12 +311,14 @@ class MemoryWidget(widgets.VBox):
     def _cuda(self) -> bool:
         return self._profile.device is Device.CUDA
 
-    def _lever_settings(self) -> dict[str, Any]:
+    def _lever_settings(self, **proposed: Any) -> dict[str, Any]:
+        """The lever traits (or ``proposed`` values for some) as ``estimate`` takes them."""
+        raw = {name: proposed.get(name, getattr(self, name)) for name in _LEVER_TRAITS}
         return {
-            "checkpoint": _checkpoint_arg(self.checkpoint),
-            "trainable": _trainable_arg(self.trainable),
-            "grad_accumulation": self.grad_accumulation,
-            "lora_rank": self.lora_rank or None,
+            "checkpoint": _checkpoint_arg(raw["checkpoint"]),
+            "trainable": _trainable_arg(raw["trainable"]),
+            "grad_accumulation": raw["grad_accumulation"],
+            "lora_rank": raw["lora_rank"] or None,
         }
 
     def _levers(self) -> Levers:
@@ -827,6 +820,9 @@ class MemoryWidget(widgets.VBox):
             fig.to_html(include_plotlyjs="cdn", full_html=False)
             + f"<div>{self._summary.value}</div>"
         )
+
+
+_LEVER_TRAITS = ("checkpoint", "trainable", "grad_accumulation", "lora_rank")
 
 
 def _checkpoint_arg(value: str) -> str | None:
