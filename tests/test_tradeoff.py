@@ -48,20 +48,35 @@ def tokens() -> ModelProfile:
 
 
 def test_every_frontier_point_fits_and_one_more_sample_does_not(tokens: ModelProfile) -> None:
-    capacity = 64 * MIB
+    # 64 MiB of room beside the CUDA context (a capacity below the context is refused)
+    capacity = tokens.estimate(1).extras.cuda_context_bytes + 64 * MIB
     f = tokens.frontier(capacity, optimizer="sgd")
     assert f.complete and f.capacity_bytes == capacity
     assert f.seq_lens[0] == 1 and 32 in f.seq_lens  # the example's length is on the grid
     assert f.seq_lens[-1] == 2**17  # no position table: up to 128k tokens
-    # the largest batch never grows with the length
+    # the largest batch never grows with the length; short lengths fit, the longest does not
     assert np.all(np.diff(f.max_batch_sizes) <= 0)
+    assert f.max_batch_sizes[0] > 1000 and f.max_batch_sizes[-1] == 0
     for length, batch in zip(f.seq_lens.tolist(), f.max_batch_sizes.tolist(), strict=True):
         if batch == 0:
-            assert tokens.estimate(1, optimizer="sgd", seq_len=length).total_bytes > capacity
+            assert not tokens.estimate(1, optimizer="sgd", seq_len=length).fits(capacity)
             continue
-        assert tokens.estimate(batch, optimizer="sgd", seq_len=length).total_bytes <= capacity
-        above = tokens.estimate(batch + 1, optimizer="sgd", seq_len=length).total_bytes
-        assert above > capacity, length
+        assert tokens.estimate(batch, optimizer="sgd", seq_len=length).fits(capacity)
+        above = tokens.estimate(batch + 1, optimizer="sgd", seq_len=length)
+        assert not above.fits(capacity), length
+
+
+def test_capacities_the_cuda_context_fills_are_refused(tokens: ModelProfile) -> None:
+    # the context (CUDA_SEMANTICS.md: 500 MiB assumed) leaves the allocator nothing
+    context = tokens.estimate(1).extras.cuda_context_bytes
+    for call in (
+        lambda: tokens.max_batch_size(context),
+        lambda: tokens.max_seq_len(64 * MIB, batch_size=2),
+        lambda: tokens.frontier("256 MiB"),
+    ):
+        with pytest.raises(ValueError, match=r"not above the CUDA context alone \(524,288,000"):
+            call()
+    assert tokens.max_batch_size(context + 64 * MIB) > 0
 
 
 def test_frontier_at_chosen_lengths_and_settings(tokens: ModelProfile) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import re
@@ -18,7 +19,7 @@ from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
 from vram_widget._figures import TRACE_NAMES
 from vram_widget._gpus import GPUS
 from vram_widget._profile import ModelProfile
-from vram_widget._widget import MemoryWidget, format_bytes
+from vram_widget._widget import DEVICE_LINE_DELAY_S, MemoryWidget, format_bytes
 
 GIB = 2**30
 PEAK = TRACE_NAMES.index("peak")
@@ -612,4 +613,50 @@ def test_capacity_below_the_cuda_context_is_said() -> None:
     w = MemoryWidget(profile, gpu="64 MiB")
     assert "does not fit" in w.summary_html
     assert "the capacity is below the CUDA context alone" in w.summary_html
-    assert w.largest_batch() == 0
+    assert w.largest_batch() == 0  # the API refuses such a capacity; the widget says why
+    entry = zoo.ZOO["dict_input"]  # a sequence axis: the frontier panel, nothing fits
+    tokens = profile_model(entry.build(), inputs=entry.make_inputs(2))
+    shown = MemoryWidget(tokens, gpu="64 MiB", show_frontier=True)
+    assert shown.frontier().max_batch_sizes.tolist() == [0]
+    assert "below the CUDA context" in shown.summary_html
+
+
+def test_device_line_gives_the_third_number() -> None:
+    # allocated -> reserved -> device: est.device_bytes, with the context, in its own line
+    profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
+    w = MemoryWidget(profile, batch_size=16)
+    est = profile.estimate(16)
+    assert est.device_bytes is not None and est.reserved_bytes is not None
+    context = est.extras.cuda_context_bytes
+    assert f"<b>{format_bytes(est.device_bytes)}</b>" in w.device_html  # no event loop: now
+    assert f"({format_bytes(est.device_bytes - context)}), + the CUDA context" in w.device_html
+    assert f"reserved {format_bytes(est.reserved_bytes)}" in w.device_html
+    assert MemoryWidget(profile_model(zoo.mlp(), input_size=(784,), device="cpu")).device_html == ""
+
+
+def test_device_line_waits_for_the_controls_to_rest() -> None:
+    # In a kernel (a running event loop) the allocator search runs once the moves stop:
+    # two quick moves give one search, for the setting the controls rest on.
+    profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
+    w = MemoryWidget(profile, batch_size=16)
+    searched: list[int] = []
+    device_html = w._device_html
+
+    def counted(est: MemoryEstimate) -> str:
+        searched.append(est.batch_size)
+        return device_html(est)
+
+    w._device_html = counted  # type: ignore[method-assign]
+
+    async def move() -> tuple[str, str]:
+        w.batch_size = 8
+        w.batch_size = 32
+        pending = w.device_html
+        await asyncio.sleep(3 * DEVICE_LINE_DELAY_S)
+        return pending, w.device_html
+
+    pending, rested = asyncio.run(move())
+    assert "replaying the allocator" in pending
+    assert searched == [32]
+    device = profile.estimate(32).device_bytes
+    assert device is not None and f"<b>{format_bytes(device)}</b>" in rested

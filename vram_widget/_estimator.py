@@ -294,20 +294,26 @@ class MemoryEstimate:
             # mapped at the peak (an upper bound)
             return free.peak_reserved_bytes + self.extras.cuda_context_bytes
         step = K_ROUND_LARGE
-        # In 2 MiB units. Below the peak of 512-byte blocks the step cannot run whatever the
-        # allocator does; at the unconstrained reserved peak nothing had to be released.
+        # In 2 MiB units, climbing from a lower bound: below the peak of 512-byte blocks the
+        # step cannot run whatever the allocator does. A cap that fails says by how much the
+        # segment it could not reserve was over it (after the allocator released what it
+        # could); the next cap is that much higher, as no smaller raise gets past that
+        # request. The first cap that runs is the answer, every lower one tried having
+        # failed; at the unconstrained reserved peak nothing has to be released, so the
+        # climb stops there at the latest. A failing replay stops at its failure, so this
+        # costs about half a bisection between the two bounds (measured: 2-11 replays).
         rounded = self.peak_bytes + self.extras.allocator_rounding_bytes
-        lo = (rounded + self.extras.cublas_workspace_bytes - 1) // step
-        hi = -(-free.peak_reserved_bytes // step)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
+        cap = -(-(rounded + self.extras.cublas_workspace_bytes) // step)
+        top = -(-free.peak_reserved_bytes // step)
+        while cap < top:
             try:
-                self.replayed(capacity_bytes=mid * step)
-            except OutOfMemory:
-                lo = mid
+                self.replayed(capacity_bytes=cap * step)
+            except OutOfMemory as short:
+                over = short.reserved + short.segment - cap * step
+                cap += max(1, -(-over // step))
             else:
-                hi = mid
-        return hi * step + self.extras.cuda_context_bytes
+                break
+        return min(cap, top) * step + self.extras.cuda_context_bytes
 
     @property
     def reserved_bytes(self) -> int | None:

@@ -573,6 +573,7 @@ class ModelProfile:
             return at(batch).fits(capacity, fit_basis)
 
         one = at(1)
+        _check_above_context(one, capacity)
         if not fits(1):
             return 0
         start = _affine_guess(one, at(2), capacity, limit)
@@ -635,6 +636,12 @@ class ModelProfile:
             )
             return est.fits(capacity, fit_basis)
 
+        _check_above_context(
+            self.estimate(
+                batch, precision, optimizer, mode, compute_capability=compute_capability, **levers
+            ),
+            capacity,
+        )
         if not fits(1):
             return 0
         if self.seq_len_limit is not None:
@@ -706,7 +713,11 @@ class ModelProfile:
             checked = [self.check_seq_len(n) for n in seq_lens]
             lengths = [self.seq_len if n is None else n for n in checked]
         opt = parse_optimizer(optimizer)
-        self.estimate(1, prec, opt, run_mode, **levers)  # the example's length, the optimizer
+        # the example's length, the optimizer
+        _check_above_context(
+            self.estimate(1, prec, opt, run_mode, compute_capability=compute_capability, **levers),
+            capacity,
+        )
         # ``levers`` are estimate keywords: the levers among them, and the others as they are
         lever_keywords = {k: v for k, v in levers.items() if k in LEVER_KEYWORDS}
         others = {k: v for k, v in levers.items() if k not in LEVER_KEYWORDS}
@@ -813,6 +824,19 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
     if major < 1 or minor < 0:
         raise ValueError(f"compute_capability must be (major, minor) >= (1, 0); got {value!r}")
     return major, minor
+
+
+def _check_above_context(est: MemoryEstimate, capacity: int) -> None:
+    """A capacity that the CUDA context alone fills leaves the allocator nothing: refused,
+    rather than "0 samples fit", which reads as a property of the model."""
+    context = est.extras.cuda_context_bytes
+    if capacity <= context:
+        raise ValueError(
+            f"a capacity of {capacity:,} bytes ({capacity / 2**30:.3g} GiB) is not above the "
+            f"CUDA context alone ({context:,} bytes, {context / 2**30:.3g} GiB, outside the "
+            "caching allocator): give the card's whole memory, as bytes, a string with a unit "
+            '("24 GB", "80GiB") or a GPU name ("A100 80GB")'
+        )
 
 
 def _affine_guess(one: MemoryEstimate, two: MemoryEstimate, capacity_bytes: int, limit: int) -> int:

@@ -8,6 +8,7 @@ an optimizer) not yet profiled runs the profiler once more, behind a "profilingâ
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import html
@@ -52,6 +53,8 @@ _NO_OPTIMIZER = "none"
 _CHECKPOINT_OFF = "off"
 _OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
 _TABLE_ROWS = 25
+# the rest after a move before the device line's allocator search runs (a kernel)
+DEVICE_LINE_DELAY_S = 0.15
 
 
 def format_bytes(nbytes: int | float) -> str:
@@ -163,6 +166,9 @@ class MemoryWidget(widgets.VBox):
         )
         self._build_controls()
         self._summary = widgets.HTML()
+        # the device figure: allocator replays under caps, after the summary (below)
+        self._device = widgets.HTML()
+        self._device_pending: asyncio.TimerHandle | None = None
         self._table = widgets.HTML()
         self._status = widgets.HTML()
         self._csv_button = widgets.Button(
@@ -199,7 +205,14 @@ class MemoryWidget(widgets.VBox):
         if self._profile.has_seq_axis:
             self._frontier_panel.observe(self._frontier_toggled, "selected_index")
             panels.insert(0, self._frontier_panel)
-        self.children = [self._controls, self._status, self._figure, self._summary, *panels]
+        self.children = [
+            self._controls,
+            self._status,
+            self._figure,
+            self._summary,
+            self._device,
+            *panels,
+        ]
         self.observe(self._on_change, names=list(_SETTINGS))
         if self.show_frontier:
             self._on_change({"name": "show_frontier", "old": False, "new": True})
@@ -232,6 +245,12 @@ class MemoryWidget(widgets.VBox):
     def summary_html(self) -> str:
         """The summary panel's HTML."""
         return str(self._summary.value)
+
+    @property
+    def device_html(self) -> str:
+        """The device line's HTML (CUDA): allocated -> reserved -> what the device needs;
+        in a running kernel it says it is computing until the controls rest."""
+        return str(self._device.value)
 
     def to_dataframe(self) -> pd.DataFrame:
         """Per-layer rows of the current estimate (one per module, plus loss and optimizer)."""
@@ -361,8 +380,20 @@ class MemoryWidget(widgets.VBox):
         if key not in self._frontier_cache:
             s = self._settings()
             del s["seq_len"]
-            self._frontier_cache[key] = self._profile.frontier(self.target.memory_bytes, **s)
+            capacity = self.target.memory_bytes
+            if self._below_context(capacity):  # the summary says so; nothing fits anywhere
+                lengths = np.asarray([self.seq_len or 1], dtype=np.int64)
+                frontier = Frontier(capacity, lengths, np.zeros_like(lengths), complete=False)
+            else:
+                frontier = self._profile.frontier(capacity, **s)
+            self._frontier_cache[key] = frontier
         return self._frontier_cache[key]
+
+    def _below_context(self, capacity: int) -> bool:
+        """Whether the CUDA context alone fills ``capacity`` (the API refuses such a
+        capacity; the widget answers "nothing fits" and says why)."""
+        settings = self._settings()
+        return capacity <= self._profile.estimate(1, **settings).extras.cuda_context_bytes
 
     def _compute(self) -> MemoryEstimate:
         return self._profile.estimate(self.batch_size, **self._settings())
@@ -484,7 +515,9 @@ class MemoryWidget(widgets.VBox):
             self._levers(),
         )
         if key not in self._fit_cache:
-            self._fit_cache[key] = self._profile.max_batch_size(capacity, **s)
+            self._fit_cache[key] = (
+                0 if self._below_context(capacity) else self._profile.max_batch_size(capacity, **s)
+            )
         return self._fit_cache[key]
 
     def bytes_per_sample(self) -> int:
@@ -501,6 +534,51 @@ class MemoryWidget(widgets.VBox):
     def _render_text(self) -> None:
         self._summary.value = self._summary_html()
         self._table.value = self._table_html()
+        self._schedule_device_line()
+
+    def _schedule_device_line(self) -> None:
+        """The device line, after the figure and summary.
+
+        ``device_bytes`` is a search of allocator replays under caps (5-30 ms for ResNet-50,
+        more than a slider move may take), so in a running kernel it is filled in once the
+        controls rest for ``DEVICE_LINE_DELAY_S`` (a new move cancels a pending one); with no
+        event loop (a script, a test) it is filled in at once."""
+        if self._device_pending is not None:
+            self._device_pending.cancel()
+            self._device_pending = None
+        est = self._estimate
+        if est.allocator is None:
+            self._device.value = ""
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._device.value = self._device_html(est)
+            return
+        self._device.value = "<b>On the device</b>: <i>replaying the allocator under capsâ€¦</i>"
+        self._device_pending = loop.call_later(DEVICE_LINE_DELAY_S, self._fill_device_line, est)
+
+    def _fill_device_line(self, est: MemoryEstimate) -> None:
+        self._device_pending = None
+        if est is self._estimate:  # not a setting moved away from since
+            self._device.value = self._device_html(est)
+
+    def _device_html(self, est: MemoryEstimate) -> str:
+        """Allocated -> reserved -> device: the third of the three numbers (CUDA)."""
+        device = est.device_bytes
+        replayed = est.allocator
+        assert device is not None and replayed is not None
+        context = est.extras.cuda_context_bytes
+        capacity = self.target.memory_bytes
+        share = f" ({device / capacity:.0%} of {html.escape(self.target.name)})"
+        return (
+            f"<b>On the device</b> (what an out-of-memory error decides on): "
+            f"<b>{format_bytes(device)}</b>{share} = the least the caching allocator can "
+            f"reserve and still run the step, releasing its cached segments "
+            f"({format_bytes(device - context)}), + the CUDA context "
+            f"({format_bytes(context)}). Allocated {format_bytes(est.peak_bytes)} -> reserved "
+            f"{format_bytes(replayed.peak_reserved_bytes)} (nothing released) -> device"
+        )
 
     def _summary_html(self) -> str:
         est = self._estimate
@@ -819,6 +897,7 @@ class MemoryWidget(widgets.VBox):
         return (
             fig.to_html(include_plotlyjs="cdn", full_html=False)
             + f"<div>{self._summary.value}</div>"
+            + (f"<div>{self._device_html(self._estimate)}</div>" if self._device.value else "")
         )
 
 

@@ -331,6 +331,8 @@ const root = label && label.closest('.jp-OutputArea-output');
 const gd = root && root.querySelector('.js-plotly-plot');
 const summary = root && Array.from(root.querySelectorAll('.widget-html-content'))
   .map(e => e.innerText).find(t => t.includes('peak'));
+const device = root && Array.from(root.querySelectorAll('.widget-html-content'))
+  .map(e => e.innerText).find(t => t.startsWith('On the device'));
 const handle = label && label.closest('.widget-slider').querySelector('.noUi-handle');
 """
 
@@ -344,6 +346,7 @@ def js_widget_state(label: str = "batch size") -> str:
   return {{
     fingerprint: {_JS_FINGERPRINT},
     summary: summary || '',
+    device: device || '',
     traces: gd.data.length,
     slider: handle ? handle.getAttribute('aria-valuenow') : null,
   }};

@@ -170,6 +170,16 @@ def test_slider_move_redraws_figure_and_summary(session: Session) -> None:
     assert session.after["slider"] != session.before["slider"]
 
 
+def test_device_line_filled_once_the_slider_rests(session: Session) -> None:
+    # The third number (est.device_bytes, allocator replays under caps) is computed by the
+    # kernel's event loop once the controls rest: after the moves it is there, not pending.
+    assert session.before is not None and session.after is not None
+    for state in (session.before, session.after):
+        assert state["device"].startswith("On the device"), state["device"]
+        assert "replaying" not in state["device"]
+        assert "+ the CUDA context" in state["device"]
+
+
 def test_sequence_slider_and_frontier_panel(session: Session) -> None:
     # The BERT widget (transformers is a test dependency): its sequence slider is shown.
     assert session.seq_error is None, session.seq_error
