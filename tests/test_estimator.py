@@ -605,6 +605,37 @@ def test_reserved_bytes_replay_a_linear_step_by_hand() -> None:
     assert cpu.estimate(1).device_bytes is None and cpu.estimate(1).fits_device(2**30) is None
 
 
+@pytest.fixture(scope="module")
+def resnet18_64() -> Any:
+    from vram_widget import zoo
+
+    return profile_model(zoo.resnet18(), input_size=(3, 64, 64))
+
+
+@pytest.mark.parametrize(("batch", "optimizer"), [(8, "adamw"), (32, "adamw"), (64, "sgd")])
+def test_device_bytes_is_the_least_capacity_a_search_of_caps_finds(
+    resnet18_64: Any, batch: int, optimizer: str
+) -> None:
+    # device_bytes climbs from the 512-byte-block peak by each failed replay's shortfall.
+    # Checked against a plain bisection over fits_device in 2 MiB steps, here in the test:
+    # the same least capacity, strictly between the whole blocks in use and the
+    # unconstrained reserved peak (ResNet-18 at 3x64x64 fragments: cached segments must go).
+    est = resnet18_64.estimate(batch, "fp32", optimizer)
+    assert est.device_bytes is not None and est.reserved_bytes is not None
+    context, step = est.extras.cuda_context_bytes, 2**21
+    lo = (est.peak_bytes - 1) // step  # fits_device(context + lo * step) is False
+    hi = -(-est.reserved_bytes // step)  # the unconstrained run: True
+    assert est.fits_device(context + lo * step) is False and est.fits_device(context + hi * step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if est.fits_device(context + mid * step):
+            hi = mid
+        else:
+            lo = mid
+    assert est.device_bytes == context + hi * step
+    assert est.peak_bytes + context < est.device_bytes < est.reserved_bytes + context
+
+
 @pytest.mark.parametrize("name", ["resnet18", "transformer_encoder", "causal_decoder", "lstm"])
 def test_reserved_is_at_least_the_whole_blocks_in_use(name: str) -> None:
     # Invariants of any replay: the allocator's allocated peak (whole blocks) is at least the
