@@ -181,6 +181,7 @@ def test_peak_in_the_optimizer_at_small_batch() -> None:
         Category.ACTIVATION: 0,  # +160 then -160 before the peak
         Category.TEMPORARY: 300,  # the optimizer's two live temporaries
         Category.INPUT: 80,
+        Category.COMMUNICATION: 0,  # one device: no data-parallel buffers
     }
     assert sum(est.peak_breakdown.values()) == est.peak_bytes
 
@@ -455,7 +456,8 @@ def test_fit_timeline_exact() -> None:
     assert tl.storage_bytes.at(10).tolist() == [64, 120, 84]
     assert tl.flops_forward.at(7).tolist() == [0, 42, 0, 0]
     assert tl.output_shapes[1] == ((0, 1), (3, 0))
-    assert tl.resident_by_category(10).tolist() == [64, 0, 0, 0, 0, 0, 120]
+    # per Category, in order: parameters 64, inputs 120 (no communication buffers)
+    assert tl.resident_by_category(10).tolist() == [64, 0, 0, 0, 0, 0, 120, 0]
 
 
 def test_fit_timeline_flags_a_nonaffine_model() -> None:

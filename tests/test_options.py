@@ -133,4 +133,5 @@ def test_codes_are_stable() -> None:
         "Activation",
         "Temporary",
         "Input",
+        "Communication buffer",
     ]

@@ -7,7 +7,7 @@ lays the step's events end to end on top of what is resident and reads off the p
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -40,8 +40,10 @@ from ._options import (
     OptimizerName,
     Phase,
     Precision,
+    Strategy,
     parse_option,
 )
+from ._sharding import SINGLE_DEVICE, Parallel
 from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, sum_by
 
 if TYPE_CHECKING:
@@ -130,6 +132,7 @@ class MemoryEstimate:
     optimizer_state_bytes: int
     activation_bytes: int
     input_bytes: int
+    communication_bytes: int  # a data-parallel strategy's resident buffers (DDP's buckets)
     peak_breakdown: Mapping[Category, int]
     flops_forward: int
     flops_backward: int
@@ -148,6 +151,9 @@ class MemoryEstimate:
     resident_storage_bytes: np.ndarray | None = field(default=None, repr=False)
     # the caching allocator's setting the reserved and device figures are for
     expandable_segments: bool = False
+    # data-parallel ranks the step is one of (1: one device), and their strategy (None: 1)
+    gpus: int = 1
+    strategy: Strategy | None = None
 
     @cached_property
     def allocator(self) -> AllocatorReplay | None:
@@ -394,9 +400,13 @@ def estimate(
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
     levers: Levers = NO_LEVERS,
     expandable_segments: bool = False,
+    parallel: Parallel = SINGLE_DEVICE,
+    communication_blocks: Sequence[int] = (),
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
-    ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace)."""
+    ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace);
+    ``communication_blocks`` are the buffers ``parallel``'s strategy keeps resident on each
+    rank (``_sharding``), allocated before the step as the parameters are."""
     if batch_size == 1 and timeline.batch_one is not None:
         timeline = timeline.batch_one  # the step at batch 1 as profiled there
     n_rows = len(rows.names)
@@ -430,6 +440,11 @@ def estimate(
         cats = np.concatenate([cats[:k], np.full(n_opt, _TEMPORARY, np.int8), cats[k:]])
         ops = np.concatenate([ops[:k], np.full(n_opt, -1, np.int32), ops[k:]])
         resident[CATEGORY_CODE[Category.OPTIMIZER_STATE]] += int(opt.state_bytes.sum())
+    if communication_blocks:
+        resident[CATEGORY_CODE[Category.COMMUNICATION]] += sum(communication_blocks)
+        resident_blocks = np.concatenate(
+            [resident_blocks, np.asarray(list(communication_blocks), dtype=object)]
+        )
     resident_total = _as_int(resident.sum())
     live = resident_total + np.cumsum(seq) if len(seq) else np.zeros(0, dtype=np.int64)
     if len(live) and live.max() > resident_total:
@@ -503,6 +518,7 @@ def estimate(
         optimizer_state_bytes=int(opt_rows.sum()),
         activation_bytes=int(act_rows.sum()),
         input_bytes=_as_int(resident[CATEGORY_CODE[Category.INPUT]]),
+        communication_bytes=_as_int(resident[CATEGORY_CODE[Category.COMMUNICATION]]),
         peak_breakdown=breakdown,
         flops_forward=_as_int(flops_f.sum()),
         flops_backward=_as_int(flops_b.sum()),
@@ -517,6 +533,8 @@ def estimate(
         event_bytes=seq,
         resident_storage_bytes=resident_blocks,
         expandable_segments=expandable_segments,
+        gpus=parallel.gpus,
+        strategy=parallel.strategy if parallel.distributed else None,
     )
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "checkpoint_recompute_context",
     "current_autograd_node_name",
     "current_autograd_sequence_nr",
+    "ddp_bucket_sizes",
     "new_fake_mode",
     "next_sequence_nr",
     "quiet_fake_tensor_log",
@@ -407,3 +408,11 @@ def recorded_cuda_memory(device: torch.device) -> Iterator[list[dict[str, Any]]]
         snapshots.append(torch.cuda.memory._snapshot(device))
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def ddp_bucket_sizes(model: torch.nn.Module) -> list[int]:
+    """The bytes of each gradient bucket a ``DistributedDataParallel`` model's reducer holds
+    now, from the reducer itself (``Reducer._get_zeros_like_grad_buckets``: a zero tensor
+    shaped like each bucket, made and dropped here)."""
+    buckets = model.reducer._get_zeros_like_grad_buckets()  # type: ignore[operator,union-attr]
+    return [int(b.buffer().untyped_storage().nbytes()) for b in buckets]

@@ -45,6 +45,7 @@ __all__ = [
     "WaterfallData",
     "build_figure",
     "build_frontier_figure",
+    "floor_categories",
     "group_rows",
     "output_shape_text",
     "update_figure",
@@ -58,7 +59,18 @@ FLOOR_CATEGORIES: tuple[Category, ...] = (
     Category.OPTIMIZER_STATE,
     Category.INPUT,
 )
-"""What is resident before the step starts, in the order the floor is stacked."""
+"""What is resident before the step starts, in the order the floor is stacked; a
+data-parallel rank's communication buffers (``Category.COMMUNICATION``) follow where it has
+any (:func:`floor_categories`)."""
+
+
+def floor_categories(est: MemoryEstimate) -> tuple[Category, ...]:
+    """The floor's bars for ``est``: :data:`FLOOR_CATEGORIES`, and the communication buffers
+    of a data-parallel rank where there are some."""
+    if est.communication_bytes:
+        return (*FLOOR_CATEGORIES, Category.COMMUNICATION)
+    return FLOOR_CATEGORIES
+
 
 _PHASE_COLOURS: dict[Phase, str] = {
     Phase.FORWARD: "#4C78A8",
@@ -165,10 +177,11 @@ class WaterfallData:
     """The figure's numbers for one estimate and one grouping depth (numpy arrays).
 
     ``run_*`` arrays have one entry per run of consecutive events in the same group and phase;
-    the runs sit at x = ``len(FLOOR_CATEGORIES) + arange(n_runs)``.
+    the runs sit at x = ``len(floor_categories) + arange(n_runs)``.
     """
 
-    floor_bytes: np.ndarray  # per FLOOR_CATEGORIES entry
+    floor_categories: tuple[Category, ...]  # the floor's bars (floor_categories(est))
+    floor_bytes: np.ndarray  # per floor_categories entry
     run_x: np.ndarray
     run_group: np.ndarray  # row index of the group
     run_phase: np.ndarray  # phase code
@@ -188,8 +201,12 @@ class WaterfallData:
 
 def _floor(est: MemoryEstimate) -> np.ndarray:
     optimizer = est.optimizer_state_bytes if est.mode is Mode.TRAIN else 0
+    values = [est.parameter_bytes, est.buffer_bytes, optimizer, est.input_bytes]
+    if est.communication_bytes:
+        values.append(est.communication_bytes)
     return np.array(
-        [est.parameter_bytes, est.buffer_bytes, optimizer, est.input_bytes], dtype=np.int64
+        values,
+        dtype=np.int64,
     )
 
 
@@ -204,7 +221,7 @@ def waterfall_data(est: MemoryEstimate, depth: int) -> WaterfallData:
     groups = group_rows(layers.depth, depth)
     n_rows = len(groups)
     live = np.asarray(est.live_bytes, dtype=np.int64)
-    n_floor = len(FLOOR_CATEGORIES)
+    n_floor = len(floor)
     if len(live):
         g = groups[np.asarray(est.event_module, dtype=np.int64)]
         ph = np.asarray(est.event_phase, dtype=np.int64)
@@ -247,6 +264,7 @@ def waterfall_data(est: MemoryEstimate, depth: int) -> WaterfallData:
         peak_x = float(n_floor - 1)
         peak = resident
     return WaterfallData(
+        floor_categories=floor_categories(est),
         floor_bytes=floor,
         run_x=run_x,
         run_group=run_group,
@@ -301,10 +319,10 @@ def _trace_updates(
     est: MemoryEstimate, data: WaterfallData, capacity_bytes: int | None
 ) -> list[dict[str, Any]]:
     """New data for every trace, in :data:`TRACE_NAMES` order."""
-    n_floor = len(FLOOR_CATEGORIES)
+    n_floor = len(data.floor_categories)
     floor_top = np.cumsum(data.floor_bytes)
     floor_base = floor_top - data.floor_bytes
-    floor_labels = np.array([c.value for c in FLOOR_CATEGORIES], dtype=str)
+    floor_labels = np.array([c.value for c in data.floor_categories], dtype=str)
     updates: list[dict[str, Any]] = [
         {
             "x": np.arange(n_floor),
@@ -367,7 +385,7 @@ def _trace_updates(
 def _layout_updates(
     est: MemoryEstimate, data: WaterfallData, capacity_bytes: int | None, gpu_name: str
 ) -> dict[str, Any]:
-    n_floor = len(FLOOR_CATEGORIES)
+    n_floor = len(data.floor_categories)
     shown = np.unique(data.run_group)
     named = 0 < len(shown) <= MAX_NAMED_GROUPS
     if named:
@@ -379,7 +397,7 @@ def _layout_updates(
         _, first = np.unique(data.run_group * len(PHASES) + data.run_phase, return_index=True)
         first = np.sort(first)
         xs = [*range(n_floor), *data.run_x[first].tolist()]
-        texts = [c.value for c in FLOOR_CATEGORIES]
+        texts = [c.value for c in data.floor_categories]
         texts += names[np.searchsorted(shown, data.run_group[first])].tolist()
         # Drop a label that would sit on the previous one (at most ~_MAX_TICKS fit the width);
         # one step per label, not per bar.

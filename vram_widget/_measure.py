@@ -34,7 +34,8 @@ import torch
 
 from ._fake import recorded_cuda_memory
 from ._levers import NO_LEVERS, Levers
-from ._options import Mode, OptimizerName, Precision, parse_optimizer, parse_option
+from ._options import Mode, OptimizerName, Precision, Strategy, parse_optimizer, parse_option
+from ._sharding import Parallel, resolve_parallel
 from ._step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -92,6 +93,10 @@ class Measurement:
     mode: Mode
     batch_size: int
     max_reserved_bytes: int | None = None
+    # with gpus > 1: the ranks, their strategy, and each rank's peak (this is the highest)
+    gpus: int = 1
+    strategy: Strategy | None = None
+    rank_peak_bytes: tuple[int, ...] = ()
     # with snapshot=True on CUDA: torch.cuda.memory._snapshot() recorded over the measured
     # iteration (compare with MemoryEstimate.compare_snapshot)
     snapshot: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -138,6 +143,9 @@ def measure(
     lora_rank: int | None = None,
     lora_targets: object = "auto",
     snapshot: bool = False,
+    gpus: int = 1,
+    strategy: str | Strategy = "ddp",
+    timeout_s: float = 600.0,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -181,6 +189,18 @@ def measure(
         CUDA only: record the caching allocator's history over the measured iteration and
         return its ``torch.cuda.memory._snapshot()`` as ``Measurement.snapshot`` (for
         ``MemoryEstimate.compare_snapshot`` and PyTorch's memory viewer).
+    gpus, strategy : int, str
+        Training on ``gpus`` data-parallel ranks, as ``ModelProfile.estimate`` takes them:
+        ``gpus`` processes are forked, joined in a gloo process group on 127.0.0.1 (a free
+        port), and each wraps its copy as the strategy's library does
+        (``DistributedDataParallel`` with its defaults for ``"ddp"``) and measures its own
+        step at the batch given (per rank), as above. The result is the rank with the
+        highest peak, with every rank's in ``rank_peak_bytes``; each rank's resident bytes
+        are what its CPU allocator held before the measured step (the strategy's buffers
+        included). CPU models only for now (gloo); inference is not wrapped.
+    timeout_s : float
+        With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
+        error is raised, as a ``DistributedError``), every rank is killed by its PID.
 
     Returns
     -------
@@ -220,12 +240,18 @@ def measure(
     >>> model.weight.grad is None  # the model passed in is untouched
     True
     """
-    levers = {
+    levers: dict[str, Any] = {
         "checkpoint": checkpoint,
         "trainable": trainable,
         "lora_rank": lora_rank,
         "lora_targets": lora_targets,
     }
+    parallel = resolve_parallel(gpus, strategy)
+    if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
+        return _measure_ranks(
+            parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
+            levers,
+        )  # fmt: skip
     return _measure(
         model,
         inputs,
@@ -237,6 +263,44 @@ def measure(
         snapshot=snapshot,
         **levers,
     )[0]
+
+
+def _measure_ranks(
+    parallel: Parallel,
+    timeout_s: float,
+    model: torch.nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], Any] | None,
+    optimizer: Any,
+    precision: Any,
+    grad_accumulation: int,
+    levers: dict[str, Any],
+) -> Measurement:
+    """``measure`` on ``parallel.gpus`` gloo ranks (``_distributed.run_ranks``)."""
+    from ._distributed import WRAPPERS, run_ranks
+
+    if _model_device(model).type != "cpu":
+        raise ValueError(
+            f"measure(gpus={parallel.gpus}) runs its ranks on the CPU with gloo; this model "
+            "is on CUDA, whose ranks (NCCL, one GPU each) are not supported yet"
+        )
+    check_model(model)
+    wrap = WRAPPERS[parallel.strategy]
+
+    def rank_step(_rank: int, _world: int) -> Measurement:
+        return _measure(
+            model, inputs, loss_fn, optimizer, precision, Mode.TRAIN, grad_accumulation,
+            wrap=wrap, **levers,
+        )[0]  # fmt: skip
+
+    ranks = run_ranks(rank_step, parallel.gpus, timeout_s)
+    worst = max(ranks, key=lambda m: m.peak_bytes)
+    return dataclasses.replace(
+        worst,
+        gpus=parallel.gpus,
+        strategy=parallel.strategy,
+        rank_peak_bytes=tuple(m.peak_bytes for m in ranks),
+    )
 
 
 def _measure(
@@ -252,8 +316,14 @@ def _measure(
     lora_rank: object = None,
     lora_targets: object = "auto",
     snapshot: bool = False,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
 ) -> tuple[Measurement, _CpuTrace | None]:
-    """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests."""
+    """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
+    ``wrap`` wraps the model copy as a data-parallel library does (a rank of
+    ``_measure_ranks``); the resident bytes then count the wrapper's own buffers, as the
+    library reports them (``_distributed.wrapper_bytes``). Not from the allocator's events
+    before the step: gloo's worker threads may drop a buffer last (the parameters' flat
+    broadcast copy, DDP's first buckets), and the profiler does not see frees there."""
     prec = parse_option(Precision, precision, "precision")
     opt_name = parse_optimizer(optimizer)
     run_mode = parse_option(Mode, mode, "mode")
@@ -267,7 +337,7 @@ def _measure(
     check_forward_accepts(model, user_inputs)
 
     def session() -> _Session:
-        return _Session(model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers)
+        return _Session(model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, wrap)
 
     if snapshot and device.type != "cuda":
         raise ValueError(
@@ -280,7 +350,11 @@ def _measure(
             resident, peak, reserved, recorded = _run_cuda(session, device, snapshot)
             trace = None
         else:
-            resident, trace = _run_cpu(session)
+            # DistributedDataParallel rebuilds its gradient buckets in the order the first
+            # backward made them ready, in the second iteration's forward (new buckets
+            # allocated, the old ones freed: reducer.cpp, Reducer::rebuild_buckets), so a
+            # wrapped rank is steady from its third iteration.
+            resident, trace = _run_cpu(session, warmups=1 if wrap is None else 2)
             peak = resident + trace.peak_above_start()
             reserved = None
     trains = _has_trainable(model) if levers.trainable is None else bool(levers.trainable)
@@ -313,6 +387,7 @@ class _Session:
         mode: Mode,
         device: torch.device,
         levers: Levers = NO_LEVERS,
+        wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.model = _copy_model(model, dtype, mode)
@@ -321,6 +396,9 @@ class _Session:
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
         apply_levers(self.model, levers)  # the copy, as the libraries apply them
+        self.wrapped = wrap is not None
+        if wrap is not None:  # a data-parallel rank: DistributedDataParallel(copy), ...
+            self.model = wrap(self.model)
         self.micro_batches = levers.grad_accumulation
         self.inputs = inputs.map(lambda t: _copy_input(t, dtype, device))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -349,6 +427,14 @@ class _Session:
         else:
             inference_pass(self.model, self.inputs, self.precision, self.device_type)
 
+    def wrapper_bytes(self) -> int:
+        """What a data-parallel wrapper of the copy holds beside the tensors below."""
+        if not self.wrapped:
+            return 0
+        from ._distributed import wrapper_bytes
+
+        return wrapper_bytes(self.model)
+
     def resident_tensors(self) -> Iterator[torch.Tensor]:
         """Parameters, buffers, optimizer state and inputs (repeats and views included)."""
         yield from self.model.parameters()
@@ -359,8 +445,9 @@ class _Session:
         yield from self.inputs.tensors()
 
 
-def _run_cpu(session: Callable[[], _Session]) -> tuple[int, _CpuTrace]:
-    """Run both iterations under the profiler; return the resident bytes and the trace."""
+def _run_cpu(session: Callable[[], _Session], warmups: int = 1) -> tuple[int, _CpuTrace]:
+    """Run ``warmups`` iterations and the measured one under the profiler; return the
+    resident bytes and the trace."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if torch.autograd.profiler._is_profiler_enabled:
@@ -372,9 +459,11 @@ def _run_cpu(session: Callable[[], _Session]) -> tuple[int, _CpuTrace]:
 
     with quiet_stderr_fd(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run = session()
-        run.iterate()
+        for _ in range(warmups):
+            run.iterate()
         gc.collect(0)
         resident = _storage_bytes(run.resident_tensors(), torch.device("cpu"))
+        resident += run.wrapper_bytes()
         with record_function(_MARKER):
             run.iterate()
         # Destroy the copies while the profiler still runs, so that the allocator forgets

@@ -61,6 +61,18 @@ class FitBasis(StrEnum):
     DEVICE = "device"
 
 
+class Strategy(StrEnum):
+    """How a training step is spread over data-parallel ranks (``_sharding``): DDP,
+    ZeRO-1 (``ZeroRedundancyOptimizer``), ZeRO-2 / ZeRO-3 (FSDP2 ``fully_shard`` without /
+    with resharding after the forward) and HSDP (ZeRO-3 in a node, replicated across)."""
+
+    DDP = "ddp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    HSDP = "hsdp"
+
+
 class Device(StrEnum):
     """Whose kernels and defaults the estimate is for."""
 
@@ -88,6 +100,8 @@ class Category(StrEnum):
     ACTIVATION = "Activation"
     TEMPORARY = "Temporary"
     INPUT = "Input"
+    # buffers a data-parallel strategy keeps for its collectives (DDP's gradient buckets)
+    COMMUNICATION = "Communication buffer"
 
 
 # Stable small-integer codes, used in the profile's numpy arrays.

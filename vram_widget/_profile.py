@@ -21,10 +21,12 @@ from ._options import (
     Mode,
     OptimizerName,
     Precision,
+    Strategy,
     parse_batch_size,
     parse_optimizer,
     parse_option,
 )
+from ._sharding import SINGLE_DEVICE, TrainableParam, resolve_parallel
 from ._table import ModuleRows, OptimizerTrace, Poly, Timeline
 from ._tradeoff import Frontier, batch_seq_frontier, length_grid
 
@@ -75,6 +77,7 @@ class ModelProfile:
         seq_window: int | None = None,
         param_names: tuple[str, ...] = (),
         param_shapes: tuple[tuple[int, ...], ...] = (),
+        param_trainable: tuple[bool, ...] = (),
         checkpoint_blocks: tuple[str, ...] = (),
         hf_checkpointing: bool = False,
     ) -> None:
@@ -97,6 +100,10 @@ class ModelProfile:
         # the parameters' qualified names (tied ones once), which ``trainable`` patterns match
         self.param_names = param_names
         self.param_shapes = param_shapes
+        # each parameter's requires_grad as the model has it (the levers may freeze more)
+        self.param_trainable = param_trainable or tuple(True for _ in param_names)
+        # parameters kept in fp32 whatever the precision (PEFT's adapters on a half base)
+        self.fp32_params: frozenset[str] = frozenset()
         # what ``checkpoint="auto"`` wraps, and whether Hugging Face's own call applies it
         self.checkpoint_blocks = checkpoint_blocks
         self.hf_checkpointing = hf_checkpointing
@@ -351,6 +358,8 @@ class ModelProfile:
         lora_targets: object = "auto",
         base_quantization: str | None = None,
         expandable_segments: bool = False,
+        gpus: int = 1,
+        strategy: str | Strategy = "ddp",
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -403,6 +412,16 @@ class ModelProfile:
             The caching allocator's ``expandable_segments:True`` for ``reserved_bytes``,
             ``device_bytes``, ``fits_device`` and ``memory_snapshot`` (``device="cuda"``
             only).
+        gpus : int
+            Data-parallel ranks. The estimate is one rank's training step at ``batch_size``
+            samples per rank (the global batch is ``gpus * batch_size``). 1: one device, no
+            wrapper. Inference is not wrapped (each rank runs the forward alone).
+        strategy : {"ddp"}
+            How the ranks share the step (``_sharding.STRATEGIES``): ``"ddp"`` is
+            ``DistributedDataParallel`` with its defaults, whose flat gradient buckets
+            (25 MiB, the first 1 MiB) add the trainable parameters' bytes once more on each
+            rank, in ``communication_bytes``. ``"zero1"``, ``"zero2"``, ``"zero3"`` and
+            ``"hsdp"`` are not modelled yet and raise a ValueError.
 
         The levers apply in training; a new combination costs one more profiling run
         (cached), as a new precision does.
@@ -431,6 +450,7 @@ class ModelProfile:
             )
         if base_quantization is not None:
             self._refuse_quantization(base_quantization)
+        parallel = resolve_parallel(gpus, strategy)
         levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
         if run_mode is not Mode.TRAIN:
             levers = NO_LEVERS
@@ -444,6 +464,8 @@ class ModelProfile:
                 seq_len=seq_len,
                 compute_capability=compute_capability,
                 expandable_segments=expandable_segments,
+                gpus=gpus,
+                strategy=strategy,
                 **kwargs,
             )
             return dataclasses.replace(est, levers=levers)
@@ -464,7 +486,29 @@ class ModelProfile:
             compute_capability=_check_capability(compute_capability),
             levers=levers,
             expandable_segments=bool(expandable_segments),
+            parallel=parallel if run_mode is Mode.TRAIN else SINGLE_DEVICE,
+            communication_blocks=(
+                parallel.communication_blocks(self._trainable_params(prec, levers))
+                if run_mode is Mode.TRAIN
+                else ()
+            ),
         )
+
+    def _trainable_params(self, precision: Precision, levers: Levers) -> list[TrainableParam]:
+        """The parameters that get a gradient in a training step with ``levers``, in
+        registration order, with their gradients' bytes and dtype at ``precision``."""
+        half = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}.get(precision)
+        keep = None if levers.trainable is None else set(levers.trainable)
+        out = []
+        for name, shape, trains in zip(
+            self.param_names, self.param_shapes, self.param_trainable, strict=True
+        ):
+            if not trains or (keep is not None and name not in keep):
+                continue
+            dtype = "float32" if half is None or name in self.fp32_params else half
+            numel = int(np.prod(shape, dtype=np.int64))
+            out.append(TrainableParam(name, numel * (4 if dtype == "float32" else 2), dtype))
+        return out
 
     def nf4_weight_bytes(self) -> tuple[int, int]:
         """What QLoRA's 4-bit NF4 storage of the model's ``nn.Linear`` weights would take,

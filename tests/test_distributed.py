@@ -1,0 +1,146 @@
+"""Real torch.distributed runs: the ranks of ``measure(gpus=N)`` and the estimate against them.
+
+Each test forks its ranks (gloo on 127.0.0.1 at a free port), bounded in time; every process
+is stopped by its PID. The estimate of one rank comes from the single-device profile; the
+truth is DistributedDataParallel itself, wrapping a copy of the model in each rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from models import assert_model_unchanged, snapshot_model
+
+from vram_widget import measure, profile_model, zoo
+from vram_widget._distributed import DistributedError, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The ranks compute on one thread (a fork does not keep OpenMP's pool), and CPU kernel
+    scratch can depend on the thread count: the profile's CPU probes run on one too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has exited; run_ranks joins its children, so none should be left
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _rank_pid(rank: int, world: int) -> tuple[int, int, int]:
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return rank, world, int(t.item()) * 1000 + os.getpid() % 1000
+
+
+def test_ranks_answer_in_order_and_reduce_together() -> None:
+    out = run_ranks(_rank_pid, 3, timeout_s=60)
+    # all_reduce of 1 + 2 + 3 = 6 in every rank
+    assert [(r, w, v // 1000) for r, w, v in out] == [(0, 3, 6), (1, 3, 6), (2, 3, 6)]
+
+
+def _fails_on_rank_one(rank: int, _world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one's own message")
+    time.sleep(30)  # the other rank would wait: it is killed instead
+    return rank
+
+
+def _pids_of_children() -> set[int]:
+    me = os.getpid()
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().split()
+            except OSError:
+                continue
+            if int(fields[3]) == me:
+                pids.add(int(entry))
+    return pids
+
+
+def test_a_failing_rank_raises_its_own_error_and_leaves_nothing() -> None:
+    before = _pids_of_children()
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank 1 of 2 failed: ValueError: rank one's own"):
+        run_ranks(_fails_on_rank_one, 2, timeout_s=60)
+    assert time.monotonic() - t0 < 25  # not the sleeping rank's 30 s
+    assert not {p for p in _pids_of_children() - before if _alive(p)}
+
+
+def _sleeps(_rank: int, _world: int) -> None:
+    time.sleep(60)
+
+
+def test_ranks_past_their_time_are_killed() -> None:
+    before = _pids_of_children()
+    with pytest.raises(DistributedError, match=r"did not all finish within 2 s"):
+        run_ranks(_sleeps, 2, timeout_s=2)
+    assert not {p for p in _pids_of_children() - before if _alive(p)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["mlp", "transformer_encoder", "causal_decoder", "llama_tiny"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_ddp_rank_estimate_matches_real_ddp(
+    one_thread: None, name: str, world: int, precision: str
+) -> None:
+    # Each rank: DistributedDataParallel(copy of the model) with its defaults, AdamW, batch 3
+    # per rank, its third step measured (DDP rebuilds its buckets in the second). The
+    # estimate: the plain profile's step plus DDP's buckets. Byte for byte, up to the
+    # 32-byte-scale noise of gloo's own small tensors on the measuring thread.
+    entry = zoo.ZOO[name]
+    model = entry.build()
+    inputs = entry.make_inputs(3)
+    before = snapshot_model(model)
+    est = profile_model(model, inputs=inputs, device="cpu").estimate(
+        3, precision, "adamw", gpus=world
+    )
+    real = measure(model, inputs, optimizer="adamw", precision=precision, gpus=world, timeout_s=120)
+    assert_model_unchanged(model, before)
+    assert (real.gpus, real.strategy, len(real.rank_peak_bytes)) == (world, "ddp", world)
+    assert real.peak_bytes == max(real.rank_peak_bytes)
+    for peak in real.rank_peak_bytes:
+        assert 0 <= peak - est.peak_bytes <= 1024, (peak, est.peak_bytes)
+
+
+def test_ddp_with_batchnorm_buffers(one_thread: None) -> None:
+    # ResNet-18 has BatchNorm buffers, which DDP broadcasts from rank 0 at every forward
+    # through a flat copy. A gloo worker thread may drop that copy last; the CPU profiler
+    # does not see frees there, so a rank can be measured as still holding it: at most the
+    # buffers' bytes above the estimate (its running means and variances), never below.
+    entry = zoo.ZOO["resnet18"]
+    model = entry.build()
+    inputs = entry.make_inputs(2)
+    est = profile_model(model, inputs=inputs, device="cpu").estimate(2, "fp32", "sgd", gpus=2)
+    real = measure(model, inputs, optimizer="sgd", gpus=2, timeout_s=120)
+    for peak in real.rank_peak_bytes:
+        assert 0 <= peak - est.peak_bytes <= est.buffer_bytes, (peak, est.peak_bytes)
+
+
+def test_inference_is_not_wrapped() -> None:
+    entry = zoo.ZOO["mlp"]
+    model, inputs = entry.build(), entry.make_inputs(2)
+    real = measure(model, inputs, mode="inference", gpus=2)
+    assert real.gpus == 1 and real.rank_peak_bytes == ()
+    assert real.peak_bytes == measure(model, inputs, mode="inference").peak_bytes

@@ -1,0 +1,127 @@
+"""The data-parallel strategies' rules (``_sharding``) and ``estimate(gpus=, strategy=)``.
+
+The rules are checked here by hand and against torch's own bucketing function; against real
+torch.distributed runs in ``test_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from vram_widget import Category, profile_model, zoo
+from vram_widget._figures import floor_categories, waterfall_data
+from vram_widget._sharding import (
+    DDP_BUCKET_CAP_BYTES,
+    DDP_FIRST_BUCKET_CAP_BYTES,
+    TrainableParam,
+    ddp_bucket_bytes,
+    resolve_parallel,
+)
+
+MIB = 2**20
+
+
+def test_ddp_buckets_by_hand() -> None:
+    # Registration order a (30 MiB), b (2 MiB), c (0.5 MiB), d (0.5 MiB), all fp32. DDP
+    # fills buckets in reverse: d + c = 1 MiB reaches the 1 MiB first bucket's limit and
+    # closes it; b (2 MiB) then a (30 MiB) make 32 MiB >= 25 MiB, the second bucket.
+    ps = [
+        TrainableParam("a", 30 * MIB, "float32"),
+        TrainableParam("b", 2 * MIB, "float32"),
+        TrainableParam("c", MIB // 2, "float32"),
+        TrainableParam("d", MIB // 2, "float32"),
+    ]
+    assert ddp_bucket_bytes(ps) == [1 * MIB, 32 * MIB]
+    # dtypes never share a bucket: the fp32 adapters of a bf16 base get buckets of their own
+    mixed = [TrainableParam("w", 3 * MIB, "bfloat16"), TrainableParam("lora", 4096, "float32")]
+    assert sorted(ddp_bucket_bytes(mixed)) == [4096, 3 * MIB]
+    assert ddp_bucket_bytes([]) == []
+
+
+def test_ddp_buckets_match_torch_bucketing() -> None:
+    # torch's own assignment (the reducer's compute_bucket_assignment_by_size, which DDP
+    # calls with [1 MiB, 25 MiB] when it rebuilds its buckets) on tensors in the reverse of
+    # their registration order, as our rule assumes the gradients become ready.
+    import torch.distributed as dist
+
+    rng = random.Random(0)
+    for _ in range(20):
+        sizes = [rng.choice([1, 7, 512, 4096, 65536, 2**18, 2**21, 7 * 2**20]) for _ in range(12)]
+        tensors = [torch.empty(n, dtype=torch.float32) for n in sizes]
+        indices, _limits = dist._compute_bucket_assignment_by_size(
+            list(reversed(tensors)),
+            [DDP_FIRST_BUCKET_CAP_BYTES, DDP_BUCKET_CAP_BYTES],
+            [False] * len(tensors),
+        )
+        theirs = sorted(sum(4 * sizes[len(sizes) - 1 - i] for i in bucket) for bucket in indices)
+        ours = ddp_bucket_bytes(
+            [TrainableParam(str(i), 4 * n, "float32") for i, n in enumerate(sizes)]
+        )
+        assert sorted(ours) == theirs
+
+
+@pytest.mark.parametrize(
+    ("gpus", "strategy", "message"),
+    [
+        (0, "ddp", r"gpus must be an int >= 1 .* got 0"),
+        (1.5, "ddp", r"gpus must be an int >= 1 .* got 1\.5"),
+        (True, "ddp", r"gpus must be an int >= 1 .* got True"),
+        ("2", "ddp", r"gpus must be an int >= 1 .* got '2'"),
+        (2, "zero4", r"zero4.*ddp.*zero1.*zero2.*zero3.*hsdp"),
+        (2, "zero3", r"'zero3' is not modelled yet .* modelled: 'ddp'"),
+    ],
+)
+def test_bad_parallel_settings_name_the_problem(gpus: object, strategy: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_parallel(gpus, strategy)
+    profile = profile_model(nn.Linear(8, 8), input_size=(8,), device="cpu")
+    with pytest.raises(ValueError, match=message):
+        profile.estimate(2, gpus=gpus, strategy=strategy)
+
+
+def test_ddp_rank_holds_the_trainable_bytes_once_more() -> None:
+    # Linear(1024, 1024): 1,048,576 + 1,024 = 1,049,600 parameters. Under DDP each rank holds
+    # a bucket copy of the gradients: fp32 4 x 1,049,600 = 4,198,400 B, resident all step;
+    # bf16 2 x 1,049,600 = 2,099,200 B.
+    profile = profile_model(nn.Linear(1024, 1024), input_size=(1024,), device="cpu")
+    for precision, bucket_bytes in (
+        ("fp32", 4_198_400),
+        ("bf16", 2_099_200),
+        ("amp-bf16", 4_198_400),
+    ):
+        one = profile.estimate(8, precision, "adamw")
+        ranks = profile.estimate(8, precision, "adamw", gpus=4)
+        assert ranks.communication_bytes == bucket_bytes
+        assert ranks.peak_bytes - one.peak_bytes == bucket_bytes
+        assert ranks.peak_breakdown[Category.COMMUNICATION] == bucket_bytes
+        assert (ranks.gpus, ranks.strategy, one.gpus, one.strategy) == (4, "ddp", 1, None)
+        # everything else is the single-device step at the per-rank batch
+        assert ranks.activation_bytes == one.activation_bytes
+        assert ranks.flops == one.flops
+    # one device: no wrapper whatever the strategy; inference: no wrapper
+    plain = profile.estimate(8, "fp32", "adamw")
+    assert profile.estimate(8, "fp32", "adamw", gpus=1).peak_bytes == plain.peak_bytes
+    inference = profile.estimate(8, mode="inference", gpus=8)
+    assert inference.communication_bytes == 0 and inference.gpus == 1
+
+
+def test_ddp_buckets_follow_the_levers() -> None:
+    # A frozen backbone: only the head's gradients are bucketed. zoo.mlp's last Linear is
+    # named "6" (512 -> 10): 5,130 parameters, 20,520 B in fp32.
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    est = profile.estimate(4, "fp32", "adamw", gpus=2, trainable="6.*")
+    assert est.communication_bytes == 4 * (512 * 10 + 10)
+
+
+def test_waterfall_floor_shows_the_buckets() -> None:
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    one, ranks = profile.estimate(4), profile.estimate(4, gpus=2)
+    assert Category.COMMUNICATION not in floor_categories(one)
+    assert floor_categories(ranks)[-1] is Category.COMMUNICATION
+    data = waterfall_data(ranks, 1)
+    assert data.floor_bytes[-1] == ranks.communication_bytes
+    assert data.run_max_bytes.max() == ranks.peak_bytes  # the bars still reach the peak

@@ -1,0 +1,159 @@
+"""Real torch.distributed runs for ``measure(..., gpus=N, strategy=...)``.
+
+Each rank is a process forked from the caller (so the model needs no pickling), joined to a
+gloo process group on 127.0.0.1 at a free port. A rank that fails sends its own error back;
+then, or when the time is up, every rank still running is stopped by its PID, and the error
+is raised here. Nothing is left running either way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ._options import Strategy
+
+__all__ = ["WRAPPERS", "DistributedError", "free_port", "run_ranks", "wrapper_bytes"]
+
+_T = TypeVar("_T")
+
+
+class DistributedError(RuntimeError):
+    """A rank of a distributed measurement failed, or the ranks ran out of time."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[[int, int], Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    queue: Any,
+) -> None:
+    """A forked rank: join the group, run ``fn(rank, world_size)``, report, exit at once
+    (``os._exit``: no atexit handler of the parent runs twice)."""
+    import torch.distributed as dist
+
+    # The caller's OpenMP thread pool does not survive the fork: a parallel region in the
+    # child would wait on threads that do not exist (GNU libgomp is not fork-safe), so each
+    # rank computes on one thread, as DataLoader workers do (torch/utils/data/_utils/
+    # worker.py, _worker_loop: torch.set_num_threads(1)).
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            queue.put((rank, True, fn(rank, world_size)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # the rank's own error, whatever it is, goes back
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def run_ranks(fn: Callable[[int, int], _T], world_size: int, timeout_s: float = 600.0) -> list[_T]:
+    """``fn(rank, world_size)`` on ``world_size`` forked processes in one gloo group; the
+    results in rank order.
+
+    Raises
+    ------
+    DistributedError
+        With the first failing rank's own error and traceback, or when the ranks have not
+        all answered within ``timeout_s``; every rank still running is killed by its PID.
+    """
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if dist.is_available() and dist.is_initialized():
+        raise DistributedError(
+            "measure(gpus=N) starts a process group of its own on forked processes; this "
+            "process is already in one: call it from a process outside torch.distributed"
+        )
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main, args=(fn, rank, world_size, port, timeout_s, queue), daemon=True
+        )
+        for rank in range(world_size)
+    ]
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        while len(results) < world_size:
+            if not queue.empty():
+                rank, ok, value = queue.get()
+                if not ok:
+                    raise DistributedError(f"rank {rank} of {world_size} failed: {value}")
+                results[rank] = value
+                continue
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead and queue.empty():
+                raise DistributedError(
+                    f"rank {dead[0]} of {world_size} died (exit code "
+                    f"{procs[dead[0]].exitcode}) without reporting"
+                )
+            if time.monotonic() > deadline:
+                raise DistributedError(
+                    f"the {world_size} ranks did not all finish within {timeout_s:g} s "
+                    f"(finished: {sorted(results)})"
+                )
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)  # by PID, never by name
+        for p in procs:
+            p.join(timeout=30)
+    return [results[r] for r in range(world_size)]
+
+
+def ddp_wrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """``DistributedDataParallel(model)`` with its defaults (the ``"ddp"`` strategy)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def wrapper_bytes(model: torch.nn.Module) -> int:
+    """The bytes a data-parallel wrapper holds beside the model's tensors, as the library
+    itself reports them: DistributedDataParallel's gradient buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        from ._fake import ddp_bucket_sizes
+
+        return sum(ddp_bucket_sizes(model))
+    return 0
+
+
+# strategy -> how its library wraps a rank's model (the strategies _sharding models)
+WRAPPERS: dict[Strategy, Callable[[torch.nn.Module], torch.nn.Module]] = {
+    Strategy.DDP: ddp_wrapped,
+}
