@@ -107,8 +107,10 @@ def test_ddp_rank_estimate_matches_real_ddp(
 ) -> None:
     # Each rank: DistributedDataParallel(copy of the model) with its defaults, AdamW, batch 3
     # per rank, its third step measured (DDP rebuilds its buckets in the second). The
-    # estimate: the plain profile's step plus DDP's buckets. Byte for byte, up to the
-    # 32-byte-scale noise of gloo's own small tensors on the measuring thread.
+    # estimate: the plain profile's step plus DDP's buckets. Byte for byte, up to 1 KiB of
+    # gloo's own small tensors on the measuring thread, and the flat copy through which DDP
+    # broadcasts the buffers at each forward where a gloo thread frees it unseen (see
+    # test_ddp_with_batchnorm_buffers; a rotary cache or mask buffer is broadcast too).
     entry = zoo.ZOO[name]
     model = entry.build()
     inputs = entry.make_inputs(3)
@@ -121,7 +123,7 @@ def test_ddp_rank_estimate_matches_real_ddp(
     assert (real.gpus, real.strategy, len(real.rank_peak_bytes)) == (world, "ddp", world)
     assert real.peak_bytes == max(real.rank_peak_bytes)
     for peak in real.rank_peak_bytes:
-        assert 0 <= peak - est.peak_bytes <= 1024, (peak, est.peak_bytes)
+        assert 0 <= peak - est.peak_bytes <= 1024 + est.buffer_bytes, (peak, est.peak_bytes)
 
 
 def test_ddp_with_batchnorm_buffers(one_thread: None) -> None:

@@ -1,0 +1,183 @@
+"""Accuracy of one data-parallel rank's estimate against real torch.distributed runs.
+
+The estimate comes from the single-device profile (``device="cpu"``):
+``profile.estimate(batch, precision, "adamw", gpus=N, strategy=...)``. The truth is
+``measure(..., gpus=N, strategy=...)``: N processes forked on this machine, one gloo process
+group on 127.0.0.1, each wrapping its copy of the model as the strategy's library does
+(``DistributedDataParallel`` with its defaults for ``"ddp"``) and measuring its own third
+step from the CPU allocator's events. Every rank is compared (the table's errors are over
+all ranks of all configurations).
+
+Models: the zoo's MLP, ResNet-18 (3 x 64 x 64), TransformerEncoder, causal decoder, tiny Llama
+and LSTM, and small Hugging Face GPT-2, Llama, BERT and T5 configs (no download, 16 tokens);
+2 and 4 ranks x fp32 and bf16, batch 3 per rank, AdamW. Profiles and ranks compute on one
+thread (the forked ranks must, and CPU kernel scratch can depend on the thread count).
+
+    python benchmarks/accuracy_distributed.py      # about 2 minutes on 2 cores
+
+Targets (issue "Beyond one GPU"): per-rank median <= 0.5 %, worst <= 3 %. Writes
+results/accuracy_distributed.json and prints a markdown summary for the README.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+import torch
+import transformers
+from _results import write_results
+from torch import nn
+
+from vram_widget import measure, profile_model, zoo
+
+VOCAB = 1000
+BATCH = 3
+WORLDS = (2, 4)
+PRECISIONS = ("fp32", "bf16")
+STRATEGIES = ("ddp",)
+
+
+def _tokens(batch: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, VOCAB, (batch, 16), generator=gen)
+    return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch, 16), generator=gen)}
+
+
+def _classify(batch: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(batch)
+    return {
+        "input_ids": torch.randint(0, VOCAB, (batch, 16), generator=gen),
+        "labels": torch.randint(0, 3, (batch,), generator=gen),
+    }
+
+
+def _seq2seq(batch: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(batch)
+    return {
+        "input_ids": torch.randint(0, VOCAB, (batch, 16), generator=gen),
+        "labels": torch.randint(0, VOCAB, (batch, 16), generator=gen),
+    }
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _bert() -> nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+        vocab_size=VOCAB, num_labels=3,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+def _t5() -> nn.Module:
+    config = transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128,
+        vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _zoo(name: str) -> tuple[Callable[[], nn.Module], Callable[[int], Any]]:
+    entry = zoo.ZOO[name]
+    return entry.build, entry.make_inputs
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any]]] = {
+    **{name: _zoo(name) for name in ("mlp", "resnet18", "transformer_encoder",
+                                     "causal_decoder", "llama_tiny", "lstm")},
+    "hf_gpt2": (_gpt2, _tokens),
+    "hf_llama": (_llama, _tokens),
+    "hf_bert": (_bert, _classify),
+    "hf_t5": (_t5, _seq2seq),
+}  # fmt: skip
+
+
+def run() -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for name, (build, make) in CASES.items():
+        torch.manual_seed(0)
+        model = build()
+        profile = profile_model(model, inputs=make(2), device="cpu")
+        for strategy in STRATEGIES:
+            for precision in PRECISIONS:
+                for world in WORLDS:
+                    est = profile.estimate(BATCH, precision, "adamw", gpus=world, strategy=strategy)
+                    t0 = time.perf_counter()
+                    real = measure(model, make(BATCH), optimizer="adamw", precision=precision,
+                                   gpus=world, strategy=strategy, timeout_s=300)  # fmt: skip
+                    seconds = time.perf_counter() - t0
+                    for rank, peak in enumerate(real.rank_peak_bytes):
+                        err = (est.peak_bytes - peak) / peak * 100
+                        rows.append(
+                            {
+                                "model": name,
+                                "strategy": strategy,
+                                "precision": precision,
+                                "gpus": world,
+                                "rank": rank,
+                                "estimated": est.peak_bytes,
+                                "measured": peak,
+                                "error_pct": err,
+                                "communication_bytes": est.communication_bytes,
+                                "measure_s": seconds,
+                            }
+                        )
+                    worst = max(abs(r["error_pct"]) for r in rows[-world:])
+                    print(
+                        f"{name:20s} {strategy:5s} {precision:5s} N={world} "
+                        f"est={est.peak_bytes:>12,} ranks={list(real.rank_peak_bytes)} "
+                        f"worst rank {worst:.4f}% ({seconds:.1f} s)",
+                        flush=True,
+                    )
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | strategy | ranks compared | median | worst |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name in dict.fromkeys(r["model"] for r in rows):
+        for strategy in dict.fromkeys(r["strategy"] for r in rows):
+            sel = [r for r in rows if r["model"] == name and r["strategy"] == strategy]
+            errs = [abs(r["error_pct"]) for r in sel]
+            lines.append(
+                f"| {name} | {strategy} | {len(sel)} | {statistics.median(errs):.4f} % | "
+                f"{max(errs):.4f} % |"
+            )
+    errs = [abs(r["error_pct"]) for r in rows]
+    lines.append(
+        f"| **all** | | {len(rows)} | {statistics.median(errs):.4f} % | {max(errs):.4f} % |"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    rows = run()
+    write_results("accuracy_distributed", rows, summarize(rows), started)
+
+
+if __name__ == "__main__":
+    main()
