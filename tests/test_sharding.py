@@ -125,3 +125,29 @@ def test_waterfall_floor_shows_the_buckets() -> None:
     data = waterfall_data(ranks, 1)
     assert data.floor_bytes[-1] == ranks.communication_bytes
     assert data.run_max_bytes.max() == ranks.peak_bytes  # the bars still reach the peak
+
+
+def test_zero1_ranks_hold_their_shard_of_the_optimizer_state() -> None:
+    # Linear(64, 64) then Linear(64, 32): 0.weight 4,096, 0.bias 64, 1.weight 2,048,
+    # 1.bias 32 elements. ZeRO's partition on 2 ranks, largest first to the emptier rank:
+    # 0.weight -> rank 0; 1.weight -> rank 1 (0 < 4,096); 0.bias -> rank 1 (2,048 < 4,096);
+    # 1.bias -> rank 1 (2,112 < 4,096). SGD with momentum keeps one buffer per parameter:
+    # rank 0 4 x 4,096 = 16,384 B, rank 1 4 x (2,048 + 64 + 32) = 8,576 B. Both keep DDP's
+    # buckets, 4 x 6,240 = 24,960 B.
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    profile = profile_model(model, input_size=(64,), device="cpu")
+    kwargs = {"optimizer": "sgd-momentum", "gpus": 2, "strategy": "zero1"}
+    zero = [profile.estimate(4, rank=r, **kwargs) for r in (0, 1)]
+    assert [e.optimizer_state_bytes for e in zero] == [16_384, 8_576]
+    assert [e.rank for e in zero] == [0, 1]
+    assert all(e.communication_bytes == 24_960 for e in zero)
+    ddp = profile.estimate(4, optimizer="sgd-momentum", gpus=2)
+    assert ddp.optimizer_state_bytes == 24_960  # every parameter's buffer
+    # the worst rank by default: rank 0 (more state, the largest step temporary)
+    worst = profile.estimate(4, **kwargs)
+    assert worst.rank == 0 and worst.peak_bytes == max(e.peak_bytes for e in zero)
+    assert zero[0].peak_bytes - zero[1].peak_bytes >= 16_384 - 8_576
+    with pytest.raises(
+        ValueError, match=r"rank must be None \(the worst rank\) or an int in \[0, 2\)"
+    ):
+        profile.estimate(4, rank=2, **kwargs)

@@ -8,6 +8,7 @@ is raised here. Nothing is left running either way.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import signal
@@ -19,9 +20,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._options import Strategy
+from ._options import OptimizerName, Strategy
 
-__all__ = ["WRAPPERS", "DistributedError", "free_port", "run_ranks", "wrapper_bytes"]
+__all__ = [
+    "SETUPS",
+    "DistributedError",
+    "RankSetup",
+    "free_port",
+    "run_ranks",
+    "wrapper_bytes",
+]
 
 _T = TypeVar("_T")
 
@@ -153,7 +161,30 @@ def wrapper_bytes(model: torch.nn.Module) -> int:
     return 0
 
 
-# strategy -> how its library wraps a rank's model (the strategies _sharding models)
-WRAPPERS: dict[Strategy, Callable[[torch.nn.Module], torch.nn.Module]] = {
-    Strategy.DDP: ddp_wrapped,
+def zero_optimizer(name: OptimizerName, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """``ZeroRedundancyOptimizer`` with its defaults around the registered optimizer (the
+    ``"zero1"`` strategy): each rank's local optimizer steps its shard of ``params``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from ._step import optimizer_spec
+
+    cls, kwargs = optimizer_spec(name)
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls, foreach=None, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSetup:
+    """How a strategy's libraries set up one rank: the model's wrapper, and the optimizer's
+    (None: the registered optimizer over every parameter)."""
+
+    wrap_model: Callable[[torch.nn.Module], torch.nn.Module]
+    make_optimizer: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] | None = (
+        None
+    )
+
+
+# strategy -> how its libraries set up a rank (the strategies _sharding models)
+SETUPS: dict[Strategy, RankSetup] = {
+    Strategy.DDP: RankSetup(ddp_wrapped),
+    Strategy.ZERO1: RankSetup(ddp_wrapped, zero_optimizer),
 }

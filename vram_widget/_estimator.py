@@ -154,6 +154,8 @@ class MemoryEstimate:
     # data-parallel ranks the step is one of (1: one device), and their strategy (None: 1)
     gpus: int = 1
     strategy: Strategy | None = None
+    # the rank estimated where ranks differ (ZeRO's shards): the worst one; None where not
+    rank: int | None = None
 
     @cached_property
     def allocator(self) -> AllocatorReplay | None:

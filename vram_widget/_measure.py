@@ -28,7 +28,7 @@ import copy
 import dataclasses
 import gc
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from ._fake import recorded_cuda_memory
 from ._levers import NO_LEVERS, Levers
 from ._options import Mode, OptimizerName, Precision, Strategy, parse_optimizer, parse_option
 from ._sharding import Parallel, resolve_parallel
+
+if TYPE_CHECKING:
+    from ._distributed import RankSetup
 from ._step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -277,7 +280,7 @@ def _measure_ranks(
     levers: dict[str, Any],
 ) -> Measurement:
     """``measure`` on ``parallel.gpus`` gloo ranks (``_distributed.run_ranks``)."""
-    from ._distributed import WRAPPERS, run_ranks
+    from ._distributed import SETUPS, run_ranks
 
     if _model_device(model).type != "cpu":
         raise ValueError(
@@ -285,12 +288,12 @@ def _measure_ranks(
             "is on CUDA, whose ranks (NCCL, one GPU each) are not supported yet"
         )
     check_model(model)
-    wrap = WRAPPERS[parallel.strategy]
+    setup = SETUPS[parallel.strategy]
 
     def rank_step(_rank: int, _world: int) -> Measurement:
         return _measure(
             model, inputs, loss_fn, optimizer, precision, Mode.TRAIN, grad_accumulation,
-            wrap=wrap, **levers,
+            setup=setup, **levers,
         )[0]  # fmt: skip
 
     ranks = run_ranks(rank_step, parallel.gpus, timeout_s)
@@ -316,10 +319,10 @@ def _measure(
     lora_rank: object = None,
     lora_targets: object = "auto",
     snapshot: bool = False,
-    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    setup: RankSetup | None = None,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
-    ``wrap`` wraps the model copy as a data-parallel library does (a rank of
+    ``setup`` wraps the model copy as a data-parallel library does (a rank of
     ``_measure_ranks``); the resident bytes then count the wrapper's own buffers, as the
     library reports them (``_distributed.wrapper_bytes``). Not from the allocator's events
     before the step: gloo's worker threads may drop a buffer last (the parameters' flat
@@ -337,7 +340,9 @@ def _measure(
     check_forward_accepts(model, user_inputs)
 
     def session() -> _Session:
-        return _Session(model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, wrap)
+        return _Session(
+            model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup
+        )
 
     if snapshot and device.type != "cuda":
         raise ValueError(
@@ -354,7 +359,7 @@ def _measure(
             # backward made them ready, in the second iteration's forward (new buckets
             # allocated, the old ones freed: reducer.cpp, Reducer::rebuild_buckets), so a
             # wrapped rank is steady from its third iteration.
-            resident, trace = _run_cpu(session, warmups=1 if wrap is None else 2)
+            resident, trace = _run_cpu(session, warmups=1 if setup is None else 2)
             peak = resident + trace.peak_above_start()
             reserved = None
     trains = _has_trainable(model) if levers.trainable is None else bool(levers.trainable)
@@ -387,7 +392,7 @@ class _Session:
         mode: Mode,
         device: torch.device,
         levers: Levers = NO_LEVERS,
-        wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        setup: RankSetup | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.model = _copy_model(model, dtype, mode)
@@ -396,14 +401,18 @@ class _Session:
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
         apply_levers(self.model, levers)  # the copy, as the libraries apply them
-        self.wrapped = wrap is not None
-        if wrap is not None:  # a data-parallel rank: DistributedDataParallel(copy), ...
-            self.model = wrap(self.model)
+        self.wrapped = setup is not None
+        if setup is not None:  # a data-parallel rank: DistributedDataParallel(copy), ...
+            self.model = setup.wrap_model(self.model)
         self.micro_batches = levers.grad_accumulation
         self.inputs = inputs.map(lambda t: _copy_input(t, dtype, device))
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
+        # ... and its optimizer as the strategy builds it (ZeroRedundancyOptimizer)
+        build: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] = make_optimizer
+        if setup is not None and setup.make_optimizer is not None:
+            build = setup.make_optimizer
         self.optimizer = (
-            make_optimizer(optimizer, self.params)
+            build(optimizer, self.params)
             if mode is Mode.TRAIN and optimizer is not None and self.params
             else None
         )
@@ -440,7 +449,9 @@ class _Session:
         yield from self.model.parameters()
         yield from self.model.buffers()
         if self.optimizer is not None:
-            for state in self.optimizer.state.values():
+            # a ZeroRedundancyOptimizer keeps its shard's state in its local optimizer
+            local = getattr(self.optimizer, "optim", self.optimizer)
+            for state in local.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
         yield from self.inputs.tensors()
 

@@ -26,7 +26,7 @@ from ._options import (
     parse_optimizer,
     parse_option,
 )
-from ._sharding import SINGLE_DEVICE, TrainableParam, resolve_parallel
+from ._sharding import SINGLE_DEVICE, TrainableParam, check_rank, resolve_parallel
 from ._table import ModuleRows, OptimizerTrace, Poly, Timeline
 from ._tradeoff import Frontier, batch_seq_frontier, length_grid
 
@@ -50,7 +50,11 @@ class ProfileSource(Protocol):
     ) -> Timeline | None: ...
 
     def optimizer_trace(
-        self, precision: Precision, optimizer: OptimizerName, levers: Levers = ...
+        self,
+        precision: Precision,
+        optimizer: OptimizerName,
+        levers: Levers = ...,
+        only: tuple[str, ...] | None = ...,
     ) -> OptimizerTrace: ...
 
     def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
@@ -116,7 +120,9 @@ class ModelProfile:
         self._other_lengths: dict[tuple[Precision, Mode, Levers, int], Timeline] = {}
         # a setting that failed to profile fails again at once, without another run
         self._failures: dict[tuple[Precision, Mode, Levers], ProfilingError] = {}
-        self._optimizers: dict[tuple[Precision, OptimizerName, Levers], OptimizerTrace] = {}
+        self._optimizers: dict[
+            tuple[Precision, OptimizerName, Levers, tuple[str, ...] | None], OptimizerTrace
+        ] = {}
         # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
         # targets); its module names carry PEFT's prefix
         self._lora_profiles: dict[tuple[int, tuple[str, ...] | None], ModelProfile] = {}
@@ -219,7 +225,7 @@ class ModelProfile:
         return (
             run_mode is Mode.INFERENCE
             or opt is None
-            or (prec, opt, _optimizer_levers(levers)) in self._optimizers
+            or (prec, opt, _optimizer_levers(levers), None) in self._optimizers
         )
 
     def length_fit_tried(
@@ -330,15 +336,20 @@ class ModelProfile:
         return tuple(p for p, m, lv in self._timelines if m is Mode.TRAIN and lv == NO_LEVERS)
 
     def optimizer_trace(
-        self, precision: Precision, optimizer: OptimizerName, levers: Levers = NO_LEVERS
+        self,
+        precision: Precision,
+        optimizer: OptimizerName,
+        levers: Levers = NO_LEVERS,
+        only: tuple[str, ...] | None = None,
     ) -> OptimizerTrace:
-        key = (precision, optimizer, _optimizer_levers(levers))
+        """The optimizer's step (``only``: over these parameters alone, a ZeRO shard)."""
+        key = (precision, optimizer, _optimizer_levers(levers), only)
         if key not in self._optimizers:
             # the training step of these levers first: it says which parameters got a
             # gradient (the optimizer's state is made for those)
             self.timeline(precision, Mode.TRAIN, None, levers)
             self._optimizers[key] = self._source.optimizer_trace(
-                precision, optimizer, _profiled(levers, Mode.TRAIN)
+                precision, optimizer, _profiled(levers, Mode.TRAIN), only
             )
         return self._optimizers[key]
 
@@ -360,6 +371,7 @@ class ModelProfile:
         expandable_segments: bool = False,
         gpus: int = 1,
         strategy: str | Strategy = "ddp",
+        rank: int | None = None,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -416,12 +428,19 @@ class ModelProfile:
             Data-parallel ranks. The estimate is one rank's training step at ``batch_size``
             samples per rank (the global batch is ``gpus * batch_size``). 1: one device, no
             wrapper. Inference is not wrapped (each rank runs the forward alone).
-        strategy : {"ddp"}
+        strategy : {"ddp", "zero1"}
             How the ranks share the step (``_sharding.STRATEGIES``): ``"ddp"`` is
             ``DistributedDataParallel`` with its defaults, whose flat gradient buckets
             (25 MiB, the first 1 MiB) add the trainable parameters' bytes once more on each
-            rank, in ``communication_bytes``. ``"zero1"``, ``"zero2"``, ``"zero3"`` and
-            ``"hsdp"`` are not modelled yet and raise a ValueError.
+            rank, in ``communication_bytes``. ``"zero1"`` adds
+            ``ZeroRedundancyOptimizer``: each rank's optimizer state and step are those of
+            its shard of the parameters (ZeRO's own partition); ranks differ, and the
+            estimate is the worst one (``est.rank``). ``"zero2"``, ``"zero3"`` and ``"hsdp"``
+            are not modelled yet and raise a ValueError.
+        rank : int, optional
+            With ``gpus > 1``: the rank to estimate where ranks differ (ZeRO's shards);
+            None: the worst of the ranks that lead on optimizer state or on the step's
+            largest temporaries (``_sharding._zero_ranks``).
 
         The levers apply in training; a new combination costs one more profiling run
         (cached), as a new precision does.
@@ -451,6 +470,7 @@ class ModelProfile:
         if base_quantization is not None:
             self._refuse_quantization(base_quantization)
         parallel = resolve_parallel(gpus, strategy)
+        asked_rank = check_rank(rank, parallel.gpus)
         levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
         if run_mode is not Mode.TRAIN:
             levers = NO_LEVERS
@@ -466,33 +486,46 @@ class ModelProfile:
                 expandable_segments=expandable_segments,
                 gpus=gpus,
                 strategy=strategy,
+                rank=rank,
                 **kwargs,
             )
             return dataclasses.replace(est, levers=levers)
         timeline = self.timeline(prec, run_mode, length, levers)
-        opt = None
-        if run_mode is Mode.TRAIN and opt_name is not None:
-            opt = self.optimizer_trace(prec, opt_name, levers)
-        return estimate(
-            self.rows,
-            timeline,
-            opt,
-            batch_size=batch,
-            precision=prec,
-            optimizer=opt_name,
-            mode=run_mode,
-            device=self.device,
-            seq_len=self.seq_len if length is None else length,
-            compute_capability=_check_capability(compute_capability),
-            levers=levers,
-            expandable_segments=bool(expandable_segments),
-            parallel=parallel if run_mode is Mode.TRAIN else SINGLE_DEVICE,
-            communication_blocks=(
-                parallel.communication_blocks(self._trainable_params(prec, levers))
-                if run_mode is Mode.TRAIN
-                else ()
-            ),
-        )
+        train = run_mode is Mode.TRAIN
+        if not train:
+            parallel = SINGLE_DEVICE
+        params = self._trainable_params(prec, levers) if parallel.distributed else []
+        shards = parallel.optimizer_shards(params, asked_rank)
+
+        def one_rank(opt: OptimizerTrace | None, rank: int | None) -> MemoryEstimate:
+            est = estimate(
+                self.rows,
+                timeline,
+                opt,
+                batch_size=batch,
+                precision=prec,
+                optimizer=opt_name,
+                mode=run_mode,
+                device=self.device,
+                seq_len=self.seq_len if length is None else length,
+                compute_capability=_check_capability(compute_capability),
+                levers=levers,
+                expandable_segments=bool(expandable_segments),
+                parallel=parallel,
+                communication_blocks=parallel.communication_blocks(params),
+            )
+            return est if rank is None else dataclasses.replace(est, rank=rank)
+
+        if not train or opt_name is None:
+            return one_rank(None, None)
+        if shards is None:
+            return one_rank(self.optimizer_trace(prec, opt_name, levers), None)
+        # ranks step different shards (ZeRO): the worst of the candidate ranks
+        ranks = [
+            one_rank(self.optimizer_trace(prec, opt_name, levers, only=names), rank)
+            for rank, names in shards
+        ]
+        return max(ranks, key=lambda e: (e.peak_bytes, -(e.rank or 0)))
 
     def _trainable_params(self, precision: Precision, levers: Levers) -> list[TrainableParam]:
         """The parameters that get a gradient in a training step with ``levers``, in
@@ -507,7 +540,8 @@ class ModelProfile:
                 continue
             dtype = "float32" if half is None or name in self.fp32_params else half
             numel = int(np.prod(shape, dtype=np.int64))
-            out.append(TrainableParam(name, numel * (4 if dtype == "float32" else 2), dtype))
+            itemsize = 4 if dtype == "float32" else 2
+            out.append(TrainableParam(name, numel * itemsize, dtype, numel))
         return out
 
     def nf4_weight_bytes(self) -> tuple[int, int]:

@@ -576,13 +576,23 @@ class Profiler:
             f"if {size[0]} is a batch size, pass input_size={size[1:]})"
         )
 
-    def run_optimizer(self, precision: Precision, optimizer: OptimizerName) -> OptimizerTrace:
+    def run_optimizer(
+        self,
+        precision: Precision,
+        optimizer: OptimizerName,
+        only: tuple[str, ...] | None = None,
+    ) -> OptimizerTrace:
         """Two ``step()`` calls on gradients of the parameters' shapes; the second, in steady
-        state, is recorded. Its allocations do not depend on the batch size."""
+        state, is recorded. Its allocations do not depend on the batch size. ``only``: the
+        optimizer of these parameters alone, in this order (a ZeRO rank's shard, in the
+        order ZeRO hands it to its local optimizer: a single-tensor step keeps one
+        parameter's temporary while it makes the next one's, so the order counts)."""
         subject = self.subject
         cuda = subject.device is Device.CUDA
         stepped = subject.params_with_grad.get(self.levers)
         frozen = frozen_by(self.levers, [name for name, _p, _r in subject._params])
+        if only is not None:
+            frozen |= {name for name, _p, _r in subject._params if name not in only}
         if not any(
             p.requires_grad and name not in frozen and (stepped is None or name in stepped)
             for name, p, _r in subject._params
@@ -604,6 +614,9 @@ class Profiler:
             for name, p in params.items()
             if p.requires_grad and name not in frozen and (stepped is None or name in stepped)
         ]
+        if only is not None:
+            position = {name: i for i, name in enumerate(only)}
+            trainable.sort(key=lambda item: position[item[0]])
         for _name, p in trainable:
             p.grad = torch.empty_like(p)
         opt = make_optimizer(optimizer, [p for _n, p in trainable], foreach=True if cuda else None)
@@ -948,12 +961,16 @@ class _Source:
         return sub
 
     def optimizer_trace(
-        self, precision: Precision, optimizer: OptimizerName, levers: Levers = NO_LEVERS
+        self,
+        precision: Precision,
+        optimizer: OptimizerName,
+        levers: Levers = NO_LEVERS,
+        only: tuple[str, ...] | None = None,
     ) -> OptimizerTrace:
         self.profiler.levers = levers
         try:
             with torch.inference_mode(False), torch.enable_grad():
-                return self.profiler.run_optimizer(precision, optimizer)
+                return self.profiler.run_optimizer(precision, optimizer, only)
         finally:
             self.profiler.levers = NO_LEVERS
 
@@ -1226,6 +1243,7 @@ def profile_model(
         seq_window=attention_window(model) if seq_axes else None,
         param_names=tuple(name for name, _p, _row in subject._params),
         param_shapes=tuple(tuple(p.shape) for _name, p, _row in subject._params),
+        param_trainable=tuple(p.requires_grad for _name, p, _row in subject._params),
         checkpoint_blocks=auto_blocks,
         hf_checkpointing=hf_auto,
     )

@@ -12,8 +12,13 @@ Modelled so far:
   (``gradient_as_bucket_view=False``: the gradients are copied into the buckets, reduced
   there, and copied back), so each rank holds the trainable parameters' bytes once more.
 
-Not yet: ``zero1`` (``ZeroRedundancyOptimizer``), ``zero2`` / ``zero3`` (FSDP2
-``fully_shard``) and ``hsdp``; asking for them says so.
+* ``zero1``: DDP plus ``torch.distributed.optim.ZeroRedundancyOptimizer`` with its defaults
+  (``parameters_as_bucket_view=False``): DDP's buckets as above, and each rank's optimizer
+  over its own shard of the parameters only (ZeRO's greedy partition, :func:`zero_partition`),
+  so its state and step temporaries are the shard's; the updated shards are broadcast in
+  place. Ranks differ; the estimate is the worst one.
+
+Not yet: ``zero2`` / ``zero3`` (FSDP2 ``fully_shard``) and ``hsdp``; asking for them says so.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ __all__ = [
     "SINGLE_DEVICE",
     "STRATEGIES",
     "Parallel",
+    "StrategyRule",
     "TrainableParam",
+    "check_rank",
     "ddp_bucket_bytes",
     "resolve_parallel",
+    "zero_partition",
 ]
 
 # DistributedDataParallel's default bucket_cap_mb, 25 MiB (torch/nn/parallel/distributed.py,
@@ -49,6 +57,7 @@ class TrainableParam:
     name: str
     nbytes: int  # its gradient's bytes (the parameter's dtype)
     dtype: str  # buckets hold one dtype each
+    numel: int = 0  # elements (what ZeRO balances its shards by)
 
 
 def ddp_bucket_bytes(
@@ -91,6 +100,78 @@ def ddp_bucket_bytes(
     return buckets
 
 
+def zero_partition(params: Sequence[TrainableParam], world_size: int) -> list[list[str]]:
+    """The parameter names each rank's ``ZeroRedundancyOptimizer`` steps.
+
+    Its rule (``torch/distributed/optim/zero_redundancy_optimizer.py``,
+    ``_partition_parameters``): the parameters sorted by element count, largest first
+    (``sorted``, so ties keep their order), each to the rank with the fewest elements so far
+    (the first such rank, ``_get_min_index``).
+
+    Examples
+    --------
+    >>> ps = [TrainableParam(n, 4 * k, "float32", k) for n, k in [("a", 5), ("b", 9), ("c", 4)]]
+    >>> zero_partition(ps, 2)   # b (9) -> rank 0; a (5) -> rank 1; c (4) -> rank 1 (5 < 9)
+    [['b'], ['a', 'c']]
+    """
+    shards: list[list[str]] = [[] for _ in range(world_size)]
+    sizes = [0] * world_size
+    for p in sorted(params, key=lambda t: t.numel, reverse=True):
+        rank = sizes.index(min(sizes))
+        shards[rank].append(p.name)
+        sizes[rank] += p.numel
+    return shards
+
+
+def _zero_ranks(
+    params: Sequence[TrainableParam], world_size: int, rank: int | None
+) -> list[tuple[int, tuple[str, ...]]]:
+    """``rank``'s shard, or (None) the ranks whose step can be the worst, with their shards.
+
+    What differs between ZeRO ranks is their optimizer's state (their shard's elements) and
+    its step's temporaries: on CUDA a foreach step's grow with the shard's elements; a
+    single-tensor step (the CPU's) keeps one parameter's ``denom`` while it makes the next
+    one's two (``torch/optim/adam.py``, ``_single_tensor_adam``), so its largest moment
+    follows the shard's first two parameters (ZeRO orders each shard largest first). The
+    candidates are the two ranks with the most elements, the two with the largest such
+    moment, and rank 0; the estimate is the worst of them."""
+    shards = zero_partition(params, world_size)
+    if rank is not None:
+        return [(rank, tuple(shards[rank]))]
+    numel = {p.name: p.numel for p in params}
+
+    def elements(r: int) -> int:
+        return sum(numel[n] for n in shards[r])
+
+    def moment(r: int) -> int:
+        first = [numel[n] for n in shards[r][:2]] + [0, 0]
+        return max(2 * first[0], first[0] + 2 * first[1])
+
+    ranks = range(world_size)
+    chosen = {0}
+    for key in (elements, moment):
+        chosen.update(sorted(ranks, key=lambda r, k=key: (-k(r), r))[:2])  # type: ignore[misc]
+    return [(r, tuple(shards[r])) for r in sorted(chosen)]
+
+
+def _ddp_only(_params: Sequence[TrainableParam], _world_size: int, _rank: int | None) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class StrategyRule:
+    """What a strategy changes in one rank's step."""
+
+    # the buffers each rank keeps resident for the whole step, from the trainable parameters
+    resident_buffers: Callable[[Sequence[TrainableParam]], list[int]]
+    # None: every rank's optimizer steps every parameter; else the asked rank, or (rank
+    # None) the ranks whose step can be the worst, each with the parameter names its
+    # optimizer steps, in the order it steps them
+    optimizer_shards: Callable[
+        [Sequence[TrainableParam], int, int | None], list[tuple[int, tuple[str, ...]]] | None
+    ]
+
+
 @dataclass(frozen=True)
 class Parallel:
     """How many devices one step is spread over, and how (``gpus=1``: one device, no
@@ -107,7 +188,16 @@ class Parallel:
         """The buffers the strategy keeps resident on each rank for the whole step."""
         if not self.distributed:
             return []
-        return STRATEGIES[self.strategy](params)
+        return STRATEGIES[self.strategy].resident_buffers(params)
+
+    def optimizer_shards(
+        self, params: Sequence[TrainableParam], rank: int | None = None
+    ) -> list[tuple[int, tuple[str, ...]]] | None:
+        """None where each rank's optimizer steps every parameter; else ``rank``'s shard, or
+        the candidate worst ranks', with the parameters their optimizers step."""
+        if not self.distributed:
+            return None
+        return STRATEGIES[self.strategy].optimizer_shards(params, self.gpus, rank)
 
     def describe(self) -> str:
         return "1 device" if not self.distributed else f"{self.gpus} GPUs, {self.strategy.value}"
@@ -115,10 +205,23 @@ class Parallel:
 
 SINGLE_DEVICE = Parallel(1, Strategy.DDP)
 
-# strategy -> its rule: the resident communication buffers of one rank
-STRATEGIES: dict[Strategy, Callable[[Sequence[TrainableParam]], list[int]]] = {
-    Strategy.DDP: ddp_bucket_bytes,
+# strategy -> what it changes in one rank's step
+STRATEGIES: dict[Strategy, StrategyRule] = {
+    Strategy.DDP: StrategyRule(ddp_bucket_bytes, _ddp_only),
+    Strategy.ZERO1: StrategyRule(ddp_bucket_bytes, _zero_ranks),
 }
+
+
+def check_rank(rank: object, gpus: int) -> int | None:
+    """``estimate``'s ``rank`` keyword: None (the worst rank) or 0 <= rank < gpus."""
+    if rank is None:
+        return None
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < gpus:
+        raise ValueError(
+            f"rank must be None (the worst rank) or an int in [0, {gpus}) for gpus={gpus}; "
+            f"got {rank!r}"
+        )
+    return rank
 
 
 def resolve_parallel(gpus: object = 1, strategy: object = "ddp") -> Parallel:

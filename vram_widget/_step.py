@@ -46,6 +46,13 @@ _OPTIMIZERS: dict[OptimizerName, tuple[type[torch.optim.Optimizer], dict[str, An
 }
 
 
+def optimizer_spec(name: OptimizerName) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The registered optimizer's class and keyword arguments (what a wrapper such as
+    ``ZeroRedundancyOptimizer`` builds its local optimizer from)."""
+    cls, kwargs = _OPTIMIZERS[name]
+    return cls, dict(kwargs)
+
+
 def make_optimizer(
     name: OptimizerName, params: Iterable[torch.Tensor], *, foreach: bool | None = None
 ) -> torch.optim.Optimizer:
