@@ -208,8 +208,8 @@ def _speed() -> str:
         )
         if "device_line_median_ms" in w["resnet50_3x64x64"]:
             lines.append(
-                "| widget: same, the device line (`device_bytes`), filled in by the kernel's "
-                "event loop once the controls rest 0.15 s, median "
+                "| widget: same, the lines filled in by the kernel's event loop once the "
+                "controls rest 0.15 s (`device_bytes`; the fewest GPUs that fit), median "
                 f"| {w['resnet50_3x64x64']['device_line_median_ms']:.1f} ms | |"
             )
         lines.append(

@@ -356,3 +356,17 @@ def test_bad_lever_flag_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as exit_info:
         main(["mlp", "--grad-accumulation", "0"])
     assert exit_info.value.code == 2
+
+
+def test_data_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    # --gpus / --strategy are estimate()'s keywords: one rank's step, the worst ZeRO-1 rank
+    argv = ["mlp", "--device", "cpu", "--batch-size", "8", "--precision", "fp32", "--json"]
+    assert main([*argv, "--gpus", "4", "--strategy", "zero1"]) == 0
+    out = json.loads(capsys.readouterr().out)["settings"][0]
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    expected = profile.estimate(8, "fp32", "adam", gpus=4, strategy="zero1")
+    assert out["peak_bytes"] == expected.peak_bytes
+    assert (out["gpus"], out["strategy"], out["rank"]) == (4, "zero1", expected.rank)
+    assert out["communication_bytes"] == expected.communication_bytes > 0
+    assert main(["mlp", "--device", "cpu", "--gpus", "2", "--strategy", "zero3"]) == 1
+    assert "'zero3' is not modelled yet" in capsys.readouterr().err

@@ -660,3 +660,45 @@ def test_device_line_waits_for_the_controls_to_rest() -> None:
     assert searched == [32]
     device = profile.estimate(32).device_bytes
     assert device is not None and f"<b>{format_bytes(device)}</b>" in rested
+
+
+def test_data_parallel_group() -> None:
+    # GPUs and strategy are traits like the rest: the estimate is one rank's, the summary
+    # gives the global batch, and the "GPUs needed" line is ModelProfile.min_gpus.
+    profile = profile_model(zoo.mlp(), input_size=(784,))
+    w = MemoryWidget(profile, batch_size=16, optimizer="adamw")
+    assert w.estimate.gpus == 1 and "Data parallel" not in w.summary_html
+    assert (
+        w.parallel_html
+        == "<b>GPUs needed</b>: 1 x H100 SXM 80GB with ddp at batch 16 per GPU (global batch 16)"
+    )
+    w.gpus = 4
+    est = profile.estimate(16, optimizer="adamw", gpus=4)
+    assert w.estimate.peak_bytes == est.peak_bytes and w.estimate.communication_bytes > 0
+    assert "global batch 4 x 16 = 64" in w.summary_html
+    w.strategy = "zero1"
+    zero = profile.estimate(16, optimizer="adamw", gpus=4, strategy="zero1")
+    assert w.estimate.peak_bytes == zero.peak_bytes < est.peak_bytes
+    assert f"rank {zero.rank}" in w.summary_html
+    # a card the single step does not fit: DDP never helps, ZeRO-1's sharded state may
+    context = profile.estimate(1).extras.cuda_context_bytes
+    single = profile.estimate(16, optimizer="adamw").device_bytes
+    assert single is not None
+    w.gpu, w.custom_gib = "custom", (single - 2**21) / 2**30
+    # 2 ranks halve the AdamW state: 2 MiB less on the device, just what the card lacks
+    assert profile.min_gpus(w.target.memory_bytes, 16, optimizer="adamw", strategy="zero1") == 2
+    two = profile.estimate(16, optimizer="adamw", gpus=2, strategy="zero1").device_bytes
+    assert two is not None and two <= w.target.memory_bytes < single
+    assert "<b>GPUs needed</b>: 2 x custom" in w.parallel_html
+    assert "(global batch 32)" in w.parallel_html
+    w.strategy = "ddp"
+    assert (
+        "no number up to 1,024 fits" in w.parallel_html and "DDP keeps the whole" in w.parallel_html
+    )
+    assert context < w.target.memory_bytes
+    w.mode = "inference"
+    assert w.parallel_html == "" and w.estimate.gpus == 1  # inference is not wrapped
+    with pytest.raises(traitlets.TraitError):
+        w.gpus = 0
+    with pytest.raises(traitlets.TraitError):
+        w.strategy = "zero3"  # not modelled yet: not offered

@@ -449,6 +449,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R",
         help="LoRA adapters of rank R by PEFT (its default targets; needs `pip install peft`)",
     )
+    parallel = parser.add_argument_group("data parallel (training)")
+    parallel.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="data-parallel ranks; the estimate is one rank's step at --batch-size per rank "
+        "(default: 1, one device)",
+    )
+    parallel.add_argument(
+        "--strategy",
+        default="ddp",
+        metavar="NAME",
+        help="how the ranks share the step: 'ddp' (DistributedDataParallel) or 'zero1' "
+        "(DDP + ZeroRedundancyOptimizer) (default: ddp)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument(
@@ -578,6 +594,8 @@ def _levers(args: argparse.Namespace) -> dict[str, Any]:
         "trainable": patterns(args.trainable),
         "grad_accumulation": args.grad_accumulation,
         "lora_rank": args.lora_rank,
+        "gpus": args.gpus,
+        "strategy": args.strategy,
     }
 
 
@@ -648,6 +666,10 @@ def _as_json(
                 "peak_op": s.estimate.peak_op,
                 "flops": s.estimate.flops,
                 "levers": s.estimate.levers.describe(),
+                "gpus": s.estimate.gpus,
+                "strategy": None if s.estimate.strategy is None else s.estimate.strategy.value,
+                "rank": s.estimate.rank,
+                "communication_bytes": s.estimate.communication_bytes,
                 "reserved_bytes": s.estimate.reserved_bytes,
                 "device_bytes": s.estimate.device_bytes,
                 "fits": s.estimate.fits(gpu.memory_bytes),
@@ -675,6 +697,14 @@ def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[
     print(profile)
     if settings and settings[0].estimate.levers.active:
         print(f"levers: {settings[0].estimate.levers.describe()}")
+    if settings and settings[0].estimate.gpus > 1:
+        first = settings[0].estimate
+        which = f"rank {first.rank}, the worst" if first.rank is not None else "each rank"
+        print(
+            f"data parallel: {first.gpus} GPUs, {first.strategy}; every figure is one rank's "
+            f"({which}) at batch {first.batch_size:,} per GPU, global batch "
+            f"{first.gpus * first.batch_size:,}"
+        )
     print("peak = allocated tensor bytes at the step's peak (torch.cuda.max_memory_allocated);")
     print("extras = CUDA context + cuBLAS workspace + allocator rounding (0 on --device cpu);")
     print("total = peak + extras; fits: on CUDA, the caching allocator replayed under the")

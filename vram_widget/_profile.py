@@ -663,6 +663,70 @@ class ModelProfile:
             start = _reserved_guess(one, at(allocated), capacity, allocated)
         return _largest_fitting(fits, start, limit)
 
+    def min_gpus(
+        self,
+        capacity_bytes: int | str | Gpu,
+        batch_size: int = 1,
+        precision: str | Precision = "fp32",
+        optimizer: str | OptimizerName | None = "adam",
+        *,
+        strategy: str | Strategy = "ddp",
+        limit: int = 1024,
+        basis: str | FitBasis = FitBasis.DEVICE,
+        **settings: Any,
+    ) -> int | None:
+        """The fewest data-parallel GPUs of ``capacity_bytes`` each on which every rank's
+        training step at ``batch_size`` samples per rank fits (on the ``basis`` of
+        :meth:`max_batch_size`); None where no number up to ``limit`` does.
+
+        1 is one device, no wrapper. From 2 on, a rank's memory does not grow with the ranks
+        (DDP's stays the same: more GPUs never make a DDP step fit; ZeRO-1's state shrinks),
+        so the search doubles from 2 and then bisects. ``settings``: any other keywords of
+        :meth:`estimate` (``seq_len``, levers, ``compute_capability``).
+
+        Examples
+        --------
+        >>> from torch import nn
+        >>> from vram_widget import profile_model
+        >>> model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 8 x 16 MiB
+        >>> profile = profile_model(model, input_size=(2048,))
+        >>> context = profile.estimate(1).extras.cuda_context_bytes
+        >>> room = context + 530 * 2**20  # 530 MiB beside the CUDA context
+        >>> profile.min_gpus(room, strategy="ddp") is None   # every DDP rank holds it all
+        True
+        >>> profile.min_gpus(room, strategy="zero1")  # Adam's state split 4 ways fits
+        4
+        """
+        capacity = parse_capacity(capacity_bytes)
+        fit_basis = parse_option(FitBasis, basis, "basis")
+
+        def fits(gpus: int) -> bool:
+            est = self.estimate(
+                batch_size, precision, optimizer, "train", gpus=gpus, strategy=strategy, **settings
+            )
+            return est.fits(capacity, fit_basis)
+
+        resolve_parallel(limit, strategy)  # a clear error for a strategy not modelled
+        _check_above_context(
+            self.estimate(batch_size, precision, optimizer, "train", **settings), capacity
+        )
+        if fits(1):
+            return 1
+        if limit < 2:
+            return None
+        lo, hi = 1, 2
+        while not fits(hi):
+            if hi >= limit:
+                return None
+            lo, hi = hi, min(2 * hi, limit)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if mid > 1 and fits(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
     def max_seq_len(
         self,
         capacity_bytes: int | str | Gpu,

@@ -35,6 +35,7 @@ from ._gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolv
 from ._levers import Levers
 from ._options import Category, Device, Mode, OptimizerName, Precision
 from ._profile import DEFAULT_MAX_SEQ_LEN
+from ._sharding import STRATEGIES
 from ._tradeoff import Frontier
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ _NO_OPTIMIZER = "none"
 _CHECKPOINT_OFF = "off"
 _OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
 _TABLE_ROWS = 25
+# the GPUs slider's top (log scale, like the batch's)
+GPUS_MAX = 1024
 # the rest after a move before the device line's allocator search runs (a kernel)
 DEVICE_LINE_DELAY_S = 0.15
 
@@ -130,6 +133,9 @@ class MemoryWidget(widgets.VBox):
     lora_rank = traitlets.Int(0, min=0)
     # the caching allocator replayed with expandable_segments:True (CUDA estimates)
     expandable_segments = traitlets.Bool(False)
+    # data parallelism: ranks (1: one device) and how they share the step (_sharding)
+    gpus = traitlets.Int(1, min=1, max=GPUS_MAX)
+    strategy = traitlets.Enum([s.value for s in STRATEGIES], default_value="ddp")
 
     def __init__(self, profile: ModelProfile, **settings: Any) -> None:
         self._profile = profile
@@ -168,6 +174,9 @@ class MemoryWidget(widgets.VBox):
         self._summary = widgets.HTML()
         # the device figure: allocator replays under caps, after the summary (below)
         self._device = widgets.HTML()
+        # the fewest GPUs that fit (a search of estimates at several ranks), likewise
+        self._parallel = widgets.HTML()
+        self._gpus_cache: dict[tuple[Any, ...], int | None] = {}
         self._device_pending: asyncio.TimerHandle | None = None
         self._table = widgets.HTML()
         self._status = widgets.HTML()
@@ -211,6 +220,7 @@ class MemoryWidget(widgets.VBox):
             self._figure,
             self._summary,
             self._device,
+            self._parallel,
             *panels,
         ]
         self.observe(self._on_change, names=list(_SETTINGS))
@@ -324,6 +334,8 @@ class MemoryWidget(widgets.VBox):
             "compute_capability": self.target.compute_capability,
             **self._lever_settings(),
             **({"expandable_segments": self.expandable_segments} if self._cuda else {}),
+            "gpus": self.gpus,
+            "strategy": self.strategy,
         }
 
     @property
@@ -370,6 +382,8 @@ class MemoryWidget(widgets.VBox):
             self.target.memory_bytes,
             s["compute_capability"],
             self._levers(),
+            self.gpus,
+            self.strategy,
         )
 
     def frontier(self) -> Frontier:
@@ -513,6 +527,8 @@ class MemoryWidget(widgets.VBox):
             capacity,
             s["compute_capability"],
             self._levers(),
+            self.gpus,
+            self.strategy,
         )
         if key not in self._fit_cache:
             self._fit_cache[key] = (
@@ -522,7 +538,15 @@ class MemoryWidget(widgets.VBox):
 
     def bytes_per_sample(self) -> int:
         """How much the peak grows per extra sample (cached per precision/optimizer/mode)."""
-        key = (self.precision, self.optimizer, self.mode, self.seq_len, self._levers())
+        key = (
+            self.precision,
+            self.optimizer,
+            self.mode,
+            self.seq_len,
+            self._levers(),
+            self.gpus,
+            self.strategy,
+        )
         if key not in self._per_sample_cache:
             settings = self._settings()
             del settings["compute_capability"]  # the extras do not grow with the batch
@@ -547,21 +571,69 @@ class MemoryWidget(widgets.VBox):
             self._device_pending.cancel()
             self._device_pending = None
         est = self._estimate
-        if est.allocator is None:
-            self._device.value = ""
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self._device.value = self._device_html(est)
+            self._fill_device_line(est)
             return
-        self._device.value = "<b>On the device</b>: <i>replaying the allocator under caps…</i>"
+        if est.allocator is not None:
+            self._device.value = "<b>On the device</b>: <i>replaying the allocator under caps…</i>"
+        if est.mode is Mode.TRAIN:
+            self._parallel.value = "<b>GPUs needed</b>: <i>searching…</i>"
         self._device_pending = loop.call_later(DEVICE_LINE_DELAY_S, self._fill_device_line, est)
 
     def _fill_device_line(self, est: MemoryEstimate) -> None:
+        """The lines that wait for the controls to rest: the device line and the fewest
+        GPUs that fit."""
         self._device_pending = None
-        if est is self._estimate:  # not a setting moved away from since
-            self._device.value = self._device_html(est)
+        if est is not self._estimate:  # a setting moved away from since
+            return
+        self._device.value = "" if est.allocator is None else self._device_html(est)
+        self._parallel.value = self._min_gpus_html(est)
+
+    @property
+    def parallel_html(self) -> str:
+        """The "GPUs needed" line's HTML (training): the fewest GPUs of the chosen card on
+        which the current setting fits, per rank, with the chosen strategy."""
+        return str(self._parallel.value)
+
+    def min_gpus(self) -> int | None:
+        """:meth:`ModelProfile.min_gpus` at the current setting and card (cached)."""
+        s = self._settings()
+        s.pop("gpus")
+        capacity = self.target.memory_bytes
+        key = (self.batch_size, capacity, tuple(sorted((k, repr(v)) for k, v in s.items())))
+        if key not in self._gpus_cache:
+            if self._below_context(capacity):
+                self._gpus_cache[key] = None
+            else:
+                strategy = s.pop("strategy")
+                del s["mode"]
+                self._gpus_cache[key] = self._profile.min_gpus(
+                    capacity, self.batch_size, strategy=strategy, **s
+                )
+        return self._gpus_cache[key]
+
+    def _min_gpus_html(self, est: MemoryEstimate) -> str:
+        if est.mode is not Mode.TRAIN:
+            return ""
+        needed = self.min_gpus()
+        card = html.escape(self.target.name)
+        if needed is None:
+            return (
+                f"<b>GPUs needed</b>: no number up to {GPUS_MAX:,} fits {card} with "
+                f"{self.strategy} at batch {self.batch_size:,} per GPU ("
+                + (
+                    "DDP keeps the whole model, its gradients and optimizer state on every "
+                    "GPU; zero1 shards the optimizer state)"
+                    if self.strategy == "ddp"
+                    else "the state it shards is not what fills the card)"
+                )
+            )
+        return (
+            f"<b>GPUs needed</b>: {needed:,} x {card} with {self.strategy} at batch "
+            f"{self.batch_size:,} per GPU (global batch {needed * self.batch_size:,})"
+        )
 
     def _device_html(self, est: MemoryEstimate) -> str:
         """Allocated -> reserved -> device: the third of the three numbers (CUDA)."""
@@ -599,6 +671,14 @@ class MemoryWidget(widgets.VBox):
         ]
         if est.levers.active:
             lines.append(self._levers_line(est))
+        if est.gpus > 1:
+            which = f"rank {est.rank}" if est.rank is not None else "each rank"
+            lines.append(
+                f"<b>Data parallel</b>: {est.gpus:,} GPUs, {est.strategy}; shown: {which} "
+                f"(the peak per GPU), with {format_bytes(est.communication_bytes)} of "
+                f"communication buffers; global batch {est.gpus:,} x {est.batch_size:,} = "
+                f"{est.gpus * est.batch_size:,}"
+            )
         if est.seq_len is not None:
             lines.insert(
                 1,
@@ -805,6 +885,16 @@ class MemoryWidget(widgets.VBox):
         )
         if self._profile.device is not Device.CUDA:  # no caching allocator to replay
             expandable.layout.display = "none"
+        # Data parallelism: the ranks (a log slider like the batch's, and a box) and the
+        # strategy; a rank's estimate is shown, its batch per rank.
+        self._gpus_slider, self._gpus_box = _log_slider_and_box(
+            "GPUs", self.gpus, GPUS_MAX, GPUS_MAX, continuous=False
+        )
+        self._gpus_slider.observe(functools.partial(self._control_moved, "gpus"), "value")
+        self._gpus_box.observe(functools.partial(self._control_moved, "gpus"), "value")
+        strategy = widgets.Dropdown(
+            options=list(self.traits()["strategy"].values or []), layout={"width": "200px"}
+        )
         for control, name, label in (
             (precision, "precision", "precision"),
             (optimizer, "optimizer", "optimizer"),
@@ -817,6 +907,7 @@ class MemoryWidget(widgets.VBox):
             (accumulation, "grad_accumulation", "micro-batches"),
             (lora, "lora_rank", "LoRA rank"),
             (expandable, "expandable_segments", ""),
+            (strategy, "strategy", "strategy"),
         ):
             if label:
                 control.description = label
@@ -840,6 +931,17 @@ class MemoryWidget(widgets.VBox):
             accumulation,
             lora,
             expandable,
+            self._gpus_slider,
+            self._gpus_box,
+            strategy,
+        )
+        self._parallel_row = widgets.HBox(
+            [
+                widgets.HTML("<b>data parallel</b>&nbsp;"),
+                self._gpus_slider,
+                self._gpus_box,
+                strategy,
+            ]
         )
         self._levers_row = widgets.HBox(
             [
@@ -859,6 +961,7 @@ class MemoryWidget(widgets.VBox):
                 widgets.HBox([precision, optimizer, mode]),
                 self._levers_row,
                 widgets.HBox([gpu, custom, expandable, depth]),
+                self._parallel_row,
             ]
         )
 
@@ -877,6 +980,8 @@ class MemoryWidget(widgets.VBox):
             if self.seq_len is not None:
                 self._seq_slider.value = float(self.seq_len)
                 self._seq_box.value = self.seq_len
+            self._gpus_slider.value = float(self.gpus)
+            self._gpus_box.value = self.gpus
             self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
         finally:
             self._syncing = False
@@ -949,6 +1054,8 @@ _SETTINGS: tuple[str, ...] = (
     "grad_accumulation",
     "lora_rank",
     "expandable_segments",
+    "gpus",
+    "strategy",
 )
 
 

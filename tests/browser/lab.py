@@ -427,10 +427,20 @@ def move_batch_slider(page: Any, moves: int) -> SliderRun:
 def set_micro_batches(page: Any, value: int, timeout_s: float = 60.0) -> dict[str, Any]:
     """Type ``value`` into the first widget's "micro-batches" box (the memory levers row) and
     wait until its figure and its summary changed; returns :data:`JS_WIDGET_STATE` after."""
+    box = ".widget-inline-hbox:has(.widget-label:text-is('micro-batches')) input"
+    return _set_box(page, box, value, timeout_s)
+
+
+def set_gpus(page: Any, value: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Type ``value`` into the first widget's GPUs box (the data-parallel row, beside the
+    "GPUs" slider) and wait until its figure and its summary changed."""
+    box = ".widget-hbox:has(.widget-slider .widget-label:text-is('GPUs')) .widget-text input"
+    return _set_box(page, box, value, timeout_s)
+
+
+def _set_box(page: Any, css: str, value: int, timeout_s: float) -> dict[str, Any]:
     before = page.evaluate(JS_WIDGET_STATE)
-    box = page.locator(
-        ".widget-inline-hbox:has(.widget-label:text-is('micro-batches')) input"
-    ).first
+    box = page.locator(css).first
     box.scroll_into_view_if_needed()
     box.fill(str(value))
     box.press("Enter")

@@ -38,6 +38,7 @@ from .lab import (
     open_frontier,
     require,
     screenshot_widget,
+    set_gpus,
     set_micro_batches,
 )
 
@@ -65,6 +66,8 @@ class Session:
     seq_error: str | None
     levers_after: dict[str, Any] | None
     levers_error: str | None
+    gpus_after: dict[str, Any] | None
+    gpus_error: str | None
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +108,11 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
                 levers_after = set_micro_batches(page, 4)
             except Exception as exc:  # reported by the levers test, not here
                 levers_error = f"{type(exc).__name__}: {exc}"
+            gpus_after, gpus_error = None, None
+            try:  # the data-parallel row: 8 GPUs (DDP, each rank's step)
+                gpus_after = set_gpus(page, 8)
+            except Exception as exc:  # reported by the data-parallel test, not here
+                gpus_error = f"{type(exc).__name__}: {exc}"
         finally:
             screenshot_widget(page, ARTIFACTS / "quickstart.png")
             (ARTIFACTS / "jupyterlab.log").write_text(server.log_tail(200_000))
@@ -134,6 +142,8 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
             seq_error,
             levers_after,
             levers_error,
+            gpus_after,
+            gpus_error,
         )
 
 
@@ -203,3 +213,12 @@ def test_memory_levers_row_redraws(session: Session) -> None:
     assert session.levers_after is not None and session.after is not None
     assert session.levers_after["fingerprint"] != session.after["fingerprint"]
     assert "effective batch 4 x" in session.levers_after["summary"]
+
+
+def test_data_parallel_row_redraws(session: Session) -> None:
+    # Typing 8 in the GPUs box (the data-parallel row) redraws the figure (one rank's step,
+    # with DDP's buckets) and the summary gives the global batch.
+    assert session.gpus_error is None, session.gpus_error
+    assert session.gpus_after is not None
+    assert "Data parallel" in session.gpus_after["summary"]
+    assert "global batch 8 x" in session.gpus_after["summary"]
