@@ -12,7 +12,9 @@ from the CPU allocator's events. Every rank is compared with its own estimate
 
 Models: the zoo's MLP, ResNet-18 (3 x 64 x 64), TransformerEncoder, causal decoder, tiny Llama
 and LSTM, and small Hugging Face GPT-2, Llama, BERT and T5 configs (no download, 16 tokens);
-2 and 4 ranks x fp32 and bf16, batch 3 per rank, AdamW. Profiles and ranks compute on one
+2 and 4 ranks x fp32 and bf16, batch 3 per rank, AdamW. Then the memory levers under each
+strategy (Hugging Face's checkpointing, a frozen backbone, accumulation of 2, PEFT's LoRA
+rank 4) on GPT-2 and Llama at 2 ranks. Profiles and ranks compute on one
 thread (the forked ranks must, and CPU kernel scratch can depend on the thread count).
 
     python benchmarks/accuracy_distributed.py      # about 2 minutes on 2 cores
@@ -114,6 +116,20 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any]]] = {
 }  # fmt: skip
 
 
+# the memory levers under each strategy, on the Hugging Face decoders (2 ranks); the head
+# patterns as in accuracy_levers.py (GPT-2's lm_head is tied to its embedding)
+HEADS = {"hf_gpt2": ["transformer.ln_f.*"], "hf_llama": ["lm_head.*", "model.norm.*"]}
+
+
+def _levers(name: str) -> dict[str, dict[str, Any]]:
+    return {
+        "checkpoint auto": {"checkpoint": "auto"},
+        "frozen backbone": {"trainable": HEADS[name]},
+        "accumulation x2": {"grad_accumulation": 2},
+        "LoRA r=4": {"lora_rank": 4},
+    }
+
+
 def run() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name, (build, make) in CASES.items():
@@ -159,6 +175,42 @@ def run() -> list[dict[str, Any]]:
                         f"worst rank {worst:.4f}% ({seconds:.1f} s)",
                         flush=True,
                     )
+    for name in HEADS:
+        build, make = CASES[name]
+        torch.manual_seed(0)
+        model = build()
+        profile = profile_model(model, inputs=make(2), device="cpu")
+        for lever, kwargs in _levers(name).items():
+            for strategy in STRATEGIES:
+                for precision in PRECISIONS:
+                    worst_est = profile.estimate(
+                        BATCH, precision, "adamw", gpus=2, strategy=strategy, **kwargs
+                    )
+                    real = measure(model, make(BATCH), optimizer="adamw", precision=precision,
+                                   gpus=2, strategy=strategy, timeout_s=300,
+                                   **kwargs)  # fmt: skip
+                    for rank, peak in enumerate(real.rank_peak_bytes):
+                        est = profile.estimate(BATCH, precision, "adamw", gpus=2,
+                                               strategy=strategy, rank=rank,
+                                               **kwargs)  # fmt: skip
+                        rows.append(
+                            {
+                                "model": f"{name} + {lever}",
+                                "strategy": strategy,
+                                "precision": precision,
+                                "gpus": 2,
+                                "rank": rank,
+                                "estimated": est.peak_bytes,
+                                "measured": peak,
+                                "error_pct": (est.peak_bytes - peak) / peak * 100,
+                                "worst_estimated": worst_est.peak_bytes,
+                                "worst_measured": real.peak_bytes,
+                                "communication_bytes": est.communication_bytes,
+                                "optimizer_state_bytes": est.optimizer_state_bytes,
+                            }
+                        )
+                    print(f"{name} + {lever} {strategy} {precision}: "
+                          f"{[r['error_pct'] for r in rows[-2:]]}", flush=True)  # fmt: skip
     return rows
 
 

@@ -98,7 +98,9 @@ def _accuracy_distributed() -> str:
         "the zoo's MLP, ResNet-18, TransformerEncoder, causal decoder, tiny Llama and LSTM and "
         "Hugging Face GPT-2, Llama, BERT and T5; DistributedDataParallel with its defaults "
         "(ddp) and with ZeroRedundancyOptimizer around AdamW (zero1), on 2 and 4 ranks x "
-        "fp32 and bf16, batch 3 per rank; every rank of each run), each rank estimated from "
+        "fp32 and bf16, batch 3 per rank; then Hugging Face's checkpointing, a frozen "
+        "backbone, accumulation of 2 and PEFT's LoRA under each strategy on GPT-2 and Llama "
+        "at 2 ranks; every rank of each run), each rank estimated from "
         "the single-device profile (estimate(..., rank=r)) and measured in a real "
         "torch.distributed job (gloo, one forked process per rank, its third step)",
         "per-rank median <= 0.5 %, worst <= 3 %",

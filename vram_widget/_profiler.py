@@ -958,6 +958,7 @@ class _Source:
         source = sub._source
         assert isinstance(source, _Source)
         source.profiler.subject.fixed_dtypes = frozenset(adapters)
+        sub.fp32_params = frozenset(adapters)  # their gradients too: DDP buckets them apart
         return sub
 
     def optimizer_trace(
