@@ -33,72 +33,17 @@ from typing import Any
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
+import _hf
 import torch
-import transformers
 from _results import write_results
 from torch import nn
 
 from vram_widget import measure, profile_model, zoo
 
-VOCAB = 1000
 BATCH = 3
 WORLDS = (2, 4)
 PRECISIONS = ("fp32", "bf16")
 STRATEGIES = ("ddp", "zero1")
-
-
-def _tokens(batch: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(batch)
-    ids = torch.randint(0, VOCAB, (batch, 16), generator=gen)
-    return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch, 16), generator=gen)}
-
-
-def _classify(batch: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(batch)
-    return {
-        "input_ids": torch.randint(0, VOCAB, (batch, 16), generator=gen),
-        "labels": torch.randint(0, 3, (batch,), generator=gen),
-    }
-
-
-def _seq2seq(batch: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(batch)
-    return {
-        "input_ids": torch.randint(0, VOCAB, (batch, 16), generator=gen),
-        "labels": torch.randint(0, VOCAB, (batch, 16), generator=gen),
-    }
-
-
-def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _bert() -> nn.Module:
-    config = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-        vocab_size=VOCAB, num_labels=3,
-    )  # fmt: skip
-    return transformers.BertForSequenceClassification(config)
-
-
-def _t5() -> nn.Module:
-    config = transformers.T5Config(
-        num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128,
-        vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return transformers.T5ForConditionalGeneration(config)
 
 
 def _zoo(name: str) -> tuple[Callable[[], nn.Module], Callable[[int], Any]]:
@@ -109,10 +54,10 @@ def _zoo(name: str) -> tuple[Callable[[], nn.Module], Callable[[int], Any]]:
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any]]] = {
     **{name: _zoo(name) for name in ("mlp", "resnet18", "transformer_encoder",
                                      "causal_decoder", "llama_tiny", "lstm")},
-    "hf_gpt2": (_gpt2, _tokens),
-    "hf_llama": (_llama, _tokens),
-    "hf_bert": (_bert, _classify),
-    "hf_t5": (_t5, _seq2seq),
+    "hf_gpt2": (_hf.gpt2, _hf.tokens),
+    "hf_llama": (_hf.llama, _hf.tokens),
+    "hf_bert": (_hf.bert, _hf.classify),
+    "hf_t5": (_hf.t5, _hf.tokens),
 }  # fmt: skip
 
 

@@ -34,68 +34,29 @@ from typing import Any
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
+import _hf
 import torch
-import transformers
 from _results import write_results
 from torch import nn
 
 from vram_widget import profile_model, zoo
 from vram_widget._measure import measure
 
-VOCAB = 1000
 BATCHES = (1, 8)
 PRECISIONS = ("fp32", "bf16")
-
-
-def _tokens(batch: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(batch)
-    ids = torch.randint(0, VOCAB, (batch, 16), generator=gen)
-    return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch, 16), generator=gen)}
-
-
-def _classify(batch: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(batch)
-    return {
-        "input_ids": torch.randint(0, VOCAB, (batch, 16), generator=gen),
-        "labels": torch.randint(0, 3, (batch,), generator=gen),
-    }
 
 
 def _images(batch: int) -> torch.Tensor:
     return torch.randn(batch, 3, 64, 64, generator=torch.Generator().manual_seed(batch))
 
 
-def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _bert() -> nn.Module:
-    config = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-        vocab_size=VOCAB, num_labels=3,
-    )  # fmt: skip
-    return transformers.BertForSequenceClassification(config)
-
-
 # name -> (build, batch maker, checkpoint lever, trainable head patterns, LoRA targets)
 CASES: dict[
     str, tuple[Callable[[], nn.Module], Callable[[int], Any], object, list[str], object]
 ] = {
-    "gpt2": (_gpt2, _tokens, "auto", ["transformer.ln_f.*"], "auto"),
-    "llama": (_llama, _tokens, "auto", ["lm_head.*", "model.norm.*"], "auto"),
-    "bert": (_bert, _classify, "auto", ["classifier.*", "bert.pooler.*"], "auto"),
+    "gpt2": (_hf.gpt2, _hf.tokens, "auto", ["transformer.ln_f.*"], "auto"),
+    "llama": (_hf.llama, _hf.tokens, "auto", ["lm_head.*", "model.norm.*"], "auto"),
+    "bert": (_hf.bert, _hf.classify, "auto", ["classifier.*", "bert.pooler.*"], "auto"),
     "resnet50": (
         zoo.resnet50,
         _images,

@@ -1,0 +1,58 @@
+"""Small Hugging Face models and their batches, shared by the accuracy sweeps (no download:
+each is built from a config; 16 tokens of a 1,000-word vocabulary)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import nn
+
+VOCAB = 1000
+
+
+def tokens(batch: int) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``labels`` of 16 tokens (causal LMs, and T5's encoder/decoder)."""
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, VOCAB, (batch, 16), generator=gen)
+    return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch, 16), generator=gen)}
+
+
+def classify(batch: int) -> dict[str, torch.Tensor]:
+    """16 tokens and one of 3 labels per sample (sequence classification)."""
+    gen = torch.Generator().manual_seed(batch)
+    return {
+        "input_ids": torch.randint(0, VOCAB, (batch, 16), generator=gen),
+        "labels": torch.randint(0, 3, (batch,), generator=gen),
+    }
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def bert() -> nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+        vocab_size=VOCAB, num_labels=3,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+def t5() -> nn.Module:
+    config = transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128,
+        vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
