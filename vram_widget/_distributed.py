@@ -161,6 +161,28 @@ def wrapper_bytes(model: torch.nn.Module) -> int:
     return 0
 
 
+def fsdp_wrapped(reshard_after_forward: bool) -> Callable[[torch.nn.Module], torch.nn.Module]:
+    """FSDP2's ``fully_shard`` as torchtitan and accelerate wrap a model: each child of the
+    largest ``ModuleList`` of repeated blocks a unit, then the root, on a 1-D CPU mesh of the
+    process group's ranks (``"zero2"``: ``reshard_after_forward=False``, ``"zero3"``:
+    ``True``)."""
+
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        lists = [list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        blocks = max(lists, key=len) if lists else []
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        return model
+
+    return wrap
+
+
 def zero_optimizer(name: OptimizerName, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """``ZeroRedundancyOptimizer`` with its defaults around the registered optimizer (the
     ``"zero1"`` strategy): each rank's local optimizer steps its shard of ``params``."""
@@ -187,4 +209,7 @@ class RankSetup:
 SETUPS: dict[Strategy, RankSetup] = {
     Strategy.DDP: RankSetup(ddp_wrapped),
     Strategy.ZERO1: RankSetup(ddp_wrapped, zero_optimizer),
+    # the truth for the FSDP2 strategies, which the estimate does not model yet
+    Strategy.ZERO2: RankSetup(fsdp_wrapped(reshard_after_forward=False)),
+    Strategy.ZERO3: RankSetup(fsdp_wrapped(reshard_after_forward=True)),
 }

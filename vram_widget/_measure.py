@@ -249,7 +249,7 @@ def measure(
         "lora_rank": lora_rank,
         "lora_targets": lora_targets,
     }
-    parallel = resolve_parallel(gpus, strategy)
+    parallel = resolve_parallel(gpus, strategy, modelled=False)
     if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
@@ -288,7 +288,12 @@ def _measure_ranks(
             "is on CUDA, whose ranks (NCCL, one GPU each) are not supported yet"
         )
     check_model(model)
-    setup = SETUPS[parallel.strategy]
+    setup = SETUPS.get(parallel.strategy)
+    if setup is None:
+        raise ValueError(
+            f"measure cannot set up strategy {parallel.strategy.value!r} yet; it runs "
+            + ", ".join(repr(s.value) for s in SETUPS)
+        )
 
     def rank_step(_rank: int, _world: int) -> Measurement:
         return _measure(
@@ -584,6 +589,8 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int
     for t in tensors:
         if t.device != device or t.layout != torch.strided:
             continue
+        if hasattr(t, "to_local"):  # a DTensor (FSDP2): this rank's shard, padding included
+            t = t.to_local()
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         sizes[ptr] = max(sizes.get(ptr, 0), storage.nbytes())

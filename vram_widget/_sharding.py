@@ -224,9 +224,12 @@ def check_rank(rank: object, gpus: int) -> int | None:
     return rank
 
 
-def resolve_parallel(gpus: object = 1, strategy: object = "ddp") -> Parallel:
+def resolve_parallel(
+    gpus: object = 1, strategy: object = "ddp", *, modelled: bool = True
+) -> Parallel:
     """``estimate``'s ``gpus`` and ``strategy`` keywords, checked (a ValueError naming the
-    problem and the valid forms).
+    problem and the valid forms). ``modelled=False`` accepts a strategy without a rule yet
+    (``measure`` runs the real engine for those it can set up).
 
     Examples
     --------
@@ -242,10 +245,10 @@ def resolve_parallel(gpus: object = 1, strategy: object = "ddp") -> Parallel:
             f"gpus must be an int >= 1 (the number of data-parallel ranks); got {gpus!r}"
         )
     chosen = parse_option(Strategy, strategy, "strategy")
-    if chosen not in STRATEGIES and gpus > 1:
-        modelled = ", ".join(repr(s.value) for s in STRATEGIES)
+    if modelled and chosen not in STRATEGIES and gpus > 1:
+        rules = ", ".join(repr(s.value) for s in STRATEGIES)
         raise ValueError(
             f"strategy {chosen.value!r} is not modelled yet (each strategy is added once it "
-            f"matches real torch.distributed runs); modelled: {modelled}"
+            f"matches real torch.distributed runs); modelled: {rules}"
         )
     return Parallel(gpus, chosen)
