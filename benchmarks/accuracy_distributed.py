@@ -75,6 +75,53 @@ def _levers(name: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def compare_ranks(
+    label: str,
+    profile: Any,
+    model: nn.Module,
+    make: Callable[[int], Any],
+    strategy: str,
+    precision: str,
+    world: int,
+    levers: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """One real run of ``world`` ranks; a row per rank, against that rank's estimate."""
+    settings = {"gpus": world, "strategy": strategy, **levers}
+    worst_est = profile.estimate(BATCH, precision, "adamw", **settings)
+    t0 = time.perf_counter()
+    real = measure(model, make(BATCH), optimizer="adamw", precision=precision, timeout_s=300,
+                   **settings)  # fmt: skip
+    seconds = time.perf_counter() - t0
+    rows = []
+    for rank, peak in enumerate(real.rank_peak_bytes):
+        est = profile.estimate(BATCH, precision, "adamw", rank=rank, **settings)
+        rows.append(
+            {
+                "model": label,
+                "strategy": strategy,
+                "precision": precision,
+                "gpus": world,
+                "rank": rank,
+                "estimated": est.peak_bytes,
+                "measured": peak,
+                "error_pct": (est.peak_bytes - peak) / peak * 100,
+                "worst_estimated": worst_est.peak_bytes,
+                "worst_measured": real.peak_bytes,
+                "communication_bytes": est.communication_bytes,
+                "optimizer_state_bytes": est.optimizer_state_bytes,
+                "measure_s": seconds,
+            }
+        )
+    worst = max(abs(r["error_pct"]) for r in rows)
+    print(
+        f"{label:28s} {strategy:5s} {precision:5s} N={world} worst est="
+        f"{worst_est.peak_bytes:>12,} ranks={list(real.rank_peak_bytes)} worst rank "
+        f"{worst:.4f}% ({seconds:.1f} s)",
+        flush=True,
+    )
+    return rows
+
+
 def run() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name, (build, make) in CASES.items():
@@ -84,78 +131,18 @@ def run() -> list[dict[str, Any]]:
         for strategy in STRATEGIES:
             for precision in PRECISIONS:
                 for world in WORLDS:
-                    worst_est = profile.estimate(
-                        BATCH, precision, "adamw", gpus=world, strategy=strategy
-                    )
-                    t0 = time.perf_counter()
-                    real = measure(model, make(BATCH), optimizer="adamw", precision=precision,
-                                   gpus=world, strategy=strategy, timeout_s=300)  # fmt: skip
-                    seconds = time.perf_counter() - t0
-                    for rank, peak in enumerate(real.rank_peak_bytes):
-                        est = profile.estimate(
-                            BATCH, precision, "adamw", gpus=world, strategy=strategy, rank=rank
-                        )
-                        err = (est.peak_bytes - peak) / peak * 100
-                        rows.append(
-                            {
-                                "model": name,
-                                "strategy": strategy,
-                                "precision": precision,
-                                "gpus": world,
-                                "rank": rank,
-                                "estimated": est.peak_bytes,
-                                "measured": peak,
-                                "error_pct": err,
-                                "worst_estimated": worst_est.peak_bytes,
-                                "worst_measured": real.peak_bytes,
-                                "communication_bytes": est.communication_bytes,
-                                "optimizer_state_bytes": est.optimizer_state_bytes,
-                                "measure_s": seconds,
-                            }
-                        )
-                    worst = max(abs(r["error_pct"]) for r in rows[-world:])
-                    print(
-                        f"{name:20s} {strategy:5s} {precision:5s} N={world} "
-                        f"worst est={worst_est.peak_bytes:>12,} ranks={list(real.rank_peak_bytes)} "
-                        f"worst rank {worst:.4f}% ({seconds:.1f} s)",
-                        flush=True,
-                    )
+                    rows += compare_ranks(name, profile, model, make, strategy, precision,
+                                          world, {})  # fmt: skip
     for name in HEADS:
         build, make = CASES[name]
         torch.manual_seed(0)
         model = build()
         profile = profile_model(model, inputs=make(2), device="cpu")
-        for lever, kwargs in _levers(name).items():
+        for lever, levers in _levers(name).items():
             for strategy in STRATEGIES:
                 for precision in PRECISIONS:
-                    worst_est = profile.estimate(
-                        BATCH, precision, "adamw", gpus=2, strategy=strategy, **kwargs
-                    )
-                    real = measure(model, make(BATCH), optimizer="adamw", precision=precision,
-                                   gpus=2, strategy=strategy, timeout_s=300,
-                                   **kwargs)  # fmt: skip
-                    for rank, peak in enumerate(real.rank_peak_bytes):
-                        est = profile.estimate(BATCH, precision, "adamw", gpus=2,
-                                               strategy=strategy, rank=rank,
-                                               **kwargs)  # fmt: skip
-                        rows.append(
-                            {
-                                "model": f"{name} + {lever}",
-                                "strategy": strategy,
-                                "precision": precision,
-                                "gpus": 2,
-                                "rank": rank,
-                                "estimated": est.peak_bytes,
-                                "measured": peak,
-                                "error_pct": (est.peak_bytes - peak) / peak * 100,
-                                "worst_estimated": worst_est.peak_bytes,
-                                "worst_measured": real.peak_bytes,
-                                "communication_bytes": est.communication_bytes,
-                                "optimizer_state_bytes": est.optimizer_state_bytes,
-                            }
-                        )
-                    print(f"{name} + {lever} {strategy} {precision}: "
-                          f"{[r['error_pct'] for r in rows[-2:]]}", flush=True)  # fmt: skip
+                    rows += compare_ranks(f"{name} + {lever}", profile, model, make, strategy,
+                                          precision, 2, levers)  # fmt: skip
     return rows
 
 

@@ -90,7 +90,7 @@ def _measure(w: MemoryWidget, moves: list[tuple[str, Any]] | None = None) -> dic
                 seq_s.append(dt)
             if w.estimate.allocator is not None:
                 t0 = time.perf_counter()
-                w._fill_device_line(w.estimate)  # what the pending callback does at rest
+                w._fill_at_rest(w.estimate)  # what the pending callback does at rest
                 device_s.append(time.perf_counter() - t0)
         seq = {"seq_only_median_ms": 1e3 * statistics.median(seq_s)} if seq_s else {}
         device = {"device_line_median_ms": 1e3 * statistics.median(device_s)} if device_s else {}

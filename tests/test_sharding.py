@@ -30,14 +30,14 @@ def test_ddp_buckets_by_hand() -> None:
     # fills buckets in reverse: d + c = 1 MiB reaches the 1 MiB first bucket's limit and
     # closes it; b (2 MiB) then a (30 MiB) make 32 MiB >= 25 MiB, the second bucket.
     ps = [
-        TrainableParam("a", 30 * MIB, "float32"),
-        TrainableParam("b", 2 * MIB, "float32"),
-        TrainableParam("c", MIB // 2, "float32"),
-        TrainableParam("d", MIB // 2, "float32"),
+        TrainableParam("a", 30 * MIB // 4, "float32"),
+        TrainableParam("b", 2 * MIB // 4, "float32"),
+        TrainableParam("c", MIB // 8, "float32"),
+        TrainableParam("d", MIB // 8, "float32"),
     ]
     assert ddp_bucket_bytes(ps) == [1 * MIB, 32 * MIB]
     # dtypes never share a bucket: the fp32 adapters of a bf16 base get buckets of their own
-    mixed = [TrainableParam("w", 3 * MIB, "bfloat16"), TrainableParam("lora", 4096, "float32")]
+    mixed = [TrainableParam("w", 3 * MIB // 2, "bfloat16"), TrainableParam("lora", 1024, "float32")]
     assert sorted(ddp_bucket_bytes(mixed)) == [4096, 3 * MIB]
     assert ddp_bucket_bytes([]) == []
 
@@ -58,9 +58,7 @@ def test_ddp_buckets_match_torch_bucketing() -> None:
             [False] * len(tensors),
         )
         theirs = sorted(sum(4 * sizes[len(sizes) - 1 - i] for i in bucket) for bucket in indices)
-        ours = ddp_bucket_bytes(
-            [TrainableParam(str(i), 4 * n, "float32") for i, n in enumerate(sizes)]
-        )
+        ours = ddp_bucket_bytes([TrainableParam(str(i), n, "float32") for i, n in enumerate(sizes)])
         assert sorted(ours) == theirs
 
 

@@ -19,7 +19,7 @@ from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
 from vram_widget._figures import TRACE_NAMES
 from vram_widget._gpus import GPUS
 from vram_widget._profile import ModelProfile
-from vram_widget._widget import DEVICE_LINE_DELAY_S, MemoryWidget, format_bytes
+from vram_widget._widget import AT_REST_DELAY_S, MemoryWidget, format_bytes
 
 GIB = 2**30
 PEAK = TRACE_NAMES.index("peak")
@@ -652,7 +652,7 @@ def test_device_line_waits_for_the_controls_to_rest() -> None:
         w.batch_size = 8
         w.batch_size = 32
         pending = w.device_html
-        await asyncio.sleep(3 * DEVICE_LINE_DELAY_S)
+        await asyncio.sleep(3 * AT_REST_DELAY_S)
         return pending, w.device_html
 
     pending, rested = asyncio.run(move())

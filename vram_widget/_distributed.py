@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._levers import repeated_blocks
 from ._options import OptimizerName, Strategy
 
 __all__ = [
@@ -163,7 +164,8 @@ def wrapper_bytes(model: torch.nn.Module) -> int:
 
 def fsdp_wrapped(reshard_after_forward: bool) -> Callable[[torch.nn.Module], torch.nn.Module]:
     """FSDP2's ``fully_shard`` as torchtitan and accelerate wrap a model: each child of the
-    largest ``ModuleList`` of repeated blocks a unit, then the root, on a 1-D CPU mesh of the
+    largest ``ModuleList`` of repeated blocks a unit (``_levers.repeated_blocks``), then the
+    root, on a 1-D CPU mesh of the
     process group's ranks (``"zero2"``: ``reshard_after_forward=False``, ``"zero3"``:
     ``True``)."""
 
@@ -173,10 +175,10 @@ def fsdp_wrapped(reshard_after_forward: bool) -> Callable[[torch.nn.Module], tor
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        lists = [list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-        blocks = max(lists, key=len) if lists else []
-        for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        names, types = zip(*((n, type(m).__name__) for n, m in model.named_modules()), strict=True)
+        modules = dict(model.named_modules())
+        for name in repeated_blocks(names, types):  # the blocks checkpoint="auto" takes
+            fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
         return model
 

@@ -404,11 +404,13 @@ def estimate(
     expandable_segments: bool = False,
     parallel: Parallel = SINGLE_DEVICE,
     communication_blocks: Sequence[int] = (),
+    rank: int | None = None,
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace);
     ``communication_blocks`` are the buffers ``parallel``'s strategy keeps resident on each
-    rank (``_sharding``), allocated before the step as the parameters are."""
+    rank (``_sharding``), allocated before the step as the parameters are; ``rank`` is the
+    rank whose optimizer shard ``opt`` is, where ranks differ."""
     if batch_size == 1 and timeline.batch_one is not None:
         timeline = timeline.batch_one  # the step at batch 1 as profiled there
     n_rows = len(rows.names)
@@ -537,6 +539,7 @@ def estimate(
         expandable_segments=expandable_segments,
         gpus=parallel.gpus,
         strategy=parallel.strategy if parallel.distributed else None,
+        rank=rank,
     )
 
 

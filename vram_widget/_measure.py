@@ -406,7 +406,6 @@ class _Session:
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
         apply_levers(self.model, levers)  # the copy, as the libraries apply them
-        self.wrapped = setup is not None
         if setup is not None:  # a data-parallel rank: DistributedDataParallel(copy), ...
             self.model = setup.wrap_model(self.model)
         self.micro_batches = levers.grad_accumulation
@@ -442,9 +441,8 @@ class _Session:
             inference_pass(self.model, self.inputs, self.precision, self.device_type)
 
     def wrapper_bytes(self) -> int:
-        """What a data-parallel wrapper of the copy holds beside the tensors below."""
-        if not self.wrapped:
-            return 0
+        """What a data-parallel wrapper of the copy holds beside the tensors below (0 for a
+        model no wrapper holds buffers for)."""
         from ._distributed import wrapper_bytes
 
         return wrapper_bytes(self.model)

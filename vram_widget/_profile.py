@@ -26,7 +26,13 @@ from ._options import (
     parse_optimizer,
     parse_option,
 )
-from ._sharding import SINGLE_DEVICE, TrainableParam, check_rank, resolve_parallel
+from ._sharding import (
+    SINGLE_DEVICE,
+    Parallel,
+    TrainableParam,
+    check_rank,
+    resolve_parallel,
+)
 from ._table import ModuleRows, OptimizerTrace, Poly, Timeline
 from ._tradeoff import Frontier, batch_seq_frontier, length_grid
 
@@ -126,6 +132,11 @@ class ModelProfile:
         # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
         # targets); its module names carry PEFT's prefix
         self._lora_profiles: dict[tuple[int, tuple[str, ...] | None], ModelProfile] = {}
+        # data parallelism: (precision, levers, ranks, rank) -> buffers, optimizer shards
+        self._rank_layouts: dict[
+            tuple[Precision, Levers, Parallel, int | None],
+            tuple[tuple[int, ...], list[tuple[int, tuple[str, ...]]] | None],
+        ] = {}
         self.name_prefix = ""
 
     def __repr__(self) -> str:
@@ -494,11 +505,10 @@ class ModelProfile:
         train = run_mode is Mode.TRAIN
         if not train:
             parallel = SINGLE_DEVICE
-        params = self._trainable_params(prec, levers) if parallel.distributed else []
-        shards = parallel.optimizer_shards(params, asked_rank)
+        buffers, shards = self._rank_layout(prec, levers, parallel, asked_rank)
 
         def one_rank(opt: OptimizerTrace | None, rank: int | None) -> MemoryEstimate:
-            est = estimate(
+            return estimate(
                 self.rows,
                 timeline,
                 opt,
@@ -512,9 +522,9 @@ class ModelProfile:
                 levers=levers,
                 expandable_segments=bool(expandable_segments),
                 parallel=parallel,
-                communication_blocks=parallel.communication_blocks(params),
+                communication_blocks=buffers,
+                rank=rank,
             )
-            return est if rank is None else dataclasses.replace(est, rank=rank)
 
         if not train or opt_name is None:
             return one_rank(None, None)
@@ -526,6 +536,23 @@ class ModelProfile:
             for rank, names in shards
         ]
         return max(ranks, key=lambda e: (e.peak_bytes, -(e.rank or 0)))
+
+    def _rank_layout(
+        self, precision: Precision, levers: Levers, parallel: Parallel, rank: int | None
+    ) -> tuple[tuple[int, ...], list[tuple[int, tuple[str, ...]]] | None]:
+        """A rank's resident communication buffers, and the ranks (with their optimizer
+        shards) to estimate, from the strategy's rule; cached, so a slider move with many
+        GPUs walks no parameter list."""
+        if not parallel.distributed:
+            return (), None
+        key = (precision, levers, parallel, rank)
+        if key not in self._rank_layouts:
+            params = self._trainable_params(precision, levers)
+            self._rank_layouts[key] = (
+                tuple(parallel.communication_blocks(params)),
+                parallel.optimizer_shards(params, rank),
+            )
+        return self._rank_layouts[key]
 
     def _trainable_params(self, precision: Precision, levers: Levers) -> list[TrainableParam]:
         """The parameters that get a gradient in a training step with ``levers``, in
@@ -539,9 +566,7 @@ class ModelProfile:
             if not trains or (keep is not None and name not in keep):
                 continue
             dtype = "float32" if half is None or name in self.fp32_params else half
-            numel = int(np.prod(shape, dtype=np.int64))
-            itemsize = 4 if dtype == "float32" else 2
-            out.append(TrainableParam(name, numel * itemsize, dtype, numel))
+            out.append(TrainableParam(name, int(np.prod(shape, dtype=np.int64)), dtype))
         return out
 
     def nf4_weight_bytes(self) -> tuple[int, int]:
@@ -706,7 +731,7 @@ class ModelProfile:
             )
             return est.fits(capacity, fit_basis)
 
-        resolve_parallel(limit, strategy)  # a clear error for a strategy not modelled
+        resolve_parallel(2, strategy)  # a clear error for a strategy not modelled
         _check_above_context(
             self.estimate(batch_size, precision, optimizer, "train", **settings), capacity
         )
@@ -721,7 +746,7 @@ class ModelProfile:
             lo, hi = hi, min(2 * hi, limit)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if mid > 1 and fits(mid):
+            if fits(mid):
                 hi = mid
             else:
                 lo = mid

@@ -31,6 +31,7 @@ from ._options import Strategy, parse_option
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
     "DDP_FIRST_BUCKET_CAP_BYTES",
+    "ITEMSIZE",
     "SINGLE_DEVICE",
     "STRATEGIES",
     "Parallel",
@@ -50,14 +51,22 @@ DDP_BUCKET_CAP_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_CAP_BYTES = 2**20
 
 
+# bytes per element of the dtypes a gradient is kept in
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 @dataclass(frozen=True)
 class TrainableParam:
     """One parameter that gets a gradient, as a strategy's rule sees it."""
 
     name: str
-    nbytes: int  # its gradient's bytes (the parameter's dtype)
-    dtype: str  # buckets hold one dtype each
-    numel: int = 0  # elements (what ZeRO balances its shards by)
+    numel: int  # elements (what ZeRO balances its shards by)
+    dtype: str  # its gradient's (the parameter's); buckets hold one dtype each
+
+    @property
+    def nbytes(self) -> int:
+        """Its gradient's bytes."""
+        return self.numel * ITEMSIZE[self.dtype]
 
 
 def ddp_bucket_bytes(
@@ -78,8 +87,8 @@ def ddp_bucket_bytes(
 
     Examples
     --------
-    >>> mib = 2**20
-    >>> ps = [TrainableParam(f"p{i}", n * mib, "float32") for i, n in enumerate([30, 2, 1, 1])]
+    >>> mib = 2**20  # fp32 parameters of 30, 2, 1 and 1 MiB
+    >>> ps = [TrainableParam(f"p{i}", n * mib // 4, "float32") for i, n in enumerate([30, 2, 1, 1])]
     >>> # reversed: 1 MiB fills the 1 MiB first bucket; 1 + 2 + 30 passes the 25 MiB limit
     >>> ddp_bucket_bytes(ps) == [1 * mib, 33 * mib]
     True
@@ -110,7 +119,7 @@ def zero_partition(params: Sequence[TrainableParam], world_size: int) -> list[li
 
     Examples
     --------
-    >>> ps = [TrainableParam(n, 4 * k, "float32", k) for n, k in [("a", 5), ("b", 9), ("c", 4)]]
+    >>> ps = [TrainableParam(n, k, "float32") for n, k in [("a", 5), ("b", 9), ("c", 4)]]
     >>> zero_partition(ps, 2)   # b (9) -> rank 0; a (5) -> rank 1; c (4) -> rank 1 (5 < 9)
     [['b'], ['a', 'c']]
     """
@@ -139,18 +148,14 @@ def _zero_ranks(
     if rank is not None:
         return [(rank, tuple(shards[rank]))]
     numel = {p.name: p.numel for p in params}
-
-    def elements(r: int) -> int:
-        return sum(numel[n] for n in shards[r])
-
-    def moment(r: int) -> int:
-        first = [numel[n] for n in shards[r][:2]] + [0, 0]
-        return max(2 * first[0], first[0] + 2 * first[1])
-
-    ranks = range(world_size)
+    elements = [sum(numel[n] for n in shard) for shard in shards]
+    # the largest moment of a single-tensor step: the first parameter's two temporaries, or
+    # its denom kept while the second one's two are made
+    firsts = [[numel[n] for n in shard[:2]] + [0, 0] for shard in shards]
+    moment = [max(2 * a, a + 2 * b) for a, b, *_ in firsts]
     chosen = {0}
-    for key in (elements, moment):
-        chosen.update(sorted(ranks, key=lambda r, k=key: (-k(r), r))[:2])  # type: ignore[misc]
+    for per_rank in (elements, moment):
+        chosen.update(sorted(range(world_size), key=lambda r: (-per_rank[r], r))[:2])
     return [(r, tuple(shards[r])) for r in sorted(chosen)]
 
 
@@ -199,9 +204,6 @@ class Parallel:
             return None
         return STRATEGIES[self.strategy].optimizer_shards(params, self.gpus, rank)
 
-    def describe(self) -> str:
-        return "1 device" if not self.distributed else f"{self.gpus} GPUs, {self.strategy.value}"
-
 
 SINGLE_DEVICE = Parallel(1, Strategy.DDP)
 
@@ -233,8 +235,8 @@ def resolve_parallel(
 
     Examples
     --------
-    >>> resolve_parallel(8, "ddp").describe()
-    '8 GPUs, ddp'
+    >>> resolve_parallel(8, "ddp")
+    Parallel(gpus=8, strategy=<Strategy.DDP: 'ddp'>)
     >>> resolve_parallel(0)
     Traceback (most recent call last):
     ...

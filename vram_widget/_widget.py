@@ -56,8 +56,8 @@ _OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
 _TABLE_ROWS = 25
 # the GPUs slider's top (log scale, like the batch's)
 GPUS_MAX = 1024
-# the rest after a move before the device line's allocator search runs (a kernel)
-DEVICE_LINE_DELAY_S = 0.15
+# the rest after a move before the lines that search run (a kernel: _schedule_at_rest)
+AT_REST_DELAY_S = 0.15
 
 
 def format_bytes(nbytes: int | float) -> str:
@@ -177,7 +177,7 @@ class MemoryWidget(widgets.VBox):
         # the fewest GPUs that fit (a search of estimates at several ranks), likewise
         self._parallel = widgets.HTML()
         self._gpus_cache: dict[tuple[Any, ...], int | None] = {}
-        self._device_pending: asyncio.TimerHandle | None = None
+        self._at_rest_pending: asyncio.TimerHandle | None = None
         self._table = widgets.HTML()
         self._status = widgets.HTML()
         self._csv_button = widgets.Button(
@@ -406,8 +406,7 @@ class MemoryWidget(widgets.VBox):
     def _below_context(self, capacity: int) -> bool:
         """Whether the CUDA context alone fills ``capacity`` (the API refuses such a
         capacity; the widget answers "nothing fits" and says why)."""
-        settings = self._settings()
-        return capacity <= self._profile.estimate(1, **settings).extras.cuda_context_bytes
+        return capacity <= self._estimate.extras.cuda_context_bytes  # the same at any setting
 
     def _compute(self) -> MemoryEstimate:
         return self._profile.estimate(self.batch_size, **self._settings())
@@ -558,34 +557,35 @@ class MemoryWidget(widgets.VBox):
     def _render_text(self) -> None:
         self._summary.value = self._summary_html()
         self._table.value = self._table_html()
-        self._schedule_device_line()
+        self._schedule_at_rest()
 
-    def _schedule_device_line(self) -> None:
-        """The device line, after the figure and summary.
+    def _schedule_at_rest(self) -> None:
+        """The lines that wait for the controls to rest, after the figure and summary.
 
-        ``device_bytes`` is a search of allocator replays under caps (5-30 ms for ResNet-50,
-        more than a slider move may take), so in a running kernel it is filled in once the
-        controls rest for ``DEVICE_LINE_DELAY_S`` (a new move cancels a pending one); with no
-        event loop (a script, a test) it is filled in at once."""
-        if self._device_pending is not None:
-            self._device_pending.cancel()
-            self._device_pending = None
+        ``device_bytes`` is a search of allocator replays under caps (5-30 ms for ResNet-50)
+        and the fewest GPUs a search of estimates at several ranks: more than a slider move
+        may take. So in a running kernel they are filled in once the controls rest for
+        ``AT_REST_DELAY_S`` (a new move cancels a pending one); with no event loop (a
+        script, a test) at once."""
+        if self._at_rest_pending is not None:
+            self._at_rest_pending.cancel()
+            self._at_rest_pending = None
         est = self._estimate
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self._fill_device_line(est)
+            self._fill_at_rest(est)
             return
         if est.allocator is not None:
             self._device.value = "<b>On the device</b>: <i>replaying the allocator under caps…</i>"
         if est.mode is Mode.TRAIN:
             self._parallel.value = "<b>GPUs needed</b>: <i>searching…</i>"
-        self._device_pending = loop.call_later(DEVICE_LINE_DELAY_S, self._fill_device_line, est)
+        self._at_rest_pending = loop.call_later(AT_REST_DELAY_S, self._fill_at_rest, est)
 
-    def _fill_device_line(self, est: MemoryEstimate) -> None:
+    def _fill_at_rest(self, est: MemoryEstimate) -> None:
         """The lines that wait for the controls to rest: the device line and the fewest
         GPUs that fit."""
-        self._device_pending = None
+        self._at_rest_pending = None
         if est is not self._estimate:  # a setting moved away from since
             return
         self._device.value = "" if est.allocator is None else self._device_html(est)
