@@ -4,20 +4,22 @@ The estimate comes from the single-device profile (``device="cpu"``):
 ``profile.estimate(batch, precision, "adamw", gpus=N, strategy=...)``. The truth is
 ``measure(..., gpus=N, strategy=...)``: N processes forked on this machine, one gloo process
 group on 127.0.0.1, each wrapping its copy of the model as the strategy's library does
-(``DistributedDataParallel`` with its defaults for ``"ddp"``; and
-``ZeroRedundancyOptimizer`` around AdamW for ``"zero1"``) and measuring its own third step
-from the CPU allocator's events. Every rank is compared with its own estimate
-(``estimate(..., rank=r)``: ZeRO's ranks hold different shards), and the default estimate
-(the worst rank) with the worst measured rank.
+(``DistributedDataParallel`` with its defaults for
+``"ddp"``; ``ZeroRedundancyOptimizer`` around AdamW for ``"zero1"``; FSDP2's ``fully_shard`` on each
+repeated block and the root for ``"zero2"`` / ``"zero3"``) and measuring its own steady
+steps from the CPU allocator's events (the median of three). Every rank is compared with
+its own estimate (``estimate(..., rank=r)``: ZeRO's ranks hold different shards), and the
+default estimate (the worst rank) with the worst measured rank.
 
 Models: the zoo's MLP, ResNet-18 (3 x 64 x 64), TransformerEncoder, causal decoder, tiny Llama
 and LSTM, and small Hugging Face GPT-2, Llama, BERT and T5 configs (no download, 16 tokens);
 2 and 4 ranks x fp32 and bf16, batch 3 per rank, AdamW. Then the memory levers under each
 strategy (Hugging Face's checkpointing, a frozen backbone, accumulation of 2, PEFT's LoRA
-rank 4) on GPT-2 and Llama at 2 ranks. Profiles and ranks compute on one
+rank 4; FSDP2 with checkpointing and LoRA only, the others are refused) on GPT-2 and Llama
+at 2 ranks. Profiles and ranks compute on one
 thread (the forked ranks must, and CPU kernel scratch can depend on the thread count).
 
-    python benchmarks/accuracy_distributed.py      # about 2 minutes on 2 cores
+    python benchmarks/accuracy_distributed.py      # about 5 minutes on 2 cores
 
 Targets (issue "Beyond one GPU"): per-rank median <= 0.5 %, worst <= 3 %. Writes
 results/accuracy_distributed.json and prints a markdown summary for the README.
@@ -43,7 +45,9 @@ from vram_widget import measure, profile_model, zoo
 BATCH = 3
 WORLDS = (2, 4)
 PRECISIONS = ("fp32", "bf16")
-STRATEGIES = ("ddp", "zero1")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+# FSDP2 with these levers is refused by the estimate (not modelled yet)
+FSDP_UNMODELLED = {"frozen backbone", "accumulation x2"}
 
 
 def _zoo(name: str) -> tuple[Callable[[], nn.Module], Callable[[int], Any]]:
@@ -140,6 +144,8 @@ def run() -> list[dict[str, Any]]:
         profile = profile_model(model, inputs=make(2), device="cpu")
         for lever, levers in _levers(name).items():
             for strategy in STRATEGIES:
+                if strategy.startswith("zero") and strategy != "zero1" and lever in FSDP_UNMODELLED:
+                    continue
                 for precision in PRECISIONS:
                     rows += compare_ranks(f"{name} + {lever}", profile, model, make, strategy,
                                           precision, 2, levers)  # fmt: skip
@@ -162,6 +168,8 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     for name in dict.fromkeys(r["model"] for r in rows):
         for strategy in dict.fromkeys(r["strategy"] for r in rows):
             sel = [r for r in rows if r["model"] == name and r["strategy"] == strategy]
+            if not sel:  # FSDP2 with a lever it does not model: not run
+                continue
             errs = [abs(r["error_pct"]) for r in sel]
             lines.append(
                 f"| {name} | {strategy} | {len(sel)} | {statistics.median(errs):.4f} % | "

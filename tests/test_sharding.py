@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -17,8 +18,12 @@ from vram_widget._figures import floor_categories, waterfall_data
 from vram_widget._sharding import (
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_CAP_BYTES,
+    FsdpParam,
+    StepEdits,
     TrainableParam,
     ddp_bucket_bytes,
+    fsdp_step_edits,
+    local_shard_shape,
     resolve_parallel,
 )
 
@@ -70,7 +75,7 @@ def test_ddp_buckets_match_torch_bucketing() -> None:
         (True, "ddp", r"gpus must be an int >= 1 .* got True"),
         ("2", "ddp", r"gpus must be an int >= 1 .* got '2'"),
         (2, "zero4", r"zero4.*ddp.*zero1.*zero2.*zero3.*hsdp"),
-        (2, "zero3", r"'zero3' is not modelled yet .* modelled: 'ddp'"),
+        (2, "hsdp", r"'hsdp' is not modelled yet .* modelled: 'ddp', 'zero1', 'zero2', 'zero3'"),
     ],
 )
 def test_bad_parallel_settings_name_the_problem(gpus: object, strategy: str, message: str) -> None:
@@ -149,3 +154,74 @@ def test_zero1_ranks_hold_their_shard_of_the_optimizer_state() -> None:
         ValueError, match=r"rank must be None \(the worst rank\) or an int in \[0, 2\)"
     ):
         profile.estimate(4, rank=2, **kwargs)
+
+
+def _tiny_fsdp(gloo: bool, reshard_after_forward: bool = True) -> StepEdits:
+    # rows: 0 the root, 1 'emb' (root unit), 2 'b' (block unit 1), 3 (loss), 4 (optimizer)
+    # events: forward emb, b, b, loss | backward (from 4) loss, b, b (b's grad), emb (emb's
+    # grad) | optimizer at 8
+    params = [
+        FsdpParam("emb.weight", (5, 2), 4, 1, 0, True),  # 3 of 5 rows per rank: 24 B shard
+        FsdpParam("b.weight", (3,), 4, 2, 1, True),  # 2 of 3 per rank: 8 B shard
+    ]
+    return fsdp_step_edits(
+        params,
+        [0, 2],
+        np.asarray([0, 0, 1, 0, 0]),
+        world_size=2,
+        reshard_after_forward=reshard_after_forward,
+        gloo=gloo,
+        event_module=np.asarray([1, 2, 2, 3, 3, 2, 2, 1]),
+        loss_row=3,
+        backward_start=4,
+        optimizer_at=8,
+        gradient_allocs=[(10, 12, 2, 6), (11, 40, 1, 7)],  # whole gradients: 3 x 4, 5 x 2 x 4
+        n_rows=5,
+    )
+
+
+def test_fsdp_step_edits_by_hand() -> None:
+    edits = _tiny_fsdp(gloo=False)
+    # flat all-gather outputs: root 2 ranks x 24 = 48, block 2 x 8 = 16; the copied-out
+    # parameters as large; reduce-scatter inputs as large, outputs one shard (24, 8)
+    assert list(zip(edits.position.tolist(), edits.nbytes.tolist(), strict=True)) == [
+        (0, 48), (0, 48),  # root: gather, copy out (kept to the backward)
+        (1, 16), (1, 16), (1, -48),  # block: gather, copy out, then the root's flat freed
+        (3, -16),  # block's post_forward reshards (zero3)
+        (3, -16),  # the root's post_forward frees the last flat output
+        (5, 16),  # root's pre_backward prefetches the block (after the loss's backward)
+        (5, 16), (5, -16),  # block's pre_backward: copy out, flat freed at once
+        (7, -16), (7, 16), (7, -12), (7, 8),  # post_backward: reshard, RS in, grad freed, RS out
+        # final callback (root): reshard, drop the block's RS input, RS in, RS out; the
+        # backward's last gradient freed only after the reduce-scatter; the RS input dropped
+        (8, -48), (8, -16), (8, 48), (8, 24), (8, -40), (8, -48),
+    ]  # fmt: skip
+    # every new storage is allocated once and freed once, but the two gradient shards (the
+    # reduce-scatter outputs), which stay for the optimizer; the gradients freed are the two
+    new = edits.storage[edits.storage < 0].tolist()
+    assert sorted(new.count(sid) for sid in set(new)) == [1, 1] + [2] * (len(set(new)) - 2)
+    assert edits.freed_gradients == {10, 11}
+    assert int(edits.nbytes.sum()) == 8 + 24 - 12 - 40  # shards in, whole gradients out
+    assert edits.param_rows.tolist() == [0, 24, 8, 0, 0] == edits.grad_rows.tolist()
+    assert edits.param_blocks.tolist() == [24, 8]
+
+
+def test_fsdp_zero2_keeps_blocks_and_gloo_stages_collectives() -> None:
+    zero2 = _tiny_fsdp(gloo=False, reshard_after_forward=False)
+    # no reshard after the block's forward and no gather in its backward: 3 events fewer
+    assert len(zero2.nbytes) == len(_tiny_fsdp(gloo=False).nbytes) - 4
+    assert (5, 16) not in list(zip(zero2.position.tolist(), zero2.nbytes.tolist(), strict=True))
+    gloo = _tiny_fsdp(gloo=True)
+    # two flat temporaries per all-gather (3 gathers), one per reduce-scatter (2): +x, -x each
+    assert len(gloo.nbytes) == len(_tiny_fsdp(gloo=False).nbytes) + 2 * (2 * 3 + 2)
+    assert int(gloo.nbytes.sum()) == int(_tiny_fsdp(gloo=False).nbytes.sum())
+
+
+def test_local_shards_and_fsdp_refusals() -> None:
+    assert [local_shard_shape((5, 3), 4, r) for r in range(4)] == [(2, 3), (2, 3), (1, 3), (0, 3)]
+    profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
+    for kwargs in ({"grad_accumulation": 2}, {"trainable": ["*.bias"]}):
+        with pytest.raises(ValueError, match=r"'zero3' with .* is not modelled yet"):
+            profile.estimate(4, gpus=2, strategy="zero3", **kwargs)
+    one, two = (profile.estimate(4, "fp32", "adam", gpus=g, strategy="zero3") for g in (1, 2))
+    assert two.parameter_bytes < one.parameter_bytes and two.strategy == "zero3"

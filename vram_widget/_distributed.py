@@ -63,6 +63,7 @@ def _rank_main(
     # rank computes on one thread, as DataLoader workers do (torch/utils/data/_utils/
     # worker.py, _worker_loop: torch.set_num_threads(1)).
     torch.set_num_threads(1)
+    _collectives_release_on_caller()
     code = 0
     try:
         dist.init_process_group(
@@ -81,6 +82,33 @@ def _rank_main(
         code = 1
     finally:
         os._exit(code)
+
+
+def _collectives_release_on_caller() -> None:
+    """Make this rank's blocking FSDP2 collectives drop their buffers on the calling thread.
+
+    A blocking collective's ``Work`` holds its tensors (and gloo's staging copies), and a
+    gloo worker thread holds the ``Work`` until it has finished it. Where the caller lets go
+    first, the worker frees the buffers, and the profiler, which records the calling
+    thread, never sees the free: the rest of the step reads a buffer more. So a blocking
+    call waits for its work, gives the worker a moment to let go, and drops it here."""
+    import torch.distributed as dist
+
+    def blocking(collective: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            work = collective(*args, async_op=True, **kwargs)
+            if async_op:
+                return work
+            work.wait()
+            time.sleep(0.002)
+            del work
+            return None
+
+        return call
+
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, blocking(getattr(dist, name)))
 
 
 def run_ranks(fn: Callable[[int, int], _T], world_size: int, timeout_s: float = 600.0) -> list[_T]:
@@ -167,7 +195,8 @@ def fsdp_wrapped(reshard_after_forward: bool) -> Callable[[torch.nn.Module], tor
     largest ``ModuleList`` of repeated blocks a unit (``_levers.repeated_blocks``), then the
     root, on a 1-D CPU mesh of the
     process group's ranks (``"zero2"``: ``reshard_after_forward=False``, ``"zero3"``:
-    ``True``)."""
+    ``True`` for the blocks and the library's default for the root, which keeps its
+    parameters from forward to backward)."""
 
     def wrap(model: torch.nn.Module) -> torch.nn.Module:
         import torch.distributed as dist
@@ -179,7 +208,11 @@ def fsdp_wrapped(reshard_after_forward: bool) -> Callable[[torch.nn.Module], tor
         modules = dict(model.named_modules())
         for name in repeated_blocks(names, types):  # the blocks checkpoint="auto" takes
             fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        # The root with the library's default under zero3 (None: "for the root, do not
+        # reshard after forward", _fsdp_state._lazy_init), as fully_shard(model) gives it.
+        fully_shard(
+            model, mesh=mesh, reshard_after_forward=None if reshard_after_forward else False
+        )
         return model
 
     return wrap

@@ -43,7 +43,7 @@ from ._options import (
     Strategy,
     parse_option,
 )
-from ._sharding import SINGLE_DEVICE, Parallel
+from ._sharding import SINGLE_DEVICE, Parallel, StepEdits
 from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, sum_by
 
 if TYPE_CHECKING:
@@ -405,12 +405,15 @@ def estimate(
     parallel: Parallel = SINGLE_DEVICE,
     communication_blocks: Sequence[int] = (),
     rank: int | None = None,
+    edits: StepEdits | None = None,
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace);
     ``communication_blocks`` are the buffers ``parallel``'s strategy keeps resident on each
     rank (``_sharding``), allocated before the step as the parameters are; ``rank`` is the
-    rank whose optimizer shard ``opt`` is, where ranks differ."""
+    rank whose optimizer shard ``opt`` is, where ranks differ. ``edits`` are what a strategy
+    that shards the parameters (FSDP2) inserts into the step, with the shards it keeps
+    instead of whole parameters and gradients (``_sharding.fsdp_step_edits``)."""
     if batch_size == 1 and timeline.batch_one is not None:
         timeline = timeline.batch_one  # the step at batch 1 as profiled there
     n_rows = len(rows.names)
@@ -426,12 +429,34 @@ def estimate(
     resident_blocks = np.asarray(
         timeline.storage_bytes.at(batch_size, length)[timeline.storage_resident], dtype=object
     )
+    k = timeline.optimizer_at
+    n_storages = len(timeline.storage_category)
+    if edits is not None:
+        # whole parameters out, each rank's padded shards in
+        resident_cats = timeline.storage_category[timeline.storage_resident]
+        resident_blocks = np.concatenate(
+            [
+                resident_blocks[resident_cats != CATEGORY_CODE[Category.PARAMETER]],
+                edits.param_blocks.astype(object),
+            ]
+        )
+        resident[CATEGORY_CODE[Category.PARAMETER]] = int(edits.param_blocks.sum())
+        where = edits.position
+        seq = np.insert(seq, where, edits.nbytes.astype(seq.dtype))
+        modules = np.insert(modules, where, edits.row)
+        phases = np.insert(phases, where, edits.phase)
+        cats = np.insert(cats, where, edits.category)
+        ops = np.insert(ops, where, np.full(len(where), -1, np.int32))
+        if storage is not None:  # new storages after the timeline's own
+            new_ids = np.where(edits.storage < 0, n_storages - 1 - edits.storage, edits.storage)
+            storage = np.insert(storage, where, new_ids)
+            n_storages += int((edits.storage < 0).sum())
+        k += int((where <= timeline.optimizer_at).sum())
     if train and opt is not None:
-        k = timeline.optimizer_at
         n_opt = len(opt.event_bytes)
         if storage is not None and opt.event_storage is not None:
             # the optimizer's storages after the step's (ids of their own)
-            opt_ids = opt.event_storage + len(timeline.storage_category)
+            opt_ids = opt.event_storage + n_storages
             storage = np.concatenate([storage[:k], opt_ids, storage[k:]])
         else:
             storage = None
@@ -467,16 +492,16 @@ def estimate(
 
     extras = AcceleratorExtras(0, 0, 0)
     if device is Device.CUDA:
-        extras = _cuda_extras(
-            timeline, opt if train else None, seq, batch_size, length, peak, compute_capability
-        )
+        extras = _cuda_extras(resident_blocks, seq, peak, compute_capability, timeline.uses_matmul)
 
     def per_row(category: Category) -> np.ndarray:
         return timeline.rows_of_category(category, batch_size, n_rows, length)
 
-    param_bytes = per_row(Category.PARAMETER)
+    param_bytes = per_row(Category.PARAMETER) if edits is None else edits.param_rows
     buffer_bytes = per_row(Category.BUFFER)
     grad_rows = per_row(Category.GRADIENT) if train else np.zeros(n_rows, np.int64)
+    if train and edits is not None:
+        grad_rows = edits.grad_rows
     act_rows = per_row(Category.ACTIVATION) if train else np.zeros(n_rows, np.int64)
     opt_rows = opt.state_bytes if train and opt is not None else np.zeros(n_rows, np.int64)
     # int64 while it fits; Python ints (object arrays) for astronomical batches
@@ -570,20 +595,17 @@ def _blocks(nbytes: np.ndarray) -> np.ndarray:
 
 
 def _cuda_extras(
-    timeline: Timeline,
-    opt: OptimizerTrace | None,
+    resident_blocks: np.ndarray,
     seq: np.ndarray,
-    batch_size: int,
-    seq_len: int,
     peak: int,
     compute_capability: tuple[int, int],
+    uses_matmul: bool,
 ) -> AcceleratorExtras:
     """What CUDA adds on top of tensor bytes: each block rounded up to 512 bytes by the
-    caching allocator, the cuBLAS workspace, and the CUDA context (sources in _accelerator)."""
-    sizes = timeline.storage_bytes.at(batch_size, seq_len)[timeline.storage_resident]
-    rounded_resident = _as_int(_blocks(sizes).sum())
-    if opt is not None:
-        rounded_resident += int(cuda_block_bytes(opt.state_block_bytes).sum())
+    caching allocator, the cuBLAS workspace, and the CUDA context (sources in _accelerator).
+    ``resident_blocks``: every storage resident before the step (optimizer state and a
+    strategy's buffers included)."""
+    rounded_resident = _as_int(_blocks(resident_blocks).sum())
     rounded_seq = np.where(seq < 0, -1, 1) * _blocks(np.where(seq < 0, -seq, seq))
     rounded_peak = rounded_resident
     if len(rounded_seq):
@@ -592,7 +614,7 @@ def _cuda_extras(
         allocator_rounding_bytes=max(0, rounded_peak - peak),
         cublas_workspace_bytes=(
             cublas_workspace_bytes(10 * compute_capability[0] + compute_capability[1])
-            if timeline.uses_matmul
+            if uses_matmul
             else 0
         ),
         cuda_context_bytes=CUDA_CONTEXT_BYTES,

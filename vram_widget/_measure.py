@@ -126,10 +126,16 @@ class _CpuTrace:
     before: tuple[_AllocEvent, ...]  # from the start of measure until iteration 2
     during: tuple[_AllocEvent, ...]  # iteration 2, in execution order
     after: tuple[_AllocEvent, ...]  # the teardown of the copies
+    # every measured iteration's events (``during`` is the first), where several ran
+    repeats: tuple[tuple[_AllocEvent, ...], ...] = ()
 
     def peak_above_start(self) -> int:
-        """The largest prefix sum of the iteration's events (0 if it never rises)."""
-        return _max_prefix_sum(e.nbytes for e in self.during)
+        """The largest prefix sum of the iteration's events (0 if it never rises); where
+        several iterations were measured, the median of theirs (``_run_cpu``)."""
+        peaks = sorted(
+            _max_prefix_sum(e.nbytes for e in it) for it in self.repeats or (self.during,)
+        )
+        return peaks[len(peaks) // 2]
 
 
 def measure(
@@ -364,7 +370,9 @@ def _measure(
             # backward made them ready, in the second iteration's forward (new buckets
             # allocated, the old ones freed: reducer.cpp, Reducer::rebuild_buckets), so a
             # wrapped rank is steady from its third iteration.
-            resident, trace = _run_cpu(session, warmups=1 if setup is None else 2)
+            resident, trace = _run_cpu(
+                session, warmups=1 if setup is None else 2, repeats=1 if setup is None else 3
+            )
             peak = resident + trace.peak_above_start()
             reserved = None
     trains = _has_trainable(model) if levers.trainable is None else bool(levers.trainable)
@@ -459,9 +467,14 @@ class _Session:
         yield from self.inputs.tensors()
 
 
-def _run_cpu(session: Callable[[], _Session], warmups: int = 1) -> tuple[int, _CpuTrace]:
-    """Run ``warmups`` iterations and the measured one under the profiler; return the
-    resident bytes and the trace."""
+def _run_cpu(
+    session: Callable[[], _Session], warmups: int = 1, repeats: int = 1
+) -> tuple[int, _CpuTrace]:
+    """Run ``warmups`` iterations and ``repeats`` measured ones under the profiler; return
+    the resident bytes and the trace. A distributed rank measures three steady iterations
+    and keeps the median peak: gloo's worker threads drop some collective buffers (a flat
+    all-gather output, a reduce-scatter input) where the profiler does not see it, so one
+    iteration in a few reads a buffer more, or a free of the previous one, at random."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if torch.autograd.profiler._is_profiler_enabled:
@@ -478,8 +491,9 @@ def _run_cpu(session: Callable[[], _Session], warmups: int = 1) -> tuple[int, _C
         gc.collect(0)
         resident = _storage_bytes(run.resident_tensors(), torch.device("cpu"))
         resident += run.wrapper_bytes()
-        with record_function(_MARKER):
-            run.iterate()
+        for _ in range(repeats):
+            with record_function(_MARKER):
+                run.iterate()
         # Destroy the copies while the profiler still runs, so that the allocator forgets
         # every block it was told about (otherwise it keeps their sizes in a table).
         del run
@@ -546,7 +560,7 @@ def _cpu_trace(prof: Any) -> _CpuTrace:
     """
     roots = prof.profiler.kineto_results.experimental_event_tree()
     allocations: list[_AllocEvent] = []
-    marker: Any = None
+    markers: list[Any] = []
     stack = list(reversed(roots))
     while stack:
         node = stack.pop()
@@ -559,17 +573,22 @@ def _cpu_trace(prof: Any) -> _CpuTrace:
                         int(node.start_time_ns), int(fields.alloc_size), int(fields.total_allocated)
                     )
                 )
-        elif tag == "TorchOp" and marker is None and node.name == _MARKER:
-            marker = node
+        elif tag == "TorchOp" and node.name == _MARKER:
+            markers.append(node)
         stack.extend(reversed(node.children))
-    if marker is None:  # pragma: no cover - the profiler always records record_function
+    if not markers:  # pragma: no cover - the profiler always records record_function
         raise RuntimeError("the profiler recorded no measured iteration")
     allocations.sort(key=lambda e: e.time_ns)  # stable: ties keep the walk's order
-    start, end = int(marker.start_time_ns), int(marker.end_time_ns)
+    spans = sorted((int(m.start_time_ns), int(m.end_time_ns)) for m in markers)
+    repeats = tuple(
+        tuple(e for e in allocations if start <= e.time_ns <= end) for start, end in spans
+    )
+    first, last = spans[0][0], spans[-1][1]
     return _CpuTrace(
-        before=tuple(e for e in allocations if e.time_ns < start),
-        during=tuple(e for e in allocations if start <= e.time_ns <= end),
-        after=tuple(e for e in allocations if e.time_ns > end),
+        before=tuple(e for e in allocations if e.time_ns < first),
+        during=repeats[0],
+        after=tuple(e for e in allocations if e.time_ns > last),
+        repeats=repeats if len(repeats) > 1 else (),
     )
 
 

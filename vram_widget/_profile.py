@@ -14,8 +14,10 @@ import numpy as np
 
 from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from ._gpus import Gpu, parse_capacity
-from ._levers import LEVER_KEYWORDS, NO_LEVERS, Levers, resolve_levers
+from ._levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
 from ._options import (
+    CATEGORY_CODE,
+    Category,
     Device,
     FitBasis,
     Mode,
@@ -28,9 +30,12 @@ from ._options import (
 )
 from ._sharding import (
     SINGLE_DEVICE,
+    FsdpParam,
     Parallel,
+    StepEdits,
     TrainableParam,
     check_rank,
+    fsdp_step_edits,
     resolve_parallel,
 )
 from ._table import ModuleRows, OptimizerTrace, Poly, Timeline
@@ -61,6 +66,7 @@ class ProfileSource(Protocol):
         optimizer: OptimizerName,
         levers: Levers = ...,
         only: tuple[str, ...] | None = ...,
+        shard: tuple[int, int] | None = ...,
     ) -> OptimizerTrace: ...
 
     def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
@@ -127,7 +133,8 @@ class ModelProfile:
         # a setting that failed to profile fails again at once, without another run
         self._failures: dict[tuple[Precision, Mode, Levers], ProfilingError] = {}
         self._optimizers: dict[
-            tuple[Precision, OptimizerName, Levers, tuple[str, ...] | None], OptimizerTrace
+            tuple[Precision, OptimizerName, Levers, tuple[str, ...] | None, tuple[int, int] | None],
+            OptimizerTrace,
         ] = {}
         # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
         # targets); its module names carry PEFT's prefix
@@ -137,6 +144,8 @@ class ModelProfile:
             tuple[Precision, Levers, Parallel, int | None],
             tuple[tuple[int, ...], list[tuple[int, tuple[str, ...]]] | None],
         ] = {}
+        # FSDP2: (timeline id, precision, levers, ranks) -> what it inserts into the step
+        self._step_edits: dict[tuple[int, Precision, Levers, Parallel], StepEdits] = {}
         self.name_prefix = ""
 
     def __repr__(self) -> str:
@@ -236,7 +245,7 @@ class ModelProfile:
         return (
             run_mode is Mode.INFERENCE
             or opt is None
-            or (prec, opt, _optimizer_levers(levers), None) in self._optimizers
+            or (prec, opt, _optimizer_levers(levers), None, None) in self._optimizers
         )
 
     def length_fit_tried(
@@ -352,15 +361,17 @@ class ModelProfile:
         optimizer: OptimizerName,
         levers: Levers = NO_LEVERS,
         only: tuple[str, ...] | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> OptimizerTrace:
-        """The optimizer's step (``only``: over these parameters alone, a ZeRO shard)."""
-        key = (precision, optimizer, _optimizer_levers(levers), only)
+        """The optimizer's step (``only``: over these parameters alone, a ZeRO shard;
+        ``shard=(world_size, rank)``: over that rank's FSDP2 shard of each parameter)."""
+        key = (precision, optimizer, _optimizer_levers(levers), only, shard)
         if key not in self._optimizers:
             # the training step of these levers first: it says which parameters got a
             # gradient (the optimizer's state is made for those)
             self.timeline(precision, Mode.TRAIN, None, levers)
             self._optimizers[key] = self._source.optimizer_trace(
-                precision, optimizer, _profiled(levers, Mode.TRAIN), only
+                precision, optimizer, _profiled(levers, Mode.TRAIN), only, shard
             )
         return self._optimizers[key]
 
@@ -439,19 +450,26 @@ class ModelProfile:
             Data-parallel ranks. The estimate is one rank's training step at ``batch_size``
             samples per rank (the global batch is ``gpus * batch_size``). 1: one device, no
             wrapper. Inference is not wrapped (each rank runs the forward alone).
-        strategy : {"ddp", "zero1"}
+        strategy : {"ddp", "zero1", "zero2", "zero3"}
             How the ranks share the step (``_sharding.STRATEGIES``): ``"ddp"`` is
             ``DistributedDataParallel`` with its defaults, whose flat gradient buckets
             (25 MiB, the first 1 MiB) add the trainable parameters' bytes once more on each
             rank, in ``communication_bytes``. ``"zero1"`` adds
             ``ZeroRedundancyOptimizer``: each rank's optimizer state and step are those of
             its shard of the parameters (ZeRO's own partition); ranks differ, and the
-            estimate is the worst one (``est.rank``). ``"zero2"``, ``"zero3"`` and ``"hsdp"``
-            are not modelled yet and raise a ValueError.
+            estimate is the worst one (``est.rank``). ``"zero2"`` and ``"zero3"`` are
+            FSDP2's ``fully_shard`` on each repeated block and the root
+            (``_sharding.fsdp_step_edits``): parameters, gradients and optimizer state are
+            each rank's padded dim-0 shards; each unit is all-gathered around its forward
+            and backward (``"zero3"`` frees a block's after its forward, ``"zero2"`` keeps
+            them) and its gradients reduce-scattered after its backward. They compose
+            with ``checkpoint`` and ``lora_rank``; ``grad_accumulation`` and
+            ``trainable`` with them, and ``"hsdp"``, are not modelled yet (ValueError).
         rank : int, optional
-            With ``gpus > 1``: the rank to estimate where ranks differ (ZeRO's shards);
-            None: the worst of the ranks that lead on optimizer state or on the step's
-            largest temporaries (``_sharding._zero_ranks``).
+            With ``gpus > 1``: the rank to estimate where ranks differ (ZeRO's shards;
+            FSDP2's last ranks hold shorter chunks); None: the worst of the ranks that lead
+            on optimizer state or on the step's largest temporaries
+            (``_sharding._zero_ranks``), rank 0 under FSDP2.
 
         The levers apply in training; a new combination costs one more profiling run
         (cached), as a new precision does.
@@ -485,6 +503,8 @@ class ModelProfile:
         levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
         if run_mode is not Mode.TRAIN:
             levers = NO_LEVERS
+        if parallel.reshard_after_forward is not None and run_mode is Mode.TRAIN:
+            _check_fsdp_levers(parallel, levers)
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers)
             est = sub.estimate(
@@ -506,6 +526,16 @@ class ModelProfile:
         if not train:
             parallel = SINGLE_DEVICE
         buffers, shards = self._rank_layout(prec, levers, parallel, asked_rank)
+        edits = None
+        fsdp_rank = 0
+        if parallel.reshard_after_forward is not None:
+            # FSDP2: every rank holds a padded chunk of each parameter; rank 0 the largest
+            # (its chunks are never short), so it is the worst one unless another is asked
+            fsdp_rank = 0 if asked_rank is None else asked_rank
+            effective = timeline
+            if batch == 1 and timeline.batch_one is not None:
+                effective = timeline.batch_one
+            edits = self._fsdp_edits(effective, prec, levers, parallel)
 
         def one_rank(opt: OptimizerTrace | None, rank: int | None) -> MemoryEstimate:
             return estimate(
@@ -524,10 +554,14 @@ class ModelProfile:
                 parallel=parallel,
                 communication_blocks=buffers,
                 rank=rank,
+                edits=edits,
             )
 
         if not train or opt_name is None:
-            return one_rank(None, None)
+            return one_rank(None, fsdp_rank if edits is not None else None)
+        if edits is not None:
+            shard = (parallel.gpus, fsdp_rank)
+            return one_rank(self.optimizer_trace(prec, opt_name, levers, shard=shard), fsdp_rank)
         if shards is None:
             return one_rank(self.optimizer_trace(prec, opt_name, levers), None)
         # ranks step different shards (ZeRO): the worst of the candidate ranks
@@ -553,6 +587,66 @@ class ModelProfile:
                 parallel.optimizer_shards(params, rank),
             )
         return self._rank_layouts[key]
+
+    def _fsdp_edits(
+        self, timeline: Timeline, precision: Precision, levers: Levers, parallel: Parallel
+    ) -> StepEdits:
+        """What FSDP2 inserts into one rank's step (``_sharding.fsdp_step_edits``): units
+        are the repeated blocks (``_levers.repeated_blocks``, as ``measure`` wraps them) and
+        the root; cached per timeline, so a slider move walks no parameter list."""
+        key = (id(timeline), precision, levers, parallel)
+        if key in self._step_edits:
+            return self._step_edits[key]
+        names = self.rows.names
+        n_rows = len(names)
+        blocks = repeated_blocks(names[:-2], self.rows.types[:-2])
+        row_of = {name: i for i, name in enumerate(names[:-2])}
+        unit_rows = [0, *(row_of[b] for b in blocks)]
+        unit_of_row = np.zeros(n_rows, np.int64)
+        for u, block in enumerate(blocks, start=1):
+            for i, name in enumerate(names[:-2]):
+                if name == block or name.startswith(block + "."):
+                    unit_of_row[i] = u
+        stepped = {p.name for p in self._trainable_params(precision, levers)}
+        half = {Precision.BF16: 2, Precision.FP16: 2}.get(precision)
+        params = []
+        for name, shape in zip(self.param_names, self.param_shapes, strict=True):
+            module = name.rpartition(".")[0]
+            row = row_of.get(module, 0)
+            itemsize = 4 if half is None or name in self.fp32_params else half
+            params.append(
+                FsdpParam(name, tuple(shape), itemsize, row, int(unit_of_row[row]), name in stepped)
+            )
+        grads = []
+        storage = timeline.event_storage
+        cats = timeline.storage_category
+        sizes = timeline.storage_bytes.at(1, self.seq_len or 1)
+        if storage is not None:
+            k, end = timeline.backward_start, timeline.optimizer_at
+            sids, first = np.unique(storage[k:end], return_index=True)
+            for sid, at in zip(sids, first, strict=True):
+                if (
+                    cats[sid] == CATEGORY_CODE[Category.GRADIENT]
+                    and not timeline.storage_resident[sid]
+                ):
+                    row = int(timeline.storage_module[sid])
+                    grads.append((int(sid), int(sizes[sid]), row, k + int(at)))
+        edits = fsdp_step_edits(
+            params,
+            unit_rows,
+            unit_of_row,
+            world_size=parallel.gpus,
+            reshard_after_forward=bool(parallel.reshard_after_forward),
+            gloo=self.device is Device.CPU,
+            event_module=timeline.event_module,
+            loss_row=n_rows - 2,
+            backward_start=timeline.backward_start,
+            optimizer_at=timeline.optimizer_at,
+            gradient_allocs=grads,
+            n_rows=n_rows,
+        )
+        self._step_edits[key] = edits
+        return edits
 
     def _trainable_params(self, precision: Precision, levers: Levers) -> list[TrainableParam]:
         """The parameters that get a gradient in a training step with ``levers``, in
@@ -977,6 +1071,23 @@ def _scaled_flops(timeline: Timeline, numerator: int, denominator: int) -> Timel
         flops_backward=scale(timeline.flops_backward),
         batch_one=one,
     )
+
+
+def _check_fsdp_levers(parallel: Parallel, levers: Levers) -> None:
+    """FSDP2 with the levers its rule does not cover yet: a clear refusal, not a wrong
+    number (checked against real fully_shard ranks: accumulation reduce-scatters every
+    micro-batch into the sharded gradients, and frozen blocks take other hook paths)."""
+    unmodelled = []
+    if levers.grad_accumulation > 1:
+        unmodelled.append(f"grad_accumulation={levers.grad_accumulation}")
+    if levers.trainable is not None:
+        unmodelled.append("trainable=... (frozen parameters)")
+    if unmodelled:
+        raise ValueError(
+            f"strategy {parallel.strategy.value!r} with {' and '.join(unmodelled)} is not "
+            "modelled yet; it composes with checkpoint=... and lora_rank=..., and 'ddp' / "
+            "'zero1' compose with every lever"
+        )
 
 
 def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:

@@ -43,6 +43,7 @@ from ._options import (
 from ._probe import KernelProbe
 from ._profile import ModelProfile, ProfilingError
 from ._recorder import Recorder, describe_args, module_hooks, tracked_rng_states
+from ._sharding import local_shard_shape
 from ._step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -581,12 +582,15 @@ class Profiler:
         precision: Precision,
         optimizer: OptimizerName,
         only: tuple[str, ...] | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> OptimizerTrace:
         """Two ``step()`` calls on gradients of the parameters' shapes; the second, in steady
         state, is recorded. Its allocations do not depend on the batch size. ``only``: the
         optimizer of these parameters alone, in this order (a ZeRO rank's shard, in the
         order ZeRO hands it to its local optimizer: a single-tensor step keeps one
-        parameter's temporary while it makes the next one's, so the order counts)."""
+        parameter's temporary while it makes the next one's, so the order counts).
+        ``shard=(world_size, rank)``: each parameter as that rank's FSDP2 shard of it (its
+        dim-0 chunk, ``_sharding.local_shard_shape``), which its optimizer steps."""
         subject = self.subject
         cuda = subject.device is Device.CUDA
         stepped = subject.params_with_grad.get(self.levers)
@@ -606,6 +610,13 @@ class Profiler:
         # next to nothing, where a FakeTensorMode would hash every tensor of every foreach call.
         # Adam-family ``step`` counters are real 0-dim CPU tensors, as for CUDA parameters.
         params, _buffers = subject.make_state(precision, real=False, device="meta")
+        if shard is not None:
+            params = {
+                name: torch.empty(
+                    local_shard_shape(tuple(p.shape), *shard), dtype=p.dtype, device="meta"
+                ).requires_grad_(p.requires_grad)
+                for name, p in params.items()
+            }
         rows_of = {name: row for name, _p, row in subject._params}
         # the parameters the traced step gave a gradient (all trainable ones if no training
         # step was traced yet)
@@ -967,11 +978,12 @@ class _Source:
         optimizer: OptimizerName,
         levers: Levers = NO_LEVERS,
         only: tuple[str, ...] | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> OptimizerTrace:
         self.profiler.levers = levers
         try:
             with torch.inference_mode(False), torch.enable_grad():
-                return self.profiler.run_optimizer(precision, optimizer, only)
+                return self.profiler.run_optimizer(precision, optimizer, only, shard)
         finally:
             self.profiler.levers = NO_LEVERS
 

@@ -18,7 +18,15 @@ Modelled so far:
   so its state and step temporaries are the shard's; the updated shards are broadcast in
   place. Ranks differ; the estimate is the worst one.
 
-Not yet: ``zero2`` / ``zero3`` (FSDP2 ``fully_shard``) and ``hsdp``; asking for them says so.
+* ``zero2`` / ``zero3``: FSDP2's ``fully_shard`` on each repeated block and then on the root
+  (:func:`fsdp_step_edits`). Each rank keeps its dim-0 shard of every parameter (padded to
+  the world size), of every gradient and of the optimizer state; each unit's parameters are
+  all-gathered into a flat buffer and copied out before its forward, and its gradients are
+  copied into a flat buffer and reduce-scattered after its backward. ``zero3`` frees a
+  block's gathered parameters after its forward and gathers them again (one unit ahead) in
+  the backward; ``zero2`` keeps them from forward to backward.
+
+Not yet: ``hsdp``; asking for it says so.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._options import Strategy, parse_option
+import numpy as np
+
+from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase, Strategy, parse_option
 
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
@@ -34,11 +44,15 @@ __all__ = [
     "ITEMSIZE",
     "SINGLE_DEVICE",
     "STRATEGIES",
+    "FsdpParam",
     "Parallel",
+    "StepEdits",
     "StrategyRule",
     "TrainableParam",
     "check_rank",
     "ddp_bucket_bytes",
+    "fsdp_step_edits",
+    "local_shard_shape",
     "resolve_parallel",
     "zero_partition",
 ]
@@ -159,8 +173,301 @@ def _zero_ranks(
     return [(r, tuple(shards[r])) for r in sorted(chosen)]
 
 
+def shard_dim0(dim0: int, world_size: int) -> int:
+    """Rows of dim 0 in each rank's padded shard: FSDP2 pads dim 0 up to a multiple of the
+    world size and gives each rank one chunk (``_fsdp_param.py``, ``_init_sharded_param``:
+    ``padded_sharded_size = chunks[0].size()`` of ``torch.chunk(param, world_size)``, with
+    ``_get_dim0_padded_size`` in ``_fsdp_common.py``)."""
+    return -(-dim0 // world_size)
+
+
+def local_shard_shape(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, ...]:
+    """The shape of ``rank``'s shard of a parameter of ``shape`` without the padding (its
+    ``DTensor.to_local()``, what the optimizer's state is made like): the padded chunk's
+    rows, or fewer for the ranks at the end (none past the last row).
+
+    Examples
+    --------
+    >>> local_shard_shape((5, 3), 2, 0), local_shard_shape((5, 3), 2, 1)  # chunks of 3 rows
+    ((3, 3), (2, 3))
+    >>> local_shard_shape((2, 3), 4, 3)     # 4 ranks, 2 rows: ranks 2 and 3 hold none
+    (0, 3)
+    """
+    if not shape:
+        return shape
+    rows = shard_dim0(shape[0], world_size)
+    return (max(0, min(rows, shape[0] - rank * rows)), *shape[1:])
+
+
+@dataclass(frozen=True)
+class FsdpParam:
+    """One parameter as FSDP2 shards it."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int  # bytes per element as stored (the precision's), its gradient's too
+    row: int  # the module row that owns it
+    unit: int  # its FSDP unit: 0 the root, i >= 1 the i-th block
+    trainable: bool  # gets a gradient (reduce-scattered)
+
+    def padded_shard_bytes(self, world_size: int) -> int:
+        """Its shard's bytes on every rank, padding included (one storage per parameter)."""
+        if not self.shape:
+            return self.itemsize
+        rest = int(np.prod(self.shape[1:], dtype=np.int64))
+        return shard_dim0(self.shape[0], world_size) * rest * self.itemsize
+
+
+@dataclass(frozen=True)
+class StepEdits:
+    """What a sharding strategy inserts into one rank's step of the single-device timeline,
+    and the resident bytes it changes. Events are inserted before ``position`` (an index of
+    the single-device events), in order; ``storage`` ids ``>= 0`` are the timeline's own
+    (the unsharded gradients freed), ids ``< 0`` are new, each allocated once and freed at
+    most once."""
+
+    position: np.ndarray  # int64, non-decreasing
+    nbytes: np.ndarray  # int64, signed
+    category: np.ndarray  # int8 category code
+    row: np.ndarray  # int32 module row
+    phase: np.ndarray  # int8 phase code
+    storage: np.ndarray  # int64
+    param_rows: np.ndarray  # int64 per row: each rank's parameter shards (padded)
+    param_blocks: np.ndarray  # int64: one storage per parameter shard
+    grad_rows: np.ndarray  # int64 per row: the gradient shards after the backward
+    freed_gradients: frozenset[int]  # the timeline's gradient storages freed in the step
+
+
+class _Inserts:
+    """Events collected in program order at positions of the single-device timeline."""
+
+    def __init__(self) -> None:
+        self.cols: list[tuple[int, int, int, int, int, int]] = []
+        self.next_id = -1
+
+    def alloc(self, at: int, nbytes: int, category: Category, row: int, phase: Phase) -> int:
+        sid = self.next_id
+        self.next_id -= 1
+        self.cols.append((at, nbytes, CATEGORY_CODE[category], row, PHASE_CODE[phase], sid))
+        return sid
+
+    def free(
+        self, at: int, nbytes: int, category: Category, row: int, phase: Phase, sid: int
+    ) -> None:
+        self.cols.append((at, -nbytes, CATEGORY_CODE[category], row, PHASE_CODE[phase], sid))
+
+    def temporary(self, at: int, nbytes: int, row: int, phase: Phase) -> None:
+        sid = self.alloc(at, nbytes, Category.COMMUNICATION, row, phase)
+        self.free(at, nbytes, Category.COMMUNICATION, row, phase, sid)
+
+
+def _unit_spans(
+    unit_of_row: np.ndarray, event_module: np.ndarray, lo: int, hi: int, n_units: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """First and one-past-last event in ``[lo, hi)`` of each unit's own rows (-1 if none)."""
+    units = unit_of_row[event_module[lo:hi]]
+    first = np.full(n_units, -1, np.int64)
+    last = np.full(n_units, -1, np.int64)
+    idx = np.arange(lo, hi)
+    for u in range(1, n_units):
+        mine = idx[units == u]
+        if len(mine):
+            first[u], last[u] = mine[0], mine[-1] + 1
+    return first, last
+
+
+def fsdp_step_edits(
+    params: Sequence[FsdpParam],
+    unit_rows: Sequence[int],
+    unit_of_row: np.ndarray,
+    *,
+    world_size: int,
+    reshard_after_forward: bool,
+    gloo: bool,
+    event_module: np.ndarray,
+    loss_row: int,
+    backward_start: int,
+    optimizer_at: int,
+    gradient_allocs: Sequence[tuple[int, int, int, int]],
+    n_rows: int,
+) -> StepEdits:
+    """FSDP2's events in one rank's training step, in the order its hooks run them.
+
+    ``unit_rows[u]`` is the module row of unit ``u`` (0: the root, then the blocks in forward
+    order), ``unit_of_row`` each row's innermost unit. ``gradient_allocs`` are the
+    single-device timeline's gradient storages: ``(storage id, bytes, row, event index of
+    its allocation)``. The rules,
+    from ``torch/distributed/fsdp/_fully_shard`` (``_fsdp_param_group.py``,
+    ``_fsdp_collectives.py``, ``_fsdp_state.py``):
+
+    * ``unshard``: ``foreach_all_gather`` allocates one flat output of ``world_size`` times
+      the unit's padded shards; ``wait_for_unshard`` copies it out into one buffer per
+      parameter (``init_all_gather_outputs``, ``world_size`` times its padded shard), then
+      drops the flat buffer: in the backward at once, in the forward only once the next
+      unit's copy-out is done (``comm_ctx.all_gather_state``, freed in the root's
+      ``post_forward`` at the latest).
+    * the blocks' ``post_forward`` reshards (frees the per-parameter buffers) under
+      ``reshard_after_forward=True`` (``zero3``); the root keeps its parameters ("for the
+      root, do not reshard after forward since ... they would be all-gathered immediately",
+      ``_fsdp_state._lazy_init``, the library's default for the root).
+    * ``pre_backward`` all-gathers a resharded unit again and prefetches the unit before it
+      in forward order (``_backward_prefetch``); the root's prefetches the last block.
+    * ``post_backward`` reshards, drops the previous unit's reduce-scatter input
+      (``reduce_scatter_max_input_buffers = 1``), then ``foreach_reduce``: a flat input of
+      ``world_size`` times the padded gradient shards, the unsharded gradients copied in
+      and freed, a flat output of one shard (the sharded gradients are views of it). The
+      root's runs last (the final backward callback), and its input is dropped at the end.
+    * ``gloo`` (the CPU backend) stages each all-gather through two flat temporaries of the
+      output's size and each reduce-scatter through one of the input's (measured on torch
+      2.13's ``ProcessGroupGloo``, ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``;
+      NCCL works in the buffers themselves).
+    """
+    n_units = len(unit_rows)
+    world = world_size
+    gathered = [0] * n_units  # bytes of a unit's flat all-gather output
+    reduced = [0] * n_units  # bytes of a unit's gradient shards (the reduce-scatter output)
+    for p in params:
+        shard = p.padded_shard_bytes(world)
+        gathered[p.unit] += world * shard
+        if p.trainable:
+            reduced[p.unit] += shard
+    by_unit: list[list[FsdpParam]] = [[] for _ in range(n_units)]
+    for p in params:
+        by_unit[p.unit].append(p)
+    grads_of: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n_units)]
+    for sid, nbytes, row, at in gradient_allocs:
+        grads_of[int(unit_of_row[row])].append((sid, nbytes, row, at))
+
+    f_first, f_last = _unit_spans(unit_of_row, event_module, 0, backward_start, n_units)
+    b_first, b_last = _unit_spans(unit_of_row, event_module, backward_start, optimizer_at, n_units)
+    forward_rows = np.nonzero(event_module[:backward_start] != loss_row)[0]
+    root_forward_end = int(forward_rows[-1]) + 1 if len(forward_rows) else 0
+    backward_rows = np.nonzero(event_module[backward_start:optimizer_at] != loss_row)[0]
+    root_backward_start = backward_start + (int(backward_rows[0]) if len(backward_rows) else 0)
+    blocks = [u for u in range(1, n_units) if f_first[u] >= 0]
+    blocks.sort(key=lambda u: f_first[u])
+
+    ins = _Inserts()
+    fwd, bwd = Phase.FORWARD, Phase.BACKWARD
+    unsharded: dict[int, list[tuple[int, int, int]]] = {}  # unit -> (sid, bytes, row)
+
+    def all_gather(u: int, at: int, phase: Phase) -> int:
+        flat = ins.alloc(at, gathered[u], Category.COMMUNICATION, unit_rows[u], phase)
+        if gloo:
+            ins.temporary(at, gathered[u], unit_rows[u], phase)
+            ins.temporary(at, gathered[u], unit_rows[u], phase)
+        return flat
+
+    def copy_out(u: int, at: int, phase: Phase) -> None:
+        unsharded[u] = []
+        for p in by_unit[u]:
+            nbytes = world * p.padded_shard_bytes(world)
+            sid = ins.alloc(at, nbytes, Category.PARAMETER, p.row, phase)
+            unsharded[u].append((sid, nbytes, p.row))
+
+    def reshard(u: int, at: int, phase: Phase) -> None:
+        for sid, nbytes, row in unsharded.pop(u, []):
+            ins.free(at, nbytes, Category.PARAMETER, row, phase, sid)
+
+    def free_flat(u: int, sid: int, at: int, phase: Phase) -> None:
+        ins.free(at, gathered[u], Category.COMMUNICATION, unit_rows[u], phase, sid)
+
+    # forward: the root, then each block; a flat output lives until the next copy-out
+    held = (0, all_gather(0, 0, fwd))
+    copy_out(0, 0, fwd)
+    for u in blocks:
+        at = int(f_first[u])
+        flat = all_gather(u, at, fwd)
+        copy_out(u, at, fwd)
+        free_flat(*held, at, fwd)
+        held = (u, flat)
+        if reshard_after_forward:
+            reshard(u, int(f_last[u]), fwd)
+    free_flat(*held, root_forward_end, fwd)
+
+    # backward: blocks in reverse, each prefetching the one before it
+    pending: dict[int, int] = {}
+    order = [u for u in reversed(blocks) if b_first[u] >= 0]
+
+    def prefetch(u: int, at: int) -> None:
+        if u not in unsharded and u not in pending:
+            pending[u] = all_gather(u, at, bwd)
+
+    if order:
+        prefetch(order[0], root_backward_start)
+    reduce_input: tuple[int, int, int] | None = None  # (unit, sid, bytes) kept for one unit
+    freed: set[int] = set()
+
+    def post_backward(u: int, at: int, final: bool = False) -> None:
+        nonlocal reduce_input
+        reshard(u, at, bwd)
+        if reduce_input is not None:
+            prev, sid, nbytes = reduce_input
+            ins.free(at, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
+            reduce_input = None
+        if not reduced[u]:
+            return
+        nbytes = world * reduced[u]
+        sid = ins.alloc(at, nbytes, Category.COMMUNICATION, unit_rows[u], bwd)
+        grads = sorted(grads_of[u], key=lambda g: g[3])
+        # In the final callback the backward's last gradient outlives the copy-in: it is
+        # freed once the reduce-scatter is done (measured, torch 2.13 on gloo)
+        late = grads[-1:] if final else []
+        for gid, gbytes, row, _at in grads[: len(grads) - len(late)]:
+            ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
+        ins.alloc(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd)
+        if gloo:
+            ins.temporary(at, nbytes, unit_rows[u], bwd)
+        for gid, gbytes, row, _at in late:
+            ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
+        freed.update(g[0] for g in grads)
+        reduce_input = (u, sid, nbytes)
+
+    for i, u in enumerate(order):
+        at = int(b_first[u])
+        if u not in unsharded:
+            flat = pending.pop(u) if u in pending else all_gather(u, at, bwd)
+            copy_out(u, at, bwd)
+            free_flat(u, flat, at, bwd)
+        if i + 1 < len(order):
+            prefetch(order[i + 1], at)
+        post_backward(u, int(b_last[u]))
+    for u in blocks:  # blocks the backward never reached: the final callback
+        if b_first[u] < 0:
+            post_backward(u, optimizer_at, final=True)
+    post_backward(0, optimizer_at, final=True)
+    if reduce_input is not None:
+        prev, sid, nbytes = reduce_input
+        ins.free(optimizer_at, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
+
+    cols = sorted(enumerate(ins.cols), key=lambda item: (item[1][0], item[0]))
+    table = np.asarray([c for _i, c in cols], dtype=np.int64).reshape(-1, 6)
+    param_rows = np.zeros(n_rows, np.int64)
+    grad_rows = np.zeros(n_rows, np.int64)
+    for p in params:
+        param_rows[p.row] += p.padded_shard_bytes(world)
+        if p.trainable:
+            grad_rows[p.row] += p.padded_shard_bytes(world)
+    return StepEdits(
+        position=table[:, 0],
+        nbytes=table[:, 1],
+        category=table[:, 2].astype(np.int8),
+        row=table[:, 3].astype(np.int32),
+        phase=table[:, 4].astype(np.int8),
+        storage=table[:, 5],
+        param_rows=param_rows,
+        param_blocks=np.asarray([p.padded_shard_bytes(world) for p in params], np.int64),
+        grad_rows=grad_rows,
+        freed_gradients=frozenset(freed),
+    )
+
+
 def _ddp_only(_params: Sequence[TrainableParam], _world_size: int, _rank: int | None) -> None:
     return None
+
+
+def _no_buffers(_params: Sequence[TrainableParam]) -> list[int]:
+    return []
 
 
 @dataclass(frozen=True)
@@ -175,6 +482,9 @@ class StrategyRule:
     optimizer_shards: Callable[
         [Sequence[TrainableParam], int, int | None], list[tuple[int, tuple[str, ...]]] | None
     ]
+    # FSDP2: None where parameters are whole on every rank; else whether the blocks reshard
+    # after their forward (fsdp_step_edits)
+    reshard_after_forward: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +498,14 @@ class Parallel:
     @property
     def distributed(self) -> bool:
         return self.gpus > 1
+
+    @property
+    def reshard_after_forward(self) -> bool | None:
+        """None unless the strategy shards the parameters (FSDP2); else whether its blocks
+        reshard after their forward."""
+        if not self.distributed:
+            return None
+        return STRATEGIES[self.strategy].reshard_after_forward
 
     def communication_blocks(self, params: Sequence[TrainableParam]) -> list[int]:
         """The buffers the strategy keeps resident on each rank for the whole step."""
@@ -211,6 +529,8 @@ SINGLE_DEVICE = Parallel(1, Strategy.DDP)
 STRATEGIES: dict[Strategy, StrategyRule] = {
     Strategy.DDP: StrategyRule(ddp_bucket_bytes, _ddp_only),
     Strategy.ZERO1: StrategyRule(ddp_bucket_bytes, _zero_ranks),
+    Strategy.ZERO2: StrategyRule(_no_buffers, _ddp_only, reshard_after_forward=False),
+    Strategy.ZERO3: StrategyRule(_no_buffers, _ddp_only, reshard_after_forward=True),
 }
 
 
