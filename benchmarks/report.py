@@ -97,14 +97,25 @@ def _accuracy_distributed() -> str:
         "accuracy_distributed",
         "the zoo's MLP, ResNet-18, TransformerEncoder, causal decoder, tiny Llama and LSTM and "
         "Hugging Face GPT-2, Llama, BERT and T5; DistributedDataParallel with its defaults "
-        "(ddp) and with ZeroRedundancyOptimizer around AdamW (zero1), on 2 and 4 ranks x "
-        "fp32 and bf16, batch 3 per rank; then Hugging Face's checkpointing, a frozen "
-        "backbone, accumulation of 2 and PEFT's LoRA under each strategy on GPT-2 and Llama "
-        "at 2 ranks; every rank of each run), each rank estimated from "
+        "(ddp), with ZeroRedundancyOptimizer around AdamW (zero1), and FSDP2's fully_shard "
+        "on each repeated block and the root without / with resharding after the forward "
+        "(zero2 / zero3), on 2 and 4 ranks x fp32 and bf16, batch 3 per rank; then Hugging "
+        "Face's checkpointing, a frozen backbone, accumulation of 2 and PEFT's LoRA under "
+        "each strategy on GPT-2 and Llama at 2 ranks (FSDP2: checkpointing and LoRA, the "
+        "two the estimate models); every rank of each run), each rank estimated from "
         "the single-device profile (estimate(..., rank=r)) and measured in a real "
-        "torch.distributed job (gloo, one forked process per rank, its third step)",
+        "torch.distributed job (gloo, one forked process per rank, the median of its "
+        "third to fifth steps)",
         "per-rank median <= 0.5 %, worst <= 3 %",
     )
+
+
+def _deepspeed_states() -> str:
+    path = RESULTS / "deepspeed_states.json"
+    if not path.exists():
+        return "(not run yet: python benchmarks/deepspeed_states.py)"
+    data = json.loads(path.read_text())
+    return data["summary"] + f"\n\n(torch {data['torch']}, transformers {data['transformers']})"
 
 
 def _speed() -> str:
@@ -244,6 +255,7 @@ def main() -> None:
         ("accuracy-seq", _accuracy_seq()),
         ("accuracy-levers", _accuracy_levers()),
         ("accuracy-distributed", _accuracy_distributed()),
+        ("deepspeed-states", _deepspeed_states()),
         ("isa", _isa()),
         ("speed", _speed()),
     )

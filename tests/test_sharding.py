@@ -191,9 +191,11 @@ def test_fsdp_step_edits_by_hand() -> None:
         (3, -16),  # the root's post_forward frees the last flat output
         (5, 16),  # root's pre_backward prefetches the block (after the loss's backward)
         (5, 16), (5, -16),  # block's pre_backward: copy out, flat freed at once
-        (7, -16), (7, 16), (7, -12), (7, 8),  # post_backward: reshard, RS in, grad freed, RS out
-        # final callback (root): reshard, drop the block's RS input, RS in, RS out; the
-        # backward's last gradient freed only after the reduce-scatter; the RS input dropped
+        # post_backward: reshard, RS in, RS out, and only then the gradient of the unit's
+        # last parameter (foreach_reduce's loop variable holds it until it returns)
+        (7, -16), (7, 16), (7, 8), (7, -12),
+        # final callback (root): reshard, drop the block's RS input, RS in, RS out, its
+        # last (only) gradient freed, and at the end of the backward the RS input dropped
         (8, -48), (8, -16), (8, 48), (8, 24), (8, -40), (8, -48),
     ]  # fmt: skip
     # every new storage is allocated once and freed once, but the two gradient shards (the

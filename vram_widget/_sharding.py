@@ -398,7 +398,7 @@ def fsdp_step_edits(
     reduce_input: tuple[int, int, int] | None = None  # (unit, sid, bytes) kept for one unit
     freed: set[int] = set()
 
-    def post_backward(u: int, at: int, final: bool = False) -> None:
+    def post_backward(u: int, at: int) -> None:
         nonlocal reduce_input
         reshard(u, at, bwd)
         if reduce_input is not None:
@@ -409,11 +409,19 @@ def fsdp_step_edits(
             return
         nbytes = world * reduced[u]
         sid = ins.alloc(at, nbytes, Category.COMMUNICATION, unit_rows[u], bwd)
-        grads = sorted(grads_of[u], key=lambda g: g[3])
-        # In the final callback the backward's last gradient outlives the copy-in: it is
-        # freed once the reduce-scatter is done (measured, torch 2.13 on gloo)
-        late = grads[-1:] if final else []
-        for gid, gbytes, row, _at in grads[: len(grads) - len(late)]:
+        grads = list(grads_of[u])
+        # foreach_reduce's loop over (fsdp_param, unsharded_grad) leaves the unit's last
+        # gradient (its last parameter's, in registration order) bound to the loop variable
+        # until it returns: that one is freed after the reduce-scatter
+        late = []
+        last = next((p for p in reversed(by_unit[u]) if p.trainable), None)
+        if last is not None:
+            nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.itemsize
+            match = [g for g in grads if g[2] == last.row and g[1] == nbytes_last]
+            late = match[-1:]
+        for gid, gbytes, row, _at in grads:
+            if (gid, gbytes, row, _at) in late:
+                continue
             ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
         ins.alloc(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd)
         if gloo:
@@ -434,8 +442,8 @@ def fsdp_step_edits(
         post_backward(u, int(b_last[u]))
     for u in blocks:  # blocks the backward never reached: the final callback
         if b_first[u] < 0:
-            post_backward(u, optimizer_at, final=True)
-    post_backward(0, optimizer_at, final=True)
+            post_backward(u, optimizer_at)
+    post_backward(0, optimizer_at)
     if reduce_input is not None:
         prev, sid, nbytes = reduce_input
         ins.free(optimizer_at, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
