@@ -35,6 +35,7 @@ def test_the_expected_notebooks_exist() -> None:
         "cs231n_vgg16.ipynb",
         "batch_size_tradeoffs.ipynb",
         "validate_on_your_gpu.ipynb",
+        "llm_finetuning.ipynb",
     } <= names
 
 

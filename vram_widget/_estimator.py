@@ -28,6 +28,7 @@ from ._allocator import (
     replay,
 )
 from ._levers import NO_LEVERS, Levers
+from ._gpus import parse_capacity
 from ._options import (
     CATEGORIES,
     CATEGORY_CODE,
@@ -270,13 +271,15 @@ class MemoryEstimate:
         table.attrs["note"] = note
         return table
 
-    def fits_device(self, capacity_bytes: int) -> bool | None:
-        """Whether the step runs on a device of ``capacity_bytes`` without a CUDA
-        out-of-memory error: the allocator, replayed with what is left after the CUDA
-        context, never fails to reserve a segment after releasing its cached ones. None for
+    def fits_device(self, capacity_bytes: int | str) -> bool | None:
+        """Whether the step runs on a device of ``capacity_bytes`` (bytes, or any form
+        ``max_batch_size`` takes: ``"80GiB"``, a GPU name) without a CUDA out-of-memory
+        error: the allocator, replayed with what is left after the CUDA context, never
+        fails to reserve a segment after releasing its cached ones. None for
         ``device="cpu"``."""
         if self.allocator is None:
             return None
+        capacity_bytes = _capacity(capacity_bytes)
         room = capacity_bytes - self.extras.cuda_context_bytes
         if self.allocator.peak_reserved_bytes <= room:
             return True  # the unconstrained run never reaches the cap: the same run
@@ -356,8 +359,9 @@ class MemoryEstimate:
         512-byte rounding): the allocated basis of "fits"."""
         return self.peak_bytes + self.extras.total_bytes
 
-    def fits(self, capacity_bytes: int, basis: str | FitBasis = FitBasis.DEVICE) -> bool:
-        """Whether the step fits ``capacity_bytes`` of device memory.
+    def fits(self, capacity_bytes: int | str, basis: str | FitBasis = FitBasis.DEVICE) -> bool:
+        """Whether the step fits ``capacity_bytes`` of device memory (bytes, or any form
+        ``max_batch_size`` takes: ``"80GiB"``, a GPU name such as ``"A100 80GB"``).
 
         ``basis="device"`` (default): on ``device="cuda"``, the step's allocator replayed
         under the capacity less the CUDA context never fails to reserve a segment after
@@ -373,6 +377,7 @@ class MemoryEstimate:
         >>> est.fits(est.device_bytes), est.fits(est.device_bytes - 2**21)
         (True, False)
         """
+        capacity_bytes = _capacity(capacity_bytes)
         if parse_option(FitBasis, basis, "basis") is FitBasis.DEVICE:
             device = self.fits_device(capacity_bytes)
             if device is not None:
@@ -382,6 +387,13 @@ class MemoryEstimate:
     def to_dataframe(self) -> pd.DataFrame:
         """One row per module (and the loss and optimizer pseudo-rows); rows sum to totals."""
         return self.layers.to_dataframe()
+
+
+def _capacity(value: int | str) -> int:
+    """Bytes as given, or parsed from a capacity's text or GPU name (``_gpus``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return parse_capacity(value)
 
 
 def _as_int(x: Any) -> int:
