@@ -6,7 +6,8 @@ The estimate comes from the single-device profile (``device="cpu"``):
 group on 127.0.0.1, each wrapping its copy of the model as the strategy's library does
 (``DistributedDataParallel`` with its defaults for
 ``"ddp"``; ``ZeroRedundancyOptimizer`` around AdamW for ``"zero1"``; FSDP2's ``fully_shard`` on each
-repeated block and the root for ``"zero2"`` / ``"zero3"``) and measuring its own steady
+repeated block and the root for ``"zero2"`` / ``"zero3"``, and on a 2-D mesh of 2 nodes x
+2 GPUs for ``"hsdp"``) and measuring its own steady
 steps from the CPU allocator's events (the median of three). Every rank is compared with
 its own estimate (``estimate(..., rank=r)``: ZeRO's ranks hold different shards), and the
 default estimate (the worst rank) with the worst measured rank.
@@ -137,6 +138,9 @@ def run() -> list[dict[str, Any]]:
                 for world in WORLDS:
                     rows += compare_ranks(name, profile, model, make, strategy, precision,
                                           world, {})  # fmt: skip
+        for precision in PRECISIONS:  # HSDP: 2 nodes of 2 GPUs
+            rows += compare_ranks(name, profile, model, make, "hsdp", precision, 4,
+                                  {"gpus_per_node": 2})  # fmt: skip
     for name in HEADS:
         build, make = CASES[name]
         torch.manual_seed(0)

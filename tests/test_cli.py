@@ -368,5 +368,17 @@ def test_data_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["peak_bytes"] == expected.peak_bytes
     assert (out["gpus"], out["strategy"], out["rank"]) == (4, "zero1", expected.rank)
     assert out["communication_bytes"] == expected.communication_bytes > 0
-    assert main(["mlp", "--device", "cpu", "--gpus", "2", "--strategy", "hsdp"]) == 1
-    assert "'hsdp' is not modelled yet" in capsys.readouterr().err
+    # --gpus-per-node / --fsdp-units: HSDP over nodes of 2; the units by class name
+    argv_llama = ["llama_tiny", "--device", "cpu", "--batch-size", "2", "--precision", "fp32"]
+    hsdp = ["--gpus", "4", "--strategy", "hsdp", "--gpus-per-node", "2", "--json"]
+    assert main([*argv_llama, *hsdp, "--fsdp-units", "Linear,RMSNorm"]) == 0
+    out = json.loads(capsys.readouterr().out)["settings"][0]
+    entry = zoo.ZOO["llama_tiny"]
+    llama = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cpu")
+    expected = llama.estimate(
+        2, "fp32", "adam", gpus=4, strategy="hsdp", gpus_per_node=2,
+        fsdp_units=["Linear", "RMSNorm"],
+    )  # fmt: skip
+    assert (out["peak_bytes"], out["strategy"]) == (expected.peak_bytes, "hsdp")
+    assert main(["mlp", "--device", "cpu", "--gpus", "12", "--strategy", "hsdp"]) == 1
+    assert "gpus=12 is not a whole number of nodes" in capsys.readouterr().err

@@ -240,5 +240,52 @@ def test_fsdp2_ranks_against_their_estimate(one_thread: None) -> None:
             est = profile.estimate(2, "fp32", "adamw", gpus=2, strategy=strategy, rank=rank)
             assert abs(est.peak_bytes - peak) <= 0.005 * peak, (strategy, rank, peak)
     assert_model_unchanged(model, before)
-    with pytest.raises(ValueError, match="measure cannot set up strategy 'hsdp' yet"):
-        measure(model, inputs, gpus=2, strategy="hsdp")
+
+
+@pytest.mark.parametrize("gpus_per_node", [1, 2])
+def test_hsdp_ranks_against_their_estimate(one_thread: None, gpus_per_node: int) -> None:
+    # HSDP on 4 ranks: a 2-D mesh of 2 nodes x 2 GPUs (sharded in a node, gradient shards
+    # all-reduced across nodes), and of 4 nodes x 1 GPU (one shard: copied, not gathered)
+    entry = zoo.ZOO["llama_tiny"]
+    model = entry.build()
+    inputs = entry.make_inputs(2)
+    profile = profile_model(model, inputs=inputs, device="cpu")
+    real = measure(
+        model, inputs, optimizer="adamw", gpus=4, strategy="hsdp", gpus_per_node=gpus_per_node
+    )
+    zero3 = profile.estimate(2, "fp32", "adamw", gpus=gpus_per_node, strategy="zero3")
+    for rank, peak in enumerate(real.rank_peak_bytes):
+        est = profile.estimate(
+            2, "fp32", "adamw", gpus=4, strategy="hsdp", gpus_per_node=gpus_per_node, rank=rank
+        )
+        assert abs(est.peak_bytes - peak) <= 0.005 * peak, (rank, peak, est.peak_bytes)
+        # a node's shards: the same parameters per rank as zero3 over one node's GPUs
+        assert est.parameter_bytes == (
+            zero3.parameter_bytes
+            if gpus_per_node > 1
+            else profile.estimate(2, "fp32", "adamw").parameter_bytes
+        )
+
+
+def test_fsdp_units_chosen_by_class_and_name(one_thread: None) -> None:
+    # units other than the repeated blocks: each decoder layer's attention and MLP (by
+    # class name), and one layer by name (the root keeps the rest: warned)
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=1000, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    profile = profile_model(model, inputs=inputs, device="cpu")
+    for units in (["LlamaAttention", "LlamaMLP"], "model.layers.1"):
+        with pytest.warns(UserWarning, match=r"the root .* holds \d+% of the parameters"):
+            est = profile.estimate(2, "fp32", "adamw", gpus=2, strategy="zero3", fsdp_units=units)
+        real = measure(model, inputs, optimizer="adamw", gpus=2, strategy="zero3",
+                       fsdp_units=units)  # fmt: skip
+        assert abs(est.peak_bytes - real.peak_bytes) <= 0.005 * real.peak_bytes, units
+    with pytest.raises(ValueError, match="fsdp_units 'Nope' matches no module"):
+        measure(model, inputs, gpus=2, strategy="zero3", fsdp_units="Nope")

@@ -24,6 +24,7 @@ from vram_widget._sharding import (
     ddp_bucket_bytes,
     fsdp_step_edits,
     local_shard_shape,
+    resolve_fsdp_units,
     resolve_parallel,
 )
 
@@ -75,7 +76,6 @@ def test_ddp_buckets_match_torch_bucketing() -> None:
         (True, "ddp", r"gpus must be an int >= 1 .* got True"),
         ("2", "ddp", r"gpus must be an int >= 1 .* got '2'"),
         (2, "zero4", r"zero4.*ddp.*zero1.*zero2.*zero3.*hsdp"),
-        (2, "hsdp", r"'hsdp' is not modelled yet .* modelled: 'ddp', 'zero1', 'zero2', 'zero3'"),
     ],
 )
 def test_bad_parallel_settings_name_the_problem(gpus: object, strategy: str, message: str) -> None:
@@ -225,5 +225,45 @@ def test_local_shards_and_fsdp_refusals() -> None:
     for kwargs in ({"grad_accumulation": 2}, {"trainable": ["*.bias"]}):
         with pytest.raises(ValueError, match=r"'zero3' with .* is not modelled yet"):
             profile.estimate(4, gpus=2, strategy="zero3", **kwargs)
-    one, two = (profile.estimate(4, "fp32", "adam", gpus=g, strategy="zero3") for g in (1, 2))
+    one = profile.estimate(4, "fp32", "adam")
+    # an MLP has no repeated blocks: its only unit is the root, gathered whole
+    with pytest.warns(UserWarning, match=r"zero3: the root .* holds 100% of the parameters"):
+        two = profile.estimate(4, "fp32", "adam", gpus=2, strategy="zero3")
     assert two.parameter_bytes < one.parameter_bytes and two.strategy == "zero3"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"gpus": 12, "gpus_per_node": 8},
+            r"gpus=12 is not a whole number of nodes of gpus_per_node=8",
+        ),
+        ({"gpus": 4, "gpus_per_node": 0}, r"gpus_per_node must be an int >= 1; got 0"),
+        ({"gpus": 4, "gpus_per_node": "8"}, r"gpus_per_node must be an int >= 1; got '8'"),
+    ],
+)
+def test_bad_hsdp_settings_name_the_problem(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_parallel(strategy="hsdp", **kwargs)  # type: ignore[arg-type]
+
+
+def test_hsdp_shards_within_a_node() -> None:
+    # 16 GPUs in nodes of 8: a parameter is sharded 8 ways; 4 GPUs (part of one node): 4 ways
+    assert resolve_parallel(16, "hsdp", gpus_per_node=8).shard_ranks == 8
+    assert resolve_parallel(4, "hsdp").shard_ranks == 4
+    assert resolve_parallel(16, "zero3", gpus_per_node=8).shard_ranks == 16
+
+
+def test_fsdp_units_name_what_they_match() -> None:
+    names = ("", "h", "h.0", "h.1", "h.0.fc", "head")
+    types = ("M", "ModuleList", "B", "B", "Linear", "Linear")
+    assert resolve_fsdp_units(names, types, "Linear") == ("h.0.fc", "head")
+    assert resolve_fsdp_units(names, types, ["B", "h.0.fc"]) == ("h.0", "h.1")  # outermost
+    with pytest.raises(ValueError, match=r"'Conv2d' matches no module .* names such as 'h'"):
+        resolve_fsdp_units(names, types, "Conv2d")
+    with pytest.raises(ValueError, match=r"a module name or class name, or a list of them"):
+        resolve_fsdp_units(names, types, [3])
+    profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
+    with pytest.raises(ValueError, match="fsdp_units 'Conv2d' matches no module"):
+        profile.estimate(2, gpus=2, strategy="zero3", fsdp_units="Conv2d")

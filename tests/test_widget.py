@@ -701,4 +701,4 @@ def test_data_parallel_group() -> None:
     with pytest.raises(traitlets.TraitError):
         w.gpus = 0
     with pytest.raises(traitlets.TraitError):
-        w.strategy = "hsdp"  # not modelled yet: not offered
+        w.strategy = "zero4"  # not a strategy

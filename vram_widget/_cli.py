@@ -462,8 +462,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         default="ddp",
         metavar="NAME",
-        help="how the ranks share the step: 'ddp' (DistributedDataParallel) or 'zero1' "
-        "(DDP + ZeroRedundancyOptimizer) (default: ddp)",
+        help="how the ranks share the step: 'ddp' (DistributedDataParallel), 'zero1' "
+        "(DDP + ZeroRedundancyOptimizer), 'zero2' / 'zero3' (FSDP2 fully_shard without / "
+        "with resharding after the forward) or 'hsdp' (zero3 in a node, replicated across "
+        "nodes) (default: ddp)",
+    )
+    parallel.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="GPUs per node, for --strategy hsdp (default: 8)",
+    )
+    parallel.add_argument(
+        "--fsdp-units",
+        default=None,
+        metavar="NAMES",
+        help="FSDP2's units, comma-separated module or class names (default: each repeated block)",
     )
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")
@@ -596,6 +611,8 @@ def _levers(args: argparse.Namespace) -> dict[str, Any]:
         "lora_rank": args.lora_rank,
         "gpus": args.gpus,
         "strategy": args.strategy,
+        "gpus_per_node": args.gpus_per_node,
+        "fsdp_units": None if args.fsdp_units is None else patterns(args.fsdp_units),
     }
 
 

@@ -22,6 +22,7 @@ import torch
 
 from ._levers import repeated_blocks
 from ._options import OptimizerName, Strategy
+from ._sharding import Parallel, resolve_fsdp_units
 
 __all__ = [
     "SETUPS",
@@ -171,7 +172,7 @@ def run_ranks(fn: Callable[[int, int], _T], world_size: int, timeout_s: float = 
     return [results[r] for r in range(world_size)]
 
 
-def ddp_wrapped(model: torch.nn.Module) -> torch.nn.Module:
+def ddp_wrapped(model: torch.nn.Module, _parallel: Parallel) -> torch.nn.Module:
     """``DistributedDataParallel(model)`` with its defaults (the ``"ddp"`` strategy)."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -190,23 +191,46 @@ def wrapper_bytes(model: torch.nn.Module) -> int:
     return 0
 
 
-def fsdp_wrapped(reshard_after_forward: bool) -> Callable[[torch.nn.Module], torch.nn.Module]:
-    """FSDP2's ``fully_shard`` as torchtitan and accelerate wrap a model: each child of the
-    largest ``ModuleList`` of repeated blocks a unit (``_levers.repeated_blocks``), then the
-    root, on a 1-D CPU mesh of the
-    process group's ranks (``"zero2"``: ``reshard_after_forward=False``, ``"zero3"``:
-    ``True`` for the blocks and the library's default for the root, which keeps its
-    parameters from forward to backward)."""
+def fsdp_units_of(model: torch.nn.Module, parallel: Parallel) -> tuple[str, ...]:
+    """The modules ``fully_shard`` wraps before the root: ``parallel.fsdp_units`` (names
+    or class names; a name of the model before PEFT wrapped it also matches), else each
+    child of the largest ``ModuleList`` of repeated blocks (``_levers.repeated_blocks``,
+    the blocks ``checkpoint="auto"`` takes)."""
+    from ._step import PEFT_PREFIX
 
-    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+    names, types = zip(*((n, type(m).__name__) for n, m in model.named_modules()), strict=True)
+    if parallel.fsdp_units is None:
+        return repeated_blocks(names, types)
+    known = set(names) | set(types)
+    units = [u if u in known else PEFT_PREFIX + u for u in parallel.fsdp_units]
+    return resolve_fsdp_units(names, types, units) or ()
+
+
+def fsdp_wrapped(
+    reshard_after_forward: bool,
+) -> Callable[[torch.nn.Module, Parallel], torch.nn.Module]:
+    """FSDP2's ``fully_shard`` as torchtitan and accelerate wrap a model: each unit
+    (:func:`fsdp_units_of`), then the root, on a CPU mesh of the process group's ranks: 1-D,
+    or under ``"hsdp"`` 2-D, (nodes, ``gpus_per_node``), sharded within a node and
+    replicated across (``"zero2"``: ``reshard_after_forward=False``; ``"zero3"`` and
+    ``"hsdp"``: ``True`` for the units and the library's default for the root, which keeps
+    its parameters from forward to backward)."""
+
+    def wrap(model: torch.nn.Module, parallel: Parallel) -> torch.nn.Module:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        names, types = zip(*((n, type(m).__name__) for n, m in model.named_modules()), strict=True)
+        world = dist.get_world_size()
+        if parallel.strategy is Strategy.HSDP:
+            group = parallel.shard_ranks
+            mesh = init_device_mesh(
+                "cpu", (world // group, group), mesh_dim_names=("replicate", "shard")
+            )
+        else:
+            mesh = init_device_mesh("cpu", (world,))
         modules = dict(model.named_modules())
-        for name in repeated_blocks(names, types):  # the blocks checkpoint="auto" takes
+        for name in fsdp_units_of(model, parallel):
             fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward)
         # The root with the library's default under zero3 (None: "for the root, do not
         # reshard after forward", _fsdp_state._lazy_init), as fully_shard(model) gives it.
@@ -234,7 +258,7 @@ class RankSetup:
     """How a strategy's libraries set up one rank: the model's wrapper, and the optimizer's
     (None: the registered optimizer over every parameter)."""
 
-    wrap_model: Callable[[torch.nn.Module], torch.nn.Module]
+    wrap_model: Callable[[torch.nn.Module, Parallel], torch.nn.Module]
     make_optimizer: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] | None = (
         None
     )
@@ -244,7 +268,7 @@ class RankSetup:
 SETUPS: dict[Strategy, RankSetup] = {
     Strategy.DDP: RankSetup(ddp_wrapped),
     Strategy.ZERO1: RankSetup(ddp_wrapped, zero_optimizer),
-    # the truth for the FSDP2 strategies, which the estimate does not model yet
     Strategy.ZERO2: RankSetup(fsdp_wrapped(reshard_after_forward=False)),
     Strategy.ZERO3: RankSetup(fsdp_wrapped(reshard_after_forward=True)),
+    Strategy.HSDP: RankSetup(fsdp_wrapped(reshard_after_forward=True)),
 }

@@ -27,8 +27,8 @@ from ._allocator import (
     align_allocations,
     replay,
 )
-from ._levers import NO_LEVERS, Levers
 from ._gpus import parse_capacity
+from ._levers import NO_LEVERS, Levers
 from ._options import (
     CATEGORIES,
     CATEGORY_CODE,

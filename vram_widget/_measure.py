@@ -35,7 +35,7 @@ import torch
 from ._fake import recorded_cuda_memory
 from ._levers import NO_LEVERS, Levers
 from ._options import Mode, OptimizerName, Precision, Strategy, parse_optimizer, parse_option
-from ._sharding import Parallel, resolve_parallel
+from ._sharding import DEFAULT_GPUS_PER_NODE, Parallel, resolve_fsdp_units, resolve_parallel
 
 if TYPE_CHECKING:
     from ._distributed import RankSetup
@@ -154,6 +154,8 @@ def measure(
     snapshot: bool = False,
     gpus: int = 1,
     strategy: str | Strategy = "ddp",
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    fsdp_units: object = None,
     timeout_s: float = 600.0,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
@@ -206,7 +208,11 @@ def measure(
         step at the batch given (per rank), as above. The result is the rank with the
         highest peak, with every rank's in ``rank_peak_bytes``; each rank's resident bytes
         are what its CPU allocator held before the measured step (the strategy's buffers
-        included). CPU models only for now (gloo); inference is not wrapped.
+        included). CPU models only for now (gloo); inference is not wrapped. ``"zero2"`` /
+        ``"zero3"`` / ``"hsdp"`` are FSDP2's ``fully_shard`` on each unit and the root
+        (``"hsdp"``: a 2-D mesh of nodes x ``gpus_per_node``, sharded within a node).
+    gpus_per_node, fsdp_units : int, str or list of str
+        As ``ModelProfile.estimate`` takes them (FSDP2's mesh and units).
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
@@ -255,7 +261,12 @@ def measure(
         "lora_rank": lora_rank,
         "lora_targets": lora_targets,
     }
-    parallel = resolve_parallel(gpus, strategy, modelled=False)
+    parallel = resolve_parallel(gpus, strategy, gpus_per_node=gpus_per_node, modelled=False)
+    if fsdp_units is not None:
+        names, types = zip(*((n, type(m).__name__) for n, m in model.named_modules()), strict=True)
+        resolve_fsdp_units(names, types, fsdp_units)  # a clear error before any rank starts
+        units = (fsdp_units,) if isinstance(fsdp_units, str) else tuple(fsdp_units)  # type: ignore[arg-type]
+        parallel = dataclasses.replace(parallel, fsdp_units=units)
     if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
@@ -304,7 +315,7 @@ def _measure_ranks(
     def rank_step(_rank: int, _world: int) -> Measurement:
         return _measure(
             model, inputs, loss_fn, optimizer, precision, Mode.TRAIN, grad_accumulation,
-            setup=setup, **levers,
+            setup=setup, parallel=parallel, **levers,
         )[0]  # fmt: skip
 
     ranks = run_ranks(rank_step, parallel.gpus, timeout_s)
@@ -331,6 +342,7 @@ def _measure(
     lora_targets: object = "auto",
     snapshot: bool = False,
     setup: RankSetup | None = None,
+    parallel: Parallel | None = None,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -352,8 +364,9 @@ def _measure(
 
     def session() -> _Session:
         return _Session(
-            model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup
-        )
+            model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
+            parallel,
+        )  # fmt: skip
 
     if snapshot and device.type != "cuda":
         raise ValueError(
@@ -406,6 +419,7 @@ class _Session:
         device: torch.device,
         levers: Levers = NO_LEVERS,
         setup: RankSetup | None = None,
+        parallel: Parallel | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.model = _copy_model(model, dtype, mode)
@@ -415,7 +429,7 @@ class _Session:
             levers = dataclasses.replace(levers, checkpoint=names)
         apply_levers(self.model, levers)  # the copy, as the libraries apply them
         if setup is not None:  # a data-parallel rank: DistributedDataParallel(copy), ...
-            self.model = setup.wrap_model(self.model)
+            self.model = setup.wrap_model(self.model, parallel or Parallel(2, Strategy.DDP))
         self.micro_batches = levers.grad_accumulation
         self.inputs = inputs.map(lambda t: _copy_input(t, dtype, device))
         self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]

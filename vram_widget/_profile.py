@@ -7,6 +7,7 @@ profiler, for one more fake run; every later estimate is numpy arithmetic over t
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from ._options import (
     parse_option,
 )
 from ._sharding import (
+    DEFAULT_GPUS_PER_NODE,
     SINGLE_DEVICE,
     FsdpParam,
     Parallel,
@@ -36,6 +38,7 @@ from ._sharding import (
     TrainableParam,
     check_rank,
     fsdp_step_edits,
+    resolve_fsdp_units,
     resolve_parallel,
 )
 from ._table import ModuleRows, OptimizerTrace, Poly, Timeline
@@ -394,6 +397,8 @@ class ModelProfile:
         gpus: int = 1,
         strategy: str | Strategy = "ddp",
         rank: int | None = None,
+        gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+        fsdp_units: object = None,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -470,6 +475,14 @@ class ModelProfile:
             FSDP2's last ranks hold shorter chunks); None: the worst of the ranks that lead
             on optimizer state or on the step's largest temporaries
             (``_sharding._zero_ranks``), rank 0 under FSDP2.
+        gpus_per_node : int
+            GPUs per node (default 8): ``"hsdp"`` is ``"zero3"`` within a node and
+            replicated across nodes; ``gpus`` must be whole nodes (or at most one).
+        fsdp_units : str or list of str, optional
+            FSDP2's units under ``"zero2"`` / ``"zero3"`` / ``"hsdp"``: module names or
+            class names (``"LlamaDecoderLayer"``), outermost matches, besides the root.
+            None: each child of the largest ``ModuleList`` of repeated blocks, as
+            torchtitan and accelerate wrap. A name that matches nothing is a ValueError.
 
         The levers apply in training; a new combination costs one more profiling run
         (cached), as a new precision does.
@@ -498,7 +511,9 @@ class ModelProfile:
             )
         if base_quantization is not None:
             self._refuse_quantization(base_quantization)
-        parallel = resolve_parallel(gpus, strategy)
+        parallel = resolve_parallel(gpus, strategy, gpus_per_node=gpus_per_node)
+        if fsdp_units is not None:
+            parallel = dataclasses.replace(parallel, fsdp_units=self._fsdp_units(fsdp_units))
         asked_rank = check_rank(rank, parallel.gpus)
         levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
         if run_mode is not Mode.TRAIN:
@@ -518,6 +533,8 @@ class ModelProfile:
                 gpus=gpus,
                 strategy=strategy,
                 rank=rank,
+                gpus_per_node=gpus_per_node,
+                fsdp_units=fsdp_units,
                 **kwargs,
             )
             return dataclasses.replace(est, levers=levers)
@@ -560,7 +577,8 @@ class ModelProfile:
         if not train or opt_name is None:
             return one_rank(None, fsdp_rank if edits is not None else None)
         if edits is not None:
-            shard = (parallel.gpus, fsdp_rank)
+            # the rank's place in its shard group (hsdp: ranks are node-major)
+            shard = (parallel.shard_ranks, fsdp_rank % parallel.shard_ranks)
             return one_rank(self.optimizer_trace(prec, opt_name, levers, shard=shard), fsdp_rank)
         if shards is None:
             return one_rank(self.optimizer_trace(prec, opt_name, levers), None)
@@ -599,7 +617,9 @@ class ModelProfile:
             return self._step_edits[key]
         names = self.rows.names
         n_rows = len(names)
-        blocks = repeated_blocks(names[:-2], self.rows.types[:-2])
+        blocks = parallel.fsdp_units
+        if blocks is None:
+            blocks = repeated_blocks(names[:-2], self.rows.types[:-2])
         row_of = {name: i for i, name in enumerate(names[:-2])}
         unit_rows = [0, *(row_of[b] for b in blocks)]
         unit_of_row = np.zeros(n_rows, np.int64)
@@ -631,11 +651,12 @@ class ModelProfile:
                 ):
                     row = int(timeline.storage_module[sid])
                     grads.append((int(sid), int(sizes[sid]), row, k + int(at)))
+        _warn_if_one_unit_holds_most(params, blocks, parallel)
         edits = fsdp_step_edits(
             params,
             unit_rows,
             unit_of_row,
-            world_size=parallel.gpus,
+            world_size=parallel.shard_ranks,
             reshard_after_forward=bool(parallel.reshard_after_forward),
             gloo=self.device is Device.CPU,
             event_module=timeline.event_module,
@@ -647,6 +668,18 @@ class ModelProfile:
         )
         self._step_edits[key] = edits
         return edits
+
+    def _fsdp_units(self, units: object) -> tuple[str, ...] | None:
+        """``fsdp_units`` resolved against this profile's modules (names given for the
+        model as the user has it also match in PEFT's wrapped copy)."""
+        names, types = self.rows.names[:-2], self.rows.types[:-2]
+        if self.name_prefix and isinstance(units, str | list | tuple):
+            items = [units] if isinstance(units, str) else list(units)
+            known = set(names) | set(types)
+            units = [
+                u if not isinstance(u, str) or u in known else self.name_prefix + u for u in items
+            ]
+        return resolve_fsdp_units(names, types, units)
 
     def _trainable_params(self, precision: Precision, levers: Levers) -> list[TrainableParam]:
         """The parameters that get a gradient in a training step with ``levers``, in
@@ -1070,6 +1103,29 @@ def _scaled_flops(timeline: Timeline, numerator: int, denominator: int) -> Timel
         flops_forward=scale(timeline.flops_forward),
         flops_backward=scale(timeline.flops_backward),
         batch_one=one,
+    )
+
+
+def _warn_if_one_unit_holds_most(
+    params: Sequence[FsdpParam], blocks: Sequence[str], parallel: Parallel
+) -> None:
+    """ZeRO-3 gathers a whole unit at a time: where one unit holds most of the model (no
+    repeated blocks found, or units chosen too coarse), the GPUs save little; say so."""
+    sizes = [0] * (len(blocks) + 1)
+    for p in params:
+        sizes[p.unit] += p.itemsize * int(np.prod(p.shape, dtype=np.int64))
+    total = sum(sizes)
+    if not parallel.reshard_after_forward or total == 0 or max(sizes) * 2 <= total:
+        return
+    which = "the root (the parameters outside every unit)"
+    if sizes.index(max(sizes)):
+        which = f"unit {blocks[sizes.index(max(sizes)) - 1]!r}"
+    warnings.warn(
+        f"{parallel.strategy.value}: {which} holds {max(sizes) / total:.0%} of the "
+        "parameters, and each unit is all-gathered whole, so sharding saves little at the "
+        "gathers; choose smaller units with fsdp_units=[...] (module or class names)",
+        UserWarning,
+        stacklevel=4,
     )
 
 

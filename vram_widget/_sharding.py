@@ -26,7 +26,9 @@ Modelled so far:
   block's gathered parameters after its forward and gathers them again (one unit ahead) in
   the backward; ``zero2`` keeps them from forward to backward.
 
-Not yet: ``hsdp``; asking for it says so.
+* ``hsdp``: ``zero3`` within each node of ``gpus_per_node`` ranks (the shards are a node's),
+  replicated across nodes: each unit's gradient shards are all-reduced across the nodes in
+  place, after the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase, Strategy, pars
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
     "DDP_FIRST_BUCKET_CAP_BYTES",
+    "DEFAULT_GPUS_PER_NODE",
     "ITEMSIZE",
     "SINGLE_DEVICE",
     "STRATEGIES",
@@ -53,6 +56,7 @@ __all__ = [
     "ddp_bucket_bytes",
     "fsdp_step_edits",
     "local_shard_shape",
+    "resolve_fsdp_units",
     "resolve_parallel",
     "zero_partition",
 ]
@@ -321,6 +325,11 @@ def fsdp_step_edits(
       output's size and each reduce-scatter through one of the input's (measured on torch
       2.13's ``ProcessGroupGloo``, ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``;
       NCCL works in the buffers themselves).
+    * one shard (``world_size=1``: ``hsdp`` with one GPU per node) gathers nothing: the
+      copy-out copies the shard (``wait_for_unshard``), and ``foreach_reduce`` copies the
+      gradients into its output instead of reduce-scattering.
+    * ``hsdp`` all-reduces each unit's gradient shards across the nodes in place
+      (``foreach_reduce``'s ``dist.all_reduce(reduce_output)``): nothing allocated.
     """
     n_units = len(unit_rows)
     world = world_size
@@ -351,7 +360,9 @@ def fsdp_step_edits(
     fwd, bwd = Phase.FORWARD, Phase.BACKWARD
     unsharded: dict[int, list[tuple[int, int, int]]] = {}  # unit -> (sid, bytes, row)
 
-    def all_gather(u: int, at: int, phase: Phase) -> int:
+    def all_gather(u: int, at: int, phase: Phase) -> int | None:
+        if world == 1:  # one shard (hsdp with one GPU per node): copied out, not gathered
+            return None
         flat = ins.alloc(at, gathered[u], Category.COMMUNICATION, unit_rows[u], phase)
         if gloo:
             ins.temporary(at, gathered[u], unit_rows[u], phase)
@@ -369,7 +380,9 @@ def fsdp_step_edits(
         for sid, nbytes, row in unsharded.pop(u, []):
             ins.free(at, nbytes, Category.PARAMETER, row, phase, sid)
 
-    def free_flat(u: int, sid: int, at: int, phase: Phase) -> None:
+    def free_flat(u: int, sid: int | None, at: int, phase: Phase) -> None:
+        if sid is None:
+            return
         ins.free(at, gathered[u], Category.COMMUNICATION, unit_rows[u], phase, sid)
 
     # forward: the root, then each block; a flat output lives until the next copy-out
@@ -386,7 +399,7 @@ def fsdp_step_edits(
     free_flat(*held, root_forward_end, fwd)
 
     # backward: blocks in reverse, each prefetching the one before it
-    pending: dict[int, int] = {}
+    pending: dict[int, int | None] = {}
     order = [u for u in reversed(blocks) if b_first[u] >= 0]
 
     def prefetch(u: int, at: int) -> None:
@@ -424,7 +437,7 @@ def fsdp_step_edits(
                 continue
             ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
         ins.alloc(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd)
-        if gloo:
+        if gloo and world > 1:
             ins.temporary(at, nbytes, unit_rows[u], bwd)
         for gid, gbytes, row, _at in late:
             ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
@@ -495,6 +508,11 @@ class StrategyRule:
     reshard_after_forward: bool | None = None
 
 
+# GPUs per node where none is given: the 8 of NVIDIA's DGX / HGX A100 and H100 systems
+# (NVIDIA DGX H100 User Guide, "Hardware Overview": 8x NVIDIA H100 GPUs).
+DEFAULT_GPUS_PER_NODE = 8
+
+
 @dataclass(frozen=True)
 class Parallel:
     """How many devices one step is spread over, and how (``gpus=1``: one device, no
@@ -502,10 +520,22 @@ class Parallel:
 
     gpus: int
     strategy: Strategy
+    # the GPUs of one node: ``hsdp`` shards within a node and replicates across nodes
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    # FSDP2's units (module names, outermost); None: each repeated block
+    fsdp_units: tuple[str, ...] | None = None
 
     @property
     def distributed(self) -> bool:
         return self.gpus > 1
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks one parameter is sharded over: every rank, but under ``hsdp`` the
+        ranks of one node (``min(gpus, gpus_per_node)``)."""
+        if self.strategy is Strategy.HSDP:
+            return min(self.gpus, self.gpus_per_node)
+        return self.gpus
 
     @property
     def reshard_after_forward(self) -> bool | None:
@@ -539,6 +569,8 @@ STRATEGIES: dict[Strategy, StrategyRule] = {
     Strategy.ZERO1: StrategyRule(ddp_bucket_bytes, _zero_ranks),
     Strategy.ZERO2: StrategyRule(_no_buffers, _ddp_only, reshard_after_forward=False),
     Strategy.ZERO3: StrategyRule(_no_buffers, _ddp_only, reshard_after_forward=True),
+    # zero3 within each node; across nodes the gradient shards are all-reduced in place
+    Strategy.HSDP: StrategyRule(_no_buffers, _ddp_only, reshard_after_forward=True),
 }
 
 
@@ -554,8 +586,52 @@ def check_rank(rank: object, gpus: int) -> int | None:
     return rank
 
 
+def resolve_fsdp_units(
+    names: Sequence[str], types: Sequence[str], units: object
+) -> tuple[str, ...] | None:
+    """``fsdp_units``: None (each repeated block, :func:`_levers.repeated_blocks`), or a
+    module name or class name, or a list of them, resolved to the outermost modules they
+    match (the root, ``""``, is always a unit of its own).
+
+    Examples
+    --------
+    >>> names, types = ("", "h", "h.0", "h.1", "h.0.fc"), ("M", "ModuleList", "B", "B", "L")
+    >>> resolve_fsdp_units(names, types, "B"), resolve_fsdp_units(names, types, ["h.1", "L"])
+    (('h.0', 'h.1'), ('h.0.fc', 'h.1'))
+    """
+    if units is None:
+        return None
+    items = [units] if isinstance(units, str) else units
+    if (
+        not isinstance(items, (list, tuple))
+        or not items
+        or not all(isinstance(u, str) and u for u in items)
+    ):
+        raise ValueError(
+            "fsdp_units must be None (each repeated block), a module name or class name, or "
+            f"a list of them; got {units!r}"
+        )
+    chosen: set[str] = set()
+    for item in items:
+        found = {n for n, t in zip(names, types, strict=True) if n and item in (n, t)}
+        if not found:
+            examples = ", ".join(repr(n) for n in names[1:4])
+            classes = ", ".join(sorted({repr(t) for t in types[1:]})[:4])
+            raise ValueError(
+                f"fsdp_units {item!r} matches no module (by qualified name or class name); "
+                f"names such as {examples}; classes such as {classes}"
+            )
+        chosen |= found
+    outermost = [n for n in chosen if not any(n.startswith(o + ".") for o in chosen)]
+    return tuple(sorted(outermost, key=list(names).index))
+
+
 def resolve_parallel(
-    gpus: object = 1, strategy: object = "ddp", *, modelled: bool = True
+    gpus: object = 1,
+    strategy: object = "ddp",
+    *,
+    gpus_per_node: object = DEFAULT_GPUS_PER_NODE,
+    modelled: bool = True,
 ) -> Parallel:
     """``estimate``'s ``gpus`` and ``strategy`` keywords, checked (a ValueError naming the
     problem and the valid forms). ``modelled=False`` accepts a strategy without a rule yet
@@ -564,7 +640,7 @@ def resolve_parallel(
     Examples
     --------
     >>> resolve_parallel(8, "ddp")
-    Parallel(gpus=8, strategy=<Strategy.DDP: 'ddp'>)
+    Parallel(gpus=8, strategy=<Strategy.DDP: 'ddp'>, gpus_per_node=8, fsdp_units=None)
     >>> resolve_parallel(0)
     Traceback (most recent call last):
     ...
@@ -581,4 +657,13 @@ def resolve_parallel(
             f"strategy {chosen.value!r} is not modelled yet (each strategy is added once it "
             f"matches real torch.distributed runs); modelled: {rules}"
         )
-    return Parallel(gpus, chosen)
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be an int >= 1; got {gpus_per_node!r}")
+    parallel = Parallel(gpus, chosen, gpus_per_node)
+    if chosen is Strategy.HSDP and gpus % parallel.shard_ranks:
+        raise ValueError(
+            f"hsdp shards over the {gpus_per_node} GPUs of a node and replicates across "
+            f"nodes: gpus={gpus} is not a whole number of nodes of gpus_per_node="
+            f"{gpus_per_node} (give gpus a multiple of it, or at most one node's)"
+        )
+    return parallel
