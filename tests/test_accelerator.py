@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vram_widget import profile_model, zoo
 from vram_widget._accelerator import (
     CUBLAS_WORKSPACE_BYTES_DEFAULT,
     CUBLAS_WORKSPACE_BYTES_SM90,
@@ -17,6 +18,8 @@ from vram_widget._accelerator import (
     AcceleratorExtras,
     cublas_workspace_bytes,
     cuda_block_bytes,
+    nccl_buffers,
+    nccl_connection_bytes,
 )
 
 
@@ -94,3 +97,25 @@ def test_no_torch_import() -> None:
     )
     # The file alone, not the package, whose __init__ imports torch-using modules.
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_nccl_buffers_by_hand_and_never_in_the_totals() -> None:
+    # one connection: 4 MiB (SIMPLE) + 524,288 (LL) + 4,915,200 (LL128) = 9,633,792 B,
+    # rounded up to 2 MiB: 10 MiB; a communicator: 16 channels x 2 ring connections
+    assert nccl_connection_bytes() == 10 * 2**20
+    a100 = nccl_buffers(1, 8, (8, 0))
+    assert (a100.nbytes, a100.ring_bytes, a100.nvls_bytes) == (320 * 2**20, 320 * 2**20, 0)
+    # H100 node of 8: NVLS adds 16 channels x 2 x (128 KiB x 8 steps) x 8 GPUs = 256 MiB
+    h100 = nccl_buffers(2, 8, (9, 0))
+    assert h100.nvls_bytes == 256 * 2**20 and h100.nbytes == 2 * 320 * 2**20 + 256 * 2**20
+    assert nccl_buffers(1, 1, (9, 0)).nvls_bytes == 0  # one GPU in the node: no NVLS
+    profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,))
+    with pytest.warns(UserWarning, match="the root .* holds 100%"):  # an MLP: one unit
+        hsdp = profile.estimate(4, gpus=16, strategy="hsdp", compute_capability=(9, 0))
+    assert hsdp.nccl == nccl_buffers(2, 8, (9, 0))  # shard and replicate groups
+    assert profile.estimate(4, gpus=4, strategy="ddp").nccl == nccl_buffers(1, 4, (9, 0))
+    assert hsdp.total_bytes == hsdp.peak_bytes + hsdp.extras.total_bytes  # not folded in
+    assert profile.estimate(4).nccl is None  # one device
+    assert profile.estimate(4, gpus=4, mode="inference").nccl is None  # not wrapped
+    cpu = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
+    assert cpu.estimate(4, gpus=4).nccl is None  # gloo ranks on the CPU

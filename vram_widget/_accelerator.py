@@ -20,8 +20,11 @@ __all__ = [
     "CUDA_BLOCK_BYTES",
     "CUDA_CONTEXT_BYTES",
     "AcceleratorExtras",
+    "NcclBuffers",
     "cublas_workspace_bytes",
     "cuda_block_bytes",
+    "nccl_buffers",
+    "nccl_connection_bytes",
 ]
 
 CUDA_BLOCK_BYTES = 512
@@ -140,3 +143,113 @@ class AcceleratorExtras:
     def total_bytes(self) -> int:
         """The sum of the three lines."""
         return self.allocator_rounding_bytes + self.cublas_workspace_bytes + self.cuda_context_bytes
+
+
+# --- NCCL's own buffers: device memory NCCL allocates itself, outside the caching allocator,
+# per communicator (NVIDIA/nccl v2.30.7, commit 5067397c2676d5aed50042fc39e5c8ee96eb0027) ---
+
+NCCL_SIMPLE_BUFFER_BYTES = 4 * 2**20
+"""``NCCL_BUFFSIZE``'s default, the SIMPLE protocol's buffer of one connection: "The default
+is 4194304 (4 MiB)" [src: NCCL docs, Environment Variables, NCCL_BUFFSIZE; src/init.cc ·
+DEFAULT_BUFFSIZE (1 << 22)]"""
+
+NCCL_LL_BUFFER_BYTES = 8 * 512 * 8 * 16
+"""The LL protocol's buffer of one connection, 524,288 bytes: NCCL_LL_LINES_PER_THREAD (8) x
+NCCL_LL_MAX_NTHREADS (512) x NCCL_STEPS (8) x sizeof(ncclLLFifoLine) (16) [src: src/init.cc ·
+DEFAULT_LL_BUFFSIZE; src/include/device.h]"""
+
+NCCL_LL128_BUFFER_BYTES = 120 * 640 * 8 * 8
+"""The LL128 protocol's buffer of one connection, 4,915,200 bytes: NCCL_LL128_ELEMS_PER_THREAD
+(120) x NCCL_LL128_MAX_NTHREADS (640) x NCCL_STEPS (8) x 8 [src: src/init.cc ·
+DEFAULT_LL128_BUFFSIZE; src/include/device.h]"""
+
+NCCL_IPC_ALIGN_BYTES = 2 * 2**20
+"""A P2P connection's buffers (every protocol's) are allocated together, rounded up to
+CUDA_IPC_MIN, 2 MiB [src: src/transport/p2p.cc · ALIGN_SIZE(recvSize, CUDA_IPC_MIN);
+src/include/comm.h]: 10 MiB per connection at the defaults, the 10,485,760-byte
+allocations NVIDIA/nccl#1685 logs on 8 x H100."""
+
+NCCL_CHANNELS = 16
+"""Channels of a communicator: NCCL picks them by topology search (up to MAXCHANNELS = 64,
+src/include/device.h); 16 is what NCCL's logs show on one 8-GPU H800 node
+(NVIDIA/nccl#892: 16 coll channels) and NVLS's SM90 default (src/transport/nvls.cc ·
+NVLS_NCHANNELS_SM90). UNCONFIRMED for any given machine."""
+
+NCCL_RING_CONNECTIONS = 2
+"""Connections per channel of the ring algorithm: "Ring uses a limited amount of memory as it
+only has 2 connections regardless of the scale" (NCCL maintainer, NVIDIA/nccl#864, quoted in
+#986)."""
+
+NCCL_NVLS_CHUNK_BYTES = 128 * 1024
+"""NVLink SHARP's chunk since NCCL 2.21 ("Reduce NVLS memory usage ... 128K", v2.21.5-1
+release notes; src/transport/nvls.cc): its buffer per channel is the chunk x NCCL_STEPS (8),
+twice (the unicast and multicast sides), for each GPU of the node (nvlsPerRankSize x
+nHeads); NCCL_NVLS_ENABLE defaults to 2, on where the hardware has it (H100/H200 with
+NVSwitch). Before 2.21 it was 6x larger (vllm-project/vllm#9699 logs 2.25 GiB on H200)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclBuffers:
+    """NCCL's own device memory on one rank, outside the caching allocator: never part of
+    ``peak_bytes`` or ``total_bytes`` (it does not go through ``memory_allocated``), shown
+    beside them with the configuration it assumes.
+
+    Attributes
+    ----------
+    nbytes
+        The total on one GPU.
+    communicators
+        NCCL communicators on the rank (one per process group that communicates: the
+        data-parallel group; HSDP's shard and replicate groups are two).
+    ring_bytes
+        Per communicator: ``channels x 2 connections x`` one connection's buffers.
+    nvls_bytes
+        NVLink SHARP's buffers, where assumed on (compute capability 9.0+, an NVSwitch node).
+    """
+
+    nbytes: int
+    communicators: int
+    ring_bytes: int
+    nvls_bytes: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.communicators} NCCL communicator(s) x {NCCL_CHANNELS} channels x "
+            f"{NCCL_RING_CONNECTIONS} ring connections x "
+            f"{nccl_connection_bytes() // 2**20} MiB (NCCL_BUFFSIZE 4 MiB + LL + LL128)"
+            + (f" + {self.nvls_bytes // 2**20} MiB NVLink SHARP" if self.nvls_bytes else "")
+            + "; NCCL's defaults, UNCONFIRMED on a given machine (NCCL_BUFFSIZE, "
+            "NCCL_MAX_CTAS, NCCL_NVLS_ENABLE change it)"
+        )
+
+
+def nccl_connection_bytes() -> int:
+    """One connection's buffers at NCCL's defaults: the three protocols', rounded up to 2 MiB.
+
+    Examples
+    --------
+    >>> nccl_connection_bytes() == 10 * 2**20   # 4 MiB + 512 KiB + 4.6875 MiB -> 10 MiB
+    True
+    """
+    raw = NCCL_SIMPLE_BUFFER_BYTES + NCCL_LL_BUFFER_BYTES + NCCL_LL128_BUFFER_BYTES
+    return -(-raw // NCCL_IPC_ALIGN_BYTES) * NCCL_IPC_ALIGN_BYTES
+
+
+def nccl_buffers(
+    communicators: int, gpus_in_node: int, compute_capability: tuple[int, int]
+) -> NcclBuffers:
+    """NCCL's buffers on one rank with ``communicators`` communicators, at NCCL's defaults.
+
+    Examples
+    --------
+    >>> b = nccl_buffers(1, 8, (9, 0))      # one communicator on an 8 x H100 node
+    >>> b.ring_bytes // 2**20, b.nvls_bytes // 2**20   # 16 x 2 x 10 MiB; 16 x 2 x 1 MiB x 8
+    (320, 256)
+    >>> nccl_buffers(2, 8, (8, 0)).nbytes // 2**20     # two communicators on A100s: no NVLS
+    640
+    """
+    ring = NCCL_CHANNELS * NCCL_RING_CONNECTIONS * nccl_connection_bytes()
+    nvls = 0
+    if compute_capability >= (9, 0) and gpus_in_node > 1:
+        nvls = NCCL_CHANNELS * 2 * NCCL_NVLS_CHUNK_BYTES * 8 * gpus_in_node
+    return NcclBuffers(communicators * ring + nvls, communicators, ring, nvls)

@@ -685,6 +685,7 @@ def _as_json(
                 "levers": s.estimate.levers.describe(),
                 "gpus": s.estimate.gpus,
                 "strategy": None if s.estimate.strategy is None else s.estimate.strategy.value,
+                "nccl_buffer_bytes": None if s.estimate.nccl is None else s.estimate.nccl.nbytes,
                 "rank": s.estimate.rank,
                 "communication_bytes": s.estimate.communication_bytes,
                 "reserved_bytes": s.estimate.reserved_bytes,
@@ -722,6 +723,11 @@ def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[
             f"({which}) at batch {first.batch_size:,} per GPU, global batch "
             f"{first.gpus * first.batch_size:,}"
         )
+        if first.nccl is not None:
+            print(
+                f"not in any total: NCCL's own buffers, ~{first.nccl.nbytes / 2**20:,.0f} MiB "
+                f"per GPU outside the allocator ({first.nccl.describe()})"
+            )
     print("peak = allocated tensor bytes at the step's peak (torch.cuda.max_memory_allocated);")
     print("extras = CUDA context + cuBLAS workspace + allocator rounding (0 on --device cpu);")
     print("total = peak + extras; fits: on CUDA, the caching allocator replayed under the")

@@ -17,8 +17,10 @@ import numpy as np
 from ._accelerator import (
     CUDA_CONTEXT_BYTES,
     AcceleratorExtras,
+    NcclBuffers,
     cublas_workspace_bytes,
     cuda_block_bytes,
+    nccl_buffers,
 )
 from ._allocator import (
     K_ROUND_LARGE,
@@ -44,7 +46,7 @@ from ._options import (
     Strategy,
     parse_option,
 )
-from ._sharding import SINGLE_DEVICE, Parallel, StepEdits
+from ._sharding import SINGLE_DEVICE, STRATEGIES, Parallel, StepEdits
 from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, sum_by
 
 if TYPE_CHECKING:
@@ -157,6 +159,9 @@ class MemoryEstimate:
     strategy: Strategy | None = None
     # the rank estimated where ranks differ (ZeRO's shards): the worst one; None where not
     rank: int | None = None
+    # NCCL's own buffers on the rank (CUDA, more than one GPU): outside the allocator, so
+    # in no total here; shown beside them with the defaults they assume
+    nccl: NcclBuffers | None = None
 
     @cached_property
     def allocator(self) -> AllocatorReplay | None:
@@ -577,6 +582,15 @@ def estimate(
         gpus=parallel.gpus,
         strategy=parallel.strategy if parallel.distributed else None,
         rank=rank,
+        nccl=(
+            nccl_buffers(
+                STRATEGIES[parallel.strategy].communicators,
+                min(parallel.gpus, parallel.gpus_per_node),
+                compute_capability,
+            )
+            if device is Device.CUDA and train and parallel.distributed
+            else None
+        ),
     )
 
 

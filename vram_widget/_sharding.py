@@ -506,6 +506,10 @@ class StrategyRule:
     # FSDP2: None where parameters are whole on every rank; else whether the blocks reshard
     # after their forward (fsdp_step_edits)
     reshard_after_forward: bool | None = None
+    # NCCL communicators on each rank: one per process group that communicates (HSDP's
+    # shard and replicate mesh dims are two groups: FSDP2's HSDPMeshInfo,
+    # torch/distributed/fsdp/_fully_shard/_fsdp_common.py)
+    communicators: int = 1
 
 
 # GPUs per node where none is given: the 8 of NVIDIA's DGX / HGX A100 and H100 systems
@@ -570,7 +574,9 @@ STRATEGIES: dict[Strategy, StrategyRule] = {
     Strategy.ZERO2: StrategyRule(_no_buffers, _ddp_only, reshard_after_forward=False),
     Strategy.ZERO3: StrategyRule(_no_buffers, _ddp_only, reshard_after_forward=True),
     # zero3 within each node; across nodes the gradient shards are all-reduced in place
-    Strategy.HSDP: StrategyRule(_no_buffers, _ddp_only, reshard_after_forward=True),
+    Strategy.HSDP: StrategyRule(
+        _no_buffers, _ddp_only, reshard_after_forward=True, communicators=2
+    ),
 }
 
 

@@ -678,6 +678,12 @@ class MemoryWidget(widgets.VBox):
                 f"(the peak per GPU), with {format_bytes(est.communication_bytes)} of "
                 f"communication buffers; global batch {est.gpus:,} x {est.batch_size:,} = "
                 f"{est.gpus * est.batch_size:,}"
+                + (
+                    f"; beside the totals, NCCL's own buffers ~{format_bytes(est.nccl.nbytes)} "
+                    f"(outside the allocator: {html.escape(est.nccl.describe())})"
+                    if est.nccl is not None
+                    else ""
+                )
             )
         if est.seq_len is not None:
             lines.insert(
