@@ -242,6 +242,23 @@ def test_fsdp2_ranks_against_their_estimate(one_thread: None) -> None:
     assert_model_unchanged(model, before)
 
 
+def test_fsdp2_mixed_precision_policy_against_the_estimate(one_thread: None) -> None:
+    # amp-bf16 under FSDP2: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), the
+    # step on bf16 parameters gathered from fp32 shards, fp32 gradient shards
+    entry = zoo.ZOO["llama_tiny"]
+    model = entry.build()
+    inputs = entry.make_inputs(2)
+    profile = profile_model(model, inputs=inputs, device="cpu")
+    for strategy in ("zero2", "zero3"):
+        real = measure(
+            model, inputs, optimizer="adamw", precision="amp-bf16", gpus=2, strategy=strategy
+        )
+        est = profile.estimate(2, "amp-bf16", "adamw", gpus=2, strategy=strategy)
+        assert abs(est.peak_bytes - real.peak_bytes) <= 0.005 * real.peak_bytes, strategy
+        plain = profile.estimate(2, "fp32", "adamw", gpus=2, strategy=strategy)
+        assert est.parameter_bytes == plain.parameter_bytes  # the shards stay fp32
+
+
 @pytest.mark.parametrize("gpus_per_node", [1, 2])
 def test_hsdp_ranks_against_their_estimate(one_thread: None, gpus_per_node: int) -> None:
     # HSDP on 4 ranks: a 2-D mesh of 2 nodes x 2 GPUs (sharded in a node, gradient shards

@@ -267,3 +267,26 @@ def test_fsdp_units_name_what_they_match() -> None:
     profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
     with pytest.raises(ValueError, match="fsdp_units 'Conv2d' matches no module"):
         profile.estimate(2, gpus=2, strategy="zero3", fsdp_units="Conv2d")
+
+
+def test_fsdp_mixed_precision_policy_by_hand() -> None:
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on the fp32 shards of
+    # _tiny_fsdp: emb's shard is 3 x 2 = 6 elements, b's 2
+    params = [
+        FsdpParam("emb.weight", (5, 2), 4, 1, 0, True, gather_itemsize=2, reduce_itemsize=4),
+        FsdpParam("b.weight", (3,), 4, 2, 1, True, gather_itemsize=2, reduce_itemsize=4),
+    ]
+    edits = fsdp_step_edits(
+        params, [0, 2], np.asarray([0, 0, 1, 0, 0]), world_size=2, reshard_after_forward=True,
+        gloo=False, event_module=np.asarray([1, 2, 2, 3, 3, 2, 2, 1]), loss_row=3,
+        backward_start=4, optimizer_at=8, gradient_allocs=[(10, 6, 2, 6), (11, 20, 1, 7)],
+        n_rows=5,
+    )  # fmt: skip
+    events = list(zip(edits.position.tolist(), edits.nbytes.tolist(), strict=True))
+    # root: 6 x 2 B cast into one bf16 buffer, 2 x 12 B gathered, the cast freed, copied out
+    assert events[:4] == [(0, 12), (0, 24), (0, -12), (0, 24)]
+    # the block's post_backward: reshard (2 x 2 x 2 B), reduce-scatter input 2 x 2 x 4 B
+    # (fp32), output 2 x 4 B, then its bf16 gradient (3 x 2 B) freed
+    assert events[events.index((7, -8)) :][:4] == [(7, -8), (7, 16), (7, 8), (7, -6)]
+    assert edits.param_rows.tolist() == [0, 24, 8, 0, 0]  # fp32 shards
+    assert edits.grad_rows.tolist() == [0, 24, 8, 0, 0]  # fp32 gradient shards

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from ._levers import repeated_blocks
-from ._options import OptimizerName, Strategy
+from ._options import OptimizerName, Precision, Strategy
 from ._sharding import Parallel, resolve_fsdp_units
 
 __all__ = [
@@ -172,7 +172,9 @@ def run_ranks(fn: Callable[[int, int], _T], world_size: int, timeout_s: float = 
     return [results[r] for r in range(world_size)]
 
 
-def ddp_wrapped(model: torch.nn.Module, _parallel: Parallel) -> torch.nn.Module:
+def ddp_wrapped(
+    model: torch.nn.Module, _parallel: Parallel, _precision: Precision
+) -> torch.nn.Module:
     """``DistributedDataParallel(model)`` with its defaults (the ``"ddp"`` strategy)."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -208,19 +210,25 @@ def fsdp_units_of(model: torch.nn.Module, parallel: Parallel) -> tuple[str, ...]
 
 def fsdp_wrapped(
     reshard_after_forward: bool,
-) -> Callable[[torch.nn.Module, Parallel], torch.nn.Module]:
+) -> Callable[[torch.nn.Module, Parallel, Precision], torch.nn.Module]:
     """FSDP2's ``fully_shard`` as torchtitan and accelerate wrap a model: each unit
     (:func:`fsdp_units_of`), then the root, on a CPU mesh of the process group's ranks: 1-D,
     or under ``"hsdp"`` 2-D, (nodes, ``gpus_per_node``), sharded within a node and
     replicated across (``"zero2"``: ``reshard_after_forward=False``; ``"zero3"`` and
     ``"hsdp"``: ``True`` for the units and the library's default for the root, which keeps
-    its parameters from forward to backward)."""
+    its parameters from forward to backward). Under autocast precisions, with
+    ``MixedPrecisionPolicy(param_dtype=<the autocast dtype>, reduce_dtype=torch.float32)``
+    (``_profile.FSDP_PARAM_DTYPE``)."""
 
-    def wrap(model: torch.nn.Module, parallel: Parallel) -> torch.nn.Module:
+    def wrap(model: torch.nn.Module, parallel: Parallel, precision: Precision) -> torch.nn.Module:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy()
+        if precision in (Precision.AMP_BF16, Precision.AMP_FP16):
+            half = torch.bfloat16 if precision is Precision.AMP_BF16 else torch.float16
+            policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
         world = dist.get_world_size()
         if parallel.strategy is Strategy.HSDP:
             group = parallel.shard_ranks
@@ -231,12 +239,14 @@ def fsdp_wrapped(
             mesh = init_device_mesh("cpu", (world,))
         modules = dict(model.named_modules())
         for name in fsdp_units_of(model, parallel):
-            fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(
+                modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward,
+                mp_policy=policy,
+            )  # fmt: skip
         # The root with the library's default under zero3 (None: "for the root, do not
         # reshard after forward", _fsdp_state._lazy_init), as fully_shard(model) gives it.
-        fully_shard(
-            model, mesh=mesh, reshard_after_forward=None if reshard_after_forward else False
-        )
+        root_reshard = None if reshard_after_forward else False
+        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
         return model
 
     return wrap
@@ -258,7 +268,7 @@ class RankSetup:
     """How a strategy's libraries set up one rank: the model's wrapper, and the optimizer's
     (None: the registered optimizer over every parameter)."""
 
-    wrap_model: Callable[[torch.nn.Module, Parallel], torch.nn.Module]
+    wrap_model: Callable[[torch.nn.Module, Parallel, Precision], torch.nn.Module]
     make_optimizer: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] | None = (
         None
     )

@@ -46,6 +46,10 @@ class Levers:
         LoRA adapters of this rank, applied by PEFT's ``get_peft_model`` (None: no LoRA).
     lora_targets : tuple of str or None
         PEFT's ``target_modules`` (None: PEFT's defaults for the architecture).
+    param_dtype : str or None
+        The dtype the step's parameters are in where a wrapper casts them ("bfloat16":
+        FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` under amp-bf16); None:
+        the precision's. Set by ``estimate`` for a strategy, not a user lever.
     """
 
     checkpoint: tuple[str, ...] = ()
@@ -54,6 +58,7 @@ class Levers:
     grad_accumulation: int = 1
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] | None = None
+    param_dtype: str | None = None
 
     @property
     def active(self) -> bool:

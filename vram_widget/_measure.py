@@ -305,6 +305,9 @@ def _measure_ranks(
             "is on CUDA, whose ranks (NCCL, one GPU each) are not supported yet"
         )
     check_model(model)
+    # the settings' own errors here, before any rank starts
+    parse_optimizer(optimizer)
+    parse_option(Precision, precision, "precision")
     setup = SETUPS.get(parallel.strategy)
     if setup is None:
         raise ValueError(
@@ -429,7 +432,9 @@ class _Session:
             levers = dataclasses.replace(levers, checkpoint=names)
         apply_levers(self.model, levers)  # the copy, as the libraries apply them
         if setup is not None:  # a data-parallel rank: DistributedDataParallel(copy), ...
-            self.model = setup.wrap_model(self.model, parallel or Parallel(2, Strategy.DDP))
+            self.model = setup.wrap_model(
+                self.model, parallel or Parallel(2, Strategy.DDP), precision
+            )
         self.micro_batches = levers.grad_accumulation
         self.inputs = inputs.map(lambda t: _copy_input(t, dtype, device))
         self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]

@@ -538,7 +538,13 @@ class ModelProfile:
                 **kwargs,
             )
             return dataclasses.replace(est, levers=levers)
-        timeline = self.timeline(prec, run_mode, length, levers)
+        run_levers = levers
+        mixed = FSDP_PARAM_DTYPE.get(prec)
+        if run_mode is Mode.TRAIN and parallel.reshard_after_forward is not None and mixed:
+            # FSDP2's MixedPrecisionPolicy: the step runs on parameters gathered in half
+            # precision (a profile of its own), the shards and their optimizer stay fp32
+            run_levers = dataclasses.replace(levers, param_dtype=mixed)
+        timeline = self.timeline(prec, run_mode, length, run_levers)
         train = run_mode is Mode.TRAIN
         if not train:
             parallel = SINGLE_DEVICE
@@ -629,13 +635,16 @@ class ModelProfile:
                     unit_of_row[i] = u
         stepped = {p.name for p in self._trainable_params(precision, levers)}
         half = {Precision.BF16: 2, Precision.FP16: 2}.get(precision)
+        # MixedPrecisionPolicy(param_dtype=half, reduce_dtype=fp32) under amp
+        gather, reduce = (2, 4) if precision in FSDP_PARAM_DTYPE else (None, None)
         params = []
         for name, shape in zip(self.param_names, self.param_shapes, strict=True):
             module = name.rpartition(".")[0]
             row = row_of.get(module, 0)
             itemsize = 4 if half is None or name in self.fp32_params else half
+            unit = int(unit_of_row[row])
             params.append(
-                FsdpParam(name, tuple(shape), itemsize, row, int(unit_of_row[row]), name in stepped)
+                FsdpParam(name, tuple(shape), itemsize, row, unit, name in stepped, gather, reduce)
             )
         grads = []
         storage = timeline.event_storage
@@ -1077,6 +1086,15 @@ class ModelProfile:
             2**30, precision, optimizer, mode, seq_len=seq_len, **levers
         ).peak_bytes
         return int(big) - int(small)
+
+
+# FSDP2 under autocast is run with MixedPrecisionPolicy(param_dtype=<the autocast dtype>,
+# reduce_dtype=torch.float32), as torchtitan's mixed_precision_param / _reduce settings do
+# (torchtitan/config: mixed_precision_param "bfloat16", mixed_precision_reduce "float32")
+FSDP_PARAM_DTYPE: dict[Precision, str] = {
+    Precision.AMP_BF16: "bfloat16",
+    Precision.AMP_FP16: "float16",
+}
 
 
 def _profiled(levers: Levers, mode: Mode) -> Levers:

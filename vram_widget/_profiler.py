@@ -192,14 +192,21 @@ class Subject:
         return storage_dtype(precision) if t.is_floating_point() else t.dtype
 
     def make_state(
-        self, precision: Precision, real: bool, device: str = "cpu"
+        self,
+        precision: Precision,
+        real: bool,
+        device: str = "cpu",
+        param_dtype: torch.dtype | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Parameters and buffers as new leaf tensors in the precision's dtype: fake tensors
-        (call inside the fake mode), meta tensors (``device="meta"``), or real CPU copies for
-        the fallback."""
+        """Parameters and buffers as new leaf tensors in the precision's dtype (floating
+        parameters in ``param_dtype`` where given: a wrapper's cast, FSDP2's
+        MixedPrecisionPolicy): fake tensors (call inside the fake mode), meta tensors
+        (``device="meta"``), or real CPU copies for the fallback."""
         params: dict[str, torch.Tensor] = {}
         for name, p, _row in self._params:
             dtype = p.dtype if name in self.fixed_dtypes else self._dtype(p, precision)
+            if param_dtype is not None and name not in self.fixed_dtypes and p.is_floating_point():
+                dtype = param_dtype
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
             else:
@@ -345,9 +352,10 @@ class Profiler:
         # every run of that precision (each batch size, training and inference): building
         # them costs as much as a small model's whole step, and the fake mode's dispatch cache
         # then also sees the same tensors' metadata run after run.
-        # precision -> (fake mode, parameters, buffers, their metadata when made)
+        # (precision, parameter dtype cast) -> (fake mode, parameters, buffers, their
+        # metadata when made)
         self._fake_state: dict[
-            Precision,
+            tuple[Precision, str | None],
             tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[Any, ...]]],
         ] = {}
 
@@ -360,16 +368,21 @@ class Profiler:
         failed half-way through its backward may have left some), so that the backward
         allocates every gradient as a first step does; they are rebuilt when a run changed
         them otherwise (``_changed_by_run``). Buffers are only updated in place."""
+        cast = self.levers.param_dtype
+        param_dtype = None if cast is None else getattr(torch, cast)
         if self.real:
-            params, buffers = self.subject.make_state(precision, real=True)
+            params, buffers = self.subject.make_state(precision, real=True, param_dtype=param_dtype)
             return None, params, buffers
-        cached = self._fake_state.get(precision)
+        key = (precision, cast)
+        cached = self._fake_state.get(key)
         if cached is None or _changed_by_run([*cached[1].values(), *cached[2].values()], cached[3]):
             fake_mode = new_fake_mode()
             with fake_mode:
-                params, buffers = self.subject.make_state(precision, real=False)
+                params, buffers = self.subject.make_state(
+                    precision, real=False, param_dtype=param_dtype
+                )
             described = [_describe(t) for t in (*params.values(), *buffers.values())]
-            cached = self._fake_state[precision] = (fake_mode, params, buffers, described)
+            cached = self._fake_state[key] = (fake_mode, params, buffers, described)
         fake_mode, params, buffers, _described = cached
         for p in params.values():
             p.grad = None

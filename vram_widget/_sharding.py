@@ -209,17 +209,33 @@ class FsdpParam:
 
     name: str
     shape: tuple[int, ...]
-    itemsize: int  # bytes per element as stored (the precision's), its gradient's too
+    itemsize: int  # bytes per element of its shard as stored (the precision's)
     row: int  # the module row that owns it
     unit: int  # its FSDP unit: 0 the root, i >= 1 the i-th block
     trainable: bool  # gets a gradient (reduce-scattered)
+    # MixedPrecisionPolicy: the dtype it is gathered (and its gradient made) in, and the one
+    # gradients are reduced in; None: its own
+    gather_itemsize: int | None = None
+    reduce_itemsize: int | None = None
+
+    def padded_shard_numel(self, world_size: int) -> int:
+        """Its shard's elements on every rank, padding included."""
+        if not self.shape:
+            return 1
+        rest = int(np.prod(self.shape[1:], dtype=np.int64))
+        return shard_dim0(self.shape[0], world_size) * rest
 
     def padded_shard_bytes(self, world_size: int) -> int:
         """Its shard's bytes on every rank, padding included (one storage per parameter)."""
-        if not self.shape:
-            return self.itemsize
-        rest = int(np.prod(self.shape[1:], dtype=np.int64))
-        return shard_dim0(self.shape[0], world_size) * rest * self.itemsize
+        return self.padded_shard_numel(world_size) * self.itemsize
+
+    @property
+    def gathered_itemsize(self) -> int:
+        return self.gather_itemsize or self.itemsize
+
+    @property
+    def reduced_itemsize(self) -> int:
+        return self.reduce_itemsize or self.gathered_itemsize
 
 
 @dataclass(frozen=True)
@@ -325,6 +341,11 @@ def fsdp_step_edits(
       output's size and each reduce-scatter through one of the input's (measured on torch
       2.13's ``ProcessGroupGloo``, ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``;
       NCCL works in the buffers themselves).
+    * ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (``gather_itemsize``,
+      ``reduce_itemsize``): the shards are first cast into one flat buffer of the gather
+      dtype (``_get_param_all_gather_inputs``'s foreach copy; freed when
+      ``foreach_all_gather`` returns), gathered and copied out in it; the reduce-scatter
+      buffers, and the gradient shards, are in the reduce dtype.
     * one shard (``world_size=1``: ``hsdp`` with one GPU per node) gathers nothing: the
       copy-out copies the shard (``wait_for_unshard``), and ``foreach_reduce`` copies the
       gradients into its output instead of reduce-scattering.
@@ -335,11 +356,14 @@ def fsdp_step_edits(
     world = world_size
     gathered = [0] * n_units  # bytes of a unit's flat all-gather output
     reduced = [0] * n_units  # bytes of a unit's gradient shards (the reduce-scatter output)
+    cast_in = [0] * n_units  # MixedPrecisionPolicy: the shards cast to the gather dtype
     for p in params:
-        shard = p.padded_shard_bytes(world)
-        gathered[p.unit] += world * shard
+        shard = p.padded_shard_numel(world)
+        gathered[p.unit] += world * shard * p.gathered_itemsize
+        if p.gather_itemsize is not None:  # cast into one flat buffer first
+            cast_in[p.unit] += shard * p.gathered_itemsize
         if p.trainable:
-            reduced[p.unit] += shard
+            reduced[p.unit] += shard * p.reduced_itemsize
     by_unit: list[list[FsdpParam]] = [[] for _ in range(n_units)]
     for p in params:
         by_unit[p.unit].append(p)
@@ -363,16 +387,21 @@ def fsdp_step_edits(
     def all_gather(u: int, at: int, phase: Phase) -> int | None:
         if world == 1:  # one shard (hsdp with one GPU per node): copied out, not gathered
             return None
+        cast = None
+        if cast_in[u]:
+            cast = ins.alloc(at, cast_in[u], Category.COMMUNICATION, unit_rows[u], phase)
         flat = ins.alloc(at, gathered[u], Category.COMMUNICATION, unit_rows[u], phase)
         if gloo:
             ins.temporary(at, gathered[u], unit_rows[u], phase)
             ins.temporary(at, gathered[u], unit_rows[u], phase)
+        if cast is not None:  # foreach_all_gather's locals hold it until it returns
+            ins.free(at, cast_in[u], Category.COMMUNICATION, unit_rows[u], phase, cast)
         return flat
 
     def copy_out(u: int, at: int, phase: Phase) -> None:
         unsharded[u] = []
         for p in by_unit[u]:
-            nbytes = world * p.padded_shard_bytes(world)
+            nbytes = world * p.padded_shard_numel(world) * p.gathered_itemsize
             sid = ins.alloc(at, nbytes, Category.PARAMETER, p.row, phase)
             unsharded[u].append((sid, nbytes, p.row))
 
@@ -429,7 +458,7 @@ def fsdp_step_edits(
         late = []
         last = next((p for p in reversed(by_unit[u]) if p.trainable), None)
         if last is not None:
-            nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.itemsize
+            nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.gathered_itemsize
             match = [g for g in grads if g[2] == last.row and g[1] == nbytes_last]
             late = match[-1:]
         for gid, gbytes, row, _at in grads:
@@ -468,7 +497,7 @@ def fsdp_step_edits(
     for p in params:
         param_rows[p.row] += p.padded_shard_bytes(world)
         if p.trainable:
-            grad_rows[p.row] += p.padded_shard_bytes(world)
+            grad_rows[p.row] += p.padded_shard_numel(world) * p.reduced_itemsize
     return StepEdits(
         position=table[:, 0],
         nbytes=table[:, 1],
@@ -601,7 +630,7 @@ def resolve_fsdp_units(
 
     Examples
     --------
-    >>> names, types = ("", "h", "h.0", "h.1", "h.0.fc"), ("M", "ModuleList", "B", "B", "L")
+    >>> names, types = ("", "h", "h.0", "h.0.fc", "h.1"), ("M", "ModuleList", "B", "L", "B")
     >>> resolve_fsdp_units(names, types, "B"), resolve_fsdp_units(names, types, ["h.1", "L"])
     (('h.0', 'h.1'), ('h.0.fc', 'h.1'))
     """
