@@ -467,9 +467,10 @@ class ModelProfile:
             (``_sharding.fsdp_step_edits``): parameters, gradients and optimizer state are
             each rank's padded dim-0 shards; each unit is all-gathered around its forward
             and backward (``"zero3"`` frees a block's after its forward, ``"zero2"`` keeps
-            them) and its gradients reduce-scattered after its backward. They compose
-            with ``checkpoint`` and ``lora_rank``; ``grad_accumulation`` and
-            ``trainable`` with them, and ``"hsdp"``, are not modelled yet (ValueError).
+            them) and its gradients reduce-scattered after its backward; ``"hsdp"`` is
+            ``"zero3"`` within nodes of ``gpus_per_node``, replicated across. They compose
+            with ``checkpoint``, ``trainable`` and ``lora_rank``; ``grad_accumulation``
+            with them is not modelled yet (ValueError).
         rank : int, optional
             With ``gpus > 1``: the rank to estimate where ranks differ (ZeRO's shards;
             FSDP2's last ranks hold shorter chunks); None: the worst of the ranks that lead
@@ -1148,19 +1149,14 @@ def _warn_if_one_unit_holds_most(
 
 
 def _check_fsdp_levers(parallel: Parallel, levers: Levers) -> None:
-    """FSDP2 with the levers its rule does not cover yet: a clear refusal, not a wrong
-    number (checked against real fully_shard ranks: accumulation reduce-scatters every
-    micro-batch into the sharded gradients, and frozen blocks take other hook paths)."""
-    unmodelled = []
+    """FSDP2 with the lever its rule does not cover yet: a clear refusal, not a wrong
+    number (real fully_shard ranks reduce-scatter every micro-batch into the sharded
+    gradients, which the single-device profile's accumulation does not show)."""
     if levers.grad_accumulation > 1:
-        unmodelled.append(f"grad_accumulation={levers.grad_accumulation}")
-    if levers.trainable is not None:
-        unmodelled.append("trainable=... (frozen parameters)")
-    if unmodelled:
         raise ValueError(
-            f"strategy {parallel.strategy.value!r} with {' and '.join(unmodelled)} is not "
-            "modelled yet; it composes with checkpoint=... and lora_rank=..., and 'ddp' / "
-            "'zero1' compose with every lever"
+            f"strategy {parallel.strategy.value!r} with grad_accumulation="
+            f"{levers.grad_accumulation} is not modelled yet; it composes with checkpoint, "
+            "trainable and lora_rank, and 'ddp' / 'zero1' compose with every lever"
         )
 
 

@@ -427,7 +427,8 @@ def fsdp_step_edits(
             reshard(u, int(f_last[u]), fwd)
     free_flat(*held, root_forward_end, fwd)
 
-    # backward: blocks in reverse, each prefetching the one before it
+    # backward: the blocks the backward reaches, in reverse; each hook prefetches the unit
+    # before it in forward order (post_forward_order), whether the backward reaches it or not
     pending: dict[int, int | None] = {}
     order = [u for u in reversed(blocks) if b_first[u] >= 0]
 
@@ -435,8 +436,12 @@ def fsdp_step_edits(
         if u not in unsharded and u not in pending:
             pending[u] = all_gather(u, at, bwd)
 
-    if order:
-        prefetch(order[0], root_backward_start)
+    def previous(u: int) -> int | None:
+        i = blocks.index(u)
+        return blocks[i - 1] if i > 0 else None
+
+    if blocks:
+        prefetch(blocks[-1], root_backward_start)
     reduce_input: tuple[int, int, int] | None = None  # (unit, sid, bytes) kept for one unit
     freed: set[int] = set()
 
@@ -473,19 +478,23 @@ def fsdp_step_edits(
         freed.update(g[0] for g in grads)
         reduce_input = (u, sid, nbytes)
 
-    for i, u in enumerate(order):
+    for u in order:
         at = int(b_first[u])
         if u not in unsharded:
             flat = pending.pop(u) if u in pending else all_gather(u, at, bwd)
             copy_out(u, at, bwd)
             free_flat(u, flat, at, bwd)
-        if i + 1 < len(order):
-            prefetch(order[i + 1], at)
+        before = previous(u)
+        if before is not None:
+            prefetch(before, at)
         post_backward(u, int(b_last[u]))
-    for u in blocks:  # blocks the backward never reached: the final callback
-        if b_first[u] < 0:
-            post_backward(u, optimizer_at)
-    post_backward(0, optimizer_at)
+    # the final callback: the root, then each unit the backward never reached, in forward
+    # order, each followed by its finalize_backward (a prefetched gather never waited on is
+    # dropped there); then the last reduce-scatter input
+    for u in [0, *(b for b in blocks if b_first[b] < 0)]:
+        post_backward(u, optimizer_at)
+        if u in pending:
+            free_flat(u, pending.pop(u), optimizer_at, bwd)
     if reduce_input is not None:
         prev, sid, nbytes = reduce_input
         ins.free(optimizer_at, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
