@@ -18,7 +18,7 @@ and LSTM, and small Hugging Face GPT-2, Llama, BERT and T5 configs (no download,
 not on ResNet-18, whose BatchNorm torch cannot run with bf16 weights and fp32 statistics),
 batch 3 per rank, AdamW. Then the memory levers under each
 strategy (Hugging Face's checkpointing, a frozen backbone, accumulation of 2, PEFT's LoRA
-rank 4; FSDP2 without accumulation, which the estimate refuses) on GPT-2 and Llama
+rank 4) on GPT-2 and Llama
 at 2 ranks. Profiles and ranks compute on one
 thread (the forked ranks must, and CPU kernel scratch can depend on the thread count).
 
@@ -49,8 +49,6 @@ BATCH = 3
 WORLDS = (2, 4)
 PRECISIONS = ("fp32", "bf16")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-# FSDP2 with these levers is refused by the estimate (not modelled yet)
-FSDP_UNMODELLED = {"accumulation x2"}
 
 
 def _zoo(name: str) -> tuple[Callable[[], nn.Module], Callable[[int], Any]]:
@@ -162,8 +160,6 @@ def run() -> list[dict[str, Any]]:
         profile = profile_model(model, inputs=make(2), device="cpu")
         for lever, levers in _levers(name).items():
             for strategy in STRATEGIES:
-                if strategy.startswith("zero") and strategy != "zero1" and lever in FSDP_UNMODELLED:
-                    continue
                 for precision in PRECISIONS:
                     rows += compare_ranks(f"{name} + {lever}", profile, model, make, strategy,
                                           precision, 2, levers)  # fmt: skip

@@ -103,8 +103,8 @@ def _accuracy_distributed() -> str:
         "MixedPrecisionPolicy, but on ResNet-18), and HSDP on 2 nodes x 2 ranks "
         "(hsdp), batch 3 per rank; then Hugging "
         "Face's checkpointing, a frozen backbone, accumulation of 2 and PEFT's LoRA under "
-        "each strategy on GPT-2 and Llama at 2 ranks (FSDP2: checkpointing and LoRA, the "
-        "two the estimate models); every rank of each run), each rank estimated from "
+        "each strategy on GPT-2 and Llama at 2 ranks; every rank of each run), each rank "
+        "estimated from "
         "the single-device profile (estimate(..., rank=r)) and measured in a real "
         "torch.distributed job (gloo, one forked process per rank, the median of its "
         "third to fifth steps)",

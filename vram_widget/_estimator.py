@@ -468,7 +468,9 @@ def estimate(
             new_ids = np.where(edits.storage < 0, n_storages - 1 - edits.storage, edits.storage)
             storage = np.insert(storage, where, new_ids)
             n_storages += int((edits.storage < 0).sum())
-        k += int((where <= timeline.optimizer_at).sum())
+        # inserted before the optimizer's step: all up to its position, but zero_grad's
+        after = (where > timeline.optimizer_at) | (edits.phase == PHASE_CODE[Phase.ZERO_GRAD])
+        k += int((~after).sum())
     if train and opt is not None:
         n_opt = len(opt.event_bytes)
         if storage is not None and opt.event_storage is not None:

@@ -18,11 +18,13 @@ from ._gpus import Gpu, parse_capacity
 from ._levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
 from ._options import (
     CATEGORY_CODE,
+    PHASE_CODE,
     Category,
     Device,
     FitBasis,
     Mode,
     OptimizerName,
+    Phase,
     Precision,
     Strategy,
     parse_batch_size,
@@ -469,8 +471,7 @@ class ModelProfile:
             and backward (``"zero3"`` frees a block's after its forward, ``"zero2"`` keeps
             them) and its gradients reduce-scattered after its backward; ``"hsdp"`` is
             ``"zero3"`` within nodes of ``gpus_per_node``, replicated across. They compose
-            with ``checkpoint``, ``trainable`` and ``lora_rank``; ``grad_accumulation``
-            with them is not modelled yet (ValueError).
+            with every lever (each micro-batch gathers and reduce-scatters again).
         rank : int, optional
             With ``gpus > 1``: the rank to estimate where ranks differ (ZeRO's shards;
             FSDP2's last ranks hold shorter chunks); None: the worst of the ranks that lead
@@ -519,8 +520,6 @@ class ModelProfile:
         levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
         if run_mode is not Mode.TRAIN:
             levers = NO_LEVERS
-        if parallel.reshard_after_forward is not None and run_mode is Mode.TRAIN:
-            _check_fsdp_levers(parallel, levers)
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers)
             est = sub.estimate(
@@ -648,19 +647,32 @@ class ModelProfile:
                 FsdpParam(name, tuple(shape), itemsize, row, unit, name in stepped, gather, reduce)
             )
         grads = []
+        accumulated = []
+        zero_grad = []
         storage = timeline.event_storage
         cats = timeline.storage_category
         sizes = timeline.storage_bytes.at(1, self.seq_len or 1)
+        micro_batches = _micro_batches(timeline)
+        gradient = CATEGORY_CODE[Category.GRADIENT]
         if storage is not None:
             k, end = timeline.backward_start, timeline.optimizer_at
             sids, first = np.unique(storage[k:end], return_index=True)
             for sid, at in zip(sids, first, strict=True):
-                if (
-                    cats[sid] == CATEGORY_CODE[Category.GRADIENT]
-                    and not timeline.storage_resident[sid]
-                ):
+                if cats[sid] == gradient and not timeline.storage_resident[sid]:
                     row = int(timeline.storage_module[sid])
                     grads.append((int(sid), int(sizes[sid]), row, k + int(at)))
+            # a later micro-batch's gradients, freed once AccumulateGrad added them in
+            nbytes = timeline.events_at(1, self.seq_len or 1)
+            for _f0, b0, b1 in micro_batches[1:]:
+                for j in range(b0, b1):
+                    op = int(timeline.event_op[j])
+                    if nbytes[j] < 0 and op >= 0 and "AccumulateGrad" in timeline.op_names[op]:
+                        row = int(timeline.event_module[j])
+                        accumulated.append((int(storage[j]), int(-nbytes[j]), row, j))
+            for j in range(timeline.optimizer_at, len(storage)):
+                if nbytes[j] < 0 and cats[storage[j]] == gradient:
+                    row = int(timeline.event_module[j])
+                    zero_grad.append((int(storage[j]), int(-nbytes[j]), row, j))
         _warn_if_one_unit_holds_most(params, blocks, parallel)
         edits = fsdp_step_edits(
             params,
@@ -671,10 +683,12 @@ class ModelProfile:
             gloo=self.device is Device.CPU,
             event_module=timeline.event_module,
             loss_row=n_rows - 2,
-            backward_start=timeline.backward_start,
+            micro_batches=micro_batches,
             optimizer_at=timeline.optimizer_at,
             gradient_allocs=grads,
             n_rows=n_rows,
+            accumulate_frees=accumulated,
+            zero_grad_frees=zero_grad,
         )
         self._step_edits[key] = edits
         return edits
@@ -1125,6 +1139,22 @@ def _scaled_flops(timeline: Timeline, numerator: int, denominator: int) -> Timel
     )
 
 
+def _micro_batches(timeline: Timeline) -> list[tuple[int, int, int]]:
+    """Each micro-batch's (forward start, backward start, backward end) event indices: the
+    runs of forward, then backward, events before the optimizer (one pair per micro-batch
+    where gradients accumulate)."""
+    phases = timeline.event_phase[: timeline.optimizer_at]
+    backward = phases == PHASE_CODE[Phase.BACKWARD]
+    starts = [0, *(i for i in range(1, len(phases)) if backward[i - 1] and not backward[i])]
+    out = []
+    for m, f0 in enumerate(starts):
+        end = starts[m + 1] if m + 1 < len(starts) else timeline.optimizer_at
+        back = np.nonzero(backward[f0:end])[0]
+        b0 = f0 + int(back[0]) if len(back) else end
+        out.append((f0, b0, end))
+    return out
+
+
 def _warn_if_one_unit_holds_most(
     params: Sequence[FsdpParam], blocks: Sequence[str], parallel: Parallel
 ) -> None:
@@ -1146,18 +1176,6 @@ def _warn_if_one_unit_holds_most(
         UserWarning,
         stacklevel=4,
     )
-
-
-def _check_fsdp_levers(parallel: Parallel, levers: Levers) -> None:
-    """FSDP2 with the lever its rule does not cover yet: a clear refusal, not a wrong
-    number (real fully_shard ranks reduce-scatter every micro-batch into the sharded
-    gradients, which the single-device profile's accumulation does not show)."""
-    if levers.grad_accumulation > 1:
-        raise ValueError(
-            f"strategy {parallel.strategy.value!r} with grad_accumulation="
-            f"{levers.grad_accumulation} is not modelled yet; it composes with checkpoint, "
-            "trainable and lora_rank, and 'ddp' / 'zero1' compose with every lever"
-        )
 
 
 def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:

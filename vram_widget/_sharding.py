@@ -306,17 +306,23 @@ def fsdp_step_edits(
     gloo: bool,
     event_module: np.ndarray,
     loss_row: int,
-    backward_start: int,
+    micro_batches: Sequence[tuple[int, int, int]],
     optimizer_at: int,
     gradient_allocs: Sequence[tuple[int, int, int, int]],
     n_rows: int,
+    accumulate_frees: Sequence[tuple[int, int, int, int]] = (),
+    zero_grad_frees: Sequence[tuple[int, int, int, int]] = (),
 ) -> StepEdits:
     """FSDP2's events in one rank's training step, in the order its hooks run them.
 
     ``unit_rows[u]`` is the module row of unit ``u`` (0: the root, then the blocks in forward
-    order), ``unit_of_row`` each row's innermost unit. ``gradient_allocs`` are the
-    single-device timeline's gradient storages: ``(storage id, bytes, row, event index of
-    its allocation)``. The rules,
+    order), ``unit_of_row`` each row's innermost unit. ``micro_batches`` are the
+    single-device timeline's ``(forward start, backward start, backward end)`` event
+    indices, one per micro-batch (gradient accumulation). ``gradient_allocs`` are its
+    gradient storages: ``(storage id, bytes, row, event index of its allocation)``;
+    ``accumulate_frees`` the gradients a later micro-batch frees once ``AccumulateGrad`` has
+    added them into the resident ones, ``zero_grad_frees`` the resident gradients
+    ``zero_grad`` frees (both ``(storage id, bytes, row, event index)``). The rules,
     from ``torch/distributed/fsdp/_fully_shard`` (``_fsdp_param_group.py``,
     ``_fsdp_collectives.py``, ``_fsdp_state.py``):
 
@@ -351,6 +357,13 @@ def fsdp_step_edits(
       gradients into its output instead of reduce-scattering.
     * ``hsdp`` all-reduces each unit's gradient shards across the nodes in place
       (``foreach_reduce``'s ``dist.all_reduce(reduce_output)``): nothing allocated.
+    * every micro-batch gathers and reduce-scatters again. FSDP2 leaves no unsharded
+      gradient behind, so a later micro-batch's gradients become ``.grad`` as the first
+      one's do (not added into resident ones: their single-device frees are undone and
+      they are freed after the reduce-scatter), and its reduce-scatter output is added
+      into the gradient shards in place and dropped (``foreach_reduce``: ``_local_tensor
+      += new_sharded_grad``).
+    * ``zero_grad`` drops the gradient shards, not whole gradients.
     """
     n_units = len(unit_rows)
     world = world_size
@@ -371,12 +384,8 @@ def fsdp_step_edits(
     for sid, nbytes, row, at in gradient_allocs:
         grads_of[int(unit_of_row[row])].append((sid, nbytes, row, at))
 
-    f_first, f_last = _unit_spans(unit_of_row, event_module, 0, backward_start, n_units)
-    b_first, b_last = _unit_spans(unit_of_row, event_module, backward_start, optimizer_at, n_units)
-    forward_rows = np.nonzero(event_module[:backward_start] != loss_row)[0]
-    root_forward_end = int(forward_rows[-1]) + 1 if len(forward_rows) else 0
-    backward_rows = np.nonzero(event_module[backward_start:optimizer_at] != loss_row)[0]
-    root_backward_start = backward_start + (int(backward_rows[0]) if len(backward_rows) else 0)
+    first_forward = micro_batches[0][0]
+    f_first, _ = _unit_spans(unit_of_row, event_module, first_forward, micro_batches[0][1], n_units)
     blocks = [u for u in range(1, n_units) if f_first[u] >= 0]
     blocks.sort(key=lambda u: f_first[u])
 
@@ -414,90 +423,125 @@ def fsdp_step_edits(
             return
         ins.free(at, gathered[u], Category.COMMUNICATION, unit_rows[u], phase, sid)
 
-    # forward: the root, then each block; a flat output lives until the next copy-out
-    held = (0, all_gather(0, 0, fwd))
-    copy_out(0, 0, fwd)
-    for u in blocks:
-        at = int(f_first[u])
-        flat = all_gather(u, at, fwd)
-        copy_out(u, at, fwd)
-        free_flat(*held, at, fwd)
-        held = (u, flat)
-        if reshard_after_forward:
-            reshard(u, int(f_last[u]), fwd)
-    free_flat(*held, root_forward_end, fwd)
+    # a later micro-batch's gradients stay (no AccumulateGrad into resident ones): each
+    # single-device free is undone right after it (emitted first: first at its position)
+    for sid, nbytes, row, j in accumulate_frees:
+        ins.cols.append((j + 1, nbytes, CATEGORY_CODE[Category.GRADIENT], row,
+                         PHASE_CODE[bwd], sid))  # fmt: skip
+        grads_of[int(unit_of_row[row])].append((sid, nbytes, row, j))
 
-    # backward: the blocks the backward reaches, in reverse; each hook prefetches the unit
-    # before it in forward order (post_forward_order), whether the backward reaches it or not
-    pending: dict[int, int | None] = {}
-    order = [u for u in reversed(blocks) if b_first[u] >= 0]
-
-    def prefetch(u: int, at: int) -> None:
-        if u not in unsharded and u not in pending:
-            pending[u] = all_gather(u, at, bwd)
-
-    def previous(u: int) -> int | None:
-        i = blocks.index(u)
-        return blocks[i - 1] if i > 0 else None
-
-    if blocks:
-        prefetch(blocks[-1], root_backward_start)
-    reduce_input: tuple[int, int, int] | None = None  # (unit, sid, bytes) kept for one unit
     freed: set[int] = set()
+    shards_made: list[int] = []  # the reduce-scatter outputs kept as gradient shards
 
-    def post_backward(u: int, at: int) -> None:
-        nonlocal reduce_input
-        reshard(u, at, bwd)
+    def micro_batch(f0: int, b0: int, b1: int, accumulating: bool) -> None:
+        f_first, f_last = _unit_spans(unit_of_row, event_module, f0, b0, n_units)
+        b_first, b_last = _unit_spans(unit_of_row, event_module, b0, b1, n_units)
+        forward_rows = np.nonzero(event_module[f0:b0] != loss_row)[0]
+        root_forward_end = f0 + (int(forward_rows[-1]) + 1 if len(forward_rows) else 0)
+        backward_rows = np.nonzero(event_module[b0:b1] != loss_row)[0]
+        root_backward_start = b0 + (int(backward_rows[0]) if len(backward_rows) else 0)
+
+        # forward: the root, then each block; a flat output lives until the next copy-out
+        held = (0, all_gather(0, f0, fwd))
+        copy_out(0, f0, fwd)
+        for u in blocks:
+            at = max(int(f_first[u]), f0)
+            flat = all_gather(u, at, fwd)
+            copy_out(u, at, fwd)
+            free_flat(*held, at, fwd)
+            held = (u, flat)
+            if reshard_after_forward:
+                reshard(u, int(f_last[u]), fwd)
+        free_flat(*held, root_forward_end, fwd)
+
+        # backward: the blocks the backward reaches, in reverse; each hook prefetches the
+        # unit before it in forward order (post_forward_order), reached or not
+        pending: dict[int, int | None] = {}
+        order = [u for u in reversed(blocks) if b_first[u] >= 0]
+
+        def prefetch(u: int, at: int) -> None:
+            if u not in unsharded and u not in pending:
+                pending[u] = all_gather(u, at, bwd)
+
+        def previous(u: int) -> int | None:
+            i = blocks.index(u)
+            return blocks[i - 1] if i > 0 else None
+
+        if blocks:
+            prefetch(blocks[-1], root_backward_start)
+        reduce_input: tuple[int, int, int] | None = None  # (unit, sid, bytes), one unit
+
+        def post_backward(u: int, at: int) -> None:
+            nonlocal reduce_input
+            reshard(u, at, bwd)
+            if reduce_input is not None:
+                prev, sid, nbytes = reduce_input
+                ins.free(at, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
+                reduce_input = None
+            if not reduced[u]:
+                return
+            nbytes = world * reduced[u]
+            sid = ins.alloc(at, nbytes, Category.COMMUNICATION, unit_rows[u], bwd)
+            grads = [g for g in grads_of[u] if b0 <= g[3] < b1]
+            # foreach_reduce's loop over (fsdp_param, unsharded_grad) leaves the unit's last
+            # gradient (its last parameter's, in registration order) bound to the loop
+            # variable until it returns: that one is freed after the reduce-scatter
+            late = []
+            last = next((p for p in reversed(by_unit[u]) if p.trainable), None)
+            if last is not None:
+                nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.gathered_itemsize
+                match = [g for g in grads if g[2] == last.row and g[1] == nbytes_last]
+                late = match[-1:]
+            for grad in grads:
+                if grad not in late:
+                    ins.free(at, grad[1], Category.GRADIENT, grad[2], bwd, grad[0])
+            output = ins.alloc(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd)
+            if gloo and world > 1:
+                ins.temporary(at, nbytes, unit_rows[u], bwd)
+            for gid, gbytes, row, _at in late:
+                ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
+            if accumulating:  # added into the gradient shards; dropped as it returns
+                ins.free(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd, output)
+            else:
+                shards_made.append(u)
+                shards_made.append(output)
+            freed.update(g[0] for g in grads)
+            reduce_input = (u, sid, nbytes)
+
+        for u in order:
+            at = int(b_first[u])
+            if u not in unsharded:
+                flat = pending.pop(u) if u in pending else all_gather(u, at, bwd)
+                copy_out(u, at, bwd)
+                free_flat(u, flat, at, bwd)
+            before = previous(u)
+            if before is not None:
+                prefetch(before, at)
+            post_backward(u, int(b_last[u]))
+        # the final callback: the root, then each unit the backward never reached, in
+        # forward order, each followed by its finalize_backward (a prefetched gather never
+        # waited on is dropped there); then the last reduce-scatter input
+        for u in [0, *(b for b in blocks if b_first[b] < 0)]:
+            post_backward(u, b1)
+            if u in pending:
+                free_flat(u, pending.pop(u), b1, bwd)
         if reduce_input is not None:
             prev, sid, nbytes = reduce_input
-            ins.free(at, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
-            reduce_input = None
-        if not reduced[u]:
-            return
-        nbytes = world * reduced[u]
-        sid = ins.alloc(at, nbytes, Category.COMMUNICATION, unit_rows[u], bwd)
-        grads = list(grads_of[u])
-        # foreach_reduce's loop over (fsdp_param, unsharded_grad) leaves the unit's last
-        # gradient (its last parameter's, in registration order) bound to the loop variable
-        # until it returns: that one is freed after the reduce-scatter
-        late = []
-        last = next((p for p in reversed(by_unit[u]) if p.trainable), None)
-        if last is not None:
-            nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.gathered_itemsize
-            match = [g for g in grads if g[2] == last.row and g[1] == nbytes_last]
-            late = match[-1:]
-        for gid, gbytes, row, _at in grads:
-            if (gid, gbytes, row, _at) in late:
-                continue
-            ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
-        ins.alloc(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd)
-        if gloo and world > 1:
-            ins.temporary(at, nbytes, unit_rows[u], bwd)
-        for gid, gbytes, row, _at in late:
-            ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
-        freed.update(g[0] for g in grads)
-        reduce_input = (u, sid, nbytes)
+            ins.free(b1, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
 
-    for u in order:
-        at = int(b_first[u])
-        if u not in unsharded:
-            flat = pending.pop(u) if u in pending else all_gather(u, at, bwd)
-            copy_out(u, at, bwd)
-            free_flat(u, flat, at, bwd)
-        before = previous(u)
-        if before is not None:
-            prefetch(before, at)
-        post_backward(u, int(b_last[u]))
-    # the final callback: the root, then each unit the backward never reached, in forward
-    # order, each followed by its finalize_backward (a prefetched gather never waited on is
-    # dropped there); then the last reduce-scatter input
-    for u in [0, *(b for b in blocks if b_first[b] < 0)]:
-        post_backward(u, optimizer_at)
-        if u in pending:
-            free_flat(u, pending.pop(u), optimizer_at, bwd)
-    if reduce_input is not None:
-        prev, sid, nbytes = reduce_input
-        ins.free(optimizer_at, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
+    for m, (f0, b0, b1) in enumerate(micro_batches):
+        micro_batch(f0, b0, b1, accumulating=m > 0)
+
+    # zero_grad (after the optimizer): the gradient shards go; the whole gradients the
+    # single-device step frees there are already gone (undone just before each free)
+    zero = PHASE_CODE[Phase.ZERO_GRAD]
+    first_zero = min((j for *_r, j in zero_grad_frees), default=optimizer_at)
+    for u, output in zip(shards_made[::2], shards_made[1::2], strict=True):
+        ins.cols.append((first_zero, -reduced[u], CATEGORY_CODE[Category.GRADIENT],
+                         unit_rows[u], zero, output))  # fmt: skip
+    for sid, nbytes, row, j in zero_grad_frees:
+        if sid in freed:
+            ins.cols.append((j, nbytes, CATEGORY_CODE[Category.GRADIENT], row, zero, sid))
 
     cols = sorted(enumerate(ins.cols), key=lambda item: (item[1][0], item[0]))
     table = np.asarray([c for _i, c in cols], dtype=np.int64).reshape(-1, 6)
