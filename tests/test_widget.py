@@ -702,3 +702,22 @@ def test_data_parallel_group() -> None:
         w.gpus = 0
     with pytest.raises(traitlets.TraitError):
         w.strategy = "zero4"  # not a strategy
+
+
+def test_fsdp_strategies_in_the_widget() -> None:
+    # zero3 / hsdp from the strategy control: one rank's FSDP2 step, NCCL's buffers named
+    # beside the totals; an hsdp world that is not whole nodes keeps the last setting
+    entry = zoo.ZOO["llama_tiny"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2))
+    w = MemoryWidget(profile, batch_size=4, optimizer="adamw")
+    w.gpus, w.strategy = 8, "zero3"
+    est = profile.estimate(4, optimizer="adamw", gpus=8, strategy="zero3")
+    assert w.estimate.peak_bytes == est.peak_bytes
+    assert w.estimate.parameter_bytes == est.parameter_bytes < profile.estimate(4).parameter_bytes
+    assert "NCCL's own buffers" in w.summary_html and "outside the allocator" in w.summary_html
+    w.strategy = "hsdp"
+    assert w.estimate.strategy == "hsdp" and w.estimate.nccl is not None
+    assert w.estimate.nccl.communicators == 2
+    w.gpus = 12  # 8 GPUs per node: not whole nodes
+    assert w.gpus == 8 and "not a whole number of nodes" in w._status.value
+    assert "could not estimate" in w._status.value  # a setting refused, nothing profiled

@@ -443,7 +443,8 @@ class MemoryWidget(widgets.VBox):
             self._set_busy(False)
             self._revert(change)
             self._status.value = (
-                f"<span style='color:#b00'>could not profile {what}: "
+                f"<span style='color:#b00'>could not {'profile' if profiling else 'estimate'} "
+                f"{what}: "
                 f"{html.escape(f'{type(exc).__name__}: {exc}')}; kept {change['name']} = "
                 f"{html.escape(repr(change['old']))}</span>"
             )
