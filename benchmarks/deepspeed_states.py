@@ -8,7 +8,8 @@ parameter over the GPUs (fp16 and fp32 gradients, fp32 master weights, Adam's tw
 plus under ZeRO-3 4 bytes per parameter of the largest layer. Ours is one rank's step of
 FSDP2 (``estimate(..., gpus=N, strategy="zero2"|"zero3")``) for the recipe it models:
 fp32 parameters, gradients and AdamW state sharded over the ranks, bf16 autocast compute
-(``precision="amp-bf16"``), from one profile of the model on the meta device.
+(``precision="amp-bf16"``) with FSDP2's ``MixedPrecisionPolicy`` (units gathered in bf16,
+gradients reduced in fp32), from one profile of the model on the meta device.
 
 Model: Hugging Face ``LlamaForCausalLM`` with Llama-2-7B's config on the meta device,
 batch 1 per GPU x 512 tokens, on 8 and 64 GPUs (8 per node). Nothing here is measured on a
