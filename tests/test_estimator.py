@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from torch import nn
 
-from vram_widget import profile_model
+from vram_widget import profile_model, zoo
 from vram_widget._accelerator import (
     CUBLAS_WORKSPACE_BYTES_SM90,
     CUDA_CONTEXT_BYTES,
@@ -745,3 +745,12 @@ def test_compare_snapshot_pairs_allocations_by_module_and_phase() -> None:
     # fewer measured allocations: said, and the common prefix compared
     short = est.compare_snapshot({"device_traces": [second[:3]]})
     assert "the first 3 are compared" in short.attrs["note"]
+
+
+def test_generate_is_measured_not_estimated_yet() -> None:
+    # mode="generate" is a mode (measure runs model.generate) the estimate refuses by name
+    profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
+    with pytest.raises(ValueError, match=r"mode='generate' .* is not estimated yet; measure"):
+        profile.estimate(2, mode="generate")
+    with pytest.raises(ValueError, match=r"mode='generate' .* is not estimated yet"):
+        profile.max_batch_size("24GiB", mode="generate")

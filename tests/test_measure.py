@@ -509,3 +509,54 @@ def test_cuda_snapshot_compares_with_the_prediction() -> None:
     table = est.compare_snapshot(real.snapshot)
     assert table.attrs["note"] == "", table.attrs["note"]
     assert (table["predicted_bytes"] > 0).any()
+
+
+def _tiny_gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_generate_is_measured_on_the_model_s_own_generate() -> None:
+    # mode="generate": model.generate(do_sample=False, exactly new_tokens), prefill and
+    # decode with GPT-2's own KV cache; the model passed in stays as it was
+    model = _tiny_gpt2()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    was_training = model.training
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    m = measure(model, {"input_ids": ids}, mode="generate", new_tokens=32)
+    assert (m.mode, m.new_tokens, m.optimizer) == (Mode.GENERATE, 32, None)
+    weights = sum(p.numel() * 4 for p in model.parameters())  # tied lm_head counted once
+    assert m.resident_bytes == weights + ids.numel() * 8  # the weights and the prompt
+    # the cache at the last decode step: 2 (k, v) x 2 layers x 47 positions x 64 x 4 B x 2
+    assert m.peak_bytes - m.resident_bytes >= 2 * 2 * (16 + 31) * 64 * 4 * 2
+    forward = measure(model, {"input_ids": ids}, mode="inference")
+    assert m.peak_bytes > forward.peak_bytes  # a forward, and a cache kept besides
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert model.training == was_training
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"new_tokens": 0}, r"needs new_tokens, an int >= 1 .* got 0"),
+        ({}, r"needs new_tokens, an int >= 1 .* got None"),
+        ({"new_tokens": 60}, r"16 tokens plus new_tokens=60 is 76 positions, beyond .* 64"),
+        ({"new_tokens": 4, "gpus": 2}, r"measured on one device \(gpus=1\)"),
+    ],
+)
+def test_generate_bad_settings_name_the_problem(kwargs: dict[str, object], message: str) -> None:
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=message):
+        measure(_tiny_gpt2(), {"input_ids": ids}, mode="generate", **kwargs)  # type: ignore[arg-type]
+
+
+def test_generate_needs_a_cache_protocol() -> None:
+    with pytest.raises(ValueError, match=r"needs a model that generates with a cache .* Linear"):
+        measure(nn.Linear(4, 4), torch.zeros(2, 4), mode="generate", new_tokens=4)
+    with pytest.raises(ValueError, match="new_tokens is for mode='generate'"):
+        measure(nn.Linear(4, 4), torch.zeros(2, 4), mode="inference", new_tokens=4)

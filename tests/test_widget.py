@@ -18,7 +18,9 @@ from torch import nn
 from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
 from vram_widget._figures import TRACE_NAMES
 from vram_widget._gpus import GPUS
+from vram_widget._levers import NO_LEVERS
 from vram_widget._profile import ModelProfile
+from vram_widget._sharding import resolve_parallel
 from vram_widget._widget import AT_REST_DELAY_S, MemoryWidget, format_bytes
 
 GIB = 2**30
@@ -715,6 +717,13 @@ def test_fsdp_strategies_in_the_widget() -> None:
     assert w.estimate.peak_bytes == est.peak_bytes
     assert w.estimate.parameter_bytes == est.parameter_bytes < profile.estimate(4).parameter_bytes
     assert "NCCL's own buffers" in w.summary_html and "outside the allocator" in w.summary_html
+    # amp-bf16 under FSDP2 steps on bf16 parameters (MixedPrecisionPolicy): a profiling
+    # run of its own, so the widget says it is profiling, as for a new precision
+    assert not profile.is_cached("amp-bf16", "train", "adamw", None, NO_LEVERS,
+                                 resolve_parallel(8, "zero3"))  # fmt: skip
+    w.precision = "amp-bf16"
+    assert w._status.value.startswith("<i>profiled amp-bf16")
+    w.precision = "fp32"
     w.strategy = "hsdp"
     assert w.estimate.strategy == "hsdp" and w.estimate.nccl is not None
     assert w.estimate.nccl.communicators == 2

@@ -46,6 +46,7 @@ from ._step import (
     cast_floating,
     check_forward_accepts,
     check_model,
+    generate_pass,
     inference_pass,
     lora_wrapped,
     make_optimizer,
@@ -100,6 +101,8 @@ class Measurement:
     gpus: int = 1
     strategy: Strategy | None = None
     rank_peak_bytes: tuple[int, ...] = ()
+    # mode="generate": the new tokens generated after the prompt
+    new_tokens: int | None = None
     # with snapshot=True on CUDA: torch.cuda.memory._snapshot() recorded over the measured
     # iteration (compare with MemoryEstimate.compare_snapshot)
     snapshot: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -157,6 +160,7 @@ def measure(
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
     fsdp_units: object = None,
     timeout_s: float = 600.0,
+    new_tokens: int | None = None,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -213,6 +217,11 @@ def measure(
         (``"hsdp"``: a 2-D mesh of nodes x ``gpus_per_node``, sharded within a node).
     gpus_per_node, fsdp_units : int, str or list of str
         As ``ModelProfile.estimate`` takes them (FSDP2's mesh and units).
+    new_tokens : int, optional
+        With ``mode="generate"``: Hugging Face's ``model.generate(do_sample=False,
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens)`` on the prompt ``inputs``
+        (its prefill, then one decode step per new token with the model's own KV cache).
+        The peak is that of the whole generation; resident are the weights and the prompt.
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
@@ -261,6 +270,8 @@ def measure(
         "lora_rank": lora_rank,
         "lora_targets": lora_targets,
     }
+    if parse_option(Mode, mode, "mode") is Mode.GENERATE or new_tokens is not None:
+        _check_generate(model, inputs, mode, new_tokens, gpus)
     parallel = resolve_parallel(gpus, strategy, gpus_per_node=gpus_per_node, modelled=False)
     if fsdp_units is not None:
         names, types = zip(*((n, type(m).__name__) for n, m in model.named_modules()), strict=True)
@@ -281,6 +292,7 @@ def measure(
         mode,
         grad_accumulation,
         snapshot=snapshot,
+        new_tokens=new_tokens,
         **levers,
     )[0]
 
@@ -346,6 +358,7 @@ def _measure(
     snapshot: bool = False,
     setup: RankSetup | None = None,
     parallel: Parallel | None = None,
+    new_tokens: int | None = None,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -368,7 +381,7 @@ def _measure(
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
-            parallel,
+            parallel, new_tokens,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -404,6 +417,7 @@ def _measure(
         batch_size=batch_size,
         max_reserved_bytes=reserved,
         snapshot=recorded,
+        new_tokens=new_tokens if run_mode is Mode.GENERATE else None,
     )
     return result, trace
 
@@ -423,8 +437,10 @@ class _Session:
         levers: Levers = NO_LEVERS,
         setup: RankSetup | None = None,
         parallel: Parallel | None = None,
+        new_tokens: int | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
+        self.new_tokens = new_tokens
         self.model = _copy_model(model, dtype, mode)
         if levers.lora_rank is not None:  # PEFT wraps the copy; names gain its prefix
             self.model = lora_wrapped(self.model, levers.lora_rank, levers.lora_targets)
@@ -463,6 +479,11 @@ class _Session:
                 self.device_type,
                 params=self.params,
                 micro_batches=self.micro_batches,
+            )
+        elif self.mode is Mode.GENERATE:
+            assert self.new_tokens is not None  # checked by measure
+            generate_pass(
+                self.model, self.inputs, self.precision, self.device_type, self.new_tokens
             )
         else:
             inference_pass(self.model, self.inputs, self.precision, self.device_type)
@@ -649,6 +670,40 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 
 def _has_trainable(model: torch.nn.Module) -> bool:
     return any(p.requires_grad for p in model.parameters())
+
+
+def _check_generate(
+    model: Any, inputs: Any, mode: object, new_tokens: object, gpus: object
+) -> None:
+    """``mode="generate"`` and ``new_tokens`` checked: a ValueError naming the problem."""
+    if parse_option(Mode, mode, "mode") is not Mode.GENERATE:
+        raise ValueError(f"new_tokens is for mode='generate'; got mode={mode!r}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(
+            f"mode='generate' needs new_tokens, an int >= 1 (the tokens generated after the "
+            f"prompt); got {new_tokens!r}"
+        )
+    if gpus != 1:
+        raise ValueError("mode='generate' is measured on one device (gpus=1)")
+    config = getattr(model, "config", None)
+    if not callable(getattr(model, "generate", None)) or config is None:
+        raise ValueError(
+            f"mode='generate' needs a model that generates with a cache of past keys and "
+            f"values (returns past_key_values: a Hugging Face model with generate()); "
+            f"{type(model).__name__} has none. mode='inference' measures one forward"
+        )
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
+    if isinstance(ids, (tuple, list)) and ids:
+        ids = ids[0]
+    if isinstance(limit, int) and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        prompt = int(ids.shape[1])
+        if prompt + new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {prompt} tokens plus new_tokens={new_tokens} is "
+                f"{prompt + new_tokens} positions, beyond the model's limit of {limit} "
+                "(config.max_position_embeddings)"
+            )
 
 
 def _copy_model(model: torch.nn.Module, dtype: torch.dtype, mode: Mode) -> torch.nn.Module:

@@ -44,10 +44,17 @@ class OptimizerName(StrEnum):
 
 
 class Mode(StrEnum):
-    """One training step, or one forward pass under ``torch.no_grad()``."""
+    """One training step, one forward pass under ``torch.no_grad()``, or generation: a
+    prompt's prefill and decode steps with a KV cache (``model.generate``; measured by
+    ``measure``, not estimated yet)."""
 
     TRAIN = "train"
     INFERENCE = "inference"
+    GENERATE = "generate"
+
+
+# the modes estimate() models (the widget's mode control offers these)
+ESTIMATED_MODES: tuple[Mode, ...] = (Mode.TRAIN, Mode.INFERENCE)
 
 
 class FitBasis(StrEnum):

@@ -18,6 +18,7 @@ from ._gpus import Gpu, parse_capacity
 from ._levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
 from ._options import (
     CATEGORY_CODE,
+    ESTIMATED_MODES,
     PHASE_CODE,
     Category,
     Device,
@@ -226,16 +227,21 @@ class ModelProfile:
         optimizer: str | OptimizerName | None = None,
         seq_len: int | None = None,
         levers: Levers = NO_LEVERS,
+        parallel: Parallel = SINGLE_DEVICE,
     ) -> bool:
         """Whether an estimate at this precision, mode (in training, optimizer), sequence
-        length and levers needs no further profiling run."""
+        length, levers and data parallelism needs no further profiling run (FSDP2 under
+        autocast steps on half-precision parameters: a run of its own)."""
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
         if levers.lora_rank is not None and run_mode is Mode.TRAIN:
             made = self._made_lora(levers)
             return made is not None and made[0].is_cached(
-                prec, run_mode, optimizer, seq_len, made[1]
+                prec, run_mode, optimizer, seq_len, made[1], parallel
             )
+        mixed = FSDP_PARAM_DTYPE.get(prec)
+        if run_mode is Mode.TRAIN and parallel.reshard_after_forward is not None and mixed:
+            levers = dataclasses.replace(levers, param_dtype=mixed)
         key = (prec, run_mode, _profiled(levers, run_mode))
         if key not in self._timelines:
             return False
@@ -457,7 +463,7 @@ class ModelProfile:
             Data-parallel ranks. The estimate is one rank's training step at ``batch_size``
             samples per rank (the global batch is ``gpus * batch_size``). 1: one device, no
             wrapper. Inference is not wrapped (each rank runs the forward alone).
-        strategy : {"ddp", "zero1", "zero2", "zero3"}
+        strategy : {"ddp", "zero1", "zero2", "zero3", "hsdp"}
             How the ranks share the step (``_sharding.STRATEGIES``): ``"ddp"`` is
             ``DistributedDataParallel`` with its defaults, whose flat gradient buckets
             (25 MiB, the first 1 MiB) add the trainable parameters' bytes once more on each
@@ -504,7 +510,7 @@ class ModelProfile:
         batch = parse_batch_size(batch_size)
         prec = parse_option(Precision, precision, "precision")
         opt_name = parse_optimizer(optimizer)
-        run_mode = parse_option(Mode, mode, "mode")
+        run_mode = _estimated_mode(mode)
         length = self.check_seq_len(seq_len)
         if expandable_segments and self.device is not Device.CUDA:
             raise ValueError(
@@ -1022,7 +1028,7 @@ class ModelProfile:
         assert self.seq_len is not None
         capacity = parse_capacity(capacity_bytes)
         prec = parse_option(Precision, precision, "precision")
-        run_mode = parse_option(Mode, mode, "mode")
+        run_mode = _estimated_mode(mode)
         if seq_lens is None:
             limit = self.seq_len_limit or DEFAULT_MAX_SEQ_LEN
             lengths = length_grid(limit, extra=[self.seq_len]).tolist()
@@ -1110,6 +1116,19 @@ FSDP_PARAM_DTYPE: dict[Precision, str] = {
     Precision.AMP_BF16: "bfloat16",
     Precision.AMP_FP16: "float16",
 }
+
+
+def _estimated_mode(mode: object) -> Mode:
+    """``mode`` checked: one the estimate models (generation is measured, not estimated
+    yet: a clear refusal, not a number for another mode)."""
+    run_mode = parse_option(Mode, mode, "mode")
+    if run_mode not in ESTIMATED_MODES:
+        raise ValueError(
+            "mode='generate' (a prompt's prefill and decode steps with a KV cache) is not "
+            "estimated yet; measure(model, inputs, mode='generate', new_tokens=T) measures "
+            "Hugging Face's model.generate. estimate takes mode='train' or 'inference'"
+        )
+    return run_mode
 
 
 def _profiled(levers: Levers, mode: Mode) -> Levers:

@@ -340,6 +340,23 @@ def inference_pass(
     del output
 
 
+def generate_pass(
+    model: Any, inputs: ModelInputs, precision: Precision, device_type: str, new_tokens: int
+) -> None:
+    """Hugging Face's ``model.generate``: greedy, exactly ``new_tokens`` new tokens (the
+    prompt's prefill, then one decode step per token with the model's own KV cache), under
+    autocast for amp precisions."""
+    with torch.no_grad(), forward_context(precision, device_type):
+        output = model.generate(
+            *inputs.args,
+            **inputs.kwargs,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+        )
+    del output
+
+
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
     """Pause automatic garbage collection while a step runs (restored afterwards).

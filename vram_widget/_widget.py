@@ -33,9 +33,9 @@ from ._figures import (
 )
 from ._gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
 from ._levers import Levers
-from ._options import Category, Device, Mode, OptimizerName, Precision
+from ._options import ESTIMATED_MODES, Category, Device, Mode, OptimizerName, Precision
 from ._profile import DEFAULT_MAX_SEQ_LEN
-from ._sharding import STRATEGIES
+from ._sharding import SINGLE_DEVICE, STRATEGIES, resolve_parallel
 from ._tradeoff import Frontier
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class MemoryWidget(widgets.VBox):
     seq_len = traitlets.Int(None, allow_none=True)
     precision = traitlets.Enum([p.value for p in Precision], default_value="fp32")
     optimizer = _OptimizerTrait(list(_OPTIMIZERS), default_value="adam")
-    mode = traitlets.Enum([m.value for m in Mode], default_value="train")
+    mode = traitlets.Enum([m.value for m in ESTIMATED_MODES], default_value="train")
     gpu = traitlets.Enum([*GPUS, CUSTOM_GPU], default_value="H100 SXM 80GB")
     custom_gib = traitlets.Float(24.0)
     depth = traitlets.Int(1, min=0)
@@ -359,9 +359,14 @@ class MemoryWidget(widgets.VBox):
         """Whether the current precision / optimizer (or, with the frontier open, the fit
         in the length) still has to be profiled (torch)."""
         levers = self._levers()
+        try:  # FSDP2 under autocast steps on half parameters: a profiling run of its own
+            parallel = resolve_parallel(self.gpus, self.strategy)
+        except ValueError:  # the estimate says why
+            parallel = SINGLE_DEVICE
         cached = self._profile.is_cached(
-            self.precision, self.mode, self._settings()["optimizer"], self.seq_len, levers
-        )
+            self.precision, self.mode, self._settings()["optimizer"], self.seq_len, levers,
+            parallel,
+        )  # fmt: skip
         if cached and self.mode == Mode.TRAIN.value and levers.active:
             # the summary compares with the same step without levers
             optimizer = self._settings()["optimizer"]
@@ -855,7 +860,7 @@ class MemoryWidget(widgets.VBox):
         )
         optimizer = widgets.Dropdown(options=list(_OPTIMIZERS), layout={"width": "220px"})
         mode = widgets.ToggleButtons(
-            options=[m.value for m in Mode], style={"button_width": "90px"}
+            options=[m.value for m in ESTIMATED_MODES], style={"button_width": "90px"}
         )
         gpu = widgets.Dropdown(options=[*GPUS, CUSTOM_GPU], layout={"width": "300px"})
         custom = widgets.BoundedFloatText(
