@@ -431,7 +431,7 @@ def fsdp_step_edits(
         grads_of[int(unit_of_row[row])].append((sid, nbytes, row, j))
 
     freed: set[int] = set()
-    shards_made: list[int] = []  # the reduce-scatter outputs kept as gradient shards
+    shards_made: list[tuple[int, int]] = []  # (unit, storage) of each gradient-shard output
 
     def micro_batch(f0: int, b0: int, b1: int, accumulating: bool) -> None:
         f_first, f_last = _unit_spans(unit_of_row, event_module, f0, b0, n_units)
@@ -503,8 +503,7 @@ def fsdp_step_edits(
             if accumulating:  # added into the gradient shards; dropped as it returns
                 ins.free(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd, output)
             else:
-                shards_made.append(u)
-                shards_made.append(output)
+                shards_made.append((u, output))
             freed.update(g[0] for g in grads)
             reduce_input = (u, sid, nbytes)
 
@@ -536,7 +535,7 @@ def fsdp_step_edits(
     # single-device step frees there are already gone (undone just before each free)
     zero = PHASE_CODE[Phase.ZERO_GRAD]
     first_zero = min((j for *_r, j in zero_grad_frees), default=optimizer_at)
-    for u, output in zip(shards_made[::2], shards_made[1::2], strict=True):
+    for u, output in shards_made:
         ins.cols.append((first_zero, -reduced[u], CATEGORY_CODE[Category.GRADIENT],
                          unit_rows[u], zero, output))  # fmt: skip
     for sid, nbytes, row, j in zero_grad_frees:
