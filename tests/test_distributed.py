@@ -310,3 +310,23 @@ def test_fsdp_units_chosen_by_class_and_name(one_thread: None) -> None:
         assert abs(est.peak_bytes - real.peak_bytes) <= 0.005 * real.peak_bytes, units
     with pytest.raises(ValueError, match="fsdp_units 'Nope' matches no module"):
         measure(model, inputs, gpus=2, strategy="zero3", fsdp_units="Nope")
+
+
+def test_fsdp2_composes_with_the_sequence_axis(one_thread: None) -> None:
+    # zero3 at 40 tokens from a profile of 16: the length fit and FSDP2's edits together,
+    # against real gloo ranks at 40 tokens
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=1000, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    short = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    profile = profile_model(model, inputs={"input_ids": short, "labels": short}, device="cpu")
+    ids = torch.randint(0, 1000, (3, 40), generator=torch.Generator().manual_seed(1))
+    real = measure(model, {"input_ids": ids, "labels": ids}, optimizer="adamw", gpus=2,
+                   strategy="zero3")  # fmt: skip
+    with pytest.warns(UserWarning, match="the root .* holds 63%"):  # a 1,000-word vocabulary
+        est = profile.estimate(3, "fp32", "adamw", seq_len=40, gpus=2, strategy="zero3")
+    assert abs(est.peak_bytes - real.peak_bytes) <= 0.005 * real.peak_bytes
