@@ -309,3 +309,21 @@ def test_fsdp_step_gives_everything_back(levers: dict[str, object]) -> None:
         live = est.live_bytes.astype(np.int64)
         assert int(live.min()) >= resident and int(live[-1]) == resident, strategy
         assert est.device_bytes >= est.peak_bytes  # the replay runs
+
+
+def test_min_gpus_counts_whole_nodes_under_hsdp() -> None:
+    # hsdp shards within a node: past one node a rank's memory stays, so a card one node
+    # cannot fit is never fitted; the search tries only whole nodes (3 GPUs would be refused)
+    entry = zoo.ZOO["llama_tiny"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2))
+    two = profile.estimate(8, "fp32", "adam", gpus=2, strategy="zero3").device_bytes
+    one = profile.estimate(8, "fp32", "adam").device_bytes
+    assert two is not None and one is not None and two < one
+    assert profile.min_gpus(two, 8, strategy="hsdp", gpus_per_node=2) == 2
+    assert profile.min_gpus(two - 2**21, 8, strategy="hsdp", gpus_per_node=2) is None
+    assert profile.min_gpus(two, 8, strategy="zero3") == 2
+    # nodes of 3: the doubling search's 4 GPUs are 2 whole nodes (6), sharded 3 ways
+    three = profile.estimate(8, "fp32", "adam", gpus=3, strategy="zero3").total_bytes
+    assert three < profile.estimate(8, "fp32", "adam", gpus=2, strategy="zero3").total_bytes
+    found = profile.min_gpus(three, 8, strategy="hsdp", gpus_per_node=3, basis="allocated")
+    assert found == 3

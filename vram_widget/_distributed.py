@@ -218,7 +218,7 @@ def fsdp_wrapped(
     ``"hsdp"``: ``True`` for the units and the library's default for the root, which keeps
     its parameters from forward to backward). Under autocast precisions, with
     ``MixedPrecisionPolicy(param_dtype=<the autocast dtype>, reduce_dtype=torch.float32)``
-    (``_profile.FSDP_PARAM_DTYPE``)."""
+    (``_sharding.FSDP_PARAM_DTYPE``)."""
 
     def wrap(model: torch.nn.Module, parallel: Parallel, precision: Precision) -> torch.nn.Module:
         import torch.distributed as dist
@@ -226,9 +226,11 @@ def fsdp_wrapped(
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy()
-        if precision in (Precision.AMP_BF16, Precision.AMP_FP16):
-            half = torch.bfloat16 if precision is Precision.AMP_BF16 else torch.float16
-            policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+        cast = parallel.param_dtype(precision)
+        if cast is not None:
+            policy = MixedPrecisionPolicy(
+                param_dtype=getattr(torch, cast), reduce_dtype=torch.float32
+            )
         world = dist.get_world_size()
         if parallel.strategy is Strategy.HSDP:
             group = parallel.shard_ranks

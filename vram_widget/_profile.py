@@ -34,6 +34,7 @@ from ._options import (
 )
 from ._sharding import (
     DEFAULT_GPUS_PER_NODE,
+    ITEMSIZE,
     SINGLE_DEVICE,
     FsdpParam,
     Parallel,
@@ -239,9 +240,7 @@ class ModelProfile:
             return made is not None and made[0].is_cached(
                 prec, run_mode, optimizer, seq_len, made[1], parallel
             )
-        mixed = FSDP_PARAM_DTYPE.get(prec)
-        if run_mode is Mode.TRAIN and parallel.reshard_after_forward is not None and mixed:
-            levers = dataclasses.replace(levers, param_dtype=mixed)
+        levers = _step_levers(levers, run_mode, parallel, prec)
         key = (prec, run_mode, _profiled(levers, run_mode))
         if key not in self._timelines:
             return False
@@ -544,13 +543,9 @@ class ModelProfile:
                 **kwargs,
             )
             return dataclasses.replace(est, levers=levers)
-        run_levers = levers
-        mixed = FSDP_PARAM_DTYPE.get(prec)
-        if run_mode is Mode.TRAIN and parallel.reshard_after_forward is not None and mixed:
-            # FSDP2's MixedPrecisionPolicy: the step runs on parameters gathered in half
-            # precision (a profile of its own), the shards and their optimizer stay fp32
-            run_levers = dataclasses.replace(levers, param_dtype=mixed)
-        timeline = self.timeline(prec, run_mode, length, run_levers)
+        timeline = self.timeline(
+            prec, run_mode, length, _step_levers(levers, run_mode, parallel, prec)
+        )
         train = run_mode is Mode.TRAIN
         if not train:
             parallel = SINGLE_DEVICE
@@ -634,27 +629,29 @@ class ModelProfile:
             blocks = repeated_blocks(names[:-2], self.rows.types[:-2])
         row_of = {name: i for i, name in enumerate(names[:-2])}
         unit_rows = [0, *(row_of[b] for b in blocks)]
+        unit_of_block = {b: u for u, b in enumerate(blocks, start=1)}
         unit_of_row = np.zeros(n_rows, np.int64)
-        for u, block in enumerate(blocks, start=1):
-            for i, name in enumerate(names[:-2]):
-                if name == block or name.startswith(block + "."):
-                    unit_of_row[i] = u
+        for i, name in enumerate(names[:-2]):  # the innermost unit among the row's ancestors
+            parts = name.split(".")
+            for depth in range(len(parts), 0, -1):
+                unit = unit_of_block.get(".".join(parts[:depth]))
+                if unit is not None:
+                    unit_of_row[i] = unit
+                    break
         stepped = {p.name for p in self._trainable_params(precision, levers)}
-        half = {Precision.BF16: 2, Precision.FP16: 2}.get(precision)
         # MixedPrecisionPolicy(param_dtype=half, reduce_dtype=fp32) under amp
-        gather, reduce = (2, 4) if precision in FSDP_PARAM_DTYPE else (None, None)
+        gather, reduce = (2, 4) if parallel.param_dtype(precision) else (None, None)
         params = []
         for name, shape in zip(self.param_names, self.param_shapes, strict=True):
-            module = name.rpartition(".")[0]
-            row = row_of.get(module, 0)
-            itemsize = 4 if half is None or name in self.fp32_params else half
+            row = row_of.get(name.rpartition(".")[0], 0)
+            itemsize = ITEMSIZE[self._grad_dtype(name, precision)]
             unit = int(unit_of_row[row])
             params.append(
                 FsdpParam(name, tuple(shape), itemsize, row, unit, name in stepped, gather, reduce)
             )
-        grads = []
-        accumulated = []
-        zero_grad = []
+        grads: list[tuple[int, int, int, int]] = []
+        accumulated: list[tuple[int, int, int, int]] = []
+        zero_grad: list[tuple[int, int, int, int]] = []
         storage = timeline.event_storage
         cats = timeline.storage_category
         sizes = timeline.storage_bytes.at(1, self.seq_len or 1)
@@ -663,22 +660,30 @@ class ModelProfile:
         if storage is not None:
             k, end = timeline.backward_start, timeline.optimizer_at
             sids, first = np.unique(storage[k:end], return_index=True)
-            for sid, at in zip(sids, first, strict=True):
-                if cats[sid] == gradient and not timeline.storage_resident[sid]:
-                    row = int(timeline.storage_module[sid])
-                    grads.append((int(sid), int(sizes[sid]), row, k + int(at)))
-            # a later micro-batch's gradients, freed once AccumulateGrad added them in
+            made = (cats[sids] == gradient) & ~timeline.storage_resident[sids]
+            rows = timeline.storage_module[sids]
+            grads = [
+                (int(sid), int(sizes[sid]), int(row), k + int(at))
+                for sid, row, at in zip(sids[made], rows[made], first[made], strict=True)
+            ]
             nbytes = timeline.events_at(1, self.seq_len or 1)
-            for _f0, b0, b1 in micro_batches[1:]:
-                for j in range(b0, b1):
-                    op = int(timeline.event_op[j])
-                    if nbytes[j] < 0 and op >= 0 and "AccumulateGrad" in timeline.op_names[op]:
-                        row = int(timeline.event_module[j])
-                        accumulated.append((int(storage[j]), int(-nbytes[j]), row, j))
-            for j in range(timeline.optimizer_at, len(storage)):
-                if nbytes[j] < 0 and cats[storage[j]] == gradient:
-                    row = int(timeline.event_module[j])
-                    zero_grad.append((int(storage[j]), int(-nbytes[j]), row, j))
+            index = np.arange(len(nbytes))
+            frees = nbytes < 0
+
+            def freed(mask: np.ndarray) -> list[tuple[int, int, int, int]]:
+                at = index[mask]
+                rows = timeline.event_module[at]
+                return [
+                    (int(storage[j]), int(-nbytes[j]), int(row), int(j))
+                    for j, row in zip(at, rows, strict=True)
+                ]
+
+            # a later micro-batch's gradients, freed once AccumulateGrad added them in
+            adds = np.asarray([*("AccumulateGrad" in op for op in timeline.op_names), False])
+            later = micro_batches[1][0] if len(micro_batches) > 1 else timeline.optimizer_at
+            accumulated = freed(frees & adds[timeline.event_op] & (index >= later) & (index < end))
+            # zero_grad's frees of the whole gradients, after the optimizer
+            zero_grad = freed(frees & (index >= end) & (cats[storage] == gradient))
         _warn_if_one_unit_holds_most(params, blocks, parallel)
         edits = fsdp_step_edits(
             params,
@@ -711,20 +716,25 @@ class ModelProfile:
             ]
         return resolve_fsdp_units(names, types, units)
 
+    def _grad_dtype(self, name: str, precision: Precision) -> str:
+        """A parameter's dtype (its gradient's) at ``precision``: half under bf16 / fp16,
+        but the parameters kept in fp32 whatever the precision (PEFT's adapters)."""
+        half = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}.get(precision)
+        return "float32" if half is None or name in self.fp32_params else half
+
     def _trainable_params(self, precision: Precision, levers: Levers) -> list[TrainableParam]:
         """The parameters that get a gradient in a training step with ``levers``, in
         registration order, with their gradients' bytes and dtype at ``precision``."""
-        half = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}.get(precision)
         keep = None if levers.trainable is None else set(levers.trainable)
-        out = []
-        for name, shape, trains in zip(
-            self.param_names, self.param_shapes, self.param_trainable, strict=True
-        ):
-            if not trains or (keep is not None and name not in keep):
-                continue
-            dtype = "float32" if half is None or name in self.fp32_params else half
-            out.append(TrainableParam(name, int(np.prod(shape, dtype=np.int64)), dtype))
-        return out
+        return [
+            TrainableParam(
+                name, int(np.prod(shape, dtype=np.int64)), self._grad_dtype(name, precision)
+            )
+            for name, shape, trains in zip(
+                self.param_names, self.param_shapes, self.param_trainable, strict=True
+            )
+            if trains and (keep is None or name in keep)
+        ]
 
     def nf4_weight_bytes(self) -> tuple[int, int]:
         """What QLoRA's 4-bit NF4 storage of the model's ``nn.Linear`` weights would take,
@@ -862,9 +872,11 @@ class ModelProfile:
         :meth:`max_batch_size`); None where no number up to ``limit`` does.
 
         1 is one device, no wrapper. From 2 on, a rank's memory does not grow with the ranks
-        (DDP's stays the same: more GPUs never make a DDP step fit; ZeRO-1's state shrinks),
-        so the search doubles from 2 and then bisects. ``settings``: any other keywords of
-        :meth:`estimate` (``seq_len``, levers, ``compute_capability``).
+        (DDP's stays the same: more GPUs never make a DDP step fit; ZeRO's and FSDP2's
+        shards shrink), so the search doubles and then bisects (``_largest_fitting``);
+        under ``"hsdp"`` past one node it counts whole nodes. ``settings``: any other
+        keywords of :meth:`estimate` (``seq_len``, levers, ``compute_capability``,
+        ``gpus_per_node``, ``fsdp_units``).
 
         Examples
         --------
@@ -881,33 +893,31 @@ class ModelProfile:
         """
         capacity = parse_capacity(capacity_bytes)
         fit_basis = parse_option(FitBasis, basis, "basis")
+        # a clear error for a strategy not modelled; hsdp counts whole nodes past one
+        per_node = resolve_parallel(
+            2, strategy, gpus_per_node=settings.get("gpus_per_node", DEFAULT_GPUS_PER_NODE)
+        )
 
-        def fits(gpus: int) -> bool:
+        def world(gpus: int) -> int:
+            if per_node.strategy is Strategy.HSDP and gpus > per_node.gpus_per_node:
+                return -(-gpus // per_node.gpus_per_node) * per_node.gpus_per_node
+            return gpus
+
+        def too_small(gpus: int) -> bool:
             est = self.estimate(
-                batch_size, precision, optimizer, "train", gpus=gpus, strategy=strategy, **settings
-            )
-            return est.fits(capacity, fit_basis)
+                batch_size, precision, optimizer, "train", gpus=world(gpus), strategy=strategy,
+                **settings,
+            )  # fmt: skip
+            return not est.fits(capacity, fit_basis)
 
-        resolve_parallel(2, strategy)  # a clear error for a strategy not modelled
         _check_above_context(
             self.estimate(batch_size, precision, optimizer, "train", **settings), capacity
         )
-        if fits(1):
+        if not too_small(1):
             return 1
-        if limit < 2:
-            return None
-        lo, hi = 1, 2
-        while not fits(hi):
-            if hi >= limit:
-                return None
-            lo, hi = hi, min(2 * hi, limit)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid
-        return hi
+        # the most GPUs that are still too few (a rank's memory never grows with the ranks)
+        most = _largest_fitting(too_small, 1, limit)
+        return None if most >= limit else world(most + 1)
 
     def max_seq_len(
         self,
@@ -1109,13 +1119,12 @@ class ModelProfile:
         return int(big) - int(small)
 
 
-# FSDP2 under autocast is run with MixedPrecisionPolicy(param_dtype=<the autocast dtype>,
-# reduce_dtype=torch.float32), as torchtitan's mixed_precision_param / _reduce settings do
-# (torchtitan/config: mixed_precision_param "bfloat16", mixed_precision_reduce "float32")
-FSDP_PARAM_DTYPE: dict[Precision, str] = {
-    Precision.AMP_BF16: "bfloat16",
-    Precision.AMP_FP16: "float16",
-}
+def _step_levers(levers: Levers, mode: Mode, parallel: Parallel, precision: Precision) -> Levers:
+    """The levers of the step that is profiled for ``parallel``: FSDP2's
+    MixedPrecisionPolicy steps on parameters gathered in half precision under autocast (a
+    profile of its own; the shards and their optimizer stay fp32)."""
+    cast = parallel.param_dtype(precision) if mode is Mode.TRAIN else None
+    return levers if cast is None else dataclasses.replace(levers, param_dtype=cast)
 
 
 def _estimated_mode(mode: object) -> Mode:

@@ -38,12 +38,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase, Strategy, parse_option
+from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase, Precision, Strategy, parse_option
 
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
     "DDP_FIRST_BUCKET_CAP_BYTES",
     "DEFAULT_GPUS_PER_NODE",
+    "FSDP_PARAM_DTYPE",
     "ITEMSIZE",
     "SINGLE_DEVICE",
     "STRATEGIES",
@@ -593,6 +594,14 @@ class StrategyRule:
     communicators: int = 1
 
 
+# FSDP2 under autocast runs with MixedPrecisionPolicy(param_dtype=<the autocast dtype>,
+# reduce_dtype=torch.float32), as torchtitan's mixed_precision_param / _reduce settings do
+# (torchtitan/config: mixed_precision_param "bfloat16", mixed_precision_reduce "float32")
+FSDP_PARAM_DTYPE: dict[Precision, str] = {
+    Precision.AMP_BF16: "bfloat16",
+    Precision.AMP_FP16: "float16",
+}
+
 # GPUs per node where none is given: the 8 of NVIDIA's DGX / HGX A100 and H100 systems
 # (NVIDIA DGX H100 User Guide, "Hardware Overview": 8x NVIDIA H100 GPUs).
 DEFAULT_GPUS_PER_NODE = 8
@@ -613,6 +622,13 @@ class Parallel:
     @property
     def distributed(self) -> bool:
         return self.gpus > 1
+
+    def param_dtype(self, precision: Precision) -> str | None:
+        """The dtype FSDP2 gathers the parameters in where it casts them (its
+        MixedPrecisionPolicy under autocast, :data:`FSDP_PARAM_DTYPE`); None: their own."""
+        if self.reshard_after_forward is None:
+            return None
+        return FSDP_PARAM_DTYPE.get(precision)
 
     @property
     def shard_ranks(self) -> int:
