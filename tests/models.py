@@ -485,3 +485,36 @@ def assert_model_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
     assert after["global_hooks"] == before["global_hooks"]
     assert torch.equal(after["rng"], before["rng"]), "the global RNG state changed"
     assert after["grad_enabled"] == before["grad_enabled"]
+
+
+# Small Hugging Face models built from configs (no download, random weights), shared by the
+# tests that bring transformers architectures (callers skip where transformers is missing).
+HF_VOCAB = 1000
+
+
+def hf_gpt2() -> nn.Module:
+    """GPT-2: 2 layers of 64, 4 heads, 64 positions (a learned position table)."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=HF_VOCAB, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def hf_llama() -> nn.Module:
+    """Llama: 2 layers of 64, 4 heads over 2 key/value heads (grouped-query attention)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=HF_VOCAB, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def hf_tokens(batch: int, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``input_ids`` and, as causal-LM labels, the same ids."""
+    ids = torch.randint(0, HF_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from models import assert_model_unchanged, snapshot_model
+from models import assert_model_unchanged, hf_llama, hf_tokens, snapshot_model
 
 from vram_widget import measure, profile_model, zoo
 from vram_widget._distributed import DistributedError, run_ranks
@@ -222,6 +222,11 @@ def test_strategies_compose_with_the_levers(
         assert 0 <= peak - est.peak_bytes <= slack + est.buffer_bytes, (rank, peak)
 
 
+# FSDP2 estimates against real ranks: measured 0-48 B apart (README table); a byte bound far
+# tighter than the 0.5 % target, which a missed buffer (KBs here) cannot slip under
+FSDP_SLACK_BYTES = 1024
+
+
 def test_fsdp2_ranks_against_their_estimate(one_thread: None) -> None:
     # FSDP2's fully_shard on each decoder block and the root (zero2 / zero3) on real gloo
     # ranks: each rank holds its dim-0 shard of the parameters and of AdamW's two states
@@ -242,7 +247,7 @@ def test_fsdp2_ranks_against_their_estimate(one_thread: None) -> None:
         assert abs(real.resident_bytes - sharded) <= padding, (strategy, real.resident_bytes)
         for rank, peak in enumerate(real.rank_peak_bytes):
             est = profile.estimate(2, "fp32", "adamw", gpus=2, strategy=strategy, rank=rank)
-            assert abs(est.peak_bytes - peak) <= 0.005 * peak, (strategy, rank, peak)
+            assert abs(est.peak_bytes - peak) <= FSDP_SLACK_BYTES, (strategy, rank, peak)
     assert_model_unchanged(model, before)
 
 
@@ -258,7 +263,7 @@ def test_fsdp2_mixed_precision_policy_against_the_estimate(one_thread: None) -> 
             model, inputs, optimizer="adamw", precision="amp-bf16", gpus=2, strategy=strategy
         )
         est = profile.estimate(2, "amp-bf16", "adamw", gpus=2, strategy=strategy)
-        assert abs(est.peak_bytes - real.peak_bytes) <= 0.005 * real.peak_bytes, strategy
+        assert abs(est.peak_bytes - real.peak_bytes) <= FSDP_SLACK_BYTES, strategy
         plain = profile.estimate(2, "fp32", "adamw", gpus=2, strategy=strategy)
         assert est.parameter_bytes == plain.parameter_bytes  # the shards stay fp32
 
@@ -279,7 +284,7 @@ def test_hsdp_ranks_against_their_estimate(one_thread: None, gpus_per_node: int)
         est = profile.estimate(
             2, "fp32", "adamw", gpus=4, strategy="hsdp", gpus_per_node=gpus_per_node, rank=rank
         )
-        assert abs(est.peak_bytes - peak) <= 0.005 * peak, (rank, peak, est.peak_bytes)
+        assert abs(est.peak_bytes - peak) <= FSDP_SLACK_BYTES, (rank, peak, est.peak_bytes)
         # a node's shards: the same parameters per rank as zero3 over one node's GPUs
         assert est.parameter_bytes == (
             zero3.parameter_bytes
@@ -291,23 +296,17 @@ def test_hsdp_ranks_against_their_estimate(one_thread: None, gpus_per_node: int)
 def test_fsdp_units_chosen_by_class_and_name(one_thread: None) -> None:
     # units other than the repeated blocks: each decoder layer's attention and MLP (by
     # class name), and one layer by name (the root keeps the rest: warned)
-    import transformers
-
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=1000, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
-    inputs = {"input_ids": ids, "labels": ids}
+    model = hf_llama()
+    inputs = hf_tokens(2)
     profile = profile_model(model, inputs=inputs, device="cpu")
     for units in (["LlamaAttention", "LlamaMLP"], "model.layers.1"):
         with pytest.warns(UserWarning, match=r"the root .* holds \d+% of the parameters"):
             est = profile.estimate(2, "fp32", "adamw", gpus=2, strategy="zero3", fsdp_units=units)
         real = measure(model, inputs, optimizer="adamw", gpus=2, strategy="zero3",
                        fsdp_units=units)  # fmt: skip
-        assert abs(est.peak_bytes - real.peak_bytes) <= 0.005 * real.peak_bytes, units
+        assert abs(est.peak_bytes - real.peak_bytes) <= FSDP_SLACK_BYTES, units
     with pytest.raises(ValueError, match="fsdp_units 'Nope' matches no module"):
         measure(model, inputs, gpus=2, strategy="zero3", fsdp_units="Nope")
 
@@ -315,18 +314,11 @@ def test_fsdp_units_chosen_by_class_and_name(one_thread: None) -> None:
 def test_fsdp2_composes_with_the_sequence_axis(one_thread: None) -> None:
     # zero3 at 40 tokens from a profile of 16: the length fit and FSDP2's edits together,
     # against real gloo ranks at 40 tokens
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=1000, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    short = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
-    profile = profile_model(model, inputs={"input_ids": short, "labels": short}, device="cpu")
-    ids = torch.randint(0, 1000, (3, 40), generator=torch.Generator().manual_seed(1))
-    real = measure(model, {"input_ids": ids, "labels": ids}, optimizer="adamw", gpus=2,
-                   strategy="zero3")  # fmt: skip
+    model = hf_llama()
+    profile = profile_model(model, inputs=hf_tokens(2), device="cpu")
+    real = measure(model, hf_tokens(3, 40, seed=1), optimizer="adamw", gpus=2, strategy="zero3")
     with pytest.warns(UserWarning, match="the root .* holds 63%"):  # a 1,000-word vocabulary
         est = profile.estimate(3, "fp32", "adamw", seq_len=40, gpus=2, strategy="zero3")
-    assert abs(est.peak_bytes - real.peak_bytes) <= 0.005 * real.peak_bytes
+    assert abs(est.peak_bytes - real.peak_bytes) <= FSDP_SLACK_BYTES

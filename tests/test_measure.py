@@ -19,6 +19,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+from models import hf_gpt2
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -512,13 +513,9 @@ def test_cuda_snapshot_compares_with_the_prediction() -> None:
 
 
 def _tiny_gpt2() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64, bos_token_id=0,
-        eos_token_id=0,
-    )  # fmt: skip
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
+    return hf_gpt2()
 
 
 def test_generate_is_measured_on_the_model_s_own_generate() -> None:

@@ -223,7 +223,7 @@ def test_fsdp_zero2_keeps_blocks_and_gloo_stages_collectives() -> None:
     assert int(gloo.nbytes.sum()) == int(_tiny_fsdp(gloo=False).nbytes.sum())
 
 
-def test_local_shards_and_fsdp_refusals() -> None:
+def test_local_shards_and_the_fsdp_shards_in_an_estimate() -> None:
     assert [local_shard_shape((5, 3), 4, r) for r in range(4)] == [(2, 3), (2, 3), (1, 3), (0, 3)]
     profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
     one = profile.estimate(4, "fp32", "adam")

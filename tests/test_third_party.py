@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from models import assert_model_unchanged, snapshot_model
+from models import HF_VOCAB, assert_model_unchanged, hf_gpt2, hf_llama, snapshot_model
 
 from vram_widget import Mode, profile_model
 from vram_widget._measure import measure
 
 transformers = pytest.importorskip("transformers")
 
-_VOCAB = 1000
+_VOCAB = HF_VOCAB
 
 
 def _tokens(batch: int, seq: int = 16, labels_seq: int | None = None) -> dict[str, torch.Tensor]:
@@ -45,28 +45,12 @@ def _images(batch: int) -> dict[str, torch.Tensor]:
     return {"pixel_values": torch.randn(batch, 3, 32, 32, generator=gen)}
 
 
-def _gpt2() -> Any:
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=_VOCAB, n_positions=64,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config)
-
-
 def _bert() -> Any:
     config = transformers.BertConfig(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
         vocab_size=_VOCAB, num_labels=3,
     )  # fmt: skip
     return transformers.BertForSequenceClassification(config)
-
-
-def _llama() -> Any:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=_VOCAB, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
 
 
 def _t5() -> Any:
@@ -86,9 +70,9 @@ def _vit() -> Any:
 
 
 _MODELS: dict[str, tuple[Callable[[], Any], Callable[[int], dict[str, torch.Tensor]]]] = {
-    "gpt2": (_gpt2, _tokens),
+    "gpt2": (hf_gpt2, _tokens),
     "bert": (_bert, _classify),
-    "llama": (_llama, _tokens),
+    "llama": (hf_llama, _tokens),
     "t5": (_t5, lambda b: _tokens(b, 16, 8)),
     "vit": (_vit, _images),
 }
