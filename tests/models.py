@@ -518,3 +518,38 @@ def hf_tokens(batch: int, seq: int = 16, seed: int = 0) -> dict[str, torch.Tenso
     """``input_ids`` and, as causal-LM labels, the same ids."""
     ids = torch.randint(0, HF_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids}
+
+
+def hf_mistral(window: int = 24) -> nn.Module:
+    """Mistral: Llama's shape with a sliding window of ``window`` tokens on every layer."""
+    import transformers
+
+    config = transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=HF_VOCAB, sliding_window=window,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.MistralForCausalLM(config)
+
+
+def hf_mixtral() -> nn.Module:
+    """Mixtral: a mixture of 4 experts, 2 per token (all 4 count as weights)."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=HF_VOCAB, num_local_experts=4,
+        num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def hf_t5() -> nn.Module:
+    """T5: an encoder-decoder of 2 + 2 layers of 64, 4 heads of 16 (relative positions)."""
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=HF_VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)

@@ -18,6 +18,7 @@ from vram_widget._figures import (
     update_figure,
     waterfall_data,
 )
+from vram_widget._options import PHASES
 from vram_widget._profile import ModelProfile
 
 GIB = 2**30
@@ -215,7 +216,7 @@ def test_bars_have_a_fixed_width(mlp_profile: ModelProfile) -> None:
     """Sparse traces (FLOPs at a few runs) would otherwise get bars several runs wide."""
     fig = build_figure(mlp_profile.estimate(32), depth=1)
     bars = [t for t in fig.data if t.type == "bar"]
-    assert len(bars) == 1 + 5 + 2
+    assert len(bars) == 1 + len(PHASES) + 2  # the floor, one trace per phase, FLOPs
     assert all(t.width == 0.8 for t in bars)
 
 

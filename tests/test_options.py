@@ -134,4 +134,5 @@ def test_codes_are_stable() -> None:
         "Temporary",
         "Input",
         "Communication buffer",
+        "KV cache",
     ]

@@ -29,6 +29,7 @@ from ._allocator import (
     align_allocations,
     replay,
 )
+from ._decoding import Generation, StepEvents, generation_flops, step_of, unroll
 from ._gpus import parse_capacity
 from ._levers import NO_LEVERS, Levers
 from ._options import (
@@ -162,6 +163,27 @@ class MemoryEstimate:
     # NCCL's own buffers on the rank (CUDA, more than one GPU): outside the allocator, so
     # in no total here; shown beside them with the defaults they assume
     nccl: NcclBuffers | None = None
+    # mode="generate": the new tokens and the KV cache (``_decoding.Generation``), and the
+    # step the peak falls in (0: the prompt's prefill, k: decode step k)
+    generation: Generation | None = None
+    peak_step: int | None = None
+
+    @property
+    def new_tokens(self) -> int | None:
+        """The tokens generated after the prompt (``mode="generate"``; else None)."""
+        return None if self.generation is None else self.generation.new_tokens
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """The KV cache after the last decode step (``mode="generate"``; else None)."""
+        return None if self.generation is None else self.generation.kv_cache_bytes
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int | None:
+        """What one more token of context adds to the KV cache, per sequence, at the end of
+        the generation (``mode="generate"``; else None): 0 past a sliding window, and for a
+        cache allocated whole before the first step (``StaticCache``)."""
+        return None if self.generation is None else self.generation.kv_cache_bytes_per_token
 
     @cached_property
     def allocator(self) -> AllocatorReplay | None:
@@ -344,8 +366,11 @@ class MemoryEstimate:
         """Where the peak is, as a person reads it: the module, the op or autograd node
         running in the module's own code where that is not a leaf module's (a root's loss,
         an attention block's math), and the phase, e.g. ``"GPT2LMHeadModel: NllLossBackward0,
-        backward"`` or ``"features.28, forward"``."""
+        backward"`` or ``"features.28, forward"``; in a generation, the step: ``"lm_head,
+        decode step 63"``."""
         where = f"{self.peak_module}: {self.peak_op}" if self.peak_op else self.peak_module
+        if self.peak_step is not None and self.peak_step > 0:
+            return f"{where}, decode step {self.peak_step}"
         return f"{where}, {self.peak_phase.value}"
 
     @property
@@ -423,6 +448,7 @@ def estimate(
     communication_blocks: Sequence[int] = (),
     rank: int | None = None,
     edits: StepEdits | None = None,
+    new_tokens: int | None = None,
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace);
@@ -430,7 +456,9 @@ def estimate(
     rank (``_sharding``), allocated before the step as the parameters are; ``rank`` is the
     rank whose optimizer shard ``opt`` is, where ranks differ. ``edits`` are what a strategy
     that shards the parameters (FSDP2) inserts into the step, with the shards it keeps
-    instead of whole parameters and gradients (``_sharding.fsdp_step_edits``)."""
+    instead of whole parameters and gradients (``_sharding.fsdp_step_edits``).
+    ``new_tokens``: generation (``mode="generate"``), the recorded prefill and decode steps
+    unrolled to that many new tokens (``_decoding.unroll``)."""
     if batch_size == 1 and timeline.batch_one is not None:
         timeline = timeline.batch_one  # the step at batch 1 as profiled there
     n_rows = len(rows.names)
@@ -471,6 +499,23 @@ def estimate(
         # inserted before the optimizer's step: all up to its position, but zero_grad's
         after = (where > timeline.optimizer_at) | (edits.phase == PHASE_CODE[Phase.ZERO_GRAD])
         k += int((~after).sum())
+    generation: Generation | None = None
+    unrolled: StepEvents | None = None
+    if mode is Mode.GENERATE:
+        if new_tokens is None or not timeline.step_starts:
+            raise ValueError("a generation's estimate needs new_tokens and a recorded generation")
+        recorded = StepEvents(
+            seq, modules, phases, cats, ops, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        )
+        unrolled, generation = unroll(recorded, timeline.step_starts, new_tokens, batch_size)
+        seq, modules, phases, cats, ops = (
+            unrolled.nbytes,
+            unrolled.module,
+            unrolled.phase,
+            unrolled.category,
+            unrolled.op,
+        )
+        storage = None  # the unrolled steps have no storage ids: no allocator replay
     if train and opt is not None:
         n_opt = len(opt.event_bytes)
         if storage is not None and opt.event_storage is not None:
@@ -503,10 +548,14 @@ def estimate(
         peak_op = _op_shown(rows, peak_row, int(ops[at]), timeline.op_names)
         by_cat = sum_by(cats[: at + 1], seq[: at + 1], N_CATEGORIES)
         breakdown = {c: _as_int(resident[i] + by_cat[i]) for i, c in enumerate(CATEGORIES)}
+        peak_step = None if unrolled is None else step_of(unrolled, at)
     else:
         peak = resident_total
-        peak_phase = Phase.FORWARD if train else Phase.INFERENCE
+        peak_phase = {Mode.TRAIN: Phase.FORWARD, Mode.GENERATE: Phase.PREFILL}.get(
+            mode, Phase.INFERENCE
+        )
         peak_row, peak_op = 0, ""
+        peak_step = None if unrolled is None else 0
         breakdown = {c: _as_int(resident[i]) for i, c in enumerate(CATEGORIES)}
 
     extras = AcceleratorExtras(0, 0, 0)
@@ -526,6 +575,10 @@ def estimate(
     # int64 while it fits; Python ints (object arrays) for astronomical batches
     flops_f = timeline.flops_forward.at(batch_size, length)
     flops_b = timeline.flops_backward.at(batch_size, length)
+    if generation is not None and timeline.step_flops is not None:
+        flops_f = generation_flops(
+            timeline.step_flops.at(batch_size, length), generation.new_tokens
+        )
     if not train:
         flops_b = np.zeros_like(flops_b)
     dims_poly, ndim = timeline.output_dims
@@ -558,7 +611,13 @@ def estimate(
         seq_len=seq_len,
         peak_bytes=peak,
         peak_phase=peak_phase,
-        peak_module=module_label(rows, peak_row),
+        # in a generation the rows outside the model are generate's own loop (the logits
+        # copy, its processors, the generated ids), not a loss
+        peak_module=(
+            "generate"
+            if mode is Mode.GENERATE and peak_row == n_rows - 2
+            else module_label(rows, peak_row)
+        ),
         peak_op=peak_op,
         parameter_bytes=_as_int(resident[CATEGORY_CODE[Category.PARAMETER]]),
         buffer_bytes=_as_int(resident[CATEGORY_CODE[Category.BUFFER]]),
@@ -584,6 +643,8 @@ def estimate(
         gpus=parallel.gpus,
         strategy=parallel.strategy if parallel.distributed else None,
         rank=rank,
+        generation=generation,
+        peak_step=peak_step,
         nccl=(
             nccl_buffers(
                 STRATEGIES[parallel.strategy].communicators,

@@ -78,6 +78,8 @@ _PHASE_COLOURS: dict[Phase, str] = {
     Phase.OPTIMIZER: "#54A24B",
     Phase.ZERO_GRAD: "#B279A2",
     Phase.INFERENCE: "#4C78A8",
+    Phase.PREFILL: "#4C78A8",
+    Phase.DECODE: "#72B7B2",
 }
 _FLOOR_COLOUR = "#9D9D9D"
 _BAR_WIDTH = 0.8  # x units; fixed, or plotly widens a trace's bars to its sparsest spacing

@@ -39,6 +39,8 @@ from ._sharding import DEFAULT_GPUS_PER_NODE, Parallel, resolve_fsdp_units, reso
 
 if TYPE_CHECKING:
     from ._distributed import RankSetup
+from ._decoding import check_generation
+from ._generation import generation_limit, prompt_inputs
 from ._step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -272,6 +274,7 @@ def measure(
     }
     if parse_option(Mode, mode, "mode") is Mode.GENERATE or new_tokens is not None:
         _check_generate(model, inputs, mode, new_tokens, gpus)
+        inputs = prompt_inputs(inputs)
     parallel = resolve_parallel(gpus, strategy, gpus_per_node=gpus_per_node, modelled=False)
     if fsdp_units is not None:
         names, types = zip(*((n, type(m).__name__) for n, m in model.named_modules()), strict=True)
@@ -678,32 +681,14 @@ def _check_generate(
     """``mode="generate"`` and ``new_tokens`` checked: a ValueError naming the problem."""
     if parse_option(Mode, mode, "mode") is not Mode.GENERATE:
         raise ValueError(f"new_tokens is for mode='generate'; got mode={mode!r}")
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(
-            f"mode='generate' needs new_tokens, an int >= 1 (the tokens generated after the "
-            f"prompt); got {new_tokens!r}"
-        )
     if gpus != 1:
         raise ValueError("mode='generate' is measured on one device (gpus=1)")
-    config = getattr(model, "config", None)
-    if not callable(getattr(model, "generate", None)) or config is None:
-        raise ValueError(
-            f"mode='generate' needs a model that generates with a cache of past keys and "
-            f"values (returns past_key_values: a Hugging Face model with generate()); "
-            f"{type(model).__name__} has none. mode='inference' measures one forward"
-        )
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     ids = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
     if isinstance(ids, (tuple, list)) and ids:
         ids = ids[0]
-    if isinstance(limit, int) and isinstance(ids, torch.Tensor) and ids.dim() == 2:
-        prompt = int(ids.shape[1])
-        if prompt + new_tokens > limit:
-            raise ValueError(
-                f"a prompt of {prompt} tokens plus new_tokens={new_tokens} is "
-                f"{prompt + new_tokens} positions, beyond the model's limit of {limit} "
-                "(config.max_position_embeddings)"
-            )
+    prompt = int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+    generates, limit, _cache = generation_limit(model)  # measure runs any cache
+    check_generation(type(model).__name__, generates, limit, prompt, new_tokens)
 
 
 def _copy_model(model: torch.nn.Module, dtype: torch.dtype, mode: Mode) -> torch.nn.Module:

@@ -45,16 +45,17 @@ class OptimizerName(StrEnum):
 
 class Mode(StrEnum):
     """One training step, one forward pass under ``torch.no_grad()``, or generation: a
-    prompt's prefill and decode steps with a KV cache (``model.generate``; measured by
-    ``measure``, not estimated yet)."""
+    prompt's prefill and decode steps with the model's KV cache (Hugging Face's greedy
+    ``model.generate``)."""
 
     TRAIN = "train"
     INFERENCE = "inference"
     GENERATE = "generate"
 
 
-# the modes estimate() models (the widget's mode control offers these)
-ESTIMATED_MODES: tuple[Mode, ...] = (Mode.TRAIN, Mode.INFERENCE)
+# the modes the widget's mode control offers (generation's prompt and new-token controls
+# are not in it yet: estimate(mode="generate") is)
+WIDGET_MODES: tuple[Mode, ...] = (Mode.TRAIN, Mode.INFERENCE)
 
 
 class FitBasis(StrEnum):
@@ -95,6 +96,10 @@ class Phase(StrEnum):
     OPTIMIZER = "optimizer"
     ZERO_GRAD = "zero_grad"
     INFERENCE = "inference"
+    # generation: the prompt's forward (and what generate sets up before it), then one
+    # forward per new token after the first
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 class Category(StrEnum):
@@ -109,6 +114,8 @@ class Category(StrEnum):
     INPUT = "Input"
     # buffers a data-parallel strategy keeps for its collectives (DDP's gradient buckets)
     COMMUNICATION = "Communication buffer"
+    # the past keys and values a generating model keeps between its forwards
+    KV_CACHE = "KV cache"
 
 
 # Stable small-integer codes, used in the profile's numpy arrays.

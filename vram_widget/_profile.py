@@ -13,12 +13,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ._decoding import check_generation, check_window
 from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from ._gpus import Gpu, parse_capacity
 from ._levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
 from ._options import (
     CATEGORY_CODE,
-    ESTIMATED_MODES,
     PHASE_CODE,
     Category,
     Device,
@@ -98,6 +98,9 @@ class ModelProfile:
         no_seq_reason: str = "",
         seq_len_limit: int | None = None,
         seq_window: int | None = None,
+        generates: bool = False,
+        generation_limit: int | None = None,
+        cache_implementation: str | None = None,
         param_names: tuple[str, ...] = (),
         param_shapes: tuple[tuple[int, ...], ...] = (),
         param_trainable: tuple[bool, ...] = (),
@@ -120,6 +123,12 @@ class ModelProfile:
         # a length where the model's attention changes form (a sliding window, chunks): the
         # fit in the length serves only lengths on the example's side of it
         self.seq_window = seq_window
+        # whether the model generates with a KV cache (mode="generate"), and the most
+        # positions a prompt and its new tokens may take (config.max_position_embeddings)
+        self.generates = generates
+        self.generation_limit = generation_limit
+        # the model's generation_config.cache_implementation (None: DynamicCache)
+        self.cache_implementation = cache_implementation
         # the parameters' qualified names (tied ones once), which ``trainable`` patterns match
         self.param_names = param_names
         self.param_shapes = param_shapes
@@ -406,6 +415,7 @@ class ModelProfile:
         rank: int | None = None,
         gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
         fsdp_units: object = None,
+        new_tokens: int | None = None,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -415,8 +425,16 @@ class ModelProfile:
             Samples per step (>= 1).
         precision : {"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}
         optimizer : {"sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop", None}
-            Ignored in inference mode.
-        mode : {"train", "inference"}
+            Ignored in inference and generate modes.
+        mode : {"train", "inference", "generate"}
+            ``"generate"``: Hugging Face's greedy ``model.generate`` of ``new_tokens`` tokens
+            after a prompt of ``seq_len`` tokens per sequence, ``batch_size`` sequences at
+            once: the prefill of the prompt, then one decode step per further token with
+            the model's own ``DynamicCache`` (``_generation``: its code recorded on fake
+            tensors for the prefill and 4 decode steps, the rest extrapolated from a pattern
+            checked exactly on them, ``_decoding``). The peak is over every step
+            (``est.peak_step``: 0 the prefill, k decode step k); ``est.kv_cache_bytes`` and
+            ``est.kv_cache_bytes_per_token`` give the cache. Prompts are taken as unpadded.
         seq_len : int, optional
             Tokens per sample, where the profile has a sequence axis (``has_seq_axis``);
             None is the example's length (``self.seq_len``). A length used for the first time
@@ -490,6 +508,12 @@ class ModelProfile:
             class names (``"LlamaDecoderLayer"``), outermost matches, besides the root.
             None: each child of the largest ``ModuleList`` of repeated blocks, as
             torchtitan and accelerate wrap. A name that matches nothing is a ValueError.
+        new_tokens : int, optional
+            With ``mode="generate"`` (and only then): the tokens generated after the
+            prompt, >= 1; the prompt plus them must fit the model's
+            ``max_position_embeddings``. A model whose ``generation_config`` asks for
+            another cache than the dynamic one, and a generation whose extrapolated steps
+            cross a sliding window, are refused by name (not estimated yet).
 
         The levers apply in training; a new combination costs one more profiling run
         (cached), as a new precision does.
@@ -505,12 +529,24 @@ class ModelProfile:
         >>> est = profile.estimate(batch_size=64, optimizer="sgd")
         >>> est.peak_bytes > est.parameter_bytes
         True
+
+        Generation (a Hugging Face causal LM; GPT-2 small's KV cache in bf16 is 12 layers x
+        keys and values x 768 x 2 bytes = 36 KiB per token):
+
+        >>> import torch, transformers
+        >>> gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config())  # doctest: +SKIP
+        >>> prompts = {"input_ids": torch.zeros(1, 128, dtype=torch.long)}  # doctest: +SKIP
+        >>> est = profile_model(gpt2, inputs=prompts).estimate(  # doctest: +SKIP
+        ...     8, "bf16", mode="generate", seq_len=1024, new_tokens=256)
+        >>> est.kv_cache_bytes_per_token  # doctest: +SKIP
+        36864
         """
         batch = parse_batch_size(batch_size)
         prec = parse_option(Precision, precision, "precision")
         opt_name = parse_optimizer(optimizer)
         run_mode = _estimated_mode(mode)
         length = self.check_seq_len(seq_len)
+        tokens = self._check_new_tokens(run_mode, new_tokens, seq_len)
         if expandable_segments and self.device is not Device.CUDA:
             raise ValueError(
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
@@ -546,6 +582,9 @@ class ModelProfile:
         timeline = self.timeline(
             prec, run_mode, length, _step_levers(levers, run_mode, parallel, prec)
         )
+        if tokens is not None:
+            prompt = self.seq_len if length is None else length
+            check_window(prompt or 0, tokens, len(timeline.step_starts) - 1, self.seq_window)
         train = run_mode is Mode.TRAIN
         if not train:
             parallel = SINGLE_DEVICE
@@ -579,6 +618,7 @@ class ModelProfile:
                 communication_blocks=buffers,
                 rank=rank,
                 edits=edits,
+                new_tokens=tokens,
             )
 
         if not train or opt_name is None:
@@ -595,6 +635,25 @@ class ModelProfile:
             for rank, names in shards
         ]
         return max(ranks, key=lambda e: (e.peak_bytes, -(e.rank or 0)))
+
+    def _check_new_tokens(self, mode: Mode, new_tokens: object, seq_len: int | None) -> int | None:
+        """``new_tokens`` checked against the mode, the model and its position limit."""
+        if mode is not Mode.GENERATE:
+            if new_tokens is not None:
+                raise ValueError(f"new_tokens is for mode='generate'; got mode={mode.value!r}")
+            return None
+        prompt = self.seq_len if seq_len is None else seq_len
+        name = self.model_name or "the model"
+        tokens = check_generation(name, self.generates, self.generation_limit, prompt, new_tokens)
+        if self.cache_implementation is not None:
+            # a StaticCache is allocated whole for prompt + max_new_tokens before the first
+            # step: one recorded run at a few new tokens does not size it
+            raise ValueError(
+                f"{name}'s generation_config.cache_implementation="
+                f"{self.cache_implementation!r} is not estimated yet (the default dynamic "
+                "cache is); measure(model, inputs, mode='generate', new_tokens=T) measures it"
+            )
+        return tokens
 
     def _rank_layout(
         self, precision: Precision, levers: Levers, parallel: Parallel, rank: int | None
@@ -814,7 +873,9 @@ class ModelProfile:
             must not pass the capacity. On ``device="cpu"`` both are the allocated basis.
         **levers
             ``checkpoint``, ``trainable``, ``grad_accumulation``: as for :meth:`estimate`
-            (the batch is then the micro-batch).
+            (the batch is then the micro-batch); ``new_tokens`` with ``mode="generate"``:
+            the batch is then the number of sequences generated at once, each a prompt of
+            ``seq_len`` tokens and ``new_tokens`` more.
 
         Examples
         --------
@@ -934,7 +995,9 @@ class ModelProfile:
     ) -> int:
         """The longest sequence whose estimated peak plus accelerator extras fits in
         ``capacity_bytes`` at ``batch_size`` (0 when not even one token fits), "fits" on
-        the ``basis`` of :meth:`max_batch_size`.
+        the ``basis`` of :meth:`max_batch_size`. With ``mode="generate"`` and
+        ``new_tokens=T`` (in ``levers``): the longest prompt that ``T`` more tokens still
+        fit after (the context is the prompt plus ``T``).
 
         The search is a doubling bracket from the example's length, then bisection (about
         ``2 * log2(answer / seq_len)`` lengths). Where the profile holds memory as a verified
@@ -980,6 +1043,9 @@ class ModelProfile:
             return 0
         if self.seq_len_limit is not None:
             limit = min(limit, self.seq_len_limit)
+        tokens = levers.get("new_tokens")
+        if tokens is not None and self.generation_limit is not None:
+            limit = min(limit, self.generation_limit - int(tokens))  # prompt + new tokens
         return _largest_fitting(fits, min(self.seq_len, limit), limit)
 
     def frontier(
@@ -1128,16 +1194,8 @@ def _step_levers(levers: Levers, mode: Mode, parallel: Parallel, precision: Prec
 
 
 def _estimated_mode(mode: object) -> Mode:
-    """``mode`` checked: one the estimate models (generation is measured, not estimated
-    yet: a clear refusal, not a number for another mode)."""
-    run_mode = parse_option(Mode, mode, "mode")
-    if run_mode not in ESTIMATED_MODES:
-        raise ValueError(
-            "mode='generate' (a prompt's prefill and decode steps with a KV cache) is not "
-            "estimated yet; measure(model, inputs, mode='generate', new_tokens=T) measures "
-            "Hugging Face's model.generate. estimate takes mode='train' or 'inference'"
-        )
-    return run_mode
+    """``mode`` checked: one the estimate models."""
+    return parse_option(Mode, mode, "mode")
 
 
 def _profiled(levers: Levers, mode: Mode) -> Levers:

@@ -29,6 +29,7 @@ from ._fake import (
     quiet_fake_tensor_log,
     reparametrized,
 )
+from ._generation import generation_limit, prompt_inputs, recorded_generation
 from ._levers import NO_LEVERS, Levers
 from ._options import (
     PHASE_CODE,
@@ -111,6 +112,10 @@ class RawTrace:
     backward_start: int  # index of the first backward event (train), else len
     optimizer_at: int  # index where the optimizer step's events are spliced in (train)
     uses_matmul: bool
+    # generation: where each forward starts (prefill, decode steps), then the end
+    step_starts: tuple[int, ...] = ()
+    # generation: the FLOPs per row counted before each of those points (steps x rows)
+    step_flops: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
 
 @dataclass
@@ -401,15 +406,18 @@ class Profiler:
         return lambda: CudaEmulation(CudaTarget(), amp)
 
     def run(
-        self, precision: Precision, batch_size: int, train: bool, flops: bool = True
+        self, precision: Precision, batch_size: int, mode: Mode, flops: bool = True
     ) -> RawTrace:
         """One fake (or fallback) run. ``flops=False`` leaves the FLOPs at 0: runs whose
         FLOPs the table does not fit (the check at a third batch size, the workspace grid)
         skip counting them."""
         subject = self.subject
+        train = mode is Mode.TRAIN
         fake_mode, params, buffers = self._state(precision)
         with fake_mode or contextlib.nullcontext():
             inputs = subject.make_inputs(batch_size, precision, self.real, self.seq_len)
+        if mode is Mode.GENERATE:
+            inputs = ModelInputs(inputs.args, prompt_inputs(inputs.kwargs))
         rec = Recorder(
             subject._row_of,
             subject.loss_row,
@@ -481,6 +489,8 @@ class Profiler:
                 )
             else:
                 rec.set_phase(Phase.INFERENCE)
+            step_starts: tuple[int, ...] = ()
+            step_flops = np.zeros((0, 0), np.int64)
             try:
                 if train:
                     training_iteration(
@@ -495,6 +505,10 @@ class Profiler:
                         context=context,
                         on_loss=rec.watch_accumulations,
                         micro_batches=levers.profiled_micro_batches,
+                    )
+                elif mode is Mode.GENERATE:
+                    step_starts, step_flops = recorded_generation(
+                        model_fn, inputs, precision, rec, context
                     )
                 else:
                     inference_pass(model_fn, inputs, precision, "cpu", context=context)
@@ -533,6 +547,8 @@ class Profiler:
             backward_start=marks.get("backward", n_events),
             optimizer_at=marks.get("optimizer", n_events),
             uses_matmul=rec.uses_matmul,
+            step_starts=step_starts,
+            step_flops=step_flops,
         )
 
     def _explain(
@@ -721,30 +737,29 @@ class _Source:
             self.profiler.levers = NO_LEVERS
 
     def _timeline(self, precision: Precision, mode: Mode) -> Timeline:
-        train = mode is Mode.TRAIN
         # FLOPs are fitted from the first two runs (batch 1 does not count them)
-        fit = tuple(self._run(precision, b, train) for b in FIT_BATCH_SIZES[:2])
+        fit = tuple(self._run(precision, b, mode) for b in FIT_BATCH_SIZES[:2])
         grid: list[RawTrace] = []
         if self.profiler.probe is not None and len(fit[0].workspace_storages):
-            grid = self._grid_runs(precision, train)
+            grid = self._grid_runs(precision, mode)
         # Batch 1 is run anyway (it may take paths of its own). Where it is the fit's step at
         # 1, to the byte, it is the check too, and the step costs three runs; where not, a
         # third batch size checks the fit and batch 1 is kept as it is. Where CPU kernel
         # workspaces are measured, the third batch size is a point of their interpolation
         # grid too, so it always runs.
-        one = self._batch_one(precision, train, grid)
+        one = self._batch_one(precision, mode, grid)
         if not grid and one is not None and same_step(fit[0], one):
             timeline = fit_timeline(fit, one, tuple(grid))
             if timeline.exact:
                 return timeline
-        third = self._run(precision, FIT_BATCH_SIZES[2], train)  # FLOPs for a quadratic
+        third = self._run(precision, FIT_BATCH_SIZES[2], mode)  # FLOPs for a quadratic
         try:
             timeline = fit_timeline(fit, third, tuple(grid))
             if not timeline.exact and same_step(fit[0], third):
                 # The same step, but not a line in the batch: memory quadratic in it (a
                 # loss over every pair of samples, CLIP's B x B logits). Three runs give
                 # the quadratic, checked exactly at a fourth batch size.
-                quadratic = self._quadratic(precision, train, [*fit, third], grid)
+                quadratic = self._quadratic(precision, mode, [*fit, third], grid)
                 if quadratic.exact:
                     timeline = quadratic
         except NotAffineError as exc:
@@ -772,16 +787,14 @@ class _Source:
             )
         return self._with_batch_one(timeline, fit[0], one, grid)
 
-    def _batch_one(
-        self, precision: Precision, train: bool, grid: list[RawTrace]
-    ) -> RawTrace | None:
+    def _batch_one(self, precision: Precision, mode: Mode, grid: list[RawTrace]) -> RawTrace | None:
         """The step at batch 1 (from the CPU workspace grid where it ran there); None where
         the model refuses a batch of one (BatchNorm in training on a 1x1 map)."""
         one = next((t for t in grid if t.batch_size == 1), None)
         if one is not None:
             return one
         try:
-            return self._run(precision, 1, train, flops=False)
+            return self._run(precision, 1, mode, flops=False)
         except ProfilingError:
             return None
 
@@ -808,7 +821,10 @@ class _Source:
         at_one = fit_timeline((one,), one, tuple(grid))
         # FLOPs are the fit's (the same ops count the same at batch 1)
         at_one = dataclasses.replace(
-            at_one, flops_forward=timeline.flops_forward, flops_backward=timeline.flops_backward
+            at_one,
+            flops_forward=timeline.flops_forward,
+            flops_backward=timeline.flops_backward,
+            step_flops=timeline.step_flops,
         )
         return dataclasses.replace(timeline, batch_one=at_one)
 
@@ -834,7 +850,6 @@ class _Source:
             return None
         if len(base.workspace_alloc_at):
             return None
-        train = mode is Mode.TRAIN
         # Where batch 1 takes its own path, it is run at each length too and fitted apart.
         lines: dict[int, Timeline] = {s0: base}
         ones: dict[int, Timeline] | None = None
@@ -846,10 +861,10 @@ class _Source:
                 if length in lines:
                     continue
                 self.profiler.seq_len = length
-                t2, t3 = (self._run(precision, b, train) for b in FIT_BATCH_SIZES[:2])
+                t2, t3 = (self._run(precision, b, mode) for b in FIT_BATCH_SIZES[:2])
                 lines[length] = fit_timeline((t2, t3), t3)
                 if ones is not None:
-                    one = self._run(precision, 1, train, flops=False)
+                    one = self._run(precision, 1, mode, flops=False)
                     ones[length] = fit_timeline((one,), one)
 
         def fitted(
@@ -857,13 +872,13 @@ class _Source:
         ) -> Timeline | None:
             profile_lengths(lengths)
             self.profiler.seq_len = check_len
-            check = self._run(precision, FIT_BATCH_SIZES[2], train, flops=False)
+            check = self._run(precision, FIT_BATCH_SIZES[2], mode, flops=False)
             combined = across_lengths(
                 lengths, tuple(lines[n] for n in lengths), check, check_len, terms
             )
             if combined is None or ones is None:
                 return combined
-            check_one = self._run(precision, 1, train, flops=False)
+            check_one = self._run(precision, 1, mode, flops=False)
             combined_one = across_lengths(
                 lengths, tuple(ones[n] for n in lengths), check_one, check_len, terms, flops=False
             )
@@ -872,6 +887,7 @@ class _Source:
             combined_one = dataclasses.replace(
                 combined_one,
                 flops_forward=combined.flops_forward,
+                step_flops=combined.step_flops,
                 flops_backward=combined.flops_backward,
             )
             return dataclasses.replace(combined, batch_one=combined_one)
@@ -892,20 +908,20 @@ class _Source:
             self.profiler.levers = NO_LEVERS
 
     def _quadratic(
-        self, precision: Precision, train: bool, traces: list[RawTrace], grid: list[RawTrace]
+        self, precision: Precision, mode: Mode, traces: list[RawTrace], grid: list[RawTrace]
     ) -> Timeline:
         check = next((t for t in grid if t.batch_size == QUADRATIC_CHECK_BATCH), None)
         if check is None:
-            check = self._run(precision, QUADRATIC_CHECK_BATCH, train, flops=False)
+            check = self._run(precision, QUADRATIC_CHECK_BATCH, mode, flops=False)
         return fit_timeline(tuple(traces[:3]), check, tuple(grid))
 
-    def _grid_runs(self, precision: Precision, train: bool) -> list[RawTrace]:
+    def _grid_runs(self, precision: Precision, mode: Mode) -> list[RawTrace]:
         """Runs at the extra workspace batch sizes; one the model cannot run (BatchNorm in
         training rejects batch 1 on a 1x1 map) is left out of the grid, not an error."""
         traces = []
         for batch in WORKSPACE_BATCH_SIZES:
             try:
-                traces.append(self._run(precision, batch, train, flops=False))
+                traces.append(self._run(precision, batch, mode, flops=False))
             except ProfilingError:
                 continue
         return traces
@@ -917,7 +933,7 @@ class _Source:
         return ((), {}) if inputs is None else (inputs.args, inputs.kwargs)
 
     def _run(
-        self, precision: Precision, batch_size: int, train: bool, flops: bool = True
+        self, precision: Precision, batch_size: int, mode: Mode, flops: bool = True
     ) -> RawTrace:
         # Every run, the lazy ones a later estimate() asks for included, leaves the model's
         # training flags and the RNG as they were, and records a backward even when the
@@ -929,13 +945,11 @@ class _Source:
             torch.inference_mode(False),
             torch.enable_grad(),
         ):
-            return self._run_once(precision, batch_size, train, flops)
+            return self._run_once(precision, batch_size, mode, flops)
 
-    def _run_once(
-        self, precision: Precision, batch_size: int, train: bool, flops: bool
-    ) -> RawTrace:
+    def _run_once(self, precision: Precision, batch_size: int, mode: Mode, flops: bool) -> RawTrace:
         try:
-            return self.profiler.run(precision, batch_size, train, flops)
+            return self.profiler.run(precision, batch_size, mode, flops)
         except DATA_DEPENDENT_ERRORS as exc:
             subject = self.profiler.subject
             if self.profiler.real:
@@ -950,7 +964,7 @@ class _Source:
             subject.fallback_reason = reason
             self.profiler.real = True
             warn_fallback(reason)
-            return self.profiler.run(precision, batch_size, train, flops)
+            return self.profiler.run(precision, batch_size, mode, flops)
 
     def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile:
         """The profile of a meta copy of the model with PEFT's LoRA adapters (the model
@@ -1257,6 +1271,7 @@ def profile_model(
     profiler = Profiler(subject)
     source = _Source(profiler)
     auto_blocks, hf_auto = checkpoint_auto(model, subject.rows.names[:-2], subject.rows.types[:-2])
+    generates, limit, cache_implementation = generation_limit(model)
     profile = ModelProfile(
         subject.rows,
         target,
@@ -1267,6 +1282,9 @@ def profile_model(
         no_seq_reason=no_seq_reason,
         seq_len_limit=position_limit(model) if seq_axes else None,
         seq_window=attention_window(model) if seq_axes else None,
+        generates=generates,
+        generation_limit=limit,
+        cache_implementation=cache_implementation,
         param_names=tuple(name for name, _p, _row in subject._params),
         param_shapes=tuple(tuple(p.shape) for _name, p, _row in subject._params),
         param_trainable=tuple(p.requires_grad for _name, p, _row in subject._params),

@@ -93,7 +93,9 @@ class Recorder(TorchDispatchMode):
         self.probe = probe
         # CPU autocast of amp precisions covers the forward (and inference) pass only
         self.autocast_dtype = autocast_dtype
-        self._autocast_phases = (PHASE_CODE[Phase.FORWARD], PHASE_CODE[Phase.INFERENCE])
+        self._autocast_phases = tuple(
+            PHASE_CODE[p] for p in (Phase.FORWARD, Phase.INFERENCE, Phase.PREFILL, Phase.DECODE)
+        )
         # (storage id, probe signature, output position, or -1 for the workspace, or
         # _RETAINED for what the call leaves in autocast's cast cache)
         self._probe_slots: list[tuple[int, tuple[Any, ...], int]] = []

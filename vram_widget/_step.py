@@ -341,12 +341,21 @@ def inference_pass(
 
 
 def generate_pass(
-    model: Any, inputs: ModelInputs, precision: Precision, device_type: str, new_tokens: int
+    model: Any,
+    inputs: ModelInputs,
+    precision: Precision,
+    device_type: str,
+    new_tokens: int,
+    *,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> None:
     """Hugging Face's ``model.generate``: greedy, exactly ``new_tokens`` new tokens (the
     prompt's prefill, then one decode step per token with the model's own KV cache), under
     autocast for amp precisions."""
-    with torch.no_grad(), forward_context(precision, device_type):
+    with (
+        torch.no_grad(),
+        context() if context is not None else forward_context(precision, device_type),
+    ):
         output = model.generate(
             *inputs.args,
             **inputs.kwargs,

@@ -82,6 +82,12 @@ class _Trace(Protocol):
     @property
     def uses_matmul(self) -> bool: ...
 
+    @property
+    def step_starts(self) -> tuple[int, ...]: ...
+
+    @property
+    def step_flops(self) -> np.ndarray: ...
+
 
 @dataclass(frozen=True)
 class Poly:
@@ -314,6 +320,10 @@ class Timeline:
     batch_one: Timeline | None = None
     # the storage id of each event (None: not recorded), for the allocator replay
     event_storage: np.ndarray | None = None
+    # generation (``_generation``): the event where each forward starts, then the end
+    step_starts: tuple[int, ...] = ()
+    # ... and the FLOPs per row counted before each of them (steps x rows)
+    step_flops: Poly | None = None
 
     @property
     def seq_degree(self) -> int:
@@ -547,6 +557,10 @@ def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...
         nonaffine_row=bad_row,
         check_peaks=check_peaks,
         event_storage=np.asarray(t1.event_storage, dtype=np.int64),
+        step_starts=t1.step_starts,
+        step_flops=(
+            Poly.fit(batches, tuple(t.step_flops for t in fit)) if t1.step_flops.size else None
+        ),
     )
 
 
@@ -587,9 +601,14 @@ def across_lengths(
     dims = fit(tuple(tl.output_dims[0] for tl in timelines))
     forward: Poly | None = first.flops_forward
     backward: Poly | None = first.flops_backward
+    steps: Poly | None = first.step_flops
     if flops:
         forward = fit(tuple(tl.flops_forward for tl in timelines))
         backward = fit(tuple(tl.flops_backward for tl in timelines))
+        if first.step_flops is not None:
+            steps = fit(tuple(tl.step_flops for tl in timelines if tl.step_flops is not None))
+            if steps is None:
+                return None
     if storage is None or dims is None or forward is None or backward is None:
         return None
     return dataclasses.replace(
@@ -599,6 +618,7 @@ def across_lengths(
         dims_across_lengths=dims,
         flops_forward=forward,
         flops_backward=backward,
+        step_flops=steps,
         batch_one=None,  # the caller fits batch 1 across the lengths apart, where it differs
     )
 
@@ -614,6 +634,7 @@ def _same_timeline_steps(a: Timeline, b: Timeline) -> bool:
         and np.array_equal(a.storage_category, b.storage_category)
         and a.backward_start == b.backward_start
         and a.optimizer_at == b.optimizer_at
+        and a.step_starts == b.step_starts
         # the allocator replay pairs frees with allocations by storage id
         and (
             a.event_storage is None
@@ -634,6 +655,7 @@ def same_step(t1: _Trace, t2: _Trace) -> bool:
         and np.array_equal(t1.storage_category, t2.storage_category)
         and t1.backward_start == t2.backward_start
         and t1.optimizer_at == t2.optimizer_at
+        and t1.step_starts == t2.step_starts
     )
 
 

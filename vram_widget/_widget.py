@@ -33,7 +33,7 @@ from ._figures import (
 )
 from ._gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
 from ._levers import Levers
-from ._options import ESTIMATED_MODES, Category, Device, Mode, OptimizerName, Precision
+from ._options import WIDGET_MODES, Category, Device, Mode, OptimizerName, Precision
 from ._profile import DEFAULT_MAX_SEQ_LEN
 from ._sharding import SINGLE_DEVICE, STRATEGIES, resolve_parallel
 from ._tradeoff import Frontier
@@ -117,7 +117,7 @@ class MemoryWidget(widgets.VBox):
     seq_len = traitlets.Int(None, allow_none=True)
     precision = traitlets.Enum([p.value for p in Precision], default_value="fp32")
     optimizer = _OptimizerTrait(list(_OPTIMIZERS), default_value="adam")
-    mode = traitlets.Enum([m.value for m in ESTIMATED_MODES], default_value="train")
+    mode = traitlets.Enum([m.value for m in WIDGET_MODES], default_value="train")
     gpu = traitlets.Enum([*GPUS, CUSTOM_GPU], default_value="H100 SXM 80GB")
     custom_gib = traitlets.Float(24.0)
     depth = traitlets.Int(1, min=0)
@@ -860,7 +860,7 @@ class MemoryWidget(widgets.VBox):
         )
         optimizer = widgets.Dropdown(options=list(_OPTIMIZERS), layout={"width": "220px"})
         mode = widgets.ToggleButtons(
-            options=[m.value for m in ESTIMATED_MODES], style={"button_width": "90px"}
+            options=[m.value for m in WIDGET_MODES], style={"button_width": "90px"}
         )
         gpu = widgets.Dropdown(options=[*GPUS, CUSTOM_GPU], layout={"width": "300px"})
         custom = widgets.BoundedFloatText(

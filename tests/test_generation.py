@@ -1,0 +1,158 @@
+"""The generation pass (``_generation``) and ``estimate(mode="generate")``, checked against
+Hugging Face's own ``model.generate`` run for real by ``measure``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from tests.models import (
+    HF_VOCAB,
+    assert_model_unchanged,
+    hf_gpt2,
+    hf_llama,
+    hf_mistral,
+    hf_mixtral,
+    hf_t5,
+    snapshot_model,
+)
+from vram_widget import measure, profile_model, zoo
+from vram_widget._options import Phase
+
+pytest.importorskip("transformers")
+
+
+def _prompts(batch: int, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(1, HF_VOCAB, (batch, length), generator=gen)}
+
+
+def _model(make: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return make()
+
+
+# (batch, prompt, new tokens): within the 5 recorded forwards, and past them (extrapolated)
+SETTINGS = [(2, 16, 3), (1, 9, 20), (3, 30, 12), (4, 7, 40)]
+
+
+@pytest.mark.parametrize("make", [hf_gpt2, hf_llama, hf_t5, hf_mixtral], ids=lambda f: f.__name__)
+def test_generate_estimate_is_the_real_generate_to_the_byte(make: Callable[[], nn.Module]) -> None:
+    # GPT-2 (learned positions), Llama (grouped-query attention), T5 (encoder-decoder, a
+    # cache of self- and cross-attention) and Mixtral (a mixture of experts): every peak
+    # of a generation estimated from one profile at 16 tokens, at other prompt lengths,
+    # batches and new tokens, is the peak measured in Hugging Face's model.generate
+    model = _model(make)
+    example = {**_prompts(2, 16), "labels": _prompts(2, 16, seed=1)["input_ids"]}
+    profile = profile_model(model, inputs=example, device="cpu")
+    for batch, prompt, tokens in SETTINGS:
+        est = profile.estimate(batch, mode="generate", seq_len=prompt, new_tokens=tokens)
+        real = measure(model, _prompts(batch, prompt), mode="generate", new_tokens=tokens)
+        assert est.peak_bytes == real.peak_bytes, (batch, prompt, tokens)
+        assert est.new_tokens == tokens
+
+
+def test_kv_cache_by_hand() -> None:
+    # GPT-2 of 2 layers of 64 in fp32: keys and values are 2 x 2 x 64 x 4 B = 1,024 B per
+    # token; after 8 new tokens on a prompt of 16 the cache holds 16 + 7 tokens (the last
+    # token generated is never fed back), x 2 sequences = 47,104 B
+    profile = profile_model(_model(hf_gpt2), inputs=_prompts(2, 16), device="cpu")
+    est = profile.estimate(2, mode="generate", new_tokens=8)
+    assert (est.kv_cache_bytes, est.kv_cache_bytes_per_token) == (2 * 23 * 1024, 1024)
+    assert est.peak_breakdown["KV cache"] <= est.kv_cache_bytes
+    # Llama's grouped-query attention caches 2 key/value heads of 16, not 4: 512 B per token
+    llama = profile_model(_model(hf_llama), inputs=_prompts(2, 16), device="cpu")
+    assert llama.estimate(2, mode="generate", new_tokens=8).kv_cache_bytes_per_token == 512
+    # bf16 halves it
+    assert llama.estimate(2, "bf16", mode="generate", new_tokens=8).kv_cache_bytes_per_token == 256
+    # the other modes have no cache
+    assert profile.estimate(2, mode="inference").kv_cache_bytes is None
+
+
+def test_the_peak_says_which_step() -> None:
+    # a long prompt and few tokens peak in the prefill; a short prompt and many tokens at the
+    # last decode step, where the cache is longest
+    profile = profile_model(_model(hf_gpt2), inputs=_prompts(2, 16), device="cpu")
+    prefill = profile.estimate(4, mode="generate", seq_len=40, new_tokens=2)
+    assert (prefill.peak_phase, prefill.peak_step) == (Phase.PREFILL, 0)
+    assert prefill.peak_location.endswith("prefill")
+    late = profile.estimate(1, mode="generate", seq_len=4, new_tokens=50)
+    assert (late.peak_phase, late.peak_step) == (Phase.DECODE, 49)
+    assert late.peak_location.endswith("decode step 49")
+    # the FLOPs are those of the prefill and every decode step: more tokens, more FLOPs
+    more = profile.estimate(1, mode="generate", seq_len=4, new_tokens=51)
+    assert more.flops_forward > late.flops_forward > 0
+    assert more.flops_backward == 0
+
+
+def test_a_sliding_window_is_estimated_on_either_side_and_refused_across() -> None:
+    # Mistral with a window of 24: steps past the window (the cache stops growing) and steps
+    # that end before it are exact; a generation that crosses it is refused by name
+    model = _model(hf_mistral)
+    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    for batch, prompt, tokens in [(2, 10, 12), (2, 23, 20), (1, 30, 40)]:
+        est = profile.estimate(batch, mode="generate", seq_len=prompt, new_tokens=tokens)
+        real = measure(model, _prompts(batch, prompt), mode="generate", new_tokens=tokens)
+        assert est.peak_bytes == real.peak_bytes, (batch, prompt, tokens)
+    past = profile.estimate(1, mode="generate", seq_len=30, new_tokens=40)
+    assert past.kv_cache_bytes_per_token == 0  # the window is full: it slides
+    with pytest.raises(ValueError, match="crosses the model's sliding window of 24 tokens"):
+        profile.estimate(2, mode="generate", seq_len=16, new_tokens=12)
+
+
+def test_max_batch_size_counts_concurrent_sequences() -> None:
+    profile = profile_model(_model(hf_gpt2), inputs=_prompts(2, 16), device="cpu")
+    settings = {"mode": "generate", "seq_len": 30, "new_tokens": 30}
+    capacity = 3 * 2**20
+    n = profile.max_batch_size(capacity, **settings)  # type: ignore[arg-type]
+    assert n > 1
+    assert profile.estimate(n, **settings).fits(capacity)  # type: ignore[arg-type]
+    assert not profile.estimate(n + 1, **settings).fits(capacity)  # type: ignore[arg-type]
+    # the longest prompt that 30 more tokens fit after: at n sequences, the 30 they were
+    # sized at (or a little more); for one sequence, GPT-2's 64 positions less the 30
+    longest = profile.max_seq_len(capacity, n, mode="generate", new_tokens=30)
+    assert 30 <= longest < 34
+    assert profile.estimate(n, mode="generate", seq_len=longest, new_tokens=30).fits(capacity)
+    beyond = profile.estimate(n, mode="generate", seq_len=longest + 1, new_tokens=30)
+    assert not beyond.fits(capacity)
+    assert profile.max_seq_len(capacity, 1, mode="generate", new_tokens=30) == 64 - 30
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "generate"}, r"needs new_tokens, an int >= 1 .* got None"),
+        ({"mode": "generate", "new_tokens": 0}, r"needs new_tokens, an int >= 1"),
+        ({"mode": "inference", "new_tokens": 4}, "new_tokens is for mode='generate'"),
+        ({"mode": "generate", "new_tokens": 49}, r"16 tokens plus .* 65 positions, beyond .* 64"),
+    ],
+)
+def test_generate_bad_settings_name_the_problem(kwargs: dict[str, object], message: str) -> None:
+    profile = profile_model(_model(hf_gpt2), inputs=_prompts(2, 16), device="cpu")
+    with pytest.raises(ValueError, match=message):
+        profile.estimate(2, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_model_without_a_cache_or_with_a_static_one_is_refused() -> None:
+    mlp = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
+    with pytest.raises(
+        ValueError, match=r"needs a model that generates with a cache .* Sequential has none"
+    ):
+        mlp.estimate(2, mode="generate", new_tokens=4)
+    model = _model(hf_gpt2)
+    model.generation_config.cache_implementation = "static"
+    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    with pytest.raises(ValueError, match="cache_implementation='static' is not estimated yet"):
+        profile.estimate(2, mode="generate", new_tokens=4)
+
+
+def test_profiling_a_generation_leaves_the_model_as_it_was() -> None:
+    model = _model(hf_llama)
+    before = snapshot_model(model)
+    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    profile.estimate(3, mode="generate", seq_len=20, new_tokens=9)
+    assert_model_unchanged(model, before)
+    assert not model._forward_pre_hooks  # the pass's step marker is gone
