@@ -503,15 +503,20 @@ def hf_gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
+# The Llama family's shape (Llama, Mistral, Mixtral): 2 layers of 64, 4 heads over 2
+# key/value heads (grouped-query attention)
+_LLAMA_SHAPE = {
+    "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": HF_VOCAB,
+    "bos_token_id": 0, "eos_token_id": 0,
+}  # fmt: skip
+
+
 def hf_llama() -> nn.Module:
-    """Llama: 2 layers of 64, 4 heads over 2 key/value heads (grouped-query attention)."""
+    """Llama of :data:`_LLAMA_SHAPE`."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=HF_VOCAB, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA_SHAPE))
 
 
 def hf_tokens(batch: int, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -524,23 +529,15 @@ def hf_mistral(window: int = 24) -> nn.Module:
     """Mistral: Llama's shape with a sliding window of ``window`` tokens on every layer."""
     import transformers
 
-    config = transformers.MistralConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=HF_VOCAB, sliding_window=window,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+    config = transformers.MistralConfig(**_LLAMA_SHAPE, sliding_window=window)
     return transformers.MistralForCausalLM(config)
 
 
 def hf_mixtral() -> nn.Module:
-    """Mixtral: a mixture of 4 experts, 2 per token (all 4 count as weights)."""
+    """Mixtral: Llama's shape with a mixture of 4 experts, 2 per token (all 4 are weights)."""
     import transformers
 
-    config = transformers.MixtralConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=HF_VOCAB, num_local_experts=4,
-        num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+    config = transformers.MixtralConfig(**_LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2)
     return transformers.MixtralForCausalLM(config)
 
 

@@ -70,6 +70,9 @@ def test_kv_cache_by_hand() -> None:
     assert llama.estimate(2, "bf16", mode="generate", new_tokens=8).kv_cache_bytes_per_token == 256
     # the other modes have no cache
     assert profile.estimate(2, mode="inference").kv_cache_bytes is None
+    # cached: a generation at another batch and token count runs nothing more, whatever
+    # the optimizer (there is none in generation)
+    assert profile.is_cached("fp32", "generate", "sgd")  # no SGD step was ever traced
 
 
 def test_the_peak_says_which_step() -> None:
@@ -82,10 +85,21 @@ def test_the_peak_says_which_step() -> None:
     late = profile.estimate(1, mode="generate", seq_len=4, new_tokens=50)
     assert (late.peak_phase, late.peak_step) == (Phase.DECODE, 49)
     assert late.peak_location.endswith("decode step 49")
-    # the FLOPs are those of the prefill and every decode step: more tokens, more FLOPs
-    more = profile.estimate(1, mode="generate", seq_len=4, new_tokens=51)
-    assert more.flops_forward > late.flops_forward > 0
-    assert more.flops_backward == 0
+
+
+@pytest.mark.parametrize(("batch", "prompt", "tokens"), [(2, 16, 3), (2, 16, 12), (1, 9, 20)])
+def test_flops_are_torch_s_count_of_the_real_generate(batch: int, prompt: int, tokens: int) -> None:
+    # the prefill's and every decode step's FLOPs, the later steps extrapolated, against
+    # torch's own FlopCounterMode around Hugging Face's generate (GPT-2: matmuls only)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _model(hf_gpt2)
+    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    est = profile.estimate(batch, mode="generate", seq_len=prompt, new_tokens=tokens)
+    ids = _prompts(batch, prompt)["input_ids"]
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.generate(ids, do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens)
+    assert (est.flops_forward, est.flops_backward) == (counter.get_total_flops(), 0)
 
 
 def test_a_sliding_window_is_estimated_on_either_side_and_refused_across() -> None:

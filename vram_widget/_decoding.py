@@ -21,11 +21,12 @@ curve is exact at every event it has, and its maximum is the generation's peak.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase
+from ._table import N_CATEGORIES, sum_by
 
 _DECODE = PHASE_CODE[Phase.DECODE]
 _KV = CATEGORY_CODE[Category.KV_CACHE]
@@ -44,9 +45,10 @@ class StepEvents:
     phase: np.ndarray  # int8 phase code
     category: np.ndarray  # int8 category code
     op: np.ndarray  # int32 op index (-1: none)
-    # the event index where each step starts (step 0: the set-up and the prefill)
-    step_at: np.ndarray  # int64, one per step in the events
-    step_number: np.ndarray  # int64, the step each of those is
+    # where each step starts (step 0: the set-up and the prefill) and which step it is; an
+    # unrolled generation's (empty for the recorded events ``unroll`` reads)
+    step_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    step_number: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 @dataclass(frozen=True)
@@ -108,16 +110,31 @@ def _category_nets(
     """Each category's net bytes summed over extrapolated steps ``m1..m2`` (step ``m`` is
     ``last + m * slope``): codes and nets of the categories with a nonzero one."""
     count = m2 - m1 + 1
-    codes = np.unique(category)
-    nets = []
-    for code in codes:
-        mask = category == code
-        constant = int(last[mask].sum())
-        growth = int(slope[mask].sum())
-        nets.append(count * constant + growth * (m1 + m2) * count // 2)
-    out = np.asarray(nets, dtype=np.int64)
-    keep = out != 0
-    return codes[keep], out[keep]
+    steps = (m1 + m2) * count // 2  # m1 + ... + m2
+    nets = count * sum_by(category, last, N_CATEGORIES) + steps * sum_by(
+        category, slope, N_CATEGORIES
+    )
+    codes = np.flatnonzero(nets)
+    return codes, nets[codes].astype(np.int64)
+
+
+def _step_after(
+    events: StepEvents, starts: tuple[int, ...], new_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes and categories of the events of step ``new_tokens``, the one after a generation
+    of ``new_tokens`` tokens: recorded, or the pattern's (the last recorded step's where
+    the recorded steps follow none)."""
+    recorded = len(starts) - 1
+    k = min(new_tokens, recorded - 1)
+    lo, hi = starts[k], starts[k + 1]
+    step = events.nbytes[lo:hi]
+    if new_tokens >= recorded:
+        try:
+            last, slope = decode_pattern(events, starts)
+            step = last + (new_tokens - recorded + 1) * slope
+        except DecodePatternError:
+            pass
+    return step, events.category[lo:hi]
 
 
 def unroll(
@@ -126,32 +143,21 @@ def unroll(
     """The events of a generation of ``new_tokens`` tokens (the prefill makes the first; each
     further one is a decode step) from a recorded one whose forwards start at ``starts``
     (the last entry: where the recording ends), at one batch size and prompt length."""
+    out = _unrolled(events, starts, new_tokens)
+    kv = int(out.nbytes[out.category == _KV].sum())
+    after, category = _step_after(events, starts, new_tokens)
+    per_token = int(after[category == _KV].sum()) // batch_size
+    return out, Generation(new_tokens, kv, per_token)
+
+
+def _unrolled(events: StepEvents, starts: tuple[int, ...], new_tokens: int) -> StepEvents:
     recorded = len(starts) - 1  # forwards recorded: the prefill, then decode steps
-    if new_tokens <= recorded:
-        cut = starts[new_tokens]
-        out = StepEvents(
-            *_slice(events, 0, cut),
+    if new_tokens <= recorded:  # the recorded steps, cut where step new_tokens starts
+        return StepEvents(
+            *_slice(events, 0, starts[new_tokens]),
             step_at=np.asarray([0, *starts[1:new_tokens]], dtype=np.int64),
             step_number=np.arange(new_tokens, dtype=np.int64),
         )
-        kv = int(out.nbytes[out.category == _KV].sum())
-        lo, hi = (
-            starts[new_tokens],
-            (starts[new_tokens + 1] if new_tokens < recorded else starts[recorded]),
-        )
-        if new_tokens < recorded:
-            next_kv = events.nbytes[lo:hi][events.category[lo:hi] == _KV].sum()
-        else:  # the step after the last recorded one: by the pattern where there is one
-            lo, hi = starts[-2], starts[-1]
-            step = events.nbytes[lo:hi]
-            try:
-                last, slope = decode_pattern(events, starts)
-                step = last + slope
-            except DecodePatternError:
-                pass
-            next_kv = step[events.category[lo:hi] == _KV].sum()
-        return out, Generation(new_tokens, kv, int(next_kv) // batch_size)
-
     last, slope = decode_pattern(events, starts)
     lo, hi = starts[-2], starts[-1]
     _, module, phase, category, op = _slice(events, lo, hi)
@@ -210,7 +216,7 @@ def unroll(
     nbytes, module_, phase_, category_, op_ = (
         np.concatenate([p[i] for p in parts]) for i in range(5)
     )
-    out = StepEvents(
+    return StepEvents(
         nbytes,
         module_,
         phase_,
@@ -219,10 +225,6 @@ def unroll(
         step_at=np.asarray(step_at, dtype=np.int64),
         step_number=np.asarray(step_number, dtype=np.int64),
     )
-    kv = int(out.nbytes[out.category == _KV].sum())
-    mask = category == _KV
-    next_kv = int((last + (n_more + 1) * slope)[mask].sum())
-    return out, Generation(new_tokens, kv, next_kv // batch_size)
 
 
 def check_window(prompt_len: int, new_tokens: int, recorded: int, window: int | None) -> None:

@@ -504,9 +504,7 @@ def estimate(
     if mode is Mode.GENERATE:
         if new_tokens is None or not timeline.step_starts:
             raise ValueError("a generation's estimate needs new_tokens and a recorded generation")
-        recorded = StepEvents(
-            seq, modules, phases, cats, ops, np.zeros(0, np.int64), np.zeros(0, np.int64)
-        )
+        recorded = StepEvents(seq, modules, phases, cats, ops)
         unrolled, generation = unroll(recorded, timeline.step_starts, new_tokens, batch_size)
         seq, modules, phases, cats, ops = (
             unrolled.nbytes,

@@ -54,6 +54,7 @@ __all__ = [
     "new_fake_mode",
     "next_sequence_nr",
     "quiet_fake_tensor_log",
+    "quieted",
     "reparametrized",
     "tree_flatten",
     "tree_map",
@@ -287,17 +288,23 @@ _CHEAP_KEYS_FIT = _cheap_keys_fit()
 
 
 @contextlib.contextmanager
-def quiet_fake_tensor_log() -> Iterator[None]:
-    """FakeTensorMode logs a full traceback at ERROR level before re-raising a failed meta
-    kernel; the profiler turns that failure into its own one-line message, so the log would
-    only put a traceback wall in the user's notebook."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+def quieted(logger_name: str, level: int) -> Iterator[None]:
+    """The named logger (and the children that inherit its level) silent below ``level``
+    for the block, its own level restored after."""
+    logger = logging.getLogger(logger_name)
+    before = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)
+
+
+def quiet_fake_tensor_log() -> contextlib.AbstractContextManager[None]:
+    """FakeTensorMode logs a full traceback at ERROR level before re-raising a failed meta
+    kernel; the profiler turns that failure into its own one-line message, so the log would
+    only put a traceback wall in the user's notebook."""
+    return quieted("torch._subclasses.fake_tensor", logging.CRITICAL)
 
 
 @contextlib.contextmanager

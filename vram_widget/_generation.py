@@ -21,7 +21,6 @@ the loop does not stop before the pre-hook ends it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._fake import FakeTensor, TorchDispatchMode
+from ._fake import FakeTensor, TorchDispatchMode, quieted
 from ._options import Category, Phase, Precision
 from ._recorder import Recorder
 from ._step import ModelInputs, generate_pass
@@ -101,19 +100,6 @@ def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors_in(item, depth + 1)
 
 
-@contextlib.contextmanager
-def _quiet_generate() -> Iterator[None]:
-    """generate's notes to the user (no attention mask, pad token set to eos) are about the
-    user's own calls; a profiling run is not one."""
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def recorded_generation(
     model: Any,
     inputs: ModelInputs,
@@ -145,7 +131,9 @@ def recorded_generation(
     rec.set_phase(Phase.PREFILL)
     handle = model.register_forward_pre_hook(before_forward, with_kwargs=True)
     try:
-        with _quiet_generate(), GenerationValues():
+        # generate's notes to the user (no attention mask, pad token set to eos) are about
+        # the user's own calls; a profiling run is not one
+        with quieted("transformers", logging.ERROR), GenerationValues():
             generate_pass(
                 model,
                 inputs,

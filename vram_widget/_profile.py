@@ -262,7 +262,7 @@ class ModelProfile:
                 return False  # profiled at that length
         opt = parse_optimizer(optimizer)
         return (
-            run_mode is Mode.INFERENCE
+            run_mode is not Mode.TRAIN  # no optimizer outside training
             or opt is None
             or (prec, opt, _optimizer_levers(levers), None, None) in self._optimizers
         )
@@ -530,21 +530,23 @@ class ModelProfile:
         >>> est.peak_bytes > est.parameter_bytes
         True
 
-        Generation (a Hugging Face causal LM; GPT-2 small's KV cache in bf16 is 12 layers x
-        keys and values x 768 x 2 bytes = 36 KiB per token):
+        Generation (a Hugging Face causal LM; this GPT-2's KV cache is 2 layers x keys and
+        values x 64 x 4 bytes = 1,024 B per token in fp32; after 8 new tokens on a prompt
+        of 20 it holds 20 + 7 tokens of each of 4 sequences):
 
         >>> import torch, transformers
-        >>> gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config())  # doctest: +SKIP
-        >>> prompts = {"input_ids": torch.zeros(1, 128, dtype=torch.long)}  # doctest: +SKIP
-        >>> est = profile_model(gpt2, inputs=prompts).estimate(  # doctest: +SKIP
-        ...     8, "bf16", mode="generate", seq_len=1024, new_tokens=256)
-        >>> est.kv_cache_bytes_per_token  # doctest: +SKIP
-        36864
+        >>> gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        ...     n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64))
+        >>> prompts = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
+        >>> est = profile_model(gpt2, inputs=prompts, device="cpu").estimate(
+        ...     4, mode="generate", seq_len=20, new_tokens=8)
+        >>> est.kv_cache_bytes_per_token, est.kv_cache_bytes == 4 * 27 * 1024
+        (1024, True)
         """
         batch = parse_batch_size(batch_size)
         prec = parse_option(Precision, precision, "precision")
         opt_name = parse_optimizer(optimizer)
-        run_mode = _estimated_mode(mode)
+        run_mode = parse_option(Mode, mode, "mode")
         length = self.check_seq_len(seq_len)
         tokens = self._check_new_tokens(run_mode, new_tokens, seq_len)
         if expandable_segments and self.device is not Device.CUDA:
@@ -1104,7 +1106,7 @@ class ModelProfile:
         assert self.seq_len is not None
         capacity = parse_capacity(capacity_bytes)
         prec = parse_option(Precision, precision, "precision")
-        run_mode = _estimated_mode(mode)
+        run_mode = parse_option(Mode, mode, "mode")
         if seq_lens is None:
             limit = self.seq_len_limit or DEFAULT_MAX_SEQ_LEN
             lengths = length_grid(limit, extra=[self.seq_len]).tolist()
@@ -1191,11 +1193,6 @@ def _step_levers(levers: Levers, mode: Mode, parallel: Parallel, precision: Prec
     profile of its own; the shards and their optimizer stay fp32)."""
     cast = parallel.param_dtype(precision) if mode is Mode.TRAIN else None
     return levers if cast is None else dataclasses.replace(levers, param_dtype=cast)
-
-
-def _estimated_mode(mode: object) -> Mode:
-    """``mode`` checked: one the estimate models."""
-    return parse_option(Mode, mode, "mode")
 
 
 def _profiled(levers: Levers, mode: Mode) -> Levers:
