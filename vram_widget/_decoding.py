@@ -115,7 +115,7 @@ def _category_nets(
         category, slope, N_CATEGORIES
     )
     codes = np.flatnonzero(nets)
-    return codes, nets[codes].astype(np.int64)
+    return codes, nets[codes]
 
 
 def _step_after(
