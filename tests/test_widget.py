@@ -730,3 +730,80 @@ def test_fsdp_strategies_in_the_widget() -> None:
     w.gpus = 12  # 8 GPUs per node: not whole nodes
     assert w.gpus == 8 and "not a whole number of nodes" in w._status.value
     assert "could not estimate" in w._status.value  # a setting refused, nothing profiled
+
+
+# -- generation --------------------------------------------------------------------------
+
+
+def _gpt2_widget(**settings: object) -> tuple[MemoryWidget, ModelProfile]:
+    pytest.importorskip("transformers")
+    from tests.models import hf_gpt2
+
+    torch.manual_seed(0)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    profile = profile_model(hf_gpt2(), inputs={"input_ids": ids}, device="cpu")
+    return MemoryWidget(profile, **settings), profile
+
+
+def test_generation_group_drives_the_estimate() -> None:
+    # mode "generate" shows the generation row (new tokens) and relabels the sequence slider
+    # as the prompt; every number shown is the profile's estimate at the traits
+    w, profile = _gpt2_widget(batch_size=4)
+    assert w.new_tokens == 48  # 128 by default, less where GPT-2's 64 positions end first
+    assert w._generation_row.layout.display == "none"
+    assert "generate" in w._controls.children[2].children[2].options
+    w.mode = "generate"
+    w.new_tokens = 40
+    w.seq_len = 8
+    assert w._generation_row.layout.display is None
+    assert w._seq_slider.description == "prompt length"
+    assert (w._tokens_box.value, w._seq_box.value) == (40, 8)
+    expected = profile.estimate(4, mode="generate", seq_len=8, new_tokens=40)
+    assert w.estimate.peak_bytes == expected.peak_bytes == w.figure.data[PEAK].y[0]
+    # the summary: the cache and the most sequences at once on the chosen card
+    most = profile.max_batch_size(w.target.memory_bytes, mode="generate", seq_len=8, new_tokens=40)
+    assert w.largest_batch() == most
+    summary = w.summary_html
+    assert f"KV cache</b> {format_bytes(expected.kv_cache_bytes)}" in summary
+    assert "1.00 KiB per token per sequence" in summary  # 2 layers x k, v x 64 x 4 B
+    assert f"most sequences generated at once: <b>{most:,}</b>" in summary
+    assert f"decode step {expected.peak_step:,} of 39" in summary
+    w.mode = "train"
+    assert w._generation_row.layout.display == "none"
+    assert w._seq_slider.description == "sequence length"
+    assert w.estimate.kv_cache_bytes is None
+
+
+def test_generation_past_the_positions_keeps_the_last_setting() -> None:
+    w, _profile = _gpt2_widget(mode="generate", new_tokens=30)
+    w.new_tokens = 60  # 16 + 60 > 64 positions
+    assert w.new_tokens == 30
+    assert "beyond the model&#x27;s limit of 64" in w._status.value
+
+
+def test_generate_is_offered_only_to_a_model_that_generates() -> None:
+    profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
+    w = MemoryWidget(profile)
+    assert "generate" not in w._controls.children[2].children[2].options
+    with pytest.raises(traitlets.TraitError, match="needs a model that generates"):
+        w.mode = "generate"
+
+
+def test_no_torch_when_new_tokens_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    # after the generation's profile, any number of new tokens and any batch are numpy
+    w, profile = _gpt2_widget(mode="generate", new_tokens=8)
+
+    class Refuse:
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"the update path asked the profiler for {name}")
+
+    monkeypatch.setattr(profile, "_source", Refuse())
+    caches = []
+    moves = [("new_tokens", 40), ("new_tokens", 2), ("batch_size", 64), ("new_tokens", 47)]
+    for name, value in moves:
+        setattr(w, name, value)
+        caches.append(w.estimate.kv_cache_bytes)
+    assert w._status.value == ""
+    # the cache holds 16 + T - 1 tokens of 1,024 B per sequence: 32 x 55, 32 x 17, 64 x 17,
+    # 64 x 62
+    assert caches == [1024 * n for n in (32 * 55, 32 * 17, 64 * 17, 64 * 62)]

@@ -82,6 +82,10 @@ _PHASE_COLOURS: dict[Phase, str] = {
     Phase.DECODE: "#72B7B2",
 }
 _FLOOR_COLOUR = "#9D9D9D"
+# the phases that run the model forward (whose runs carry the forward FLOPs)
+_FORWARD_PHASES = np.asarray(
+    [PHASE_CODE[p] for p in (Phase.FORWARD, Phase.INFERENCE, Phase.PREFILL, Phase.DECODE)]
+)
 _BAR_WIDTH = 0.8  # x units; fixed, or plotly widens a trace's bars to its sparsest spacing
 
 TRACE_NAMES: tuple[str, ...] = (
@@ -246,7 +250,7 @@ def waterfall_data(est: MemoryEstimate, depth: int) -> WaterfallData:
     flops_f = np.bincount(groups, weights=layers.flops_forward, minlength=n_rows)
     flops_b = np.bincount(groups, weights=layers.flops_backward, minlength=n_rows)
     run_flops = np.zeros(n_runs, np.int64)
-    fwd = (run_phase == PHASE_CODE[Phase.FORWARD]) | (run_phase == PHASE_CODE[Phase.INFERENCE])
+    fwd = np.isin(run_phase, _FORWARD_PHASES)
     bwd = run_phase == PHASE_CODE[Phase.BACKWARD]
     for mask, per_group in ((fwd, flops_f), (bwd, flops_b)):
         sel = np.flatnonzero(mask)
@@ -366,8 +370,7 @@ def _trace_updates(
         {"x": [data.peak_x], "y": [data.peak_bytes], "text": [peak_text], "hovertext": [peak_text]}
     )
     for code_mask in (
-        (data.run_phase == PHASE_CODE[Phase.FORWARD])
-        | (data.run_phase == PHASE_CODE[Phase.INFERENCE]),
+        np.isin(data.run_phase, _FORWARD_PHASES),
         data.run_phase == PHASE_CODE[Phase.BACKWARD],
     ):
         sel = np.flatnonzero(code_mask & (data.run_flops > 0))

@@ -53,11 +53,6 @@ class Mode(StrEnum):
     GENERATE = "generate"
 
 
-# the modes the widget's mode control offers (generation's prompt and new-token controls
-# are not in it yet: estimate(mode="generate") is)
-WIDGET_MODES: tuple[Mode, ...] = (Mode.TRAIN, Mode.INFERENCE)
-
-
 class FitBasis(StrEnum):
     """What "fits" compares with a capacity: ``ALLOCATED`` is the allocated peak plus the
     accelerator extras (``MemoryEstimate.total_bytes``); ``DEVICE`` replays the CUDA caching

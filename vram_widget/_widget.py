@@ -33,7 +33,7 @@ from ._figures import (
 )
 from ._gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
 from ._levers import Levers
-from ._options import WIDGET_MODES, Category, Device, Mode, OptimizerName, Precision
+from ._options import Category, Device, Mode, OptimizerName, Precision
 from ._profile import DEFAULT_MAX_SEQ_LEN
 from ._sharding import SINGLE_DEVICE, STRATEGIES, resolve_parallel
 from ._tradeoff import Frontier
@@ -50,6 +50,8 @@ BATCH_MAX = 2**40
 """The largest batch the widget accepts (the exact box's bound and ``max_batch_size``'s limit)."""
 # The sequence slider's top where the model has no learned position table: 128k tokens
 SEQ_SLIDER_MAX = DEFAULT_MAX_SEQ_LEN
+# new tokens a generation starts with (less where the model's positions run out first)
+DEFAULT_NEW_TOKENS = 128
 _NO_OPTIMIZER = "none"
 _CHECKPOINT_OFF = "off"
 _OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
@@ -117,7 +119,10 @@ class MemoryWidget(widgets.VBox):
     seq_len = traitlets.Int(None, allow_none=True)
     precision = traitlets.Enum([p.value for p in Precision], default_value="fp32")
     optimizer = _OptimizerTrait(list(_OPTIMIZERS), default_value="adam")
-    mode = traitlets.Enum([m.value for m in WIDGET_MODES], default_value="train")
+    mode = traitlets.Enum([m.value for m in Mode], default_value="train")
+    # generation (mode "generate"): the tokens generated after the prompt, whose length is
+    # seq_len (the sequence slider reads "prompt length" then)
+    new_tokens = traitlets.Int(DEFAULT_NEW_TOKENS, min=1)
     gpu = traitlets.Enum([*GPUS, CUSTOM_GPU], default_value="H100 SXM 80GB")
     custom_gib = traitlets.Float(24.0)
     depth = traitlets.Int(1, min=0)
@@ -147,6 +152,11 @@ class MemoryWidget(widgets.VBox):
         super().__init__()
         if profile.has_seq_axis and settings.get("seq_len") is None:
             settings = {**settings, "seq_len": profile.seq_len}
+        limit = profile.generation_limit
+        if "new_tokens" not in settings and limit is not None:
+            # within the model's positions after the starting prompt
+            prompt = settings.get("seq_len") or profile.seq_len or 0
+            settings = {**settings, "new_tokens": max(1, min(DEFAULT_NEW_TOKENS, limit - prompt))}
         if "precision" not in settings and Precision.FP32 not in profile.precisions:
             # a model with a kernel that runs in some dtypes only: start where it runs
             settings = {**settings, "precision": profile.precisions[0].value}
@@ -304,6 +314,17 @@ class MemoryWidget(widgets.VBox):
             raise traitlets.TraitError(str(exc)) from None
         return int(value)
 
+    @traitlets.validate("mode")
+    def _valid_mode(self, proposal: dict[str, Any]) -> str:
+        value = proposal["value"]
+        if value == Mode.GENERATE.value and not self._profile.generates:
+            raise traitlets.TraitError(
+                "mode 'generate' needs a model that generates with a cache of past keys and "
+                f"values (a Hugging Face model with generate()); "
+                f"{self._profile.model_name or 'this model'} has none"
+            )
+        return str(value)
+
     @traitlets.validate("checkpoint", "trainable", "grad_accumulation", "lora_rank")
     def _valid_levers(self, proposal: dict[str, Any]) -> Any:
         value = proposal["value"]
@@ -330,6 +351,7 @@ class MemoryWidget(widgets.VBox):
             "optimizer": None if self.optimizer == _NO_OPTIMIZER else self.optimizer,
             "mode": self.mode,
             "seq_len": self.seq_len,
+            "new_tokens": self.new_tokens if self._generating else None,
             # The chosen GPU's, for the cuBLAS workspace in the extras (custom: default).
             "compute_capability": self.target.compute_capability,
             **self._lever_settings(),
@@ -337,6 +359,10 @@ class MemoryWidget(widgets.VBox):
             "gpus": self.gpus,
             "strategy": self.strategy,
         }
+
+    @property
+    def _generating(self) -> bool:
+        return self.mode == Mode.GENERATE.value
 
     @property
     def _cuda(self) -> bool:
@@ -378,18 +404,15 @@ class MemoryWidget(widgets.VBox):
     def _frontier_shown(self) -> bool:
         return self.show_frontier and self._profile.has_seq_axis
 
-    def _frontier_key(self) -> tuple[Any, ...]:
+    def _settings_key(self, *leave_out: str, card: bool = True) -> tuple[Any, ...]:
+        """Every setting an estimate takes (but ``leave_out``) and, with ``card``, the card's
+        memory: the key of the caches of searches over one of them."""
         s = self._settings()
-        return (
-            self.precision,
-            self.optimizer,
-            self.mode,
-            self.target.memory_bytes,
-            s["compute_capability"],
-            self._levers(),
-            self.gpus,
-            self.strategy,
-        )
+        kept = tuple(sorted((k, repr(v)) for k, v in s.items() if k not in leave_out))
+        return (*kept, self.target.memory_bytes) if card else kept
+
+    def _frontier_key(self) -> tuple[Any, ...]:
+        return self._settings_key("seq_len")
 
     def frontier(self) -> Frontier:
         """The batch x sequence-length frontier of the current precision, optimizer, mode
@@ -433,6 +456,7 @@ class MemoryWidget(widgets.VBox):
             f"{self.precision} / {self.mode}"
             + (f" / {self.optimizer}" if self.mode == Mode.TRAIN.value else "")
             + (f" / {self.seq_len} tokens" if self.seq_len is not None else "")
+            + (f" + {self.new_tokens} new" if self._generating else "")
             + (f" / {self._levers().describe()}" if self._levers().active else "")
         )
         started = 0.0
@@ -524,17 +548,7 @@ class MemoryWidget(widgets.VBox):
         """
         s = self._settings()
         capacity = self.target.memory_bytes
-        key = (
-            self.precision,
-            self.optimizer,
-            self.mode,
-            self.seq_len,
-            capacity,
-            s["compute_capability"],
-            self._levers(),
-            self.gpus,
-            self.strategy,
-        )
+        key = self._settings_key()
         if key not in self._fit_cache:
             self._fit_cache[key] = (
                 0 if self._below_context(capacity) else self._profile.max_batch_size(capacity, **s)
@@ -543,15 +557,7 @@ class MemoryWidget(widgets.VBox):
 
     def bytes_per_sample(self) -> int:
         """How much the peak grows per extra sample (cached per precision/optimizer/mode)."""
-        key = (
-            self.precision,
-            self.optimizer,
-            self.mode,
-            self.seq_len,
-            self._levers(),
-            self.gpus,
-            self.strategy,
-        )
+        key = self._settings_key("compute_capability", card=False)
         if key not in self._per_sample_cache:
             settings = self._settings()
             del settings["compute_capability"]  # the extras do not grow with the batch
@@ -608,7 +614,7 @@ class MemoryWidget(widgets.VBox):
         s = self._settings()
         s.pop("gpus")
         capacity = self.target.memory_bytes
-        key = (self.batch_size, capacity, tuple(sorted((k, repr(v)) for k, v in s.items())))
+        key = (self.batch_size, *self._settings_key("gpus"))
         if key not in self._gpus_cache:
             if self._below_context(capacity):
                 self._gpus_cache[key] = None
@@ -691,7 +697,10 @@ class MemoryWidget(widgets.VBox):
                     else ""
                 )
             )
-        if est.seq_len is not None:
+        generation = est.generation
+        if generation is not None:
+            lines.insert(1, self._generation_line(est))
+        elif est.seq_len is not None:
             lines.insert(
                 1,
                 f"<b>Tokens per step</b>: {est.batch_size:,} x {est.seq_len:,} = "
@@ -733,12 +742,16 @@ class MemoryWidget(widgets.VBox):
             verdict += f"; the capacity is below the CUDA context alone ({format_bytes(context)})"
         elif largest == 0:
             verdict += "; not even batch size 1 fits"
+        elif generation is not None:
+            verdict += f"; most sequences generated at once: <b>{largest:,}</b>"
         else:
             verdict += f"; largest batch that fits: <b>{largest:,}</b>"
         lines.append(verdict)
-        lines.append(f"<b>Memory per extra sample</b>: {format_bytes(self.bytes_per_sample())}")
+        sample = "sequence" if generation is not None else "sample"
+        lines.append(f"<b>Memory per extra {sample}</b>: {format_bytes(self.bytes_per_sample())}")
         lines.append(
-            f"<b>FLOPs per step</b>: {_format_count(est.flops)}FLOP "
+            f"<b>FLOPs {'of the generation' if generation is not None else 'per step'}</b>: "
+            f"{_format_count(est.flops)}FLOP "
             f"({_format_count(est.macs)}MAC; forward {_format_count(est.flops_forward)}FLOP, "
             f"backward {_format_count(est.flops_backward)}FLOP)"
         )
@@ -746,8 +759,11 @@ class MemoryWidget(widgets.VBox):
         if rate:
             t = est.flops / rate
             speed = f"{est.batch_size / t:,.0f} samples/s" if t > 0 else "n/a"
+            if generation is not None and t > 0:  # compute-bound; decoding rarely is
+                speed = f"{est.batch_size * generation.new_tokens / t:,.0f} new tokens/s"
             lines.append(
-                f"<b>Step time</b> &ge; {_format_seconds(t)} at {rate / 1e12:g} TFLOP/s "
+                f"<b>{'Generation' if generation is not None else 'Step'} time</b> &ge; "
+                f"{_format_seconds(t)} at {rate / 1e12:g} TFLOP/s "
                 f"(dense peak); at most {speed}"
             )
         else:
@@ -758,6 +774,24 @@ class MemoryWidget(widgets.VBox):
                 "this model: estimates away from the profiled batches are extrapolated</i>"
             )
         return "<br>".join(lines)
+
+    def _generation_line(self, est: MemoryEstimate) -> str:
+        """A generation's shape, its KV cache and the step of its peak."""
+        generation = est.generation
+        assert generation is not None
+        prompt = est.seq_len or 0
+        step = (
+            "the prefill of the prompt"
+            if not est.peak_step
+            else f"decode step {est.peak_step:,} of {generation.new_tokens - 1:,}"
+        )
+        return (
+            f"<b>Generation</b>: {est.batch_size:,} sequences x (a prompt of {prompt:,} "
+            f"tokens + {generation.new_tokens:,} new); <b>KV cache</b> "
+            f"{format_bytes(generation.kv_cache_bytes)} after the last step, "
+            f"{format_bytes(generation.kv_cache_bytes_per_token)} per token per sequence; "
+            f"the peak is in {step}"
+        )
 
     def _allocator_line(self, est: MemoryEstimate) -> str:
         """The caching allocator's view (CUDA): what it reserves at its peak, the gap to
@@ -847,7 +881,11 @@ class MemoryWidget(widgets.VBox):
         # may profile (the first other length), so the slider reports on release.
         seq_max = self._profile.seq_len_limit or SEQ_SLIDER_MAX
         self._seq_slider, self._seq_box = _log_slider_and_box(
-            "sequence length", self.seq_len or 1, seq_max, seq_max, continuous=False
+            "prompt length" if self._generating else "sequence length",
+            self.seq_len or 1,
+            seq_max,
+            seq_max,
+            continuous=False,
         )
         self._seq_slider.observe(functools.partial(self._control_moved, "seq_len"), "value")
         self._seq_box.observe(functools.partial(self._control_moved, "seq_len"), "value")
@@ -859,8 +897,20 @@ class MemoryWidget(widgets.VBox):
             options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
         )
         optimizer = widgets.Dropdown(options=list(_OPTIMIZERS), layout={"width": "220px"})
-        mode = widgets.ToggleButtons(
-            options=[m.value for m in WIDGET_MODES], style={"button_width": "90px"}
+        # generation where the model generates with a KV cache
+        modes = [m.value for m in Mode if m is not Mode.GENERATE or self._profile.generates]
+        mode = widgets.ToggleButtons(options=modes, style={"button_width": "90px"})
+        # Generation: the new tokens after the prompt (a log slider and a box, up to the
+        # model's positions); the prompt is the sequence slider, relabelled.
+        tokens_max = self._profile.generation_limit or SEQ_SLIDER_MAX
+        self._tokens_slider, self._tokens_box = _log_slider_and_box(
+            "new tokens", self.new_tokens, tokens_max, tokens_max, continuous=False
+        )
+        self._tokens_slider.observe(functools.partial(self._control_moved, "new_tokens"), "value")
+        self._tokens_box.observe(functools.partial(self._control_moved, "new_tokens"), "value")
+        self._generation_row = widgets.HBox(
+            [widgets.HTML("<b>generation</b>&nbsp;"), self._tokens_slider, self._tokens_box],
+            layout={"display": None if self._generating else "none"},
         )
         gpu = widgets.Dropdown(options=[*GPUS, CUSTOM_GPU], layout={"width": "300px"})
         custom = widgets.BoundedFloatText(
@@ -946,6 +996,8 @@ class MemoryWidget(widgets.VBox):
             self._gpus_slider,
             self._gpus_box,
             strategy,
+            self._tokens_slider,
+            self._tokens_box,
         )
         self._parallel_row = widgets.HBox(
             [
@@ -971,6 +1023,7 @@ class MemoryWidget(widgets.VBox):
                 widgets.HBox([self._batch_slider, self._batch_box]),
                 self._seq_row,
                 widgets.HBox([precision, optimizer, mode]),
+                self._generation_row,
                 self._levers_row,
                 widgets.HBox([gpu, custom, expandable, depth]),
                 self._parallel_row,
@@ -994,6 +1047,12 @@ class MemoryWidget(widgets.VBox):
                 self._seq_box.value = self.seq_len
             self._gpus_slider.value = float(self.gpus)
             self._gpus_box.value = self.gpus
+            self._tokens_slider.value = float(self.new_tokens)
+            self._tokens_box.value = self.new_tokens
+            self._seq_slider.description = (
+                "prompt length" if self._generating else "sequence length"
+            )
+            self._generation_row.layout.display = None if self._generating else "none"
             self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
         finally:
             self._syncing = False
@@ -1057,6 +1116,7 @@ _SETTINGS: tuple[str, ...] = (
     "precision",
     "optimizer",
     "mode",
+    "new_tokens",
     "gpu",
     "custom_gib",
     "depth",
@@ -1102,9 +1162,11 @@ def show_memory(
         per sample, where the profile has a sequence axis; default: the example's),
         ``precision``
         ({"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}), ``optimizer`` (an optimizer name
-        or ``"none"``/None), ``mode`` ({"train", "inference"}), ``gpu`` (a GPU name of
-        the catalog, ``"custom"``, or a capacity: ``"80GiB"``, ``"24 GB"`` or bytes, which
-        selects the custom size), ``custom_gib`` (float), ``depth``
+        or ``"none"``/None), ``mode`` ({"train", "inference", "generate"}: generation
+        where the model has ``generate()``, the sequence slider then the prompt's length),
+        ``new_tokens`` (int >= 1, the tokens a generation adds after the prompt), ``gpu``
+        (a GPU name of the catalog, ``"custom"``, or a capacity: ``"80GiB"``, ``"24 GB"``
+        or bytes, which selects the custom size), ``custom_gib`` (float), ``depth``
         (module grouping depth, int >= 0), ``show_frontier`` (bool: open the batch x
         sequence-length panel, where the profile has a sequence axis), the memory levers
         ``checkpoint`` ("off", "auto" or a class name), ``trainable`` (comma-separated

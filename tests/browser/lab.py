@@ -438,15 +438,29 @@ def set_gpus(page: Any, value: int, timeout_s: float = 60.0) -> dict[str, Any]:
     return _set_box(page, box, value, timeout_s)
 
 
-def _set_box(page: Any, css: str, value: int, timeout_s: float) -> dict[str, Any]:
-    before = page.evaluate(JS_WIDGET_STATE)
+def set_new_tokens(page: Any, value: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Type ``value`` into the new-tokens box of the first widget in generate mode (the
+    generation row, beside the "new tokens" slider) and wait until that widget's figure and
+    summary changed; returns its state after."""
+    # every widget has the row; only one in generate mode shows it
+    box = (
+        ".widget-hbox:has(.widget-slider .widget-label:text-is('new tokens')) "
+        ".widget-text input:visible"
+    )
+    return _set_box(page, box, value, timeout_s, js_widget_state("new tokens"))
+
+
+def _set_box(
+    page: Any, css: str, value: int, timeout_s: float, state: str = JS_WIDGET_STATE
+) -> dict[str, Any]:
+    before = page.evaluate(state)
     box = page.locator(css).first
     box.scroll_into_view_if_needed()
     box.fill(str(value))
     box.press("Enter")
     # the figure and the summary are separate messages from the kernel: wait for both
     changed = (
-        f"(before) => {{ const s = ({JS_WIDGET_STATE})(); "
+        f"(before) => {{ const s = ({state})(); "
         "return s && s.fingerprint !== before[0] && s.summary !== before[1]; }"
     )
     page.wait_for_function(
@@ -455,7 +469,7 @@ def _set_box(page: Any, css: str, value: int, timeout_s: float) -> dict[str, Any
         timeout=timeout_s * 1000,
         polling=100,
     )
-    return dict(page.evaluate(JS_WIDGET_STATE))
+    return dict(page.evaluate(state))
 
 
 # The frontier panel of the first widget with a visible sequence slider: open it (a click on

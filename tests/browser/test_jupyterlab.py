@@ -1,7 +1,9 @@
 """The quickstart notebook in a real JupyterLab, in headless Chromium: Run All, the widget
 renders, a batch-size slider move redraws the figure and the summary; on the widget of a
 model with a sequence axis (the quickstart's BERT), a sequence-length move does too, and the
-batch x sequence-length panel opens onto its frontier, whose marker follows the length.
+batch x sequence-length panel opens onto its frontier, whose marker follows the length; the
+memory levers, data-parallel and (on the GPT-2 widget in generate mode) generation rows each
+redraw their widget.
 
 Run alone with ``python -m pytest -m browser``. Needs ``/usr/bin/chromium`` (Debian's package,
 installed by ``scripts/install.sh``), ``playwright`` and ``jupyterlab``. Where they are absent
@@ -40,6 +42,7 @@ from .lab import (
     screenshot_widget,
     set_gpus,
     set_micro_batches,
+    set_new_tokens,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
@@ -68,6 +71,9 @@ class Session:
     levers_error: str | None
     gpus_after: dict[str, Any] | None
     gpus_error: str | None
+    generation_before: dict[str, Any] | None
+    generation_after: dict[str, Any] | None
+    generation_error: str | None
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +119,13 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
                 gpus_after = set_gpus(page, 8)
             except Exception as exc:  # reported by the data-parallel test, not here
                 gpus_error = f"{type(exc).__name__}: {exc}"
+            # the generation row of the GPT-2 widget (mode "generate"): 64 new tokens
+            generation_before = page.evaluate(js_widget_state("new tokens"))
+            generation_after, generation_error = None, None
+            try:
+                generation_after = set_new_tokens(page, 64)
+            except Exception as exc:  # reported by the generation test, not here
+                generation_error = f"{type(exc).__name__}: {exc}"
         finally:
             screenshot_widget(page, ARTIFACTS / "quickstart.png")
             (ARTIFACTS / "jupyterlab.log").write_text(server.log_tail(200_000))
@@ -144,6 +157,9 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
             levers_error,
             gpus_after,
             gpus_error,
+            generation_before,
+            generation_after,
+            generation_error,
         )
 
 
@@ -222,3 +238,15 @@ def test_data_parallel_row_redraws(session: Session) -> None:
     assert session.gpus_after is not None
     assert "Data parallel" in session.gpus_after["summary"]
     assert "global batch 8 x" in session.gpus_after["summary"]
+
+
+def test_generation_row_redraws(session: Session) -> None:
+    # The GPT-2 widget in generate mode: typing 64 new tokens (from 256) redraws its figure and
+    # its summary, whose KV cache follows (numpy over the cached generation profile).
+    assert session.generation_error is None, session.generation_error
+    before, after = session.generation_before, session.generation_after
+    assert before is not None, "no widget with a visible new-tokens slider"
+    assert after is not None
+    assert "KV cache" in before["summary"] and "256 new" in before["summary"]
+    assert "64 new" in after["summary"]
+    assert after["fingerprint"] != before["fingerprint"]
