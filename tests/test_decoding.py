@@ -6,11 +6,14 @@ import numpy as np
 import pytest
 
 from vram_widget._decoding import (
+    DECODE_STEPS_ACROSS_WINDOW,
+    DECODE_STEPS_PROFILED,
+    PROMPT_BEFORE_WINDOW,
     DecodePatternError,
+    Recording,
     StepEvents,
     check_generation,
-    check_window,
-    generation_flops,
+    crosses_window,
     step_of,
     unroll,
 )
@@ -18,26 +21,49 @@ from vram_widget._options import CATEGORY_CODE, PHASE_CODE, Category, Phase
 
 KV = CATEGORY_CODE[Category.KV_CACHE]
 TMP = CATEGORY_CODE[Category.TEMPORARY]
+WINDOW = 24
 
 
-def _decode_step(k: int) -> list[tuple[int, int]]:
-    """Decode step k of a toy model at batch 1 whose cache holds 7 + k tokens of 10 bytes
-    before the step (8 after the prefill): the cache concatenated with one more token (a new
-    cache of 10 * (8 + k) bytes, then the old one freed), a score row of 4 bytes per key, a
-    logits copy of 40."""
-    old, new = 10 * (7 + k), 10 * (8 + k)
-    return [(new, KV), (-old, KV), (4 * (8 + k), TMP), (-4 * (8 + k), TMP), (40, TMP), (-40, TMP)]
+def _prefill(prompt: int, window: int | None) -> list[tuple[int, int]]:
+    """A 16-byte mask (generate's set-up is step 0's), a 200-byte activation, and a cache of
+    10 bytes per token it keeps (at most ``window`` tokens)."""
+    kept = prompt if window is None else min(prompt, window)
+    return [(16, TMP), (200, TMP), (10 * kept, KV), (-200, TMP)]
 
 
-def _recorded(steps: int = 4) -> tuple[StepEvents, tuple[int, ...]]:
-    """Set-up (a 16-byte mask), a prefill that leaves a cache of 80 bytes behind a 200-byte
-    activation, then decode steps 1..steps."""
-    events: list[tuple[int, int]] = [(16, TMP)]
-    starts = [len(events)]
-    events += [(200, TMP), (80, KV), (-200, TMP)]
+def _decode_step(keys: int, window: int | None) -> list[tuple[int, int]]:
+    """A toy decode step with ``keys`` keys: the cache of ``keys - 1`` tokens of 10 bytes
+    concatenated with one more (the new cache, then the old one freed; a sliding window keeps
+    ``window`` tokens at most), a score row of 4 bytes per key it attends to, a logits copy
+    of 40."""
+    old, new = keys - 1, keys
+    if window is not None:
+        old, new = min(old, window), min(new, window)
+    seen = new
+    return [
+        (10 * new, KV),
+        (-10 * old, KV),
+        (4 * seen, TMP),
+        (-4 * seen, TMP),
+        (40, TMP),
+        (-40, TMP),
+    ]
+
+
+def _flops(keys: int, window: int | None) -> int:
+    """A decode step's FLOPs: 10, and 2 per key attended to."""
+    return 10 + 2 * (keys if window is None else min(keys, window))
+
+
+def _recording(prompt: int, steps: int, window: int | None = None) -> Recording:
+    """The prefill at ``prompt`` tokens (100 FLOPs), then decode steps 1..steps (step k
+    with ``prompt + k`` keys)."""
+    events = _prefill(prompt, window)
+    starts, flops = [1], [0, 100]  # the mask is the set-up, before the prefill's forward
     for k in range(1, steps + 1):
         starts.append(len(events))
-        events += _decode_step(k)
+        events += _decode_step(prompt + k, window)
+        flops.append(_flops(prompt + k, window))
     starts.append(len(events))
     n = len(events)
     recorded = StepEvents(
@@ -46,86 +72,111 @@ def _recorded(steps: int = 4) -> tuple[StepEvents, tuple[int, ...]]:
         phase=np.full(n, PHASE_CODE[Phase.DECODE], np.int8),
         category=np.asarray([c for _b, c in events], np.int8),
         op=np.full(n, -1, np.int32),
-        step_at=np.zeros(0, np.int64),
-        step_number=np.zeros(0, np.int64),
     )
-    return recorded, tuple(starts)
+    counted = np.cumsum(flops)[:, None]  # one row
+    return Recording(recorded, tuple(starts), prompt, counted)
 
 
-def _brute_peak(new_tokens: int) -> tuple[int, int]:
-    """Peak live bytes and the step it falls in, every step written out."""
-    events: list[int] = [16, 200, 80, -200]
-    step: list[int] = [0, 0, 0, 0]
+def _written_out(prompt: int, new_tokens: int, window: int | None = None) -> tuple[int, int, int]:
+    """Peak live bytes, the step it falls in and the FLOPs, every step written out."""
+    events = [b for b, _c in _prefill(prompt, window)]
+    step = [0] * len(events)
+    flops = 100
     for k in range(1, new_tokens):
-        part = [b for b, _c in _decode_step(k)]
+        part = [b for b, _c in _decode_step(prompt + k, window)]
         events += part
         step += [k] * len(part)
+        flops += _flops(prompt + k, window)
     live = np.cumsum(events)
     at = int(np.argmax(live))
-    return int(live[at]), step[at]
+    return int(live[at]), step[at], flops
+
+
+def _peak(out: StepEvents) -> tuple[int, int]:
+    live = np.cumsum(out.nbytes)
+    at = int(np.argmax(live))
+    return int(live[at]), step_of(out, at)
 
 
 @pytest.mark.parametrize("new_tokens", [1, 2, 5, 6, 7, 40, 1000])
 def test_unrolled_peak_is_every_step_written_out(new_tokens: int) -> None:
-    recorded, starts = _recorded()
-    out, gen = unroll(recorded, starts, new_tokens, batch_size=1)
-    live = np.cumsum(out.nbytes)
-    at = int(np.argmax(live))
-    assert (int(live[at]), step_of(out, at)) == _brute_peak(new_tokens)
+    run = _recording(8, DECODE_STEPS_PROFILED)
+    out, gen, flops = unroll(run, new_tokens, batch_size=1)
+    peak, step, expected_flops = _written_out(8, new_tokens)
+    assert _peak(out) == (peak, step)
+    assert int(flops[0]) == expected_flops
     # the cache after the last step: 80 bytes after the prefill, 10 per decode step
     assert gen.kv_cache_bytes == 80 + 10 * (new_tokens - 1)
     assert gen.kv_cache_bytes_per_token == 10
     # the unrolled events add up to where the last step ends
-    assert int(live[-1]) == 16 + 80 + 10 * (new_tokens - 1)
+    assert int(out.nbytes.sum()) == 16 + 80 + 10 * (new_tokens - 1)
 
 
 def test_a_long_generation_peaks_at_its_last_step() -> None:
     # the peak of decode step k is the mask, the cache and its concatenated copy:
     # 16 + 10 (7 + k) + 10 (8 + k) = 166 + 20 k, above the prefill's 16 + 200 + 80 = 296
     # from k = 7 on
-    recorded, starts = _recorded()
-    out, _gen = unroll(recorded, starts, 1000, batch_size=1)
-    live = np.cumsum(out.nbytes)
-    assert int(live.max()) == 166 + 20 * 999
-    assert step_of(out, int(np.argmax(live))) == 999
+    out, _gen, _flops = unroll(_recording(8, DECODE_STEPS_PROFILED), 1000, batch_size=1)
+    assert _peak(out) == (166 + 20 * 999, 999)
     assert len(out.nbytes) < 60  # 1000 steps without 6000 events
 
 
-def test_a_step_that_breaks_the_pattern_is_refused() -> None:
-    recorded, starts = _recorded()
-    bad = recorded.nbytes.copy()
-    bad[starts[2]] += 8  # decode step 2 grows its cache by 8 more than step 3 does
-    broken = StepEvents(
-        bad, recorded.module, recorded.phase, recorded.category, recorded.op,
-        recorded.step_at, recorded.step_number,
+@pytest.mark.parametrize(("prompt", "new_tokens"), [(4, 50), (10, 40), (16, 30), (17, 9), (2, 30)])
+def test_a_sliding_window_is_crossed_as_every_step_written_out(
+    prompt: int, new_tokens: int
+) -> None:
+    # the prompt's own run below the window, a run across it at a prompt of 24 - 5, and the
+    # steps written out one by one agree on the peak, its step, the cache and the FLOPs
+    assert crosses_window(prompt, new_tokens, DECODE_STEPS_PROFILED + 1, WINDOW)
+    run = _recording(prompt, DECODE_STEPS_PROFILED, WINDOW)
+    across = _recording(WINDOW - PROMPT_BEFORE_WINDOW, DECODE_STEPS_ACROSS_WINDOW, WINDOW)
+    out, gen, flops = unroll(run, new_tokens, batch_size=1, across=across)
+    peak, step, expected_flops = _written_out(prompt, new_tokens, WINDOW)
+    assert _peak(out) == (peak, step)
+    assert int(flops[0]) == expected_flops
+    assert gen.kv_cache_bytes == 10 * min(prompt + new_tokens - 1, WINDOW)
+    assert gen.kv_cache_bytes_per_token == (0 if prompt + new_tokens >= WINDOW else 10)
+    # the run at the prompt alone cannot cross it: its pattern would keep growing
+    alone, _gen, _flops = unroll(run, new_tokens, batch_size=1)
+    assert _peak(alone)[0] > peak
+
+
+def test_runs_that_disagree_below_the_window_are_refused() -> None:
+    run = _recording(4, DECODE_STEPS_PROFILED, WINDOW)
+    across = _recording(WINDOW - PROMPT_BEFORE_WINDOW, DECODE_STEPS_ACROSS_WINDOW, WINDOW)
+    nbytes = across.events.nbytes.copy()
+    nbytes[across.starts[2]] += 10  # its step at W - 3 keys is not the prompt run's
+    events = StepEvents(
+        nbytes, across.events.module, across.events.phase, across.events.category,
+        across.events.op,
     )  # fmt: skip
+    changed = Recording(events, across.starts, across.prompt_len, across.flops)
+    with pytest.raises(DecodePatternError, match="before the window differs"):
+        unroll(run, 50, batch_size=1, across=changed)
+
+
+def test_a_step_that_breaks_the_pattern_is_refused() -> None:
+    run = _recording(8, DECODE_STEPS_PROFILED)
+    bad = run.events.nbytes.copy()
+    bad[run.starts[2]] += 8  # decode step 2 grows its cache by 8 more than step 3 does
+    events = StepEvents(
+        bad, run.events.module, run.events.phase, run.events.category, run.events.op
+    )
+    broken = Recording(events, run.starts, run.prompt_len, run.flops)
     with pytest.raises(DecodePatternError, match="do not grow by the same amount"):
-        unroll(broken, starts, 9, batch_size=1)
-    out, _gen = unroll(broken, starts, 5, batch_size=1)  # the recorded steps themselves
-    assert int(out.nbytes.sum()) == int(bad[: starts[5]].sum())
+        unroll(broken, 9, batch_size=1)
+    out, _gen, _flops = unroll(broken, 5, batch_size=1)  # the recorded steps themselves
+    assert int(out.nbytes.sum()) == int(bad[: run.starts[5]].sum())
 
 
-def test_generation_flops_sum_the_decode_steps() -> None:
-    # set-up 0; prefill 100 FLOPs; decode step k: 10 + 2 k (attention over one more key)
-    per_step = [100, 12, 14, 16, 18]
-    counted = np.cumsum([[0], *[[f] for f in per_step]], axis=0)
-    assert generation_flops(counted, 3)[0] == 100 + 12 + 14
-    # 9 tokens: the prefill and decode steps 1..8 = 100 + sum(10 + 2k) = 100 + 80 + 72
-    assert generation_flops(counted, 9)[0] == 252
-    with pytest.raises(DecodePatternError):
-        generation_flops(np.cumsum([[0], [100], [12], [14], [17], [18]], axis=0), 9)
-
-
-def test_window_crossing_is_refused_where_extrapolated() -> None:
+def test_window_crossing_is_told_apart() -> None:
     # window 24, 5 forwards recorded: below it up to prompt + new tokens = 22, above it from
-    # a prompt of 23 (the pattern's first key length, prompt + 1, at the window)
-    check_window(10, 12, 5, 24)
-    check_window(23, 500, 5, 24)
-    check_window(20, 5, 5, 24)  # recorded, not extrapolated
-    check_window(16, 500, 5, None)
-    for prompt, tokens in ((10, 13), (22, 20)):
-        with pytest.raises(ValueError, match="crosses the model's sliding window of 24"):
-            check_window(prompt, tokens, 5, 24)
+    # a prompt of 23 (the pattern's first key length, prompt + 2, past the window)
+    assert not crosses_window(10, 12, 5, 24)
+    assert not crosses_window(23, 500, 5, 24)
+    assert not crosses_window(20, 5, 5, 24)  # recorded, not extrapolated
+    assert not crosses_window(16, 500, 5, None)
+    assert crosses_window(10, 13, 5, 24) and crosses_window(22, 20, 5, 24)
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,7 @@ def test_kv_cache_by_hand() -> None:
     # cached: a generation at another batch and token count runs nothing more, whatever
     # the optimizer (there is none in generation)
     assert profile.is_cached("fp32", "generate", "sgd")  # no SGD step was ever traced
+    assert profile.is_cached("fp32", "generate", new_tokens=40)  # GPT-2 has no window
 
 
 def test_the_peak_says_which_step() -> None:
@@ -102,19 +103,39 @@ def test_flops_are_torch_s_count_of_the_real_generate(batch: int, prompt: int, t
     assert (est.flops_forward, est.flops_backward) == (counter.get_total_flops(), 0)
 
 
-def test_a_sliding_window_is_estimated_on_either_side_and_refused_across() -> None:
-    # Mistral with a window of 24: steps past the window (the cache stops growing) and steps
-    # that end before it are exact; a generation that crosses it is refused by name
+def test_a_sliding_window_is_estimated_on_either_side_and_across() -> None:
+    # Mistral with a window of 24: steps that end before the window, steps past it (the cache
+    # stops growing) and generations across it (one more run, at a prompt of 19 with 9
+    # decode steps, joined to the prompt's own run) are each the real generate's peak
     model = _model(hf_mistral)
     profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
-    for batch, prompt, tokens in [(2, 10, 12), (2, 23, 20), (1, 30, 40)]:
+    for batch, prompt, tokens in [(2, 10, 12), (2, 23, 20), (1, 30, 40), (1, 4, 50), (3, 2, 60)]:
         est = profile.estimate(batch, mode="generate", seq_len=prompt, new_tokens=tokens)
         real = measure(model, _prompts(batch, prompt), mode="generate", new_tokens=tokens)
         assert est.peak_bytes == real.peak_bytes, (batch, prompt, tokens)
-    past = profile.estimate(1, mode="generate", seq_len=30, new_tokens=40)
-    assert past.kv_cache_bytes_per_token == 0  # the window is full: it slides
-    with pytest.raises(ValueError, match="crosses the model's sliding window of 24 tokens"):
-        profile.estimate(2, mode="generate", seq_len=16, new_tokens=12)
+    across = profile.estimate(1, mode="generate", seq_len=4, new_tokens=50)
+    assert across.peak_step == 49  # the last decode step, with the full window of keys
+    # the window is full: it slides; the cache holds 24 tokens of 2 layers x k, v x 32 x 4 B,
+    # and each layer its window as an int64 tensor (DynamicSlidingWindowLayer's
+    # _sliding_window_tensor, transformers/cache_utils.py)
+    assert (across.kv_cache_bytes_per_token, across.kv_cache_bytes) == (0, 24 * 512 + 2 * 8)
+
+
+def test_flops_across_a_window_are_its_attention() -> None:
+    # torch's FlopCounterMode counts the matmuls of the real generate, not its CPU attention
+    # kernel; ours counts both. The difference is attention by hand: 2 layers x (QK and PV)
+    # x 2 FLOPs x 4 heads x 16 dims = 512 per query and key: the prefill's 16 x 16, then
+    # decode step k over min(16 + k, 24) keys (the window): 17..24 for k = 1..8, then 24
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _model(hf_mistral)
+    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    est = profile.estimate(1, mode="generate", seq_len=16, new_tokens=30)
+    ids = _prompts(1, 16)["input_ids"]
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.generate(ids, do_sample=False, max_new_tokens=30, min_new_tokens=30)
+    keys = 16 * 16 + sum(min(16 + k, 24) for k in range(1, 30))
+    assert est.flops_forward - counter.get_total_flops() == 512 * keys
 
 
 def test_max_batch_size_counts_concurrent_sequences() -> None:

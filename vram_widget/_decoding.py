@@ -7,8 +7,10 @@ new token with a cache one token longer than the step before, so from some step 
 event's size is the last recorded step's plus a fixed amount per step (a cache of L tokens
 concatenated with one more, attention over L keys). That pattern is read from the last
 two recorded steps and checked exactly, event for event, against the one before them
-(:func:`decode_pattern`); where it does not hold (a sliding window that fills up within the
-recorded steps, a kernel that pads the length), the generation is not extrapolated.
+(:func:`decode_pattern`); where it does not hold (a kernel that pads the length), the
+generation is not extrapolated. A sliding window splits the steps in two patterns (the cache
+grows below it and slides past it): a second run, recorded across the window, joins them
+(:func:`_plan`).
 
 Step ``N + m`` is then ``last + m * slope``. Live memory at its start grows by the steps'
 net sizes, a sum in closed form, and its peak is the largest prefix of its events; both are
@@ -27,6 +29,19 @@ import numpy as np
 
 from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase
 from ._table import N_CATEGORIES, sum_by
+
+# Decode steps the generation pass records after the prefill. The first may differ from the
+# rest (the prefill's logits and set-up are let go in it); the pattern the later ones follow
+# is read from two and checked exactly against a third (:func:`decode_pattern`).
+DECODE_STEPS_PROFILED = 4
+# Across a sliding window of W tokens, one run at a prompt of W - 5 records 9: its decode
+# step j runs with W - 5 + j keys, so step 2 (W - 3 keys, the last below the window) is
+# compared with the prompt's own run, steps 3-5 are where the window fills (W - 2 to W),
+# and steps 6-9 are past it (W + 1 to W + 4), the pattern there read from the last three.
+# The window's edges are measured (Mistral and Qwen2, window 24): one pattern up to W - 3
+# keys, another from W + 1.
+DECODE_STEPS_ACROSS_WINDOW = 9
+PROMPT_BEFORE_WINDOW = 5
 
 _DECODE = PHASE_CODE[Phase.DECODE]
 _KV = CATEGORY_CODE[Category.KV_CACHE]
@@ -104,6 +119,118 @@ def decode_pattern(events: StepEvents, starts: tuple[int, ...]) -> tuple[np.ndar
     return c[0], slope
 
 
+@dataclass(frozen=True)
+class Recording:
+    """One recorded generation at one batch size: its events, where each forward starts
+    (the last entry: where the recording ends), its prompt's length (decode step ``k`` runs
+    with keys of ``prompt_len + k`` tokens) and the FLOPs per row counted before each
+    forward and at the end (forwards + 1 x rows)."""
+
+    events: StepEvents
+    starts: tuple[int, ...]
+    prompt_len: int
+    flops: np.ndarray
+
+    @property
+    def forwards(self) -> int:
+        """The forwards recorded: the prefill (step 0), then decode steps 1.."""
+        return len(self.starts) - 1
+
+    def step(self, k: int) -> _Arrays:
+        return _slice(self.events, self.starts[k], self.starts[k + 1])
+
+    def step_flops(self, k: int) -> np.ndarray:
+        return self.flops[k + 1] - self.flops[k]
+
+    def pattern(self) -> tuple[np.ndarray, np.ndarray]:
+        """The last recorded step's events and their growth per step (checked)."""
+        return decode_pattern(self.events, self.starts)
+
+    def flops_slope(self) -> np.ndarray:
+        """The FLOPs' growth per decode step, checked on the last three as the memory's."""
+        a, b, c = (self.step_flops(k) for k in range(self.forwards - 3, self.forwards))
+        if not np.array_equal(b - a, c - b):
+            raise DecodePatternError("the recorded decode steps' FLOPs do not grow by one amount")
+        return c - b
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """Recorded steps ``first..last`` of ``run``, as the generation's steps from ``number``."""
+
+    run: Recording
+    first: int
+    last: int
+    number: int
+
+
+@dataclass(frozen=True)
+class _Extrapolated:
+    """The generation's steps ``number + m``, ``m`` in ``m1..m2``: the last recorded step of
+    ``run`` plus ``m`` times its growth per step."""
+
+    run: Recording
+    m1: int
+    m2: int
+    number: int
+
+
+_Segment = _Steps | _Extrapolated
+
+
+def _same(a: _Arrays, b: _Arrays) -> bool:
+    return len(a[0]) == len(b[0]) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _plan(run: Recording, new_tokens: int, across: Recording | None) -> list[_Segment]:
+    """Where each step of a generation of ``new_tokens`` tokens comes from: ``run``'s
+    recorded steps, then its pattern; or, where ``across`` (a run at another prompt whose
+    recorded decode steps span a sliding window) is given, ``run``'s steps and its pattern
+    below the window, ``across``'s recorded steps through it (a decode step depends on its
+    key length, not on the prompt it started from: checked where both runs give the same
+    length), then ``across``'s pattern past it."""
+    last_step = new_tokens - 1
+    n = run.forwards
+    if last_step < n:
+        return [_Steps(run, 0, last_step, 0)]
+    plan: list[_Segment] = [_Steps(run, 0, n - 1, 0)]
+    if across is None:
+        return [*plan, _Extrapolated(run, 1, last_step - (n - 1), n - 1)]
+    low = across.prompt_len + 2  # the key lengths of across's steps 2.. (its step 1 follows
+    high = across.prompt_len + across.forwards - 1  # its own prefill)
+    k = n  # the next step of the generation; its keys: run.prompt_len + k
+    if run.prompt_len + k < low:  # below the window: run's pattern, up to across's steps
+        k_end = min(last_step, low - 1 - run.prompt_len)
+        plan.append(_Extrapolated(run, 1, k_end - (n - 1), n - 1))
+        last, slope = run.pattern()
+        m = low - run.prompt_len - (n - 1)
+        if not _same((last + m * slope, *run.step(n - 1)[1:]), across.step(2)):
+            raise DecodePatternError(
+                "the decode step before the window differs between the prompt's run and "
+                "the run across the window"
+            )
+        k = k_end + 1
+    elif (
+        n - 1 >= 2  # the last recorded step (not the first after the prefill), compared
+        and run.prompt_len + n - 1 >= low
+        and not _same(run.step(n - 1), across.step(run.prompt_len + n - 1 - across.prompt_len))
+    ):
+        raise DecodePatternError(
+            "a decode step differs between the prompt's run and the run across the window"
+        )
+    if k > last_step:
+        return plan
+    j = run.prompt_len + k - across.prompt_len
+    if j <= across.forwards - 1:
+        j_end = min(across.forwards - 1, j + last_step - k)
+        plan.append(_Steps(across, j, j_end, k))
+        k += j_end - j + 1
+    if k > last_step:
+        return plan
+    assert run.prompt_len + k - 1 == high
+    return [*plan, _Extrapolated(across, 1, last_step - (k - 1), k - 1)]
+
+
 def _category_nets(
     category: np.ndarray, last: np.ndarray, slope: np.ndarray, m1: int, m2: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -118,152 +245,147 @@ def _category_nets(
     return codes, nets[codes]
 
 
-def _step_after(
-    events: StepEvents, starts: tuple[int, ...], new_tokens: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes and categories of the events of step ``new_tokens``, the one after a generation
-    of ``new_tokens`` tokens: recorded, or the pattern's (the last recorded step's where
-    the recorded steps follow none)."""
-    recorded = len(starts) - 1
-    k = min(new_tokens, recorded - 1)
-    lo, hi = starts[k], starts[k + 1]
-    step = events.nbytes[lo:hi]
-    if new_tokens >= recorded:
-        try:
-            last, slope = decode_pattern(events, starts)
-            step = last + (new_tokens - recorded + 1) * slope
-        except DecodePatternError:
-            pass
-    return step, events.category[lo:hi]
-
-
-def unroll(
-    events: StepEvents, starts: tuple[int, ...], new_tokens: int, batch_size: int
-) -> tuple[StepEvents, Generation]:
-    """The events of a generation of ``new_tokens`` tokens (the prefill makes the first; each
-    further one is a decode step) from a recorded one whose forwards start at ``starts``
-    (the last entry: where the recording ends), at one batch size and prompt length."""
-    out = _unrolled(events, starts, new_tokens)
-    kv = int(out.nbytes[out.category == _KV].sum())
-    after, category = _step_after(events, starts, new_tokens)
-    per_token = int(after[category == _KV].sum()) // batch_size
-    return out, Generation(new_tokens, kv, per_token)
-
-
-def _unrolled(events: StepEvents, starts: tuple[int, ...], new_tokens: int) -> StepEvents:
-    recorded = len(starts) - 1  # forwards recorded: the prefill, then decode steps
-    if new_tokens <= recorded:  # the recorded steps, cut where step new_tokens starts
-        return StepEvents(
-            *_slice(events, 0, starts[new_tokens]),
-            step_at=np.asarray([0, *starts[1:new_tokens]], dtype=np.int64),
-            step_number=np.arange(new_tokens, dtype=np.int64),
-        )
-    last, slope = decode_pattern(events, starts)
-    lo, hi = starts[-2], starts[-1]
-    _, module, phase, category, op = _slice(events, lo, hi)
-    n_more = new_tokens - recorded  # extrapolated steps m = 1..n_more
-    base = _slice(events, 0, hi)
-    live_end = int(base[0].sum())  # after the recorded steps (residents aside)
+def _best_step(last: np.ndarray, slope: np.ndarray, m1: int, m2: int, live: int) -> int:
+    """The ``m`` in ``m1..m2`` whose step peaks highest, the steps starting at ``live``
+    (first of the highest). Live memory before step ``m`` grows by the steps' nets, a sum in
+    closed form, and the step's peak is its largest prefix: both convex in ``m`` where the
+    net growth per step does not shrink, so the peak is at an end (every step otherwise)."""
     total, growth = int(last.sum()), int(slope.sum())
     prefix, prefix_growth = np.cumsum(last), np.cumsum(slope)
 
     def peak_of(m: np.ndarray) -> np.ndarray:
-        """Live bytes (residents aside) at the peak of extrapolated step ``m``."""
-        start = live_end + (m - 1) * total + growth * (m - 1) * m // 2
+        start = live + (m - m1) * total + growth * (m1 + m - 1) * (m - m1) // 2
         inner = (prefix[None, :] + m[:, None] * prefix_growth[None, :]).max(axis=1)
         return start + np.maximum(inner, 0)
 
-    if growth >= 0:  # convex in m: the peak is at an end
-        candidates = np.unique(np.asarray([1, n_more], dtype=np.int64))
+    if growth >= 0:
+        candidates = np.unique(np.asarray([m1, m2], dtype=np.int64))
         peaks = peak_of(candidates)
     else:  # a shrinking step (not seen in practice): every step, in chunks
-        candidates = np.arange(1, n_more + 1, dtype=np.int64)
-        peaks = np.concatenate(
-            [peak_of(chunk) for chunk in np.array_split(candidates, max(1, n_more // 256))]
-        )
-    best = int(candidates[int(np.argmax(peaks))])
+        candidates = np.arange(m1, m2 + 1, dtype=np.int64)
+        chunks = np.array_split(candidates, max(1, len(candidates) // 256))
+        peaks = np.concatenate([peak_of(chunk) for chunk in chunks])
+    return int(candidates[int(np.argmax(peaks))])
 
-    parts = [list(base)]
-    step_at = [0, *starts[1:recorded]]
-    step_number = list(range(recorded))
-    size = hi
 
-    def add_nets(m1: int, m2: int) -> None:
-        nonlocal size
-        if m2 < m1:
-            return
-        codes, nets = _category_nets(category, last, slope, m1, m2)
-        n = len(nets)
-        parts.append(
-            [
-                nets,
-                np.zeros(n, np.int32),
-                np.full(n, _DECODE, np.int8),
-                codes.astype(np.int8),
-                np.full(n, -1, np.int32),
-            ]
-        )
+def _emit(plan: list[_Segment]) -> StepEvents:
+    """The events of ``plan``: recorded steps as they are; each extrapolated run of steps as
+    each category's net over the steps before its highest one, that step's events, then the
+    nets over the steps after it (so the live curve is exact at every event it has, and its
+    maximum is the generation's peak)."""
+    parts: list[_Arrays] = []
+    step_at: list[int] = []
+    step_number: list[int] = []
+    size = 0
+    live = 0  # residents aside
+
+    def add(arrays: _Arrays, number: int) -> None:
+        nonlocal size, live
         step_at.append(size)
-        step_number.append(recorded + m2 - 1)  # the steps' end: the last of them
-        size += n
+        step_number.append(number)
+        parts.append(arrays)
+        size += len(arrays[0])
+        live += int(arrays[0].sum())
 
-    add_nets(1, best - 1)
-    parts.append([last + best * slope, module, phase, category, op])
-    step_at.append(size)
-    step_number.append(recorded + best - 1)
-    size += len(last)
-    add_nets(best + 1, n_more)
-    nbytes, module_, phase_, category_, op_ = (
-        np.concatenate([p[i] for p in parts]) for i in range(5)
-    )
+    for seg in plan:
+        run = seg.run
+        if isinstance(seg, _Steps):
+            for k in range(seg.first, seg.last + 1):
+                lo = 0 if k == 0 else run.starts[k]  # step 0 with generate's set-up
+                add(_slice(run.events, lo, run.starts[k + 1]), seg.number + k - seg.first)
+            continue
+        last, slope = run.pattern()
+        shape = run.step(run.forwards - 1)[1:]
+        best = _best_step(last, slope, seg.m1, seg.m2, live)
+        if best > seg.m1:
+            nets = _category_nets(shape[2], last, slope, seg.m1, best - 1)
+            add(_nets(*nets), seg.number + best - 1)
+        add((last + best * slope, *shape), seg.number + best)
+        if best < seg.m2:
+            nets = _category_nets(shape[2], last, slope, best + 1, seg.m2)
+            add(_nets(*nets), seg.number + seg.m2)
+    nbytes, module, phase, category, op = (np.concatenate([p[i] for p in parts]) for i in range(5))
     return StepEvents(
         nbytes,
-        module_,
-        phase_,
-        category_,
-        op_,
+        module,
+        phase,
+        category,
+        op,
         step_at=np.asarray(step_at, dtype=np.int64),
         step_number=np.asarray(step_number, dtype=np.int64),
     )
 
 
-def check_window(prompt_len: int, new_tokens: int, recorded: int, window: int | None) -> None:
-    """Refuse a generation whose extrapolated decode steps cross the model's sliding window
+def _nets(codes: np.ndarray, nets: np.ndarray) -> _Arrays:
+    """Net events, one per category, of extrapolated steps (at the root, in the decode)."""
+    n = len(nets)
+    return (
+        nets,
+        np.zeros(n, np.int32),
+        np.full(n, _DECODE, np.int8),
+        codes.astype(np.int8),
+        np.full(n, -1, np.int32),
+    )
+
+
+def _plan_flops(plan: list[_Segment]) -> np.ndarray:
+    """FLOPs per row of ``plan``'s steps (with generate's set-up)."""
+    first = plan[0].run
+    total = first.flops[0].copy()  # the set-up, before the prefill's forward
+    for seg in plan:
+        run = seg.run
+        if isinstance(seg, _Steps):
+            total = total + run.flops[seg.last + 1] - run.flops[seg.first]
+            continue
+        last = run.step_flops(run.forwards - 1)
+        count = seg.m2 - seg.m1 + 1
+        total = total + count * last + run.flops_slope() * ((seg.m1 + seg.m2) * count // 2)
+    return total
+
+
+def _last_step(plan: list[_Segment]) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes and categories of the events of ``plan``'s last step."""
+    seg = plan[-1]
+    run = seg.run
+    if isinstance(seg, _Steps):
+        step = run.step(seg.last)
+        return step[0], step[3]
+    last, slope = run.pattern()
+    return last + seg.m2 * slope, run.step(run.forwards - 1)[3]
+
+
+def unroll(
+    run: Recording, new_tokens: int, batch_size: int, across: Recording | None = None
+) -> tuple[StepEvents, Generation, np.ndarray]:
+    """The events of a generation of ``new_tokens`` tokens (the prefill makes the first;
+    each further one is a decode step) from ``run``, recorded at the generation's prompt
+    and batch size (and, across a sliding window, ``across``: :func:`_plan`); with its KV
+    cache and its FLOPs per row."""
+    plan = _plan(run, new_tokens, across)
+    out = _emit(plan)
+    kv = int(out.nbytes[out.category == _KV].sum())
+    try:  # what one more token adds: the step after the last
+        after, category = _last_step(_plan(run, new_tokens + 1, across))
+    except DecodePatternError:  # no pattern to take it from: the last step's growth
+        after, category = _last_step(plan)
+    per_token = int(after[category == _KV].sum()) // batch_size
+    return out, Generation(new_tokens, kv, per_token), _plan_flops(plan)
+
+
+def crosses_window(prompt_len: int, new_tokens: int, recorded: int, window: int | None) -> bool:
+    """Whether a generation's extrapolated decode steps cross the model's sliding window
     (``config.sliding_window``): there a sliding layer's cache stops growing and its mask
     appears, so the steps before and after follow two patterns, and one recorded run holds
-    only one. ``recorded``: the forwards recorded (the prefill and the decode steps). Steps
-    the run recorded are exact whatever the window, and so are extrapolated ones on the
-    pattern's side of it (a prompt past the window, or a generation that ends before it)."""
+    only one (the run at the prompt records ``recorded`` forwards). Steps the run recorded
+    are exact whatever the window, and so are extrapolated ones on the pattern's side of it
+    (a prompt past the window, or a generation that ends before it)."""
     if window is None or new_tokens <= recorded:
-        return
+        return False
     first = prompt_len + recorded - 4  # the key length before the first step of the pattern
     last = prompt_len + new_tokens  # ... and after the last step generated
     # measured on Mistral and Qwen2 (window 24): steps are of one pattern from a key length
     # of the window on, and up to two below it
-    if first < window and last > window - 2:
-        raise ValueError(
-            f"a generation of {new_tokens} tokens after a prompt of {prompt_len} crosses the "
-            f"model's sliding window of {window} tokens (config.sliding_window), where its "
-            "cache stops growing: not estimated yet. Estimates hold up to "
-            f"prompt + new_tokens = {window - 2}, or for a prompt of {window + 4 - recorded} "
-            "tokens or more"
-        )
-
-
-def generation_flops(counted: np.ndarray, new_tokens: int) -> np.ndarray:
-    """FLOPs per row of a generation of ``new_tokens`` tokens, from the FLOPs per row counted
-    before each recorded forward and at the end (``counted``: steps + 1 x rows). A decode
-    step's FLOPs grow by the same amount each step (attention over one more key), checked
-    on the recorded steps as their memory is."""
-    steps = np.diff(counted, axis=0)  # the prefill (with generate's set-up), then each decode
-    recorded = len(steps)
-    if new_tokens <= recorded:
-        return counted[new_tokens]
-    slope = steps[-1] - steps[-2]
-    if not np.array_equal(steps[-2] - steps[-3], slope):
-        raise DecodePatternError("the recorded decode steps' FLOPs do not grow by one amount")
-    n_more = new_tokens - recorded
-    return counted[-1] + n_more * steps[-1] + slope * (n_more * (n_more + 1) // 2)
+    return first < window and last > window - 2
 
 
 def step_of(events: StepEvents, index: int) -> int:

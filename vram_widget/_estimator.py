@@ -29,7 +29,7 @@ from ._allocator import (
     align_allocations,
     replay,
 )
-from ._decoding import Generation, StepEvents, generation_flops, step_of, unroll
+from ._decoding import Generation, Recording, StepEvents, step_of, unroll
 from ._gpus import parse_capacity
 from ._levers import NO_LEVERS, Levers
 from ._options import (
@@ -449,6 +449,7 @@ def estimate(
     rank: int | None = None,
     edits: StepEdits | None = None,
     new_tokens: int | None = None,
+    across_window: tuple[Timeline, int] | None = None,
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace);
@@ -458,10 +459,13 @@ def estimate(
     that shards the parameters (FSDP2) inserts into the step, with the shards it keeps
     instead of whole parameters and gradients (``_sharding.fsdp_step_edits``).
     ``new_tokens``: generation (``mode="generate"``), the recorded prefill and decode steps
-    unrolled to that many new tokens (``_decoding.unroll``)."""
+    unrolled to that many new tokens (``_decoding.unroll``); ``across_window``: a generation
+    recorded across the model's sliding window, and its prompt's length, where the steps
+    cross it."""
     if batch_size == 1 and timeline.batch_one is not None:
         timeline = timeline.batch_one  # the step at batch 1 as profiled there
     n_rows = len(rows.names)
+    op_names = timeline.op_names
     train = mode is Mode.TRAIN
     length = seq_len or 1  # a timeline of one length has no seq terms: any value serves
     seq = timeline.events_at(batch_size, length)
@@ -504,8 +508,17 @@ def estimate(
     if mode is Mode.GENERATE:
         if new_tokens is None or not timeline.step_starts:
             raise ValueError("a generation's estimate needs new_tokens and a recorded generation")
-        recorded = StepEvents(seq, modules, phases, cats, ops)
-        unrolled, generation = unroll(recorded, timeline.step_starts, new_tokens, batch_size)
+        assert timeline.step_flops is not None
+        run = Recording(
+            StepEvents(seq, modules, phases, cats, ops),
+            timeline.step_starts,
+            length,
+            timeline.step_flops.at(batch_size, length),
+        )
+        across = None
+        if across_window is not None:
+            across, op_names = _recording(across_window, batch_size, op_names)
+        unrolled, generation, flops_generated = unroll(run, new_tokens, batch_size, across)
         seq, modules, phases, cats, ops = (
             unrolled.nbytes,
             unrolled.module,
@@ -543,7 +556,7 @@ def estimate(
         peak = _as_int(live[at])
         peak_phase = PHASES[int(phases[at])]
         peak_row = int(modules[at])
-        peak_op = _op_shown(rows, peak_row, int(ops[at]), timeline.op_names)
+        peak_op = _op_shown(rows, peak_row, int(ops[at]), op_names)
         by_cat = sum_by(cats[: at + 1], seq[: at + 1], N_CATEGORIES)
         breakdown = {c: _as_int(resident[i] + by_cat[i]) for i, c in enumerate(CATEGORIES)}
         peak_step = None if unrolled is None else step_of(unrolled, at)
@@ -573,10 +586,8 @@ def estimate(
     # int64 while it fits; Python ints (object arrays) for astronomical batches
     flops_f = timeline.flops_forward.at(batch_size, length)
     flops_b = timeline.flops_backward.at(batch_size, length)
-    if generation is not None and timeline.step_flops is not None:
-        flops_f = generation_flops(
-            timeline.step_flops.at(batch_size, length), generation.new_tokens
-        )
+    if generation is not None:
+        flops_f = flops_generated
     if not train:
         flops_b = np.zeros_like(flops_b)
     dims_poly, ndim = timeline.output_dims
@@ -653,6 +664,34 @@ def estimate(
             else None
         ),
     )
+
+
+def _recording(
+    across_window: tuple[Timeline, int], batch_size: int, op_names: tuple[str, ...]
+) -> tuple[Recording, tuple[str, ...]]:
+    """A generation recorded at another prompt (across a sliding window) at ``batch_size``,
+    its ops renamed into ``op_names`` (extended by those it adds): the two runs number their
+    ops apart."""
+    timeline, prompt_len = across_window
+    if batch_size == 1 and timeline.batch_one is not None:
+        timeline = timeline.batch_one
+    names = list(op_names)
+    code = {name: i for i, name in enumerate(names)}
+    for name in timeline.op_names:
+        if name not in code:
+            code[name] = len(names)
+            names.append(name)
+    renamed = np.asarray([code[name] for name in timeline.op_names] + [-1], dtype=np.int32)
+    assert timeline.step_flops is not None
+    events = StepEvents(
+        timeline.events_at(batch_size, prompt_len),
+        timeline.event_module,
+        timeline.event_phase,
+        timeline.event_category,
+        renamed[timeline.event_op],  # -1 (no op) stays -1: the last entry
+    )
+    flops = timeline.step_flops.at(batch_size, prompt_len)
+    return Recording(events, timeline.step_starts, prompt_len, flops), tuple(names)
 
 
 def module_label(rows: ModuleRows, row: int) -> str:

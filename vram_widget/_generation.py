@@ -29,15 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._decoding import DECODE_STEPS_PROFILED
 from ._fake import FakeTensor, TorchDispatchMode, quieted
 from ._options import Category, Phase, Precision
 from ._recorder import Recorder
 from ._step import ModelInputs, generate_pass
-
-# Decode steps recorded after the prefill. The first may differ from the rest (the prefill's
-# logits and set-up are let go in it); the pattern the later ones follow is read from two
-# and checked exactly against a third (``_decoding``).
-DECODE_STEPS_PROFILED = 4
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _ALL_OPS = frozenset(
@@ -106,9 +102,10 @@ def recorded_generation(
     precision: Precision,
     rec: Recorder,
     context: Any = None,
+    decode_steps: int = DECODE_STEPS_PROFILED,
 ) -> tuple[tuple[int, ...], np.ndarray]:
     """Run ``model.generate`` on ``inputs`` under ``rec`` (inside the caller's fake mode)
-    until :data:`DECODE_STEPS_PROFILED` decode steps are recorded. Returns the event index
+    until ``decode_steps`` decode steps are recorded. Returns the event index
     where each forward starts (the prefill's, then each decode step's) and, last, where the
     recording stopped: the step ``k`` spans ``starts[k]:starts[k + 1]``, what generate does
     around its forward included; the events before ``starts[0]`` are its set-up. The cache's
@@ -123,7 +120,7 @@ def recorded_generation(
             rec.set_category([s for s in ids if s is not None], Category.KV_CACHE)
         starts.append(rec.event_count())
         flops.append(rec.flops_forward.copy())
-        if len(starts) > DECODE_STEPS_PROFILED + 1:
+        if len(starts) > decode_steps + 1:
             rec.stop()
             raise _Enough
         rec.set_phase(Phase.PREFILL if len(starts) == 1 else Phase.DECODE)
@@ -139,16 +136,16 @@ def recorded_generation(
                 inputs,
                 precision,
                 "cpu",
-                DECODE_STEPS_PROFILED + 2,
+                decode_steps + 2,
                 context=context,
             )
     except _Enough:
         pass
     finally:
         handle.remove()
-    if len(starts) != DECODE_STEPS_PROFILED + 2:
+    if len(starts) != decode_steps + 2:
         raise RuntimeError(
-            f"generate ran {len(starts)} forwards, not the {DECODE_STEPS_PROFILED + 2} asked for"
+            f"generate ran {len(starts)} forwards, not the {decode_steps + 2} asked for"
         )
     return tuple(starts), np.stack(flops)
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._decoding import check_generation, check_window
+from ._decoding import PROMPT_BEFORE_WINDOW, check_generation, crosses_window
 from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from ._gpus import Gpu, parse_capacity
 from ._levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
@@ -77,6 +77,8 @@ class ProfileSource(Protocol):
     ) -> OptimizerTrace: ...
 
     def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
+
+    def generation_across_window(self, precision: Precision, window: int) -> Timeline: ...
 
 
 class ModelProfile:
@@ -162,6 +164,8 @@ class ModelProfile:
         ] = {}
         # FSDP2: (timeline id, precision, levers, ranks) -> what it inserts into the step
         self._step_edits: dict[tuple[int, Precision, Levers, Parallel], StepEdits] = {}
+        # generation across a sliding window: a run at a prompt just below it, per precision
+        self._across_windows: dict[Precision, Timeline] = {}
         self.name_prefix = ""
 
     def __repr__(self) -> str:
@@ -238,10 +242,12 @@ class ModelProfile:
         seq_len: int | None = None,
         levers: Levers = NO_LEVERS,
         parallel: Parallel = SINGLE_DEVICE,
+        new_tokens: int | None = None,
     ) -> bool:
         """Whether an estimate at this precision, mode (in training, optimizer), sequence
         length, levers and data parallelism needs no further profiling run (FSDP2 under
-        autocast steps on half-precision parameters: a run of its own)."""
+        autocast steps on half-precision parameters: a run of its own; a generation of
+        ``new_tokens`` across a sliding window, one recorded across it)."""
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
         if levers.lora_rank is not None and run_mode is Mode.TRAIN:
@@ -260,6 +266,14 @@ class ModelProfile:
             no_fit = fitted is None or not self._same_side_of_window(seq_len)
             if no_fit and (*key, seq_len) not in self._other_lengths:
                 return False  # profiled at that length
+        if run_mode is Mode.GENERATE and new_tokens is not None:
+            prompt = self.seq_len if seq_len is None else seq_len
+            forwards = len(self.timeline(prec, run_mode, seq_len).step_starts) - 1  # cached
+            crossing = prompt is not None and crosses_window(
+                prompt, new_tokens, forwards, self.seq_window
+            )
+            if crossing and prec not in self._across_windows:
+                return False
         opt = parse_optimizer(optimizer)
         return (
             run_mode is not Mode.TRAIN  # no optimizer outside training
@@ -511,9 +525,10 @@ class ModelProfile:
         new_tokens : int, optional
             With ``mode="generate"`` (and only then): the tokens generated after the
             prompt, >= 1; the prompt plus them must fit the model's
-            ``max_position_embeddings``. A model whose ``generation_config`` asks for
-            another cache than the dynamic one, and a generation whose extrapolated steps
-            cross a sliding window, are refused by name (not estimated yet).
+            ``max_position_embeddings``. A generation whose steps cross the model's sliding
+            window costs one more profiling run the first time (per precision): a run across
+            the window, joined to the prompt's own. A model whose ``generation_config`` asks
+            for another cache than the dynamic one is refused by name (not estimated yet).
 
         The levers apply in training; a new combination costs one more profiling run
         (cached), as a new precision does.
@@ -584,9 +599,12 @@ class ModelProfile:
         timeline = self.timeline(
             prec, run_mode, length, _step_levers(levers, run_mode, parallel, prec)
         )
+        across = None
         if tokens is not None:
             prompt = self.seq_len if length is None else length
-            check_window(prompt or 0, tokens, len(timeline.step_starts) - 1, self.seq_window)
+            forwards = len(timeline.step_starts) - 1
+            if prompt is not None and crosses_window(prompt, tokens, forwards, self.seq_window):
+                across = self._across_window(prec)
         train = run_mode is Mode.TRAIN
         if not train:
             parallel = SINGLE_DEVICE
@@ -621,6 +639,7 @@ class ModelProfile:
                 rank=rank,
                 edits=edits,
                 new_tokens=tokens,
+                across_window=across,
             )
 
         if not train or opt_name is None:
@@ -656,6 +675,23 @@ class ModelProfile:
                 "cache is); measure(model, inputs, mode='generate', new_tokens=T) measures it"
             )
         return tokens
+
+    def _across_window(self, precision: Precision) -> tuple[Timeline, int]:
+        """The generation recorded across the model's sliding window (profiled once per
+        precision), and its prompt's length."""
+        window = self.seq_window
+        assert window is not None
+        prompt = window - PROMPT_BEFORE_WINDOW
+        if prompt < 1:
+            raise ValueError(
+                f"a generation across a sliding window of {window} tokens is recorded from a "
+                f"prompt of {PROMPT_BEFORE_WINDOW} fewer: the window is too short"
+            )
+        if precision not in self._across_windows:
+            self._across_windows[precision] = self._source.generation_across_window(
+                precision, window
+            )
+        return self._across_windows[precision], prompt
 
     def _rank_layout(
         self, precision: Precision, levers: Levers, parallel: Parallel, rank: int | None

@@ -19,6 +19,7 @@ from torch.func import functional_call
 
 from ._composites import real_run_composites, rules_hold
 from ._data_dependent import example_mask_values, graph_randomness, worst_case_graph
+from ._decoding import DECODE_STEPS_ACROSS_WINDOW, DECODE_STEPS_PROFILED, PROMPT_BEFORE_WINDOW
 from ._errors import entry_codes, user_traceback
 from ._estimator import module_label
 from ._fake import (
@@ -353,6 +354,8 @@ class Profiler:
         self.seq_len: int | None = None
         # the memory levers of the runs (checkpointing, a frozen subset, accumulation)
         self.levers: Levers = NO_LEVERS
+        # decode steps a generation run records (more across a sliding window)
+        self.decode_steps = DECODE_STEPS_PROFILED
         # One fake mode, and one set of fake parameters and buffers, per precision, shared by
         # every run of that precision (each batch size, training and inference): building
         # them costs as much as a small model's whole step, and the fake mode's dispatch cache
@@ -508,7 +511,7 @@ class Profiler:
                     )
                 elif mode is Mode.GENERATE:
                     step_starts, step_flops = recorded_generation(
-                        model_fn, inputs, precision, rec, context
+                        model_fn, inputs, precision, rec, context, self.decode_steps
                     )
                 else:
                     inference_pass(model_fn, inputs, precision, "cpu", context=context)
@@ -834,6 +837,18 @@ class _Source:
         if row is None or not 0 <= row < len(rows.names):
             return "at the end of the step"
         return f"in module {module_label(rows, row)!r} ({rows.types[row]})"
+
+    def generation_across_window(self, precision: Precision, window: int) -> Timeline:
+        """A generation recorded across a sliding window of ``window`` tokens: at a prompt of
+        ``window - PROMPT_BEFORE_WINDOW`` tokens, ``DECODE_STEPS_ACROSS_WINDOW`` decode steps
+        (``_decoding._plan`` joins it to the prompt's own run), fitted in the batch."""
+        self.profiler.seq_len = window - PROMPT_BEFORE_WINDOW
+        self.profiler.decode_steps = DECODE_STEPS_ACROSS_WINDOW
+        try:
+            return self._timeline(precision, Mode.GENERATE)
+        finally:
+            self.profiler.seq_len = None
+            self.profiler.decode_steps = DECODE_STEPS_PROFILED
 
     def timeline_across_lengths(
         self, precision: Precision, mode: Mode, base: Timeline, levers: Levers = NO_LEVERS

@@ -391,7 +391,7 @@ class MemoryWidget(widgets.VBox):
             parallel = SINGLE_DEVICE
         cached = self._profile.is_cached(
             self.precision, self.mode, self._settings()["optimizer"], self.seq_len, levers,
-            parallel,
+            parallel, self._settings()["new_tokens"],
         )  # fmt: skip
         if cached and self.mode == Mode.TRAIN.value and levers.active:
             # the summary compares with the same step without levers
