@@ -171,17 +171,39 @@ def test_generate_bad_settings_name_the_problem(kwargs: dict[str, object], messa
         profile.estimate(2, **kwargs)  # type: ignore[arg-type]
 
 
-def test_a_model_without_a_cache_or_with_a_static_one_is_refused() -> None:
+def test_a_model_without_a_cache_or_with_another_one_is_refused() -> None:
     mlp = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
-    with pytest.raises(
-        ValueError, match=r"needs a model that generates with a cache .* Sequential has none"
-    ):
+    no_cache = r"needs a model that generates with a cache .* Sequential has none"
+    with pytest.raises(ValueError, match=no_cache):
         mlp.estimate(2, mode="generate", new_tokens=4)
     model = _model(hf_gpt2)
-    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_implementation = "offloaded"
     profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
-    with pytest.raises(ValueError, match="cache_implementation='static' is not estimated yet"):
+    with pytest.raises(ValueError, match="cache_implementation='offloaded' is not estimated"):
         profile.estimate(2, mode="generate", new_tokens=4)
+
+
+@pytest.mark.parametrize("make", [hf_gpt2, hf_llama], ids=lambda f: f.__name__)
+def test_a_static_cache_is_the_real_generate_to_the_byte(make: Callable[[], nn.Module]) -> None:
+    # generation_config.cache_implementation = "static": generate allocates the cache for
+    # the prompt and every new token before the first step, so the generation is recorded
+    # at 8, 16 and 24 new tokens (a line in them, checked) and any other count is numpy
+    model = _model(make)
+    model.generation_config.cache_implementation = "static"
+    before = snapshot_model(model)
+    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    for batch, prompt, tokens in [(2, 16, 3), (2, 16, 6), (3, 16, 40), (1, 16, 47)]:
+        est = profile.estimate(batch, mode="generate", seq_len=prompt, new_tokens=tokens)
+        real = measure(model, _prompts(batch, prompt), mode="generate", new_tokens=tokens)
+        assert est.peak_bytes == real.peak_bytes, (batch, prompt, tokens)
+    # the whole cache from the start: 2 layers x k, v x (16 + 40 - 1) positions x 3
+    # sequences, and each layer's int64 position counter; it never grows
+    per_token = {"hf_gpt2": 1024, "hf_llama": 512}[make.__name__]
+    est = profile.estimate(3, mode="generate", new_tokens=40)
+    assert (est.kv_cache_bytes, est.kv_cache_bytes_per_token) == (3 * 55 * per_token + 16, 0)
+    # generate remembers its largest static cache on the model: the profile leaves none
+    assert_model_unchanged(model, before)
+    assert "_previous_max_cache_length" not in model.__dict__
 
 
 def test_profiling_a_generation_leaves_the_model_as_it_was() -> None:
@@ -191,3 +213,11 @@ def test_profiling_a_generation_leaves_the_model_as_it_was() -> None:
     profile.estimate(3, mode="generate", seq_len=20, new_tokens=9)
     assert_model_unchanged(model, before)
     assert not model._forward_pre_hooks  # the pass's step marker is gone
+
+
+def test_a_static_cache_for_a_gpu_says_its_compiled_step_is_not_modelled() -> None:
+    model = _model(hf_gpt2)
+    model.generation_config.cache_implementation = "static"
+    profile = profile_model(model, inputs=_prompts(2, 16))  # device="cuda"
+    with pytest.warns(UserWarning, match="compiles the decode step of a StaticCache"):
+        profile.estimate(2, mode="generate", new_tokens=8)

@@ -23,12 +23,13 @@ curve is exact at every event it has, and its maximum is the generation's peak.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase
-from ._table import N_CATEGORIES, sum_by
+from ._table import N_CATEGORIES, Poly, Timeline, sum_by
 
 # Decode steps the generation pass records after the prefill. The first may differ from the
 # rest (the prefill's logits and set-up are let go in it); the pattern the later ones follow
@@ -42,6 +43,11 @@ DECODE_STEPS_PROFILED = 4
 # keys, another from W + 1.
 DECODE_STEPS_ACROSS_WINDOW = 9
 PROMPT_BEFORE_WINDOW = 5
+
+# A StaticCache is allocated for the prompt and every new token before the first step, so a
+# recorded generation depends on the new tokens generate is asked for: it is recorded at
+# these three, and its sizes, a line in them, read from two and checked exactly at the third.
+STATIC_CACHE_TOKENS = (8, 16, 24)
 
 _DECODE = PHASE_CODE[Phase.DECODE]
 _KV = CATEGORY_CODE[Category.KV_CACHE]
@@ -370,6 +376,67 @@ def unroll(
         after, category = _last_step(plan)
     per_token = int(after[category == _KV].sum()) // batch_size
     return out, Generation(new_tokens, kv, per_token), _plan_flops(plan)
+
+
+def at_new_tokens(timelines: tuple[Timeline, ...], new_tokens: int) -> Timeline:
+    """The generation recorded with generate asked for ``new_tokens`` tokens, from the same
+    generation recorded at :data:`STATIC_CACHE_TOKENS` (``timelines``): every size is a line
+    in the new tokens (a ``StaticCache`` of prompt + new tokens - 1 positions, its mask,
+    attention over all of them), read from the first two and checked exactly at the third.
+    Raises :class:`DecodePatternError` where it is not."""
+    a, b, c = timelines
+    t0, t1, t2 = STATIC_CACHE_TOKENS
+    same = (
+        a.step_starts == b.step_starts == c.step_starts
+        and all(
+            np.array_equal(x, y) and np.array_equal(y, z)
+            for x, y, z in (
+                (a.event_module, b.event_module, c.event_module),
+                (a.event_phase, b.event_phase, c.event_phase),
+                (a.event_category, b.event_category, c.event_category),
+                (a.event_op, b.event_op, c.event_op),
+            )
+        )
+        and (a.batch_one is None) == (b.batch_one is None) == (c.batch_one is None)
+    )
+    if not same:
+        raise DecodePatternError(
+            "generate runs other ops or allocates in another order for other numbers of new "
+            f"tokens ({t0}, {t1}, {t2}) with this cache"
+        )
+
+    def line(xa: np.ndarray, xb: np.ndarray, xc: np.ndarray) -> np.ndarray:
+        if not xa.shape == xb.shape == xc.shape:
+            raise DecodePatternError("the generation's sizes differ in shape across new tokens")
+        step, rest = np.divmod(xb - xa, t1 - t0)
+        if rest.any() or not np.array_equal(xc, xb + step * (t2 - t1)):
+            raise DecodePatternError(
+                f"the generation's sizes are not a line in the new tokens ({t0}, {t1}, {t2})"
+            )
+        return xa + step * (new_tokens - t0)
+
+    def poly(pa: Poly | None, pb: Poly | None, pc: Poly | None) -> Poly | None:
+        if pa is None or pb is None or pc is None:
+            return None
+        if not pa.monomials == pb.monomials == pc.monomials:
+            raise DecodePatternError("the generation's sizes differ in form across new tokens")
+        return Poly(line(pa.coef, pb.coef, pc.coef), pa.exponents)
+
+    event_bytes = poly(a.event_bytes, b.event_bytes, c.event_bytes)
+    storage_bytes = poly(a.storage_bytes, b.storage_bytes, c.storage_bytes)
+    assert event_bytes is not None and storage_bytes is not None
+    batch_one = None
+    if a.batch_one is not None:
+        assert b.batch_one is not None and c.batch_one is not None
+        batch_one = at_new_tokens((a.batch_one, b.batch_one, c.batch_one), new_tokens)
+    return dataclasses.replace(
+        a,
+        event_bytes=event_bytes,
+        storage_bytes=storage_bytes,
+        step_flops=poly(a.step_flops, b.step_flops, c.step_flops),
+        workspace_bytes=line(a.workspace_bytes, b.workspace_bytes, c.workspace_bytes),
+        batch_one=batch_one,
+    )
 
 
 def crosses_window(prompt_len: int, new_tokens: int, recorded: int, window: int | None) -> bool:

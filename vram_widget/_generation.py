@@ -33,7 +33,7 @@ from ._decoding import DECODE_STEPS_PROFILED
 from ._fake import FakeTensor, TorchDispatchMode, quieted
 from ._options import Category, Phase, Precision
 from ._recorder import Recorder
-from ._step import ModelInputs, generate_pass
+from ._step import ModelInputs, generate_pass, restored_modules
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _ALL_OPS = frozenset(
@@ -103,14 +103,16 @@ def recorded_generation(
     rec: Recorder,
     context: Any = None,
     decode_steps: int = DECODE_STEPS_PROFILED,
+    max_new_tokens: int | None = None,
 ) -> tuple[tuple[int, ...], np.ndarray]:
     """Run ``model.generate`` on ``inputs`` under ``rec`` (inside the caller's fake mode)
-    until ``decode_steps`` decode steps are recorded. Returns the event index
-    where each forward starts (the prefill's, then each decode step's) and, last, where the
-    recording stopped: the step ``k`` spans ``starts[k]:starts[k + 1]``, what generate does
-    around its forward included; the events before ``starts[0]`` are its set-up. The cache's
-    storages are marked KV cache. Also returns the FLOPs per row counted before each of
-    those points (steps x rows)."""
+    until ``decode_steps`` decode steps are recorded (``max_new_tokens``: what generate is
+    asked for, which sizes a ``StaticCache``; by default the recorded forwards and one more).
+    Returns the event index where each forward starts (the prefill's, then each decode
+    step's) and, last, where the recording stopped: the step ``k`` spans
+    ``starts[k]:starts[k + 1]``, what generate does around its forward included; the events
+    before ``starts[0]`` are its set-up. The cache's storages are marked KV cache. Also
+    returns the FLOPs per row counted before each of those points (steps x rows)."""
     starts: list[int] = []
     flops: list[np.ndarray] = []
 
@@ -128,17 +130,9 @@ def recorded_generation(
     rec.set_phase(Phase.PREFILL)
     handle = model.register_forward_pre_hook(before_forward, with_kwargs=True)
     try:
-        # generate's notes to the user (no attention mask, pad token set to eos) are about
-        # the user's own calls; a profiling run is not one
-        with quieted("transformers", logging.ERROR), GenerationValues():
-            generate_pass(
-                model,
-                inputs,
-                precision,
-                "cpu",
-                decode_steps + 2,
-                context=context,
-            )
+        # the model as it was, whatever generate sets on it (the static cache's size)
+        with restored_modules(model):
+            _generate(model, inputs, precision, context, decode_steps, max_new_tokens)
     except _Enough:
         pass
     finally:
@@ -148,6 +142,29 @@ def recorded_generation(
             f"generate ran {len(starts)} forwards, not the {decode_steps + 2} asked for"
         )
     return tuple(starts), np.stack(flops)
+
+
+def _generate(
+    model: Any,
+    inputs: ModelInputs,
+    precision: Precision,
+    context: Any,
+    decode_steps: int,
+    max_new_tokens: int | None,
+) -> None:
+    """generate asked for ``max_new_tokens`` (at least one more than the recorded forwards,
+    which the pre-hook stops it after)."""
+    # generate's notes to the user (no attention mask, pad token set to eos) are about the
+    # user's own calls; a profiling run is not one
+    with quieted("transformers", logging.ERROR), GenerationValues():
+        generate_pass(
+            model,
+            inputs,
+            precision,
+            "cpu",
+            max(decode_steps + 2, max_new_tokens or 0),
+            context=context,
+        )
 
 
 def prompt_inputs(inputs: Any) -> Any:

@@ -13,7 +13,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._decoding import PROMPT_BEFORE_WINDOW, check_generation, crosses_window
+from ._decoding import (
+    PROMPT_BEFORE_WINDOW,
+    STATIC_CACHE_TOKENS,
+    at_new_tokens,
+    check_generation,
+    crosses_window,
+)
 from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from ._gpus import Gpu, parse_capacity
 from ._levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
@@ -79,6 +85,10 @@ class ProfileSource(Protocol):
     def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
 
     def generation_across_window(self, precision: Precision, window: int) -> Timeline: ...
+
+    def generation_for_tokens(
+        self, precision: Precision, seq_len: int | None, new_tokens: int
+    ) -> Timeline: ...
 
 
 class ModelProfile:
@@ -166,6 +176,8 @@ class ModelProfile:
         self._step_edits: dict[tuple[int, Precision, Levers, Parallel], StepEdits] = {}
         # generation across a sliding window: a run at a prompt just below it, per precision
         self._across_windows: dict[Precision, Timeline] = {}
+        # generation with a StaticCache: runs at STATIC_CACHE_TOKENS, per precision and prompt
+        self._static_caches: dict[tuple[Precision, int | None], tuple[Timeline, ...]] = {}
         self.name_prefix = ""
 
     def __repr__(self) -> str:
@@ -255,6 +267,9 @@ class ModelProfile:
             return made is not None and made[0].is_cached(
                 prec, run_mode, optimizer, seq_len, made[1], parallel
             )
+        if run_mode is Mode.GENERATE and self.cache_implementation == "static":
+            length = None if seq_len == self.seq_len else seq_len
+            return (prec, length) in self._static_caches
         levers = _step_levers(levers, run_mode, parallel, prec)
         key = (prec, run_mode, _profiled(levers, run_mode))
         if key not in self._timelines:
@@ -596,14 +611,23 @@ class ModelProfile:
                 **kwargs,
             )
             return dataclasses.replace(est, levers=levers)
-        timeline = self.timeline(
-            prec, run_mode, length, _step_levers(levers, run_mode, parallel, prec)
-        )
         across = None
+        if tokens is not None and self.cache_implementation == "static":
+            timeline = self._static_cache_timeline(prec, length, tokens)
+        else:
+            timeline = self.timeline(
+                prec, run_mode, length, _step_levers(levers, run_mode, parallel, prec)
+            )
         if tokens is not None:
             prompt = self.seq_len if length is None else length
             forwards = len(timeline.step_starts) - 1
             if prompt is not None and crosses_window(prompt, tokens, forwards, self.seq_window):
+                if self.cache_implementation == "static":
+                    raise ValueError(
+                        f"a generation of {tokens} tokens after a prompt of {prompt} crosses "
+                        f"the model's sliding window of {self.seq_window} tokens with a "
+                        "StaticCache: not estimated yet (the dynamic cache is)"
+                    )
                 across = self._across_window(prec)
         train = run_mode is Mode.TRAIN
         if not train:
@@ -666,15 +690,38 @@ class ModelProfile:
         prompt = self.seq_len if seq_len is None else seq_len
         name = self.model_name or "the model"
         tokens = check_generation(name, self.generates, self.generation_limit, prompt, new_tokens)
-        if self.cache_implementation is not None:
-            # a StaticCache is allocated whole for prompt + max_new_tokens before the first
-            # step: one recorded run at a few new tokens does not size it
+        if self.cache_implementation not in (None, "static"):
             raise ValueError(
                 f"{name}'s generation_config.cache_implementation="
                 f"{self.cache_implementation!r} is not estimated yet (the default dynamic "
-                "cache is); measure(model, inputs, mode='generate', new_tokens=T) measures it"
+                "cache and 'static' are); measure(model, inputs, mode='generate', "
+                "new_tokens=T) measures it"
             )
         return tokens
+
+    def _static_cache_timeline(
+        self, precision: Precision, seq_len: int | None, new_tokens: int
+    ) -> Timeline:
+        """The generation with a ``StaticCache`` for ``new_tokens`` tokens: recorded at
+        ``STATIC_CACHE_TOKENS`` once per precision and prompt length, a line in them."""
+        key = (precision, seq_len)
+        if key not in self._static_caches:
+            if self.device is Device.CUDA:
+                # transformers/generation/utils.py, _valid_auto_compile_criteria: a
+                # compileable cache on CUDA compiles the decode step
+                warnings.warn(
+                    "on a GPU, generate compiles the decode step of a StaticCache "
+                    "(torch.compile), whose memory is not modelled: this estimate is of "
+                    "the eager steps, as generate runs them with "
+                    "generation_config.disable_compile=True",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            self._static_caches[key] = tuple(
+                self._source.generation_for_tokens(precision, seq_len, t)
+                for t in STATIC_CACHE_TOKENS
+            )
+        return at_new_tokens(self._static_caches[key], new_tokens)
 
     def _across_window(self, precision: Precision) -> tuple[Timeline, int]:
         """The generation recorded across the model's sliding window (profiled once per

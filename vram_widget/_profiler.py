@@ -354,8 +354,11 @@ class Profiler:
         self.seq_len: int | None = None
         # the memory levers of the runs (checkpointing, a frozen subset, accumulation)
         self.levers: Levers = NO_LEVERS
-        # decode steps a generation run records (more across a sliding window)
+        # decode steps a generation run records (more across a sliding window), and the new
+        # tokens it asks generate for (None: just more than it records; a StaticCache is
+        # sized by them)
         self.decode_steps = DECODE_STEPS_PROFILED
+        self.generation_tokens: int | None = None
         # One fake mode, and one set of fake parameters and buffers, per precision, shared by
         # every run of that precision (each batch size, training and inference): building
         # them costs as much as a small model's whole step, and the fake mode's dispatch cache
@@ -511,7 +514,13 @@ class Profiler:
                     )
                 elif mode is Mode.GENERATE:
                     step_starts, step_flops = recorded_generation(
-                        model_fn, inputs, precision, rec, context, self.decode_steps
+                        model_fn,
+                        inputs,
+                        precision,
+                        rec,
+                        context,
+                        self.decode_steps,
+                        self.generation_tokens,
                     )
                 else:
                     inference_pass(model_fn, inputs, precision, "cpu", context=context)
@@ -849,6 +858,20 @@ class _Source:
         finally:
             self.profiler.seq_len = None
             self.profiler.decode_steps = DECODE_STEPS_PROFILED
+
+    def generation_for_tokens(
+        self, precision: Precision, seq_len: int | None, new_tokens: int
+    ) -> Timeline:
+        """A generation recorded with generate asked for ``new_tokens`` tokens (a
+        ``StaticCache`` is allocated for the prompt and all of them before the first step),
+        at the prompt ``seq_len`` (None: the example's), fitted in the batch."""
+        self.profiler.seq_len = seq_len
+        self.profiler.generation_tokens = new_tokens
+        try:
+            return self._timeline(precision, Mode.GENERATE)
+        finally:
+            self.profiler.seq_len = None
+            self.profiler.generation_tokens = None
 
     def timeline_across_lengths(
         self, precision: Precision, mode: Mode, base: Timeline, levers: Levers = NO_LEVERS

@@ -351,7 +351,11 @@ def generate_pass(
 ) -> None:
     """Hugging Face's ``model.generate``: greedy, exactly ``new_tokens`` new tokens (the
     prompt's prefill, then one decode step per token with the model's own KV cache), under
-    autocast for amp precisions."""
+    autocast for amp precisions. Each pass is generate's first call on ``model``: a
+    ``StaticCache`` is otherwise sized by the largest one generate made on the model before
+    (``GenerationMixin._previous_max_cache_length``, transformers/generation/utils.py), which
+    the pass forgets (the caller restores the model where it must stay as it was)."""
+    model.__dict__.pop("_previous_max_cache_length", None)
     with (
         torch.no_grad(),
         context() if context is not None else forward_context(precision, device_type),
