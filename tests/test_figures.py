@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import plotly.graph_objects as go
 import pytest
+import torch
 from torch import nn
 
 from vram_widget import Category, profile_model, zoo
@@ -258,3 +261,20 @@ def test_hover_names_type_shape_params_bytes_flops(mlp_profile: ModelProfile) ->
         assert run_flops == flops > 0
         assert live_after == trace.base[k] + trace.y[k]
         assert change == trace.y[k]
+
+
+def test_a_generation_draws_its_kv_cache() -> None:
+    # the KV cache is its own line over the waterfall: live after each run of the prefill and
+    # the decode steps, ending at the cache after the last step; empty for other modes
+    pytest.importorskip("transformers")
+    from tests.models import hf_gpt2
+
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    profile = profile_model(hf_gpt2(), inputs={"input_ids": ids}, device="cpu")
+    est = profile.estimate(2, mode="generate", new_tokens=30)
+    data = waterfall_data(est, 1)
+    kv = build_figure(est).data[TRACE_NAMES.index("KV cache")]
+    assert list(kv.x) == data.run_x.tolist()
+    assert kv.y[-1] == est.kv_cache_bytes == 2 * (16 + 29) * 1024  # 2 layers x k, v x 64 x 4 B
+    assert all(b >= a for a, b in itertools.pairwise(kv.y[:-1]))  # it grows, step by step
+    assert list(build_figure(profile.estimate(2)).data[TRACE_NAMES.index("KV cache")].x) == []

@@ -146,6 +146,8 @@ class MemoryEstimate:
     live_bytes: np.ndarray = field(repr=False)  # after each event of the step
     event_module: np.ndarray = field(repr=False)  # row of each event
     event_phase: np.ndarray = field(repr=False)  # phase code of each event
+    # category code of each event's storage (a generation's KV cache among them)
+    event_category: np.ndarray | None = field(default=None, repr=False)
     # the memory levers the step was estimated with (checkpointing, frozen subset, accumulation)
     levers: Levers = NO_LEVERS
     # for the allocator replay: each event's storage (None: not recorded) and the sizes of
@@ -644,6 +646,7 @@ def estimate(
         live_bytes=live,
         event_module=modules,
         event_phase=phases,
+        event_category=cats,
         levers=levers if train else NO_LEVERS,
         event_storage=storage,
         event_bytes=seq,

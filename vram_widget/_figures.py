@@ -33,7 +33,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ._estimator import LayerTable, MemoryEstimate
-from ._options import PHASE_CODE, PHASES, Category, Mode, Phase
+from ._options import CATEGORY_CODE, PHASE_CODE, PHASES, Category, Mode, Phase
 from ._tradeoff import Frontier
 
 __all__ = [
@@ -82,6 +82,7 @@ _PHASE_COLOURS: dict[Phase, str] = {
     Phase.DECODE: "#72B7B2",
 }
 _FLOOR_COLOUR = "#9D9D9D"
+_KV = CATEGORY_CODE[Category.KV_CACHE]
 # the phases that run the model forward (whose runs carry the forward FLOPs)
 _FORWARD_PHASES = np.asarray(
     [PHASE_CODE[p] for p in (Phase.FORWARD, Phase.INFERENCE, Phase.PREFILL, Phase.DECODE)]
@@ -97,6 +98,7 @@ TRACE_NAMES: tuple[str, ...] = (
     "peak",
     "forward FLOPs",
     "backward FLOPs",
+    "KV cache",
 )
 """The figure's traces, in order (the widget relies on this order never changing)."""
 
@@ -195,6 +197,7 @@ class WaterfallData:
     run_end_bytes: np.ndarray  # live after the run
     run_max_bytes: np.ndarray  # most live within the run
     run_flops: np.ndarray  # group's FLOPs in the run's phase, at its first run in that phase
+    run_kv_cache_bytes: np.ndarray  # a generation's KV cache live after the run (else 0)
     group_param_count: np.ndarray  # per row: parameters of the group the row heads (else 0)
     group_activation_bytes: np.ndarray  # per row, likewise
     peak_x: float
@@ -239,10 +242,14 @@ def waterfall_data(est: MemoryEstimate, depth: int) -> WaterfallData:
         run_end = live[ends - 1]
         run_start = np.concatenate([[resident], run_end[:-1]])
         run_max = np.maximum(np.maximum.reduceat(live, starts), run_start)
+        run_kv = np.zeros(len(starts), np.int64)
+        if est.event_category is not None and est.event_bytes is not None:
+            kv = np.where(est.event_category == _KV, est.event_bytes, 0)
+            run_kv = np.cumsum(kv)[ends - 1]
     else:
         run_group = np.zeros(0, np.int64)
         run_phase = np.zeros(0, np.int64)
-        run_end = run_start = run_max = np.zeros(0, np.int64)
+        run_end = run_start = run_max = run_kv = np.zeros(0, np.int64)
         starts = np.zeros(0, np.int64)
     n_runs = len(run_group)
     run_x = n_floor + np.arange(n_runs)
@@ -279,6 +286,7 @@ def waterfall_data(est: MemoryEstimate, depth: int) -> WaterfallData:
         run_end_bytes=run_end,
         run_max_bytes=run_max,
         run_flops=run_flops,
+        run_kv_cache_bytes=run_kv,
         group_param_count=np.rint(params).astype(np.int64),
         group_activation_bytes=np.rint(acts).astype(np.int64),
         peak_x=peak_x,
@@ -384,6 +392,9 @@ def _trace_updates(
                 "hovertext": names[inverse] if len(uniq) else names,
             }
         )
+    kv = data.run_kv_cache_bytes
+    shown = bool(len(kv)) and bool(kv.any())
+    updates.append({"x": data.run_x if shown else [], "y": kv if shown else []})
     return updates
 
 
@@ -588,6 +599,16 @@ def build_figure(
             row=2,
             col=1,
         )
+    fig.add_trace(
+        go.Scatter(
+            name="KV cache",
+            mode="lines",
+            line={"color": "#9467BD", "width": 2, "shape": "hv"},
+            hovertemplate="KV cache: %{y:,} B<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
     fig.update_layout(
         barmode="overlay",
         bargap=0.15,
