@@ -10,8 +10,10 @@ for real on the CPU, its peak read from the CPU allocator's events.
 Models (no download, random weights): GPT-2 small's own config (124M, learned positions),
 and reduced configs of Llama (grouped-query attention, 4 query heads per key/value head),
 Mistral (grouped-query, a sliding window of 128 tokens: prompts of 16 stay below it, prompts
-of 200 start past it), T5-small (encoder-decoder, self- and cross-attention caches) and
-Mixtral (8 experts, 2 per token), each at batch {1, 4} x prompt {16, 200} x T {8, 64}, fp32.
+of 200 start past it; and a window of 48, which 16 + 64 tokens cross), T5-small
+(encoder-decoder, self- and cross-attention caches) and Mixtral (8 experts, 2 per token),
+then GPT-2 and Llama generating with a StaticCache (``cache_implementation="static"``), each
+at batch {1, 4} x prompt {16, 200} x T {8, 64}, fp32.
 
     python benchmarks/accuracy_generate.py      # about 4 minutes on 2 cores
 
@@ -52,10 +54,10 @@ def llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def mistral() -> nn.Module:
+def mistral(window: int = 128) -> nn.Module:
     config = transformers.MistralConfig(
         num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=1376, vocab_size=VOCAB, sliding_window=128,
+        intermediate_size=1376, vocab_size=VOCAB, sliding_window=window,
     )  # fmt: skip
     return transformers.MistralForCausalLM(config)
 
@@ -76,12 +78,26 @@ def mixtral() -> nn.Module:
     return transformers.MixtralForCausalLM(config)
 
 
+def static(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``make``'s model generating with a StaticCache (allocated whole before the first step)."""
+
+    def build() -> nn.Module:
+        model = make()
+        model.generation_config.cache_implementation = "static"
+        return model
+
+    return build
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "GPT-2 small": gpt2,
     "Llama (GQA)": llama,
     "Mistral (window 128)": mistral,
+    "Mistral (window 48)": lambda: mistral(48),
     "T5-small": t5,
     "Mixtral (8 experts)": mixtral,
+    "GPT-2 small, StaticCache": static(gpt2),
+    "Llama (GQA), StaticCache": static(llama),
 }
 
 
