@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ._decoding import (
+    DECODE_STEPS_ACROSS_WINDOW,
     PROMPT_BEFORE_WINDOW,
     STATIC_CACHE_TOKENS,
     at_new_tokens,
@@ -84,10 +85,13 @@ class ProfileSource(Protocol):
 
     def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
 
-    def generation_across_window(self, precision: Precision, window: int) -> Timeline: ...
-
-    def generation_for_tokens(
-        self, precision: Precision, seq_len: int | None, new_tokens: int
+    def generation(
+        self,
+        precision: Precision,
+        seq_len: int | None,
+        *,
+        decode_steps: int = ...,
+        new_tokens: int | None = ...,
     ) -> Timeline: ...
 
 
@@ -718,7 +722,7 @@ class ModelProfile:
                     stacklevel=3,
                 )
             self._static_caches[key] = tuple(
-                self._source.generation_for_tokens(precision, seq_len, t)
+                self._source.generation(precision, seq_len, new_tokens=t)
                 for t in STATIC_CACHE_TOKENS
             )
         return at_new_tokens(self._static_caches[key], new_tokens)
@@ -735,8 +739,8 @@ class ModelProfile:
                 f"prompt of {PROMPT_BEFORE_WINDOW} fewer: the window is too short"
             )
         if precision not in self._across_windows:
-            self._across_windows[precision] = self._source.generation_across_window(
-                precision, window
+            self._across_windows[precision] = self._source.generation(
+                precision, prompt, decode_steps=DECODE_STEPS_ACROSS_WINDOW
             )
         return self._across_windows[precision], prompt
 

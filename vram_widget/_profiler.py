@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 from ._composites import real_run_composites, rules_hold
 from ._data_dependent import example_mask_values, graph_randomness, worst_case_graph
-from ._decoding import DECODE_STEPS_ACROSS_WINDOW, DECODE_STEPS_PROFILED, PROMPT_BEFORE_WINDOW
+from ._decoding import DECODE_STEPS_PROFILED
 from ._errors import entry_codes, user_traceback
 from ._estimator import module_label
 from ._fake import (
@@ -847,30 +847,27 @@ class _Source:
             return "at the end of the step"
         return f"in module {module_label(rows, row)!r} ({rows.types[row]})"
 
-    def generation_across_window(self, precision: Precision, window: int) -> Timeline:
-        """A generation recorded across a sliding window of ``window`` tokens: at a prompt of
-        ``window - PROMPT_BEFORE_WINDOW`` tokens, ``DECODE_STEPS_ACROSS_WINDOW`` decode steps
-        (``_decoding._plan`` joins it to the prompt's own run), fitted in the batch."""
-        self.profiler.seq_len = window - PROMPT_BEFORE_WINDOW
-        self.profiler.decode_steps = DECODE_STEPS_ACROSS_WINDOW
-        try:
-            return self._timeline(precision, Mode.GENERATE)
-        finally:
-            self.profiler.seq_len = None
-            self.profiler.decode_steps = DECODE_STEPS_PROFILED
-
-    def generation_for_tokens(
-        self, precision: Precision, seq_len: int | None, new_tokens: int
+    def generation(
+        self,
+        precision: Precision,
+        seq_len: int | None,
+        *,
+        decode_steps: int = DECODE_STEPS_PROFILED,
+        new_tokens: int | None = None,
     ) -> Timeline:
-        """A generation recorded with generate asked for ``new_tokens`` tokens (a
-        ``StaticCache`` is allocated for the prompt and all of them before the first step),
-        at the prompt ``seq_len`` (None: the example's), fitted in the batch."""
+        """A generation recorded at the prompt ``seq_len`` (None: the example's) through
+        ``decode_steps`` decode steps (more across a sliding window, ``_decoding._plan``), with
+        generate asked for ``new_tokens`` (a ``StaticCache`` is allocated for the prompt and
+        all of them before the first step; None: just more than are recorded), fitted in the
+        batch."""
         self.profiler.seq_len = seq_len
+        self.profiler.decode_steps = decode_steps
         self.profiler.generation_tokens = new_tokens
         try:
             return self._timeline(precision, Mode.GENERATE)
         finally:
             self.profiler.seq_len = None
+            self.profiler.decode_steps = DECODE_STEPS_PROFILED
             self.profiler.generation_tokens = None
 
     def timeline_across_lengths(
