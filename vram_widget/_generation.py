@@ -45,6 +45,12 @@ _ALL_OPS = frozenset(
 )
 
 
+# The keyword generate hands each forward its cache under: ``past_key_values`` up to
+# transformers 5.23, ``cache`` from 5.24 (GPT2LMHeadModel.forward:
+# ``@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")``).
+_CACHE_KEYWORDS = ("past_key_values", "cache")
+
+
 class _Enough(Exception):
     """Raised by the root's pre-hook once the profiled steps are recorded."""
 
@@ -118,7 +124,8 @@ def recorded_generation(
 
     def before_forward(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
         if starts:  # what the cache holds now, the last forward put there
-            ids = (rec.storage_id(t) for t in _tensors_in(kwargs.get("past_key_values")))
+            cache = [kwargs.get(name) for name in _CACHE_KEYWORDS]
+            ids = (rec.storage_id(t) for t in _tensors_in(cache))
             rec.set_category([s for s in ids if s is not None], Category.KV_CACHE)
         starts.append(rec.event_count())
         flops.append(rec.flops_forward.copy())
