@@ -167,6 +167,21 @@ def _speed() -> str:
             f"{f['first_over_again']:.1f}x | <= 2x "
             f"({'met' if f['first_over_again'] <= 2 else 'not met'}) |"
         )
+        if "one_run_per_mode_over_floor" in f:
+            lines.append(
+                "| ... its parts alone: one recorded training run / one recorded forward (batch "
+                "2) / the optimizer's trace; a profile of one run per mode, unchecked / of two "
+                "per mode, the least a fit checked at a second batch size costs "
+                f"| {f['recorded_train_s']:.2f} / {f['recorded_forward_s']:.3f} / "
+                f"{f['optimizer_trace_s']:.3f} s; {f['one_run_per_mode_over_floor']:.2f}x / "
+                f"{f['two_runs_per_mode_over_floor']:.2f}x the floor | |"
+            )
+            lines.append(
+                "| ... the bare step and forward at a batch size the process has not run "
+                "(the fake dispatch cache cold for their shapes) / warm "
+                f"| {f['bare_train_step_cold_s'] + f['bare_forward_cold_s']:.2f} / "
+                f"{floor:.2f} s = {f['cold_over_warm']:.1f}x | |"
+            )
         if "first_other_length_s" in f:
             lines.append(
                 "| ... first estimate at another length (fits the profile in the length and "

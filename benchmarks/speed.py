@@ -123,8 +123,8 @@ warnings.simplefilter("ignore")
 which = sys.argv[1]
 if which == "resnet50":
     model = zoo.resnet50()
-    def make_inputs(device=None):
-        return (torch.empty(2, 3, 224, 224, device=device),), {}
+    def make_inputs(device=None, batch=2):
+        return (torch.empty(batch, 3, 224, 224, device=device),), {}
     profile_kwargs = {"input_size": (3, 224, 224)}
     loss = lambda out: out.float().mean()
 else:
@@ -133,8 +133,8 @@ else:
     config = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, attn_implementation="sdpa")
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config)
-    def make_inputs(device=None):
-        ids = torch.zeros(2, 128, dtype=torch.long, device=device)
+    def make_inputs(device=None, batch=2):
+        ids = torch.zeros(batch, 128, dtype=torch.long, device=device)
         return (), {"input_ids": ids, "labels": ids}
     args, kwargs = make_inputs("meta")
     profile_kwargs = {"inputs": kwargs}
@@ -157,18 +157,18 @@ with mode:
     buffers = {n: torch.empty(b.shape, dtype=b.dtype) for n, b in model.named_buffers()}
 state = {**params, **buffers}
 
-def step():
+def step(batch=2):
     model.train()
     with mode:
-        a, k = make_inputs()
+        a, k = make_inputs(batch=batch)
         loss(functional_call(model, state, a, k)).backward()
     for p in params.values():
         p.grad = None
 
-def forward():
+def forward(batch=2):
     model.eval()
     with mode, torch.no_grad():
-        a, k = make_inputs()
+        a, k = make_inputs(batch=batch)
         functional_call(model, state, a, k)
 
 step(); forward()
@@ -176,6 +176,21 @@ train_s = min(timed(step) for _ in range(3))
 forward_s = min(timed(forward) for _ in range(3))
 out = {"profile_first_s": first, "profile_again_s": again,
        "bare_train_step_s": train_s, "bare_forward_s": forward_s}
+# What a profile is made of, each part timed alone (best of 3, warm): one recorded training
+# run and one recorded forward at batch 2 (the recorder, hooks and CUDA emulation included),
+# and the optimizer's trace (Adam on meta parameters).
+from vram_widget._options import Mode, OptimizerName, Precision
+source = profile_model(model, **profile_kwargs)._source
+out["recorded_train_s"] = min(
+    timed(lambda: source._run(Precision.FP32, 2, Mode.TRAIN)) for _ in range(3))
+out["recorded_forward_s"] = min(
+    timed(lambda: source._run(Precision.FP32, 2, Mode.INFERENCE)) for _ in range(3))
+out["optimizer_trace_s"] = min(
+    timed(lambda: source.optimizer_trace(Precision.FP32, OptimizerName.ADAM)) for _ in range(3))
+# The same bare step and forward at a batch size no run of this process has used (7): the
+# fake dispatch cache misses every op whose shapes hold the batch, as a first profile does.
+out["bare_train_step_cold_s"] = timed(lambda: step(7))
+out["bare_forward_cold_s"] = timed(lambda: forward(7))
 if which == "gpt2":
     profile = profile_model(model, **profile_kwargs)
     out["first_other_length_s"] = timed(lambda: profile.estimate(8, seq_len=1000))
@@ -199,6 +214,16 @@ def profile_vs_floor(which: str) -> dict[str, float]:
     floor = out["bare_train_step_s"] + out["bare_forward_s"]
     out["profile_over_floor"] = out["profile_again_s"] / floor
     out["first_over_again"] = out["profile_first_s"] / out["profile_again_s"]
+    # The least any design costs against the floor: one recorded run per mode and the
+    # optimizer (no check, no batch-1 step), and two per mode (a fit checked at a second batch
+    # size; the step at batch 1, which kernels run on size-1 paths, can be that second run).
+    runs = out["recorded_train_s"] + out["recorded_forward_s"]
+    out["one_run_per_mode_over_floor"] = (runs + out["optimizer_trace_s"]) / floor
+    out["two_runs_per_mode_over_floor"] = (2 * runs + out["optimizer_trace_s"]) / floor
+    # What a cold dispatch cache costs a run, against the same run warm: a first profile
+    # runs every shape it has cold, so first / again is about this whatever the number of runs
+    cold = out["bare_train_step_cold_s"] + out["bare_forward_cold_s"]
+    out["cold_over_warm"] = cold / floor
     return out
 
 
