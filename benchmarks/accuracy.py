@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from vram_widget import profile_model, zoo
-from vram_widget._measure import measure
+from vram_widget._profiling.measure import measure
 
 MODELS = (
     "vgg16",

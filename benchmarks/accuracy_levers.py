@@ -40,7 +40,7 @@ from _results import write_results
 from torch import nn
 
 from vram_widget import profile_model, zoo
-from vram_widget._measure import measure
+from vram_widget._profiling.measure import measure
 
 BATCHES = (1, 8)
 PRECISIONS = ("fp32", "bf16")

@@ -31,7 +31,7 @@ from _results import write_results
 from torch import nn
 
 from vram_widget import profile_model
-from vram_widget._measure import measure
+from vram_widget._profiling.measure import measure
 
 BATCHES = (1, 3, 8)
 LENGTHS = (17, 64, 200, 512)

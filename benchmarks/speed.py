@@ -179,7 +179,7 @@ out = {"profile_first_s": first, "profile_again_s": again,
 # What a profile is made of, each part timed alone (best of 3, warm): one recorded training
 # run and one recorded forward at batch 2 (the recorder, hooks and CUDA emulation included),
 # and the optimizer's trace (Adam on meta parameters).
-from vram_widget._options import Mode, OptimizerName, Precision
+from vram_widget._estimating.options import Mode, OptimizerName, Precision
 source = profile_model(model, **profile_kwargs)._source
 out["recorded_train_s"] = min(
     timed(lambda: source._run(Precision.FP32, 2, Mode.TRAIN)) for _ in range(3))

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from vram_widget import show_memory, zoo
-from vram_widget._widget import MemoryWidget
+from vram_widget._display.widget import MemoryWidget
 
 MOVES = 50
 RESULTS = Path(__file__).parent / "results" / "widget_latency.json"

@@ -1,4 +1,5 @@
-"""CUDA extras: allocator rounding, cuBLAS workspace, context (``vram_widget._accelerator``)."""
+"""CUDA extras: allocator rounding, cuBLAS workspace, context
+(``vram_widget._estimating.accelerator``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from vram_widget import profile_model, zoo
-from vram_widget._accelerator import (
+from vram_widget._estimating.accelerator import (
     CUBLAS_WORKSPACE_BYTES_DEFAULT,
     CUBLAS_WORKSPACE_BYTES_SM90,
     CUDA_CONTEXT_BYTES,
@@ -86,7 +87,7 @@ def test_extras_total_and_sources() -> None:
 
 def test_no_torch_import() -> None:
     """The estimator imports this module; it must not pull torch in."""
-    path = Path(__file__).resolve().parents[1] / "vram_widget" / "_accelerator.py"
+    path = Path(__file__).resolve().parents[1] / "vram_widget" / "_estimating" / "accelerator.py"
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('accelerator', {str(path)!r})\n"

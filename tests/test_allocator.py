@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vram_widget._allocator import (
+from vram_widget._estimating.allocator import (
     K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     CachingAllocator,

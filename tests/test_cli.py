@@ -1,4 +1,4 @@
-"""Tests for the command line (vram_widget._cli): real numbers against the Python API, and
+"""Tests for the command line (vram_widget._display.cli): real numbers against the Python API, and
 every bad value a usage error (exit code 2) that names the valid forms, never a traceback.
 
 Small models only: the zoo's ``mlp`` on --device cpu, a tiny callable written to a module
@@ -22,8 +22,8 @@ import torch
 from models import assert_model_unchanged, snapshot_model
 
 from vram_widget import profile_model, zoo
-from vram_widget._cli import main
-from vram_widget._gpus import resolve_gpu
+from vram_widget._display.cli import main
+from vram_widget._estimating.gpus import resolve_gpu
 
 _MODULE = "vram_cli_models"
 _GPT2 = [

@@ -1,4 +1,4 @@
-"""vram_widget._composites: F.linear run as a real step runs it, and always restored."""
+"""vram_widget._profiling.composites: F.linear run as a real step runs it, and always restored."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vram_widget._composites import _linear_adds_bias_in_place, real_run_composites, rules_hold
+from vram_widget._profiling.composites import (
+    _linear_adds_bias_in_place,
+    real_run_composites,
+    rules_hold,
+)
 
 
 def test_rules_match_this_torch() -> None:

@@ -1,4 +1,4 @@
-"""CUDA kernel-choice emulation on CPU (fake) tensors: ``vram_widget._cuda_rules``.
+"""CUDA kernel-choice emulation on CPU (fake) tensors: ``vram_widget._profiling.cuda_rules``.
 
 References are the fact sheet ``/work/shared/CUDA_SEMANTICS.md`` and, where this CPU-only build
 can show it, PyTorch itself: fake CUDA tensors with CUDA's autocast flag and no grad run CUDA's
@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vram_widget._cuda_rules import (
+from vram_widget._profiling.cuda_rules import (
     RULES,
     CastPolicy,
     CudaEmulation,

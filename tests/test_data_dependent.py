@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from vram_widget._data_dependent import (
+from vram_widget._profiling.data_dependent import (
     example_mask_values,
     graph_randomness,
     masks_all_ones,

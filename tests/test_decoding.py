@@ -1,11 +1,11 @@
-"""Decode steps unrolled from a recorded generation (``_decoding``), on hand-made events."""
+"""Decode steps unrolled from a recorded generation (``decoding``), on hand-made events."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from vram_widget._decoding import (
+from vram_widget._estimating.decoding import (
     DECODE_STEPS_ACROSS_WINDOW,
     DECODE_STEPS_PROFILED,
     PROMPT_BEFORE_WINDOW,
@@ -17,7 +17,7 @@ from vram_widget._decoding import (
     step_of,
     unroll,
 )
-from vram_widget._options import CATEGORY_CODE, PHASE_CODE, Category, Phase
+from vram_widget._estimating.options import CATEGORY_CODE, PHASE_CODE, Category, Phase
 
 KV = CATEGORY_CODE[Category.KV_CACHE]
 TMP = CATEGORY_CODE[Category.TEMPORARY]

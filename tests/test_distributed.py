@@ -16,7 +16,7 @@ import torch
 from models import assert_model_unchanged, hf_llama, hf_tokens, snapshot_model
 
 from vram_widget import measure, profile_model, zoo
-from vram_widget._distributed import DistributedError, run_ranks
+from vram_widget._profiling.distributed import DistributedError, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -160,8 +160,8 @@ def _zero_shards(rank: int, world: int) -> list[list[str]]:
 
 def test_zero_partition_is_zeros_own() -> None:
     # the shards (and their order) ZeroRedundancyOptimizer itself makes, on 3 ranks
-    from vram_widget._options import Precision
-    from vram_widget._sharding import zero_partition
+    from vram_widget._estimating.options import Precision
+    from vram_widget._estimating.sharding import zero_partition
 
     entry = zoo.ZOO["llama_tiny"]
     profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cpu")

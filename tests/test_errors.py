@@ -1,4 +1,4 @@
-"""Tests for ``_errors.py``: which frames of an exception's traceback are the user's.
+"""Tests for ``errors.py``: which frames of an exception's traceback are the user's.
 
 The end-to-end checks (a model's forward, backward or loss_fn raising while it is profiled)
 are in tests/test_profiler.py."""
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from vram_widget._errors import entry_codes, user_traceback
-from vram_widget._step import compute_loss
+from vram_widget._profiling.errors import entry_codes, user_traceback
+from vram_widget._profiling.step import compute_loss
 
 _HERE = os.path.abspath(__file__)
 
@@ -64,7 +64,7 @@ def test_torch_plumbing_between_user_frames_is_dropped() -> None:
 
 
 def test_an_error_raised_by_this_package_keeps_every_frame() -> None:
-    # compute_loss (vram_widget/_step.py) raising is ours to report whole
+    # compute_loss (vram_widget/_profiling/step.py) raising is ours to report whole
     exc = _caught(lambda: compute_loss(torch.zeros(2, 3), lambda out: out))
     assert isinstance(exc, ValueError)
     tb = exc.__traceback__

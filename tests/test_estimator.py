@@ -1,4 +1,4 @@
-"""Unit tests of the numpy layer (``_table``, ``_estimator``) on a hand-built profile: no torch.
+"""Unit tests of the numpy layer (``table``, ``estimator``) on a hand-built profile: no torch.
 
 The synthetic step (rows: the root module, "fc", the loss and optimizer pseudo-rows):
 
@@ -29,13 +29,13 @@ import pytest
 from torch import nn
 
 from vram_widget import profile_model
-from vram_widget._accelerator import (
+from vram_widget._estimating.accelerator import (
     CUBLAS_WORKSPACE_BYTES_SM90,
     CUDA_CONTEXT_BYTES,
     cuda_block_bytes,
 )
-from vram_widget._estimator import MemoryEstimate, estimate
-from vram_widget._options import (
+from vram_widget._estimating.estimator import MemoryEstimate, estimate
+from vram_widget._estimating.options import (
     CATEGORY_CODE,
     PHASE_CODE,
     Category,
@@ -45,7 +45,7 @@ from vram_widget._options import (
     Phase,
     Precision,
 )
-from vram_widget._table import (
+from vram_widget._estimating.table import (
     ModuleRows,
     NotAffineError,
     OptimizerTrace,
@@ -496,8 +496,9 @@ def test_fit_timeline_refuses_mismatched_traces() -> None:
 
 
 _NO_TORCH = (
-    "import sys; import vram_widget._estimator, vram_widget._table, vram_widget._profile, "
-    "vram_widget._tradeoff, vram_widget._levers, vram_widget._allocator; "
+    "import sys; import vram_widget._estimating.estimator, vram_widget._estimating.table, "
+    "vram_widget._estimating.profile, vram_widget._estimating.tradeoff, "
+    "vram_widget._estimating.levers, vram_widget._estimating.allocator; "
     "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
 )
 
@@ -528,7 +529,7 @@ def test_numpy_layer_does_not_import_torch() -> None:
 def test_cublas_workspace_follows_the_target_compute_capability() -> None:
     # cuBLAS workspace per handle: 32 MiB = 33,554,432 B on compute capability 9.x, and
     # ":4096:2:16:8" = 4096 KiB * 2 + 16 KiB * 8 = 8,519,680 B before it
-    # (CublasHandlePool.cpp; _accelerator.cublas_workspace_bytes). The rest is unchanged.
+    # (CublasHandlePool.cpp; accelerator.cublas_workspace_bytes). The rest is unchanged.
     profile = profile_model(nn.Linear(16, 16), input_size=(16,), device="cuda")
     hopper = profile.estimate(4)
     ampere = profile.estimate(4, compute_capability=(8, 0))
@@ -576,7 +577,7 @@ def test_batch_one_as_profiled_where_it_is_not_the_line() -> None:
 
 def test_reserved_bytes_replay_a_linear_step_by_hand() -> None:
     # Linear(1024, 1024), batch 1, fp32, SGD, device="cuda", replayed through the caching
-    # allocator (_allocator). The 4 MiB weight opens a 20 MiB large segment (16 MiB left,
+    # allocator (allocator). The 4 MiB weight opens a 20 MiB large segment (16 MiB left,
     # split). Everything small (the 4 KiB bias and its gradient, the 4 KiB input and output,
     # the loss) shares one 2 MiB segment. The cuBLAS workspace goes through the allocator
     # too: on an H100 (9.0) 32 MiB, a segment of its own (>= 10 MiB: rounded to 2 MiB), so

@@ -1,10 +1,11 @@
-"""The private-torch shims of vram_widget._fake: what MetaShortcuts skips and what it runs."""
+"""The private-torch shims of ``vram_widget._profiling.fake``: what MetaShortcuts skips and
+what it runs."""
 
 from __future__ import annotations
 
 import torch
 
-from vram_widget._fake import MetaShortcuts
+from vram_widget._profiling.fake import MetaShortcuts
 
 
 def test_real_tensors_run_in_full() -> None:

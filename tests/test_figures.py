@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from vram_widget import Category, profile_model, zoo
-from vram_widget._figures import (
+from vram_widget._display.figures import (
     CLIP_RATIO,
     FLOOR_CATEGORIES,
     MAX_NAMED_GROUPS,
@@ -21,8 +21,8 @@ from vram_widget._figures import (
     update_figure,
     waterfall_data,
 )
-from vram_widget._options import PHASES
-from vram_widget._profile import ModelProfile
+from vram_widget._estimating.options import PHASES
+from vram_widget._estimating.profile import ModelProfile
 
 GIB = 2**30
 
@@ -188,7 +188,7 @@ def test_many_groups_mark_phases_only() -> None:
 
 
 def test_long_names_keep_their_tail() -> None:
-    from vram_widget._figures import _tick
+    from vram_widget._display.figures import _tick
 
     assert _tick("layer4.2.conv3") == "layer4.2.conv3"
     long = "transformer.encoder.layers.11.self_attn.out_proj"

@@ -1,4 +1,4 @@
-"""Tests for vram_widget._flops: hand-worked FLOP counts and the three fixes to stock
+"""Tests for vram_widget._profiling.flops: hand-worked FLOP counts and the three fixes to stock
 ``torch.utils.flop_counter.FlopCounterMode``.
 
 Convention throughout: 2 FLOPs per multiply-add; a (M, K) @ (K, N) product is 2*M*K*N.
@@ -22,8 +22,8 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from vram_widget._fake import TorchDispatchMode
-from vram_widget._flops import count_flops, flops_to_macs, has_flop_formula, op_flops
+from vram_widget._profiling.fake import TorchDispatchMode
+from vram_widget._profiling.flops import count_flops, flops_to_macs, has_flop_formula, op_flops
 
 aten = torch.ops.aten
 
@@ -457,7 +457,7 @@ def test_alexnet_and_vgg16_macs_at_224_match_the_hand_count() -> None:
 
 def test_cpu_lstm_counts_its_gate_matmuls() -> None:
     """nn.LSTM on the CPU runs aten.mkldnn_rnn_layer, which stock FlopCounterMode counts as 0."""
-    from vram_widget._flops import count_flops
+    from vram_widget._profiling.flops import count_flops
 
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(16, 32, num_layers=1, batch_first=True)

@@ -1,4 +1,4 @@
-"""The generation pass (``_generation``) and ``estimate(mode="generate")``, checked against
+"""The generation pass (``generation``) and ``estimate(mode="generate")``, checked against
 Hugging Face's own ``model.generate`` run for real by ``measure``."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.models import (
     snapshot_model,
 )
 from vram_widget import measure, profile_model, zoo
-from vram_widget._options import Phase
+from vram_widget._estimating.options import Phase
 
 pytest.importorskip("transformers")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vram_widget._gpus import (
+from vram_widget._estimating.gpus import (
     CUSTOM_GPU,
     GPUS,
     TFLOPS_KEYS,

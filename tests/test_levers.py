@@ -15,9 +15,9 @@ from models import assert_model_unchanged, snapshot_model
 from torch import nn
 
 from vram_widget import profile_model, zoo
-from vram_widget._levers import NO_LEVERS, Levers, repeated_blocks, resolve_levers
-from vram_widget._measure import measure
-from vram_widget._options import PHASE_CODE, Phase
+from vram_widget._estimating.levers import NO_LEVERS, Levers, repeated_blocks, resolve_levers
+from vram_widget._estimating.options import PHASE_CODE, Phase
+from vram_widget._profiling.measure import measure
 
 _NAMES = ("", "h", "h.0", "h.0.fc", "h.1", "h.1.fc", "head")
 _TYPES = ("Net", "ModuleList", "Block", "Linear", "Block", "Linear", "Linear")

@@ -24,10 +24,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vram_widget._measure import _MARKER, Measurement, _cpu_trace, _measure, measure
-from vram_widget._options import Mode, OptimizerName, Precision, parse_optimizer
-from vram_widget._probe import KernelProbe
-from vram_widget._step import (
+from vram_widget._estimating.options import Mode, OptimizerName, Precision, parse_optimizer
+from vram_widget._profiling.measure import _MARKER, Measurement, _cpu_trace, _measure, measure
+from vram_widget._profiling.probe import KernelProbe
+from vram_widget._profiling.step import (
     ModelInputs,
     cast_floating,
     inference_pass,

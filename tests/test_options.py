@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vram_widget._options import (
+from vram_widget._estimating.options import (
     CATEGORIES,
     CATEGORY_CODE,
     PHASE_CODE,

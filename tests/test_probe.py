@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from vram_widget import profile_model
-from vram_widget._measure import measure
-from vram_widget._probe import PROBE_LIMIT_BYTES, UNKNOWN, KernelProbe, wants_probe
+from vram_widget._profiling.measure import measure
+from vram_widget._profiling.probe import PROBE_LIMIT_BYTES, UNKNOWN, KernelProbe, wants_probe
 
 aten = torch.ops.aten
 

@@ -43,8 +43,8 @@ from vram_widget import (
     show_memory,
     zoo,
 )
-from vram_widget._measure import measure
-from vram_widget._options import PHASE_CODE, Precision
+from vram_widget._estimating.options import PHASE_CODE, Precision
+from vram_widget._profiling.measure import measure
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -1099,7 +1099,7 @@ def test_inputs_on_another_device_than_the_model() -> None:
     # A real step of a CPU model on CUDA inputs fails, so profiling one is refused, naming
     # both devices. Without a GPU, a fake tensor stands in for the CUDA batch (the check only
     # reads .device).
-    from vram_widget._fake import FakeTensorMode
+    from vram_widget._profiling.fake import FakeTensorMode
 
     with FakeTensorMode():
         cuda_x = torch.empty(2, 4, device="cuda")
@@ -1344,9 +1344,9 @@ def test_backward_events_belong_to_the_node_that_ran(device: str) -> None:
 
 
 def test_stock_fake_mode_gives_the_same_estimates(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The cheaper cache keys (_fake._ProfilingFakeTensorMode) are used only on a torch whose
+    # The cheaper cache keys (fake._ProfilingFakeTensorMode) are used only on a torch whose
     # private hook matches; any other torch gets the stock FakeTensorMode. Both must agree.
-    import vram_widget._fake as fake
+    import vram_widget._profiling.fake as fake
 
     model = zoo.resnet18()
     fast = profile_model(model, input_size=(3, 32, 32))
@@ -1375,7 +1375,7 @@ def test_is_cached_knows_precision_mode_and_optimizer() -> None:
 
 
 class _NoShortcuts(contextlib.nullcontext):  # type: ignore[type-arg]
-    """Stands in for _fake.MetaShortcuts: every meta kernel runs in full."""
+    """Stands in for fake.MetaShortcuts: every meta kernel runs in full."""
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])  # foreach and single-tensor optimizers
@@ -1385,8 +1385,8 @@ def test_meta_shortcuts_leave_the_optimizer_trace_unchanged(
     # The optimizer trace skips in-place pointwise meta kernels and reuses the outputs of
     # repeated out-of-place ones; every event and every state byte must be what the full
     # meta kernels give, for every optimizer and a half precision.
-    import vram_widget._profiler as profiler_module
-    from vram_widget._options import OptimizerName, Precision
+    import vram_widget._profiling.profiler as profiler_module
+    from vram_widget._estimating.options import OptimizerName, Precision
 
     # ResNet-18: many parameters of repeated shapes, so the reused outputs are exercised
     profile = profile_model(zoo.resnet18(), input_size=(3, 32, 32), device=device)
@@ -1484,7 +1484,7 @@ def test_gradient_sums_in_place_allocate_one_tensor_fewer() -> None:
     # The diamond's two gradients of h, (B, 64) float32 each, are summed once in backward:
     # in place, as a real step does, the step allocates one (B, 64) tensor fewer than the
     # same profile with the sum left out of place: B * 64 * 4 bytes (768 at batch 3).
-    import vram_widget._recorder as recorder_module
+    import vram_widget._profiling.recorder as recorder_module
 
     def allocated(profile: ModelProfile, batch: int) -> int:
         live = profile.estimate(batch, "fp32", "sgd").live_bytes
@@ -1505,7 +1505,7 @@ def test_gradient_sums_in_place_allocate_one_tensor_fewer() -> None:
 def test_mixed_dtype_copies_are_counted_on_the_cpu_only() -> None:
     # `half * gate` at batch 7: the CPU copies the (7, 64) bf16 operand to fp32 for the
     # call, 7 * 64 * 4 = 1792 bytes beside the output; CUDA kernels cast as they load.
-    import vram_widget._recorder as recorder_module
+    import vram_widget._profiling.recorder as recorder_module
 
     model, make = _dispatch_mode_case("mixed_dtypes")
     with_copies = profile_model(model, inputs=make(2), device="cpu")
@@ -1918,7 +1918,7 @@ def test_batch_one_checks_the_fit_where_it_is_the_same_step(
     # line's step at 1 to the byte it is the check too: three runs per mode (2, 3, 1).
     # Where it is not (here a model that takes another path at batch 1), batch 5 checks
     # the line and batch 1 is kept as profiled: four runs, exact at both.
-    from vram_widget._profiler import Profiler
+    from vram_widget._profiling.profiler import Profiler
 
     batches: list[int] = []
     original = Profiler.run

@@ -1,11 +1,11 @@
-"""vram_widget._recorder helpers with hand-checked answers."""
+"""vram_widget._profiling.recorder helpers with hand-checked answers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vram_widget._recorder import _non_overlapping_and_dense
+from vram_widget._profiling.recorder import _non_overlapping_and_dense
 
 
 @pytest.mark.parametrize(

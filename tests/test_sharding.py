@@ -1,4 +1,4 @@
-"""The data-parallel strategies' rules (``_sharding``) and ``estimate(gpus=, strategy=)``.
+"""The data-parallel strategies' rules (``sharding``) and ``estimate(gpus=, strategy=)``.
 
 The rules are checked here by hand and against torch's own bucketing function; against real
 torch.distributed runs in ``test_distributed.py``.
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from vram_widget import Category, profile_model, zoo
-from vram_widget._figures import floor_categories, waterfall_data
-from vram_widget._options import PHASE_CODE, Phase
-from vram_widget._sharding import (
+from vram_widget._display.figures import floor_categories, waterfall_data
+from vram_widget._estimating.options import PHASE_CODE, Phase
+from vram_widget._estimating.sharding import (
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_CAP_BYTES,
     FsdpParam,

@@ -1,4 +1,4 @@
-"""Tests for ``_step.py``: the default loss on every output shape, ``compute_loss``'s checks
+"""Tests for ``step.py``: the default loss on every output shape, ``compute_loss``'s checks
 and ``ModelInputs``. The estimate-vs-``measure()`` checks of the same output shapes are the
 ``*_output`` and ``hf_keywords`` cases of tests/test_profiler.py."""
 
@@ -18,7 +18,12 @@ from models import (
     SequenceClassifierOutputLike,
 )
 
-from vram_widget._step import ModelInputs, compute_loss, default_loss, first_floating_tensor
+from vram_widget._profiling.step import (
+    ModelInputs,
+    compute_loss,
+    default_loss,
+    first_floating_tensor,
+)
 
 
 def _outputs(kind: str) -> tuple[torch.Tensor, torch.Tensor, Any]:

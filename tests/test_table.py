@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vram_widget._table import (
+from vram_widget._estimating.table import (
     PADDED_TERMS,
     Poly,
     _fill_unknown,

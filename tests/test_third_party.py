@@ -18,7 +18,7 @@ import torch
 from models import HF_VOCAB, assert_model_unchanged, hf_gpt2, hf_llama, snapshot_model
 
 from vram_widget import Mode, profile_model
-from vram_widget._measure import measure
+from vram_widget._profiling.measure import measure
 
 transformers = pytest.importorskip("transformers")
 
@@ -158,7 +158,8 @@ def test_gradient_checkpointing_enabled_model_estimate_equals_measure(
     # around each block). Before the profile held its parameters through the backward, bf16
     # raised CheckpointError (the recompute saw fp32 weights) and fp32 drifted with the batch
     # (+0.9 % at 3, +5.7 % at 7). With sdpa attention, as the models default to: the fake run
-    # decides Hugging Face's mask skip as the real step does (vram_widget/_data_dependent.py).
+    # decides Hugging Face's mask skip as the real step does
+    # (vram_widget/_profiling/data_dependent.py).
     model = _build(name)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     make = _MODELS[name][1]
@@ -326,7 +327,7 @@ def test_grouped_query_sdpa_with_an_all_ones_mask_estimate_equals_measure() -> N
     # transformers drops an all-ones padding mask only for non-fake tensors (its is_tracing
     # is True for a FakeTensor): the fake run kept the 4-D mask and took repeat_kv while the
     # real step runs enable_gqa without a mask (+2.4 %). The profile now decides the skip
-    # from the example's mask values (vram_widget/_data_dependent.py).
+    # from the example's mask values (vram_widget/_profiling/data_dependent.py).
     model = _gqa_model("llama")
     make = _gqa_tokens("ones")
     calls = _sdpa_calls(model, make(2))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vram_widget import profile_model, zoo
-from vram_widget._profile import ModelProfile
-from vram_widget._tradeoff import Frontier, batch_seq_frontier, length_grid
+from vram_widget._estimating.profile import ModelProfile
+from vram_widget._estimating.tradeoff import Frontier, batch_seq_frontier, length_grid
 
 MIB = 2**20
 

@@ -16,12 +16,12 @@ import traitlets
 from torch import nn
 
 from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
-from vram_widget._figures import TRACE_NAMES
-from vram_widget._gpus import GPUS
-from vram_widget._levers import NO_LEVERS
-from vram_widget._profile import ModelProfile
-from vram_widget._sharding import resolve_parallel
-from vram_widget._widget import AT_REST_DELAY_S, MemoryWidget, format_bytes
+from vram_widget._display.figures import TRACE_NAMES
+from vram_widget._display.widget import AT_REST_DELAY_S, MemoryWidget, format_bytes
+from vram_widget._estimating.gpus import GPUS
+from vram_widget._estimating.levers import NO_LEVERS
+from vram_widget._estimating.profile import ModelProfile
+from vram_widget._estimating.sharding import resolve_parallel
 
 GIB = 2**30
 PEAK = TRACE_NAMES.index("peak")
@@ -356,7 +356,7 @@ def test_update_path_formats_only_shown_shapes(
     """``LayerTable.output_shape`` builds every row's tuple on each access (a 1,000-module
     model: ~6 ms per access, once per hovered group and table row took a move to 120 ms);
     the update path formats only the rows it shows."""
-    from vram_widget._estimator import LayerTable
+    from vram_widget._estimating.estimator import LayerTable
 
     w = MemoryWidget(profile, depth=2)
 

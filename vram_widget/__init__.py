@@ -1,7 +1,12 @@
 """vram_widget: how much accelerator memory one training step of a torch.nn.Module needs.
 
-Re-exports only. Names are imported on first use (PEP 562), so that the numpy layer
-(``_table``, ``_estimator``, ``_profile``) and the widget can be imported without torch.
+Re-exports only. Names are imported on first use (PEP 562), so that the estimating stage
+(plain numpy) can be imported without torch.
+
+The package is grouped by pipeline stage, and imports run one way (an import-linter contract):
+``_display`` (figures, widget, command line) -> ``_profiling`` (everything that runs the model:
+the profiler, its recorder, the CUDA emulation, ``measure``) -> ``_estimating`` (the profile
+table and every estimate from it, no torch).
 """
 
 from __future__ import annotations
@@ -9,35 +14,35 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._options import Category, Device, Mode, OptimizerName, Phase, Precision
+from ._estimating.options import Category, Device, Mode, OptimizerName, Phase, Precision
 
 if TYPE_CHECKING:
-    from ._accelerator import AcceleratorExtras
-    from ._estimator import LayerTable, MemoryEstimate
-    from ._gpus import GPUS, Gpu
-    from ._levers import Levers
-    from ._measure import Measurement, measure
-    from ._profile import ModelProfile, ProfilingError
-    from ._profiler import InputShapeWarning, profile_model
-    from ._tradeoff import Frontier
-    from ._widget import MemoryWidget, show_memory
+    from ._display.widget import MemoryWidget, show_memory
+    from ._estimating.accelerator import AcceleratorExtras
+    from ._estimating.estimator import LayerTable, MemoryEstimate
+    from ._estimating.gpus import GPUS, Gpu
+    from ._estimating.levers import Levers
+    from ._estimating.profile import ModelProfile, ProfilingError
+    from ._estimating.tradeoff import Frontier
+    from ._profiling.measure import Measurement, measure
+    from ._profiling.profiler import InputShapeWarning, profile_model
 
 _LAZY = {
-    "AcceleratorExtras": "._accelerator",
-    "GPUS": "._gpus",
-    "Gpu": "._gpus",
-    "Frontier": "._tradeoff",
-    "Levers": "._levers",
-    "LayerTable": "._estimator",
-    "MemoryEstimate": "._estimator",
-    "InputShapeWarning": "._profiler",
-    "Measurement": "._measure",
-    "measure": "._measure",
-    "ModelProfile": "._profile",
-    "ProfilingError": "._profile",
-    "profile_model": "._profiler",
-    "MemoryWidget": "._widget",
-    "show_memory": "._widget",
+    "AcceleratorExtras": "._estimating.accelerator",
+    "GPUS": "._estimating.gpus",
+    "Gpu": "._estimating.gpus",
+    "Frontier": "._estimating.tradeoff",
+    "Levers": "._estimating.levers",
+    "LayerTable": "._estimating.estimator",
+    "MemoryEstimate": "._estimating.estimator",
+    "InputShapeWarning": "._profiling.profiler",
+    "Measurement": "._profiling.measure",
+    "measure": "._profiling.measure",
+    "ModelProfile": "._estimating.profile",
+    "ProfilingError": "._estimating.profile",
+    "profile_model": "._profiling.profiler",
+    "MemoryWidget": "._display.widget",
+    "show_memory": "._display.widget",
 }
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""``python -m vram_widget``: the ``vram-widget`` command line (see :mod:`vram_widget._cli`)."""
+"""``python -m vram_widget``: the ``vram-widget`` command line
+(:mod:`vram_widget._display.cli`)."""
 
-from ._cli import main
+from ._display.cli import main
 
 raise SystemExit(main())

@@ -17,22 +17,10 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from ._composites import real_run_composites, rules_hold
-from ._data_dependent import example_mask_values, graph_randomness, worst_case_graph
-from ._decoding import DECODE_STEPS_PROFILED
-from ._errors import entry_codes, user_traceback
-from ._estimator import module_label
-from ._fake import (
-    DATA_DEPENDENT_ERRORS,
-    MetaShortcuts,
-    checkpoint_recompute_context,
-    new_fake_mode,
-    quiet_fake_tensor_log,
-    reparametrized,
-)
-from ._generation import generation_limit, prompt_inputs, recorded_generation
-from ._levers import NO_LEVERS, Levers
-from ._options import (
+from .._estimating.decoding import DECODE_STEPS_PROFILED
+from .._estimating.estimator import module_label
+from .._estimating.levers import NO_LEVERS, Levers
+from .._estimating.options import (
     PHASE_CODE,
     Category,
     Device,
@@ -42,11 +30,34 @@ from ._options import (
     Precision,
     parse_option,
 )
-from ._probe import KernelProbe
-from ._profile import ModelProfile, ProfilingError
-from ._recorder import Recorder, describe_args, module_hooks, tracked_rng_states
-from ._sharding import local_shard_shape
-from ._step import (
+from .._estimating.profile import ModelProfile, ProfilingError
+from .._estimating.sharding import local_shard_shape
+from .._estimating.table import (
+    PADDED_TERMS,
+    ModuleRows,
+    NotAffineError,
+    OptimizerTrace,
+    Timeline,
+    across_lengths,
+    fit_timeline,
+    padded_fit_lengths,
+    same_step,
+)
+from .composites import real_run_composites, rules_hold
+from .data_dependent import example_mask_values, graph_randomness, worst_case_graph
+from .errors import entry_codes, user_traceback
+from .fake import (
+    DATA_DEPENDENT_ERRORS,
+    MetaShortcuts,
+    checkpoint_recompute_context,
+    new_fake_mode,
+    quiet_fake_tensor_log,
+    reparametrized,
+)
+from .generation import generation_limit, prompt_inputs, recorded_generation
+from .probe import KernelProbe
+from .recorder import Recorder, describe_args, module_hooks, tracked_rng_states
+from .step import (
     PEFT_PREFIX,
     ModelInputs,
     apply_levers,
@@ -63,17 +74,6 @@ from ._step import (
     restored_modules,
     storage_dtype,
     training_iteration,
-)
-from ._table import (
-    PADDED_TERMS,
-    ModuleRows,
-    NotAffineError,
-    OptimizerTrace,
-    Timeline,
-    across_lengths,
-    fit_timeline,
-    padded_fit_lengths,
-    same_step,
 )
 
 LOSS_ROW_NAME = "(loss)"
@@ -347,7 +347,7 @@ class Profiler:
     def __init__(self, subject: Subject) -> None:
         self.subject = subject
         self.real = subject.fallback_reason is not None
-        # CPU kernel workspaces are measured for device="cpu" (see _probe); CUDA's are
+        # CPU kernel workspaces are measured for device="cpu" (see probe); CUDA's are
         # accounted for by the emulation and the accelerator extras instead.
         self.probe = KernelProbe() if subject.device is Device.CPU else None
         # the sequence length of the runs (None: the example's)
@@ -406,7 +406,7 @@ class Profiler:
         the plain CPU semantics (autocast on the CPU for amp precisions)."""
         if self.subject.device is Device.CPU:
             return None
-        from ._cuda_rules import CudaEmulation, CudaTarget
+        from .cuda_rules import CudaEmulation, CudaTarget
 
         amp = autocast_dtype(precision)
         return lambda: CudaEmulation(CudaTarget(), amp)
@@ -631,7 +631,7 @@ class Profiler:
         order ZeRO hands it to its local optimizer: a single-tensor step keeps one
         parameter's temporary while it makes the next one's, so the order counts).
         ``shard=(world_size, rank)``: each parameter as that rank's FSDP2 shard of it (its
-        dim-0 chunk, ``_sharding.local_shard_shape``), which its optimizer steps."""
+        dim-0 chunk, ``sharding.local_shard_shape``), which its optimizer steps."""
         subject = self.subject
         cuda = subject.device is Device.CUDA
         stepped = subject.params_with_grad.get(self.levers)
@@ -856,7 +856,7 @@ class _Source:
         new_tokens: int | None = None,
     ) -> Timeline:
         """A generation recorded at the prompt ``seq_len`` (None: the example's) through
-        ``decode_steps`` decode steps (more across a sliding window, ``_decoding._plan``), with
+        ``decode_steps`` decode steps (more across a sliding window, ``decoding._plan``), with
         generate asked for ``new_tokens`` (a ``StaticCache`` is allocated for the prompt and
         all of them before the first step; None: just more than are recorded), fitted in the
         batch."""
@@ -963,7 +963,7 @@ class _Source:
 
     def _example(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The example batch as the user gave it (positional, keyword): its values decide
-        what fake tensors cannot (``_data_dependent``)."""
+        what fake tensors cannot (``data_dependent``)."""
         inputs = self.profiler.subject.inputs
         return ((), {}) if inputs is None else (inputs.args, inputs.kwargs)
 

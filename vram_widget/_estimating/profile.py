@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._decoding import (
+from .decoding import (
     DECODE_STEPS_ACROSS_WINDOW,
     PROMPT_BEFORE_WINDOW,
     STATIC_CACHE_TOKENS,
@@ -21,10 +21,10 @@ from ._decoding import (
     check_generation,
     crosses_window,
 )
-from ._estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
-from ._gpus import Gpu, parse_capacity
-from ._levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
-from ._options import (
+from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
+from .gpus import Gpu, parse_capacity
+from .levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
+from .options import (
     CATEGORY_CODE,
     PHASE_CODE,
     Category,
@@ -39,7 +39,7 @@ from ._options import (
     parse_optimizer,
     parse_option,
 )
-from ._sharding import (
+from .sharding import (
     DEFAULT_GPUS_PER_NODE,
     ITEMSIZE,
     SINGLE_DEVICE,
@@ -52,8 +52,8 @@ from ._sharding import (
     resolve_fsdp_units,
     resolve_parallel,
 )
-from ._table import ModuleRows, OptimizerTrace, Poly, Timeline
-from ._tradeoff import Frontier, batch_seq_frontier, length_grid
+from .table import ModuleRows, OptimizerTrace, Poly, Timeline
+from .tradeoff import Frontier, batch_seq_frontier, length_grid
 
 # The frontier's longest length where the model has no learned position table: 128k tokens
 DEFAULT_MAX_SEQ_LEN = 2**17
@@ -463,9 +463,9 @@ class ModelProfile:
             ``"generate"``: Hugging Face's greedy ``model.generate`` of ``new_tokens`` tokens
             after a prompt of ``seq_len`` tokens per sequence, ``batch_size`` sequences at
             once: the prefill of the prompt, then one decode step per further token with
-            the model's own ``DynamicCache`` (``_generation``: its code recorded on fake
+            the model's own ``DynamicCache`` (``generation``: its code recorded on fake
             tensors for the prefill and 4 decode steps, the rest extrapolated from a pattern
-            checked exactly on them, ``_decoding``). The peak is over every step
+            checked exactly on them, ``decoding``). The peak is over every step
             (``est.peak_step``: 0 the prefill, k decode step k); ``est.kv_cache_bytes`` and
             ``est.kv_cache_bytes_per_token`` give the cache. Prompts are taken as unpadded.
         seq_len : int, optional
@@ -514,7 +514,7 @@ class ModelProfile:
             samples per rank (the global batch is ``gpus * batch_size``). 1: one device, no
             wrapper. Inference is not wrapped (each rank runs the forward alone).
         strategy : {"ddp", "zero1", "zero2", "zero3", "hsdp"}
-            How the ranks share the step (``_sharding.STRATEGIES``): ``"ddp"`` is
+            How the ranks share the step (``sharding.STRATEGIES``): ``"ddp"`` is
             ``DistributedDataParallel`` with its defaults, whose flat gradient buckets
             (25 MiB, the first 1 MiB) add the trainable parameters' bytes once more on each
             rank, in ``communication_bytes``. ``"zero1"`` adds
@@ -522,7 +522,7 @@ class ModelProfile:
             its shard of the parameters (ZeRO's own partition); ranks differ, and the
             estimate is the worst one (``est.rank``). ``"zero2"`` and ``"zero3"`` are
             FSDP2's ``fully_shard`` on each repeated block and the root
-            (``_sharding.fsdp_step_edits``): parameters, gradients and optimizer state are
+            (``sharding.fsdp_step_edits``): parameters, gradients and optimizer state are
             each rank's padded dim-0 shards; each unit is all-gathered around its forward
             and backward (``"zero3"`` frees a block's after its forward, ``"zero2"`` keeps
             them) and its gradients reduce-scattered after its backward; ``"hsdp"`` is
@@ -532,7 +532,7 @@ class ModelProfile:
             With ``gpus > 1``: the rank to estimate where ranks differ (ZeRO's shards;
             FSDP2's last ranks hold shorter chunks); None: the worst of the ranks that lead
             on optimizer state or on the step's largest temporaries
-            (``_sharding._zero_ranks``), rank 0 under FSDP2.
+            (``sharding._zero_ranks``), rank 0 under FSDP2.
         gpus_per_node : int
             GPUs per node (default 8): ``"hsdp"`` is ``"zero3"`` within a node and
             replicated across nodes; ``gpus`` must be whole nodes (or at most one).
@@ -764,8 +764,8 @@ class ModelProfile:
     def _fsdp_edits(
         self, timeline: Timeline, precision: Precision, levers: Levers, parallel: Parallel
     ) -> StepEdits:
-        """What FSDP2 inserts into one rank's step (``_sharding.fsdp_step_edits``): units
-        are the repeated blocks (``_levers.repeated_blocks``, as ``measure`` wraps them) and
+        """What FSDP2 inserts into one rank's step (``sharding.fsdp_step_edits``): units
+        are the repeated blocks (``levers.repeated_blocks``, as ``measure`` wraps them) and
         the root; cached per timeline, so a slider move walks no parameter list."""
         key = (id(timeline), precision, levers, parallel)
         if key in self._step_edits:

@@ -1,6 +1,6 @@
 """Measure the memory of one real training step (or inference pass), to check the estimate.
 
-``measure`` runs the step twice on a copy of the model, by the protocol in ``_step.py``, and
+``measure`` runs the step twice on a copy of the model, by the protocol in ``step.py``, and
 reports the peak of the second iteration (steady state: the optimizer state already exists),
 as DESIGN.md defines it ("Definitions"): the maximum of live tensor bytes during the iteration,
 including the parameters, buffers, optimizer state and input batch resident at its start.
@@ -32,16 +32,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._fake import recorded_cuda_memory
-from ._levers import NO_LEVERS, Levers
-from ._options import Mode, OptimizerName, Precision, Strategy, parse_optimizer, parse_option
-from ._sharding import DEFAULT_GPUS_PER_NODE, Parallel, resolve_fsdp_units, resolve_parallel
+from .._estimating.levers import NO_LEVERS, Levers
+from .._estimating.options import (
+    Mode,
+    OptimizerName,
+    Precision,
+    Strategy,
+    parse_optimizer,
+    parse_option,
+)
+from .._estimating.sharding import (
+    DEFAULT_GPUS_PER_NODE,
+    Parallel,
+    resolve_fsdp_units,
+    resolve_parallel,
+)
+from .fake import recorded_cuda_memory
 
 if TYPE_CHECKING:
-    from ._distributed import RankSetup
-from ._decoding import check_generation
-from ._generation import generation_limit, prompt_inputs
-from ._step import (
+    from .distributed import RankSetup
+from .._estimating.decoding import check_generation
+from .generation import generation_limit, prompt_inputs
+from .step import (
     PEFT_PREFIX,
     ModelInputs,
     apply_levers,
@@ -254,7 +266,7 @@ def measure(
     Examples
     --------
     >>> import torch
-    >>> from vram_widget._measure import measure
+    >>> from vram_widget._profiling.measure import measure
     >>> model = torch.nn.Linear(10, 20, bias=False)
     >>> m = measure(model, torch.randn(4, 10), optimizer="sgd")
     >>> m.device, m.batch_size
@@ -311,8 +323,8 @@ def _measure_ranks(
     grad_accumulation: int,
     levers: dict[str, Any],
 ) -> Measurement:
-    """``measure`` on ``parallel.gpus`` gloo ranks (``_distributed.run_ranks``)."""
-    from ._distributed import SETUPS, run_ranks
+    """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``)."""
+    from .distributed import SETUPS, run_ranks
 
     if _model_device(model).type != "cpu":
         raise ValueError(
@@ -366,7 +378,7 @@ def _measure(
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
     ``_measure_ranks``); the resident bytes then count the wrapper's own buffers, as the
-    library reports them (``_distributed.wrapper_bytes``). Not from the allocator's events
+    library reports them (``distributed.wrapper_bytes``). Not from the allocator's events
     before the step: gloo's worker threads may drop a buffer last (the parameters' flat
     broadcast copy, DDP's first buckets), and the profiler does not see frees there."""
     prec = parse_option(Precision, precision, "precision")
@@ -494,7 +506,7 @@ class _Session:
     def wrapper_bytes(self) -> int:
         """What a data-parallel wrapper of the copy holds beside the tensors below (0 for a
         model no wrapper holds buffers for)."""
-        from ._distributed import wrapper_bytes
+        from .distributed import wrapper_bytes
 
         return wrapper_bytes(self.model)
 
@@ -525,7 +537,7 @@ def _run_cpu(
             "measure uses the PyTorch profiler on CPU and cannot run while another profiler "
             "is active; call it outside the profiler's context"
         )
-    from ._probe import quiet_stderr_fd
+    from .probe import quiet_stderr_fd
 
     with quiet_stderr_fd(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run = session()

@@ -65,7 +65,7 @@ class FitBasis(StrEnum):
 
 
 class Strategy(StrEnum):
-    """How a training step is spread over data-parallel ranks (``_sharding``): DDP,
+    """How a training step is spread over data-parallel ranks (``sharding``): DDP,
     ZeRO-1 (``ZeroRedundancyOptimizer``), ZeRO-2 / ZeRO-3 (FSDP2 ``fully_shard`` without /
     with resharding after the forward) and HSDP (ZeRO-3 in a node, replicated across)."""
 

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._options import (
+from .._estimating.options import (
     Device,
     Mode,
     OptimizerName,
@@ -34,9 +34,9 @@ from ._options import (
 if TYPE_CHECKING:
     from torch import nn
 
-    from ._estimator import MemoryEstimate
-    from ._gpus import Gpu
-    from ._profile import ModelProfile
+    from .._estimating.estimator import MemoryEstimate
+    from .._estimating.gpus import Gpu
+    from .._estimating.profile import ModelProfile
 
 __all__ = ["build_parser", "main"]
 
@@ -93,7 +93,7 @@ class ModelSpec:
 
 
 def _zoo_names() -> list[str]:
-    from . import zoo
+    from .. import zoo
 
     return list(zoo.ZOO)
 
@@ -117,7 +117,7 @@ def model_spec(value: str) -> ModelSpec:
         missing or non-callable attribute; the message gives the valid forms.
     """
     if ":" not in value:
-        from . import zoo
+        from .. import zoo
 
         if value in zoo.ZOO:
             entry = zoo.ZOO[value]
@@ -315,7 +315,7 @@ def _option(enum_type: type[Any], what: str) -> Callable[[str], Any]:
 
 def gpu(value: str) -> Gpu:
     """A catalog GPU name or a capacity (``"A100 80GB"``, ``"80GiB"``, ``"24 GB"``, bytes)."""
-    from ._gpus import resolve_gpu
+    from .._estimating.gpus import resolve_gpu
 
     text = value.strip()
     try:
@@ -542,7 +542,7 @@ def _inputs(
     if args.input_size is not None:
         return {"input_size": args.input_size}
     if spec.kind == "zoo":
-        from . import zoo
+        from .. import zoo
 
         # Batch 2, not 1: the profile fits every allocation to a + b * batch and reads only
         # shapes, so the example's batch does not matter beyond having one.
@@ -571,7 +571,7 @@ def _accepts_labels(model: nn.Module) -> bool:
 def _profile(
     args: argparse.Namespace, model: nn.Module, inputs: dict[str, Any]
 ) -> tuple[ModelProfile, list[_Setting]]:
-    from . import profile_model
+    from .. import profile_model
 
     profile = profile_model(model, device=args.device.value, **inputs)
     settings: list[_Setting] = []
@@ -638,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = _build(parser, spec)
     inputs = _inputs(parser, args, spec, model)
 
-    from ._profiler import ProfilingError
+    from .._profiling.profiler import ProfilingError
 
     try:
         profile, settings = _profile(args, model, inputs)

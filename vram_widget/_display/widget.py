@@ -22,8 +22,14 @@ import numpy as np
 import plotly.graph_objects as go
 import traitlets
 
-from ._estimator import MemoryEstimate
-from ._figures import (
+from .._estimating.estimator import MemoryEstimate
+from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
+from .._estimating.levers import Levers
+from .._estimating.options import Category, Device, Mode, OptimizerName, Precision
+from .._estimating.profile import DEFAULT_MAX_SEQ_LEN
+from .._estimating.sharding import SINGLE_DEVICE, STRATEGIES, resolve_parallel
+from .._estimating.tradeoff import Frontier
+from .figures import (
     build_figure,
     build_frontier_figure,
     group_rows,
@@ -31,17 +37,11 @@ from ._figures import (
     update_figure,
     update_frontier_figure,
 )
-from ._gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
-from ._levers import Levers
-from ._options import Category, Device, Mode, OptimizerName, Precision
-from ._profile import DEFAULT_MAX_SEQ_LEN
-from ._sharding import SINGLE_DEVICE, STRATEGIES, resolve_parallel
-from ._tradeoff import Frontier
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ._profile import ModelProfile
+    from .._estimating.profile import ModelProfile
 
 __all__ = ["MemoryWidget", "format_bytes", "show_memory"]
 
@@ -138,7 +138,7 @@ class MemoryWidget(widgets.VBox):
     lora_rank = traitlets.Int(0, min=0)
     # the caching allocator replayed with expandable_segments:True (CUDA estimates)
     expandable_segments = traitlets.Bool(False)
-    # data parallelism: ranks (1: one device) and how they share the step (_sharding)
+    # data parallelism: ranks (1: one device) and how they share the step (sharding)
     gpus = traitlets.Int(1, min=1, max=GPUS_MAX)
     strategy = traitlets.Enum([s.value for s in STRATEGIES], default_value="ddp")
 
@@ -1192,7 +1192,7 @@ def show_memory(
     >>> w.figure.data[0].name
     'resident'
     """
-    from ._profiler import ProfilingError, profile_model
+    from .._profiling.profiler import ProfilingError, profile_model
 
     try:
         profile = profile_model(

@@ -416,7 +416,7 @@ def count_flops(fn: Callable[[], Any]) -> int:
         The sum of :func:`op_flops` over all ops ``fn`` ran (ops without a formula are first
         decomposed where they can be, mirroring ``FlopCounterMode``).
     """
-    from ._fake import TorchDispatchMode
+    from .fake import TorchDispatchMode
 
     class _FlopSum(TorchDispatchMode):
         def __init__(self) -> None:

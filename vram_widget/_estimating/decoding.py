@@ -1,5 +1,5 @@
 """Decode steps as a pattern in the cache length: any number of new tokens from the few steps
-the generation pass recorded (``_generation``). numpy only.
+the generation pass recorded (``generation``). numpy only.
 
 A recorded generation is generate's set-up, the prefill (step 0) and decode steps 1..N, each
 step's events between the starts of two forwards. Every decode step runs the same ops on one
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase
-from ._table import N_CATEGORIES, Poly, Timeline, sum_by
+from .options import CATEGORY_CODE, PHASE_CODE, Category, Phase
+from .table import N_CATEGORIES, Poly, Timeline, sum_by
 
 # Decode steps the generation pass records after the prefill. The first may differ from the
 # rest (the prefill's logits and set-up are let go in it); the pattern the later ones follow

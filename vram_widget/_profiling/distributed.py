@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._levers import repeated_blocks
-from ._options import OptimizerName, Precision, Strategy
-from ._sharding import Parallel, resolve_fsdp_units
+from .._estimating.levers import repeated_blocks
+from .._estimating.options import OptimizerName, Precision, Strategy
+from .._estimating.sharding import Parallel, resolve_fsdp_units
 
 __all__ = [
     "SETUPS",
@@ -187,7 +187,7 @@ def wrapper_bytes(model: torch.nn.Module) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
-        from ._fake import ddp_bucket_sizes
+        from .fake import ddp_bucket_sizes
 
         return sum(ddp_bucket_sizes(model))
     return 0
@@ -196,9 +196,9 @@ def wrapper_bytes(model: torch.nn.Module) -> int:
 def fsdp_units_of(model: torch.nn.Module, parallel: Parallel) -> tuple[str, ...]:
     """The modules ``fully_shard`` wraps before the root: ``parallel.fsdp_units`` (names
     or class names; a name of the model before PEFT wrapped it also matches), else each
-    child of the largest ``ModuleList`` of repeated blocks (``_levers.repeated_blocks``,
+    child of the largest ``ModuleList`` of repeated blocks (``levers.repeated_blocks``,
     the blocks ``checkpoint="auto"`` takes)."""
-    from ._step import PEFT_PREFIX
+    from .step import PEFT_PREFIX
 
     names, types = zip(*((n, type(m).__name__) for n, m in model.named_modules()), strict=True)
     if parallel.fsdp_units is None:
@@ -218,7 +218,7 @@ def fsdp_wrapped(
     ``"hsdp"``: ``True`` for the units and the library's default for the root, which keeps
     its parameters from forward to backward). Under autocast precisions, with
     ``MixedPrecisionPolicy(param_dtype=<the autocast dtype>, reduce_dtype=torch.float32)``
-    (``_sharding.FSDP_PARAM_DTYPE``)."""
+    (``sharding.FSDP_PARAM_DTYPE``)."""
 
     def wrap(model: torch.nn.Module, parallel: Parallel, precision: Precision) -> torch.nn.Module:
         import torch.distributed as dist
@@ -259,7 +259,7 @@ def zero_optimizer(name: OptimizerName, params: list[torch.Tensor]) -> torch.opt
     ``"zero1"`` strategy): each rank's local optimizer steps its shard of ``params``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from ._step import optimizer_spec
+    from .step import optimizer_spec
 
     cls, kwargs = optimizer_spec(name)
     return ZeroRedundancyOptimizer(params, optimizer_class=cls, foreach=None, **kwargs)
@@ -276,7 +276,7 @@ class RankSetup:
     )
 
 
-# strategy -> how its libraries set up a rank (the strategies _sharding models)
+# strategy -> how its libraries set up a rank (the strategies sharding models)
 SETUPS: dict[Strategy, RankSetup] = {
     Strategy.DDP: RankSetup(ddp_wrapped),
     Strategy.ZERO1: RankSetup(ddp_wrapped, zero_optimizer),

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase, Precision, Strategy, parse_option
+from .options import CATEGORY_CODE, PHASE_CODE, Category, Phase, Precision, Strategy, parse_option
 
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
@@ -692,7 +692,7 @@ def check_rank(rank: object, gpus: int) -> int | None:
 def resolve_fsdp_units(
     names: Sequence[str], types: Sequence[str], units: object
 ) -> tuple[str, ...] | None:
-    """``fsdp_units``: None (each repeated block, :func:`_levers.repeated_blocks`), or a
+    """``fsdp_units``: None (each repeated block, :func:`levers.repeated_blocks`), or a
     module name or class name, or a list of them, resolved to the outermost modules they
     match (the root, ``""``, is always a unit of its own).
 

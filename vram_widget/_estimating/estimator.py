@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._accelerator import (
+from .accelerator import (
     CUDA_CONTEXT_BYTES,
     AcceleratorExtras,
     NcclBuffers,
@@ -22,17 +22,17 @@ from ._accelerator import (
     cuda_block_bytes,
     nccl_buffers,
 )
-from ._allocator import (
+from .allocator import (
     K_ROUND_LARGE,
     AllocatorReplay,
     OutOfMemory,
     align_allocations,
     replay,
 )
-from ._decoding import Generation, Recording, StepEvents, step_of, unroll
-from ._gpus import parse_capacity
-from ._levers import NO_LEVERS, Levers
-from ._options import (
+from .decoding import Generation, Recording, StepEvents, step_of, unroll
+from .gpus import parse_capacity
+from .levers import NO_LEVERS, Levers
+from .options import (
     CATEGORIES,
     CATEGORY_CODE,
     PHASE_CODE,
@@ -47,8 +47,8 @@ from ._options import (
     Strategy,
     parse_option,
 )
-from ._sharding import SINGLE_DEVICE, STRATEGIES, Parallel, StepEdits
-from ._table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, sum_by
+from .sharding import SINGLE_DEVICE, STRATEGIES, Parallel, StepEdits
+from .table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, sum_by
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -165,7 +165,7 @@ class MemoryEstimate:
     # NCCL's own buffers on the rank (CUDA, more than one GPU): outside the allocator, so
     # in no total here; shown beside them with the defaults they assume
     nccl: NcclBuffers | None = None
-    # mode="generate": the new tokens and the KV cache (``_decoding.Generation``), and the
+    # mode="generate": the new tokens and the KV cache (``decoding.Generation``), and the
     # step the peak falls in (0: the prompt's prefill, k: decode step k)
     generation: Generation | None = None
     peak_step: int | None = None
@@ -189,7 +189,7 @@ class MemoryEstimate:
 
     @cached_property
     def allocator(self) -> AllocatorReplay | None:
-        """The step replayed through the CUDA caching allocator's rules (``_allocator``):
+        """The step replayed through the CUDA caching allocator's rules (``allocator``):
         residents first, then the step twice, the peaks of the second (steady-state)
         iteration, with the estimate's ``expandable_segments`` setting. None for
         ``device="cpu"`` (no caching allocator) or an estimate made without storage ids."""
@@ -202,8 +202,8 @@ class MemoryEstimate:
         frames: list[list[dict[str, Any]]] | None = None,
     ) -> AllocatorReplay | None:
         """:attr:`allocator`, or the same replay with ``expandable_segments:True`` (one
-        growing segment per pool, ``_allocator.ExpandableAllocator``), or under a cap on
-        what the allocator may reserve (raises ``_allocator.OutOfMemory`` where the step
+        growing segment per pool, ``allocator.ExpandableAllocator``), or under a cap on
+        what the allocator may reserve (raises ``allocator.OutOfMemory`` where the step
         does not fit it). The cuBLAS workspace of the extras goes through the allocator as
         well (CublasHandlePool.cpp allocates it with the caching allocator), resident from
         the first matmul on. ``frames`` (one list per event) records the replay as a
@@ -274,7 +274,7 @@ class MemoryEstimate:
         ``measured`` is a ``torch.cuda.memory._snapshot()`` recorded around one steady-state
         step of the same model and setting (``measure(..., snapshot=True).snapshot`` on a
         GPU). The allocations are paired in order with those of the predicted step
-        (``_allocator.align_allocations``) and summed per module and phase: columns
+        (``allocator.align_allocations``) and summed per module and phase: columns
         ``module``, ``phase``, ``predicted_bytes``, ``measured_bytes``,
         ``difference_bytes`` (measured minus predicted), largest differences first;
         ``df.attrs["note"]`` says where the allocation counts differ.
@@ -422,7 +422,7 @@ class MemoryEstimate:
 
 
 def _capacity(value: int | str) -> int:
-    """Bytes as given, or parsed from a capacity's text or GPU name (``_gpus``)."""
+    """Bytes as given, or parsed from a capacity's text or GPU name (``gpus``)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     return parse_capacity(value)
@@ -456,12 +456,12 @@ def estimate(
     """Lay the step's events on top of what is resident and read off the peak.
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace);
     ``communication_blocks`` are the buffers ``parallel``'s strategy keeps resident on each
-    rank (``_sharding``), allocated before the step as the parameters are; ``rank`` is the
+    rank (``sharding``), allocated before the step as the parameters are; ``rank`` is the
     rank whose optimizer shard ``opt`` is, where ranks differ. ``edits`` are what a strategy
     that shards the parameters (FSDP2) inserts into the step, with the shards it keeps
-    instead of whole parameters and gradients (``_sharding.fsdp_step_edits``).
+    instead of whole parameters and gradients (``sharding.fsdp_step_edits``).
     ``new_tokens``: generation (``mode="generate"``), the recorded prefill and decode steps
-    unrolled to that many new tokens (``_decoding.unroll``); ``across_window``: a generation
+    unrolled to that many new tokens (``decoding.unroll``); ``across_window``: a generation
     recorded across the model's sliding window, and its prompt's length, where the steps
     cross it."""
     if batch_size == 1 and timeline.batch_one is not None:

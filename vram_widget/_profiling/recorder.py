@@ -19,16 +19,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._fake import (
+from .._estimating.options import CATEGORY_CODE, PHASE_CODE, Category, Phase
+from .fake import (
     TorchDispatchMode,
     current_autograd_node_name,
     current_autograd_sequence_nr,
     next_sequence_nr,
     tree_flatten,
 )
-from ._flops import op_flops
-from ._options import CATEGORY_CODE, PHASE_CODE, Category, Phase
-from ._probe import KernelProbe, wants_probe
+from .flops import op_flops
+from .probe import KernelProbe, wants_probe
 
 _TEMPORARY = CATEGORY_CODE[Category.TEMPORARY]
 _ACTIVATION = CATEGORY_CODE[Category.ACTIVATION]

@@ -5,7 +5,7 @@ No torch here. A :class:`Levers` is the canonical, hashable form of what a user 
 (``checkpoint="auto"``, ``trainable="lm_head.*"``, ``grad_accumulation=4``), resolved
 against the profiled model's module and parameter names; it keys the profile's cache (a
 new lever costs one more profiling run, once) and is applied on the torch side by
-``_step.applied_levers`` the way the real libraries apply it.
+``step.applied_levers`` the way the real libraries apply it.
 """
 
 from __future__ import annotations

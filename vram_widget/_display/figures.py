@@ -32,9 +32,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ._estimator import LayerTable, MemoryEstimate
-from ._options import CATEGORY_CODE, PHASE_CODE, PHASES, Category, Mode, Phase
-from ._tradeoff import Frontier
+from .._estimating.estimator import LayerTable, MemoryEstimate
+from .._estimating.options import CATEGORY_CODE, PHASE_CODE, PHASES, Category, Mode, Phase
+from .._estimating.tradeoff import Frontier
 
 __all__ = [
     "CLIP_RATIO",
@@ -804,7 +804,7 @@ def build_frontier_figure(
     Examples
     --------
     >>> import numpy as np
-    >>> from vram_widget._tradeoff import Frontier
+    >>> from vram_widget._estimating.tradeoff import Frontier
     >>> f = Frontier(2**30, np.array([64, 128]), np.array([40, 18]), complete=True)
     >>> fig = build_frontier_figure(f, batch_size=32, seq_len=128, max_batch_here=18)
     >>> fig.data[1].marker.color      # batch 32 at 128 tokens does not fit

@@ -59,7 +59,7 @@ __all__ = [
 # are intercepted too. Older releases only have the private C entry point it wraps.
 _redispatch: Callable[..., Any] | None = getattr(torch.overrides, "redispatch_function", None)
 if _redispatch is None:  # pragma: no cover - torch releases without redispatch_function
-    # TODO(lead): move to _fake (private torch namespace)
+    # TODO(lead): move to fake (private torch namespace)
     _redispatch = getattr(torch._C, "_skip_one_hop_torch_function", None)
 
 

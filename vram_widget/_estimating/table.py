@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ._options import CATEGORIES, CATEGORY_CODE, Category
+from .options import CATEGORIES, CATEGORY_CODE, Category
 
 N_CATEGORIES = len(CATEGORIES)
 
@@ -189,7 +189,7 @@ class Poly:
 # (torch/_meta_registrations.py, meta__efficient_attention_forward: "logsumexp = ...
 # math.ceil(max_seqlen_q / 32) * 32" where compute_log_sumexp); an attention mask handed to
 # it is padded to a multiple of 8 in its last dim (aten/src/ATen/native/transformers/
-# attention.cpp, preprocess_mask: pad_bias<8>; _cuda_rules._preprocess_mask).
+# attention.cpp, preprocess_mask: pad_bias<8>; cuda_rules._preprocess_mask).
 PAD_MULTIPLES = (32, 8)
 
 # The functions of the length tried after the powers 1, S, S**2 fail their check: the
@@ -320,7 +320,7 @@ class Timeline:
     batch_one: Timeline | None = None
     # the storage id of each event (None: not recorded), for the allocator replay
     event_storage: np.ndarray | None = None
-    # generation (``_generation``): the event where each forward starts, then the end
+    # generation (``generation``): the event where each forward starts, then the end
     step_starts: tuple[int, ...] = ()
     # ... and the FLOPs per row counted before each of them (steps x rows)
     step_flops: Poly | None = None

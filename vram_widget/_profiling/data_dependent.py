@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ._fake import FakeTensor
+from .fake import FakeTensor
 
 # -- LayerDrop -------------------------------------------------------------------------------
 

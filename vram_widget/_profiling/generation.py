@@ -5,7 +5,7 @@ Greedy generation is the prompt's forward (the *prefill*, which fills the KV cac
 forward per further token (a *decode step*) on the one new token, with the cache of every
 earlier one. The memory of a decode step depends on how many tokens the cache holds, and
 every step after the first few is the same step at a cache one token longer
-(``_decoding``, numpy, turns the recorded steps into any number of them). So the pass
+(``decoding``, numpy, turns the recorded steps into any number of them). So the pass
 records generate's set-up, the prefill and :data:`DECODE_STEPS_PROFILED` decode steps, and
 stops generate at the start of the next forward.
 
@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._decoding import DECODE_STEPS_PROFILED
-from ._fake import FakeTensor, TorchDispatchMode, quieted
-from ._options import Category, Phase, Precision
-from ._recorder import Recorder
-from ._step import ModelInputs, generate_pass, restored_modules
+from .._estimating.decoding import DECODE_STEPS_PROFILED
+from .._estimating.options import Category, Phase, Precision
+from .fake import FakeTensor, TorchDispatchMode, quieted
+from .recorder import Recorder
+from .step import ModelInputs, generate_pass, restored_modules
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _ALL_OPS = frozenset(

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ._levers import Levers, repeated_blocks, resolve_levers
-from ._options import OptimizerName, Precision
+from .._estimating.levers import Levers, repeated_blocks, resolve_levers
+from .._estimating.options import OptimizerName, Precision
 
 # The optimizer registry: name -> (class, keyword arguments). Hyper-parameters do not change
 # memory; these are PyTorch's documented defaults where a default exists.
@@ -429,7 +429,7 @@ def apply_levers(model: torch.nn.Module, levers: Levers) -> None:
     ``checkpoint_wrapper`` (non-reentrant) around each other module to checkpoint, and
     ``requires_grad_(False)`` on every parameter not in ``levers.trainable``. (Gradient
     accumulation is the iteration's ``micro_batches``.)"""
-    from ._fake import checkpoint_wrapped
+    from .fake import checkpoint_wrapped
 
     if levers.trainable is not None:  # by the names before any wrapper renames them
         keep = set(levers.trainable)
