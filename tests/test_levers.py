@@ -200,9 +200,10 @@ def test_lora_wrapped_linear_hand_worked() -> None:
 
 def test_lora_estimate_equals_peft_on_the_real_model() -> None:
     # PEFT's own get_peft_model on measure()'s copy against the estimate from the plain
-    # profile (PEFT on a meta copy), on the CPU. The real step holds an 8-byte allocation
-    # per adapter from its forward to its backward that the fake step does not see (CPU
-    # only; not diagnosed further): under by at most 32 B per adapted module, never over.
+    # profile (PEFT on a meta copy), on the CPU, to the byte: each adapter's
+    # ``lora_B(...) * scaling`` keeps the wrapped 8-byte scaling from its forward until its
+    # MulBackward0 has run (recorder._KEEPS_NUMBER_OTHER), which the estimates once missed
+    # (8 B under per adapter).
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(64, 256),
@@ -220,8 +221,8 @@ def test_lora_estimate_equals_peft_on_the_real_model() -> None:
             est = profile.estimate(batch, precision, "adamw", **kwargs)
             real = measure(model, x, optimizer="adamw", precision=precision, **kwargs)
             adapters = sum(n.endswith(".lora_A.default") for n in est.layers.name)
-            gap = real.peak_bytes - est.peak_bytes
-            assert adapters >= 2 and 0 <= gap <= 32 * adapters, (kwargs, batch, gap)
+            assert adapters >= 2, kwargs
+            assert est.peak_bytes == real.peak_bytes, (kwargs, batch, precision)
     assert_model_unchanged(model, before)
 
 

@@ -485,8 +485,7 @@ class Profiler:
                 # the model as the libraries leave it with checkpointing on, for this run only
                 stack.enter_context(restored_modules(subject.model))
                 apply_levers(subject.model, dataclasses.replace(levers, trainable=None))
-            if context is not None:
-                stack.enter_context(checkpoint_recompute_context(context))
+            stack.enter_context(checkpoint_recompute_context(_recompute_context(context, rec)))
             if subject.device is Device.CPU:  # the RNG states checkpoint keeps are CPU memory
                 stack.enter_context(tracked_rng_states(rec))
             if train:
@@ -1048,6 +1047,23 @@ class _Source:
                 return self.profiler.run_optimizer(precision, optimizer, only, shard)
         finally:
             self.profiler.levers = NO_LEVERS
+
+
+def _recompute_context(
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None, rec: Recorder
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """What a checkpointed forward re-runs inside in the backward: the forward's CUDA
+    emulation (where emulated) and the recorder's note that a re-run is under way."""
+
+    @contextlib.contextmanager
+    def both() -> Iterator[None]:
+        with (
+            context() if context is not None else contextlib.nullcontext(),
+            rec.recompute_region(),
+        ):
+            yield
+
+    return both
 
 
 def _check_input_size(input_size: Any) -> tuple[int, ...]:

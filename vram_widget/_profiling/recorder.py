@@ -139,6 +139,10 @@ class Recorder(TorchDispatchMode):
         # an out-of-place sum waiting to learn whether the real run would have summed in place
         self._accumulating_after: int | None = None
         self._pending_sum: _PendingSum | None = None
+        # CPU: a Python number autograd keeps for backward (``x * 0.5``), by the sequence
+        # number of the node that keeps it -> its storage id (see _kept_scalar_bytes)
+        self._kept_scalars: dict[int, int] = {}
+        self._recompute_depth = 0  # inside a checkpointed forward's re-run (recompute_region)
         self.model_returned = False  # the root module's forward has returned
         # (exception key, row, input shapes) of the innermost module a forward raised from
         self.failure: tuple[tuple[int, str, str], int, str] | None = None
@@ -299,6 +303,10 @@ class Recorder(TorchDispatchMode):
         self._settle_pending_sum()
         if self._recording:
             self._close_retained()
+            # numbers kept by nodes the backward never ran (outputs outside the loss) die
+            # with the graph, when the step lets go of its outputs
+            for seq in list(self._kept_scalars):
+                self._release_kept_scalar(seq)
         self._recording = False
 
     def _close_retained(self) -> None:
@@ -344,6 +352,29 @@ class Recorder(TorchDispatchMode):
     def _node_ran(self, seq: int, _grad_inputs: Any, _grad_outputs: Any) -> None:
         self._settle_pending_sum()
         self._accumulating_after = seq
+        # the engine releases a node's saved variables right after its post-hooks
+        # (Engine::evaluate_function, torch/csrc/autograd/engine.cpp: release_variables)
+        self._release_kept_scalar(seq)
+
+    @contextmanager
+    def recompute_region(self) -> Iterator[None]:
+        """A checkpointed forward re-run in the backward. The nodes it makes never run (the
+        re-run keeps what it recomputes detached: torch/utils/checkpoint.py,
+        ``_recomputation_hook``), so the numbers they keep die with that graph, when the
+        re-run ends."""
+        before = set(self._kept_scalars)
+        self._recompute_depth += 1
+        try:
+            yield
+        finally:
+            self._recompute_depth -= 1
+            for seq in [s for s in self._kept_scalars if s not in before]:
+                self._release_kept_scalar(seq)
+
+    def _release_kept_scalar(self, seq: int) -> None:
+        sid = self._kept_scalars.pop(seq, None)
+        if sid is not None and self._recording:
+            self._emit(sid, -self.storages[sid].nbytes, self._free_row())
 
     def _is_buffer_sum(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """An out-of-place ``old + new`` the engine runs to accumulate gradients, where ``old``
@@ -489,6 +520,17 @@ class Recorder(TorchDispatchMode):
             scalar_bytes = _wrapped_scalar_bytes(func, args) + _promotion_copy_bytes(
                 func, args, out
             )
+            # in the backward, nodes are made only by a checkpointed forward's re-run
+            keeps = self.phase != _BACKWARD or self._recompute_depth > 0
+            kept = _kept_scalar_bytes(func, args) if keeps else 0
+            if kept:
+                # the wrapped number outlives the call, in the node created for this op
+                # (autograd makes it before redispatching here: the last number handed out)
+                sid = len(self.storages)
+                self.storages.append(StorageRecord(kept, row, self.phase, _TEMPORARY, False))
+                self._emit(sid, kept, row)
+                self._kept_scalars[next_sequence_nr() - 1] = sid
+                scalar_bytes -= kept
             if scalar_bytes:
                 sid = len(self.storages)
                 self.storages.append(
@@ -799,6 +841,39 @@ def _promotion_copy_bytes(func: Any, args: tuple[Any, ...], out: Any) -> int:
     return total
 
 
+# Ops whose backward node keeps their ``other`` argument when ``self`` requires grad
+# (tools/autograd/derivatives.yaml: ``mul.Tensor: self: mul_tensor_backward(grad, other, ...)``,
+# ``div.Tensor: self: div_tensor_self_backward(grad, other, ...)``). Where ``other`` is a
+# Python number, the node keeps its wrapped 0-dim tensor (SavedVariable saves a wrapped number
+# as it is, without the saved-tensor hooks), so on the CPU its 8 bytes live until that node's
+# backward has run: measured, ``x * 0.5`` in a forward holds 8 B into the backward, one per
+# LoRA adapter (``lora_B(...) * scaling``).
+_KEEPS_NUMBER_OTHER = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor})
+
+
+def _kept_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
+    """Bytes of a wrapped Python number that autograd keeps past the call (see
+    ``_KEEPS_NUMBER_OTHER``): only where a node is made (grad mode on, ``self`` requires it)."""
+    if func not in _KEEPS_NUMBER_OTHER or len(args) < 2 or not torch.is_grad_enabled():
+        return 0
+    self_arg, other = args[0], args[1]
+    if not isinstance(self_arg, torch.Tensor) or not self_arg.requires_grad:
+        return 0
+    return _wrapped_size(other)
+
+
+def _wrapped_size(value: object) -> int:
+    """Bytes of the 0-dim tensor the argument parser wraps a Python number in: float64 for
+    a float, int64 for an int, bool 1 byte, complex128; 0 for anything else."""
+    if isinstance(value, bool):
+        return 1
+    if isinstance(value, complex):
+        return 16
+    if isinstance(value, (int, float)):
+        return 8
+    return 0
+
+
 def _wrapped_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
     """CPU bytes eager PyTorch spends on Python numbers passed as Tensor arguments.
 
@@ -820,8 +895,7 @@ def _wrapped_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
             continue
         if not isinstance(arg_schema.type, torch.TensorType):
             continue
-        wrapped = 1 if isinstance(value, bool) else 16 if isinstance(value, complex) else 8
-        total += wrapped
+        total += _wrapped_size(value)
     if total and common_itemsize and common_itemsize != total:
         total += common_itemsize  # the cast copy to the computation dtype
     return total
