@@ -841,25 +841,34 @@ def _promotion_copy_bytes(func: Any, args: tuple[Any, ...], out: Any) -> int:
     return total
 
 
-# Ops whose backward node keeps their ``other`` argument when ``self`` requires grad
-# (tools/autograd/derivatives.yaml: ``mul.Tensor: self: mul_tensor_backward(grad, other, ...)``,
-# ``div.Tensor: self: div_tensor_self_backward(grad, other, ...)``). Where ``other`` is a
-# Python number, the node keeps its wrapped 0-dim tensor (SavedVariable saves a wrapped number
-# as it is, without the saved-tensor hooks), so on the CPU its 8 bytes live until that node's
-# backward has run: measured, ``x * 0.5`` in a forward holds 8 B into the backward, one per
-# LoRA adapter (``lora_B(...) * scaling``).
-_KEEPS_NUMBER_OTHER = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor})
+# Ops whose backward node keeps a Python-number argument when the other argument needs a
+# gradient (tools/autograd/derivatives.yaml: ``mul.Tensor: self: mul_tensor_backward(grad,
+# other, ...)``, ``other: mul_tensor_backward(grad, self, ...)``; ``div.Tensor: self:
+# div_tensor_self_backward(grad, other, ...)``, ``other: div_tensor_other_backward(grad, self,
+# other)``; the in-place forms alike). The node keeps the number's wrapped 0-dim tensor
+# (SavedVariable saves a wrapped number as it is, without the saved-tensor hooks), so on the
+# CPU its 8 bytes live until that node's backward has run: measured, ``x * 0.5`` in a forward
+# holds 8 B into the backward, one per LoRA adapter (``lora_B(...) * scaling``).
+_KEEPS_NUMBER_ARGS = frozenset(
+    {
+        torch.ops.aten.mul.Tensor,
+        torch.ops.aten.mul_.Tensor,
+        torch.ops.aten.div.Tensor,
+        torch.ops.aten.div_.Tensor,
+    }
+)
 
 
 def _kept_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
     """Bytes of a wrapped Python number that autograd keeps past the call (see
-    ``_KEEPS_NUMBER_OTHER``): only where a node is made (grad mode on, ``self`` requires it)."""
-    if func not in _KEEPS_NUMBER_OTHER or len(args) < 2 or not torch.is_grad_enabled():
+    ``_KEEPS_NUMBER_ARGS``): only where a node is made (grad mode on, the other argument
+    requires grad)."""
+    if func not in _KEEPS_NUMBER_ARGS or len(args) < 2 or not torch.is_grad_enabled():
         return 0
-    self_arg, other = args[0], args[1]
-    if not isinstance(self_arg, torch.Tensor) or not self_arg.requires_grad:
-        return 0
-    return _wrapped_size(other)
+    for number, tensor in ((args[1], args[0]), (args[0], args[1])):
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            return _wrapped_size(number)
+    return 0
 
 
 def _wrapped_size(value: object) -> int:
