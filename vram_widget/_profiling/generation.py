@@ -124,7 +124,7 @@ def recorded_generation(
 
     def before_forward(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
         if starts:  # what the cache holds now, the last forward put there
-            cache = [kwargs.get(name) for name in _CACHE_KEYWORDS]
+            cache = next((kwargs[k] for k in _CACHE_KEYWORDS if kwargs.get(k) is not None), None)
             ids = (rec.storage_id(t) for t in _tensors_in(cache))
             rec.set_category([s for s in ids if s is not None], Category.KV_CACHE)
         starts.append(rec.event_count())
