@@ -730,6 +730,22 @@ def test_fsdp_strategies_in_the_widget() -> None:
     w.gpus = 12  # 8 GPUs per node: not whole nodes
     assert w.gpus == 8 and "not a whole number of nodes" in w._status.value
     assert "could not estimate" in w._status.value  # a setting refused, nothing profiled
+    # the per-node box shows with hsdp only; 12 GPUs in nodes of 4 is 3 whole nodes, each
+    # rank's estimate the profile's for that mesh (shards of 4, not of 8)
+    assert w._per_node_box.layout.display is None
+    w.gpus_per_node = 4
+    w.gpus = 12
+    est = profile.estimate(4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=4)
+    assert w.gpus == 12 and w.estimate.peak_bytes == est.peak_bytes
+    assert est.parameter_bytes > profile.estimate(
+        4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=12
+    ).parameter_bytes
+    w._per_node_box.value = 6  # the box drives the trait: 2 nodes of 6
+    assert w.gpus_per_node == 6 and w.estimate.peak_bytes == profile.estimate(
+        4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=6
+    ).peak_bytes
+    w.strategy = "zero3"
+    assert w._per_node_box.layout.display == "none"
 
 
 # -- generation --------------------------------------------------------------------------

@@ -27,7 +27,12 @@ from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom
 from .._estimating.levers import Levers
 from .._estimating.options import Category, Device, Mode, OptimizerName, Precision
 from .._estimating.profile import DEFAULT_MAX_SEQ_LEN
-from .._estimating.sharding import SINGLE_DEVICE, STRATEGIES, resolve_parallel
+from .._estimating.sharding import (
+    DEFAULT_GPUS_PER_NODE,
+    SINGLE_DEVICE,
+    STRATEGIES,
+    resolve_parallel,
+)
 from .._estimating.tradeoff import Frontier
 from .figures import (
     build_figure,
@@ -141,6 +146,9 @@ class MemoryWidget(widgets.VBox):
     # data parallelism: ranks (1: one device) and how they share the step (sharding)
     gpus = traitlets.Int(1, min=1, max=GPUS_MAX)
     strategy = traitlets.Enum([s.value for s in STRATEGIES], default_value="ddp")
+    # GPUs in one node: hsdp shards within a node and replicates across nodes (its control
+    # shows with that strategy)
+    gpus_per_node = traitlets.Int(DEFAULT_GPUS_PER_NODE, min=1, max=GPUS_MAX)
 
     def __init__(self, profile: ModelProfile, **settings: Any) -> None:
         self._profile = profile
@@ -358,6 +366,7 @@ class MemoryWidget(widgets.VBox):
             **({"expandable_segments": self.expandable_segments} if self._cuda else {}),
             "gpus": self.gpus,
             "strategy": self.strategy,
+            "gpus_per_node": self.gpus_per_node,
         }
 
     @property
@@ -386,7 +395,9 @@ class MemoryWidget(widgets.VBox):
         in the length) still has to be profiled (torch)."""
         levers = self._levers()
         try:  # FSDP2 under autocast steps on half parameters: a profiling run of its own
-            parallel = resolve_parallel(self.gpus, self.strategy)
+            parallel = resolve_parallel(
+                self.gpus, self.strategy, gpus_per_node=self.gpus_per_node
+            )
         except ValueError:  # the estimate says why
             parallel = SINGLE_DEVICE
         cached = self._profile.is_cached(
@@ -957,6 +968,9 @@ class MemoryWidget(widgets.VBox):
         strategy = widgets.Dropdown(
             options=list(self.traits()["strategy"].values or []), layout={"width": "200px"}
         )
+        self._per_node_box = widgets.BoundedIntText(
+            min=1, max=GPUS_MAX, layout={"width": "150px"}, tooltip="hsdp: GPUs in one node"
+        )
         for control, name, label in (
             (precision, "precision", "precision"),
             (optimizer, "optimizer", "optimizer"),
@@ -970,6 +984,7 @@ class MemoryWidget(widgets.VBox):
             (lora, "lora_rank", "LoRA rank"),
             (expandable, "expandable_segments", ""),
             (strategy, "strategy", "strategy"),
+            (self._per_node_box, "gpus_per_node", "per node"),
         ):
             if label:
                 control.description = label
@@ -996,6 +1011,7 @@ class MemoryWidget(widgets.VBox):
             self._gpus_slider,
             self._gpus_box,
             strategy,
+            self._per_node_box,
             self._tokens_slider,
             self._tokens_box,
         )
@@ -1005,6 +1021,7 @@ class MemoryWidget(widgets.VBox):
                 self._gpus_slider,
                 self._gpus_box,
                 strategy,
+                self._per_node_box,
             ]
         )
         self._levers_row = widgets.HBox(
@@ -1053,6 +1070,7 @@ class MemoryWidget(widgets.VBox):
                 "prompt length" if self._generating else "sequence length"
             )
             self._generation_row.layout.display = None if self._generating else "none"
+            self._per_node_box.layout.display = None if self.strategy == "hsdp" else "none"
             self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
         finally:
             self._syncing = False
@@ -1128,6 +1146,7 @@ _SETTINGS: tuple[str, ...] = (
     "expandable_segments",
     "gpus",
     "strategy",
+    "gpus_per_node",
 )
 
 
@@ -1171,7 +1190,10 @@ def show_memory(
         sequence-length panel, where the profile has a sequence axis), the memory levers
         ``checkpoint`` ("off", "auto" or a class name), ``trainable`` (comma-separated
         parameter-name patterns, "" for all), ``grad_accumulation`` (int >= 1) and
-        ``lora_rank`` (0 for none), and ``expandable_segments`` (bool, CUDA profiles).
+        ``lora_rank`` (0 for none), ``expandable_segments`` (bool, CUDA profiles), and the
+        data-parallel ``gpus`` (int >= 1), ``strategy`` ({"ddp", "zero1", "zero2", "zero3",
+        "hsdp"}) and ``gpus_per_node`` (int >= 1: hsdp shards within a node; its box shows
+        with that strategy).
 
     Returns
     -------
