@@ -517,27 +517,7 @@ class Recorder(TorchDispatchMode):
         if probed:
             self._reserve_workspace(func, args, kwargs, row, placeholders)
         if self.cpu_semantics:
-            scalar_bytes = _wrapped_scalar_bytes(func, args) + _promotion_copy_bytes(
-                func, args, out
-            )
-            # in the backward, nodes are made only by a checkpointed forward's re-run
-            keeps = self.phase != _BACKWARD or self._recompute_depth > 0
-            kept = _kept_scalar_bytes(func, args) if keeps else 0
-            if kept:
-                # the wrapped number outlives the call, in the node created for this op
-                # (autograd makes it before redispatching here: the last number handed out)
-                sid = len(self.storages)
-                self.storages.append(StorageRecord(kept, row, self.phase, _TEMPORARY, False))
-                self._emit(sid, kept, row)
-                self._kept_scalars[next_sequence_nr() - 1] = sid
-                scalar_bytes -= kept
-            if scalar_bytes:
-                sid = len(self.storages)
-                self.storages.append(
-                    StorageRecord(scalar_bytes, row, self.phase, _TEMPORARY, False)
-                )
-                self._emit(sid, scalar_bytes, row)
-                self._emit(sid, -scalar_bytes, row)
+            self._count_host_scalars(func, args, out, row)
         flops = op_flops(func, args, kwargs, out) if self.count_flops else 0
         if flops:
             if self.phase == _BACKWARD:
@@ -547,6 +527,30 @@ class Recorder(TorchDispatchMode):
         if not self.uses_matmul and _is_matmul(func):
             self.uses_matmul = True
         return out
+
+    def _allocated_untracked(self, nbytes: int, row: int) -> int:
+        """A storage no tensor of the run stands for (a wrapped number, a kernel's scratch),
+        allocated now; returns its id (its free is the caller's to emit)."""
+        sid = len(self.storages)
+        self.storages.append(StorageRecord(nbytes, row, self.phase, _TEMPORARY, False))
+        self._emit(sid, nbytes, row)
+        return sid
+
+    def _count_host_scalars(self, func: Any, args: tuple[Any, ...], out: Any, row: int) -> None:
+        """CPU semantics: the Python numbers an op wraps and the copies it casts live for the
+        call (_wrapped_scalar_bytes, _promotion_copy_bytes), but a number the op's backward
+        node keeps (_kept_scalar_bytes) lives until that node has run."""
+        scalar_bytes = _wrapped_scalar_bytes(func, args) + _promotion_copy_bytes(func, args, out)
+        # in the backward, nodes are made only by a checkpointed forward's re-run
+        keeps = self.phase != _BACKWARD or self._recompute_depth > 0
+        kept = _kept_scalar_bytes(func, args) if keeps else 0
+        if kept:
+            # autograd made this op's node before redispatching here: the last number
+            # handed out is its sequence number
+            self._kept_scalars[next_sequence_nr() - 1] = self._allocated_untracked(kept, row)
+        if scalar_bytes > kept:
+            sid = self._allocated_untracked(scalar_bytes - kept, row)
+            self._emit(sid, kept - scalar_bytes, row)
 
     def _reserve_workspace(
         self,
@@ -563,14 +567,10 @@ class Recorder(TorchDispatchMode):
         sig = self.probe.request(func, args, kwargs, autocast)
         if autocast is not None:
             # the casts are made as the call starts and outlive it: live beside its scratch
-            rid = len(self.storages)
-            self.storages.append(StorageRecord(0, row, self.phase, _TEMPORARY, False))
-            self._emit(rid, 0, row)  # its free comes when the autocast region ends
+            rid = self._allocated_untracked(0, row)  # freed when the autocast region ends
             self._retained_open.append(rid)
             self._probe_slots.append((rid, sig, _RETAINED))
-        sid = len(self.storages)
-        self.storages.append(StorageRecord(0, row, self.phase, _TEMPORARY, False))
-        self._emit(sid, 0, row)
+        sid = self._allocated_untracked(0, row)
         self._emit(sid, 0, row)
         self._probe_slots.append((sid, sig, -1))
         self._probe_slots.extend((out_sid, sig, position) for position, out_sid in placeholders)
