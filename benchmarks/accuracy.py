@@ -17,7 +17,8 @@ kernels, so it must be exact under any of them. To check one narrower than the m
 
 The JSON records the ISA it ran under (``isa``).
 
-Writes a JSON file of every row and prints a markdown summary for the README.
+Writes a JSON file of every row and prints a markdown summary (benchmarks/report.py writes it
+into docs/).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ workspaces, which the probes measure per shape).
     python benchmarks/accuracy_seq.py            # about 5 minutes on 2 cores
 
 Targets (issue "Sequence length"): train median <= 0.1 %, worst <= 2 %; inference worst
-<= 5 %. Writes results/accuracy_seq.json and prints a markdown summary for the README.
+<= 5 %. Writes results/accuracy_seq.json and prints a markdown
+summary (benchmarks/report.py writes it into docs/).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ GPU: both sides are estimates; where they differ, the rows say why.
     pip install -e ".[bench]"            # DeepSpeed and what its estimators import
     python benchmarks/deepspeed_states.py
 
-Writes results/deepspeed_states.json and prints the markdown table for the README.
+Writes results/deepspeed_states.json and prints the markdown table
+(benchmarks/report.py writes it into docs/guides/multi-gpu.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Write the benchmark results (benchmarks/results/*.json) into README.md's result sections.
+"""Write the benchmark results (benchmarks/results/*.json) into the documentation's tables.
 
     python benchmarks/report.py
 
-Replaces the text between ``<!-- accuracy -->`` / ``<!-- /accuracy -->`` and
-``<!-- speed -->`` / ``<!-- /speed -->`` markers, so the README only ever shows measured numbers.
+Replaces the text between ``<!-- name -->`` / ``<!-- /name -->`` markers in the pages of
+``docs/`` that hold them (``PAGES``: docs/accuracy.md, docs/speed.md and the DeepSpeed table of
+docs/guides/multi-gpu.md), so the documentation only ever shows measured numbers.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _isa() -> str:
 
 
 def _sweep(name: str, what: str, targets: str) -> str:
-    """The README section of one accuracy sweep written by benchmarks/_results.py: what it
+    """The documentation's section of one accuracy sweep written by benchmarks/_results.py: what it
     covers, the versions and time it ran with, the targets, and its summary table."""
     path = RESULTS / f"{name}.json"
     if not path.exists():
@@ -264,25 +265,39 @@ def _speed() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    sections = (
-        ("accuracy", _accuracy()),
-        ("accuracy-seq", _accuracy_seq()),
-        ("accuracy-levers", _accuracy_levers()),
-        ("accuracy-distributed", _accuracy_distributed()),
-        ("deepspeed-states", _deepspeed_states()),
-        ("isa", _isa()),
-        ("speed", _speed()),
-    )
-    for name, body in sections:
-        if f"<!-- {name} -->" not in text:
-            raise SystemExit(f"README.md has no <!-- {name} --> ... <!-- /{name} --> section")
-        pattern = re.compile(rf"<!-- {name} -->.*?<!-- /{name} -->", re.S)
-        text = pattern.sub(f"<!-- {name} -->\n{body}\n<!-- /{name} -->", text)
-    readme.write_text(text)
+# Which page of docs/ holds each marked section.
+PAGES = {
+    "accuracy": "docs/accuracy.md",
+    "accuracy-seq": "docs/accuracy.md",
+    "accuracy-levers": "docs/accuracy.md",
+    "accuracy-distributed": "docs/accuracy.md",
+    "isa": "docs/accuracy.md",
+    "deepspeed-states": "docs/guides/multi-gpu.md",
+    "speed": "docs/speed.md",
+}
 
+
+def main() -> None:
+    sections = {
+        "accuracy": _accuracy(),
+        "accuracy-seq": _accuracy_seq(),
+        "accuracy-levers": _accuracy_levers(),
+        "accuracy-distributed": _accuracy_distributed(),
+        "deepspeed-states": _deepspeed_states(),
+        "isa": _isa(),
+        "speed": _speed(),
+    }
+    for page in sorted(set(PAGES.values())):
+        path = ROOT / page
+        text = path.read_text()
+        for name, body in sections.items():
+            if PAGES[name] != page:
+                continue
+            if f"<!-- {name} -->" not in text:
+                raise SystemExit(f"{page} has no <!-- {name} --> ... <!-- /{name} --> section")
+            pattern = re.compile(rf"<!-- {name} -->.*?<!-- /{name} -->", re.S)
+            text = pattern.sub(lambda _m, n=name, b=body: f"<!-- {n} -->\n{b}\n<!-- /{n} -->", text)
+        path.write_text(text)
 
 if __name__ == "__main__":
     main()

@@ -549,6 +549,8 @@ class ModelProfile:
             the window, joined to the prompt's own. A model whose ``generation_config`` asks
             for another cache than the dynamic one is refused by name (not estimated yet).
 
+        Notes
+        -----
         The levers apply in training; a new combination costs one more profiling run
         (cached), as a new precision does.
 
