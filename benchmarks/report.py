@@ -299,5 +299,6 @@ def main() -> None:
             text = pattern.sub(lambda _m, n=name, b=body: f"<!-- {n} -->\n{b}\n<!-- /{n} -->", text)
         path.write_text(text)
 
+
 if __name__ == "__main__":
     main()

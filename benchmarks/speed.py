@@ -105,7 +105,7 @@ print(json.dumps({
 )
 
 
-# profile_model against its floor, in a fresh process per model (issue 12's targets): the
+# profile_model against its floor, in a fresh process per model (its speed targets): the
 # first profile of the model in the process (imports and a tiny warm-up profile excluded, so
 # it counts the FakeTensor dispatch cache misses of the model's own shapes), the best of two
 # repeats, and the floor measured in the same process: one training step and one no_grad
@@ -202,7 +202,7 @@ print(json.dumps(out))
 
 def profile_vs_floor(which: str) -> dict[str, float]:
     """``_FLOOR_SCRIPT`` for ``which`` ("resnet50" or "gpt2") in a fresh process, with
-    the two ratios of issue 12's targets."""
+    the two ratios of the speed targets (docs/speed.md)."""
     done = subprocess.run(
         [sys.executable, "-c", _FLOOR_SCRIPT, which],
         capture_output=True,

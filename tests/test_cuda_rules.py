@@ -1,6 +1,6 @@
 """CUDA kernel-choice emulation on CPU (fake) tensors: ``vram_widget._profiling.cuda_rules``.
 
-References are the fact sheet ``/work/shared/CUDA_SEMANTICS.md`` and, where this CPU-only build
+References are the fact sheet ``docs/cuda-semantics.md`` and, where this CPU-only build
 can show it, PyTorch itself: fake CUDA tensors with CUDA's autocast flag and no grad run CUDA's
 real autocast wrappers and CUDA's ``at::dropout`` branch (fact sheet E3), so the emulation is
 compared op by op against them.

@@ -222,7 +222,7 @@ def test_strategies_compose_with_the_levers(
         assert 0 <= peak - est.peak_bytes <= slack + est.buffer_bytes, (rank, peak)
 
 
-# FSDP2 estimates against real ranks: measured 0-48 B apart (README table); a byte bound far
+# FSDP2 estimates against real ranks: measured 0-48 B apart (docs/accuracy.md); a byte bound far
 # tighter than the 0.5 % target, which a missed buffer (KBs here) cannot slip under
 FSDP_SLACK_BYTES = 1024
 

@@ -1,5 +1,5 @@
 """Random but valid architectures: no exception, rows sum to totals, and the CPU estimate is
-within 10 % of a measured CPU step (issue 6's bound; in practice it is exact).
+within 10 % of a measured CPU step (the bound asserted; in practice it is exact).
 
 CI runs a small, derandomized sample; set VRAM_WIDGET_FUZZ_EXAMPLES=200 for a longer run.
 """

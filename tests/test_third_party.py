@@ -2,7 +2,7 @@
 architectures built from small configs (no download: nothing is fetched, weights are
 random). Skipped where ``transformers`` is not installed (it is in the test extras).
 
-torchvision and timm have no CPU build here (see the README); their models are plain
+torchvision and timm are not test dependencies; their models are plain
 ``nn.Module``s like the zoo's VGG16, AlexNet, ResNets and MobileNetV2, which follow the
 torchvision architectures layer for layer.
 """

@@ -67,7 +67,7 @@ def test_every_frontier_point_fits_and_one_more_sample_does_not(tokens: ModelPro
 
 
 def test_capacities_the_cuda_context_fills_are_refused(tokens: ModelProfile) -> None:
-    # the context (CUDA_SEMANTICS.md: 500 MiB assumed) leaves the allocator nothing
+    # the context (accelerator.CUDA_CONTEXT_BYTES: 500 MiB assumed) leaves the allocator nothing
     context = tokens.estimate(1).extras.cuda_context_bytes
     for call in (
         lambda: tokens.max_batch_size(context),

@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 CHROMIUM = os.environ.get("VRAM_WIDGET_CHROMIUM", "/usr/bin/chromium")
-# Flags from the issue: no sandbox (root), no GPU, and nothing that phones home.
+# Flags: no sandbox (root), no GPU, and nothing that phones home.
 CHROMIUM_ARGS = (
     "--headless",
     "--no-sandbox",

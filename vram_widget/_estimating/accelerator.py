@@ -1,8 +1,8 @@
 """What a CUDA device charges beyond the tensors' own bytes (no torch: the estimator imports this).
 
-Each figure carries its source; the fact sheet is ``/work/shared/CUDA_SEMANTICS.md`` §6.
+Each figure carries its source; the fact sheet is ``docs/cuda-semantics.md`` §6.
 These are *extras*, shown as separate labelled lines, never folded into tensor bytes
-(DESIGN.md, "Definitions").
+(docs/guides/memory-and-oom.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 No torch here: plain Python over an allocation and free sequence. The rules are those of
 PyTorch's ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``; read at commit
-001074d2, the one ``CUDA_SEMANTICS.md`` section 6.1 cites), with the default configuration
+001074d2, the one docs/cuda-semantics.md section 6.1 cites), with the default configuration
 (no ``max_split_size_mb``, no ``roundup_power2_divisions``, no memory fraction, one stream):
 
 * ``round_size``: a request is rounded up to a multiple of 512 bytes (``kMinBlockSize``), at

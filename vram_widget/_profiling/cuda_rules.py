@@ -1,7 +1,7 @@
 """CUDA's kernel choices, emulated on CPU (fake) tensors.
 
 On a CPU-only torch build a fake CUDA tensor that requires grad aborts the whole process
-(``/work/shared/CUDA_SEMANTICS.md`` §0 and E1), so ``device="cuda"`` estimates trace the step on
+(``docs/cuda-semantics.md`` §0 and E1), so ``device="cuda"`` estimates trace the step on
 **CPU** fake tensors. The CPU kernels then allocate differently from CUDA's (fact sheet §0), and
 :class:`CudaEmulation` puts CUDA's choices back. It is a
 :class:`torch.overrides.TorchFunctionMode`, i.e. it works *above* autograd: it calls the ops

@@ -2,7 +2,7 @@
 
 ``measure`` runs the step twice on a copy of the model, by the protocol in ``step.py``, and
 reports the peak of the second iteration (steady state: the optimizer state already exists),
-as DESIGN.md defines it ("Definitions"): the maximum of live tensor bytes during the iteration,
+as docs/how-it-works.md defines it: the maximum of live tensor bytes during the iteration,
 including the parameters, buffers, optimizer state and input batch resident at its start.
 
 How it is measured:
@@ -11,7 +11,7 @@ How it is measured:
   at the start of iteration 2, less the bytes allocated before ``measure`` made its copies.
   These are the caching allocator's bytes (each block rounded up to 512 bytes). cuBLAS
   workspaces are created (by a small warm-up matmul) before that baseline, so they are not
-  counted: DESIGN.md shows them as a separate line.
+  counted: the estimate shows them as a separate line (``extras``).
 * CPU: the CPU allocator's own allocation and free events, as
   ``torch.profiler.profile(profile_memory=True)`` records them (the allocator reports every
   block it hands out and takes back, with its exact byte count, and the running total of what
@@ -590,7 +590,7 @@ def _warm_up_cublas(device: torch.device) -> None:
 
     PyTorch allocates each (handle, stream) workspace through the caching allocator on the
     first matmul and keeps it; without this, a process's first ``measure`` would count it
-    (tens of MiB) and later ones would not. DESIGN.md shows workspaces as a separate line.
+    (tens of MiB) and later ones would not. The estimate shows workspaces as a separate line.
     """
     dtypes = [torch.float32, torch.float16]
     if torch.cuda.is_bf16_supported():

@@ -664,7 +664,7 @@ def _grouped_mm_in_any_dtype(func: Any, args: tuple[Any, ...], kwargs: dict[str,
     from _grouped_mm_cuda()"), but the kernels run every dtype: the CUDA one takes its CUTLASS
     fast path for bf16 on sm90/sm100 and otherwise ``_grouped_mm_fallback``, an mm per group
     into the output it allocated (aten/src/ATen/native/cuda/GroupedBlas.cpp,
-    ``_grouped_mm_cuda``), and the CPU one runs float32 too (measured here, torch 2.13). Either
+    ``_grouped_mm_cuda``), and the CPU one runs float32 too (measured, torch 2.13). Either
     allocates the output alone: the meta kernel's layout in the result dtype."""
     a, b = args[0], args[1]
     if a.dtype == b.dtype == torch.bfloat16 or not (
@@ -816,7 +816,7 @@ def _promotion_copy_bytes(func: Any, args: tuple[Any, ...], out: Any) -> int:
     aten/src/ATen/TensorIterator.cpp; CUDA kernels cast as they load, with no copy). Those
     copies live for the call, beside its output. The computation dtype is the output's for
     an out-of-place op, else the promotion of the inputs with dimensions (comparisons give
-    bool; in-place ops keep ``self``'s dtype). Measured here for 20 ops (mul, div, add_,
+    bool; in-place ops keep ``self``'s dtype). Measured for 20 ops (mul, div, add_,
     mul_, where, addcmul, eq, gt, logical_and, clamp, fmod, hypot, threshold_backward, ...):
     a bf16 input beside an fp32 one costs ``numel * 4`` bytes, 0-dim ones included; an
     amp-bf16 forward on the CPU hits this wherever a bf16 activation meets an fp32 tensor.

@@ -1,7 +1,7 @@
 """One training iteration, written once and used by both the profiler (on fake tensors) and
 ``measure`` (on real ones), so that the estimate and the measurement follow the same protocol.
 
-The protocol (DESIGN.md, "Definitions"): with parameters, buffers, optimizer state and the
+The protocol (docs/how-it-works.md): with parameters, buffers, optimizer state and the
 input batch resident,
 
     output = model(*args, **kwargs)        # under autocast for amp-* precisions
