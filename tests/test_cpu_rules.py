@@ -29,6 +29,11 @@ def _bn_first() -> nn.Module:
     return nn.Sequential(nn.BatchNorm2d(8), nn.Conv2d(8, 16, 3), nn.Flatten(), nn.Linear(576, 4))
 
 
+def _bn1d_features() -> nn.Module:
+    # BatchNorm1d on N x C: one value per sample and channel, the channels-last kernel
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
 def _bn1d_sequence() -> nn.Module:
     # BatchNorm1d on N x C x L: the same contiguous kernel as BatchNorm2d
     return nn.Sequential(nn.Conv1d(4, 32, 3), nn.BatchNorm1d(32), nn.ReLU())
@@ -54,6 +59,15 @@ def test_batch_norm_estimate_is_measured_peak(make, sample, mode) -> None:
     assert estimate.peak_bytes == measured.peak_bytes
 
 
+def test_batch_norm1d_features_inference_is_measured_peak() -> None:
+    # N x C takes the channels-last kernel: the same alpha and beta (2 x 32 x 4 = 256 B).
+    # In training its reduction buffer (threads x C) is not emulated (cpu_rules).
+    torch.manual_seed(0)
+    model = _bn1d_features()
+    estimate = profile_model(model, input_size=(16,), device="cpu").estimate(4, mode="inference")
+    assert estimate.peak_bytes == measure(model, torch.randn(4, 16), mode="inference").peak_bytes
+
+
 def test_forward_scratch_is_alpha_and_beta() -> None:
     # batch_norm_cpu_contiguous_impl: alpha, beta = 2 x C in the computation type.
     x = torch.zeros(4, 64, 14, 14)
@@ -63,9 +77,9 @@ def test_forward_scratch_is_alpha_and_beta() -> None:
     # bf16 input: alpha and beta in float (opmath), so still 2 x 64 x 4 = 512
     half = (x.bfloat16(), c, c, c, c, False, 0.1, 1e-5)
     assert batch_norm_scratch_bytes(aten.native_batch_norm.default, half) == 512
-    # one value per sample and channel (N x C) and channels-last take other kernels: no rule
-    flat = (torch.zeros(4, 64), c, c, c, c, True, 0.1, 1e-5)
-    assert batch_norm_scratch_bytes(aten.native_batch_norm.default, flat) == 0
+    # N x C (the channels-last kernel): the same alpha and beta, 2 x 64 x 4 = 512
+    flat = (torch.zeros(4, 64), c, c, c, c, False, 0.1, 1e-5)
+    assert batch_norm_scratch_bytes(aten.native_batch_norm.default, flat) == 512
 
 
 def test_backward_scratch_is_second_grad_input() -> None:
@@ -96,6 +110,16 @@ def test_rules_match_the_real_kernel() -> None:
         sig = probe.request(func, args, {})
         return probe.workspace_bytes(sig), [probe.output_bytes(sig, i) for i in range(3)]
 
+    # inference on the channels-last kernel (channels-last maps, N x C): alpha and beta too
+    for x in (
+        torch.zeros(3, 32, 5, 6).contiguous(memory_format=torch.channels_last),
+        torch.zeros(5, 32),
+        torch.zeros(5, 32).bfloat16(),
+    ):
+        p = torch.ones(32)
+        args = (x, p, p, torch.zeros(32), p, False, 0.1, 1e-5)
+        workspace, _ = real(aten.native_batch_norm.default, args)
+        assert workspace == batch_norm_scratch_bytes(aten.native_batch_norm.default, args)
     c = torch.ones(32)
     for x in (torch.zeros(3, 32, 5, 6), torch.zeros(2, 32, 7), torch.zeros(3, 32, 4).bfloat16()):
         for train in (True, False):

@@ -22,10 +22,15 @@ BatchNorm (aten/src/ATen/native/Normalization.cpp and cpu/batch_norm_kernel.cpp)
   training ``batch_norm_cpu_update_stats_template`` first allocates ``_mean`` and
   ``_var_sum``, two per-channel tensors no larger, freed before ``alpha`` and ``beta``).
 
-Not emulated: channels-last inputs and inputs with one value per sample and channel (a
-``BatchNorm1d`` on ``N x C``), whose kernels allocate a ``threads x C`` reduction buffer when
-``N`` exceeds the thread count (``batch_norm_cpu_collect_stats_channels_last_impl``,
-``batch_norm_cpu_backward_channels_last_impl``), and non-contiguous inputs.
+  Channels-last inputs and inputs with one value per sample and channel (a ``BatchNorm1d``
+  on ``N x C``) take the channels-last kernels, which allocate the same ``alpha`` and ``beta``.
+
+Not emulated: the channels-last kernels' reduction buffers in training
+(``batch_norm_cpu_collect_stats_channels_last_impl``: ``threads x C`` beside ``_mean`` and
+``_var_sum`` when there are more rows than threads, and always for bf16 / fp16, measured;
+``batch_norm_cpu_backward_channels_last_impl``: ``2 x threads x C``). They depend on the
+thread count and switch on with the batch (not affine in it), so a rule would need the
+workspace grid of ``probe.py``. Nor non-contiguous inputs.
 """
 
 from __future__ import annotations
@@ -81,12 +86,6 @@ def _opmath_itemsize(dtype: torch.dtype) -> int:
     return 4 if dtype in (torch.bfloat16, torch.float16) else dtype.itemsize
 
 
-def _plain_contiguous_maps(t: torch.Tensor) -> bool:
-    """NCHW-like contiguous, with more than one value per sample and channel (the kernels'
-    ``batch_norm_cpu_contiguous_impl`` path; ``image_size == 1`` takes the channels-last one)."""
-    return t.dim() >= 2 and t.numel() > 0 and t.is_contiguous() and t[0, 0].numel() > 1
-
-
 def _same_contiguous_format(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Both contiguous in one memory format (the template's ``all_contiguous``)."""
     if a.is_contiguous() and b.is_contiguous():
@@ -118,10 +117,11 @@ def batch_norm_scratch_bytes(func: Any, args: tuple[Any, ...]) -> int:
     """
     if func in _BATCH_NORM_FORWARD:
         x = args[0]
-        if not isinstance(x, torch.Tensor) or not _plain_contiguous_maps(x):
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
             return 0
-        # alpha and beta: 2 x C elements of the computation type
-        return 2 * x.shape[1] * _opmath_itemsize(x.dtype)
+        channels = x.shape[1]
+        # alpha and beta: 2 x C elements of the computation type, on either kernel path
+        return 2 * channels * _opmath_itemsize(x.dtype)
     if func in _BATCH_NORM_BACKWARD and len(args) > _MASK_ARG:
         grad_out, x = args[0], args[1]
         if not (isinstance(grad_out, torch.Tensor) and isinstance(x, torch.Tensor)):
