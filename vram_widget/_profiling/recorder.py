@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .._estimating.options import CATEGORY_CODE, PHASE_CODE, Category, Phase
+from .cpu_rules import batch_norm_scratch_bytes, unallocated_outputs
 from .fake import (
     TorchDispatchMode,
     current_autograd_node_name,
@@ -486,6 +487,8 @@ class Recorder(TorchDispatchMode):
         input_storages: set[int] | None = None
         probed = self.probe is not None and wants_probe(func, args)
         placeholders: list[tuple[int, int]] = []  # (output position, storage id)
+        # CPU semantics: outputs the CPU kernel leaves undefined cost nothing (cpu_rules)
+        unallocated = unallocated_outputs(func, args) if self.cpu_semantics else frozenset()
         for position, t in enumerate(_leaves(out)):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -503,7 +506,7 @@ class Recorder(TorchDispatchMode):
                 input_storages = _arg_storages(args, kwargs)
             if key in input_storages:
                 continue  # a view of memory that existed before recording: not an allocation
-            nbytes = st.nbytes()
+            nbytes = 0 if position in unallocated else st.nbytes()
             record = StorageRecord(nbytes, row, self.phase, _TEMPORARY, False)
             sid = self._new_storage(st, record)
             if probed:
@@ -517,6 +520,9 @@ class Recorder(TorchDispatchMode):
         if probed:
             self._reserve_workspace(func, args, kwargs, row, placeholders)
         if self.cpu_semantics:
+            scratch = batch_norm_scratch_bytes(func, args)
+            if scratch:  # allocated and freed inside the call, beside its outputs
+                self._emit(self._allocated_untracked(scratch, row), -scratch, row)
             self._count_host_scalars(func, args, out, row)
         flops = op_flops(func, args, kwargs, out) if self.count_flops else 0
         if flops:

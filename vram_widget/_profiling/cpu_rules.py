@@ -1,0 +1,133 @@
+"""What CPU kernels allocate that their fake (meta) kernels do not: rules for ``device="cpu"``.
+
+Fake tensors run meta kernels, which allocate an op's outputs and nothing else. Where a CPU
+kernel allocates differently, and what it does is fixed by its source (no thread count or
+library choice in it), the recorder applies a rule from this module instead of running the
+kernel for real (``probe.py`` does that where the source is not so simple).
+
+BatchNorm (aten/src/ATen/native/Normalization.cpp and cpu/batch_norm_kernel.cpp):
+
+* The backward allocates only the gradients its ``output_mask`` asks for
+  (``batch_norm_backward_cpu_template``: ``if (grad_input_mask[0]) grad_input =
+  at::empty_like(...)``, and so on); the meta kernel returns ``grad_input`` whatever the mask,
+  so a BatchNorm whose input needs no gradient (the first layer) gained one input-sized
+  tensor in the backward.
+* When input and ``grad_out`` are contiguous in the same memory format, that template
+  allocates ``grad_input`` a second time (``grad_input = at::empty_like(input,
+  suggest_memory_format_contig(input))``) before the first is freed: one more input-sized
+  block, live beside the three gradients for the call.
+* The forward of a contiguous (NCHW-like) input with more than one value per sample and
+  channel allocates two per-channel tensors in the computation type for the call
+  (``batch_norm_cpu_contiguous_impl``: ``alpha``, ``beta``, float for bf16/fp16 inputs; in
+  training ``batch_norm_cpu_update_stats_template`` first allocates ``_mean`` and
+  ``_var_sum``, two per-channel tensors no larger, freed before ``alpha`` and ``beta``).
+
+  Channels-last inputs and inputs with one value per sample and channel (a ``BatchNorm1d``
+  on ``N x C``) take the channels-last kernels, which allocate the same ``alpha`` and ``beta``.
+
+Not emulated: the channels-last kernels' reduction buffers in training
+(``batch_norm_cpu_collect_stats_channels_last_impl``: ``threads x C`` beside ``_mean`` and
+``_var_sum`` when there are more rows than threads, and always for bf16 / fp16, measured;
+``batch_norm_cpu_backward_channels_last_impl``: ``2 x threads x C``). They depend on the
+thread count and switch on with the batch (not affine in it), so a rule would need the
+workspace grid of ``probe.py``. Nor non-contiguous inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+__all__ = ["batch_norm_scratch_bytes", "unallocated_outputs"]
+
+# Forward ops whose CPU kernel is batch_norm_cpu_out; the input is argument 0.
+_BATCH_NORM_FORWARD = frozenset(
+    {
+        aten.native_batch_norm.default,
+        aten._native_batch_norm_legit.default,
+        aten._native_batch_norm_legit.no_stats,
+        aten._native_batch_norm_legit_no_training.default,
+        aten._batch_norm_with_update.default,
+        aten._batch_norm_no_update.default,
+    }
+)
+# Backward ops whose CPU kernel is batch_norm_backward_cpu_template: (grad_out, input, ...)
+# with the output mask at argument 9.
+_BATCH_NORM_BACKWARD = frozenset(
+    {aten.native_batch_norm_backward.default, aten.batch_norm_backward.default}
+)
+_MASK_ARG = 9
+
+
+def unallocated_outputs(func: Any, args: tuple[Any, ...]) -> frozenset[int]:
+    """Positions of the outputs a CPU kernel leaves undefined but the fake kernel returns.
+
+    Examples
+    --------
+    >>> import torch
+    >>> aten = torch.ops.aten
+    >>> x = torch.zeros(2, 3, 4)
+    >>> w = torch.ones(3)
+    >>> args = (x, x, w, w, w, w, w, True, 1e-5, [False, True, True])
+    >>> sorted(unallocated_outputs(aten.native_batch_norm_backward.default, args))
+    [0]
+    """
+    if func in _BATCH_NORM_BACKWARD and len(args) > _MASK_ARG:
+        return frozenset(i for i, wanted in enumerate(args[_MASK_ARG]) if not wanted)
+    return frozenset()
+
+
+def _opmath_itemsize(dtype: torch.dtype) -> int:
+    """Bytes of one element of the CPU kernels' computation type: float for bf16 / fp16
+    (``at::opmath_type``), the dtype itself otherwise."""
+    return 4 if dtype in (torch.bfloat16, torch.float16) else dtype.itemsize
+
+
+def _same_contiguous_format(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Both contiguous in one memory format (the template's ``all_contiguous``)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(a.dim())
+    return (
+        fmt is not None
+        and a.dim() == b.dim()
+        and a.is_contiguous(memory_format=fmt)
+        and b.is_contiguous(memory_format=fmt)
+    )
+
+
+def batch_norm_scratch_bytes(func: Any, args: tuple[Any, ...]) -> int:
+    """Bytes a CPU BatchNorm kernel allocates and frees inside the call, beside its outputs.
+
+    Examples
+    --------
+    >>> import torch
+    >>> aten = torch.ops.aten
+    >>> x = torch.zeros(4, 64, 14, 14)
+    >>> c = torch.ones(64)
+    >>> batch_norm_scratch_bytes(aten.native_batch_norm.default, (x, c, c, c, c, False, 0.1, 1e-5))
+    512
+    >>> mask = [True, True, True]  # grad_input allocated twice: one more 4*64*14*14*4 B
+    >>> args = (x, x, c, c, c, c, c, True, 1e-5, mask)
+    >>> batch_norm_scratch_bytes(aten.native_batch_norm_backward.default, args)
+    200704
+    """
+    if func in _BATCH_NORM_FORWARD:
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() == 0:
+            return 0
+        channels = x.shape[1]
+        # alpha and beta: 2 x C elements of the computation type, on either kernel path
+        return 2 * channels * _opmath_itemsize(x.dtype)
+    if func in _BATCH_NORM_BACKWARD and len(args) > _MASK_ARG:
+        grad_out, x = args[0], args[1]
+        if not (isinstance(grad_out, torch.Tensor) and isinstance(x, torch.Tensor)):
+            return 0
+        if not args[_MASK_ARG][0] or x.numel() == 0 or not _same_contiguous_format(x, grad_out):
+            return 0
+        # the first grad_input (empty_like(input)), freed when the second replaces it
+        return x.numel() * x.element_size()
+    return 0
