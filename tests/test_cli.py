@@ -22,7 +22,7 @@ import torch
 from models import assert_model_unchanged, snapshot_model
 
 from vram_widget import profile_model, zoo
-from vram_widget._display.cli import main
+from vram_widget._display.cli import _bytes, main
 from vram_widget._estimating.gpus import resolve_gpu
 
 _MODULE = "vram_cli_models"
@@ -96,7 +96,7 @@ def test_json_matches_python_api(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["input_shape"] == profile.input_shape == "batch × 784"
     assert out["device"] == "cpu"
     assert out["gpu"] == {"name": "custom 24 GiB", "memory_bytes": 24 * 2**30}
-    assert out["peak_bytes_means"] == "allocated tensor bytes"
+    assert out["peak_bytes_means"].startswith("allocated: the peak of allocated bytes on the CPU")
     assert [s["precision"] for s in out["settings"]] == ["fp32", "bf16", "amp-bf16"]
     for setting in out["settings"]:
         est = profile.estimate(64, setting["precision"], "sgd", "train")
@@ -108,7 +108,8 @@ def test_json_matches_python_api(capsys: pytest.CaptureFixture[str]) -> None:
         assert setting["peak_phase"] == est.peak_phase.value
         assert setting["peak_module"] == est.peak_module
         assert setting["flops"] == est.flops > 0
-        assert setting["fits"] is True
+        assert setting["fit_bytes"] == est.peak_bytes  # on the CPU: allocated, no extras
+        assert setting["fits"] is est.fits(24 * 2**30) is True
         largest = profile.max_batch_size(24 * 2**30, setting["precision"], "sgd", "train")
         assert setting["max_batch_size"] == largest > 64
 
@@ -122,8 +123,8 @@ def test_text_output_states_settings_and_fit(capsys: pytest.CaptureFixture[str])
     assert lines[0] == repr(profile)
     assert "inputs: batch × 784" in lines[0]
     text = "\n".join(lines)
-    assert "peak = allocated tensor bytes" in text
-    assert "total = peak + extras" in text
+    assert "allocated = the peak of allocated bytes on the CPU" in text
+    assert "torch.cuda" not in text  # --device cpu speaks of the CPU
     row = next(line for line in lines if line.split()[:4] == ["64", "fp32", "adam", "train"])
     est = profile.estimate(64, "fp32", "adam", "train")
     assert est.peak_location in row
@@ -145,7 +146,7 @@ def test_fit_line_says_no_when_it_does_not_fit(capsys: pytest.CaptureFixture[str
     assert main(["mlp", "--device", "cpu", "--batch-size", "4096", "--gpu", "16MiB",
                  "--precision", "fp32"]) == 0  # fmt: skip
     fit = next(line for line in capsys.readouterr().out.splitlines() if "fits on" in line)
-    assert ": no, needs" in fit
+    assert f": no, allocated {_bytes(setting['peak_bytes'])} of 16 MiB" in fit
     largest = setting["max_batch_size"]
     assert fit.endswith(
         f"largest batch that fits: {largest:,}" if largest else "not even batch 1 fits"
@@ -237,7 +238,9 @@ def test_console_entry_runs() -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["settings"][0]["precision"] == "bf16"
-    assert out["settings"][0]["max_batch_size"] > 0
+    # --device cpu assumes no GPU: no capacity, so no verdict and no largest batch
+    assert out["gpu"] is None
+    assert (out["settings"][0]["fits"], out["settings"][0]["max_batch_size"]) == (None, None)
 
 
 def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
@@ -380,5 +383,5 @@ def test_data_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
         fsdp_units=["Linear", "RMSNorm"],
     )  # fmt: skip
     assert (out["peak_bytes"], out["strategy"]) == (expected.peak_bytes, "hsdp")
-    assert main(["mlp", "--device", "cpu", "--gpus", "12", "--strategy", "hsdp"]) == 1
-    assert "gpus=12 is not a whole number of nodes" in capsys.readouterr().err
+    err = _usage_error(["mlp", "--device", "cpu", "--gpus", "12", "--strategy", "hsdp"], capsys)
+    assert "gpus=12 is not a whole number of nodes" in err
