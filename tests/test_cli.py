@@ -22,7 +22,7 @@ import torch
 from models import assert_model_unchanged, snapshot_model
 
 from vram_widget import profile_model, zoo
-from vram_widget._display.cli import main
+from vram_widget._display.cli import _bytes, main
 from vram_widget._estimating.gpus import resolve_gpu
 
 _MODULE = "vram_cli_models"
@@ -30,7 +30,8 @@ _GPT2 = [
     "--transformers",
     "gpt2",
     "--config",
-    "n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=64",
+    # bos/eos inside the 64-token vocabulary: transformers warns of its default 50256 otherwise
+    "n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=64,bos_token_id=0,eos_token_id=0",
     "--seq-len",
     "16",
 ]
@@ -96,7 +97,7 @@ def test_json_matches_python_api(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["input_shape"] == profile.input_shape == "batch × 784"
     assert out["device"] == "cpu"
     assert out["gpu"] == {"name": "custom 24 GiB", "memory_bytes": 24 * 2**30}
-    assert out["peak_bytes_means"] == "allocated tensor bytes"
+    assert out["peak_bytes_means"].startswith("allocated: the peak of allocated bytes on the CPU")
     assert [s["precision"] for s in out["settings"]] == ["fp32", "bf16", "amp-bf16"]
     for setting in out["settings"]:
         est = profile.estimate(64, setting["precision"], "sgd", "train")
@@ -108,7 +109,8 @@ def test_json_matches_python_api(capsys: pytest.CaptureFixture[str]) -> None:
         assert setting["peak_phase"] == est.peak_phase.value
         assert setting["peak_module"] == est.peak_module
         assert setting["flops"] == est.flops > 0
-        assert setting["fits"] is True
+        assert setting["fit_bytes"] == est.peak_bytes  # on the CPU: allocated, no extras
+        assert setting["fits"] is est.fits(24 * 2**30) is True
         largest = profile.max_batch_size(24 * 2**30, setting["precision"], "sgd", "train")
         assert setting["max_batch_size"] == largest > 64
 
@@ -122,8 +124,8 @@ def test_text_output_states_settings_and_fit(capsys: pytest.CaptureFixture[str])
     assert lines[0] == repr(profile)
     assert "inputs: batch × 784" in lines[0]
     text = "\n".join(lines)
-    assert "peak = allocated tensor bytes" in text
-    assert "total = peak + extras" in text
+    assert "allocated = the peak of allocated bytes on the CPU" in text
+    assert "torch.cuda" not in text  # --device cpu speaks of the CPU
     row = next(line for line in lines if line.split()[:4] == ["64", "fp32", "adam", "train"])
     est = profile.estimate(64, "fp32", "adam", "train")
     assert est.peak_location in row
@@ -145,7 +147,7 @@ def test_fit_line_says_no_when_it_does_not_fit(capsys: pytest.CaptureFixture[str
     assert main(["mlp", "--device", "cpu", "--batch-size", "4096", "--gpu", "16MiB",
                  "--precision", "fp32"]) == 0  # fmt: skip
     fit = next(line for line in capsys.readouterr().out.splitlines() if "fits on" in line)
-    assert ": no, needs" in fit
+    assert f": no, allocated {_bytes(setting['peak_bytes'])} of 16 MiB" in fit
     largest = setting["max_batch_size"]
     assert fit.endswith(
         f"largest batch that fits: {largest:,}" if largest else "not even batch 1 fits"
@@ -213,8 +215,9 @@ def test_transformers_model(capsys: pytest.CaptureFixture[str]) -> None:
     out = _run_json([*_GPT2, "--device", "cpu", "--precision", "fp32", "--batch-size", "4"],
                     capsys)  # fmt: skip
     config = transformers.AutoConfig.for_model(
-        "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64
-    )
+        "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     ids = torch.zeros(1, 16, dtype=torch.long)
@@ -237,7 +240,9 @@ def test_console_entry_runs() -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["settings"][0]["precision"] == "bf16"
-    assert out["settings"][0]["max_batch_size"] > 0
+    # --device cpu assumes no GPU: no capacity, so no verdict and no largest batch
+    assert out["gpu"] is None
+    assert (out["settings"][0]["fits"], out["settings"][0]["max_batch_size"]) == (None, None)
 
 
 def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
@@ -380,5 +385,251 @@ def test_data_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
         fsdp_units=["Linear", "RMSNorm"],
     )  # fmt: skip
     assert (out["peak_bytes"], out["strategy"]) == (expected.peak_bytes, "hsdp")
-    assert main(["mlp", "--device", "cpu", "--gpus", "12", "--strategy", "hsdp"]) == 1
-    assert "gpus=12 is not a whole number of nodes" in capsys.readouterr().err
+    err = _usage_error(["mlp", "--device", "cpu", "--gpus", "12", "--strategy", "hsdp"], capsys)
+    assert "gpus=12 is not a whole number of nodes" in err
+
+
+# --- every keyword of estimate has a flag ----------------------------------------------------
+
+
+def test_every_estimate_keyword_has_a_flag() -> None:
+    import inspect
+
+    from vram_widget._display.cli_args import build_parser
+    from vram_widget._estimating.profile import ModelProfile
+
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    # compute_capability is the --gpu's own (its catalog entry), not a flag of its own
+    keywords = set(inspect.signature(ModelProfile.estimate).parameters) - {
+        "self", "compute_capability", "optimizer", "precision", "mode", "batch_size",
+    }  # fmt: skip
+    missing = [k for k in keywords if "--" + k.replace("_", "-") not in flags]
+    assert missing == []
+    assert {"--optimizer", "--precision", "--mode", "--batch-size", "--gpu"} <= flags
+
+
+def test_new_tokens_flag_is_estimate_generate(capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    argv = [*_GPT2, "--device", "cpu", "--precision", "fp32", "--batch-size", "3"]
+    out = _run_json([*argv, "--mode", "generate", "--new-tokens", "5"], capsys)
+    config = transformers.AutoConfig.for_model(
+        "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    prompt = {"input_ids": torch.zeros(1, 16, dtype=torch.long)}  # a prompt: no labels
+    est = profile_model(model, inputs=prompt, device="cpu").estimate(
+        3, "fp32", mode="generate", new_tokens=5
+    )
+    (setting,) = out["settings"]
+    assert (setting["mode"], setting["optimizer"]) == ("generate", None)
+    assert setting["peak_bytes"] == est.peak_bytes
+    # one layer x keys and values x 32 x 4 bytes = 256 B per token; 3 sequences of 16 + 4
+    assert setting["kv_cache_bytes"] == est.kv_cache_bytes == 3 * 20 * 256
+
+
+def test_lora_targets_and_rank_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("peft")
+    argv = ["mlp", "--device", "cpu", "--batch-size", "8", "--precision", "fp32"]
+    out = _run_json([*argv, "--lora-rank", "2", "--lora-targets", "0,3"], capsys)
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    expected = profile.estimate(8, "fp32", lora_rank=2, lora_targets=["0", "3"])
+    assert out["settings"][0]["peak_bytes"] == expected.peak_bytes
+    assert out["settings"][0]["levers"] == expected.levers.describe()
+    out = _run_json([*argv, "--gpus", "4", "--strategy", "zero1", "--rank", "3"], capsys)
+    expected = profile.estimate(8, "fp32", gpus=4, strategy="zero1", rank=3)
+    assert (out["settings"][0]["rank"], out["settings"][0]["peak_bytes"]) == (
+        3, expected.peak_bytes,
+    )  # fmt: skip
+
+
+def test_seq_len_flag_on_a_zoo_model(capsys: pytest.CaptureFixture[str]) -> None:
+    # a model with a sequence axis other than --transformers: --seq-len is estimate's seq_len
+    argv = ["llama_tiny", "--device", "cpu", "--precision", "fp32", "--batch-size", "2"]
+    out = _run_json([*argv, "--seq-len", "32"], capsys)
+    entry = zoo.ZOO["llama_tiny"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cpu")
+    expected = profile.estimate(2, "fp32", seq_len=32)
+    assert out["settings"][0]["peak_bytes"] == expected.peak_bytes
+    assert expected.peak_bytes != profile.estimate(2, "fp32").peak_bytes  # 32, not 64 tokens
+
+
+def test_expandable_segments_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run_json(["mlp", "--precision", "fp32", "--expandable-segments"], capsys)
+    entry = zoo.ZOO["mlp"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cuda")
+    h100 = resolve_gpu("H100 SXM 80GB")
+    est = profile.estimate(
+        32, "fp32", expandable_segments=True, compute_capability=h100.compute_capability
+    )
+    assert out["settings"][0]["reserved_bytes"] == est.reserved_bytes
+    assert out["settings"][0]["device_bytes"] == est.device_bytes
+
+
+# --- refused before profiling: exit 2, the valid forms named ----------------------------------
+
+
+@pytest.fixture
+def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any profiling fails the test: a usage error must come before it."""
+    import vram_widget
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profiled before refusing")
+
+    monkeypatch.setattr(vram_widget, "profile_model", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--gpu", "256 MiB"], "a CUDA device holds before any tensor"),
+        (["--gpu", "532MiB"], "give a larger capacity"),  # 500 MiB context + 32 MiB workspace
+        (["--gpus", "12", "--strategy", "hsdp"], "gpus=12 is not a whole number of nodes"),
+        (["--gpus", "4", "--rank", "4"], "an int in [0, 4)"),
+        (["--strategy", "zero1"], "for --gpus N with N > 1"),
+        (["--gpus", "2", "--gpus-per-node", "2"], "--gpus-per-node is for --strategy hsdp"),
+        (["--gpus", "2", "--fsdp-units", "0"], "--fsdp-units is for --strategy zero2"),
+        (["--new-tokens", "8"], "--new-tokens is for --mode generate"),
+        (["--mode", "generate"], "--mode generate needs --new-tokens T"),
+        (["--mode", "generate", "--new-tokens", "4"], "a Hugging Face model with generate()"),
+        (["--mode", "inference", "--checkpoint", "auto"], "--checkpoint: training only"),
+        (["--mode", "inference", "--optimizer", "sgd"], "--optimizer: training only"),
+        (["--mode", "inference", "--gpus", "2"], "--gpus: training only"),
+        (["--lora-targets", "0"], "give --lora-rank too"),
+        (["--lora-rank", "2", "--trainable", "0.*"], "give one"),
+        (["--device", "cpu", "--expandable-segments"], "--device cpu has none"),
+        (["--rank", "-1"], "not a whole number >= 0"),
+        (["--base-quantization", "nf8"], "invalid choice: 'nf8' (choose from 'nf4')"),
+    ],
+)
+def test_bad_combinations_refused_before_profiling(
+    no_profiling: None, argv: list[str], names: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert names in _usage_error(["mlp", *argv], capsys)
+
+
+def test_config_key_typo_is_refused(no_profiling: None, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    err = _usage_error(["--transformers", "gpt2", "--config", "n_layers=2"], capsys)
+    assert "--config key 'n_layers' is not a field of GPT2Config (gpt2)" in err
+    assert "did you mean n_layer" in err
+    # the config's aliases are its fields too (GPT-2's hidden_size is n_embd)
+    spec_ok = ["--transformers", "gpt2", "--config", "hidden_size=32,n_layer=1,n_head=2",
+               "--seq-len", "2000"]  # fmt: skip
+    assert "2000 is beyond the model's 1024 learned positions" in _usage_error(spec_ok, capsys)
+
+
+def test_sequence_past_the_position_table(
+    no_profiling: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    # _GPT2 has n_positions=64: 65 tokens index past its table, 60 + 8 generated too
+    err = _usage_error([*_GPT2[:-1], "65"], capsys)
+    assert "--seq-len 65 is beyond the model's 64 learned positions" in err
+    assert "N <= 64" in err
+    err = _usage_error([*_GPT2[:-1], "60", "--mode", "generate", "--new-tokens", "8"], capsys)
+    assert "60 tokens plus --new-tokens 8 is 68 positions, beyond the model's limit of 64" in err
+
+
+def test_checkpoint_auto_suggests_the_models_own_classes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["resnet18", "--precision", "fp32", "--checkpoint", "auto"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    # ResNet-18 is built of BasicBlocks, in layer1 ... layer4; it has no Bottleneck
+    assert "checkpoint='BasicBlock'" in err
+    assert "checkpoint=['layer1', 'layer2']" in err
+    assert "Bottleneck" not in err
+
+
+# --- one figure decides "fits", and it is the one shown ---------------------------------------
+
+
+def test_device_bytes_decide_fits_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    entry = zoo.ZOO["mlp"]
+    profile = profile_model(entry.build(), inputs=entry.make_inputs(2), device="cuda")
+    est = profile.estimate(32, "fp32", compute_capability=(9, 0))
+    assert est.device_bytes is not None
+    # at exactly device_bytes it fits; 2 MiB less (the allocator's segment unit) it does not
+    for capacity, fits in ((est.device_bytes, True), (est.device_bytes - 2**21, False)):
+        argv = ["mlp", "--precision", "fp32", "--gpu", str(capacity)]
+        out = _run_json(argv, capsys)
+        (setting,) = out["settings"]
+        assert setting["fit_bytes"] == setting["device_bytes"] == est.device_bytes
+        assert setting["fits"] is fits is est.fits(capacity)
+        assert "device_bytes" in out["fit_bytes_means"]
+        assert "not the figure compared" in out["total_bytes_means"]
+        assert main(argv) == 0
+        lines = capsys.readouterr().out.splitlines()
+        header = next(line for line in lines if line.startswith("batch"))
+        assert header.split()[4:7] == ["allocated", "reserved", "device"]
+        row = next(line for line in lines if line.split()[:2] == ["32", "fp32"])
+        (fit,) = [line for line in lines if "fits on" in line]
+        shown = _bytes(est.device_bytes)
+        assert shown in row  # the device column
+        assert f": {'yes' if fits else 'no'}, device {shown} of " in fit
+        assert _bytes(est.total_bytes) not in fit
+
+
+def test_help_names_the_fit_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert '"device" is the figure compared with the GPU\'s memory' in out
+    assert "--device cpu there is no allocator" in out
+    assert "total" not in out.split("examples:")[0]
+
+
+def test_cpu_output_speaks_of_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["mlp", "--device", "cpu", "--precision", "fp32"]) == 0
+    text = capsys.readouterr().out
+    assert "torch.profiler.profile(profile_memory=True)" in text
+    assert "torch.cuda" not in text and "H100" not in text and "fits on" not in text
+    assert "no fit verdict: --device cpu assumes no GPU" in text
+    header = next(line for line in text.splitlines() if line.startswith("batch"))
+    assert "reserved" not in header and "device" not in header
+
+
+# --- the defaults are named ---------------------------------------------------------------
+
+
+def test_demo_names_the_assumed_model_and_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--precision", "fp32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # zoo.resnet18's example: one sample is 3 x 64 x 64
+    assert lines[0].startswith("assumed model: resnet18 (zoo), one sample 3 x 64 x 64; choose")
+    assert lines[1].startswith("assumed GPU: H100 SXM 80GB; choose another with --gpu")
+    assert "ResNet: 11,689,512 parameters" in lines[2]
+    out = _run_json(["mlp", "--precision", "fp32"], capsys)
+    assert out["assumed"] == [lines[1]]  # the GPU only: the model was named
+
+
+# --- the main job's install -----------------------------------------------------------------
+
+
+def test_main_install_skips_pip_when_installed(tmp_path: Path) -> None:
+    # A python3 on PATH that logs any pip run instead of making it.
+    log = tmp_path / "pip.log"
+    shim = tmp_path / "python3"
+    shim.write_text(
+        f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = pip ]; then echo "$@" >> {log}; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    shim.chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = subprocess.run(
+        ["bash", str(root / "scripts" / "install.sh"), "main"],
+        capture_output=True, text=True, env=env, timeout=60, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert not log.exists()  # everything was there: no pip run
+    bad = subprocess.run(
+        ["bash", str(root / "scripts" / "install.sh"), "everything"],
+        capture_output=True, text=True, env=env, timeout=60, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "usage: bash scripts/install.sh [main|test]" in bad.stderr

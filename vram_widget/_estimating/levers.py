@@ -122,6 +122,10 @@ def _examples(names: Sequence[str], limit: int = 6) -> str:
     return ", ".join(shown) + (", ..." if len(names) > limit else "")
 
 
+# torch's containers: repeated in most models, never what a person means by "a block"
+_CONTAINERS = frozenset({"Sequential", "ModuleList", "ModuleDict"})
+
+
 def _resolve_checkpoint(
     value: object,
     module_names: Sequence[str],
@@ -132,19 +136,30 @@ def _resolve_checkpoint(
 ) -> tuple[tuple[str, ...], bool]:
     if value is None or value is False:
         return (), False
+    # the model's own classes with repeated instances, and its top-level children: what
+    # the suggestions name (never a class or module the model does not have)
+    classes = sorted({t for t in module_types if module_types.count(t) > 1})
     if value == "auto":
         if not auto_blocks:
+            parents = {n.rpartition(".")[0] for n in module_names if n}
+            top = [n for n in module_names if n and "." not in n]
+            children = ([n for n in top if n in parents] or top)[:2]
+            # a block: a repeated class whose instances hold modules, not a plain container
+            holders = {t for n, t in zip(module_names, module_types, strict=True) if n in parents}
+            blocks = [c for c in classes if c not in _CONTAINERS and c in holders]
+            by_class = f"checkpoint={(blocks or classes)[0]!r}" if classes else "none repeats"
+            by_name = f"checkpoint={children!r}" if children else "checkpoint=['name']"
             raise ValueError(
                 f"checkpoint='auto': {model_name or 'the model'} has no ModuleList of repeated "
                 "blocks to checkpoint; name the modules instead: a class name "
-                "(checkpoint='Bottleneck') or a list of qualified-name patterns "
-                "(checkpoint=['layer1', 'layer2'])"
+                f"({by_class}; its classes with repeated instances: "
+                f"{', '.join(classes) or 'none'}) or a list of qualified-name patterns "
+                f"({by_name})"
             )
         return tuple(auto_blocks), hf_auto
     if isinstance(value, str):
         matched = [n for n, t in zip(module_names, module_types, strict=True) if t == value and n]
         if not matched:
-            classes = sorted({t for t in module_types if module_types.count(t) > 1})
             raise ValueError(
                 f"checkpoint={value!r}: no module of that class in {model_name or 'the model'}; "
                 f"valid forms: 'auto', a class name (classes with repeated instances: "

@@ -1,0 +1,523 @@
+"""The command line's parser and its checks (``vram-widget --help``).
+
+Each ``type=`` function names the valid forms, so argparse says them on a bad value, and
+:func:`validate` refuses every combination that cannot be estimated (a flag for another mode,
+ranks that are not whole nodes, a capacity below the CUDA context) right after parsing, before
+any model is built or profiled: a usage error, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._estimating.accelerator import CUDA_CONTEXT_BYTES, cublas_workspace_bytes
+from .._estimating.options import (
+    Device,
+    Mode,
+    OptimizerName,
+    Precision,
+    Strategy,
+    parse_optimizer,
+    parse_option,
+)
+from .._estimating.sharding import DEFAULT_GPUS_PER_NODE, check_rank, resolve_parallel
+from .cli_models import (
+    CALLABLE_FORM,
+    DEFAULT_MODEL,
+    DEFAULT_SEQ_LEN,
+    config_pairs,
+    model_spec,
+    transformers_type,
+)
+
+if TYPE_CHECKING:
+    from .._estimating.gpus import Gpu
+
+__all__ = ["build_parser", "validate"]
+
+PROG = "vram-widget"
+DEFAULT_PRECISIONS: tuple[Precision, ...] = (Precision.FP32, Precision.BF16, Precision.AMP_BF16)
+DEFAULT_GPU = "H100 SXM 80GB"
+# Rows of the per-layer table (--layers): enough for a ResNet's blocks, short enough to read.
+LAYER_ROWS = 40
+
+_DESCRIPTION = """\
+Estimate the GPU memory of one training step (or inference pass, or generation) of a PyTorch
+model, from a profile on fake tensors (no GPU needed, nothing allocated), and say whether it
+fits on a GPU and with what largest batch.
+
+Every figure says what it measures:
+  allocated  live tensor bytes at the step's peak (torch.cuda.max_memory_allocated; on
+             --device cpu the peak of allocated bytes on the CPU, as
+             torch.profiler.profile(profile_memory=True) records it)
+  reserved   the CUDA caching allocator's segments at their peak (max_memory_reserved)
+  device     the least GPU memory the step runs in: the segments the allocator cannot
+             release, the one it asks for, and the CUDA context outside it
+On --device cuda (the default), "device" is the figure compared with the GPU's memory: it
+decides "fits" and "largest batch that fits". On --device cpu there is no allocator and no
+CUDA context: "allocated" is the figure, no GPU is assumed, and a --gpu (or any capacity,
+e.g. your RAM) is compared with the allocated bytes alone, as the CPU step would hold them.
+
+examples:
+  vram-widget resnet18 --batch-size 64 --gpu "A100 80GB"
+  vram-widget mypackage.models:build_model --input-size 3,224,224 --precision amp-bf16
+  vram-widget --transformers llama \\
+      --config num_hidden_layers=2,hidden_size=256,num_attention_heads=4,vocab_size=32000 \\
+      --seq-len 512 --batch-size 8 --json
+"""
+
+# Flags of training only: (dest, flag) — given with another --mode, a usage error.
+_TRAIN_ONLY = (
+    ("optimizer", "--optimizer"),
+    ("checkpoint", "--checkpoint"),
+    ("trainable", "--trainable"),
+    ("grad_accumulation", "--grad-accumulation"),
+    ("lora_rank", "--lora-rank"),
+    ("lora_targets", "--lora-targets"),
+    ("base_quantization", "--base-quantization"),
+    ("gpus", "--gpus"),
+    ("strategy", "--strategy"),
+    ("gpus_per_node", "--gpus-per-node"),
+    ("fsdp_units", "--fsdp-units"),
+    ("rank", "--rank"),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Option values: each type= function names the valid forms, so argparse says them on error.
+# --------------------------------------------------------------------------------------------
+
+
+def positive_int(value: str) -> int:
+    """An int >= 1 (``--batch-size``, ``--seq-len``)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an integer: give a whole number >= 1"
+        ) from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number} is below 1: give a whole number >= 1")
+    return number
+
+
+def input_size(value: str) -> tuple[int, ...]:
+    """The shape of one sample, without the batch dimension: ``3,224,224``."""
+    try:
+        shape = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(
+            f"bad input size {value!r}: give the shape of one sample, without the batch "
+            f"dimension, as comma-separated positive integers (e.g. 3,224,224 or 784)"
+        )
+    return shape
+
+
+def precisions(value: str) -> list[Precision]:
+    """One or more precisions, comma-separated (``fp32,bf16``)."""
+    try:
+        return [parse_option(Precision, part, "precision") for part in value.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def optimizer(value: str) -> OptimizerName | str:
+    """An optimizer name, or ``"none"`` (kept as a string, so that :func:`validate` can tell
+    ``--optimizer none`` from a flag left out)."""
+    try:
+        parsed = parse_optimizer(value)
+    except ValueError:
+        valid = ", ".join([*(m.value for m in OptimizerName), "none"])
+        raise argparse.ArgumentTypeError(
+            f"unknown optimizer {value!r}; valid values are {valid}"
+        ) from None
+    return "none" if parsed is None else parsed
+
+
+def _option(enum_type: type[Any], what: str) -> Callable[[str], Any]:
+    def parse(value: str) -> Any:
+        try:
+            return parse_option(enum_type, value, what)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def non_negative_int(value: str) -> int:
+    """An int >= 0 (``--rank``)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 0")
+    return number
+
+
+def gpu(value: str) -> Gpu:
+    """A catalog GPU name or a capacity (``"A100 80GB"``, ``"80GiB"``, ``"24 GB"``, bytes)."""
+    from .._estimating.gpus import resolve_gpu
+
+    text = value.strip()
+    try:
+        # A bare number is bytes, as in the Python API: resolve_gpu then refuses ``80`` (below
+        # 1 MiB) with a "did you mean 80 GiB" rather than accepting a GPU with no memory.
+        return resolve_gpu(int(text) if text.isdigit() else text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------------------------
+# The parser: one helper per group of flags.
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (``vram-widget --help``); check its result with :func:`validate`.
+
+    Examples
+    --------
+    >>> args = build_parser().parse_args(["mlp", "--batch-size", "8"])
+    >>> args.batch_size, args.new_tokens
+    (8, None)
+    """
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _model_flags(parser.add_argument_group("model"))
+    _input_flags(parser.add_argument_group("inputs"))
+    _setting_flags(parser.add_argument_group("settings"))
+    _lever_flags(parser.add_argument_group("memory levers (training)"))
+    _parallel_flags(parser.add_argument_group("data parallel (training)"))
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument(
+        "--layers",
+        action="store_true",
+        help=f"also print the per-layer table of the first precision (up to {LAYER_ROWS} "
+        "rows with parameters or activations)",
+    )
+    return parser
+
+
+def _model_flags(what: argparse._ArgumentGroup) -> None:
+    zoo_names = ", ".join(_zoo_names())
+    what.add_argument(
+        "model",
+        nargs="?",
+        type=model_spec,
+        help=f"a zoo name ({zoo_names}) or {CALLABLE_FORM} returning an nn.Module "
+        f"(default: {DEFAULT_MODEL}, at its own example inputs)",
+    )
+    what.add_argument(
+        "--model", dest="model_option", type=model_spec, metavar="MODEL", help="same as MODEL"
+    )
+    what.add_argument(
+        "--transformers",
+        type=transformers_type,
+        metavar="TYPE",
+        help="a Hugging Face model type (gpt2, llama, bert, ...), built from --config on the "
+        "meta device (no download, no weights allocated); a causal-LM head where the type has "
+        "one, else the bare model",
+    )
+    what.add_argument(
+        "--config",
+        type=config_pairs,
+        action="append",
+        metavar="K=V,K=V",
+        help="config of --transformers, e.g. n_layer=2,n_embd=64 (values: int, float, "
+        "true/false, str; keys: the config class's own fields); may be repeated",
+    )
+
+
+def _zoo_names() -> list[str]:
+    from .. import zoo
+
+    return list(zoo.ZOO)
+
+
+def _input_flags(inputs: argparse._ArgumentGroup) -> None:
+    inputs.add_argument(
+        "--input-size",
+        type=input_size,
+        metavar="D,D,...",
+        help="shape of ONE sample, no batch dimension (e.g. 3,224,224): a float tensor. "
+        "Needed for a callable model; zoo models default to their own inputs, transformers "
+        "models to input_ids (and labels, in training) of --seq-len tokens",
+    )
+    inputs.add_argument(
+        "--seq-len",
+        type=positive_int,
+        metavar="N",
+        help="tokens per sample (the prompt, with --mode generate): a --transformers model's "
+        f"example length (default: {DEFAULT_SEQ_LEN}), at most its position table; for a zoo "
+        "or callable model with a sequence axis, the length estimated (default: its example's)",
+    )
+    inputs.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        metavar="T",
+        help="with --mode generate (needed there, refused elsewhere): tokens generated after "
+        "the prompt of --seq-len tokens",
+    )
+
+
+def _setting_flags(settings: argparse._ArgumentGroup) -> None:
+    settings.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="samples per step (sequences generated at once with --mode generate), >= 1 "
+        "(default: 32)",
+    )
+    settings.add_argument(
+        "--precision",
+        type=precisions,
+        action="append",
+        metavar="P[,P...]",
+        help=f"one of {', '.join(p.value for p in Precision)}; may be repeated or "
+        f"comma-separated (default: {','.join(p.value for p in DEFAULT_PRECISIONS)})",
+    )
+    settings.add_argument(
+        "--optimizer",
+        type=optimizer,
+        metavar="NAME",
+        help=f"one of {', '.join(o.value for o in OptimizerName)}, none (default: adam; "
+        "training only)",
+    )
+    settings.add_argument(
+        "--mode",
+        type=_option(Mode, "mode"),
+        default=Mode.TRAIN,
+        metavar="MODE",
+        help="train (forward, backward, optimizer step), inference (forward under no_grad) "
+        "or generate (Hugging Face's greedy generate of --new-tokens tokens) (default: train)",
+    )
+    settings.add_argument(
+        "--device",
+        type=_option(Device, "device"),
+        default=Device.CUDA,
+        metavar="DEVICE",
+        help="cuda or cpu: whose kernels and memory the estimate is for; needs no GPU "
+        "(default: cuda)",
+    )
+    settings.add_argument(
+        "--gpu",
+        type=gpu,
+        metavar="GPU",
+        help="memory to fit in: a catalog name (e.g. 'A100 80GB', 'RTX 4090 24GB') or a "
+        f"capacity ('80GiB', '24 GB', or bytes) (default on cuda: {DEFAULT_GPU!r}; on cpu "
+        "none: no fit verdict unless one is given, then the allocated bytes are compared "
+        "with it); its compute capability sizes the cuBLAS workspace",
+    )
+    settings.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="the CUDA caching allocator with expandable_segments:True "
+        "(PYTORCH_CUDA_ALLOC_CONF) for reserved and device (cuda only)",
+    )
+
+
+def _lever_flags(levers: argparse._ArgumentGroup) -> None:
+    levers.add_argument(
+        "--checkpoint",
+        metavar="WHAT",
+        help="activation checkpointing: 'auto' (each repeated block; Hugging Face's own "
+        "checkpointing on its models), a class name, or comma-separated module-name patterns",
+    )
+    levers.add_argument(
+        "--trainable",
+        metavar="PATTERNS",
+        help="comma-separated parameter-name patterns that train (the rest frozen)",
+    )
+    levers.add_argument(
+        "--grad-accumulation",
+        type=positive_int,
+        metavar="K",
+        help="micro-batches of --batch-size per optimizer step (default: 1)",
+    )
+    levers.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        metavar="R",
+        help="LoRA adapters of rank R, applied by PEFT (needs `pip install peft`); not with "
+        "--trainable",
+    )
+    levers.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="with --lora-rank: PEFT's target_modules, 'auto' (PEFT's defaults for a Hugging "
+        "Face architecture), 'all-linear', or comma-separated module names (e.g. "
+        "conv1,conv2); other models must name theirs (default: auto)",
+    )
+    levers.add_argument(
+        "--base-quantization",
+        choices=("nf4",),
+        metavar="nf4",
+        help="4-bit base weights (QLoRA): not estimated (bitsandbytes' CUDA kernels cannot run "
+        "on fake tensors); prints the nf4 storage of the Linear weights and exits 1",
+    )
+
+
+def _parallel_flags(parallel: argparse._ArgumentGroup) -> None:
+    parallel.add_argument(
+        "--gpus",
+        type=positive_int,
+        metavar="N",
+        help="data-parallel ranks; the estimate is one rank's step at --batch-size per rank "
+        "(default: 1, one device)",
+    )
+    parallel.add_argument(
+        "--strategy",
+        metavar="NAME",
+        help="with --gpus N > 1, how the ranks share the step: 'ddp' (DistributedDataParallel),"
+        " 'zero1' (DDP + ZeroRedundancyOptimizer), 'zero2' / 'zero3' (FSDP2 fully_shard "
+        "without / with resharding after the forward) or 'hsdp' (zero3 in a node, replicated "
+        "across nodes) (default: ddp)",
+    )
+    parallel.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        metavar="N",
+        help=f"GPUs per node, for --strategy hsdp; --gpus must be whole nodes (default: "
+        f"{DEFAULT_GPUS_PER_NODE})",
+    )
+    parallel.add_argument(
+        "--fsdp-units",
+        metavar="NAMES",
+        help="with --strategy zero2, zero3 or hsdp: FSDP2's units, comma-separated module or "
+        "class names (default: each repeated block)",
+    )
+    parallel.add_argument(
+        "--rank",
+        type=non_negative_int,
+        metavar="R",
+        help="with --gpus N > 1: the rank to estimate, 0 <= R < N (default: the worst rank)",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The checks: every combination refused here, before a model is built or profiled.
+# --------------------------------------------------------------------------------------------
+
+
+def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Check the parsed flags together and fill in the defaults of those left out.
+
+    Each refusal is ``parser.error`` (exit code 2) naming the flags and the valid forms; it
+    comes before any model is built, so nothing is profiled for a request that cannot be
+    answered. Sets ``args.precisions`` (the asked ones, in order, once each),
+    ``args.gpu_assumed`` (True where the default GPU was taken) and the defaults of the
+    lever and data-parallel flags.
+
+    Examples
+    --------
+    >>> parser = build_parser()
+    >>> args = validate(parser, parser.parse_args(["mlp", "--gpus", "4", "--strategy", "zero1"]))
+    >>> args.gpus, args.strategy, args.grad_accumulation, args.gpu.name
+    (4, 'zero1', 1, 'H100 SXM 80GB')
+    """
+    chosen = [p for group in (args.precision or [list(DEFAULT_PRECISIONS)]) for p in group]
+    args.precisions = list(dict.fromkeys(chosen))  # repeated ones once, in order
+    _check_mode(parser, args)
+    _check_levers(parser, args)
+    _check_parallel(parser, args)
+    _check_gpu(parser, args)
+    return args
+
+
+def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    mode: Mode = args.mode
+    if mode is Mode.GENERATE and args.new_tokens is None:
+        parser.error(
+            "--mode generate needs --new-tokens T (the tokens generated after the prompt of "
+            "--seq-len tokens), e.g. --mode generate --new-tokens 64"
+        )
+    if mode is not Mode.GENERATE and args.new_tokens is not None:
+        parser.error(f"--new-tokens is for --mode generate; got --mode {mode.value}")
+    if mode is not Mode.TRAIN:
+        given = [flag for dest, flag in _TRAIN_ONLY if getattr(args, dest) is not None]
+        if given:
+            parser.error(
+                f"{', '.join(given)}: training only (--mode train); --mode {mode.value} runs "
+                "no optimizer, no levers and one device. Drop them or use --mode train"
+            )
+    args.optimizer = OptimizerName.ADAM if args.optimizer is None else args.optimizer
+    if args.optimizer == "none":  # parse_optimizer's None is kept as None
+        args.optimizer = None
+
+
+def _check_levers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.lora_targets is not None and args.lora_rank is None:
+        parser.error("--lora-targets is for --lora-rank R (LoRA adapters); give --lora-rank too")
+    if args.lora_rank is not None and args.trainable is not None:
+        parser.error(
+            "--lora-rank and --trainable both choose what trains: give one (LoRA freezes the "
+            "base model and trains its adapters)"
+        )
+    if args.grad_accumulation is None:
+        args.grad_accumulation = 1
+    if args.expandable_segments and args.device is Device.CPU:
+        parser.error(
+            "--expandable-segments is a setting of the CUDA caching allocator; --device cpu "
+            "has none: drop it or use --device cuda"
+        )
+
+
+def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    gpus = 1 if args.gpus is None else args.gpus
+    if gpus == 1:
+        given = [
+            flag
+            for dest, flag in _TRAIN_ONLY[-4:]  # --strategy, --gpus-per-node, ...
+            if getattr(args, dest) is not None
+        ]
+        if given:
+            parser.error(
+                f"{', '.join(given)}: data-parallel settings, for --gpus N with N > 1; "
+                "give --gpus too (one device has no strategy)"
+            )
+    strategy = "ddp" if args.strategy is None else args.strategy
+    per_node = DEFAULT_GPUS_PER_NODE if args.gpus_per_node is None else args.gpus_per_node
+    try:
+        parallel = resolve_parallel(gpus, strategy, gpus_per_node=per_node)
+        check_rank(args.rank, gpus)
+    except ValueError as exc:
+        parser.error(f"--gpus/--strategy/--gpus-per-node/--rank: {exc}")
+    if args.gpus_per_node is not None and parallel.strategy is not Strategy.HSDP:
+        parser.error(f"--gpus-per-node is for --strategy hsdp; got --strategy {strategy}")
+    sharded = (Strategy.ZERO2, Strategy.ZERO3, Strategy.HSDP)
+    if args.fsdp_units is not None and parallel.strategy not in sharded:
+        parser.error(
+            f"--fsdp-units is for --strategy zero2, zero3 or hsdp (FSDP2); got --strategy "
+            f"{strategy}"
+        )
+    args.gpus, args.strategy, args.gpus_per_node = gpus, strategy, per_node
+
+
+def _check_gpu(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    args.gpu_assumed = args.gpu is None and args.device is Device.CUDA
+    if args.gpu_assumed:
+        args.gpu = gpu(DEFAULT_GPU)
+    chosen: Gpu | None = args.gpu
+    if chosen is None or args.device is not Device.CUDA:
+        return
+    major, minor = chosen.compute_capability or (9, 0)  # the estimate's own default: H100
+    # What a CUDA device holds before the step's first tensor: the context (an assumption,
+    # accelerator.CUDA_CONTEXT_BYTES) and one cuBLAS workspace (accelerator's sources).
+    floor = CUDA_CONTEXT_BYTES + cublas_workspace_bytes(10 * major + minor)
+    if chosen.memory_bytes <= floor:
+        parser.error(
+            f"--gpu {chosen.name}: {chosen.memory_bytes:,} bytes is not more than the "
+            f"{floor:,} bytes a CUDA device holds before any tensor of the step (CUDA context "
+            f"{CUDA_CONTEXT_BYTES // 2**20} MiB + cuBLAS workspace); give a larger capacity "
+            "(e.g. '24GiB', 'A100 80GB') or --device cpu to compare allocated bytes alone"
+        )
