@@ -31,14 +31,18 @@ from .options import (
     Device,
     FitBasis,
     Mode,
+    OptimizerImplementation,
     OptimizerName,
     Phase,
     Precision,
     Strategy,
+    default_implementation,
     parse_batch_size,
     parse_optimizer,
+    parse_optimizer_choice,
     parse_option,
 )
+from .recipe import LeverSettings, Recipe
 from .sharding import (
     DEFAULT_GPUS_PER_NODE,
     ITEMSIZE,
@@ -81,6 +85,7 @@ class ProfileSource(Protocol):
         levers: Levers = ...,
         only: tuple[str, ...] | None = ...,
         shard: tuple[int, int] | None = ...,
+        implementation: OptimizerImplementation = ...,
     ) -> OptimizerTrace: ...
 
     def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
@@ -165,7 +170,14 @@ class ModelProfile:
         # a setting that failed to profile fails again at once, without another run
         self._failures: dict[tuple[Precision, Mode, Levers], ProfilingError] = {}
         self._optimizers: dict[
-            tuple[Precision, OptimizerName, Levers, tuple[str, ...] | None, tuple[int, int] | None],
+            tuple[
+                Precision,
+                OptimizerName,
+                Levers,
+                tuple[str, ...] | None,
+                tuple[int, int] | None,
+                OptimizerImplementation,
+            ],
             OptimizerTrace,
         ] = {}
         # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
@@ -293,11 +305,12 @@ class ModelProfile:
             )
             if crossing and prec not in self._across_windows:
                 return False
-        opt = parse_optimizer(optimizer)
+        opt, impl = parse_optimizer_choice(optimizer)
+        impl = impl or default_implementation(self.device)
         return (
             run_mode is not Mode.TRAIN  # no optimizer outside training
             or opt is None
-            or (prec, opt, _optimizer_levers(levers), None, None) in self._optimizers
+            or (prec, opt, _optimizer_levers(levers), None, None, impl) in self._optimizers
         )
 
     def length_fit_tried(
@@ -414,16 +427,19 @@ class ModelProfile:
         levers: Levers = NO_LEVERS,
         only: tuple[str, ...] | None = None,
         shard: tuple[int, int] | None = None,
+        implementation: OptimizerImplementation | None = None,
     ) -> OptimizerTrace:
         """The optimizer's step (``only``: over these parameters alone, a ZeRO shard;
-        ``shard=(world_size, rank)``: over that rank's FSDP2 shard of each parameter)."""
-        key = (precision, optimizer, _optimizer_levers(levers), only, shard)
+        ``shard=(world_size, rank)``: over that rank's FSDP2 shard of each parameter),
+        run as ``implementation`` (None: torch's default on the profile's device)."""
+        impl = implementation or default_implementation(self.device)
+        key = (precision, optimizer, _optimizer_levers(levers), only, shard, impl)
         if key not in self._optimizers:
             # the training step of these levers first: it says which parameters got a
             # gradient (the optimizer's state is made for those)
             self.timeline(precision, Mode.TRAIN, None, levers)
             self._optimizers[key] = self._source.optimizer_trace(
-                precision, optimizer, _profiled(levers, Mode.TRAIN), only, shard
+                precision, optimizer, _profiled(levers, Mode.TRAIN), only, shard, impl
             )
         return self._optimizers[key]
 
@@ -449,6 +465,7 @@ class ModelProfile:
         gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
         fsdp_units: object = None,
         new_tokens: int | None = None,
+        recipe: Recipe | None = None,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -579,43 +596,61 @@ class ModelProfile:
         >>> est.kv_cache_bytes_per_token, est.kv_cache_bytes == 4 * 27 * 1024
         (1024, True)
         """
-        batch = parse_batch_size(batch_size)
-        prec = parse_option(Precision, precision, "precision")
-        opt_name = parse_optimizer(optimizer)
-        run_mode = parse_option(Mode, mode, "mode")
-        length = self.check_seq_len(seq_len)
-        tokens = self._check_new_tokens(run_mode, new_tokens, seq_len)
-        if expandable_segments and self.device is not Device.CUDA:
-            raise ValueError(
-                "expandable_segments is a setting of the CUDA caching allocator; this profile "
-                'is for device="cpu", which has none: profile with device="cuda"'
-            )
-        if base_quantization is not None:
-            self._refuse_quantization(base_quantization)
-        parallel = resolve_parallel(gpus, strategy, gpus_per_node=gpus_per_node)
-        if fsdp_units is not None:
-            parallel = dataclasses.replace(parallel, fsdp_units=self._fsdp_units(fsdp_units))
-        asked_rank = check_rank(rank, parallel.gpus)
-        levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
-        if run_mode is not Mode.TRAIN:
-            levers = NO_LEVERS
-        if levers.lora_rank is not None:
-            sub, kwargs = self._lora(levers)
-            est = sub.estimate(
-                batch,
-                prec,
-                opt_name,
-                run_mode,
+        return self._estimate(
+            Recipe.from_keywords(
+                recipe,
+                batch_size=batch_size,
+                precision=precision,
+                optimizer=optimizer,
+                mode=mode,
                 seq_len=seq_len,
                 compute_capability=compute_capability,
+                checkpoint=checkpoint,
+                trainable=trainable,
+                grad_accumulation=grad_accumulation,
+                lora_rank=lora_rank,
+                lora_targets=lora_targets,
+                base_quantization=base_quantization,
                 expandable_segments=expandable_segments,
                 gpus=gpus,
                 strategy=strategy,
                 rank=rank,
                 gpus_per_node=gpus_per_node,
                 fsdp_units=fsdp_units,
-                **kwargs,
+                new_tokens=new_tokens,
             )
+        )
+
+    def _estimate(self, recipe: Recipe) -> MemoryEstimate:
+        """:meth:`estimate` of one resolved Recipe."""
+        step, lv, par, acc = recipe.step, recipe.levers, recipe.parallel, recipe.accelerator
+        batch, prec, run_mode = step.batch_size, step.precision, step.mode
+        opt_name = recipe.optimizer.name
+        implementation = recipe.optimizer.resolved_implementation(self.device)
+        seq_len, compute_capability = step.seq_len, acc.compute_capability
+        expandable_segments = acc.expandable_segments
+        length = self.check_seq_len(seq_len)
+        tokens = self._check_new_tokens(run_mode, recipe.generation.new_tokens, seq_len)
+        if expandable_segments and self.device is not Device.CUDA:
+            raise ValueError(
+                "expandable_segments is a setting of the CUDA caching allocator; this profile "
+                'is for device="cpu", which has none: profile with device="cuda"'
+            )
+        if lv.base_quantization is not None:
+            self._refuse_quantization(lv.base_quantization)
+        parallel = resolve_parallel(par.gpus, par.strategy, gpus_per_node=par.gpus_per_node)
+        if par.fsdp_units is not None:
+            parallel = dataclasses.replace(parallel, fsdp_units=self._fsdp_units(par.fsdp_units))
+        asked_rank = check_rank(par.rank, parallel.gpus)
+        levers = self.levers(
+            lv.checkpoint, lv.trainable, lv.grad_accumulation, lv.lora_rank, lv.lora_targets
+        )
+        if run_mode is not Mode.TRAIN:
+            levers = NO_LEVERS
+        if levers.lora_rank is not None:
+            sub, kwargs = self._lora(levers)
+            plain = dataclasses.replace(recipe, levers=LeverSettings())
+            est = sub._estimate(plain.with_(**kwargs))
             return dataclasses.replace(est, levers=levers)
         across = None
         if tokens is not None and self.cache_implementation == "static":
@@ -670,19 +705,22 @@ class ModelProfile:
                 edits=edits,
                 new_tokens=tokens,
                 across_window=across,
+                optimizer_implementation=None if implementation is None else implementation.value,
             )
 
+        impl = implementation
         if not train or opt_name is None:
             return one_rank(None, fsdp_rank if edits is not None else None)
         if edits is not None:
             # the rank's place in its shard group (hsdp: ranks are node-major)
             shard = (parallel.shard_ranks, fsdp_rank % parallel.shard_ranks)
-            return one_rank(self.optimizer_trace(prec, opt_name, levers, shard=shard), fsdp_rank)
+            trace = self.optimizer_trace(prec, opt_name, levers, shard=shard, implementation=impl)
+            return one_rank(trace, fsdp_rank)
         if shards is None:
-            return one_rank(self.optimizer_trace(prec, opt_name, levers), None)
+            return one_rank(self.optimizer_trace(prec, opt_name, levers, implementation=impl), None)
         # ranks step different shards (ZeRO): the worst of the candidate ranks
         ranks = [
-            one_rank(self.optimizer_trace(prec, opt_name, levers, only=names), rank)
+            one_rank(self.optimizer_trace(prec, opt_name, levers, only=names, implementation=impl), rank)
             for rank, names in shards
         ]
         return max(ranks, key=lambda e: (e.peak_bytes, -(e.rank or 0)))
