@@ -80,7 +80,11 @@ def default_implementation(device: Device) -> OptimizerImplementation:
     >>> default_implementation(Device.CUDA), default_implementation(Device.CPU)
     (<OptimizerImplementation.FOREACH: 'foreach'>, <OptimizerImplementation.FORLOOP: 'forloop'>)
     """
-    return OptimizerImplementation.FOREACH if device is Device.CUDA else OptimizerImplementation.FORLOOP
+    return (
+        OptimizerImplementation.FOREACH
+        if device is Device.CUDA
+        else OptimizerImplementation.FORLOOP
+    )
 
 
 def optimizer_names() -> tuple[str, ...]:
@@ -123,7 +127,9 @@ def parse_optimizer_choice(
         return parse_optimizer(value), None
     except ValueError:
         valid = ", ".join(repr(n) for n in optimizer_names())
-        raise ValueError(f"unknown optimizer {value!r}; valid values are {valid}, or None") from None
+        raise ValueError(
+            f"unknown optimizer {value!r}; valid values are {valid}, or None"
+        ) from None
 
 
 class Mode(StrEnum):

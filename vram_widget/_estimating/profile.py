@@ -720,7 +720,9 @@ class ModelProfile:
             return one_rank(self.optimizer_trace(prec, opt_name, levers, implementation=impl), None)
         # ranks step different shards (ZeRO): the worst of the candidate ranks
         ranks = [
-            one_rank(self.optimizer_trace(prec, opt_name, levers, only=names, implementation=impl), rank)
+            one_rank(
+                self.optimizer_trace(prec, opt_name, levers, only=names, implementation=impl), rank
+            )
             for rank, names in shards
         ]
         return max(ranks, key=lambda e: (e.peak_bytes, -(e.rank or 0)))
@@ -979,6 +981,7 @@ class ModelProfile:
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**40,
         basis: str | FitBasis = FitBasis.DEVICE,
+        recipe: Recipe | None = None,
         **levers: Any,
     ) -> int:
         """The largest batch whose estimated peak plus accelerator extras fits in
@@ -1005,6 +1008,9 @@ class ModelProfile:
             (the batch is then the micro-batch); ``new_tokens`` with ``mode="generate"``:
             the batch is then the number of sequences generated at once, each a prompt of
             ``seq_len`` tokens and ``new_tokens`` more.
+        recipe : Recipe, optional
+            The setup as one value (its batch size is the one searched); keywords that
+            conflict with it are a ValueError.
 
         Examples
         --------
@@ -1015,17 +1021,18 @@ class ModelProfile:
         (True, False)
         """
         capacity = parse_capacity(capacity_bytes)
+        base = Recipe.from_keywords(
+            recipe,
+            precision=precision,
+            optimizer=optimizer,
+            mode=mode,
+            seq_len=seq_len,
+            compute_capability=compute_capability,
+            **levers,
+        )
 
         def at(batch: int) -> MemoryEstimate:
-            return self.estimate(
-                batch,
-                precision,
-                optimizer,
-                mode,
-                seq_len=seq_len,
-                compute_capability=compute_capability,
-                **levers,
-            )
+            return self.estimate(recipe=base.with_(batch_size=batch))
 
         fit_basis = parse_option(FitBasis, basis, "basis")
 
@@ -1055,6 +1062,7 @@ class ModelProfile:
         strategy: str | Strategy = "ddp",
         limit: int = 1024,
         basis: str | FitBasis = FitBasis.DEVICE,
+        recipe: Recipe | None = None,
         **settings: Any,
     ) -> int | None:
         """The fewest data-parallel GPUs of ``capacity_bytes`` each on which every rank's
@@ -1083,9 +1091,13 @@ class ModelProfile:
         """
         capacity = parse_capacity(capacity_bytes)
         fit_basis = parse_option(FitBasis, basis, "basis")
+        base = Recipe.from_keywords(
+            recipe, batch_size=batch_size, precision=precision, optimizer=optimizer,
+            strategy=strategy, **settings,
+        ).with_(mode="train", gpus=1)  # fmt: skip
         # a clear error for a strategy not modelled; hsdp counts whole nodes past one
         per_node = resolve_parallel(
-            2, strategy, gpus_per_node=settings.get("gpus_per_node", DEFAULT_GPUS_PER_NODE)
+            2, base.parallel.strategy, gpus_per_node=base.parallel.gpus_per_node
         )
 
         def world(gpus: int) -> int:
@@ -1094,15 +1106,10 @@ class ModelProfile:
             return gpus
 
         def too_small(gpus: int) -> bool:
-            est = self.estimate(
-                batch_size, precision, optimizer, "train", gpus=world(gpus), strategy=strategy,
-                **settings,
-            )  # fmt: skip
+            est = self.estimate(recipe=base.with_(gpus=world(gpus)))
             return not est.fits(capacity, fit_basis)
 
-        _check_above_context(
-            self.estimate(batch_size, precision, optimizer, "train", **settings), capacity
-        )
+        _check_above_context(self.estimate(recipe=base), capacity)
         if not too_small(1):
             return 1
         # the most GPUs that are still too few (a rank's memory never grows with the ranks)
@@ -1120,6 +1127,7 @@ class ModelProfile:
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**20,
         basis: str | FitBasis = FitBasis.DEVICE,
+        recipe: Recipe | None = None,
         **levers: Any,
     ) -> int:
         """The longest sequence whose estimated peak plus accelerator extras fits in
@@ -1149,30 +1157,20 @@ class ModelProfile:
         batch = parse_batch_size(batch_size)
         fit_basis = parse_option(FitBasis, basis, "basis")
         assert self.seq_len is not None
+        base = Recipe.from_keywords(
+            recipe, batch_size=batch, precision=precision, optimizer=optimizer, mode=mode,
+            compute_capability=compute_capability, **levers,
+        )  # fmt: skip
 
         def fits(length: int) -> bool:
-            est = self.estimate(
-                batch,
-                precision,
-                optimizer,
-                mode,
-                seq_len=length,
-                compute_capability=compute_capability,
-                **levers,
-            )
-            return est.fits(capacity, fit_basis)
+            return self.estimate(recipe=base.with_(seq_len=length)).fits(capacity, fit_basis)
 
-        _check_above_context(
-            self.estimate(
-                batch, precision, optimizer, mode, compute_capability=compute_capability, **levers
-            ),
-            capacity,
-        )
+        _check_above_context(self.estimate(recipe=base.with_(seq_len=None)), capacity)
         if not fits(1):
             return 0
         if self.seq_len_limit is not None:
             limit = min(limit, self.seq_len_limit)
-        tokens = levers.get("new_tokens")
+        tokens = base.generation.new_tokens
         if tokens is not None and self.generation_limit is not None:
             limit = min(limit, self.generation_limit - int(tokens))  # prompt + new tokens
         return _largest_fitting(fits, min(self.seq_len, limit), limit)

@@ -9,8 +9,8 @@ from ..options import (
     OptimizerImplementation,
     OptimizerName,
     default_implementation,
-    parse_option,
     parse_optimizer_choice,
+    parse_option,
 )
 
 
@@ -29,8 +29,8 @@ class Optimizer:
 
     Examples
     --------
-    >>> Optimizer.parse("adamw-fused")
-    Optimizer(name=<OptimizerName.ADAMW: 'adamw'>, implementation=<OptimizerImplementation.FUSED: 'fused'>)
+    >>> Optimizer.parse("adamw-fused").implementation
+    <OptimizerImplementation.FUSED: 'fused'>
     >>> Optimizer.parse("adamw").resolved_implementation("cuda")
     <OptimizerImplementation.FOREACH: 'foreach'>
     """

@@ -61,12 +61,12 @@ class Recipe:
     TypeError: unknown recipe setting 'flavour'; valid settings are batch_size, ...
     """
 
-    step: Step = Step()
-    optimizer: Optimizer = Optimizer()
-    levers: LeverSettings = LeverSettings()
-    parallel: ParallelSettings = ParallelSettings()
-    generation: Generation = Generation()
-    accelerator: Accelerator = Accelerator()
+    step: Step = dataclasses.field(default_factory=Step)
+    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
+    levers: LeverSettings = dataclasses.field(default_factory=LeverSettings)
+    parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
+    generation: Generation = dataclasses.field(default_factory=Generation)
+    accelerator: Accelerator = dataclasses.field(default_factory=Accelerator)
 
     def with_(self, **settings: Any) -> Recipe:
         """A copy with these flat settings changed (the keywords of
@@ -121,7 +121,7 @@ class Recipe:
         >>> Recipe.from_keywords(base, precision="fp16")
         Traceback (most recent call last):
         ...
-        ValueError: precision='fp16' conflicts with the recipe's step.precision='bf16': pass the setting in one place (recipe.with_(precision=...))
+        ValueError: precision='fp16' conflicts with the recipe's step.precision='bf16': ...
         """
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a vram_widget.Recipe, got {type(recipe).__name__}")
