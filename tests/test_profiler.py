@@ -753,7 +753,7 @@ def test_shape_mismatch_at_the_root() -> None:
         ({"precision": "fp8"}, "'fp32', 'bf16', 'fp16', 'amp-bf16', 'amp-fp16'"),
         (
             {"optimizer": "lion"},
-            "'sgd', 'sgd-momentum', 'adam', 'adamw', 'adagrad', 'rmsprop', or None",
+            "'sgd', 'sgd-momentum', 'adam', 'adamw', 'adagrad', 'rmsprop', 'sgd-fused'",
         ),
         ({"mode": "eval"}, "'train', 'inference'"),
     ],

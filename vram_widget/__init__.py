@@ -23,6 +23,15 @@ if TYPE_CHECKING:
     from ._estimating.gpus import GPUS, Gpu
     from ._estimating.levers import Levers
     from ._estimating.profile import ModelProfile, ProfilingError
+    from ._estimating.recipe import (
+        Accelerator,
+        Generation,
+        LeverSettings,
+        Optimizer,
+        ParallelSettings,
+        Recipe,
+        Step,
+    )
     from ._estimating.tradeoff import Frontier
     from ._profiling.measure import Measurement, measure
     from ._profiling.profiler import InputShapeWarning, profile_model
@@ -40,6 +49,13 @@ _LAZY = {
     "measure": "._profiling.measure",
     "ModelProfile": "._estimating.profile",
     "ProfilingError": "._estimating.profile",
+    "Recipe": "._estimating.recipe",
+    "Step": "._estimating.recipe",
+    "Optimizer": "._estimating.recipe",
+    "LeverSettings": "._estimating.recipe",
+    "ParallelSettings": "._estimating.recipe",
+    "Generation": "._estimating.recipe",
+    "Accelerator": "._estimating.recipe",
     "profile_model": "._profiling.profiler",
     "MemoryWidget": "._display.widget",
     "show_memory": "._display.widget",
@@ -47,23 +63,30 @@ _LAZY = {
 
 __all__ = [
     "GPUS",
+    "Accelerator",
     "AcceleratorExtras",
     "Category",
     "Device",
     "Frontier",
+    "Generation",
     "Gpu",
     "InputShapeWarning",
     "LayerTable",
+    "LeverSettings",
     "Levers",
     "Measurement",
     "MemoryEstimate",
     "MemoryWidget",
     "Mode",
     "ModelProfile",
+    "Optimizer",
     "OptimizerName",
+    "ParallelSettings",
     "Phase",
     "Precision",
     "ProfilingError",
+    "Recipe",
+    "Step",
     "measure",
     "profile_model",
     "show_memory",

@@ -169,6 +169,9 @@ class MemoryEstimate:
     # step the peak falls in (0: the prompt's prefill, k: decode step k)
     generation: Generation | None = None
     peak_step: int | None = None
+    # how torch.optim ran the optimizer's step ("fused", "foreach" or "forloop"; None: no
+    # optimizer step): the one asked, else torch's default on the device
+    optimizer_implementation: str | None = None
 
     @property
     def new_tokens(self) -> int | None:
@@ -452,6 +455,7 @@ def estimate(
     edits: StepEdits | None = None,
     new_tokens: int | None = None,
     across_window: tuple[Timeline, int] | None = None,
+    optimizer_implementation: str | None = None,
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
     ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace);
@@ -617,6 +621,9 @@ def estimate(
         batch_size=batch_size,
         precision=precision,
         optimizer=optimizer if train else None,
+        optimizer_implementation=(
+            optimizer_implementation if train and optimizer is not None else None
+        ),
         mode=mode,
         device=device,
         seq_len=seq_len,

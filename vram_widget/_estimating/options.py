@@ -43,6 +43,95 @@ class OptimizerName(StrEnum):
     RMSPROP = "rmsprop"
 
 
+class OptimizerImplementation(StrEnum):
+    """How ``torch.optim`` runs an optimizer's step: one fused kernel per parameter group
+    (``fused=True``), ``_foreach_`` ops over the whole group (``foreach=True``), or a Python
+    loop over the parameters one at a time (``foreach=False``). The memory differs: a foreach
+    step's temporaries span the group, a loop's one parameter, a fused step has none; and a
+    fused (or capturable) Adam keeps its ``step`` counters on the parameters' device
+    (torch/optim/adam.py, ``Adam._init_group``)."""
+
+    FUSED = "fused"
+    FOREACH = "foreach"
+    FORLOOP = "forloop"
+
+
+# The optimizers torch.optim implements with ``fused=True`` too (torch 2.13: SGD and Adam /
+# AdamW; ``_get_fused_kernels_supported_devices`` lists CUDA and CPU among others): each
+# takes a ``-fused``, ``-foreach`` and ``-forloop`` suffix in an optimizer name.
+IMPLEMENTED_OPTIMIZERS: tuple[OptimizerName, ...] = (
+    OptimizerName.SGD,
+    OptimizerName.SGD_MOMENTUM,
+    OptimizerName.ADAM,
+    OptimizerName.ADAMW,
+)
+
+
+def default_implementation(device: Device) -> OptimizerImplementation:
+    """The implementation torch.optim picks when neither ``fused`` nor ``foreach`` is given.
+
+    ``torch.optim.optimizer._default_to_fused_or_foreach`` (torch 2.13) picks foreach when
+    every parameter is on a device of ``_get_foreach_kernels_supported_devices()`` (CUDA,
+    XPU, MTIA, the private-use backend; not CPU) and the optimizer is not differentiable,
+    and never fused unless asked: so foreach on CUDA, the for-loop on CPU.
+
+    Examples
+    --------
+    >>> default_implementation(Device.CUDA), default_implementation(Device.CPU)
+    (<OptimizerImplementation.FOREACH: 'foreach'>, <OptimizerImplementation.FORLOOP: 'forloop'>)
+    """
+    return (
+        OptimizerImplementation.FOREACH
+        if device is Device.CUDA
+        else OptimizerImplementation.FORLOOP
+    )
+
+
+def optimizer_names() -> tuple[str, ...]:
+    """Every name ``optimizer=`` accepts (besides None).
+
+    Examples
+    --------
+    >>> "adamw-fused" in optimizer_names(), "rmsprop-fused" in optimizer_names()
+    (True, False)
+    """
+    names = [m.value for m in OptimizerName]
+    for opt in IMPLEMENTED_OPTIMIZERS:
+        names.extend(f"{opt.value}-{impl.value}" for impl in OptimizerImplementation)
+    return tuple(names)
+
+
+def parse_optimizer_choice(
+    value: object,
+) -> tuple[OptimizerName | None, OptimizerImplementation | None]:
+    """An optimizer name as ``(optimizer, implementation)``: ``"adamw-fused"`` is AdamW with
+    ``fused=True``; a plain ``"adamw"`` leaves the implementation to torch's default for the
+    device (None here; :func:`default_implementation`); None or ``"none"`` is no optimizer.
+
+    Examples
+    --------
+    >>> parse_optimizer_choice("sgd-momentum-foreach")
+    (<OptimizerName.SGD_MOMENTUM: 'sgd-momentum'>, <OptimizerImplementation.FOREACH: 'foreach'>)
+    >>> parse_optimizer_choice("adam")
+    (<OptimizerName.ADAM: 'adam'>, None)
+    """
+    if isinstance(value, OptimizerName):
+        return value, None
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for opt in IMPLEMENTED_OPTIMIZERS:
+            for impl in OptimizerImplementation:
+                if key == f"{opt.value}-{impl.value}":
+                    return opt, impl
+    try:
+        return parse_optimizer(value), None
+    except ValueError:
+        valid = ", ".join(repr(n) for n in optimizer_names())
+        raise ValueError(
+            f"unknown optimizer {value!r}; valid values are {valid}, or None"
+        ) from None
+
+
 class Mode(StrEnum):
     """One training step, one forward pass under ``torch.no_grad()``, or generation: a
     prompt's prefill and decode steps with the model's KV cache (Hugging Face's greedy

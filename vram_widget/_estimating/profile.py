@@ -31,14 +31,18 @@ from .options import (
     Device,
     FitBasis,
     Mode,
+    OptimizerImplementation,
     OptimizerName,
     Phase,
     Precision,
     Strategy,
+    default_implementation,
     parse_batch_size,
     parse_optimizer,
+    parse_optimizer_choice,
     parse_option,
 )
+from .recipe import LeverSettings, Recipe
 from .sharding import (
     DEFAULT_GPUS_PER_NODE,
     ITEMSIZE,
@@ -81,6 +85,7 @@ class ProfileSource(Protocol):
         levers: Levers = ...,
         only: tuple[str, ...] | None = ...,
         shard: tuple[int, int] | None = ...,
+        implementation: OptimizerImplementation = ...,
     ) -> OptimizerTrace: ...
 
     def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
@@ -165,7 +170,14 @@ class ModelProfile:
         # a setting that failed to profile fails again at once, without another run
         self._failures: dict[tuple[Precision, Mode, Levers], ProfilingError] = {}
         self._optimizers: dict[
-            tuple[Precision, OptimizerName, Levers, tuple[str, ...] | None, tuple[int, int] | None],
+            tuple[
+                Precision,
+                OptimizerName,
+                Levers,
+                tuple[str, ...] | None,
+                tuple[int, int] | None,
+                OptimizerImplementation,
+            ],
             OptimizerTrace,
         ] = {}
         # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
@@ -293,11 +305,12 @@ class ModelProfile:
             )
             if crossing and prec not in self._across_windows:
                 return False
-        opt = parse_optimizer(optimizer)
+        opt, impl = parse_optimizer_choice(optimizer)
+        impl = impl or default_implementation(self.device)
         return (
             run_mode is not Mode.TRAIN  # no optimizer outside training
             or opt is None
-            or (prec, opt, _optimizer_levers(levers), None, None) in self._optimizers
+            or (prec, opt, _optimizer_levers(levers), None, None, impl) in self._optimizers
         )
 
     def length_fit_tried(
@@ -414,16 +427,19 @@ class ModelProfile:
         levers: Levers = NO_LEVERS,
         only: tuple[str, ...] | None = None,
         shard: tuple[int, int] | None = None,
+        implementation: OptimizerImplementation | None = None,
     ) -> OptimizerTrace:
         """The optimizer's step (``only``: over these parameters alone, a ZeRO shard;
-        ``shard=(world_size, rank)``: over that rank's FSDP2 shard of each parameter)."""
-        key = (precision, optimizer, _optimizer_levers(levers), only, shard)
+        ``shard=(world_size, rank)``: over that rank's FSDP2 shard of each parameter),
+        run as ``implementation`` (None: torch's default on the profile's device)."""
+        impl = implementation or default_implementation(self.device)
+        key = (precision, optimizer, _optimizer_levers(levers), only, shard, impl)
         if key not in self._optimizers:
             # the training step of these levers first: it says which parameters got a
             # gradient (the optimizer's state is made for those)
             self.timeline(precision, Mode.TRAIN, None, levers)
             self._optimizers[key] = self._source.optimizer_trace(
-                precision, optimizer, _profiled(levers, Mode.TRAIN), only, shard
+                precision, optimizer, _profiled(levers, Mode.TRAIN), only, shard, impl
             )
         return self._optimizers[key]
 
@@ -449,6 +465,7 @@ class ModelProfile:
         gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
         fsdp_units: object = None,
         new_tokens: int | None = None,
+        recipe: Recipe | None = None,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -579,43 +596,61 @@ class ModelProfile:
         >>> est.kv_cache_bytes_per_token, est.kv_cache_bytes == 4 * 27 * 1024
         (1024, True)
         """
-        batch = parse_batch_size(batch_size)
-        prec = parse_option(Precision, precision, "precision")
-        opt_name = parse_optimizer(optimizer)
-        run_mode = parse_option(Mode, mode, "mode")
-        length = self.check_seq_len(seq_len)
-        tokens = self._check_new_tokens(run_mode, new_tokens, seq_len)
-        if expandable_segments and self.device is not Device.CUDA:
-            raise ValueError(
-                "expandable_segments is a setting of the CUDA caching allocator; this profile "
-                'is for device="cpu", which has none: profile with device="cuda"'
-            )
-        if base_quantization is not None:
-            self._refuse_quantization(base_quantization)
-        parallel = resolve_parallel(gpus, strategy, gpus_per_node=gpus_per_node)
-        if fsdp_units is not None:
-            parallel = dataclasses.replace(parallel, fsdp_units=self._fsdp_units(fsdp_units))
-        asked_rank = check_rank(rank, parallel.gpus)
-        levers = self.levers(checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
-        if run_mode is not Mode.TRAIN:
-            levers = NO_LEVERS
-        if levers.lora_rank is not None:
-            sub, kwargs = self._lora(levers)
-            est = sub.estimate(
-                batch,
-                prec,
-                opt_name,
-                run_mode,
+        return self._estimate(
+            Recipe.from_keywords(
+                recipe,
+                batch_size=batch_size,
+                precision=precision,
+                optimizer=optimizer,
+                mode=mode,
                 seq_len=seq_len,
                 compute_capability=compute_capability,
+                checkpoint=checkpoint,
+                trainable=trainable,
+                grad_accumulation=grad_accumulation,
+                lora_rank=lora_rank,
+                lora_targets=lora_targets,
+                base_quantization=base_quantization,
                 expandable_segments=expandable_segments,
                 gpus=gpus,
                 strategy=strategy,
                 rank=rank,
                 gpus_per_node=gpus_per_node,
                 fsdp_units=fsdp_units,
-                **kwargs,
+                new_tokens=new_tokens,
             )
+        )
+
+    def _estimate(self, recipe: Recipe) -> MemoryEstimate:
+        """:meth:`estimate` of one resolved Recipe."""
+        step, lv, par, acc = recipe.step, recipe.levers, recipe.parallel, recipe.accelerator
+        batch, prec, run_mode = step.batch_size, step.precision, step.mode
+        opt_name = recipe.optimizer.name
+        implementation = recipe.optimizer.resolved_implementation(self.device)
+        seq_len, compute_capability = step.seq_len, acc.compute_capability
+        expandable_segments = acc.expandable_segments
+        length = self.check_seq_len(seq_len)
+        tokens = self._check_new_tokens(run_mode, recipe.generation.new_tokens, seq_len)
+        if expandable_segments and self.device is not Device.CUDA:
+            raise ValueError(
+                "expandable_segments is a setting of the CUDA caching allocator; this profile "
+                'is for device="cpu", which has none: profile with device="cuda"'
+            )
+        if lv.base_quantization is not None:
+            self._refuse_quantization(lv.base_quantization)
+        parallel = resolve_parallel(par.gpus, par.strategy, gpus_per_node=par.gpus_per_node)
+        if par.fsdp_units is not None:
+            parallel = dataclasses.replace(parallel, fsdp_units=self._fsdp_units(par.fsdp_units))
+        asked_rank = check_rank(par.rank, parallel.gpus)
+        levers = self.levers(
+            lv.checkpoint, lv.trainable, lv.grad_accumulation, lv.lora_rank, lv.lora_targets
+        )
+        if run_mode is not Mode.TRAIN:
+            levers = NO_LEVERS
+        if levers.lora_rank is not None:
+            sub, kwargs = self._lora(levers)
+            plain = dataclasses.replace(recipe, levers=LeverSettings())
+            est = sub._estimate(plain.with_(**kwargs))
             return dataclasses.replace(est, levers=levers)
         across = None
         if tokens is not None and self.cache_implementation == "static":
@@ -670,19 +705,24 @@ class ModelProfile:
                 edits=edits,
                 new_tokens=tokens,
                 across_window=across,
+                optimizer_implementation=None if implementation is None else implementation.value,
             )
 
+        impl = implementation
         if not train or opt_name is None:
             return one_rank(None, fsdp_rank if edits is not None else None)
         if edits is not None:
             # the rank's place in its shard group (hsdp: ranks are node-major)
             shard = (parallel.shard_ranks, fsdp_rank % parallel.shard_ranks)
-            return one_rank(self.optimizer_trace(prec, opt_name, levers, shard=shard), fsdp_rank)
+            trace = self.optimizer_trace(prec, opt_name, levers, shard=shard, implementation=impl)
+            return one_rank(trace, fsdp_rank)
         if shards is None:
-            return one_rank(self.optimizer_trace(prec, opt_name, levers), None)
+            return one_rank(self.optimizer_trace(prec, opt_name, levers, implementation=impl), None)
         # ranks step different shards (ZeRO): the worst of the candidate ranks
         ranks = [
-            one_rank(self.optimizer_trace(prec, opt_name, levers, only=names), rank)
+            one_rank(
+                self.optimizer_trace(prec, opt_name, levers, only=names, implementation=impl), rank
+            )
             for rank, names in shards
         ]
         return max(ranks, key=lambda e: (e.peak_bytes, -(e.rank or 0)))
@@ -941,6 +981,7 @@ class ModelProfile:
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**40,
         basis: str | FitBasis = FitBasis.DEVICE,
+        recipe: Recipe | None = None,
         **levers: Any,
     ) -> int:
         """The largest batch whose estimated peak plus accelerator extras fits in
@@ -967,6 +1008,9 @@ class ModelProfile:
             (the batch is then the micro-batch); ``new_tokens`` with ``mode="generate"``:
             the batch is then the number of sequences generated at once, each a prompt of
             ``seq_len`` tokens and ``new_tokens`` more.
+        recipe : Recipe, optional
+            The setup as one value (its batch size is the one searched); keywords that
+            conflict with it are a ValueError.
 
         Examples
         --------
@@ -977,17 +1021,18 @@ class ModelProfile:
         (True, False)
         """
         capacity = parse_capacity(capacity_bytes)
+        base = Recipe.from_keywords(
+            recipe,
+            precision=precision,
+            optimizer=optimizer,
+            mode=mode,
+            seq_len=seq_len,
+            compute_capability=compute_capability,
+            **levers,
+        )
 
         def at(batch: int) -> MemoryEstimate:
-            return self.estimate(
-                batch,
-                precision,
-                optimizer,
-                mode,
-                seq_len=seq_len,
-                compute_capability=compute_capability,
-                **levers,
-            )
+            return self.estimate(recipe=base.with_(batch_size=batch))
 
         fit_basis = parse_option(FitBasis, basis, "basis")
 
@@ -1017,6 +1062,7 @@ class ModelProfile:
         strategy: str | Strategy = "ddp",
         limit: int = 1024,
         basis: str | FitBasis = FitBasis.DEVICE,
+        recipe: Recipe | None = None,
         **settings: Any,
     ) -> int | None:
         """The fewest data-parallel GPUs of ``capacity_bytes`` each on which every rank's
@@ -1045,9 +1091,13 @@ class ModelProfile:
         """
         capacity = parse_capacity(capacity_bytes)
         fit_basis = parse_option(FitBasis, basis, "basis")
+        base = Recipe.from_keywords(
+            recipe, batch_size=batch_size, precision=precision, optimizer=optimizer,
+            strategy=strategy, **settings,
+        ).with_(mode="train", gpus=1)  # fmt: skip
         # a clear error for a strategy not modelled; hsdp counts whole nodes past one
         per_node = resolve_parallel(
-            2, strategy, gpus_per_node=settings.get("gpus_per_node", DEFAULT_GPUS_PER_NODE)
+            2, base.parallel.strategy, gpus_per_node=base.parallel.gpus_per_node
         )
 
         def world(gpus: int) -> int:
@@ -1056,15 +1106,10 @@ class ModelProfile:
             return gpus
 
         def too_small(gpus: int) -> bool:
-            est = self.estimate(
-                batch_size, precision, optimizer, "train", gpus=world(gpus), strategy=strategy,
-                **settings,
-            )  # fmt: skip
+            est = self.estimate(recipe=base.with_(gpus=world(gpus)))
             return not est.fits(capacity, fit_basis)
 
-        _check_above_context(
-            self.estimate(batch_size, precision, optimizer, "train", **settings), capacity
-        )
+        _check_above_context(self.estimate(recipe=base), capacity)
         if not too_small(1):
             return 1
         # the most GPUs that are still too few (a rank's memory never grows with the ranks)
@@ -1082,6 +1127,7 @@ class ModelProfile:
         compute_capability: tuple[int, int] | None = None,
         limit: int = 2**20,
         basis: str | FitBasis = FitBasis.DEVICE,
+        recipe: Recipe | None = None,
         **levers: Any,
     ) -> int:
         """The longest sequence whose estimated peak plus accelerator extras fits in
@@ -1111,30 +1157,20 @@ class ModelProfile:
         batch = parse_batch_size(batch_size)
         fit_basis = parse_option(FitBasis, basis, "basis")
         assert self.seq_len is not None
+        base = Recipe.from_keywords(
+            recipe, batch_size=batch, precision=precision, optimizer=optimizer, mode=mode,
+            compute_capability=compute_capability, **levers,
+        )  # fmt: skip
 
         def fits(length: int) -> bool:
-            est = self.estimate(
-                batch,
-                precision,
-                optimizer,
-                mode,
-                seq_len=length,
-                compute_capability=compute_capability,
-                **levers,
-            )
-            return est.fits(capacity, fit_basis)
+            return self.estimate(recipe=base.with_(seq_len=length)).fits(capacity, fit_basis)
 
-        _check_above_context(
-            self.estimate(
-                batch, precision, optimizer, mode, compute_capability=compute_capability, **levers
-            ),
-            capacity,
-        )
+        _check_above_context(self.estimate(recipe=base.with_(seq_len=None)), capacity)
         if not fits(1):
             return 0
         if self.seq_len_limit is not None:
             limit = min(limit, self.seq_len_limit)
-        tokens = levers.get("new_tokens")
+        tokens = base.generation.new_tokens
         if tokens is not None and self.generation_limit is not None:
             limit = min(limit, self.generation_limit - int(tokens))  # prompt + new tokens
         return _largest_fitting(fits, min(self.seq_len, limit), limit)

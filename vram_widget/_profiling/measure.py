@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -35,10 +36,11 @@ import torch
 from .._estimating.levers import NO_LEVERS, Levers
 from .._estimating.options import (
     Mode,
+    OptimizerImplementation,
     OptimizerName,
     Precision,
     Strategy,
-    parse_optimizer,
+    parse_optimizer_choice,
     parse_option,
 )
 from .._estimating.sharding import (
@@ -333,7 +335,7 @@ def _measure_ranks(
         )
     check_model(model)
     # the settings' own errors here, before any rank starts
-    parse_optimizer(optimizer)
+    parse_optimizer_choice(optimizer)
     parse_option(Precision, precision, "precision")
     setup = SETUPS.get(parallel.strategy)
     if setup is None:
@@ -382,7 +384,7 @@ def _measure(
     before the step: gloo's worker threads may drop a buffer last (the parameters' flat
     broadcast copy, DDP's first buckets), and the profiler does not see frees there."""
     prec = parse_option(Precision, precision, "precision")
-    opt_name = parse_optimizer(optimizer)
+    opt_name, implementation = parse_optimizer_choice(optimizer)
     run_mode = parse_option(Mode, mode, "mode")
     check_model(model)
     levers = model_levers(model, checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
@@ -396,7 +398,7 @@ def _measure(
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
-            parallel, new_tokens,
+            parallel, new_tokens, implementation,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -453,6 +455,7 @@ class _Session:
         setup: RankSetup | None = None,
         parallel: Parallel | None = None,
         new_tokens: int | None = None,
+        implementation: OptimizerImplementation | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
@@ -470,7 +473,9 @@ class _Session:
         self.inputs = inputs.map(lambda t: _copy_input(t, dtype, device))
         self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
         # ... and its optimizer as the strategy builds it (ZeroRedundancyOptimizer)
-        build: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] = make_optimizer
+        build: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] = (
+            functools.partial(make_optimizer, implementation=implementation)
+        )
         if setup is not None and setup.make_optimizer is not None:
             build = setup.make_optimizer
         self.optimizer = (

@@ -25,6 +25,7 @@ from .._estimating.options import (
     Category,
     Device,
     Mode,
+    OptimizerImplementation,
     OptimizerName,
     Phase,
     Precision,
@@ -623,6 +624,7 @@ class Profiler:
         optimizer: OptimizerName,
         only: tuple[str, ...] | None = None,
         shard: tuple[int, int] | None = None,
+        implementation: OptimizerImplementation = OptimizerImplementation.FORLOOP,
     ) -> OptimizerTrace:
         """Two ``step()`` calls on gradients of the parameters' shapes; the second, in steady
         state, is recorded. Its allocations do not depend on the batch size. ``only``: the
@@ -630,7 +632,8 @@ class Profiler:
         order ZeRO hands it to its local optimizer: a single-tensor step keeps one
         parameter's temporary while it makes the next one's, so the order counts).
         ``shard=(world_size, rank)``: each parameter as that rank's FSDP2 shard of it (its
-        dim-0 chunk, ``sharding.local_shard_shape``), which its optimizer steps."""
+        dim-0 chunk, ``sharding.local_shard_shape``), which its optimizer steps.
+        ``implementation``: how torch.optim runs the step (fused, foreach, for-loop)."""
         subject = self.subject
         cuda = subject.device is Device.CUDA
         stepped = subject.params_with_grad.get(self.levers)
@@ -649,14 +652,23 @@ class Profiler:
         # its ops are elementwise and foreach ops whose meta kernels are C++, so the step costs
         # next to nothing, where a FakeTensorMode would hash every tensor of every foreach call.
         # Adam-family ``step`` counters are real 0-dim CPU tensors, as for CUDA parameters.
-        params, _buffers = subject.make_state(precision, real=False, device="meta")
-        if shard is not None:
-            params = {
-                name: torch.empty(
-                    local_shard_shape(tuple(p.shape), *shard), dtype=p.dtype, device="meta"
-                ).requires_grad_(p.requires_grad)
-                for name, p in params.items()
-            }
+        # A fused step refuses meta parameters (torch/optim/optimizer.py,
+        # ``_device_dtype_check_for_fused``: CUDA, CPU and a few others only), so it runs on
+        # fake CPU tensors; its kernels (``_fused_adam_``, ``_fused_sgd_``) are in-place and
+        # have fake implementations. The fake mode's device is not the target's: only sizes
+        # are read.
+        fused = implementation is OptimizerImplementation.FUSED
+        fake_mode = new_fake_mode() if fused else contextlib.nullcontext()
+        device = "cpu" if fused else "meta"
+        with fake_mode:
+            params, _buffers = subject.make_state(precision, real=False, device=device)
+            if shard is not None:
+                params = {
+                    name: torch.empty(
+                        local_shard_shape(tuple(p.shape), *shard), dtype=p.dtype, device=device
+                    ).requires_grad_(p.requires_grad)
+                    for name, p in params.items()
+                }
         rows_of = {name: row for name, _p, row in subject._params}
         # the parameters the traced step gave a gradient (all trainable ones if no training
         # step was traced yet)
@@ -668,10 +680,11 @@ class Profiler:
         if only is not None:
             position = {name: i for i, name in enumerate(only)}
             trainable.sort(key=lambda item: position[item[0]])
-        for _name, p in trainable:
-            p.grad = torch.empty_like(p)
-        opt = make_optimizer(optimizer, [p for _n, p in trainable], foreach=True if cuda else None)
-        shortcuts = MetaShortcuts()
+        with fake_mode:
+            for _name, p in trainable:
+                p.grad = torch.empty_like(p)
+            opt = make_optimizer(optimizer, [p for _n, p in trainable], implementation)
+        shortcuts = fake_mode if fused else MetaShortcuts()
         with shortcuts:
             opt.step()  # first step: creates the state
         rec = Recorder(
@@ -694,7 +707,9 @@ class Profiler:
                     continue
                 # Without capturable/fused, Adam-family ``step`` counters stay on the CPU
                 # even for CUDA parameters (torch/optim/adam.py, _init_group): no GPU memory.
-                if cuda and key == "step" and value.dim() == 0:
+                # Fused, they are float32 0-dim tensors on the parameter's device (the same
+                # lines: ``device=p.device if capturable or fused``): 4 bytes each, counted.
+                if cuda and not fused and key == "step" and value.dim() == 0:
                     continue
                 rec.register_resident([value], Category.OPTIMIZER_STATE)
                 st = value.untyped_storage()
@@ -1040,11 +1055,14 @@ class _Source:
         levers: Levers = NO_LEVERS,
         only: tuple[str, ...] | None = None,
         shard: tuple[int, int] | None = None,
+        implementation: OptimizerImplementation = OptimizerImplementation.FORLOOP,
     ) -> OptimizerTrace:
         self.profiler.levers = levers
         try:
             with torch.inference_mode(False), torch.enable_grad():
-                return self.profiler.run_optimizer(precision, optimizer, only, shard)
+                return self.profiler.run_optimizer(
+                    precision, optimizer, only, shard, implementation
+                )
         finally:
             self.profiler.levers = NO_LEVERS
 

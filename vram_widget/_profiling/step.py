@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .._estimating.levers import Levers, repeated_blocks, resolve_levers
-from .._estimating.options import OptimizerName, Precision
+from .._estimating.options import OptimizerImplementation, OptimizerName, Precision
 
 # The optimizer registry: name -> (class, keyword arguments). Hyper-parameters do not change
 # memory; these are PyTorch's documented defaults where a default exists.
@@ -54,17 +54,24 @@ def optimizer_spec(name: OptimizerName) -> tuple[type[torch.optim.Optimizer], di
 
 
 def make_optimizer(
-    name: OptimizerName, params: Iterable[torch.Tensor], *, foreach: bool | None = None
+    name: OptimizerName,
+    params: Iterable[torch.Tensor],
+    implementation: OptimizerImplementation | None = None,
 ) -> torch.optim.Optimizer:
-    """Build the registered optimizer over ``params``.
+    """Build the registered optimizer over ``params``, run as ``implementation``.
 
-    ``foreach=None`` lets PyTorch choose as it does by default (single-tensor loop on CPU,
-    foreach on CUDA). The CUDA emulation passes ``foreach=True`` explicitly: PyTorch's default
-    check (``_default_to_fused_or_foreach``) also looks at ``type(p)``, and a FakeTensor is not
-    in its list, so leaving it ``None`` on fake CUDA tensors would pick the loop.
+    ``fused`` passes ``fused=True``, ``foreach`` ``foreach=True``, ``forloop``
+    ``foreach=False``; None lets PyTorch choose as it does by default (the single-tensor loop
+    on CPU, foreach on CUDA). The CUDA emulation names ``foreach`` explicitly: PyTorch's
+    default check (``_default_to_fused_or_foreach``) also looks at ``type(p)``, and a
+    FakeTensor is not in its list, so leaving it ``None`` on fake CUDA tensors would pick the
+    loop.
     """
     cls, kwargs = _OPTIMIZERS[name]
     params = [p for p in params if p.requires_grad]
+    if implementation is OptimizerImplementation.FUSED:
+        return cls(params, fused=True, **kwargs)  # type: ignore[call-arg]
+    foreach = None if implementation is None else implementation is OptimizerImplementation.FOREACH
     return cls(params, foreach=foreach, **kwargs)  # type: ignore[call-arg]
 
 

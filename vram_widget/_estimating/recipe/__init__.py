@@ -1,0 +1,22 @@
+"""The Recipe of a step and its sub-records, one small module per concern.
+
+No torch here: a Recipe is plain data that every stage reads.
+"""
+
+from .generation import Generation
+from .levers import LeverSettings
+from .optimizer import Optimizer
+from .parallel import ParallelSettings
+from .recipe import KEYWORD_FIELDS, Recipe
+from .step import Accelerator, Step
+
+__all__ = [
+    "KEYWORD_FIELDS",
+    "Accelerator",
+    "Generation",
+    "LeverSettings",
+    "Optimizer",
+    "ParallelSettings",
+    "Recipe",
+    "Step",
+]

@@ -1,0 +1,47 @@
+"""The structural levers of a training step as asked, before they are resolved against a
+model's names (``ModelProfile.levers`` resolves them into a :class:`Levers`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _frozen(value: object) -> object:
+    """Lists of names or patterns as tuples, so that the record stays hashable."""
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LeverSettings:
+    """Activation checkpointing, trainable subsets, LoRA and gradient accumulation, in the
+    forms ``ModelProfile.estimate`` documents for its keywords of the same names.
+
+    Attributes
+    ----------
+    checkpoint : None, "auto", str or tuple of str
+    trainable : None, str or tuple of str
+    grad_accumulation : int
+        Micro-batches per optimizer step.
+    lora_rank : int, optional
+    lora_targets : "auto", "all-linear" or tuple of str
+    base_quantization : None
+        Refused when set (4-bit base weights are not estimated).
+
+    Examples
+    --------
+    >>> LeverSettings(checkpoint=["layer1", "layer2"]).checkpoint
+    ('layer1', 'layer2')
+    """
+
+    checkpoint: object = None
+    trainable: object = None
+    grad_accumulation: int = 1
+    lora_rank: int | None = None
+    lora_targets: object = "auto"
+    base_quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint", "trainable", "lora_targets"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))

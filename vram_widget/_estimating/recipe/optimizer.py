@@ -1,0 +1,83 @@
+"""Which optimizer steps the parameters, and how torch.optim runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..options import (
+    Device,
+    OptimizerImplementation,
+    OptimizerName,
+    default_implementation,
+    parse_optimizer_choice,
+    parse_option,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """The optimizer of a training step.
+
+    Attributes
+    ----------
+    name : OptimizerName, optional
+        ``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, ``"adagrad"``, ``"rmsprop"``;
+        None: no optimizer step.
+    implementation : OptimizerImplementation, optional
+        ``"fused"``, ``"foreach"`` or ``"forloop"`` (SGD and Adam / AdamW only); None:
+        torch's own default on the target device (:meth:`resolved_implementation`).
+
+    Examples
+    --------
+    >>> Optimizer.parse("adamw-fused").implementation
+    <OptimizerImplementation.FUSED: 'fused'>
+    >>> Optimizer.parse("adamw").resolved_implementation("cuda")
+    <OptimizerImplementation.FOREACH: 'foreach'>
+    """
+
+    name: OptimizerName | None = OptimizerName.ADAM
+    implementation: OptimizerImplementation | None = None
+
+    def __post_init__(self) -> None:
+        if self.name is not None and not isinstance(self.name, OptimizerName):
+            name, impl = parse_optimizer_choice(self.name)
+            if impl is not None and self.implementation not in (None, impl):
+                raise ValueError(
+                    f"optimizer name {self.name!r} names the implementation {impl.value!r}, "
+                    f"but implementation={self.implementation!r}: give one of them"
+                )
+            object.__setattr__(self, "name", name)
+            object.__setattr__(self, "implementation", impl or self.implementation)
+        if self.implementation is not None:
+            impl = parse_option(OptimizerImplementation, self.implementation, "implementation")
+            object.__setattr__(self, "implementation", impl)
+            if self.name is not None and f"{self.name.value}-{impl.value}" not in _suffixed():
+                raise ValueError(
+                    f"torch.optim has no {impl.value} implementation of {self.name.value!r}; "
+                    "fused, foreach and forloop are for 'sgd', 'sgd-momentum', 'adam' and "
+                    "'adamw' (leave implementation=None for torch's default)"
+                )
+
+    @classmethod
+    def parse(cls, value: object) -> Optimizer:
+        """An ``optimizer=`` keyword's value (a name, a suffixed name or None) as a record."""
+        if isinstance(value, Optimizer):
+            return value
+        name, impl = parse_optimizer_choice(value)
+        return cls(name, impl)
+
+    def resolved_implementation(self, device: str | Device) -> OptimizerImplementation | None:
+        """The implementation that runs on ``device``: the one asked, else torch's default
+        there (:func:`~vram_widget._estimating.options.default_implementation`); None
+        without an optimizer."""
+        if self.name is None:
+            return None
+        if self.implementation is not None:
+            return self.implementation
+        return default_implementation(parse_option(Device, device, "device"))
+
+
+def _suffixed() -> frozenset[str]:
+    from ..options import optimizer_names
+
+    return frozenset(optimizer_names())

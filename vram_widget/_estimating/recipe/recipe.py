@@ -1,0 +1,157 @@
+"""The Recipe: one frozen value for one training (or inference) setup, grouped by concern."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .generation import Generation
+from .levers import LeverSettings
+from .optimizer import Optimizer
+from .parallel import ParallelSettings
+from .step import Accelerator, Step
+
+# Each flat keyword of ``ModelProfile.estimate`` -> (the Recipe's sub-record, its field).
+# ``optimizer`` is the whole Optimizer record (a name may carry its implementation).
+KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
+    "batch_size": ("step", "batch_size"),
+    "seq_len": ("step", "seq_len"),
+    "precision": ("step", "precision"),
+    "mode": ("step", "mode"),
+    "optimizer": ("optimizer", ""),
+    "compute_capability": ("accelerator", "compute_capability"),
+    "expandable_segments": ("accelerator", "expandable_segments"),
+    "checkpoint": ("levers", "checkpoint"),
+    "trainable": ("levers", "trainable"),
+    "grad_accumulation": ("levers", "grad_accumulation"),
+    "lora_rank": ("levers", "lora_rank"),
+    "lora_targets": ("levers", "lora_targets"),
+    "base_quantization": ("levers", "base_quantization"),
+    "gpus": ("parallel", "gpus"),
+    "strategy": ("parallel", "strategy"),
+    "rank": ("parallel", "rank"),
+    "gpus_per_node": ("parallel", "gpus_per_node"),
+    "fsdp_units": ("parallel", "fsdp_units"),
+    "new_tokens": ("generation", "new_tokens"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Everything that decides one step's memory besides the model: one frozen value.
+
+    Each concern is a small record of its own: :class:`Step` (batch, sequence length,
+    precision, mode), :class:`Optimizer` (name and implementation), :class:`LeverSettings`
+    (checkpointing, trainable subsets, LoRA, gradient accumulation),
+    :class:`ParallelSettings` (data-parallel ranks and strategy), :class:`Generation`
+    (new tokens) and :class:`Accelerator` (compute capability, allocator settings).
+    ``ModelProfile.estimate(recipe=...)``, its searches and ``measure(recipe=...)`` take
+    one; their flat keywords build one with :meth:`from_keywords`.
+
+    Examples
+    --------
+    >>> r = Recipe.from_keywords(batch_size=8, precision="bf16", optimizer="adamw-fused")
+    >>> r.step.batch_size, r.step.precision.value, r.optimizer.implementation.value
+    (8, 'bf16', 'fused')
+    >>> r.with_(batch_size=16, gpus=4).parallel.gpus
+    4
+    >>> Recipe().with_(flavour=1)
+    Traceback (most recent call last):
+    ...
+    TypeError: unknown recipe setting 'flavour'; valid settings are batch_size, ...
+    """
+
+    step: Step = dataclasses.field(default_factory=Step)
+    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
+    levers: LeverSettings = dataclasses.field(default_factory=LeverSettings)
+    parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
+    generation: Generation = dataclasses.field(default_factory=Generation)
+    accelerator: Accelerator = dataclasses.field(default_factory=Accelerator)
+
+    def with_(self, **settings: Any) -> Recipe:
+        """A copy with these flat settings changed (the keywords of
+        ``ModelProfile.estimate``: ``batch_size``, ``precision``, ``optimizer``, ``gpus``...),
+        each put in its sub-record; the others stay.
+
+        Examples
+        --------
+        >>> Recipe().with_(optimizer="sgd", grad_accumulation=4).levers.grad_accumulation
+        4
+        """
+        groups: dict[str, dict[str, Any]] = {}
+        for key, value in settings.items():
+            if key not in KEYWORD_FIELDS:
+                valid = ", ".join(KEYWORD_FIELDS)
+                raise TypeError(f"unknown recipe setting {key!r}; valid settings are {valid}")
+            group, field = KEYWORD_FIELDS[key]
+            groups.setdefault(group, {})[field] = value
+        changes: dict[str, Any] = {}
+        for group, fields in groups.items():
+            if group == "optimizer":
+                changes[group] = Optimizer.parse(fields[""])
+            else:
+                changes[group] = dataclasses.replace(getattr(self, group), **fields)
+        return dataclasses.replace(self, **changes)
+
+    def get(self, key: str) -> Any:
+        """The value of one flat setting (``recipe.get("batch_size")``).
+
+        Examples
+        --------
+        >>> Recipe().get("strategy")
+        <Strategy.DDP: 'ddp'>
+        """
+        group, field = KEYWORD_FIELDS[key]
+        record = getattr(self, group)
+        return record if not field else getattr(record, field)
+
+    @classmethod
+    def from_keywords(cls, recipe: Recipe | None = None, **keywords: Any) -> Recipe:
+        """The Recipe that flat keywords mean, on top of ``recipe`` where one is given.
+
+        A keyword at its default value is taken as not given. Where ``recipe`` is given, a
+        keyword that asks for something else than the recipe holds is a ValueError naming
+        both; one that agrees with it is fine.
+
+        Examples
+        --------
+        >>> base = Recipe.from_keywords(precision="bf16")
+        >>> Recipe.from_keywords(base, batch_size=1, precision="bf16") == base
+        True
+        >>> Recipe.from_keywords(base, precision="fp16")
+        Traceback (most recent call last):
+        ...
+        ValueError: precision='fp16' conflicts with the recipe's step.precision='bf16': ...
+        """
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a vram_widget.Recipe, got {type(recipe).__name__}")
+        default = cls()
+        asked = {}
+        for key, value in keywords.items():
+            wanted = default.with_(**{key: value}).get(key)
+            if wanted != default.get(key):
+                asked[key] = value
+        if recipe is None:
+            return default.with_(**asked)
+        for key, value in asked.items():
+            wanted = default.with_(**{key: value}).get(key)
+            held = recipe.get(key)
+            if wanted != held:
+                group, field = KEYWORD_FIELDS[key]
+                where = group if not field else f"{group}.{field}"
+                raise ValueError(
+                    f"{key}={value!r} conflicts with the recipe's {where}={_show(held)}: pass "
+                    f"the setting in one place (recipe.with_({key}=...))"
+                )
+        return recipe
+
+
+def _show(value: object) -> str:
+    """A held value as a person typed it: ``'bf16'`` for an enum member."""
+    if isinstance(value, Optimizer):
+        if value.name is None:
+            return "None"
+        suffix = "" if value.implementation is None else f"-{value.implementation.value}"
+        return repr(f"{value.name.value}{suffix}")
+    inner = getattr(value, "value", value)
+    return repr(inner)

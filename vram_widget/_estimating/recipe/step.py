@@ -1,0 +1,66 @@
+"""What one step is: its batch, its sequence length, its precision and its mode; and the
+settings of the device it runs on that change the answer without a new profile."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..options import Mode, Precision, parse_batch_size, parse_option
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The step being estimated.
+
+    Attributes
+    ----------
+    batch_size : int
+        Samples per step (per rank, per micro-batch), >= 1.
+    seq_len : int, optional
+        Tokens per sample where the model has a sequence axis; None: the example's length.
+    precision : Precision
+        ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"amp-bf16"`` or ``"amp-fp16"``.
+    mode : Mode
+        ``"train"``, ``"inference"`` or ``"generate"``.
+
+    Examples
+    --------
+    >>> Step(batch_size=8, precision="bf16").precision
+    <Precision.BF16: 'bf16'>
+    """
+
+    batch_size: int = 1
+    seq_len: int | None = None
+    precision: Precision = Precision.FP32
+    mode: Mode = Mode.TRAIN
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_size", parse_batch_size(self.batch_size))
+        object.__setattr__(self, "precision", parse_option(Precision, self.precision, "precision"))
+        object.__setattr__(self, "mode", parse_option(Mode, self.mode, "mode"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """Settings of the target device that the estimate reads without profiling again.
+
+    Attributes
+    ----------
+    compute_capability : (major, minor), optional
+        The target GPU's (``torch.cuda.get_device_capability()``); it sizes the cuBLAS
+        workspace. None: (9, 0), an H100.
+    expandable_segments : bool
+        The CUDA caching allocator's ``expandable_segments:True``.
+
+    Examples
+    --------
+    >>> Accelerator(compute_capability=(8, 0)).compute_capability
+    (8, 0)
+    """
+
+    compute_capability: tuple[int, int] | None = None
+    expandable_segments: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.compute_capability, list):
+            object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
