@@ -140,7 +140,8 @@ export default () => {
       const recorders = PY2JS.map((name) => [name, () => note(model.get(name))]);
       for (const [name, record] of recorders) model.on(`change:${name}`, record);
       ready = plotlyBundle(model).then(async (bundle) => {
-        const widget = await bundle.default();
+        const factory = bundle.default;
+        const widget = typeof factory === "function" ? await factory() : factory;
         await widget.initialize?.(ctx);
         for (const [name, record] of recorders) model.off(`change:${name}`, record);
         if (missed) {
