@@ -338,8 +338,8 @@ const handle = label && label.closest('.widget-slider').querySelector('.noUi-han
 
 
 def js_widget_state(label: str = "batch size") -> str:
-    """JS returning the figure fingerprint, summary, trace count and slider position of the
-    first widget with a visible ``label`` slider (null where there is none)."""
+    """JS returning the figure fingerprint, summary, trace count, figure title and slider
+    position of the first widget with a visible ``label`` slider (null where there is none)."""
     return f"""() => {{
   {_js_widget(label)}
   if (!gd) return null;
@@ -348,6 +348,7 @@ def js_widget_state(label: str = "batch size") -> str:
     summary: summary || '',
     device: device || '',
     traces: gd.data.length,
+    title: (gd.layout && gd.layout.title && gd.layout.title.text) || '',
     slider: handle ? handle.getAttribute('aria-valuenow') : null,
   }};
 }}"""

@@ -42,6 +42,7 @@ from .figures import (
     update_figure,
     update_frontier_figure,
 )
+from .plotly_widget import FigureWidget
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -180,7 +181,7 @@ class MemoryWidget(widgets.VBox):
                     )
                 setattr(self, name, value)
         self._estimate = self._compute()
-        self._figure = go.FigureWidget(
+        self._figure = FigureWidget(
             build_figure(
                 self._estimate,
                 depth=self.depth,
@@ -216,7 +217,7 @@ class MemoryWidget(widgets.VBox):
         ]
         # The frontier panel, where lengths vary: an empty line until first opened.
         nothing = np.zeros(0, dtype=np.int64)
-        self._frontier_figure = go.FigureWidget(
+        self._frontier_figure = FigureWidget(
             build_frontier_figure(
                 Frontier(0, nothing, nothing, complete=False),
                 batch_size=self.batch_size,
