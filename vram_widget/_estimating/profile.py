@@ -466,6 +466,7 @@ class ModelProfile:
         fsdp_units: object = None,
         new_tokens: int | None = None,
         recipe: Recipe | None = None,
+        **settings: Any,
     ) -> MemoryEstimate:
         """Memory and FLOPs of one step at this setting, from the cached profile.
 
@@ -565,6 +566,14 @@ class ModelProfile:
             window costs one more profiling run the first time (per precision): a run across
             the window, joined to the prompt's own. A model whose ``generation_config`` asks
             for another cache than the dynamic one is refused by name (not estimated yet).
+        recipe : Recipe, optional
+            The whole setup as one value; the keywords above build one (a keyword that
+            asks for something else than ``recipe`` holds is a ValueError).
+        **settings
+            Any other setting of a :class:`~vram_widget.Recipe` by its flat name
+            (:meth:`Recipe.with_ <vram_widget.Recipe.with_>`), e.g.
+            ``optimizer_in_backward=True``, ``set_to_none=False``, ``lora_dtype="bf16"``,
+            ``context_bytes=...``; an unknown name is a TypeError listing the valid ones.
 
         Notes
         -----
@@ -618,11 +627,13 @@ class ModelProfile:
                 gpus_per_node=gpus_per_node,
                 fsdp_units=fsdp_units,
                 new_tokens=new_tokens,
+                **settings,
             )
         )
 
     def _estimate(self, recipe: Recipe) -> MemoryEstimate:
         """:meth:`estimate` of one resolved Recipe."""
+        _refuse_unmodelled(recipe)
         step, lv, par, acc = recipe.step, recipe.levers, recipe.parallel, recipe.accelerator
         batch, prec, run_mode = step.batch_size, step.precision, step.mode
         opt_name = recipe.optimizer.name
@@ -1398,6 +1409,22 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
     if major < 1 or minor < 0:
         raise ValueError(f"compute_capability must be (major, minor) >= (1, 0); got {value!r}")
     return major, minor
+
+
+def _refuse_unmodelled(recipe: Recipe) -> None:
+    """A Recipe setting the estimate does not model yet is refused by name, never dropped."""
+    unmodelled = {
+        "optimizer_in_backward": recipe.optimizer.in_backward,
+        "set_to_none=False": not recipe.optimizer.set_to_none,
+        "lora_dtype": recipe.levers.lora_dtype is not None,
+        "context_bytes": recipe.accelerator.context_bytes is not None,
+    }
+    asked = [name for name, given in unmodelled.items() if given]
+    if asked:
+        raise ValueError(
+            f"{', '.join(asked)}: not estimated yet; leave "
+            f"{'it' if len(asked) == 1 else 'them'} at the default"
+        )
 
 
 def _check_above_context(est: MemoryEstimate, capacity: int) -> None:

@@ -28,6 +28,9 @@ class LeverSettings:
     lora_targets : "auto", "all-linear" or tuple of str
     base_quantization : None
         Refused when set (4-bit base weights are not estimated).
+    lora_dtype : None or str
+        The LoRA adapters' dtype (``"fp32"``, ``"bf16"``, ``"fp16"``, or ``"base"`` for the
+        base weights' own). None: PEFT's default.
 
     Examples
     --------
@@ -41,6 +44,7 @@ class LeverSettings:
     lora_rank: int | None = None
     lora_targets: object = "auto"
     base_quantization: str | None = None
+    lora_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "trainable", "lora_targets"):

@@ -26,6 +26,14 @@ class Optimizer:
     implementation : OptimizerImplementation, optional
         ``"fused"``, ``"foreach"`` or ``"forloop"`` (SGD and Adam / AdamW only); None:
         torch's own default on the target device (:meth:`resolved_implementation`).
+    in_backward : bool
+        Each parameter stepped, and its gradient freed, in its post-accumulate-grad hook
+        during the backward (torchtune's ``optimizer_in_bwd``), instead of one
+        ``optimizer.step()`` after it.
+    set_to_none : bool
+        ``optimizer.zero_grad(set_to_none=...)``: True (torch's default since 2.0) frees the
+        gradients after the step; False zeroes them in place, so they stay allocated
+        between steps.
 
     Examples
     --------
@@ -37,8 +45,19 @@ class Optimizer:
 
     name: OptimizerName | None = OptimizerName.ADAM
     implementation: OptimizerImplementation | None = None
+    in_backward: bool = False
+    set_to_none: bool = True
 
     def __post_init__(self) -> None:
+        for flag in ("in_backward", "set_to_none"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.in_backward and not self.set_to_none:
+            raise ValueError(
+                "set_to_none=False cannot go with in_backward=True: stepping in the backward "
+                "frees each gradient right after its parameter's step, so no gradient is kept "
+                "between steps to be zeroed in place"
+            )
         if self.name is not None and not isinstance(self.name, OptimizerName):
             name, impl = parse_optimizer_choice(self.name)
             if impl is not None and self.implementation not in (None, impl):
@@ -65,6 +84,14 @@ class Optimizer:
             return value
         name, impl = parse_optimizer_choice(value)
         return cls(name, impl)
+
+    def named(self, value: object) -> Optimizer:
+        """This record with the name (and implementation) that ``value`` gives, keeping how
+        it is stepped (``in_backward``, ``set_to_none``)."""
+        parsed = Optimizer.parse(value)
+        return dataclasses.replace(
+            parsed, in_backward=self.in_backward, set_to_none=self.set_to_none
+        )
 
     def resolved_implementation(self, device: str | Device) -> OptimizerImplementation | None:
         """The implementation that runs on ``device``: the one asked, else torch's default

@@ -19,6 +19,9 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "precision": ("step", "precision"),
     "mode": ("step", "mode"),
     "optimizer": ("optimizer", ""),
+    "optimizer_in_backward": ("optimizer", "in_backward"),
+    "set_to_none": ("optimizer", "set_to_none"),
+    "context_bytes": ("accelerator", "context_bytes"),
     "compute_capability": ("accelerator", "compute_capability"),
     "expandable_segments": ("accelerator", "expandable_segments"),
     "checkpoint": ("levers", "checkpoint"),
@@ -26,6 +29,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "grad_accumulation": ("levers", "grad_accumulation"),
     "lora_rank": ("levers", "lora_rank"),
     "lora_targets": ("levers", "lora_targets"),
+    "lora_dtype": ("levers", "lora_dtype"),
     "base_quantization": ("levers", "base_quantization"),
     "gpus": ("parallel", "gpus"),
     "strategy": ("parallel", "strategy"),
@@ -87,10 +91,10 @@ class Recipe:
             groups.setdefault(group, {})[field] = value
         changes: dict[str, Any] = {}
         for group, fields in groups.items():
-            if group == "optimizer":
-                changes[group] = Optimizer.parse(fields[""])
-            else:
-                changes[group] = dataclasses.replace(getattr(self, group), **fields)
+            record = getattr(self, group)
+            if group == "optimizer" and "" in fields:
+                record = record.named(fields.pop(""))
+            changes[group] = dataclasses.replace(record, **fields)
         return dataclasses.replace(self, **changes)
 
     def get(self, key: str) -> Any:

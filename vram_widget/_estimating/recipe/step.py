@@ -51,6 +51,9 @@ class Accelerator:
         workspace. None: (9, 0), an H100.
     expandable_segments : bool
         The CUDA caching allocator's ``expandable_segments:True``.
+    context_bytes : int, optional
+        The CUDA context's device memory, given (``torch.cuda.mem_get_info`` before and
+        after the first CUDA call measures it); None: the estimate's own figure.
 
     Examples
     --------
@@ -60,6 +63,7 @@ class Accelerator:
 
     compute_capability: tuple[int, int] | None = None
     expandable_segments: bool = False
+    context_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.compute_capability, list):
