@@ -22,7 +22,7 @@ from .decoding import (
     crosses_window,
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
-from .gpus import Gpu, parse_capacity
+from .gpus import Gpu, resolve_gpu
 from .levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
 from .options import (
     CATEGORY_CODE,
@@ -949,10 +949,16 @@ class ModelProfile:
         ----------
         capacity_bytes : int, str or Gpu
             Bytes (an int, at least 1 MiB: ``max_batch_size(80)`` is refused, not read as
-            80 bytes), a string with a unit (``"80GiB"``, ``"24 GB"``: GiB = 2**30, GB =
-            10**9) or a GPU name of the catalog (``"A100 80GB"``).
+            80 bytes; floats are refused), a string with a unit (``"80GiB"``, ``"80G"``:
+            80 * 2**30; ``"24 GB"``: 24 * 10**9) or a GPU name of the catalog
+            (``"A100 80GB"``, ``"H100"``): every form of ``gpus.resolve_gpu``, read alike by
+            ``MemoryEstimate.fits``, :meth:`max_seq_len`, :meth:`frontier`, :meth:`min_gpus`
+            and ``show_memory(gpu=...)``.
         precision, optimizer, mode, seq_len, compute_capability
-            As for :meth:`estimate`.
+            As for :meth:`estimate`. Where ``compute_capability`` is not given and the
+            capacity names a catalog GPU, that GPU's is used (its cuBLAS workspace), as the
+            widget and the CLI do; the same in :meth:`max_seq_len`, :meth:`frontier` and
+            :meth:`min_gpus`.
         basis : {"device", "allocated"}
             What "fits" means (``MemoryEstimate.fits``). ``"device"`` (default): the step,
             replayed through the CUDA caching allocator under the capacity less the CUDA
@@ -974,7 +980,7 @@ class ModelProfile:
         >>> profile.estimate(b).fits(2**30), profile.estimate(b + 1).fits(2**30)
         (True, False)
         """
-        capacity = parse_capacity(capacity_bytes)
+        capacity, compute_capability = _card(capacity_bytes, compute_capability)
 
         def at(batch: int) -> MemoryEstimate:
             return self.estimate(
@@ -1041,7 +1047,9 @@ class ModelProfile:
         >>> profile.min_gpus(room, strategy="zero1")  # Adam's state split 4 ways fits
         4
         """
-        capacity = parse_capacity(capacity_bytes)
+        capacity, capability = _card(capacity_bytes, settings.get("compute_capability"))
+        if capability is not None:
+            settings = {**settings, "compute_capability": capability}
         fit_basis = parse_option(FitBasis, basis, "basis")
         # a clear error for a strategy not modelled; hsdp counts whole nodes past one
         per_node = resolve_parallel(
@@ -1105,7 +1113,7 @@ class ModelProfile:
         """
         if not self.has_seq_axis:
             self.check_seq_len(1)  # raises: no sequence axis
-        capacity = parse_capacity(capacity_bytes)
+        capacity, compute_capability = _card(capacity_bytes, compute_capability)
         batch = parse_batch_size(batch_size)
         fit_basis = parse_option(FitBasis, basis, "basis")
         assert self.seq_len is not None
@@ -1191,7 +1199,7 @@ class ModelProfile:
         if not self.has_seq_axis:
             self.check_seq_len(1)  # raises: no sequence axis
         assert self.seq_len is not None
-        capacity = parse_capacity(capacity_bytes)
+        capacity, compute_capability = _card(capacity_bytes, compute_capability)
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
         if seq_lens is None:
@@ -1360,6 +1368,16 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
     if major < 1 or minor < 0:
         raise ValueError(f"compute_capability must be (major, minor) >= (1, 0); got {value!r}")
     return major, minor
+
+
+def _card(
+    capacity_bytes: Any, compute_capability: tuple[int, int] | None
+) -> tuple[int, tuple[int, int] | None]:
+    """The bytes of a capacity in any form (``gpus.resolve_gpu``) and the compute capability
+    to estimate for: the one given, else the named catalog GPU's (its cuBLAS workspace, as
+    the widget and the CLI take it), else None (the default)."""
+    gpu = resolve_gpu(capacity_bytes)
+    return gpu.memory_bytes, compute_capability or gpu.compute_capability
 
 
 def _check_above_context(est: MemoryEstimate, capacity: int) -> None:
