@@ -34,6 +34,7 @@ from vram_widget._estimating.accelerator import (
     CUDA_CONTEXT_BYTES,
     cuda_block_bytes,
 )
+from vram_widget._estimating.allocator import OutOfMemory
 from vram_widget._estimating.estimator import MemoryEstimate, estimate
 from vram_widget._estimating.options import (
     CATEGORY_CODE,
@@ -623,23 +624,61 @@ def test_device_bytes_is_the_least_capacity_a_search_of_caps_finds(
     resnet18_64: Any, batch: int, optimizer: str
 ) -> None:
     # device_bytes climbs from the 512-byte-block peak by each failed replay's shortfall.
-    # Checked against a plain bisection over fits_device in 2 MiB steps, here in the test:
-    # the same least capacity, strictly between the whole blocks in use and the
-    # unconstrained reserved peak (ResNet-18 at 3x64x64 fragments: cached segments must go).
+    # Checked against a plain bisection over allocator replays under caps in 2 MiB steps,
+    # here in the test: the same least capacity, strictly between the whole blocks in use
+    # and the unconstrained reserved peak (ResNet-18 at 3x64x64 fragments: cached segments
+    # must go).
     est = resnet18_64.estimate(batch, "fp32", optimizer)
     assert est.device_bytes is not None and est.reserved_bytes is not None
     context, step = est.extras.cuda_context_bytes, 2**21
-    lo = (est.peak_bytes - 1) // step  # fits_device(context + lo * step) is False
+
+    def runs(cap: int) -> bool:
+        try:
+            est.replayed(capacity_bytes=cap)
+        except OutOfMemory:
+            return False
+        return True
+
+    lo = (est.peak_bytes - 1) // step  # runs(lo * step) is False
     hi = -(-est.reserved_bytes // step)  # the unconstrained run: True
-    assert est.fits_device(context + lo * step) is False and est.fits_device(context + hi * step)
+    assert not runs(lo * step) and runs(hi * step)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if est.fits_device(context + mid * step):
+        if runs(mid * step):
             hi = mid
         else:
             lo = mid
     assert est.device_bytes == context + hi * step
     assert est.peak_bytes + context < est.device_bytes < est.reserved_bytes + context
+
+
+@pytest.mark.parametrize(
+    ("batch", "optimizer", "expandable"),
+    [(1, "sgd", False), (8, "adamw", False), (32, "adamw", False), (64, "sgd", False),
+     (16, "adamw", True)],
+)  # fmt: skip
+def test_fits_compares_device_bytes_on_cuda_and_total_bytes_on_cpu(
+    resnet18_64: Any, batch: int, optimizer: str, expandable: bool
+) -> None:
+    # One number decides "fits": fits(c) is device_bytes <= c on CUDA, for every capacity
+    # swept around it (1 byte and 512 KiB steps, across the 2 MiB steps device_bytes
+    # climbs in), and replaying the allocator under device_bytes less the context runs the
+    # step. On the CPU it is total_bytes <= c, and basis="allocated" is that on CUDA too.
+    est = resnet18_64.estimate(batch, "fp32", optimizer, expandable_segments=expandable)
+    device, context = est.device_bytes, est.extras.cuda_context_bytes
+    assert device is not None
+    caps = [device + k * 2**19 for k in range(-12, 13)] + [device - 1, device + 1]
+    for cap in caps:
+        assert est.fits(cap) is (device <= cap), cap - device
+        assert est.fits_device(cap) is (device <= cap), cap - device
+        assert est.fits(cap, basis="allocated") is (est.total_bytes <= cap)
+    if not expandable:  # the replay under a cap (expandable segments: no cap is replayed)
+        est.replayed(capacity_bytes=device - context)  # runs: no OutOfMemory
+    cpu = profile_model(nn.Linear(1024, 1024), input_size=(1024,), device="cpu").estimate(batch)
+    total = cpu.total_bytes
+    assert cpu.device_bytes is None and cpu.fits_device(total) is None
+    for cap in [total + k * 2**19 for k in range(-4, 5)] + [total - 1, total + 1]:
+        assert cpu.fits(cap) is (total <= cap) is cpu.fits(cap, basis="allocated")
 
 
 @pytest.mark.parametrize("name", ["resnet18", "transformer_encoder", "causal_decoder", "lstm"])

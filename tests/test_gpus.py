@@ -83,6 +83,21 @@ def test_custom_gpu_and_validation() -> None:
         ("A100 80GB", 80 * 2**30),  # a catalog entry (its vendor's GB read as GiB)
         ("a100 80gb", 80 * 2**30),  # case and spaces ignored
         ("H100SXM80GB", 80 * 2**30),
+        # a bare K/M/G/T is binary (GNU coreutils' sizes, Docker's --memory, Slurm's --mem)
+        ("80G", 80 * 2**30),  # 80 * 1,073,741,824 = 85,899,345,920
+        ("80 g", 85_899_345_920),
+        ("80Gi", 85_899_345_920),  # Kubernetes' spelling of GiB
+        ("80 GiB", 85_899_345_920),
+        ("80GB", 80_000_000_000),  # SI, the unit read literally: 80 * 10**9
+        ("80gb", 80_000_000_000),
+        ("512M", 2**29),  # 512 * 2**20 = 536,870,912
+        ("1.5T", 1_649_267_441_664),  # 1.5 * 2**40
+        ("2048 kB", 2_048_000),  # 2048 * 10**3
+        # a catalog name's words pick the entries holding them all
+        ("H100", 80 * 2**30),  # SXM and PCIe, both 80 GiB: the first, the SXM part
+        ("h200", 141 * 2**30),  # 151,397,597,184
+        ("L4", 24 * 2**30),  # the word L4, not the L40S
+        ("t4", 16 * 2**30),
     ],
 )
 def test_capacity_forms(value: object, nbytes: int) -> None:
@@ -91,6 +106,9 @@ def test_capacity_forms(value: object, nbytes: int) -> None:
 
 def test_catalog_names_resolve_to_their_entry() -> None:
     assert resolve_gpu("l4 24gb") is GPUS["L4 24GB"]
+    assert resolve_gpu("H100") is GPUS["H100 SXM 80GB"]  # the first of equal capacities
+    assert resolve_gpu("h100 pcie") is GPUS["H100 PCIe 80GB"]
+    assert resolve_gpu("L4") is GPUS["L4 24GB"] and resolve_gpu("l40s") is GPUS["L40S 48GB"]
     custom = resolve_gpu("24 GiB")
     assert custom.name not in GPUS and custom.memory_bytes == 24 * 2**30 and not custom.tflops
 
@@ -105,7 +123,12 @@ def test_catalog_names_resolve_to_their_entry() -> None:
         ("80", r"unknown capacity or GPU '80'"),
         ("80 XB", r"unknown capacity or GPU"),
         ("TPU v5", r"catalog: 'H100 SXM 80GB'"),
-        (80.0, r"got 80.0 \(float\)"),
+        (80.0, r"got 80.0 \(float\) \(for 80 GiB write '80GiB'\)"),
+        (8.0e10, r"got 80000000000.0 \(float\)"),  # whole bytes as a float: refused too
+        (np.float64(2**31), r"\(float64\)"),
+        ("A100", r"'A100' is ambiguous: it names 'A100 80GB' \(80 GiB\), 'A100 40GB' \(40"),
+        ("SXM", r"'SXM' is ambiguous"),  # H100 SXM 80GB, H200 SXM 141GB, V100 SXM2 is no match
+        ("80 B", r"80 bytes, below 1 MiB"),
         (True, r"got True \(bool\)"),
         (None, r"got None"),
     ],

@@ -366,6 +366,92 @@ def test_learned_positions_bound_the_sequence() -> None:
     assert profile_model(_build("llama"), inputs=_tokens(2)).seq_len_limit is None  # rotary
 
 
+def test_a_sequence_past_the_position_table_is_refused_before_profiling() -> None:
+    # GPT-2 here has n_positions = 64 (config.max_position_embeddings through the config's
+    # attribute_map): 65 tokens would index past wpe in a real step. Refused by profile_model
+    # and show_memory, before any run, the model left as it was.
+    from vram_widget import show_memory
+
+    model = _build("gpt2")
+    before = snapshot_model(model)
+    message = (
+        r"the inputs' sequence length 65 \(input_ids, dim 1\) is beyond the model's 64 "
+        r"learned positions \(config.max_position_embeddings; GPT-2's n_positions\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        profile_model(model, inputs=_tokens(2, 65))
+    with pytest.raises(ValueError, match=message):
+        show_memory(model, inputs=_tokens(2, 65), device="cpu")
+    assert_model_unchanged(model, before)
+    assert profile_model(model, inputs=_tokens(2, 64), device="cpu").seq_len == 64  # the limit
+
+
+def test_profiling_keeps_third_party_log_and_warnings_from_the_user(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # transformers logs "`loss_type=None` was set in the config but it is unrecognized"
+    # (PreTrainedModel.loss_function, logger.warning_once: once per process, so its cache
+    # is cleared here) from every GPT-2 forward with labels. Nothing reaches stdout or
+    # stderr, and no log record or warning is left for the user; vram_widget's own warning
+    # (an input_size that starts with a batch size) still does.
+    import io
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from vram_widget import InputShapeWarning
+
+    model = _build("gpt2")
+    # transformers' own handler holds the stderr of its import; this one sees what it sees
+    heard = io.StringIO()
+    handler = logging.StreamHandler(heard)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        capfd.readouterr()
+        hf_logging.warning_once.cache_clear()
+        with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            profile = profile_model(model, inputs=_tokens(2), device="cpu")
+            profile.estimate(4, "bf16", "adamw")  # a run made later, by an estimate
+        assert capfd.readouterr() == ("", "")
+        assert heard.getvalue() == ""
+        assert [r.getMessage() for r in caplog.records] == []
+        assert [str(w.message) for w in seen] == []
+        # the same message outside a profile does reach the user: the test can hear it
+        hf_logging.warning_once.cache_clear()
+        model(**_tokens(2))
+        assert "`loss_type=None` was set in the config" in heard.getvalue()
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    # vram_widget's own warning passes
+    with pytest.warns(InputShapeWarning, match="common batch size"):
+        profile_model(torch.nn.Linear(8, 8), input_size=(32, 8), device="cpu")
+
+
+def test_quiet_third_party_passes_our_warnings_and_the_users_own() -> None:
+    # Inside the block: numpy's RuntimeWarning (issued in site-packages) is kept back; a
+    # warning of vram_widget's, and one of code outside any installed library (this
+    # test's own, as a user's model would), reach the user.
+    import warnings
+
+    from vram_widget._profiling.fake import quiet_third_party
+    from vram_widget._profiling.profiler import warn_fallback
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_third_party():
+            np.mean(np.zeros(0))  # numpy: "Mean of empty slice", "invalid value ..."
+            warn_fallback("a test reason")
+            warnings.warn("the user's own", UserWarning, stacklevel=1)
+        np.mean(np.zeros(0))  # after the block: shown again
+    messages = [str(w.message) for w in seen]
+    assert len(messages) == 4, messages
+    assert "a test reason" in messages[0] and messages[1] == "the user's own"
+    assert messages[2] == "Mean of empty slice"
+    assert messages[3].startswith("invalid value encountered")
+
+
 def test_encoder_decoder_lengths_that_differ_need_an_explicit_axis() -> None:
     # T5: 16 encoder tokens, 8 label tokens. One axis is supported: none by default (and an
     # estimate at a length says why), or the encoder's, named.

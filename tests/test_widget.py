@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import re
+from typing import Any
 
 import ipywidgets as widgets
 import numpy as np
@@ -18,7 +19,7 @@ from torch import nn
 from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
 from vram_widget._display.figures import TRACE_NAMES
 from vram_widget._display.widget import AT_REST_DELAY_S, MemoryWidget, format_bytes
-from vram_widget._estimating.gpus import GPUS
+from vram_widget._estimating.gpus import GPUS, resolve_gpu
 from vram_widget._estimating.levers import NO_LEVERS
 from vram_widget._estimating.profile import ModelProfile
 from vram_widget._estimating.sharding import resolve_parallel
@@ -135,11 +136,11 @@ def test_gpu_setting_takes_every_capacity_form(
     assert format_bytes(w.target.memory_bytes) in w.summary_html
 
 
-@pytest.mark.parametrize("gpu", [80, "80", "TPU v5", 2.5])
-def test_gpu_setting_that_is_not_a_capacity_is_an_error_message(gpu: object) -> None:
-    w = show_memory(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu", gpu=gpu)
-    assert isinstance(w, widgets.HTML) and not isinstance(w, MemoryWidget)
-    assert "capacit" in w.value and "80GiB" in w.value
+@pytest.mark.parametrize("gpu", [80, "80", "TPU v5", 2.5, "A100"])
+def test_gpu_setting_that_is_not_a_capacity_raises(gpu: object) -> None:
+    # raised, in a script as in a notebook, naming the valid forms
+    with pytest.raises(ValueError, match=r"capacit[^$]*'80GiB'"):
+        show_memory(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu", gpu=gpu)
 
 
 def test_fits_and_largest_batch(profile: ModelProfile) -> None:
@@ -308,21 +309,28 @@ def test_custom_box_enabled_only_for_custom_gpu(profile: ModelProfile) -> None:
     assert w._custom_box.disabled
 
 
-def test_bad_input_is_a_message() -> None:
-    w = show_memory(zoo.mlp(), input_size=(0,))
-    assert isinstance(w, widgets.HTML) and not isinstance(w, MemoryWidget)
-    assert "input_size" in w.value
-    w = show_memory(zoo.mlp())
-    assert isinstance(w, widgets.HTML) and "input_size" in w.value
-    w = show_memory(zoo.mlp(), input_size=(784,), device="cpu", batch_size=0)
-    assert isinstance(w, widgets.HTML) and "batch_size" in w.value
+def test_bad_input_raises_what_profile_model_raises() -> None:
+    from vram_widget import ProfilingError
+
+    with pytest.raises(ValueError, match=r"input_size must be the shape of one sample"):
+        show_memory(zoo.mlp(), input_size=(0,))
+    with pytest.raises(ValueError, match=r"give the example input: input_size="):
+        show_memory(zoo.mlp())
+    # a control's own check of a starting value: a ValueError naming the setting
+    with pytest.raises(ValueError, match=r"invalid setting: .*'batch_size'.* less than 1"):
+        show_memory(zoo.mlp(), input_size=(784,), device="cpu", batch_size=0)
 
     class Broken(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("boom")
 
-    w = show_memory(Broken(), input_size=(4,), device="cpu")
-    assert isinstance(w, widgets.HTML) and "boom" in w.value
+    with pytest.raises(ProfilingError, match="boom"):
+        show_memory(Broken(), input_size=(4,), device="cpu")
+    # settings that need no profile are refused before the model is run: not "boom"
+    with pytest.raises(TypeError, match=r"unknown setting 'batch'; valid settings are batch_size"):
+        show_memory(Broken(), input_size=(4,), device="cpu", batch=8)
+    with pytest.raises(ValueError, match=r"GPU 'A100' is ambiguous"):
+        show_memory(Broken(), input_size=(4,), device="cpu", gpu="A100")
 
 
 def test_static_fallback_and_table(profile: ModelProfile) -> None:
@@ -823,3 +831,94 @@ def test_no_torch_when_new_tokens_move(monkeypatch: pytest.MonkeyPatch) -> None:
     # the cache holds 16 + T - 1 tokens of 1,024 B per sequence: 32 x 55, 32 x 17, 64 x 17,
     # 64 x 62
     assert caches == [1024 * n for n in (32 * 55, 32 * 17, 64 * 17, 64 * 62)]
+
+
+# --------------------------------------------------------------------------------------------
+# One capacity parser: every entry point reads each form alike
+# --------------------------------------------------------------------------------------------
+
+_CAPACITY_FORMS = [
+    (2**31, 2**31),
+    (np.int64(2**31), 2**31),
+    ("2G", 2**31),  # a bare G is binary: 2 * 2**30 = 2,147,483,648
+    ("2 GiB", 2**31),
+    ("2Gi", 2**31),
+    ("2048M", 2**31),  # 2048 * 2**20
+    ("2GB", 2_000_000_000),  # SI: 2 * 10**9
+    ("2gb", 2_000_000_000),
+    ("T4", 16 * GIB),  # a catalog name: T4 16GB
+    ("A100 80GB", 80 * GIB),  # the vendor's 80GB read as GiB
+    ("H100", 80 * GIB),  # H100 SXM 80GB, the first of the two 80 GiB H100s
+]
+_BAD_CAPACITIES = [80, 80.0, "80", "A100", np.float64(2**31), True]
+
+
+class _Broken(nn.Module):
+    """A model no profile can run: show_memory must refuse a bad capacity before trying."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+def _entry_points(
+    profile: ModelProfile, capability: tuple[int, int] | None, explicit: bool
+) -> dict[str, Any]:
+    """Each function that takes a capacity, for an estimate at ``capability`` (the
+    searches are given it only where ``explicit``: a catalog name brings its own)."""
+    est = profile.estimate(8, "fp32", "adam", compute_capability=capability)
+    kw: dict[str, Any] = {"compute_capability": capability} if explicit and capability else {}
+    return {
+        "fits": est.fits,
+        "fits_device": est.fits_device,
+        "max_batch_size": lambda c: profile.max_batch_size(c, **kw),
+        "max_seq_len": lambda c: profile.max_seq_len(c, batch_size=8, **kw),
+        "frontier": lambda c: profile.frontier(c, seq_lens=[16, 32], **kw).max_batch_sizes.tolist(),
+        "min_gpus": lambda c: profile.min_gpus(c, 8, **kw),
+    }
+
+
+@pytest.mark.parametrize(("form", "nbytes"), _CAPACITY_FORMS)
+def test_every_entry_point_reads_a_capacity_form_alike(
+    token_profile: ModelProfile, form: object, nbytes: int
+) -> None:
+    # Each function given the form answers as it does given the bytes worked out by hand
+    # (and, for a catalog name, the GPU's compute capability, which a name brings along);
+    # the widget's target is those bytes, and its largest batch is the API's.
+    target = resolve_gpu(form)
+    capability = target.compute_capability if target.name in GPUS else None
+    given_form = _entry_points(token_profile, capability, explicit=False)
+    given_bytes = _entry_points(token_profile, capability, explicit=True)
+    for name, call in given_form.items():
+        assert call(form) == given_bytes[name](nbytes), name
+    w = MemoryWidget(token_profile, gpu=form, batch_size=8)
+    assert w.target.memory_bytes == nbytes
+    assert w.target.compute_capability == capability
+    assert w.largest_batch() == token_profile.max_batch_size(nbytes, compute_capability=capability)
+    assert w.estimate.fits(nbytes) is given_bytes["fits"](nbytes)
+
+
+@pytest.mark.parametrize("form", _BAD_CAPACITIES)
+def test_every_entry_point_refuses_a_bad_capacity_alike(
+    token_profile: ModelProfile, form: object
+) -> None:
+    # the same ValueError, word for word, from the parser and from every entry point;
+    # show_memory raises it before profiling (the model here cannot even be run)
+    from vram_widget._estimating.gpus import parse_capacity
+
+    with pytest.raises(ValueError) as parsed:
+        parse_capacity(form)
+    message = str(parsed.value)
+    assert "'80GiB'" in message and "'A100 80GB'" in message
+    calls = {
+        **_entry_points(token_profile, None, explicit=False),
+        "MemoryWidget(gpu=)": lambda c: MemoryWidget(token_profile, gpu=c),
+        "show_memory(gpu=)": lambda c: show_memory(_Broken(), input_size=(4,), gpu=c),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as err:
+            call(form)
+        assert str(err.value) == message, name

@@ -728,8 +728,10 @@ class MemoryWidget(widgets.VBox):
         lines.append(
             f"<b>Extras</b> (reserve): CUDA context {format_bytes(x.cuda_context_bytes)}, "
             f"cuBLAS workspace {format_bytes(x.cublas_workspace_bytes)}, allocator rounding "
-            f"{format_bytes(x.allocator_rounding_bytes)}; total needed "
+            f"{format_bytes(x.allocator_rounding_bytes)}; allocated + extras "
             f"{format_bytes(est.total_bytes)}"
+            # what "fits" compares with the card: this on the CPU, the device line on CUDA
+            + (" (the number compared with the card)" if est.allocator is None else "")
         )
         allocator_line = self._allocator_line(est)
         if allocator_line:
@@ -1159,7 +1161,7 @@ def show_memory(
     device: str = "cuda",
     seq_axis: Any = None,
     **initial_settings: Any,
-) -> MemoryWidget | widgets.HTML:
+) -> MemoryWidget:
     """Profile ``model`` once and show an interactive memory / FLOPs widget.
 
     Parameters
@@ -1185,8 +1187,9 @@ def show_memory(
         or ``"none"``/None), ``mode`` ({"train", "inference", "generate"}: generation
         where the model has ``generate()``, the sequence slider then the prompt's length),
         ``new_tokens`` (int >= 1, the tokens a generation adds after the prompt), ``gpu``
-        (a GPU name of the catalog, ``"custom"``, or a capacity: ``"80GiB"``, ``"24 GB"``
-        or bytes, which selects the custom size), ``custom_gib`` (float), ``depth``
+        (a GPU name of the catalog, ``"H100"``, ``"custom"``, or a capacity in any form
+        ``MemoryEstimate.fits`` takes: ``"80GiB"``, ``"80G"``, ``"24 GB"`` (10**9) or bytes,
+        which selects the custom size), ``custom_gib`` (float), ``depth``
         (module grouping depth, int >= 0), ``show_frontier`` (bool: open the batch x
         sequence-length panel, where the profile has a sequence axis), the memory levers
         ``checkpoint`` ("off", "auto" or a class name), ``trainable`` (comma-separated
@@ -1198,12 +1201,24 @@ def show_memory(
 
     Returns
     -------
-    MemoryWidget or ipywidgets.HTML
+    MemoryWidget
         The widget (an ``ipywidgets.VBox``; its traits are the settings, ``.estimate`` the
         current :class:`~vram_widget.MemoryEstimate`, ``.figure`` the ``go.FigureWidget``).
-        When the model cannot be profiled, or a setting is invalid, an ``ipywidgets.HTML``
-        holding the error message is returned instead of raising, so a notebook shows a
-        clear message rather than a traceback.
+
+    Raises
+    ------
+    TypeError
+        For a setting name that is not one of the controls (before profiling), and for
+        inputs :func:`vram_widget.profile_model` refuses with a TypeError.
+    ValueError
+        For a ``gpu`` in no capacity form, or an unknown or ambiguous GPU name (before
+        profiling; every form ``MemoryEstimate.fits`` takes is valid), for a setting
+        value the control refuses (``batch_size=0``), and for inputs
+        :func:`vram_widget.profile_model` refuses (a sequence past the model's position
+        table, no example input); each message names the problem and the valid forms.
+    ProfilingError
+        Where the model cannot be run on fake tensors or in the CPU fallback, as
+        :func:`vram_widget.profile_model` raises it.
 
     Examples
     --------
@@ -1214,21 +1229,31 @@ def show_memory(
     128
     >>> w.figure.data[0].name
     'resident'
+    >>> show_memory(zoo.mlp(), input_size=(784,), gpu="A100")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: GPU 'A100' is ambiguous: it names 'A100 80GB' (80 GiB), 'A100 40GB' (40 GiB); ...
     """
-    from .._profiling.profiler import ProfilingError, profile_model
+    from .._profiling.profiler import profile_model
 
+    # settings that need no profile are checked before the model is run
+    for name in initial_settings:
+        if name not in _SETTINGS:
+            raise TypeError(f"unknown setting {name!r}; valid settings are {', '.join(_SETTINGS)}")
+    if "gpu" in initial_settings:
+        _gpu_settings(initial_settings["gpu"])
+    profile = profile_model(
+        model,
+        input_size=input_size,
+        inputs=inputs,
+        loss_fn=loss_fn,
+        device=device,
+        seq_axis=seq_axis,
+    )
     try:
-        profile = profile_model(
-            model,
-            input_size=input_size,
-            inputs=inputs,
-            loss_fn=loss_fn,
-            device=device,
-            seq_axis=seq_axis,
-        )
         return MemoryWidget(profile, **initial_settings)
-    except (ProfilingError, ValueError, TypeError, traitlets.TraitError) as exc:
-        return _error_widget(exc)
+    except traitlets.TraitError as exc:  # a control's own check of its starting value
+        raise ValueError(f"invalid setting: {exc}") from None
 
 
 def _gpu_settings(value: Any) -> dict[str, Any]:
@@ -1239,13 +1264,3 @@ def _gpu_settings(value: Any) -> dict[str, Any]:
     if target.name in GPUS:
         return {"gpu": target.name}
     return {"gpu": CUSTOM_GPU, "custom_gib": target.memory_bytes / 2**30}
-
-
-def _error_widget(exc: BaseException) -> widgets.HTML:
-    message = html.escape(f"{type(exc).__name__}: {exc}")
-    return widgets.HTML(
-        value=(
-            "<div style='color:#b00; white-space:pre-wrap'><b>vram_widget cannot show this "
-            f"model</b><br>{message}</div>"
-        )
-    )

@@ -30,7 +30,7 @@ from .allocator import (
     replay,
 )
 from .decoding import Generation, Recording, StepEvents, step_of, unroll
-from .gpus import parse_capacity
+from .gpus import Gpu, parse_capacity
 from .levers import NO_LEVERS, Levers
 from .options import (
     CATEGORIES,
@@ -303,40 +303,59 @@ class MemoryEstimate:
         table.attrs["note"] = note
         return table
 
-    def fits_device(self, capacity_bytes: int | str) -> bool | None:
-        """Whether the step runs on a device of ``capacity_bytes`` (bytes, or any form
-        ``max_batch_size`` takes: ``"80GiB"``, a GPU name) without a CUDA out-of-memory
-        error: the allocator, replayed with what is left after the CUDA context, never
-        fails to reserve a segment after releasing its cached ones. None for
-        ``device="cpu"``."""
-        if self.allocator is None:
-            return None
-        capacity_bytes = _capacity(capacity_bytes)
-        room = capacity_bytes - self.extras.cuda_context_bytes
-        if self.allocator.peak_reserved_bytes <= room:
-            return True  # the unconstrained run never reaches the cap: the same run
-        if self.expandable_segments:  # no capacity modelled: the pages it maps must fit
-            return False
-        try:
-            self.replayed(capacity_bytes=room)
-        except OutOfMemory:
-            return False
-        return True
+    def fits_device(self, capacity_bytes: int | str | Gpu) -> bool | None:
+        """Whether the step runs on a device of ``capacity_bytes`` without a CUDA
+        out-of-memory error: exactly ``device_bytes <= capacity`` (see :attr:`device_bytes`).
+        None for ``device="cpu"``.
 
-    @cached_property
-    def device_bytes(self) -> int | None:
-        """The device memory the step needs: the least the allocator can reserve and still
-        run the step (releasing cached segments as it does before an out-of-memory error;
-        to 2 MiB), plus the CUDA context outside it: at most the unconstrained reserved peak
-        plus the context. None for ``device="cpu"``."""
+        ``capacity_bytes`` takes every form of :func:`~vram_widget._estimating.gpus.
+        resolve_gpu`: bytes (an int of at least 1 MiB), ``"80GiB"``, ``"80G"``, ``"80GB"``
+        (10**9), a GPU name."""
+        capacity = parse_capacity(capacity_bytes)
+        bounds = self._device_bounds()
+        if bounds is None:
+            return None
+        least, most = bounds
+        if capacity < least or capacity >= most:  # no replay needed: device_bytes is between
+            return capacity >= most
+        device = self.device_bytes
+        assert device is not None
+        return device <= capacity
+
+    def _device_bounds(self) -> tuple[int, int] | None:
+        """The least and the most :attr:`device_bytes` can be, without a replay under a cap."""
         free = self.allocator
         if free is None:
             return None
+        context = self.extras.cuda_context_bytes
         if self.expandable_segments:
-            # pages are unmapped only on out-of-memory, which is not replayed: the pages
-            # mapped at the peak (an upper bound)
-            return free.peak_reserved_bytes + self.extras.cuda_context_bytes
+            return (free.peak_reserved_bytes + context,) * 2
         step = K_ROUND_LARGE
+        rounded = self.peak_bytes + self.extras.allocator_rounding_bytes
+        least = -(-(rounded + self.extras.cublas_workspace_bytes) // step)
+        most = -(-free.peak_reserved_bytes // step)
+        return min(least, most) * step + context, most * step + context
+
+    @cached_property
+    def device_bytes(self) -> int | None:
+        """The device memory the step needs on ``device="cuda"``, the number a CUDA card's
+        capacity is compared with: ``fits(c)`` is ``device_bytes <= c``, exactly. None for
+        ``device="cpu"``, where the number compared is :attr:`total_bytes`.
+
+        It is the least capacity, in 2 MiB steps above the CUDA context, under which the
+        caching allocator, replayed with that capacity less the context, runs the step,
+        releasing its cached segments as it does before an out-of-memory error (every
+        lower step tried fails); plus the CUDA context outside the allocator. At most the
+        unconstrained reserved peak plus the context. With ``expandable_segments``: the
+        pages mapped at the peak plus the context (pages are unmapped only on an
+        out-of-memory error, which is not replayed: an upper bound)."""
+        bounds = self._device_bounds()
+        if bounds is None:
+            return None
+        least, most = bounds
+        if least == most:  # expandable segments, or nothing cached that could be released
+            return most
+        step, context = K_ROUND_LARGE, self.extras.cuda_context_bytes
         # In 2 MiB units, climbing from a lower bound: below the peak of 512-byte blocks the
         # step cannot run whatever the allocator does. A cap that fails says by how much the
         # segment it could not reserve was over it (after the allocator released what it
@@ -345,9 +364,7 @@ class MemoryEstimate:
         # failed; at the unconstrained reserved peak nothing has to be released, so the
         # climb stops there at the latest. A failing replay stops at its failure, so this
         # costs about half a bisection between the two bounds (measured: 2-11 replays).
-        rounded = self.peak_bytes + self.extras.allocator_rounding_bytes
-        cap = -(-(rounded + self.extras.cublas_workspace_bytes) // step)
-        top = -(-free.peak_reserved_bytes // step)
+        cap, top = (least - context) // step, (most - context) // step
         while cap < top:
             try:
                 self.replayed(capacity_bytes=cap * step)
@@ -356,7 +373,7 @@ class MemoryEstimate:
                 cap += max(1, -(-over // step))
             else:
                 break
-        return min(cap, top) * step + self.extras.cuda_context_bytes
+        return min(cap, top) * step + context
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -391,44 +408,58 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> int:
         """``peak_bytes`` plus the accelerator extras (CUDA context, cuBLAS workspace,
-        512-byte rounding): the allocated basis of "fits"."""
+        512-byte rounding): the number a device's capacity is compared with on
+        ``device="cpu"`` (``fits(c)`` is ``total_bytes <= c``), and on ``device="cuda"``
+        with ``fits(c, basis="allocated")``. On ``device="cuda"`` the default comparison is
+        with :attr:`device_bytes`."""
         return self.peak_bytes + self.extras.total_bytes
 
-    def fits(self, capacity_bytes: int | str, basis: str | FitBasis = FitBasis.DEVICE) -> bool:
-        """Whether the step fits ``capacity_bytes`` of device memory (bytes, or any form
-        ``max_batch_size`` takes: ``"80GiB"``, a GPU name such as ``"A100 80GB"``).
+    def fits(
+        self, capacity_bytes: int | str | Gpu, basis: str | FitBasis = FitBasis.DEVICE
+    ) -> bool:
+        """Whether the step fits a device of ``capacity_bytes``.
 
-        ``basis="device"`` (default): on ``device="cuda"``, the step's allocator replayed
-        under the capacity less the CUDA context never fails to reserve a segment after
-        releasing its cached ones (:meth:`fits_device`): what a CUDA out-of-memory error
-        decides on. ``basis="allocated"``, and always on ``device="cpu"``:
-        ``total_bytes <= capacity_bytes``.
+        The number compared with the capacity: on ``device="cuda"``, :attr:`device_bytes`
+        (``fits(c)`` is ``device_bytes <= c``: the allocator replayed under the capacity less
+        the CUDA context, what an out-of-memory error decides on); on ``device="cpu"``, and
+        with ``basis="allocated"``, :attr:`total_bytes` (``total_bytes <= c``).
+
+        Parameters
+        ----------
+        capacity_bytes : int, str or Gpu
+            Bytes (an int of at least 1 MiB), a string with a unit (``"80GiB"``, ``"80G"``:
+            ``80 * 2**30``; ``"80GB"``: ``80 * 10**9``) or a GPU name (``"A100 80GB"``,
+            ``"H100"``): every form :func:`~vram_widget._estimating.gpus.resolve_gpu` takes,
+            the same in every function that takes a capacity.
+        basis : {"device", "allocated"}
+            ``"device"`` (default) or ``"allocated"``, as above.
+
+        Raises
+        ------
+        ValueError
+            For a capacity in no valid form (a bare number below 1 MiB, a float, an unknown
+            or ambiguous GPU name), naming the valid forms.
 
         Examples
         --------
         >>> import torch
         >>> from vram_widget import profile_model
         >>> est = profile_model(torch.nn.Linear(1024, 1024), input_size=(1024,)).estimate(1)
-        >>> est.fits(est.device_bytes), est.fits(est.device_bytes - 2**21)
+        >>> est.fits(est.device_bytes), est.fits(est.device_bytes - 1)
         (True, False)
+        >>> est.fits("80G") == est.fits("80GiB") == est.fits(80 * 2**30)
+        True
         """
-        capacity_bytes = _capacity(capacity_bytes)
+        capacity = parse_capacity(capacity_bytes)
         if parse_option(FitBasis, basis, "basis") is FitBasis.DEVICE:
-            device = self.fits_device(capacity_bytes)
+            device = self.fits_device(capacity)
             if device is not None:
                 return device
-        return self.total_bytes <= capacity_bytes
+        return self.total_bytes <= capacity
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per module (and the loss and optimizer pseudo-rows); rows sum to totals."""
         return self.layers.to_dataframe()
-
-
-def _capacity(value: int | str) -> int:
-    """Bytes as given, or parsed from a capacity's text or GPU name (``gpus``)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    return parse_capacity(value)
 
 
 def _as_int(x: Any) -> int:

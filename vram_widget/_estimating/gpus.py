@@ -129,46 +129,66 @@ def custom_gpu(memory_gib: float) -> Gpu:
     )
 
 
-# Units of a capacity string: IEC binary (KiB = 2**10, ...) and SI decimal (KB = 10**3, ...),
-# as IEC 80000-13 defines them. A catalog name such as "A100 80GB" is an entry of the catalog
-# (its vendor's "GB" read as GiB, see the module notes), not a capacity string.
+# Units of a capacity string, matched case-insensitively (no one means millibytes):
+# * IEC binary prefixes as IEC 80000-13 defines them: KiB = 2**10, MiB = 2**20, GiB = 2**30,
+#   TiB = 2**40 bytes; ``Ki``/``Mi``/``Gi``/``Ti`` as Kubernetes quantities spell them.
+# * SI decimal prefixes with a B: kB = 10**3, MB = 10**6, GB = 10**9, TB = 10**12 bytes (SI;
+#   IEC 80000-13). So the string "80GB" is 80 * 10**9 bytes, about 74.5 GiB: the unit read
+#   literally. A catalog name such as "A100 80GB" is an entry of the catalog instead (its
+#   vendor's "GB" is the card's binary capacity, see the module notes).
+# * A bare letter K, M, G, T is binary, as GNU coreutils reads sizes ("'G' 'GiB' gibibyte:
+#   2^30"; "'GB' gigabyte: 10^9": the coreutils manual, section "Block size",
+#   https://www.gnu.org/software/coreutils/manual/html_node/Block-size.html) and as Docker's
+#   ``--memory=80g`` and Slurm's ``--mem=80G`` do: "80G" is 80 GiB.
 _UNITS: dict[str, int] = {
     "b": 1,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
+    **{f"{p}ib": 2 ** (10 * i) for i, p in enumerate("kmgt", 1)},
+    **{f"{p}i": 2 ** (10 * i) for i, p in enumerate("kmgt", 1)},
+    **{p: 2 ** (10 * i) for i, p in enumerate("kmgt", 1)},
+    **{f"{p}b": 10 ** (3 * i) for i, p in enumerate("kmgt", 1)},
 }
 _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
-# No accelerator of interest has less: an int below this is a capacity in GiB or GB by mistake
-# (``max_batch_size(80)`` meaning 80 GiB), which would otherwise silently fit nothing.
+# No accelerator of interest has less: a number below this is a capacity in GiB or GB by
+# mistake (``max_batch_size(80)`` meaning 80 GiB), which would otherwise silently fit nothing.
 MIN_CAPACITY_BYTES = 2**20
 _FORMS = (
     "a capacity is bytes (an int, e.g. 80 * 2**30), a string with a unit ('80GiB', "
-    "'24 GB', '512 MiB'; GiB = 2**30 bytes, GB = 10**9), or a GPU name of the catalog "
-    "(e.g. 'A100 80GB')"
+    "'80G' or '80 GiB' = 80 * 2**30 bytes; '80GB' = 80 * 10**9; '512 MiB', '512M'), or a "
+    "GPU name of the catalog (e.g. 'A100 80GB', 'H100')"
 )
 
 
 def resolve_gpu(value: Any) -> Gpu:
     """The device a capacity names: a catalog entry, or a custom entry of that many bytes.
 
+    Every function that takes a capacity (``MemoryEstimate.fits``, ``fits_device``,
+    ``ModelProfile.max_batch_size``, ``max_seq_len``, ``frontier``, ``min_gpus``, and
+    ``show_memory(gpu=...)``) reads it here, so each form means the same everywhere.
+
     Parameters
     ----------
     value : Gpu, str or int
-        A :class:`Gpu`; a catalog name (case and spaces ignored: ``"a100 80gb"``); a string
-        with a unit (``"80GiB"``, ``"24 GB"``; IEC units are powers of 2, SI units powers of
-        10); or an int number of bytes (at least 1 MiB).
+        * A :class:`Gpu`, returned as it is.
+        * An int (or numpy integer): that many bytes, at least 1 MiB (a smaller number is
+          most likely GiB or GB meant as bytes, ``fits(80)``, and is refused). Floats are
+          refused, ``80.0`` as well as ``8.0e10``: bytes are whole, and a float is more
+          often a size in GiB than in bytes; write ``"80GiB"`` or ``80 * 2**30``.
+        * A string with a unit, case and spaces ignored: ``"80GiB"``, ``"80 gib"``,
+          ``"80Gi"`` and ``"80G"`` are ``80 * 2**30`` bytes (IEC binary units; a bare
+          ``K``/``M``/``G``/``T`` is binary as in GNU coreutils, Docker and Slurm);
+          ``"80GB"``, ``"80 gb"`` are ``80 * 10**9`` bytes (SI decimal units, the unit read
+          literally); ``"1.5TiB"`` takes a fraction; ``"80"`` (no unit) is refused.
+        * A GPU name of the catalog (:data:`GPUS`), case and spaces ignored: ``"A100 80GB"``
+          is that entry, 80 GiB (the vendor's "80GB" is the card's binary capacity: an A100
+          80GB reports 81,920 MiB in ``nvidia-smi``; see the module notes). The words of a
+          shorter name pick the entries holding them all: ``"H100"`` (the SXM and PCIe
+          parts, both 80 GiB) is the first of them in the catalog, ``"H100 SXM 80GB"``;
+          ``"A100"`` (40 and 80 GiB parts) is refused as ambiguous.
 
     Raises
     ------
     ValueError
-        For anything else, naming the valid forms (an int below 1 MiB is most likely GiB
-        meant as bytes).
+        For anything else, naming the problem and the valid forms.
 
     Examples
     --------
@@ -176,6 +196,10 @@ def resolve_gpu(value: Any) -> Gpu:
     True
     >>> resolve_gpu("24 GB").memory_bytes
     24000000000
+    >>> resolve_gpu("24G").memory_bytes == resolve_gpu("24 GiB").memory_bytes == 24 * 2**30
+    True
+    >>> resolve_gpu("h100").name
+    'H100 SXM 80GB'
     """
     if isinstance(value, Gpu):
         return value
@@ -186,14 +210,17 @@ def resolve_gpu(value: Any) -> Gpu:
                 return gpu
         match = _CAPACITY.match(value)
         unit = _UNITS.get(match.group(2).lower()) if match else None
-        if match is None or unit is None:
-            raise ValueError(f"unknown capacity or GPU {value!r}: {_FORMS}; catalog: {_names()}")
-        nbytes = round(float(match.group(1)) * unit)
-        return _custom_bytes(nbytes, value)
+        if match is not None and unit is not None:
+            return _custom_bytes(round(float(match.group(1)) * unit), value)
+        return _catalog_words(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints too
+        hint = ""
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            size = float(value)  # a small float is most likely GiB meant
+            hint = f" (for {size:g} GiB write '{size:g}GiB')" if 0 < size < 2**20 else ""
         raise ValueError(
-            f"capacity must be bytes, a string with a unit or a GPU name, got {value!r} "
-            f"({type(value).__name__}): {_FORMS}"
+            f"capacity must be bytes (an int), a string with a unit or a GPU name, got "
+            f"{value!r} ({type(value).__name__}){hint}: {_FORMS}"
         )
     return _custom_bytes(int(value), value)
 
@@ -203,17 +230,39 @@ def parse_capacity(value: Any) -> int:
 
     Examples
     --------
-    >>> parse_capacity("80GiB") == 80 * 2**30
+    >>> parse_capacity("80GiB") == parse_capacity("80G") == 80 * 2**30
+    True
+    >>> parse_capacity("80GB")
+    80000000000
+    >>> parse_capacity("A100 80GB") == parse_capacity(80 * 2**30)
     True
     """
     return resolve_gpu(value).memory_bytes
 
 
+def _catalog_words(value: str) -> Gpu:
+    """The catalog entry whose name holds every word of ``value`` (see :func:`resolve_gpu`)."""
+    words = set(value.lower().split())
+    found = [g for g in _ENTRIES if words and words <= set(g.name.lower().split())]
+    if not found:
+        raise ValueError(f"unknown capacity or GPU {value!r}: {_FORMS}; catalog: {_names()}")
+    if len({g.memory_bytes for g in found}) > 1:
+        raise ValueError(
+            f"GPU {value!r} is ambiguous: it names "
+            + ", ".join(f"{g.name!r} ({g.memory_gib:g} GiB)" for g in found)
+            + f"; give one of them, or a capacity: {_FORMS}"
+        )
+    return found[0]
+
+
 def _custom_bytes(nbytes: int, given: Any) -> Gpu:
     if nbytes < MIN_CAPACITY_BYTES:
+        meant = f" (did you mean {given!r} GiB, i.e. '{given}GiB'?)" if nbytes > 0 else ""
+        if isinstance(given, str):
+            meant = ""
         raise ValueError(
-            f"capacity {given!r} is {nbytes:,} bytes, below 1 MiB: capacities are bytes "
-            f"(did you mean {given!r} GiB, i.e. {given!r} * 2**30?); {_FORMS}"
+            f"capacity {given!r} is {nbytes:,} bytes, below 1 MiB: capacities are bytes"
+            f"{meant}; {_FORMS}"
         )
     return Gpu(
         f"custom {nbytes / _GIB:.4g} GiB",

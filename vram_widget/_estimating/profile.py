@@ -22,7 +22,7 @@ from .decoding import (
     crosses_window,
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
-from .gpus import Gpu, parse_capacity
+from .gpus import Gpu, resolve_gpu
 from .levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
 from .options import (
     CATEGORY_CODE,
@@ -1003,10 +1003,16 @@ class ModelProfile:
         ----------
         capacity_bytes : int, str or Gpu
             Bytes (an int, at least 1 MiB: ``max_batch_size(80)`` is refused, not read as
-            80 bytes), a string with a unit (``"80GiB"``, ``"24 GB"``: GiB = 2**30, GB =
-            10**9) or a GPU name of the catalog (``"A100 80GB"``).
+            80 bytes; floats are refused), a string with a unit (``"80GiB"``, ``"80G"``:
+            80 * 2**30; ``"24 GB"``: 24 * 10**9) or a GPU name of the catalog
+            (``"A100 80GB"``, ``"H100"``): every form of ``gpus.resolve_gpu``, read alike by
+            ``MemoryEstimate.fits``, :meth:`max_seq_len`, :meth:`frontier`, :meth:`min_gpus`
+            and ``show_memory(gpu=...)``.
         precision, optimizer, mode, seq_len, compute_capability
-            As for :meth:`estimate`.
+            As for :meth:`estimate`. Where ``compute_capability`` is not given and the
+            capacity names a catalog GPU, that GPU's is used (its cuBLAS workspace), as the
+            widget and the CLI do; the same in :meth:`max_seq_len`, :meth:`frontier` and
+            :meth:`min_gpus`.
         basis : {"device", "allocated"}
             What "fits" means (``MemoryEstimate.fits``). ``"device"`` (default): the step,
             replayed through the CUDA caching allocator under the capacity less the CUDA
@@ -1031,15 +1037,18 @@ class ModelProfile:
         >>> profile.estimate(b).fits(2**30), profile.estimate(b + 1).fits(2**30)
         (True, False)
         """
-        capacity = parse_capacity(capacity_bytes)
-        base = Recipe.from_keywords(
-            recipe,
-            precision=precision,
-            optimizer=optimizer,
-            mode=mode,
-            seq_len=seq_len,
-            compute_capability=compute_capability,
-            **levers,
+        capacity, card = _card(capacity_bytes)
+        base = _on_card(
+            Recipe.from_keywords(
+                recipe,
+                precision=precision,
+                optimizer=optimizer,
+                mode=mode,
+                seq_len=seq_len,
+                compute_capability=compute_capability,
+                **levers,
+            ),
+            card,
         )
 
         def at(batch: int) -> MemoryEstimate:
@@ -1100,12 +1109,15 @@ class ModelProfile:
         >>> profile.min_gpus(room, strategy="zero1")  # Adam's state split 4 ways fits
         4
         """
-        capacity = parse_capacity(capacity_bytes)
+        capacity, card = _card(capacity_bytes)
         fit_basis = parse_option(FitBasis, basis, "basis")
-        base = Recipe.from_keywords(
-            recipe, batch_size=batch_size, precision=precision, optimizer=optimizer,
-            strategy=strategy, **settings,
-        ).with_(mode="train", gpus=1)  # fmt: skip
+        base = _on_card(
+            Recipe.from_keywords(
+                recipe, batch_size=batch_size, precision=precision, optimizer=optimizer,
+                strategy=strategy, **settings,
+            ).with_(mode="train", gpus=1),
+            card,
+        )  # fmt: skip
         # a clear error for a strategy not modelled; hsdp counts whole nodes past one
         per_node = resolve_parallel(
             2, base.parallel.strategy, gpus_per_node=base.parallel.gpus_per_node
@@ -1164,13 +1176,16 @@ class ModelProfile:
         """
         if not self.has_seq_axis:
             self.check_seq_len(1)  # raises: no sequence axis
-        capacity = parse_capacity(capacity_bytes)
+        capacity, card = _card(capacity_bytes)
         batch = parse_batch_size(batch_size)
         fit_basis = parse_option(FitBasis, basis, "basis")
         assert self.seq_len is not None
-        base = Recipe.from_keywords(
-            recipe, batch_size=batch, precision=precision, optimizer=optimizer, mode=mode,
-            compute_capability=compute_capability, **levers,
+        base = _on_card(
+            Recipe.from_keywords(
+                recipe, batch_size=batch, precision=precision, optimizer=optimizer, mode=mode,
+                compute_capability=compute_capability, **levers,
+            ),
+            card,
         )  # fmt: skip
 
         def fits(length: int) -> bool:
@@ -1240,7 +1255,8 @@ class ModelProfile:
         if not self.has_seq_axis:
             self.check_seq_len(1)  # raises: no sequence axis
         assert self.seq_len is not None
-        capacity = parse_capacity(capacity_bytes)
+        capacity, card = _card(capacity_bytes)
+        compute_capability = compute_capability or card
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
         if seq_lens is None:
@@ -1425,6 +1441,21 @@ def _refuse_unmodelled(recipe: Recipe) -> None:
             f"{', '.join(asked)}: not estimated yet; leave "
             f"{'it' if len(asked) == 1 else 'them'} at the default"
         )
+
+
+def _card(capacity_bytes: Any) -> tuple[int, tuple[int, int] | None]:
+    """The bytes of a capacity in any form (``gpus.resolve_gpu``) and, where it names a
+    catalog GPU, that GPU's compute capability (its cuBLAS workspace, as the widget and the
+    command line take it); None for a bare capacity."""
+    gpu = resolve_gpu(capacity_bytes)
+    return gpu.memory_bytes, gpu.compute_capability
+
+
+def _on_card(recipe: Recipe, card: tuple[int, int] | None) -> Recipe:
+    """``recipe`` on a named GPU: its compute capability where the recipe gives none."""
+    if card is None or recipe.accelerator.compute_capability is not None:
+        return recipe
+    return recipe.with_(compute_capability=card)
 
 
 def _check_above_context(est: MemoryEstimate, capacity: int) -> None:

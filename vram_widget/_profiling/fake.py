@@ -7,7 +7,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
+import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -54,6 +58,7 @@ __all__ = [
     "new_fake_mode",
     "next_sequence_nr",
     "quiet_fake_tensor_log",
+    "quiet_third_party",
     "quieted",
     "reparametrized",
     "tree_flatten",
@@ -293,11 +298,65 @@ def quieted(logger_name: str, level: int) -> Iterator[None]:
     for the block, its own level restored after."""
     logger = logging.getLogger(logger_name)
     before = logger.level
-    logger.setLevel(level)
+    logger.setLevel(max(level, logger.getEffectiveLevel()))  # never louder than it was
     try:
         yield
     finally:
         logger.setLevel(before)
+
+
+# The libraries a profile runs, whose log records during the fake runs are about those runs
+# (transformers' "`loss_type=None` was set in the config but it is unrecognized", logged at
+# WARNING by PreTrainedModel.loss_function on every GPT-2 with labels), not news for the user.
+_QUIET_LOGGERS = ("torch", "transformers", "peft", "accelerate", "huggingface_hub")
+
+
+@contextlib.contextmanager
+def quiet_third_party() -> Iterator[None]:
+    """Keep what third-party libraries log or warn during the block from the user.
+
+    The loggers of :data:`_QUIET_LOGGERS` pass only ERROR and above; a Python warning whose
+    ``warnings.warn`` call is in an installed library (a module under ``site-packages`` or
+    ``dist-packages``, or the standard library) is not shown. Warnings that vram_widget
+    itself issues, and those of the user's own code (a model defined in a notebook or a
+    project), still reach the user, as do warnings that a filter turns into errors (a
+    filter acts before anything is shown). Usable as a decorator."""
+    shown = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        if not _issued_by_library(sys._getframe(1)):
+            shown(message, category, filename, lineno, file, line)
+
+    with contextlib.ExitStack() as stack:
+        for name in _QUIET_LOGGERS:
+            stack.enter_context(quieted(name, logging.ERROR))
+        warnings.showwarning = show
+        try:
+            yield
+        finally:
+            warnings.showwarning = shown
+
+
+def _issued_by_library(frame: FrameType | None) -> bool:
+    """Whether the first frame outside the ``warnings`` module, from ``frame`` outwards (the
+    caller of ``warnings.warn``), is in an installed library other than vram_widget."""
+    while frame is not None and frame.f_globals.get("__name__") == "warnings":
+        frame = frame.f_back
+    if frame is None:
+        return False
+    module = str(frame.f_globals.get("__name__", ""))
+    top = module.partition(".")[0]
+    if top == "vram_widget":
+        return False
+    parts = Path(frame.f_code.co_filename).parts
+    return "site-packages" in parts or "dist-packages" in parts or top in sys.stdlib_module_names
 
 
 def quiet_fake_tensor_log() -> contextlib.AbstractContextManager[None]:

@@ -53,6 +53,7 @@ from .fake import (
     checkpoint_recompute_context,
     new_fake_mode,
     quiet_fake_tensor_log,
+    quiet_third_party,
     reparametrized,
 )
 from .generation import generation_limit, prompt_inputs, recorded_generation
@@ -474,6 +475,7 @@ class Profiler:
         with contextlib.ExitStack() as stack:
             stack.enter_context(paused_gc())
             stack.enter_context(quiet_fake_tensor_log())
+            stack.enter_context(quiet_third_party())
             if fake_mode is not None:
                 stack.enter_context(fake_mode)
             stack.enter_context(rec)
@@ -1059,7 +1061,7 @@ class _Source:
     ) -> OptimizerTrace:
         self.profiler.levers = levers
         try:
-            with torch.inference_mode(False), torch.enable_grad():
+            with torch.inference_mode(False), torch.enable_grad(), quiet_third_party():
                 return self.profiler.run_optimizer(
                     precision, optimizer, only, shard, implementation
                 )
@@ -1215,6 +1217,23 @@ def position_limit(model: torch.nn.Module) -> int | None:
     return limit if any(t.num_embeddings == limit for t in tables) else None
 
 
+def _check_position_table(subject: Subject, limit: int | None) -> None:
+    """An example longer than the model's learned position table is refused before any run:
+    a real step would index past the table (fake tensors do not check the index), and the
+    estimate would be for a step that cannot run. The same limit ``estimate(seq_len=...)``
+    enforces."""
+    length = subject.seq_len
+    if limit is None or length is None or length <= limit:
+        return
+    name, dim = next(iter(subject.seq_axes.items()))
+    raise ValueError(
+        f"the inputs' sequence length {length:,} ({name}, dim {dim}) is beyond the model's "
+        f"{limit:,} learned positions (config.max_position_embeddings; GPT-2's n_positions): "
+        f"a real step would index past its position table. Give inputs of at most {limit:,} "
+        "tokens (estimate(seq_len=...) then varies the length up to the limit)"
+    )
+
+
 # Config fields of a length at which attention changes form: Mistral's and Qwen2's sliding
 # window, Llama 4's chunked attention (transformers' configs). Hugging Face materializes the
 # mask once the key length reaches it (masking_utils._ignore_causal_mask_sdpa: "if
@@ -1337,6 +1356,8 @@ def profile_model(
     check_forward_accepts(model, model_inputs or ModelInputs((None,), {}))
     seq_axes, no_seq_reason = find_seq_axes(model_inputs, size, seq_axis)
     subject = Subject(model, model_inputs, size, loss_fn, target, seq_axes=seq_axes)
+    seq_len_limit = position_limit(model) if seq_axes else None
+    _check_position_table(subject, seq_len_limit)
     profiler = Profiler(subject)
     source = _Source(profiler)
     auto_blocks, hf_auto = checkpoint_auto(model, subject.rows.names[:-2], subject.rows.types[:-2])
@@ -1349,7 +1370,7 @@ def profile_model(
         input_shape=subject.describe_inputs(),
         seq_len=subject.seq_len,
         no_seq_reason=no_seq_reason,
-        seq_len_limit=position_limit(model) if seq_axes else None,
+        seq_len_limit=seq_len_limit,
         seq_window=attention_window(model) if seq_axes else None,
         generates=generates,
         generation_limit=limit,
@@ -1424,6 +1445,7 @@ def _forward_runs(subject: Subject, sample_shape: tuple[int, ...]) -> bool:
         _preserved_model_state(subject.model),
         paused_gc(),
         quiet_fake_tensor_log(),
+        quiet_third_party(),
         fake_mode,
         torch.no_grad(),
     ):
