@@ -24,11 +24,13 @@ if TYPE_CHECKING:
     from ._estimating.levers import Levers
     from ._estimating.profile import ModelProfile, ProfilingError
     from ._estimating.tradeoff import Frontier
+    from ._profiling.disk_cache import CacheWarning
     from ._profiling.measure import Measurement, measure
     from ._profiling.profiler import InputShapeWarning, profile_model
 
 _LAZY = {
     "AcceleratorExtras": "._estimating.accelerator",
+    "CacheWarning": "._profiling.disk_cache",
     "GPUS": "._estimating.gpus",
     "Gpu": "._estimating.gpus",
     "Frontier": "._estimating.tradeoff",
@@ -48,6 +50,7 @@ _LAZY = {
 __all__ = [
     "GPUS",
     "AcceleratorExtras",
+    "CacheWarning",
     "Category",
     "Device",
     "Frontier",
