@@ -221,10 +221,24 @@ def _value(value: Any, depth: int, seen: set[int]) -> str:
     return _canon(value)
 
 
-@functools.cache
+_classes_in_progress: set[type] = set()
+
+
 def _class(cls: type) -> str:
     """A class by its module path and qualified name; the code of every method its own
     classes (outside the versioned packages) define, through its MRO."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if cls in _classes_in_progress:  # ``super()``'s ``__class__`` cell, a recursive helper
+        return f"class({name})"
+    _classes_in_progress.add(cls)
+    try:
+        return _class_code(cls)
+    finally:
+        _classes_in_progress.discard(cls)
+
+
+@functools.cache
+def _class_code(cls: type) -> str:
     parts = [f"{cls.__module__}.{cls.__qualname__}"]
     for base in cls.__mro__:
         if _is_versioned(base.__module__) or base is object:
@@ -301,8 +315,8 @@ def _package_digest() -> str:
 
 
 def _environment(device: str) -> list[str]:
-    import vram_widget
-
+    # the package's version, read without importing the package's display stage
+    version = getattr(sys.modules.get("vram_widget"), "__version__", "-")
     cpu = torch.backends.cpu.get_cpu_capability()
     return [
         f"format={CACHE_FORMAT}",
@@ -311,7 +325,7 @@ def _environment(device: str) -> list[str]:
         f"numpy={np.__version__}",
         f"transformers={_version('transformers')}",
         f"peft={_version('peft')}",
-        f"vram_widget={vram_widget.__version__}:{_package_digest()}",
+        f"vram_widget={version}:{_package_digest()}",
         f"device={device}",
         f"cpu={cpu}:{torch.get_num_threads()}:{torch.backends.mkldnn.enabled}",
         *(f"{k}={os.environ.get(k)}" for k in _ENV_VARIABLES),
@@ -589,7 +603,7 @@ class DiskCachedSource:
             if not isinstance(entry, dict) or entry.get("format") != CACHE_FORMAT:
                 raise ValueError("not an entry of this cache format")
             return entry
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # not cached (yet)
             return None
         except Exception as exc:
             warnings.warn(

@@ -44,8 +44,8 @@ from .._estimating.table import (
     same_step,
 )
 from .composites import real_run_composites, rules_hold
-from .disk_cache import cached_source
 from .data_dependent import example_mask_values, graph_randomness, worst_case_graph
+from .disk_cache import cached_source
 from .errors import entry_codes, user_traceback
 from .fake import (
     DATA_DEPENDENT_ERRORS,
