@@ -395,3 +395,21 @@ def test_precisions_invalid() -> None:
         profile_model(_net(), input_size=(4,), precisions=("fp8",))
     with pytest.raises(TypeError, match="precisions must be a sequence"):
         profile_model(_net(), input_size=(4,), precisions=16)
+
+
+def test_lora_profile_from_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PEFT's adapters stay fp32 on a bf16 base: the cached bf16 answer keeps them so
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    lora = {"lora_rank": 2, "lora_targets": ["0", "2"]}
+    uncached = profile_model(model(), input_size=(8,), cache=False)
+    expected = [uncached.estimate(4, p, "adamw", **lora).peak_bytes for p in ("fp32", "bf16")]
+    counted = Counted(monkeypatch)
+    cold = profile_model(model(), input_size=(8,))
+    assert [cold.estimate(4, p, "adamw", **lora).peak_bytes for p in ("fp32", "bf16")] == expected
+    assert counted.count() > 0
+    warm = profile_model(model(), input_size=(8,))
+    assert [warm.estimate(4, p, "adamw", **lora).peak_bytes for p in ("fp32", "bf16")] == expected
+    assert counted.count() == 0
