@@ -1,5 +1,7 @@
-"""Each test profiles into an empty cache directory of its own (the root conftest.py points
-the whole run away from the user's cache), so no test answers from another's profile."""
+"""Each test runs with the on-disk profile cache off, in an empty cache directory of its own
+(the root conftest.py already points the whole run away from the user's cache): tests that
+patch the profiler and profile a model again must see the patched profiler run.
+tests/test_disk_cache.py turns the cache on for its own tests."""
 
 from __future__ import annotations
 
@@ -14,5 +16,5 @@ def _own_profile_cache(
 ) -> Path:
     directory = tmp_path_factory.mktemp("profile_cache")
     monkeypatch.setenv("VRAM_WIDGET_CACHE_DIR", str(directory))
-    monkeypatch.delenv("VRAM_WIDGET_CACHE", raising=False)
+    monkeypatch.setenv("VRAM_WIDGET_CACHE", "0")
     return directory

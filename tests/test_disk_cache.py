@@ -27,6 +27,12 @@ from vram_widget._profiling.profiler import _Source
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/conftest.py turns the cache off for every other test."""
+    monkeypatch.delenv("VRAM_WIDGET_CACHE", raising=False)
+
+
 class Counted:
     """Counts the profiler's source calls (each a run of the model on a miss)."""
 

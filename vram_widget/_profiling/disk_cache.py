@@ -579,9 +579,12 @@ class DiskCachedSource:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             result = run()
-        stored: list[Stored] = [
-            (_category_path(w.category), str(w.message), w.filename, w.lineno) for w in caught
-        ]
+        # each distinct warning once (a warning in a loop is recorded at every pass here)
+        stored: list[Stored] = list(
+            dict.fromkeys(
+                (_category_path(w.category), str(w.message), w.filename, w.lineno) for w in caught
+            )
+        )
         if not self.inner.profiler.real:  # a real-tensor fallback depends on values
             got_grad = subject.params_with_grad.get(stepped) if stepped is not None else None
             self._write(
