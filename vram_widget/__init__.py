@@ -33,11 +33,13 @@ if TYPE_CHECKING:
         Step,
     )
     from ._estimating.tradeoff import Frontier
+    from ._profiling.disk_cache import CacheWarning
     from ._profiling.measure import Measurement, measure
     from ._profiling.profiler import InputShapeWarning, profile_model
 
 _LAZY = {
     "AcceleratorExtras": "._estimating.accelerator",
+    "CacheWarning": "._profiling.disk_cache",
     "GPUS": "._estimating.gpus",
     "Gpu": "._estimating.gpus",
     "Frontier": "._estimating.tradeoff",
@@ -65,6 +67,7 @@ __all__ = [
     "GPUS",
     "Accelerator",
     "AcceleratorExtras",
+    "CacheWarning",
     "Category",
     "Device",
     "Frontier",

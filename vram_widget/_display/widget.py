@@ -1160,6 +1160,7 @@ def show_memory(
     loss_fn: Any = None,
     device: str = "cuda",
     seq_axis: Any = None,
+    cache: Any = True,
     **initial_settings: Any,
 ) -> MemoryWidget:
     """Profile ``model`` once and show an interactive memory / FLOPs widget.
@@ -1179,6 +1180,9 @@ def show_memory(
     seq_axis : None, False, int or dict, optional
         The sequence dimension the "sequence length" slider varies (see
         :func:`vram_widget.profile_model`; None finds Hugging Face token inputs).
+    cache : bool or path, optional
+        Whether the profile is read from and written to the on-disk cache (see
+        :func:`vram_widget.profile_model`).
     **initial_settings
         Starting values of the controls: ``batch_size`` (int >= 1), ``seq_len`` (tokens
         per sample, where the profile has a sequence axis; default: the example's),
@@ -1249,6 +1253,8 @@ def show_memory(
         loss_fn=loss_fn,
         device=device,
         seq_axis=seq_axis,
+        precisions=(initial_settings.get("precision", "fp32"),),  # the first one asked
+        cache=cache,
     )
     try:
         return MemoryWidget(profile, **initial_settings)

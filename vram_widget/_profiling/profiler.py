@@ -46,6 +46,7 @@ from .._estimating.table import (
 )
 from .composites import real_run_composites, rules_hold
 from .data_dependent import example_mask_values, graph_randomness, worst_case_graph
+from .disk_cache import cached_source
 from .errors import entry_codes, user_traceback
 from .fake import (
     DATA_DEPENDENT_ERRORS,
@@ -746,8 +747,9 @@ WORKSPACE_BATCH_SIZES = (1, 8, 32)
 class _Source:
     """Profiles one precision and mode (or one optimizer) when the table first asks."""
 
-    def __init__(self, profiler: Profiler) -> None:
+    def __init__(self, profiler: Profiler, cache: object = True) -> None:
         self.profiler = profiler
+        self.cache = cache  # profile_model's cache=, which a LoRA profile inherits
 
     def timeline(
         self,
@@ -1038,13 +1040,17 @@ class _Source:
                 loss_fn=subject.loss_fn,
                 device=subject.device.value,
                 seq_axis=dict(subject.seq_axes) or False,
+                # the parent profile ran the model already; the adapters' dtypes are set
+                # below, before any run (and so before any cache entry is made)
+                precisions=(),
+                cache=self.cache,
             )
         sub.name_prefix = PEFT_PREFIX
         # PEFT keeps the adapters in fp32 on an fp16 / bf16 base (get_peft_model's
         # autocast_adapter_dtype=True, peft/tuners/tuners_utils.py, _cast_adapter_dtype):
         # the base is cast to the precision, the adapters are not. (fp32 profiles alike.)
         adapters = {n for n, p in wrapped.named_parameters() if id(p) not in base_ids}
-        source = sub._source
+        source = getattr(sub._source, "inner", sub._source)  # under a DiskCachedSource
         assert isinstance(source, _Source)
         source.profiler.subject.fixed_dtypes = frozenset(adapters)
         sub.fp32_params = frozenset(adapters)  # their gradients too: DDP buckets them apart
@@ -1286,6 +1292,9 @@ def profile_model(
     loss_fn: Callable[[Any], Any] | None = None,
     device: str = "cuda",
     seq_axis: Any = None,
+    *,
+    precisions: Any = ("fp32",),
+    cache: Any = True,
 ) -> ModelProfile:
     """Profile one training step and one inference pass of ``model`` on fake tensors.
 
@@ -1319,6 +1328,19 @@ def profile_model(
         2-D integer positional tensors) where they share one length; an int is that dim of
         every batched input that has it; a dict maps input names (``"[0]"`` for the first
         positional) to dims; False means none.
+    precisions : sequence of str, optional
+        The precisions whose training step, inference pass and Adam step are profiled now
+        (each other setting is profiled on its first estimate). The default, ``("fp32",)``,
+        also checks that the model runs at all before the profile is returned; ``()``
+        defers every run to the first estimate; ``("bf16",)`` runs bf16 alone.
+    cache : bool or path, optional
+        Whether profiles are read from and written to the on-disk cache: True (the user
+        cache directory, ``$VRAM_WIDGET_CACHE_DIR`` where set, off where
+        ``$VRAM_WIDGET_CACHE`` is ``0``), False, or a cache directory. A second process
+        that profiles the same model, inputs, loss and device with the same library
+        versions runs nothing; what is in the key is listed in
+        ``vram_widget._profiling.disk_cache``. A ``loss_fn`` whose state cannot be hashed (a
+        bound method, a closure over a tensor) is not cached.
 
     Returns
     -------
@@ -1338,6 +1360,7 @@ def profile_model(
     """
     check_model(model)
     target = parse_option(Device, device, "device")
+    eager = _parse_precisions(precisions)
     if inputs is None and input_size is None:
         raise ValueError(
             "give the example input: input_size=(...) for one sample's shape, "
@@ -1359,7 +1382,16 @@ def profile_model(
     seq_len_limit = position_limit(model) if seq_axes else None
     _check_position_table(subject, seq_len_limit)
     profiler = Profiler(subject)
-    source = _Source(profiler)
+    source = cached_source(
+        _Source(profiler, cache),
+        cache,
+        model,
+        _named_values(model_inputs),
+        size,
+        loss_fn,
+        target.value,
+        seq_axes,
+    )
     auto_blocks, hf_auto = checkpoint_auto(model, subject.rows.names[:-2], subject.rows.types[:-2])
     generates, limit, cache_implementation = generation_limit(model)
     profile = ModelProfile(
@@ -1381,11 +1413,12 @@ def profile_model(
         checkpoint_blocks=auto_blocks,
         hf_checkpointing=hf_auto,
     )
-    # fp32 training and inference, and Adam, are what the first estimate asks for.
+    # Training and inference, and Adam, in the precisions the first estimate asks for.
     try:
-        profile.timeline(Precision.FP32, Mode.TRAIN)
-        profile.timeline(Precision.FP32, Mode.INFERENCE)
-        profile.optimizer_trace(Precision.FP32, OptimizerName.ADAM)
+        for precision in eager:
+            profile.timeline(precision, Mode.TRAIN)
+            profile.timeline(precision, Mode.INFERENCE)
+            profile.optimizer_trace(precision, OptimizerName.ADAM)
     except ProfilingError:
         # A kernel that runs in some dtypes only (the CUDA grouped GEMM of mixture-of-experts
         # layers: bf16) fails fp32 alone. The profile serves the precisions that run, and
@@ -1405,6 +1438,27 @@ def profile_model(
     if size is not None:
         _warn_if_batch_in_input_size(subject)
     return profile
+
+
+def _named_values(inputs: ModelInputs | None) -> list[tuple[str, Any]]:
+    """Every example input by name (``"[i]"`` positional), tensors or not."""
+    if inputs is None:
+        return []
+    return [*((f"[{i}]", v) for i, v in enumerate(inputs.args)), *inputs.kwargs.items()]
+
+
+def _parse_precisions(precisions: Any) -> tuple[Precision, ...]:
+    """``profile_model``'s ``precisions=``: one precision or a sequence of them."""
+    if isinstance(precisions, str | Precision):
+        precisions = (precisions,)
+    try:
+        items = tuple(precisions)
+    except TypeError:
+        raise TypeError(
+            "precisions must be a sequence of precisions such as ('fp32',) or ('bf16',), "
+            f"or () to profile on the first estimate; got {precisions!r}"
+        ) from None
+    return tuple(dict.fromkeys(parse_option(Precision, p, "precision") for p in items))
 
 
 def _another_precision_runs(profile: ModelProfile) -> bool:

@@ -1,0 +1,20 @@
+"""Each test runs with the on-disk profile cache off, in an empty cache directory of its own
+(the root conftest.py already points the whole run away from the user's cache): tests that
+patch the profiler and profile a model again must see the patched profiler run.
+tests/test_disk_cache.py turns the cache on for its own tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _own_profile_cache(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    directory = tmp_path_factory.mktemp("profile_cache")
+    monkeypatch.setenv("VRAM_WIDGET_CACHE_DIR", str(directory))
+    monkeypatch.setenv("VRAM_WIDGET_CACHE", "0")
+    return directory
