@@ -58,7 +58,7 @@ import torch
 
 from .._estimating.decoding import DECODE_STEPS_PROFILED
 from .._estimating.levers import NO_LEVERS, Levers
-from .._estimating.options import Mode, OptimizerName, Precision
+from .._estimating.options import Mode, Precision
 
 # Bumped whenever what an entry holds changes shape: old entries are then misses.
 CACHE_FORMAT = 1
@@ -520,18 +520,13 @@ class DiskCachedSource:
             levers if mode is Mode.TRAIN else None,
         )
 
-    def optimizer_trace(
-        self,
-        precision: Precision,
-        optimizer: OptimizerName,
-        levers: Levers = NO_LEVERS,
-        only: tuple[str, ...] | None = None,
-        shard: tuple[int, int] | None = None,
-    ) -> Any:
+    def optimizer_trace(self, precision: Precision, optimizer: Any, *args: Any) -> Any:
+        # every argument is in the key, whatever the source takes (levers, a ZeRO or FSDP2
+        # shard, the implementation, ...): a setting added later cannot be left out of it
         return self._cached(
             "optimizer_trace",
-            (precision, optimizer, levers, only, shard),
-            lambda: self.inner.optimizer_trace(precision, optimizer, levers, only, shard),
+            (precision, optimizer, *args),
+            lambda: self.inner.optimizer_trace(precision, optimizer, *args),
             None,
         )
 
