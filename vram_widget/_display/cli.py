@@ -140,7 +140,10 @@ def _profile(
 ) -> tuple[ModelProfile, list[_Setting]]:
     from .. import profile_model
 
-    profile = profile_model(model, device=args.device.value, **inputs)
+    # profile only the precisions asked (profile_model would otherwise run fp32 up front)
+    profile = profile_model(
+        model, device=args.device.value, precisions=tuple(args.precisions), **inputs
+    )
     settings: list[_Setting] = []
     gpu: Gpu | None = args.gpu
     keywords = _estimate_keywords(args)
