@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         Optimizer,
         ParallelSettings,
         Recipe,
+        RecipeSettingIgnored,
         Step,
     )
     from ._estimating.tradeoff import Frontier
@@ -50,6 +51,7 @@ _LAZY = {
     "ModelProfile": "._estimating.profile",
     "ProfilingError": "._estimating.profile",
     "Recipe": "._estimating.recipe",
+    "RecipeSettingIgnored": "._estimating.recipe",
     "Step": "._estimating.recipe",
     "Optimizer": "._estimating.recipe",
     "LeverSettings": "._estimating.recipe",
@@ -86,6 +88,7 @@ __all__ = [
     "Precision",
     "ProfilingError",
     "Recipe",
+    "RecipeSettingIgnored",
     "Step",
     "measure",
     "profile_model",
