@@ -100,9 +100,8 @@ def read_torchtune(config: object, gpus: int = 1) -> Recipe:
         reshard = values.get("fsdp_reshard_after_forward", True)
         settings["strategy"] = "zero3" if reshard else "zero2"
     settings.update(_lora(values.get("model"), ignored))
-    recipe = Recipe(ignored=tuple(ignored)).with_(**settings)
-    warn_ignored(SOURCE, ignored)
-    return recipe
+    warn_ignored(SOURCE, ignored)  # before the optimizer's name is parsed, which may refuse it
+    return Recipe(ignored=tuple(ignored)).with_(**settings)
 
 
 def _as_dict(config: object) -> dict[str, Any]:

@@ -184,9 +184,8 @@ def read_training_arguments(args: object, gpus: int = 1) -> Recipe:
         "checkpoint": _checkpoint(values),
     }
     settings.update(_fsdp(values.get("fsdp"), values.get("fsdp_config"), gpus, ignored))
-    recipe = Recipe(ignored=tuple(ignored)).with_(**settings)
-    warn_ignored(SOURCE, ignored)
-    return recipe
+    warn_ignored(SOURCE, ignored)  # before the optimizer's name is parsed, which may refuse it
+    return Recipe(ignored=tuple(ignored)).with_(**settings)
 
 
 def _as_dict(args: object) -> dict[str, Any]:
