@@ -25,4 +25,6 @@ def warn_ignored(source: str, ignored: Sequence[str]) -> None:
 
 def refuse(source: str, setting: str, why: str) -> ValueError:
     """The error for a setting that changes the step too much for an estimate without it."""
-    return ValueError(f"{source}: {setting} is not estimated ({why}); remove it to estimate the rest")
+    return ValueError(
+        f"{source}: {setting} is not estimated ({why}); remove it to estimate the rest"
+    )

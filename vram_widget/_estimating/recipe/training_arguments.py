@@ -279,7 +279,7 @@ def _fsdp(fsdp: object, config: object, gpus: int, ignored: list[str]) -> dict[s
     if isinstance(config, str):
         with open(config, encoding="utf-8") as f:
             config = json.load(f)
-    conf: dict[str, Any] = dict(config or {})
+    conf: dict[str, Any] = dict(config) if isinstance(config, Mapping) else {}
     items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
     if "offload" in items or conf.get("cpu_offload"):
         raise refuse(SOURCE, "FSDP cpu_offload", "parameters and gradients held on the host")
@@ -290,7 +290,8 @@ def _fsdp(fsdp: object, config: object, gpus: int, ignored: list[str]) -> dict[s
     if "hybrid_shard" in items:
         strategy = "hsdp"
     elif "shard_grad_op" in items or str(conf.get("reshard_after_forward", True)).lower() in (
-        "false", "shard_grad_op",
+        "false",
+        "shard_grad_op",
     ):
         strategy = "zero2"
     settings: dict[str, Any] = {"gpus": gpus, "strategy": strategy}
