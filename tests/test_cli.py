@@ -393,18 +393,13 @@ def test_data_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_every_estimate_keyword_has_a_flag() -> None:
-    import inspect
-
     from vram_widget._display.cli_args import build_parser
-    from vram_widget._estimating.profile import ModelProfile
+    from vram_widget._estimating.recipe import KEYWORD_FIELDS
 
     flags = {s for a in build_parser()._actions for s in a.option_strings}
     # compute_capability is the --gpu's own (its catalog entry), not a flag of its own; the
     # command line builds its Recipe from the flags themselves
-    parameters = inspect.signature(ModelProfile.estimate).parameters
-    keywords = {k for k, p in parameters.items() if p.kind is not p.VAR_KEYWORD} - {
-        "self", "compute_capability", "optimizer", "precision", "mode", "batch_size", "recipe",
-    }  # fmt: skip
+    keywords = set(KEYWORD_FIELDS) - {"compute_capability"}
     missing = [k for k in keywords if "--" + k.replace("_", "-") not in flags]
     assert missing == []
     assert {"--optimizer", "--precision", "--mode", "--batch-size", "--gpu"} <= flags
@@ -635,3 +630,33 @@ def test_main_install_skips_pip_when_installed(tmp_path: Path) -> None:
     )  # fmt: skip
     assert bad.returncode == 2
     assert "usage: bash scripts/install.sh [main|test]" in bad.stderr
+
+
+def test_training_args_file_fills_the_flags_and_refuses_a_conflict(tmp_path: Path) -> None:
+    from vram_widget._display.cli_args import build_parser, validate
+
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"per_device_train_batch_size": 4, "optim": "adamw_torch_fused",
+                                "bf16": True, "gradient_accumulation_steps": 2,
+                                "max_grad_norm": 0}))  # fmt: skip
+    parser = build_parser()
+    args = validate(parser, parser.parse_args(["mlp", "--training-args", str(path)]))
+    assert (args.batch_size, args.optimizer, args.grad_accumulation) == (4, "adamw-fused", 2)
+    assert [p.value for p in args.precisions] == ["amp-bf16"]
+    same = ["mlp", "--training-args", str(path), "--batch-size", "4", "--precision", "amp-bf16"]
+    assert validate(parser, parser.parse_args(same)).batch_size == 4
+    with pytest.raises(SystemExit) as exit_info:
+        validate(parser, parser.parse_args(["mlp", "--training-args", str(path),
+                                            "--batch-size", "8"]))  # fmt: skip
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["mlp", "--training-args", str(path), "--torchtune-config", "x.yaml"])
+
+
+def test_optimizer_flag_takes_every_name() -> None:
+    from vram_widget._display.cli_args import build_parser
+    from vram_widget._estimating.options import optimizer_names
+
+    parser = build_parser()
+    for name in optimizer_names():
+        assert parser.parse_args(["mlp", "--optimizer", name]).optimizer == name

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         Optimizer,
         ParallelSettings,
         Recipe,
+        RecipeSettingIgnored,
         Step,
     )
     from ._estimating.tradeoff import Frontier
@@ -52,6 +53,7 @@ _LAZY = {
     "ModelProfile": "._estimating.profile",
     "ProfilingError": "._estimating.profile",
     "Recipe": "._estimating.recipe",
+    "RecipeSettingIgnored": "._estimating.recipe",
     "Step": "._estimating.recipe",
     "Optimizer": "._estimating.recipe",
     "LeverSettings": "._estimating.recipe",
@@ -89,6 +91,7 @@ __all__ = [
     "Precision",
     "ProfilingError",
     "Recipe",
+    "RecipeSettingIgnored",
     "Step",
     "measure",
     "profile_model",

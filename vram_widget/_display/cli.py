@@ -130,6 +130,8 @@ def _assumptions(args: argparse.Namespace, spec: ModelSpec, inputs: dict[str, An
             "choose with MODEL (a zoo name or package.module:callable), --transformers TYPE, "
             "--input-size"
         )
+    for ignored in getattr(args, "recipe_ignored", ()):
+        lines.append(f"not estimated (set in the recipe file): {ignored}")
     if args.gpu_assumed:
         lines.append(f"assumed GPU: {DEFAULT_GPU}; choose another with --gpu (e.g. 'A100 40GB')")
     return lines
@@ -171,6 +173,8 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["new_tokens"] = args.new_tokens
     if args.expandable_segments:
         keywords["expandable_segments"] = True
+    if args.context_bytes is not None:
+        keywords["context_bytes"] = args.context_bytes
     if not train:
         return keywords
     return {**keywords, **_training_keywords(args)}
@@ -203,6 +207,9 @@ def _training_keywords(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.base_quantization is not None:
         keywords["base_quantization"] = args.base_quantization
+    for name in ("optimizer_in_backward", "set_to_none", "lora_dtype"):
+        if getattr(args, name) is not None:
+            keywords[name] = getattr(args, name)
     return keywords
 
 

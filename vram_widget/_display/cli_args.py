@@ -19,7 +19,8 @@ from .._estimating.options import (
     OptimizerName,
     Precision,
     Strategy,
-    parse_optimizer,
+    optimizer_names,
+    parse_optimizer_choice,
     parse_option,
 )
 from .._estimating.sharding import DEFAULT_GPUS_PER_NODE, check_rank, resolve_parallel
@@ -71,6 +72,11 @@ examples:
 # Flags of training only: (dest, flag) — given with another --mode, a usage error.
 _TRAIN_ONLY = (
     ("optimizer", "--optimizer"),
+    ("optimizer_in_backward", "--optimizer-in-backward"),
+    ("set_to_none", "--set-to-none"),
+    ("lora_dtype", "--lora-dtype"),
+    ("training_args", "--training-args"),
+    ("torchtune_config", "--torchtune-config"),
     ("checkpoint", "--checkpoint"),
     ("trainable", "--trainable"),
     ("grad_accumulation", "--grad-accumulation"),
@@ -125,17 +131,26 @@ def precisions(value: str) -> list[Precision]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def optimizer(value: str) -> OptimizerName | str:
-    """An optimizer name, or ``"none"`` (kept as a string, so that :func:`validate` can tell
-    ``--optimizer none`` from a flag left out)."""
+def optimizer(value: str) -> str:
+    """An optimizer name, with its implementation where given (``adamw-fused``), or
+    ``"none"`` (kept as a string, so that :func:`validate` can tell ``--optimizer none`` from
+    a flag left out)."""
     try:
-        parsed = parse_optimizer(value)
+        parsed, _ = parse_optimizer_choice(value)
     except ValueError:
-        valid = ", ".join([*(m.value for m in OptimizerName), "none"])
+        valid = ", ".join([*optimizer_names(), "none"])
         raise argparse.ArgumentTypeError(
             f"unknown optimizer {value!r}; valid values are {valid}"
         ) from None
-    return "none" if parsed is None else parsed
+    return "none" if parsed is None else value.strip().lower()
+
+
+def true_false(value: str) -> bool:
+    """``true`` or ``false`` (``--set-to-none``)."""
+    key = value.strip().lower()
+    if key not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{value!r}: give true or false")
+    return key == "true"
 
 
 def _option(enum_type: type[Any], what: str) -> Callable[[str], Any]:
@@ -194,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(parser.add_argument_group("model"))
     _input_flags(parser.add_argument_group("inputs"))
     _setting_flags(parser.add_argument_group("settings"))
+    _recipe_flags(parser.add_argument_group("recipe (training)"))
     _lever_flags(parser.add_argument_group("memory levers (training)"))
     _parallel_flags(parser.add_argument_group("data parallel (training)"))
     output = parser.add_argument_group("output")
@@ -273,10 +289,9 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
     settings.add_argument(
         "--batch-size",
         type=positive_int,
-        default=32,
         metavar="N",
         help="samples per step (sequences generated at once with --mode generate), >= 1 "
-        "(default: 32)",
+        "(default: 32, or the --training-args / --torchtune-config file's)",
     )
     settings.add_argument(
         "--precision",
@@ -290,8 +305,8 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         "--optimizer",
         type=optimizer,
         metavar="NAME",
-        help=f"one of {', '.join(o.value for o in OptimizerName)}, none (default: adam; "
-        "training only)",
+        help=f"one of {', '.join(optimizer_names())}, none (a -fused, -foreach or -forloop "
+        "suffix picks torch.optim's implementation) (default: adam; training only)",
     )
     settings.add_argument(
         "--mode",
@@ -323,6 +338,48 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="the CUDA caching allocator with expandable_segments:True "
         "(PYTORCH_CUDA_ALLOC_CONF) for reserved and device (cuda only)",
+    )
+
+
+def _recipe_flags(recipe: argparse._ArgumentGroup) -> None:
+    source = recipe.add_mutually_exclusive_group()
+    source.add_argument(
+        "--training-args",
+        metavar="FILE.json",
+        help="read the step from Hugging Face TrainingArguments (the JSON args.to_json_string() "
+        "writes): batch, accumulation, bf16/fp16, optim, checkpointing, FSDP; a flag that asks "
+        "for another value than the file's is refused",
+    )
+    source.add_argument(
+        "--torchtune-config",
+        metavar="FILE.yaml",
+        help="read the step from a torchtune recipe config (batch_size, dtype, optimizer, "
+        "optimizer_in_bwd, activation checkpointing, LoRA); a flag that asks for another "
+        "value than the file's is refused",
+    )
+    recipe.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        default=None,
+        help="step each parameter in its post-accumulate-grad hook during the backward "
+        "(torchtune's optimizer_in_bwd)",
+    )
+    recipe.add_argument(
+        "--set-to-none",
+        type=true_false,
+        metavar="{true,false}",
+        help="optimizer.zero_grad(set_to_none=...) (default: true, torch's default)",
+    )
+    recipe.add_argument(
+        "--lora-dtype",
+        choices=("fp32", "bf16", "fp16", "base"),
+        help="with --lora-rank: the adapters' dtype ('base': the base weights'; default: PEFT's)",
+    )
+    recipe.add_argument(
+        "--context-bytes",
+        type=positive_int,
+        metavar="BYTES",
+        help="the CUDA context's device memory, as measured (default: the estimate's figure)",
     )
 
 
@@ -425,6 +482,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     >>> args.gpus, args.strategy, args.grad_accumulation, args.gpu.name
     (4, 'zero1', 1, 'H100 SXM 80GB')
     """
+    _read_recipe_file(parser, args)
+    args.batch_size = 32 if args.batch_size is None else args.batch_size
     chosen = [p for group in (args.precision or [list(DEFAULT_PRECISIONS)]) for p in group]
     args.precisions = list(dict.fromkeys(chosen))  # repeated ones once, in order
     _check_mode(parser, args)
@@ -432,6 +491,83 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     _check_parallel(parser, args)
     _check_gpu(parser, args)
     return args
+
+
+# flag dest -> the Recipe's flat setting a --training-args / --torchtune-config file sets
+_FILE_SETTINGS = (
+    "batch_size", "optimizer", "grad_accumulation", "checkpoint", "lora_rank", "lora_targets",
+    "lora_dtype", "optimizer_in_backward", "gpus", "strategy", "fsdp_units",
+)  # fmt: skip
+
+
+def _read_recipe_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the flags left out from a --training-args or --torchtune-config file; a flag
+    given with another value than the file's is refused (one place per setting)."""
+    from .._estimating.recipe import Recipe
+
+    args.recipe_ignored = ()
+    path, flag = args.training_args, "--training-args"
+    if path is None:
+        path, flag = args.torchtune_config, "--torchtune-config"
+    if path is None:
+        return
+    gpus = 1 if args.gpus is None else args.gpus
+    try:
+        if flag == "--training-args":
+            recipe = Recipe.from_training_arguments(path, gpus=gpus)
+        else:
+            recipe = Recipe.from_torchtune(path, gpus=gpus)
+    except (OSError, ValueError, TypeError) as exc:
+        parser.error(f"{flag} {path}: {exc}")
+    given = {k: getattr(args, k) for k in _FILE_SETTINGS if getattr(args, k) is not None}
+    asked = {p for group in args.precision or [] for p in group}
+    conflicts = [f"--{k.replace('_', '-')}" for k in given if not _agrees(recipe, k, given[k])]
+    if asked and asked != {recipe.step.precision}:
+        conflicts.append("--precision")
+    if conflicts:
+        parser.error(
+            f"{', '.join(conflicts)}: another value than {flag} {path} sets (it sets "
+            f"precision {recipe.step.precision.value}, optimizer {_shown(recipe.optimizer)}, "
+            f"batch size {recipe.step.batch_size}): set each in one place"
+        )
+    args.precision = [[recipe.step.precision]]
+    default = Recipe()
+    for key in _FILE_SETTINGS:  # the file's settings, where they are not the defaults
+        if getattr(args, key) is None and recipe.get(key) != default.get(key):
+            setattr(args, key, _flag_value(key, recipe.get(key)))
+    args.recipe_ignored = recipe.ignored
+
+
+def _agrees(recipe: Any, key: str, value: Any) -> bool:
+    from .._estimating.recipe import Recipe
+
+    if key in ("lora_targets", "fsdp_units", "checkpoint") and isinstance(value, str):
+        value = value if value in ("auto", "all-linear") else value.split(",")
+    try:
+        return Recipe.from_keywords(recipe, **{key: value}) is recipe
+    except (ValueError, TypeError):
+        return False
+
+
+def _shown(value: Any) -> str:
+    name = getattr(value, "name", None)
+    if hasattr(value, "implementation"):  # an Optimizer record
+        suffix = "" if value.implementation is None else f"-{value.implementation.value}"
+        return "none" if name is None else f"{name.value}{suffix}"
+    return str(getattr(value, "value", value))
+
+
+def _flag_value(key: str, value: Any) -> Any:
+    """A Recipe setting as its flag's parsed value."""
+    if key == "optimizer":
+        return _shown(value)
+    if key in ("lora_targets", "fsdp_units", "checkpoint") and isinstance(value, tuple):
+        return ",".join(value)
+    if key == "optimizer_in_backward":
+        return value or None
+    if key == "strategy":
+        return value.value
+    return value
 
 
 def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -172,6 +172,9 @@ class MemoryEstimate:
     # how torch.optim ran the optimizer's step ("fused", "foreach" or "forloop"; None: no
     # optimizer step): the one asked, else torch's default on the device
     optimizer_implementation: str | None = None
+    # settings of the config the Recipe was read from that change memory but are not
+    # estimated (``Recipe.ignored``: ``Recipe.from_training_arguments``, ``from_torchtune``)
+    ignored: tuple[str, ...] = ()
 
     @property
     def new_tokens(self) -> int | None:

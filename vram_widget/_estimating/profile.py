@@ -605,31 +605,32 @@ class ModelProfile:
         >>> est.kv_cache_bytes_per_token, est.kv_cache_bytes == 4 * 27 * 1024
         (1024, True)
         """
-        return self._estimate(
-            Recipe.from_keywords(
-                recipe,
-                batch_size=batch_size,
-                precision=precision,
-                optimizer=optimizer,
-                mode=mode,
-                seq_len=seq_len,
-                compute_capability=compute_capability,
-                checkpoint=checkpoint,
-                trainable=trainable,
-                grad_accumulation=grad_accumulation,
-                lora_rank=lora_rank,
-                lora_targets=lora_targets,
-                base_quantization=base_quantization,
-                expandable_segments=expandable_segments,
-                gpus=gpus,
-                strategy=strategy,
-                rank=rank,
-                gpus_per_node=gpus_per_node,
-                fsdp_units=fsdp_units,
-                new_tokens=new_tokens,
-                **settings,
-            )
+        asked = Recipe.from_keywords(
+            recipe,
+            batch_size=batch_size,
+            precision=precision,
+            optimizer=optimizer,
+            mode=mode,
+            seq_len=seq_len,
+            compute_capability=compute_capability,
+            checkpoint=checkpoint,
+            trainable=trainable,
+            grad_accumulation=grad_accumulation,
+            lora_rank=lora_rank,
+            lora_targets=lora_targets,
+            base_quantization=base_quantization,
+            expandable_segments=expandable_segments,
+            gpus=gpus,
+            strategy=strategy,
+            rank=rank,
+            gpus_per_node=gpus_per_node,
+            fsdp_units=fsdp_units,
+            new_tokens=new_tokens,
+            **settings,
         )
+        est = self._estimate(asked)
+        # what the config the Recipe was read from sets but the estimate leaves out
+        return dataclasses.replace(est, ignored=asked.ignored) if asked.ignored else est
 
     def _estimate(self, recipe: Recipe) -> MemoryEstimate:
         """:meth:`estimate` of one resolved Recipe."""

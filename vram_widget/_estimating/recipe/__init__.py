@@ -4,6 +4,7 @@ No torch here: a Recipe is plain data that every stage reads.
 """
 
 from .generation import Generation
+from .ignored import RecipeSettingIgnored
 from .levers import LeverSettings
 from .optimizer import Optimizer
 from .parallel import ParallelSettings
@@ -18,5 +19,6 @@ __all__ = [
     "Optimizer",
     "ParallelSettings",
     "Recipe",
+    "RecipeSettingIgnored",
     "Step",
 ]

@@ -71,6 +71,76 @@ class Recipe:
     parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
     generation: Generation = dataclasses.field(default_factory=Generation)
     accelerator: Accelerator = dataclasses.field(default_factory=Accelerator)
+    # settings of the config this Recipe was read from that change memory but are not
+    # estimated (``from_training_arguments``, ``from_torchtune``), each with what it changes;
+    # every estimate from this Recipe lists them in ``MemoryEstimate.ignored``
+    ignored: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ignored, list):
+            object.__setattr__(self, "ignored", tuple(self.ignored))
+
+    @classmethod
+    def from_training_arguments(cls, args: object, gpus: int = 1) -> Recipe:
+        """The Recipe of Hugging Face ``Trainer``'s step with these ``TrainingArguments``.
+
+        Parameters
+        ----------
+        args : transformers.TrainingArguments, dict, str or path
+            The arguments, their ``to_dict()``, the JSON ``args.to_json_string()`` writes,
+            or a file holding it.
+        gpus : int
+            Data-parallel ranks (the world size is not in the arguments); needed > 1 with
+            ``fsdp``.
+
+        Read: the micro-batch, accumulation, ``bf16`` / ``fp16`` (autocast over the weights'
+        own dtype: ``"amp-bf16"`` / ``"amp-fp16"``; a model loaded in bf16 is ``"bf16"``,
+        which the arguments cannot tell), ``optim`` (every ``OptimizerNames`` value mapped,
+        ``training_arguments.OPTIM_NAMES``), activation checkpointing and FSDP. Settings with
+        no effect on the step's memory (``training_arguments.NO_MEMORY_EFFECT``) are read
+        past; one that changes memory without being estimated is refused by name (DeepSpeed,
+        GaLore, reentrant checkpointing...) or listed in :attr:`ignored` and in a
+        :class:`~vram_widget.RecipeSettingIgnored` warning (``torch_compile``,
+        ``max_grad_norm`` > 0...). The Trainer drops the model's outputs (the logits) before
+        its backward, where the estimate's step keeps them to the end of the step (see the
+        README's section on readers).
+
+        Examples
+        --------
+        >>> r = Recipe.from_training_arguments(
+        ...     {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        ...      "bf16": True, "optim": "adamw_torch_fused", "gradient_checkpointing": True})
+        >>> r.step.batch_size, r.step.precision.value, r.get("grad_accumulation")
+        (4, 'amp-bf16', 2)
+        >>> r.optimizer.implementation.value, r.levers.checkpoint
+        ('fused', 'auto')
+        """
+        from .training_arguments import read_training_arguments
+
+        return read_training_arguments(args, gpus=gpus)
+
+    @classmethod
+    def from_torchtune(cls, config: object, gpus: int = 1) -> Recipe:
+        """The Recipe of a torchtune recipe config (a dict, a YAML file or an OmegaConf
+        ``DictConfig``): see :mod:`~vram_widget._estimating.recipe.torchtune`.
+
+        Parameters
+        ----------
+        config : dict, str, path or omegaconf.DictConfig
+        gpus : int
+            Ranks of a distributed recipe (FSDP2's ``fully_shard``); 1: a single device.
+
+        Examples
+        --------
+        >>> r = Recipe.from_torchtune({"batch_size": 4, "dtype": "bf16",
+        ...     "optimizer": {"_component_": "torch.optim.AdamW", "fused": True},
+        ...     "enable_activation_checkpointing": True})
+        >>> r.step.precision.value, r.optimizer.implementation.value, r.levers.checkpoint
+        ('bf16', 'fused', 'auto')
+        """
+        from .torchtune import read_torchtune
+
+        return read_torchtune(config, gpus=gpus)
 
     def with_(self, **settings: Any) -> Recipe:
         """A copy with these flat settings changed (the keywords of

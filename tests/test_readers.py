@@ -1,0 +1,204 @@
+"""Recipes read from Hugging Face TrainingArguments and torchtune configs, and the Trainer's
+own step against the estimate of the Recipe read from its arguments."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vram_widget import Recipe, RecipeSettingIgnored, profile_model, zoo
+from vram_widget._estimating.recipe.training_arguments import OPTIM_NAMES
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_training_arguments_settings() -> None:
+    args = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "bf16": True,
+            "optim": "adamw_torch_fused", "gradient_checkpointing": True, "learning_rate": 1e-4,
+            "max_grad_norm": 0.0}  # fmt: skip
+    r = Recipe.from_training_arguments(args)
+    assert (r.step.batch_size, r.get("grad_accumulation"), r.step.precision.value) == (
+        4, 2, "amp-bf16"
+    )  # fmt: skip
+    assert (r.optimizer.name.value, r.optimizer.implementation.value) == ("adamw", "fused")
+    assert r.levers.checkpoint == "auto" and r.ignored == ()
+    # adamw_torch: the Trainer passes neither foreach nor fused (torch's default)
+    plain = Recipe.from_training_arguments({**args, "optim": "adamw_torch", "bf16": False})
+    assert plain.optimizer.implementation is None and plain.step.precision.value == "fp32"
+    sgd = Recipe.from_training_arguments({**args, "optim": "sgd", "optim_args": "momentum=0.9"})
+    assert sgd.optimizer.name.value == "sgd-momentum"
+
+
+def test_training_arguments_instance_and_json_agree(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=3, max_grad_norm=0.0,
+        report_to="none", optim="adamw_torch",
+    )  # fmt: skip
+    path = tmp_path / "args.json"
+    path.write_text(args.to_json_string())
+    from_instance = Recipe.from_training_arguments(args)
+    assert from_instance == Recipe.from_training_arguments(args.to_json_string())
+    assert from_instance == Recipe.from_training_arguments(path)
+    assert from_instance.step.batch_size == 3
+
+
+def test_every_transformers_optimizer_is_mapped() -> None:
+    transformers = pytest.importorskip("transformers")
+    names = {o.value for o in transformers.training_args.OptimizerNames}
+    assert names == set(OPTIM_NAMES)
+
+
+def test_ignored_settings_warn_and_reach_the_estimate() -> None:
+    with pytest.warns(RecipeSettingIgnored, match=r"max_grad_norm=1\.0.*torch_compile=True"):
+        r = Recipe.from_training_arguments(
+            {"optim": "sgd", "max_grad_norm": 1.0, "torch_compile": True}
+        )
+    assert len(r.ignored) == 2
+    est = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(recipe=r)
+    assert est.ignored == r.ignored
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ({"deepspeed": "ds.json"}, "deepspeed"),
+        ({"gradient_checkpointing": True,
+          "gradient_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant"),
+        ({"optim": "galore_adamw"}, "galore_adamw"),
+        ({"optim": "nadam"}, "unknown optim 'nadam'"),
+        ({"fsdp": "full_shard"}, "pass gpus=N"),
+    ],
+)  # fmt: skip
+def test_training_arguments_refused_by_name(args: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        Recipe.from_training_arguments({"max_grad_norm": 0, **args})
+
+
+def test_training_arguments_fsdp() -> None:
+    base = {"max_grad_norm": 0, "optim": "adamw_torch"}
+    full = Recipe.from_training_arguments({**base, "fsdp": "full_shard"}, gpus=8)
+    assert (full.parallel.gpus, full.parallel.strategy.value) == (8, "zero3")
+    grad_op = Recipe.from_training_arguments(
+        {**base, "fsdp": True, "fsdp_config": {"reshard_after_forward": False}}, gpus=4
+    )
+    assert grad_op.parallel.strategy.value == "zero2"
+    with pytest.warns(RecipeSettingIgnored, match="version=1"):
+        hybrid = Recipe.from_training_arguments(
+            {**base, "fsdp": "hybrid_shard", "fsdp_config": {"version": 1}}, gpus=16
+        )
+    assert hybrid.parallel.strategy.value == "hsdp"
+
+
+def test_torchtune_full_single_device() -> None:
+    with pytest.warns(RecipeSettingIgnored, match="CEWithChunkedOutputLoss"):
+        try:
+            r = Recipe.from_torchtune(DATA / "torchtune_3B_full_single_device.yaml")
+        except ValueError as exc:
+            # bitsandbytes' PagedAdamW8bit is mapped; the optimizer registry decides on it
+            assert "'paged-adamw8bit'" in str(exc)
+            return
+    assert r.optimizer.name.value == "paged-adamw8bit"
+    assert (r.step.precision.value, r.optimizer.in_backward, r.levers.checkpoint) == (
+        "bf16", True, "auto"
+    )  # fmt: skip
+
+
+def test_torchtune_lora_single_device() -> None:
+    with pytest.warns(RecipeSettingIgnored, match="LinearCrossEntropyLoss"):
+        r = Recipe.from_torchtune(DATA / "torchtune_3B_lora_single_device.yaml")
+    assert (r.step.batch_size, r.get("grad_accumulation"), r.step.precision.value) == (4, 8, "bf16")
+    assert (r.optimizer.name.value, r.optimizer.implementation.value) == ("adamw", "fused")
+    # q_proj, v_proj, output_proj -> o_proj; apply_lora_to_mlp: w1, w2, w3 -> gate, down, up
+    assert r.levers.lora_targets == ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj",
+                                     "up_proj")  # fmt: skip
+    assert (r.levers.lora_rank, r.levers.lora_dtype) == (64, "base")
+    assert r.levers.checkpoint == "auto"
+
+
+def test_torchtune_refusals() -> None:
+    base = {"optimizer": {"_component_": "torch.optim.AdamW"}}
+    with pytest.raises(ValueError, match="qlora_llama3_2_3b"):
+        Recipe.from_torchtune({**base, "model": {"_component_": "m.qlora_llama3_2_3b"}})
+    with pytest.raises(ValueError, match=r"torch\.optim\.NAdam"):
+        Recipe.from_torchtune({"optimizer": {"_component_": "torch.optim.NAdam"}})
+    with pytest.raises(ValueError, match="dtype 'fp16'"):
+        Recipe.from_torchtune({**base, "dtype": "fp16"})
+    loop = Recipe.from_torchtune({"optimizer": {"_component_": "torch.optim.SGD",
+                                                "momentum": 0.9, "foreach": False}})  # fmt: skip
+    assert (loop.optimizer.name.value, loop.optimizer.implementation.value) == (
+        "sgd-momentum", "forloop"
+    )  # fmt: skip
+
+
+# --- the Trainer's own step -------------------------------------------------------------------
+
+
+def _trainer_peak(optim: str, checkpointing: bool, tmp_path: Path) -> tuple[int, Any]:
+    """The peak of the Trainer's third optimizer step (two micro-batches of 2), as
+    ``measure`` reads a CPU peak: resident bytes at the step's start (parameters, buffers,
+    optimizer state, one micro-batch) plus the largest rise of the CPU allocator's total
+    during the step, from ``on_step_begin`` to ``on_step_end`` (after ``zero_grad``)."""
+    transformers = pytest.importorskip("transformers")
+    from models import hf_llama, hf_tokens
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from vram_widget._profiling import measure as measuring
+
+    marks: dict[str, Any] = {}
+
+    class Mark(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 2:
+                gc.collect(0)
+                tensors = [*kw["model"].parameters(), *kw["model"].buffers()]
+                for s in kw["optimizer"].state.values():
+                    tensors += [v for v in s.values() if isinstance(v, torch.Tensor)]
+                marks["resident"] = measuring._storage_bytes(tensors, torch.device("cpu"))
+                marks["span"] = record_function(measuring._MARKER)
+                marks["span"].__enter__()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 3:
+                marks["span"].__exit__(None, None, None)
+
+    data = [{k: v[0] for k, v in hf_tokens(1, 16, seed=i).items()} for i in range(12)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, optim=optim, gradient_checkpointing=checkpointing,
+        max_steps=3, report_to="none", save_strategy="no", logging_strategy="no",
+        max_grad_norm=0.0, disable_tqdm=True, dataloader_pin_memory=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer = transformers.Trainer(model=hf_llama(), args=args, train_dataset=data,
+                                   callbacks=[Mark()])  # fmt: skip
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer.train()
+    above = measuring._cpu_trace(prof).peak_above_start()
+    one_batch = sum(t.nbytes for t in hf_tokens(2, 16).values())
+    return marks["resident"] + one_batch + above, args
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # gradient_checkpointing's new name
+@pytest.mark.parametrize(
+    ("optim", "checkpointing"),
+    [("adamw_torch_fused", False), ("adamw_torch", False), ("adamw_torch_fused", True)],
+)
+def test_trainer_step_against_the_estimate(optim: str, checkpointing: bool, tmp_path: Path) -> None:
+    from models import HF_VOCAB, hf_llama, hf_tokens
+
+    measured, args = _trainer_peak(optim, checkpointing, tmp_path)
+    recipe = Recipe.from_training_arguments(args)
+    assert recipe.levers.checkpoint == ("auto" if checkpointing else None)
+    est = profile_model(hf_llama(), inputs=hf_tokens(2, 16), device="cpu").estimate(recipe=recipe)
+    # The Trainer's compute_loss returns the loss alone, so the model's outputs (the logits,
+    # 2 x 16 x HF_VOCAB x 4 bytes = 128,000 B with 1,000 tokens) are freed before its
+    # backward, where the estimate's step keeps them to the step's end; and it holds one
+    # more 4-byte scalar (the detached loss of training_step). The peak is in the backward.
+    logits = 2 * 16 * HF_VOCAB * 4
+    assert est.peak_phase.value == "backward"
+    assert measured == est.peak_bytes - logits + 4

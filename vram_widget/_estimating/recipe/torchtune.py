@@ -1,0 +1,201 @@
+"""A Recipe from a torchtune recipe config (the YAML of ``tune run <recipe> --config ...``;
+keys as in torchtune's ``recipes/configs/llama3_2/3B_full_single_device.yaml`` and
+``3B_lora_single_device.yaml``).
+
+- ``batch_size``, ``gradient_accumulation_steps``: the micro-batch and the accumulation.
+- ``dtype``: torchtune trains in that dtype throughout, parameters included, with no autocast
+  (``training.get_dtype`` and the recipes' ``model.to(dtype)`` / ``set_default_dtype``): bf16
+  is our ``"bf16"``, fp32 ``"fp32"``.
+- ``optimizer``: its ``_component_`` and keyword arguments (``fused`` / ``foreach``).
+- ``optimizer_in_bwd``: each parameter stepped in its post-accumulate-grad hook
+  (``optimizer_in_backward``).
+- ``enable_activation_checkpointing``: each transformer layer checkpointed
+  (``training.set_activation_checkpointing`` on ``TransformerSelfAttentionLayer``): our
+  ``checkpoint="auto"``.
+- ``model``: a LoRA builder (``lora_llama3_2_3b`` ...) gives ``lora_rank`` and the targets;
+  torchtune's module names map onto Hugging Face Llama's, which the estimate's PEFT copy
+  uses: ``q_proj``, ``k_proj``, ``v_proj`` stay, ``output_proj`` -> ``o_proj``; the MLP's
+  ``w1`` / ``w3`` / ``w2`` (``apply_lora_to_mlp``) -> ``gate_proj`` / ``up_proj`` /
+  ``down_proj`` (torchtune's ``FeedForward``: ``w2(silu(w1(x)) * w3(x))``); the output
+  projection (``apply_lora_to_output``) -> ``lm_head``. The adapters are in the base dtype
+  (torchtune builds them with the model, under its dtype): ``lora_dtype="base"``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .ignored import refuse, warn_ignored
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+SOURCE = "torchtune config"
+
+# optimizer._component_ -> our name (implementation from fused / foreach below).
+OPTIMIZERS: dict[str, str] = {
+    "torch.optim.AdamW": "adamw",
+    "torch.optim.Adam": "adam",
+    "torch.optim.SGD": "sgd",
+    "torch.optim.Adagrad": "adagrad",
+    "torch.optim.RMSprop": "rmsprop",
+    "torch.optim.Adafactor": "adafactor",
+    "bitsandbytes.optim.AdamW8bit": "adamw8bit",
+    "bitsandbytes.optim.PagedAdamW8bit": "paged-adamw8bit",
+    "bitsandbytes.optim.PagedAdamW": "paged-adamw",
+    "torchao.optim.AdamW8bit": "torchao-adamw8bit",
+    "torchao.optim.AdamW4bit": "torchao-adamw4bit",
+    "torchao.prototype.low_bit_optim.AdamW8bit": "torchao-adamw8bit",
+    "torchao.prototype.low_bit_optim.AdamW4bit": "torchao-adamw4bit",
+}
+
+# torchtune's LoRA module names -> Hugging Face Llama's (see the module docstring).
+LORA_ATTN_NAMES: dict[str, str] = {
+    "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj",
+}  # fmt: skip
+LORA_MLP_NAMES: tuple[str, ...] = ("gate_proj", "down_proj", "up_proj")  # w1, w2, w3
+
+DTYPES: dict[str, str] = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
+
+# Keys with no effect on the device memory of a training step: files, data (the sequence
+# length is the estimate's own input), logging, schedules, seeds.
+NO_MEMORY_EFFECT: frozenset[str] = frozenset({
+    "output_dir", "tokenizer", "dataset", "seed", "shuffle", "checkpointer",
+    "resume_from_checkpoint", "save_adapter_weights_only", "save_last_epoch_only", "epochs",
+    "max_steps_per_epoch", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
+    "log_level", "device", "lr_scheduler", "collate_fn", "run_val_every_n_steps",
+    "dataset_val", "save_every_n_steps", "keep_last_n_checkpoints",
+})  # fmt: skip
+
+_MODELLED = frozenset({
+    "batch_size", "gradient_accumulation_steps", "dtype", "optimizer", "optimizer_in_bwd",
+    "enable_activation_checkpointing", "model", "fsdp_reshard_after_forward", "loss",
+    "compile", "enable_activation_offloading", "clip_grad_norm", "profiler",
+    "mixed_precision", "fsdp_cpu_offload",
+})  # fmt: skip
+
+
+def read_torchtune(config: object, gpus: int = 1) -> Recipe:
+    """See :meth:`Recipe.from_torchtune`."""
+    from .recipe import Recipe
+
+    values = _as_dict(config)
+    ignored: list[str] = []
+    _refuse_and_ignore(values, ignored)
+    dtype = str(values.get("dtype", "fp32")).lower()
+    if dtype not in DTYPES:
+        raise ValueError(f"{SOURCE}: unknown dtype {dtype!r}; torchtune's are bf16 and fp32")
+    settings: dict[str, Any] = {
+        "batch_size": int(values.get("batch_size", 1)),
+        "grad_accumulation": int(values.get("gradient_accumulation_steps", 1)),
+        "precision": DTYPES[dtype],
+        "optimizer": _optimizer(values.get("optimizer")),
+        "optimizer_in_backward": bool(values.get("optimizer_in_bwd", False)),
+        "checkpoint": "auto" if values.get("enable_activation_checkpointing") else None,
+        "gpus": gpus,
+    }
+    if gpus > 1:  # torchtune's distributed recipes: FSDP2 fully_shard on each layer
+        reshard = values.get("fsdp_reshard_after_forward", True)
+        settings["strategy"] = "zero3" if reshard else "zero2"
+    settings.update(_lora(values.get("model"), ignored))
+    warn_ignored(SOURCE, ignored)  # before the optimizer's name is parsed, which may refuse it
+    return Recipe(ignored=tuple(ignored)).with_(**settings)
+
+
+def _as_dict(config: object) -> dict[str, Any]:
+    """A dict, a YAML file, or an OmegaConf ``DictConfig`` (unresolved: interpolations such as
+    ``${output_dir}`` are in keys the reader does not need)."""
+    if type(config).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        container = OmegaConf.to_container(config, resolve=False)
+        assert isinstance(container, dict)
+        return {str(k): v for k, v in container.items()}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        import yaml
+
+        with open(config, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{SOURCE}: {config} holds no mapping of settings")
+        return loaded
+    raise TypeError(
+        "a torchtune config must be a dict, a path to its YAML file or an OmegaConf "
+        f"DictConfig; got {type(config).__name__}"
+    )
+
+
+def _component(value: object) -> str:
+    return str(value.get("_component_", "")) if isinstance(value, Mapping) else ""
+
+
+def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str]) -> None:
+    mixed = values.get("mixed_precision")
+    if isinstance(mixed, Mapping) and mixed.get("enabled"):
+        raise refuse(SOURCE, "mixed_precision.enabled", "int8 mixed-precision training")
+    if values.get("fsdp_cpu_offload"):
+        raise refuse(SOURCE, "fsdp_cpu_offload", "parameters and gradients held on the host")
+    model = _component(values.get("model"))
+    if "qlora" in model.rsplit(".", 1)[-1]:
+        raise refuse(SOURCE, f"model {model}", "QLoRA's 4-bit NF4 base weights")
+    loss = _component(values.get("loss"))
+    if loss and loss.rsplit(".", 1)[-1] != "CrossEntropyLoss":
+        ignored.append(f"loss {loss} (a chunked or fused cross-entropy: the estimate's loss "
+                       "is the model's own over the whole logits)")  # fmt: skip
+    if values.get("compile"):
+        ignored.append("compile=True (torch.compile fuses the forward and changes what is saved)")
+    if values.get("enable_activation_offloading"):
+        ignored.append("enable_activation_offloading=True (saved activations moved to the host)")
+    if values.get("clip_grad_norm") is not None:
+        ignored.append(f"clip_grad_norm={values['clip_grad_norm']} (clip_grad_norm_'s "
+                       "per-parameter norms after the backward)")  # fmt: skip
+    profiler = values.get("profiler")
+    if isinstance(profiler, Mapping) and profiler.get("enabled") and profiler.get("profile_memory"):
+        ignored.append("profiler.profile_memory (the profiler's own records)")
+    for key, value in values.items():
+        if key not in NO_MEMORY_EFFECT and key not in _MODELLED:
+            ignored.append(f"{key}={value!r} (unknown to this reader)")
+
+
+def _optimizer(value: object) -> str:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{SOURCE}: optimizer must be a mapping with a _component_")
+    component = _component(value)
+    if component not in OPTIMIZERS:
+        valid = ", ".join(OPTIMIZERS)
+        raise ValueError(f"{SOURCE}: optimizer {component!r} is not estimated; read: {valid}")
+    name = OPTIMIZERS[component]
+    if name == "sgd" and float(value.get("momentum", 0) or 0) > 0:
+        name = "sgd-momentum"
+    if value.get("fused"):
+        return f"{name}-fused"
+    if "foreach" in value and value["foreach"] is not None:
+        return f"{name}-{'foreach' if value['foreach'] else 'forloop'}"
+    return name
+
+
+def _lora(model: object, ignored: list[str]) -> dict[str, Any]:
+    if not isinstance(model, Mapping) or "lora_rank" not in model:
+        return {}
+    attn = list(model.get("lora_attn_modules", []))
+    unknown = [m for m in attn if m not in LORA_ATTN_NAMES]
+    if unknown:
+        valid = ", ".join(LORA_ATTN_NAMES)
+        raise ValueError(f"{SOURCE}: lora_attn_modules {unknown} unknown; torchtune's are {valid}")
+    targets = [LORA_ATTN_NAMES[m] for m in attn]
+    if model.get("apply_lora_to_mlp"):
+        targets.extend(LORA_MLP_NAMES)
+    if model.get("apply_lora_to_output"):
+        targets.append("lm_head")
+    if model.get("use_dora"):
+        raise refuse(SOURCE, "model.use_dora", "DoRA's magnitude vectors and norms")
+    if model.get("quantize_base"):
+        raise refuse(SOURCE, "model.quantize_base", "QLoRA's 4-bit NF4 base weights")
+    if float(model.get("lora_dropout", 0) or 0) > 0:
+        ignored.append(f"model.lora_dropout={model['lora_dropout']} (the adapters' dropout "
+                       "masks)")  # fmt: skip
+    return {"lora_rank": int(model["lora_rank"]), "lora_targets": targets, "lora_dtype": "base"}
