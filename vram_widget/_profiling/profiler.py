@@ -76,6 +76,7 @@ from .step import (
     storage_dtype,
     training_iteration,
 )
+from .stepping import OptimizerInBackward, zero_grads_in_place
 
 LOSS_ROW_NAME = "(loss)"
 OPTIMIZER_ROW_NAME = "(optimizer)"
@@ -451,6 +452,9 @@ class Profiler:
             p.requires_grad_(False)
         named_trainable = [(n, p) for n, p in params.items() if p.requires_grad]
         trainable = [p for _n, p in named_trainable]
+        in_backward = None
+        if train:
+            in_backward = self._stepping(rec, fake_mode, levers, named_trainable)
 
         def between(phase: str) -> None:
             marks.setdefault(phase, rec.event_count())  # the first micro-batch's
@@ -463,8 +467,9 @@ class Profiler:
                 rec.set_category([g for g in grads if g is not None], Category.GRADIENT)
                 # torch.optim skips parameters whose .grad is None (unused in the forward,
                 # or behind a reentrant checkpoint whose input needs no grad): no state
+                stepped = {id(p) for p in in_backward.stepped} if in_backward else set()
                 subject.params_with_grad[levers] = {
-                    n for n, p in named_trainable if p.grad is not None
+                    n for n, p in named_trainable if p.grad is not None or id(p) in stepped
                 }
                 rec.set_phase(Phase.ZERO_GRAD)
 
@@ -493,6 +498,8 @@ class Profiler:
                 stack.enter_context(
                     torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, rec.unpack_hook)
                 )
+                if in_backward is not None:
+                    stack.enter_context(in_backward.hooked())
             else:
                 rec.set_phase(Phase.INFERENCE)
             step_starts: tuple[int, ...] = ()
@@ -511,6 +518,7 @@ class Profiler:
                         context=context,
                         on_loss=rec.watch_accumulations,
                         micro_batches=levers.profiled_micro_batches,
+                        set_to_none=levers.set_to_none,
                     )
                 elif mode is Mode.GENERATE:
                     step_starts, step_flops = recorded_generation(
@@ -562,6 +570,56 @@ class Profiler:
             step_starts=step_starts,
             step_flops=step_flops,
         )
+
+    def _stepping(
+        self,
+        rec: Recorder,
+        fake_mode: Any,
+        levers: Levers,
+        named_trainable: list[tuple[str, torch.Tensor]],
+    ) -> OptimizerInBackward | None:
+        """Prepare a training run for how its optimizer is stepped, as in a steady-state
+        step. ``set_to_none=False``: the gradients exist, zeroed, when the step starts
+        (resident; the backward adds into them). In the backward: one optimizer per
+        parameter, its state made by a first step (resident), stepped in its parameter's
+        hook, which the run registers; returned (None otherwise)."""
+        subject = self.subject
+        row_of = {name: row for name, _p, row in subject._params}
+        context = fake_mode or contextlib.nullcontext()
+        if not levers.set_to_none:
+            # the parameters a step gives a gradient (all trainable ones if not known yet)
+            known = subject.params_with_grad.get(dataclasses.replace(levers, set_to_none=True))
+            named = [(n, p) for n, p in named_trainable if known is None or n in known]
+            with context:
+                grads = zero_grads_in_place([p for _n, p in named])
+            rec.register_resident(grads, Category.GRADIENT, [row_of[n] for n, _p in named])
+        if levers.in_backward is None:
+            return None
+        with context:
+            stepper = OptimizerInBackward.from_choice(
+                [p for _n, p in named_trainable], levers.in_backward
+            )
+            stepper.warm_up()
+        fused = any(opt.defaults.get("fused") for opt in stepper.optimizers)
+        name_of = {id(p): n for n, p in named_trainable}
+        for p, key, value in stepper.state_tensors():
+            # as in ``run_optimizer``: a non-fused Adam-family ``step`` counter stays on the
+            # CPU for CUDA parameters (torch/optim/adam.py, _init_group): no GPU memory
+            if subject.device is Device.CUDA and not fused and key == "step" and value.dim() == 0:
+                continue
+            rec.register_resident([value], Category.OPTIMIZER_STATE, [row_of[name_of[id(p)]]])
+
+        def before_step(p: torch.Tensor) -> None:
+            sid = rec.storage_id(p.grad) if p.grad is not None else None
+            if sid is not None:
+                rec.set_category([sid], Category.GRADIENT)
+            rec.phase = PHASE_CODE[Phase.OPTIMIZER]
+
+        def after_step(_p: torch.Tensor) -> None:
+            rec.phase = PHASE_CODE[Phase.BACKWARD]
+
+        stepper.before_step, stepper.after_step = before_step, after_step
+        return stepper
 
     def _explain(
         self,
