@@ -311,6 +311,7 @@ class ModelProfile:
         return (
             run_mode is not Mode.TRAIN  # no optimizer outside training
             or opt is None
+            or levers.in_backward is not None  # its steps are in the timeline
             or (prec, opt, _optimizer_levers(levers), None, None, impl) in self._optimizers
         )
 
