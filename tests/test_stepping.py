@@ -138,3 +138,31 @@ def test_refusals_name_the_problem() -> None:
     with pytest.raises(TypeError, match="set_to_none must be True or False"):
         measure(model, torch.randn(2, 8), set_to_none="no")  # type: ignore[arg-type]
     assert model.weight.grad is None  # refused before any step
+
+
+class _WithUnused(nn.Module):
+    """A layer the forward never calls: its parameters get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(8, 4)
+        self.spare = nn.Linear(100, 100)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@pytest.mark.parametrize("stepping", STEPPINGS, ids=["in_backward", "set_to_none_false"])
+def test_a_parameter_without_gradient_keeps_no_gradient_and_no_state(
+    stepping: dict[str, bool],
+) -> None:
+    torch.manual_seed(0)
+    model = _WithUnused()
+    est = profile_model(model, input_size=(8,), device="cpu").estimate(
+        3, optimizer="adam", **stepping
+    )
+    # only ``used`` (4 x 8 + 4 = 36 floats = 144 B) has a gradient, and Adam state for it:
+    # 2 x 144 B + two 4 B step counters = 296 B; ``spare``'s 40,400 B have neither
+    assert (est.gradient_bytes, est.optimizer_state_bytes) == (144, 296)
+    real = measure(model, torch.randn(3, 8), optimizer="adam", **stepping)
+    assert est.peak_bytes == real.peak_bytes

@@ -586,19 +586,18 @@ class Profiler:
         subject = self.subject
         row_of = {name: row for name, _p, row in subject._params}
         context = fake_mode or contextlib.nullcontext()
+        # the parameters a step gives a gradient (all trainable ones if not known yet): the
+        # others keep no gradient and get no optimizer state (torch.optim skips them)
+        known = subject.params_with_grad.get(_plain_stepping(levers))
+        named = [(n, p) for n, p in named_trainable if known is None or n in known]
         if not levers.set_to_none:
-            # the parameters a step gives a gradient (all trainable ones if not known yet)
-            known = subject.params_with_grad.get(dataclasses.replace(levers, set_to_none=True))
-            named = [(n, p) for n, p in named_trainable if known is None or n in known]
             with context:
                 grads = zero_grads_in_place([p for _n, p in named])
             rec.register_resident(grads, Category.GRADIENT, [row_of[n] for n, _p in named])
         if levers.in_backward is None:
             return None
         with context:
-            stepper = OptimizerInBackward.from_choice(
-                [p for _n, p in named_trainable], levers.in_backward
-            )
+            stepper = OptimizerInBackward.from_choice([p for _n, p in named], levers.in_backward)
             stepper.warm_up()
         fused = any(opt.defaults.get("fused") for opt in stepper.optimizers)
         name_of = {id(p): n for n, p in named_trainable}
@@ -813,8 +812,16 @@ class _Source:
         levers: Levers = NO_LEVERS,
     ) -> Timeline:
         self.profiler.seq_len = seq_len
-        self.profiler.levers = levers
         try:
+            if mode is Mode.TRAIN and _plain_stepping(levers) != levers:
+                # which parameters a step gives a gradient (those set_to_none=False keeps
+                # between steps, those an optimizer in backward has state for) is read from
+                # the plain step; one run of it, where not known yet
+                freeing = _plain_stepping(levers)
+                if freeing not in self.profiler.subject.params_with_grad:
+                    self.profiler.levers = freeing
+                    self._run(precision, FIT_BATCH_SIZES[0], mode, flops=False)
+            self.profiler.levers = levers
             return self._timeline(precision, mode)
         finally:
             self.profiler.seq_len = None
@@ -1123,6 +1130,11 @@ class _Source:
                 )
         finally:
             self.profiler.levers = NO_LEVERS
+
+
+def _plain_stepping(levers: Levers) -> Levers:
+    """``levers`` with one optimizer step after the backward, and gradients set to None."""
+    return dataclasses.replace(levers, set_to_none=True, in_backward=None)
 
 
 def _recompute_context(
