@@ -622,7 +622,9 @@ def estimate(
     if train and edits is not None:
         grad_rows = edits.grad_rows
     act_rows = per_row(Category.ACTIVATION) if train else np.zeros(n_rows, np.int64)
-    opt_rows = opt.state_bytes if train and opt is not None else np.zeros(n_rows, np.int64)
+    opt_rows = np.zeros(n_rows, np.int64)
+    if train:  # the optimizer's trace, or a state the step holds itself (stepped in backward)
+        opt_rows = opt.state_bytes if opt is not None else per_row(Category.OPTIMIZER_STATE)
     # int64 while it fits; Python ints (object arrays) for astronomical batches
     flops_f = timeline.flops_forward.at(batch_size, length)
     flops_b = timeline.flops_backward.at(batch_size, length)

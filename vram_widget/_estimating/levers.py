@@ -50,6 +50,15 @@ class Levers:
         The dtype the step's parameters are in where a wrapper casts them ("bfloat16":
         FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` under amp-bf16); None:
         the precision's. Set by ``estimate`` for a strategy, not a user lever.
+    set_to_none : bool
+        ``optimizer.zero_grad(set_to_none=...)``: False keeps the gradients allocated (zeroed
+        in place) between steps, so the step starts with them resident and the backward adds
+        into them. Set by ``estimate`` from its Recipe's optimizer.
+    in_backward : str or None
+        The optimizer (a suffixed name, ``"adam-foreach"``) that steps each parameter in its
+        post-accumulate-grad hook during the backward (torchtune's ``optimizer_in_bwd``);
+        None: one ``optimizer.step()`` after the backward. Set by ``estimate`` from its
+        Recipe's optimizer.
     """
 
     checkpoint: tuple[str, ...] = ()
@@ -59,6 +68,8 @@ class Levers:
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] | None = None
     param_dtype: str | None = None
+    set_to_none: bool = True
+    in_backward: str | None = None
 
     @property
     def active(self) -> bool:
@@ -67,6 +78,8 @@ class Levers:
             or self.trainable is not None
             or self.grad_accumulation > 1
             or self.lora_rank is not None
+            or not self.set_to_none
+            or self.in_backward is not None
         )
 
     @property
@@ -94,6 +107,10 @@ class Levers:
             parts.append(f"LoRA rank {self.lora_rank} on {targets}")
         if self.grad_accumulation > 1:
             parts.append(f"{self.grad_accumulation} micro-batches accumulated")
+        if not self.set_to_none:
+            parts.append("gradients zeroed in place")
+        if self.in_backward is not None:
+            parts.append(f"{self.in_backward} stepped in the backward")
         return ", ".join(parts) or "no levers"
 
 

@@ -56,6 +56,7 @@ from .sharding import (
     resolve_fsdp_units,
     resolve_parallel,
 )
+from .stepping import stepping_levers
 from .table import ModuleRows, OptimizerTrace, Poly, Timeline
 from .tradeoff import Frontier, batch_seq_frontier, length_grid
 
@@ -310,6 +311,7 @@ class ModelProfile:
         return (
             run_mode is not Mode.TRAIN  # no optimizer outside training
             or opt is None
+            or levers.in_backward is not None  # its steps are in the timeline
             or (prec, opt, _optimizer_levers(levers), None, None, impl) in self._optimizers
         )
 
@@ -659,6 +661,8 @@ class ModelProfile:
         )
         if run_mode is not Mode.TRAIN:
             levers = NO_LEVERS
+        else:
+            levers = stepping_levers(levers, recipe.optimizer, implementation, parallel)
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers)
             plain = dataclasses.replace(recipe, levers=LeverSettings())
@@ -721,7 +725,8 @@ class ModelProfile:
             )
 
         impl = implementation
-        if not train or opt_name is None:
+        if not train or opt_name is None or levers.in_backward is not None:
+            # stepped in the backward: its state and steps are in the timeline itself
             return one_rank(None, fsdp_rank if edits is not None else None)
         if edits is not None:
             # the rank's place in its shard group (hsdp: ranks are node-major)
@@ -1431,8 +1436,6 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
 def _refuse_unmodelled(recipe: Recipe) -> None:
     """A Recipe setting the estimate does not model yet is refused by name, never dropped."""
     unmodelled = {
-        "optimizer_in_backward": recipe.optimizer.in_backward,
-        "set_to_none=False": not recipe.optimizer.set_to_none,
         "lora_dtype": recipe.levers.lora_dtype is not None,
         "context_bytes": recipe.accelerator.context_bytes is not None,
     }

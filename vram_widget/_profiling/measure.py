@@ -49,6 +49,7 @@ from .._estimating.sharding import (
     resolve_fsdp_units,
     resolve_parallel,
 )
+from .._estimating.stepping import IN_BACKWARD_ACCUMULATION
 from .fake import recorded_cuda_memory
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ from .step import (
     storage_dtype,
     training_iteration,
 )
+from .stepping import OptimizerInBackward
 
 __all__ = ["Measurement", "measure"]
 
@@ -177,6 +179,8 @@ def measure(
     fsdp_units: object = None,
     timeout_s: float = 600.0,
     new_tokens: int | None = None,
+    optimizer_in_backward: bool = False,
+    set_to_none: bool = True,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -238,6 +242,14 @@ def measure(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens)`` on the prompt ``inputs``
         (its prefill, then one decode step per new token with the model's own KV cache).
         The peak is that of the whole generation; resident are the weights and the prompt.
+    optimizer_in_backward : bool
+        Step each parameter in its post-accumulate-grad hook during the backward, with an
+        optimizer of its own, and free its gradient there (torchtune's ``optimizer_in_bwd``:
+        ``stepping.OptimizerInBackward``), instead of one ``optimizer.step()`` after it.
+        Not with ``grad_accumulation > 1`` nor ``gpus > 1``.
+    set_to_none : bool
+        ``optimizer.zero_grad(set_to_none=...)``: False zeroes the gradients in place, so
+        they stay allocated between steps and are resident when the measured step starts.
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
@@ -295,7 +307,13 @@ def measure(
         resolve_fsdp_units(names, types, fsdp_units)  # a clear error before any rank starts
         units = (fsdp_units,) if isinstance(fsdp_units, str) else tuple(fsdp_units)  # type: ignore[arg-type]
         parallel = dataclasses.replace(parallel, fsdp_units=units)
+    stepping = _check_stepping(optimizer_in_backward, set_to_none, grad_accumulation)
     if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
+        if stepping != (False, True):
+            raise ValueError(
+                "optimizer_in_backward and set_to_none=False are measured on one process "
+                "(gpus=1) only for now"
+            )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
             levers,
@@ -310,8 +328,26 @@ def measure(
         grad_accumulation,
         snapshot=snapshot,
         new_tokens=new_tokens,
+        stepping=stepping,
         **levers,
     )[0]
+
+
+def _check_stepping(
+    in_backward: object, set_to_none: object, grad_accumulation: int
+) -> tuple[bool, bool]:
+    """``optimizer_in_backward`` and ``set_to_none`` checked (booleans, compatible)."""
+    for name, value in (("optimizer_in_backward", in_backward), ("set_to_none", set_to_none)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if in_backward and not set_to_none:
+        raise ValueError(
+            "set_to_none=False cannot go with optimizer_in_backward=True: stepping in the "
+            "backward frees each gradient right after its parameter's step"
+        )
+    if in_backward and grad_accumulation != 1:
+        raise ValueError(IN_BACKWARD_ACCUMULATION)
+    return bool(in_backward), bool(set_to_none)
 
 
 def _measure_ranks(
@@ -376,6 +412,7 @@ def _measure(
     setup: RankSetup | None = None,
     parallel: Parallel | None = None,
     new_tokens: int | None = None,
+    stepping: tuple[bool, bool] = (False, True),
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -398,7 +435,7 @@ def _measure(
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
-            parallel, new_tokens, implementation,
+            parallel, new_tokens, implementation, stepping,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -456,6 +493,7 @@ class _Session:
         parallel: Parallel | None = None,
         new_tokens: int | None = None,
         implementation: OptimizerImplementation | None = None,
+        stepping: tuple[bool, bool] = (False, True),
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
@@ -478,9 +516,16 @@ class _Session:
         )
         if setup is not None and setup.make_optimizer is not None:
             build = setup.make_optimizer
+        in_backward, self.set_to_none = stepping
+        steps = mode is Mode.TRAIN and optimizer is not None and bool(self.params)
+        self.in_backward = (
+            OptimizerInBackward(self.params, optimizer, implementation)
+            if steps and in_backward and optimizer is not None
+            else None
+        )
         self.optimizer = (
             build(optimizer, self.params)
-            if mode is Mode.TRAIN and optimizer is not None and self.params
+            if steps and optimizer is not None and self.in_backward is None
             else None
         )
         self.loss_fn = loss_fn
@@ -490,16 +535,19 @@ class _Session:
 
     def iterate(self) -> None:
         if self.mode is Mode.TRAIN:
-            training_iteration(
-                self.model,
-                self.inputs,
-                self.loss_fn,
-                self.optimizer,
-                self.precision,
-                self.device_type,
-                params=self.params,
-                micro_batches=self.micro_batches,
-            )
+            hooks = self.in_backward.hooked() if self.in_backward else contextlib.nullcontext()
+            with hooks:
+                training_iteration(
+                    self.model,
+                    self.inputs,
+                    self.loss_fn,
+                    self.optimizer,
+                    self.precision,
+                    self.device_type,
+                    params=self.params,
+                    micro_batches=self.micro_batches,
+                    set_to_none=self.set_to_none,
+                )
         elif self.mode is Mode.GENERATE:
             assert self.new_tokens is not None  # checked by measure
             generate_pass(
@@ -524,6 +572,10 @@ class _Session:
             local = getattr(self.optimizer, "optim", self.optimizer)
             for state in local.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        if self.in_backward is not None:
+            yield from (value for _p, _key, value in self.in_backward.state_tensors())
+        if not self.set_to_none:  # zeroed in place by the previous step's zero_grad
+            yield from (p.grad for p in self.params if p.grad is not None)
         yield from self.inputs.tensors()
 
 

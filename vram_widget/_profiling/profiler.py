@@ -78,6 +78,7 @@ from .step import (
     storage_dtype,
     training_iteration,
 )
+from .stepping import OptimizerInBackward, zero_grads_in_place
 
 LOSS_ROW_NAME = "(loss)"
 OPTIMIZER_ROW_NAME = "(optimizer)"
@@ -453,6 +454,9 @@ class Profiler:
             p.requires_grad_(False)
         named_trainable = [(n, p) for n, p in params.items() if p.requires_grad]
         trainable = [p for _n, p in named_trainable]
+        in_backward = None
+        if train:
+            in_backward = self._stepping(rec, fake_mode, levers, named_trainable)
 
         def between(phase: str) -> None:
             marks.setdefault(phase, rec.event_count())  # the first micro-batch's
@@ -465,8 +469,9 @@ class Profiler:
                 rec.set_category([g for g in grads if g is not None], Category.GRADIENT)
                 # torch.optim skips parameters whose .grad is None (unused in the forward,
                 # or behind a reentrant checkpoint whose input needs no grad): no state
+                stepped = {id(p) for p in in_backward.stepped} if in_backward else set()
                 subject.params_with_grad[levers] = {
-                    n for n, p in named_trainable if p.grad is not None
+                    n for n, p in named_trainable if p.grad is not None or id(p) in stepped
                 }
                 rec.set_phase(Phase.ZERO_GRAD)
 
@@ -496,6 +501,8 @@ class Profiler:
                 stack.enter_context(
                     torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, rec.unpack_hook)
                 )
+                if in_backward is not None:
+                    stack.enter_context(in_backward.hooked())
             else:
                 rec.set_phase(Phase.INFERENCE)
             step_starts: tuple[int, ...] = ()
@@ -514,6 +521,7 @@ class Profiler:
                         context=context,
                         on_loss=rec.watch_accumulations,
                         micro_batches=levers.profiled_micro_batches,
+                        set_to_none=levers.set_to_none,
                     )
                 elif mode is Mode.GENERATE:
                     step_starts, step_flops = recorded_generation(
@@ -565,6 +573,55 @@ class Profiler:
             step_starts=step_starts,
             step_flops=step_flops,
         )
+
+    def _stepping(
+        self,
+        rec: Recorder,
+        fake_mode: Any,
+        levers: Levers,
+        named_trainable: list[tuple[str, torch.Tensor]],
+    ) -> OptimizerInBackward | None:
+        """Prepare a training run for how its optimizer is stepped, as in a steady-state
+        step. ``set_to_none=False``: the gradients exist, zeroed, when the step starts
+        (resident; the backward adds into them). In the backward: one optimizer per
+        parameter, its state made by a first step (resident), stepped in its parameter's
+        hook, which the run registers; returned (None otherwise)."""
+        subject = self.subject
+        row_of = {name: row for name, _p, row in subject._params}
+        context = fake_mode or contextlib.nullcontext()
+        # the parameters a step gives a gradient (all trainable ones if not known yet): the
+        # others keep no gradient and get no optimizer state (torch.optim skips them)
+        known = subject.params_with_grad.get(_plain_stepping(levers))
+        named = [(n, p) for n, p in named_trainable if known is None or n in known]
+        if not levers.set_to_none:
+            with context:
+                grads = zero_grads_in_place([p for _n, p in named])
+            rec.register_resident(grads, Category.GRADIENT, [row_of[n] for n, _p in named])
+        if levers.in_backward is None:
+            return None
+        with context:
+            stepper = OptimizerInBackward.from_choice([p for _n, p in named], levers.in_backward)
+            stepper.warm_up()
+        fused = any(opt.defaults.get("fused") for opt in stepper.optimizers)
+        name_of = {id(p): n for n, p in named_trainable}
+        for p, key, value in stepper.state_tensors():
+            # as in ``run_optimizer``: a non-fused Adam-family ``step`` counter stays on the
+            # CPU for CUDA parameters (torch/optim/adam.py, _init_group): no GPU memory
+            if subject.device is Device.CUDA and not fused and key == "step" and value.dim() == 0:
+                continue
+            rec.register_resident([value], Category.OPTIMIZER_STATE, [row_of[name_of[id(p)]]])
+
+        def before_step(p: torch.Tensor) -> None:
+            sid = rec.storage_id(p.grad) if p.grad is not None else None
+            if sid is not None:
+                rec.set_category([sid], Category.GRADIENT)
+            rec.phase = PHASE_CODE[Phase.OPTIMIZER]
+
+        def after_step(_p: torch.Tensor) -> None:
+            rec.phase = PHASE_CODE[Phase.BACKWARD]
+
+        stepper.before_step, stepper.after_step = before_step, after_step
+        return stepper
 
     def _explain(
         self,
@@ -759,8 +816,16 @@ class _Source:
         levers: Levers = NO_LEVERS,
     ) -> Timeline:
         self.profiler.seq_len = seq_len
-        self.profiler.levers = levers
         try:
+            if mode is Mode.TRAIN and _plain_stepping(levers) != levers:
+                # which parameters a step gives a gradient (those set_to_none=False keeps
+                # between steps, those an optimizer in backward has state for) is read from
+                # the plain step; one run of it, where not known yet
+                freeing = _plain_stepping(levers)
+                if freeing not in self.profiler.subject.params_with_grad:
+                    self.profiler.levers = freeing
+                    self._run(precision, FIT_BATCH_SIZES[0], mode, flops=False)
+            self.profiler.levers = levers
             return self._timeline(precision, mode)
         finally:
             self.profiler.seq_len = None
@@ -1073,6 +1138,11 @@ class _Source:
                 )
         finally:
             self.profiler.levers = NO_LEVERS
+
+
+def _plain_stepping(levers: Levers) -> Levers:
+    """``levers`` with one optimizer step after the backward, and gradients set to None."""
+    return dataclasses.replace(levers, set_to_none=True, in_backward=None)
 
 
 def _recompute_context(

@@ -288,6 +288,7 @@ def training_iteration(
     context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     on_loss: Callable[[torch.Tensor], None] | None = None,
     micro_batches: int = 1,
+    set_to_none: bool = True,
 ) -> None:
     """Run one training iteration by the protocol above (``micro_batches`` forward and
     backward passes, accumulating into ``.grad``, before one optimizer step).
@@ -296,7 +297,8 @@ def training_iteration(
     profiler passes its CUDA emulation there.
 
     With ``optimizer=None`` the gradients of ``params`` are still computed, and set to None
-    where ``zero_grad`` would run.
+    where ``zero_grad`` would run. ``set_to_none=False``: ``zero_grad(set_to_none=False)``,
+    the gradients zeroed in place instead (kept allocated for the next step).
 
     ``between(phase)`` is called at each phase boundary ("backward", "optimizer",
     "zero_grad", "end", and "forward" before each micro-batch after the first), which is how
@@ -322,10 +324,13 @@ def training_iteration(
         optimizer.step()
     mark("zero_grad")
     if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
     else:
         for p in params:
-            p.grad = None
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
     mark("end")
     del output, loss
 

@@ -1,0 +1,73 @@
+"""How the optimizer is stepped, as levers of the profiled step (numpy-free bookkeeping).
+
+A step whose optimizer runs in the backward (torchtune's ``optimizer_in_bwd``), or whose
+``zero_grad`` keeps the gradients (``set_to_none=False``), allocates differently from the
+whole backward to the end of the step, so it is profiled by a run of its own: the profiler
+registers the hooks, or starts with the gradients resident, and records the real mechanism
+(``_profiling/stepping.py``). This module turns a Recipe's optimizer into the
+:class:`~vram_widget._estimating.levers.Levers` fields that key that run, and refuses what
+does not compose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .levers import Levers
+from .options import OptimizerImplementation
+from .recipe import Optimizer
+from .sharding import Parallel
+
+__all__ = ["IN_BACKWARD_ACCUMULATION", "stepping_levers"]
+
+# torchtune refuses the pair (recipes/full_finetune_single_device.py, _setup: "Gradient
+# accumulation is not supported with optimizer in bwd"): each parameter is stepped, and its
+# gradient freed, in every backward, so no gradient is left to accumulate into.
+IN_BACKWARD_ACCUMULATION = (
+    "grad_accumulation > 1 cannot go with optimizer_in_backward=True: the optimizer steps "
+    "each parameter, and frees its gradient, in every backward, so there is nothing to "
+    "accumulate into (torchtune refuses the pair too); use grad_accumulation=1"
+)
+
+
+def stepping_levers(
+    levers: Levers,
+    optimizer: Optimizer,
+    implementation: OptimizerImplementation | None,
+    parallel: Parallel,
+) -> Levers:
+    """``levers`` with how ``optimizer`` is stepped (``set_to_none``, ``in_backward``).
+
+    ``implementation`` is the one that runs on the profile's device (the Recipe's, else
+    torch's default there). Refused, by name: optimizer in backward with gradient
+    accumulation (there is nothing to accumulate into) or without an optimizer, and either
+    setting with a data-parallel strategy (not modelled yet).
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.sharding import SINGLE_DEVICE
+    >>> opt = Optimizer.parse("adamw")
+    >>> opt = dataclasses.replace(opt, in_backward=True)
+    >>> stepping_levers(Levers(), opt, OptimizerImplementation.FOREACH, SINGLE_DEVICE).in_backward
+    'adamw-foreach'
+    """
+    if optimizer.set_to_none and not optimizer.in_backward:
+        return levers
+    asked = "optimizer_in_backward=True" if optimizer.in_backward else "set_to_none=False"
+    if parallel.distributed:
+        raise ValueError(
+            f"{asked} with strategy={parallel.strategy.value!r} on {parallel.gpus} GPUs: not "
+            "estimated yet (it is on one GPU, gpus=1)"
+        )
+    if not optimizer.in_backward:
+        return dataclasses.replace(levers, set_to_none=False)
+    if optimizer.name is None:
+        raise ValueError(
+            "optimizer_in_backward=True needs an optimizer to step in the backward; "
+            "got optimizer=None"
+        )
+    if levers.grad_accumulation > 1:
+        raise ValueError(IN_BACKWARD_ACCUMULATION)
+    name = optimizer.name.value
+    choice = name if implementation is None else f"{name}-{implementation.value}"
+    return dataclasses.replace(levers, in_backward=choice)
