@@ -51,3 +51,11 @@ def test_report_markers_are_in_the_pages_it_writes() -> None:
         assert text.count(f"<!-- /{name} -->") == 1, (page, name)
         assert text.index(f"<!-- {name} -->") < text.index(f"<!-- /{name} -->")
         assert f"<!-- {name} -->" not in README, f"README.md still holds the {name} table"
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    import vram_widget
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^::: vram_widget\.(\w+)$", api, re.M))
+    assert documented == set(vram_widget.__all__)

@@ -14,7 +14,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._estimating.options import Category, Device, Mode, OptimizerName, Phase, Precision
+from ._estimating.options import (
+    Category,
+    Device,
+    Mode,
+    OptimizerImplementation,
+    OptimizerName,
+    Phase,
+    Precision,
+)
 
 if TYPE_CHECKING:
     from ._display.widget import MemoryWidget, show_memory
@@ -85,6 +93,7 @@ __all__ = [
     "Mode",
     "ModelProfile",
     "Optimizer",
+    "OptimizerImplementation",
     "OptimizerName",
     "ParallelSettings",
     "Phase",
