@@ -41,7 +41,7 @@ from .options import (
     Device,
     FitBasis,
     Mode,
-    OptimizerName,
+    OptimizerChoice,
     Phase,
     Precision,
     Strategy,
@@ -122,7 +122,7 @@ class MemoryEstimate:
 
     batch_size: int
     precision: Precision
-    optimizer: OptimizerName | None
+    optimizer: OptimizerChoice | None
     mode: Mode
     device: Device
     seq_len: int | None  # tokens per sample (None: the profile has no sequence axis)
@@ -172,6 +172,12 @@ class MemoryEstimate:
     # how torch.optim ran the optimizer's step ("fused", "foreach" or "forloop"; None: no
     # optimizer step): the one asked, else torch's default on the device
     optimizer_implementation: str | None = None
+    # bitsandbytes' paged optimizer state (``optimizer="paged-adamw8bit"``, device="cuda"):
+    # the state of each parameter of at least 1e5 elements lives in CUDA unified memory
+    # (cudaMallocManaged, outside PyTorch's caching allocator), which the driver pages
+    # between host and device on demand; so it is in no total here (not in
+    # max_memory_allocated), and is what the device may hold besides them
+    paged_bytes: int = 0
 
     @property
     def new_tokens(self) -> int | None:
@@ -442,7 +448,7 @@ def estimate(
     *,
     batch_size: int,
     precision: Precision,
-    optimizer: OptimizerName | None,
+    optimizer: OptimizerChoice | None,
     mode: Mode,
     device: Device,
     seq_len: int | None = None,
@@ -624,6 +630,7 @@ def estimate(
         optimizer_implementation=(
             optimizer_implementation if train and optimizer is not None else None
         ),
+        paged_bytes=opt.paged_bytes if train and opt is not None else 0,
         mode=mode,
         device=device,
         seq_len=seq_len,

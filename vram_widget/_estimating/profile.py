@@ -31,6 +31,7 @@ from .options import (
     Device,
     FitBasis,
     Mode,
+    OptimizerChoice,
     OptimizerImplementation,
     OptimizerName,
     Phase,
@@ -81,7 +82,7 @@ class ProfileSource(Protocol):
     def optimizer_trace(
         self,
         precision: Precision,
-        optimizer: OptimizerName,
+        optimizer: OptimizerChoice,
         levers: Levers = ...,
         only: tuple[str, ...] | None = ...,
         shard: tuple[int, int] | None = ...,
@@ -172,7 +173,7 @@ class ModelProfile:
         self._optimizers: dict[
             tuple[
                 Precision,
-                OptimizerName,
+                OptimizerChoice,
                 Levers,
                 tuple[str, ...] | None,
                 tuple[int, int] | None,
@@ -423,7 +424,7 @@ class ModelProfile:
     def optimizer_trace(
         self,
         precision: Precision,
-        optimizer: OptimizerName,
+        optimizer: OptimizerChoice,
         levers: Levers = NO_LEVERS,
         only: tuple[str, ...] | None = None,
         shard: tuple[int, int] | None = None,
