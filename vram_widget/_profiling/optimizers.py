@@ -212,6 +212,29 @@ def cpu_kernels(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def eager_step(opt: torch.optim.Optimizer) -> Iterator[None]:
+    """torchao's low-bit Adam compiles its per-parameter update (``torchao/optim/adam.py``,
+    ``_AdamBase.step``: ``torch.compile(single_param_adam, fullgraph=True,
+    dynamic=False)``), and torch.compile refuses to trace under a dispatch mode (the
+    recorder): the update runs eagerly here, so its temporaries are those of the eager
+    ops, an upper bound of what the compiled kernel keeps (Inductor fuses the pointwise
+    chain; its buffers are allocated outside the dispatcher and cannot be traced)."""
+    if not type(opt).__module__.startswith("torchao"):
+        yield
+        return
+    real = torch.compile
+
+    def eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        return fn
+
+    torch.compile = eager  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
 class OpWatch(TorchDispatchMode):
     """Notes the first op whose kernel raised, so that a failing optimizer step can name it."""
 

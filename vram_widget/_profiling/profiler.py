@@ -61,6 +61,7 @@ from .optimizers import (
     OpWatch,
     cpu_kernels,
     each_state,
+    eager_step,
     is_paged_state,
     named_failure,
     unpaged,
@@ -702,7 +703,7 @@ class Profiler:
         # the CPU kernels of bitsandbytes' ops, where their fake implementations (CUDA's
         # allocation-free kernels) are not what a CPU step does
         kernels = cpu_kernels(opt) if not cuda else contextlib.nullcontext()
-        with named_failure(optimizer, watch), shortcuts, watch, kernels:
+        with named_failure(optimizer, watch), eager_step(opt), shortcuts, watch, kernels:
             opt.step()  # first step: creates the state
         rec = Recorder(
             subject._row_of,
@@ -743,8 +744,9 @@ class Profiler:
             seen.add(id(st))
             state_bytes[rows_of[name]] += st.nbytes()
             blocks.append(st.nbytes())
-        with named_failure(optimizer, watch), paused_gc(), shortcuts, rec, watch, kernels:
-            opt.step()
+        with named_failure(optimizer, watch), eager_step(opt), paused_gc(), shortcuts, rec:
+            with watch, kernels:
+                opt.step()
             rec.stop()
         events = rec.events()
         return OptimizerTrace(
