@@ -184,7 +184,7 @@ class CpuKernels(TorchDispatchMode):
             ops.optimizer_update_32bit.default: cpu_ops._optimizer_update_32bit_cpu,
         }
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kernel = self.kernels.get(func)
         if kernel is not None:
             return kernel(*args, **(kwargs or {}))
@@ -242,7 +242,7 @@ class OpWatch(TorchDispatchMode):
         super().__init__()
         self.failed: str = ""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
             return func(*args, **(kwargs or {}))
         except Exception:
