@@ -476,7 +476,16 @@ class ModelProfile:
         batch_size : int
             Samples per step (>= 1).
         precision : {"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}
-        optimizer : {"sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop", None}
+        optimizer : str, callable or None
+            ``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, ``"adagrad"``,
+            ``"rmsprop"`` (``-fused`` / ``-foreach`` / ``-forloop`` for SGD and Adam /
+            AdamW); ``"adamw8bit"`` and ``"paged-adamw8bit"`` (bitsandbytes),
+            ``"adamw8bit-torchao"`` and ``"adamw4bit-torchao"`` (torchao), ``"adafactor"``
+            (transformers, with its Trainer's settings), each stepped by its library (a
+            missing library is named with its ``pip install``); a callable ``params ->
+            torch.optim.Optimizer`` (a class or a ``functools.partial``), whose own
+            ``step()`` is traced; or None. Bitsandbytes' paged state is not in
+            ``peak_bytes`` on CUDA: it is in unified memory, reported as ``paged_bytes``.
             Ignored in inference and generate modes.
         mode : {"train", "inference", "generate"}
             ``"generate"``: Hugging Face's greedy ``model.generate`` of ``new_tokens`` tokens
