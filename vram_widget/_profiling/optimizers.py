@@ -14,7 +14,8 @@ from a formula:
   the state in place. On CUDA it is one kernel call that allocates nothing
   (``bitsandbytes/backends/cuda/ops.py``, ``_optimizer_update_8bit_blockwise_impl`` and
   ``_optimizer_update_32bit_impl``: ``lib.c*_8bit_blockwise_grad_*`` on the given
-  pointers), which is what the op's fake implementation (``bitsandbytes/_ops.py``) does;
+  pointers), which is what the op's fake implementation (``bitsandbytes/_ops.py``) does
+  (UNCONFIRMED on a GPU);
   its CPU kernel is Python over torch ops (``bitsandbytes/backends/cpu/ops.py``,
   ``_optimizer_update_8bit_blockwise_cpu``): it dequantizes both states to float32,
   updates them and the parameter, and quantizes them back, so its temporaries are those
@@ -31,7 +32,7 @@ from a formula:
   block size (256 for 8-bit, 128 for 4-bit) keeps each state as a tensor subclass of codes
   (uint8; two 4-bit codes a byte), one float32 scale per block and its own float32 qmap
   (256 or 16 entries); any other parameter keeps full-precision state. Read through the
-  subclass's ``__tensor_flatten__``. Its step is ``torch.compile``'d.
+  subclass's ``__tensor_flatten__``. Its step is ``torch.compile``'d (:func:`eager_step`).
 * transformers ``Adafactor`` with the Trainer's ``optim="adafactor"`` settings.
 """
 
@@ -218,8 +219,8 @@ def eager_step(opt: torch.optim.Optimizer) -> Iterator[None]:
     ``_AdamBase.step``: ``torch.compile(single_param_adam, fullgraph=True,
     dynamic=False)``), and torch.compile refuses to trace under a dispatch mode (the
     recorder): the update runs eagerly here, so its temporaries are those of the eager
-    ops, an upper bound of what the compiled kernel keeps (Inductor fuses the pointwise
-    chain; its buffers are allocated outside the dispatcher and cannot be traced)."""
+    ops, not the compiled kernel's (Inductor's buffers are allocated outside the dispatcher
+    and cannot be traced; docs/known-gaps.md gives the measured difference)."""
     if not type(opt).__module__.startswith("torchao"):
         yield
         return
