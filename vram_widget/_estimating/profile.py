@@ -39,7 +39,6 @@ from .options import (
     Strategy,
     default_implementation,
     parse_batch_size,
-    parse_optimizer,
     parse_optimizer_choice,
     parse_option,
 )
@@ -1260,7 +1259,8 @@ class ModelProfile:
             # check_seq_len gives None for the example's own length
             checked = [self.check_seq_len(n) for n in seq_lens]
             lengths = [self.seq_len if n is None else n for n in checked]
-        opt = parse_optimizer(optimizer)
+        parse_optimizer_choice(optimizer)  # checked here; a suffix or a callable kept as given
+        opt = optimizer
         # the example's length, the optimizer
         _check_above_context(
             self.estimate(1, prec, opt, run_mode, compute_capability=compute_capability, **levers),
