@@ -176,3 +176,16 @@ def test_missing_library_names_the_install(monkeypatch: pytest.MonkeyPatch) -> N
         profile.estimate(2, optimizer="paged-adamw8bit")
     with pytest.raises(ImportError, match="pip install bitsandbytes"):
         measure(nn.Linear(4, 2), torch.randn(2, 4), optimizer="adamw8bit")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_torch_optim_class_given_as_callable_runs_as_its_name(device: str) -> None:
+    # torch.optim.Adam at foreach=None is what optimizer="adam" is: the loop on CPU,
+    # foreach on CUDA (_default_to_fused_or_foreach), which the fake parameters of a CUDA
+    # trace would not choose by themselves; the two differ here by Adam's step temporaries
+    profile = profile_model(zoo.mlp(), input_size=(784,), device=device)
+    by_name = profile.estimate(1, optimizer="adam")
+    by_class = profile.estimate(1, optimizer=torch.optim.Adam)
+    assert by_class.peak_bytes == by_name.peak_bytes
+    other = "adam-forloop" if device == "cuda" else "adam-foreach"
+    assert profile.estimate(1, optimizer=other).peak_bytes != by_name.peak_bytes

@@ -192,6 +192,22 @@ class CpuKernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def cuda_default_foreach(opt: torch.optim.Optimizer) -> None:
+    """A user's ``torch.optim`` optimizer (or a subclass) left at ``foreach=None`` runs
+    foreach on CUDA parameters (``torch.optim.optimizer._default_to_fused_or_foreach``: every
+    parameter on a foreach-capable device, not differentiable), but on the fake parameters
+    that check sees a FakeTensor and picks the loop (``step.make_optimizer``): so for a
+    ``device="cuda"`` trace the groups ask for foreach, as CUDA would choose."""
+    for group in opt.param_groups:
+        if (
+            "foreach" in group
+            and group["foreach"] is None
+            and not group.get("fused")
+            and not group.get("differentiable")
+        ):
+            group["foreach"] = True
+
+
 def unpaged(opt: torch.optim.Optimizer) -> None:
     """Make a bitsandbytes paged optimizer allocate its state as ordinary tensors on the
     parameters' (fake or meta) device, as its CPU branch does (``Optimizer8bit.

@@ -23,6 +23,7 @@ from .._estimating.levers import NO_LEVERS, Levers
 from .._estimating.options import (
     PHASE_CODE,
     Category,
+    CustomOptimizer,
     Device,
     Mode,
     OptimizerChoice,
@@ -60,6 +61,7 @@ from .generation import generation_limit, prompt_inputs, recorded_generation
 from .optimizers import (
     OpWatch,
     cpu_kernels,
+    cuda_default_foreach,
     each_state,
     eager_step,
     is_paged_state,
@@ -698,6 +700,8 @@ class Profiler:
                 p.grad = torch.empty_like(p)
             opt = make_optimizer(optimizer, [p for _n, p in trainable], implementation)
         unpaged(opt)
+        if cuda and isinstance(optimizer, CustomOptimizer):
+            cuda_default_foreach(opt)
         shortcuts = fake_mode if fused else MetaShortcuts()
         watch = OpWatch()
         # the CPU kernels of bitsandbytes' ops, where their fake implementations (CUDA's
