@@ -182,10 +182,14 @@ def optimizer_names() -> tuple[str, ...]:
     --------
     >>> "adamw-fused" in optimizer_names(), "rmsprop-fused" in optimizer_names()
     (True, False)
+    >>> optimizer_names()[-1]
+    'adafactor'
     """
-    names = [m.value for m in OptimizerName]
+    names = [m.value for m in OptimizerName if m not in OPTIMIZER_PACKAGES]
     for opt in IMPLEMENTED_OPTIMIZERS:
         names.extend(f"{opt.value}-{impl.value}" for impl in OptimizerImplementation)
+    # then the other libraries' optimizers
+    names.extend(m.value for m in OPTIMIZER_PACKAGES)
     return tuple(names)
 
 
