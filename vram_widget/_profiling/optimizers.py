@@ -142,7 +142,14 @@ def _quiet_library_warnings() -> Iterator[None]:
 def state_tensors(value: object) -> list[torch.Tensor]:
     """The plain tensors holding one optimizer-state value: itself, or the inner tensors
     of a tensor subclass (torchao's ``OptimState8bit`` holds ``codes``, ``scale`` and
-    ``qmap``, read through ``__tensor_flatten__``); nothing for a non-tensor."""
+    ``qmap``, read through ``__tensor_flatten__``); nothing for a non-tensor.
+
+    Examples
+    --------
+    >>> import torch
+    >>> [t.shape for t in state_tensors(torch.zeros(3))], state_tensors(7)
+    ([torch.Size([3])], [])
+    """
     if not isinstance(value, torch.Tensor):
         return []
     flatten = getattr(type(value), "__tensor_flatten__", None)
