@@ -189,3 +189,15 @@ def test_a_torch_optim_class_given_as_callable_runs_as_its_name(device: str) -> 
     assert by_class.peak_bytes == by_name.peak_bytes
     other = "adam-forloop" if device == "cuda" else "adam-foreach"
     assert profile.estimate(1, optimizer=other).peak_bytes != by_name.peak_bytes
+
+
+def test_lora_adapters_under_adamw8bit_match_the_real_step() -> None:
+    # PEFT's adapters are small (rank 8: under min_8bit_size, so float32 state), the frozen
+    # base keeps no state: the 8-bit optimizer over LoRA, as it is trained
+    torch.manual_seed(0)
+    model, inputs = hf_gpt2(), hf_tokens(2)
+    est = profile_model(model, inputs=inputs, device="cpu").estimate(
+        2, optimizer="adamw8bit", lora_rank=8
+    )
+    real = measure(model, inputs, optimizer="adamw8bit", lora_rank=8)
+    assert est.peak_bytes == real.peak_bytes
