@@ -273,7 +273,11 @@ def test_profiling_error_is_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
         (["--batch-size", "x"], ">= 1"),
         (["--precision", "fp8"], "'fp32', 'bf16', 'fp16', 'amp-bf16', 'amp-fp16'"),
         (["--precision", "fp32,fp8"], "'amp-bf16'"),
-        (["--optimizer", "lion"], "sgd, sgd-momentum, adam, adamw, adagrad, rmsprop, sgd-fused"),
+        (
+            ["--optimizer", "lion"],
+            "sgd, sgd-momentum, adam, adamw, adagrad, rmsprop, adamw8bit, paged-adamw8bit, "
+            "adamw8bit-torchao, adamw4bit-torchao, adafactor, sgd-fused",
+        ),
         (["--mode", "eval"], "'train', 'inference'"),
         (["--device", "tpu"], "'cuda', 'cpu'"),
         (["--gpu", "80"], "below 1 MiB"),

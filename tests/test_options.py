@@ -81,7 +81,10 @@ def test_parse_optimizer_errors(value) -> None:
         parse_optimizer(value)
     message = str(info.value)
     assert f"unknown optimizer {value!r}" in message
-    assert "'sgd', 'sgd-momentum', 'adam', 'adamw', 'adagrad', 'rmsprop', or None" in message
+    assert (
+        "'sgd', 'sgd-momentum', 'adam', 'adamw', 'adagrad', 'rmsprop', 'adamw8bit', "
+        "'paged-adamw8bit', 'adamw8bit-torchao', 'adamw4bit-torchao', 'adafactor', or None"
+    ) in message
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._estimating.options import Device, Mode, OptimizerName
+from .._estimating.options import Device, Mode, OptimizerChoice
 from .cli_args import DEFAULT_GPU, LAYER_ROWS, PROG, build_parser, validate
 from .cli_models import (
     DEFAULT_MODEL,
@@ -283,7 +283,7 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
     }
 
 
-def _name(opt: OptimizerName | None) -> str | None:
+def _name(opt: OptimizerChoice | None) -> str | None:
     return None if opt is None else opt.value
 
 

@@ -41,7 +41,7 @@ from .options import (
     Device,
     FitBasis,
     Mode,
-    OptimizerName,
+    OptimizerChoice,
     Phase,
     Precision,
     Strategy,
@@ -122,7 +122,7 @@ class MemoryEstimate:
 
     batch_size: int
     precision: Precision
-    optimizer: OptimizerName | None
+    optimizer: OptimizerChoice | None
     mode: Mode
     device: Device
     seq_len: int | None  # tokens per sample (None: the profile has no sequence axis)
@@ -175,6 +175,12 @@ class MemoryEstimate:
     # settings of the config the Recipe was read from that change memory but are not
     # estimated (``Recipe.ignored``: ``Recipe.from_training_arguments``, ``from_torchtune``)
     ignored: tuple[str, ...] = ()
+    # bitsandbytes' paged optimizer state (``optimizer="paged-adamw8bit"``, device="cuda"):
+    # the state of each parameter of at least 1e5 elements lives in CUDA unified memory
+    # (cudaMallocManaged, outside PyTorch's caching allocator), which the driver pages
+    # between host and device on demand; so it is in no total here (not in
+    # max_memory_allocated), and is what the device may hold besides them
+    paged_bytes: int = 0
 
     @property
     def new_tokens(self) -> int | None:
@@ -476,7 +482,7 @@ def estimate(
     *,
     batch_size: int,
     precision: Precision,
-    optimizer: OptimizerName | None,
+    optimizer: OptimizerChoice | None,
     mode: Mode,
     device: Device,
     seq_len: int | None = None,
@@ -660,6 +666,7 @@ def estimate(
         optimizer_implementation=(
             optimizer_implementation if train and optimizer is not None else None
         ),
+        paged_bytes=opt.paged_bytes if train and opt is not None else 0,
         mode=mode,
         device=device,
         seq_len=seq_len,

@@ -5,9 +5,12 @@ No torch here: the estimator and the widget import this module too.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import sys
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -33,7 +36,10 @@ class Precision(StrEnum):
 
 
 class OptimizerName(StrEnum):
-    """The ``torch.optim`` classes the estimate can run (``None`` means no optimizer)."""
+    """The optimizers the estimate can run by name (``None`` means no optimizer): the
+    ``torch.optim`` classes, and the low-bit and factored optimizers of other libraries
+    (bitsandbytes ``AdamW8bit`` / ``PagedAdamW8bit``, torchao ``AdamW8bit`` / ``AdamW4bit``,
+    transformers ``Adafactor``), each installed apart (:data:`OPTIMIZER_PACKAGES`)."""
 
     SGD = "sgd"
     SGD_MOMENTUM = "sgd-momentum"
@@ -41,6 +47,88 @@ class OptimizerName(StrEnum):
     ADAMW = "adamw"
     ADAGRAD = "adagrad"
     RMSPROP = "rmsprop"
+    ADAMW8BIT = "adamw8bit"
+    PAGED_ADAMW8BIT = "paged-adamw8bit"
+    ADAMW8BIT_TORCHAO = "adamw8bit-torchao"
+    ADAMW4BIT_TORCHAO = "adamw4bit-torchao"
+    ADAFACTOR = "adafactor"
+
+
+# The library each optimizer outside torch.optim comes from: (module to import, the
+# ``pip install`` that provides it). The extra ``vram_widget[optimizers]`` installs them all.
+OPTIMIZER_PACKAGES: dict[OptimizerName, tuple[str, str]] = {
+    OptimizerName.ADAMW8BIT: ("bitsandbytes", "pip install bitsandbytes"),
+    OptimizerName.PAGED_ADAMW8BIT: ("bitsandbytes", "pip install bitsandbytes"),
+    OptimizerName.ADAMW8BIT_TORCHAO: ("torchao", "pip install torchao"),
+    OptimizerName.ADAMW4BIT_TORCHAO: ("torchao", "pip install torchao"),
+    OptimizerName.ADAFACTOR: ("transformers", "pip install transformers"),
+}
+
+
+def require_optimizer_library(name: OptimizerName | None) -> None:
+    """Raise an ImportError naming the ``pip install`` to run when ``name`` comes from a
+    library that is not installed (checked without importing it).
+
+    Examples
+    --------
+    >>> require_optimizer_library(OptimizerName.ADAMW)  # torch.optim: always there
+    """
+    if name not in OPTIMIZER_PACKAGES:
+        return
+    module, command = OPTIMIZER_PACKAGES[name]
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(
+            f"optimizer {name.value!r} needs the {module} library, which is not installed: "
+            f"run `{command}` (or `pip install vram_widget[optimizers]`)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomOptimizer:
+    """An ``optimizer=`` given as a callable ``params -> torch.optim.Optimizer`` (an
+    optimizer class or a ``functools.partial`` of one): its own ``step()`` is traced on the
+    fake parameters. Equal (and hashed) by the callable's identity; ``value`` is its
+    display name.
+
+    Examples
+    --------
+    >>> import functools
+    >>> class MySGD:  # stands for a torch.optim.Optimizer subclass
+    ...     pass
+    >>> CustomOptimizer(MySGD).value
+    'MySGD'
+    >>> CustomOptimizer(functools.partial(MySGD)).value
+    'partial(MySGD)'
+    """
+
+    factory: Callable[..., Any]
+    label: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not callable(self.factory):
+            raise TypeError(f"a custom optimizer must be callable, got {self.factory!r}")
+        if not self.label:
+            object.__setattr__(self, "label", _callable_name(self.factory))
+
+    @property
+    def value(self) -> str:
+        """The display name (an :class:`OptimizerName`'s ``value`` is its name)."""
+        return self.label
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def _callable_name(factory: Callable[..., Any]) -> str:
+    if isinstance(factory, functools.partial):
+        return f"partial({_callable_name(factory.func)})"
+    return str(getattr(factory, "__qualname__", None) or type(factory).__qualname__)
+
+
+# What names an optimizer: a registered name, or a user's callable.
+OptimizerChoice = OptimizerName | CustomOptimizer
 
 
 class OptimizerImplementation(StrEnum):
@@ -94,16 +182,20 @@ def optimizer_names() -> tuple[str, ...]:
     --------
     >>> "adamw-fused" in optimizer_names(), "rmsprop-fused" in optimizer_names()
     (True, False)
+    >>> optimizer_names()[-1]
+    'adafactor'
     """
-    names = [m.value for m in OptimizerName]
+    names = [m.value for m in OptimizerName if m not in OPTIMIZER_PACKAGES]
     for opt in IMPLEMENTED_OPTIMIZERS:
         names.extend(f"{opt.value}-{impl.value}" for impl in OptimizerImplementation)
+    # then the other libraries' optimizers
+    names.extend(m.value for m in OPTIMIZER_PACKAGES)
     return tuple(names)
 
 
 def parse_optimizer_choice(
     value: object,
-) -> tuple[OptimizerName | None, OptimizerImplementation | None]:
+) -> tuple[OptimizerChoice | None, OptimizerImplementation | None]:
     """An optimizer name as ``(optimizer, implementation)``: ``"adamw-fused"`` is AdamW with
     ``fused=True``; a plain ``"adamw"`` leaves the implementation to torch's default for the
     device (None here; :func:`default_implementation`); None or ``"none"`` is no optimizer.
@@ -114,9 +206,15 @@ def parse_optimizer_choice(
     (<OptimizerName.SGD_MOMENTUM: 'sgd-momentum'>, <OptimizerImplementation.FOREACH: 'foreach'>)
     >>> parse_optimizer_choice("adam")
     (<OptimizerName.ADAM: 'adam'>, None)
+
+    A callable ``params -> torch.optim.Optimizer`` is a :class:`CustomOptimizer`; a name
+    from a library that is not installed raises an ImportError naming the ``pip install``.
     """
-    if isinstance(value, OptimizerName):
+    if isinstance(value, (OptimizerName, CustomOptimizer)):
+        require_optimizer_library(value if isinstance(value, OptimizerName) else None)
         return value, None
+    if callable(value) and not isinstance(value, (str, type(None))):
+        return CustomOptimizer(value), None
     if isinstance(value, str):
         key = value.strip().lower()
         for opt in IMPLEMENTED_OPTIMIZERS:
@@ -124,12 +222,15 @@ def parse_optimizer_choice(
                 if key == f"{opt.value}-{impl.value}":
                     return opt, impl
     try:
-        return parse_optimizer(value), None
+        name = parse_optimizer(value)
     except ValueError:
         valid = ", ".join(repr(n) for n in optimizer_names())
         raise ValueError(
-            f"unknown optimizer {value!r}; valid values are {valid}, or None"
+            f"unknown optimizer {value!r}; valid values are {valid}, None, or a callable "
+            "params -> torch.optim.Optimizer"
         ) from None
+    require_optimizer_library(name)
+    return name, None
 
 
 class Mode(StrEnum):

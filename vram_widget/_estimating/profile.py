@@ -31,6 +31,7 @@ from .options import (
     Device,
     FitBasis,
     Mode,
+    OptimizerChoice,
     OptimizerImplementation,
     OptimizerName,
     Phase,
@@ -38,7 +39,6 @@ from .options import (
     Strategy,
     default_implementation,
     parse_batch_size,
-    parse_optimizer,
     parse_optimizer_choice,
     parse_option,
 )
@@ -82,7 +82,7 @@ class ProfileSource(Protocol):
     def optimizer_trace(
         self,
         precision: Precision,
-        optimizer: OptimizerName,
+        optimizer: OptimizerChoice,
         levers: Levers = ...,
         only: tuple[str, ...] | None = ...,
         shard: tuple[int, int] | None = ...,
@@ -173,7 +173,7 @@ class ModelProfile:
         self._optimizers: dict[
             tuple[
                 Precision,
-                OptimizerName,
+                OptimizerChoice,
                 Levers,
                 tuple[str, ...] | None,
                 tuple[int, int] | None,
@@ -425,7 +425,7 @@ class ModelProfile:
     def optimizer_trace(
         self,
         precision: Precision,
-        optimizer: OptimizerName,
+        optimizer: OptimizerChoice,
         levers: Levers = NO_LEVERS,
         only: tuple[str, ...] | None = None,
         shard: tuple[int, int] | None = None,
@@ -477,7 +477,16 @@ class ModelProfile:
         batch_size : int
             Samples per step (>= 1).
         precision : {"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}
-        optimizer : {"sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop", None}
+        optimizer : str, callable or None
+            ``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, ``"adagrad"``,
+            ``"rmsprop"`` (``-fused`` / ``-foreach`` / ``-forloop`` for SGD and Adam /
+            AdamW); ``"adamw8bit"`` and ``"paged-adamw8bit"`` (bitsandbytes),
+            ``"adamw8bit-torchao"`` and ``"adamw4bit-torchao"`` (torchao), ``"adafactor"``
+            (transformers, with its Trainer's settings), each stepped by its library (a
+            missing library is named with its ``pip install``); a callable ``params ->
+            torch.optim.Optimizer`` (a class or a ``functools.partial``), whose own
+            ``step()`` is traced; or None. Bitsandbytes' paged state is not in
+            ``peak_bytes`` on CUDA: it is in unified memory, reported as ``paged_bytes``.
             Ignored in inference and generate modes.
         mode : {"train", "inference", "generate"}
             ``"generate"``: Hugging Face's greedy ``model.generate`` of ``new_tokens`` tokens
@@ -1272,7 +1281,8 @@ class ModelProfile:
             # check_seq_len gives None for the example's own length
             checked = [self.check_seq_len(n) for n in seq_lens]
             lengths = [self.seq_len if n is None else n for n in checked]
-        opt = parse_optimizer(optimizer)
+        parse_optimizer_choice(optimizer)  # checked here; a suffix or a callable kept as given
+        opt = optimizer
         # the example's length, the optimizer
         _check_above_context(
             self.estimate(1, prec, opt, run_mode, compute_capability=compute_capability, **levers),

@@ -398,6 +398,8 @@ class OptimizerTrace:
     state_bytes: np.ndarray  # int64 per row (state of the parameters each row owns)
     state_block_bytes: np.ndarray  # int64, the size of each state storage on the device
     event_storage: np.ndarray | None = None  # the storage id of each event (None: unknown)
+    # state outside the caching allocator (bitsandbytes' paged state in CUDA unified memory)
+    paged_bytes: int = 0
 
 
 def sum_by(groups: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:

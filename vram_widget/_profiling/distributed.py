@@ -21,7 +21,13 @@ from typing import Any, TypeVar
 import torch
 
 from .._estimating.levers import repeated_blocks
-from .._estimating.options import OptimizerName, Precision, Strategy
+from .._estimating.options import (
+    OPTIMIZER_PACKAGES,
+    OptimizerChoice,
+    OptimizerName,
+    Precision,
+    Strategy,
+)
 from .._estimating.sharding import Parallel, resolve_fsdp_units
 
 __all__ = [
@@ -254,13 +260,20 @@ def fsdp_wrapped(
     return wrap
 
 
-def zero_optimizer(name: OptimizerName, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def zero_optimizer(name: OptimizerChoice, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """``ZeroRedundancyOptimizer`` with its defaults around the registered optimizer (the
-    ``"zero1"`` strategy): each rank's local optimizer steps its shard of ``params``."""
+    ``"zero1"`` strategy): each rank's local optimizer steps its shard of ``params``. A
+    ``torch.optim`` class only: ZeroRedundancyOptimizer takes an ``optimizer_class``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from .step import optimizer_spec
 
+    if not isinstance(name, OptimizerName) or name in OPTIMIZER_PACKAGES:
+        raise ValueError(
+            f"measuring strategy='zero1' with optimizer {name.value!r} is not supported: "
+            "ZeroRedundancyOptimizer is measured around a torch.optim optimizer ('sgd', "
+            "'sgd-momentum', 'adam', 'adamw', 'adagrad', 'rmsprop')"
+        )
     cls, kwargs = optimizer_spec(name)
     return ZeroRedundancyOptimizer(params, optimizer_class=cls, foreach=None, **kwargs)
 
@@ -271,9 +284,9 @@ class RankSetup:
     (None: the registered optimizer over every parameter)."""
 
     wrap_model: Callable[[torch.nn.Module, Parallel, Precision], torch.nn.Module]
-    make_optimizer: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] | None = (
-        None
-    )
+    make_optimizer: (
+        Callable[[OptimizerChoice, list[torch.Tensor]], torch.optim.Optimizer] | None
+    ) = None
 
 
 # strategy -> how its libraries set up a rank (the strategies sharding models)

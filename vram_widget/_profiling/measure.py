@@ -36,6 +36,7 @@ import torch
 from .._estimating.levers import NO_LEVERS, Levers
 from .._estimating.options import (
     Mode,
+    OptimizerChoice,
     OptimizerImplementation,
     OptimizerName,
     Precision,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from .distributed import RankSetup
 from .._estimating.decoding import check_generation
 from .generation import generation_limit, prompt_inputs
+from .optimizers import state_tensors
 from .step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -111,7 +113,7 @@ class Measurement:
     resident_bytes: int
     device: str
     precision: Precision
-    optimizer: OptimizerName | None
+    optimizer: OptimizerChoice | None
     mode: Mode
     batch_size: int
     max_reserved_bytes: int | None = None
@@ -163,7 +165,7 @@ def measure(
     model: torch.nn.Module,
     inputs: Any,
     loss_fn: Callable[[Any], Any] | None = None,
-    optimizer: str | OptimizerName | None = "adam",
+    optimizer: str | OptimizerName | Callable[..., Any] | None = "adam",
     precision: str | Precision = "fp32",
     mode: str | Mode = "train",
     *,
@@ -202,10 +204,13 @@ def measure(
     loss_fn : callable, optional
         ``loss_fn(output) -> scalar tensor``. By default ``output.loss`` if the output has one,
         else the mean of the first floating tensor in the output, in float32.
-    optimizer : str or None
-        ``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, ``"adagrad"``, ``"rmsprop"`` or
-        None. Skipped (gradients are computed and dropped) when the model has no trainable
-        parameter.
+    optimizer : str, callable or None
+        ``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, ``"adagrad"``, ``"rmsprop"``
+        (with a ``-fused`` / ``-foreach`` / ``-forloop`` suffix for SGD and Adam / AdamW),
+        another library's ``"adamw8bit"``, ``"paged-adamw8bit"``, ``"adamw8bit-torchao"``,
+        ``"adamw4bit-torchao"``, ``"adafactor"``, a callable ``params ->
+        torch.optim.Optimizer`` (called on the copy's parameters), or None. Skipped
+        (gradients are computed and dropped) when the model has no trainable parameter.
     precision : str
         ``"fp32"``, ``"bf16"``, ``"fp16"`` (the model copy and floating inputs stored in that
         dtype), ``"amp-bf16"`` or ``"amp-fp16"`` (float32 weights, forward under
@@ -484,7 +489,7 @@ class _Session:
         model: torch.nn.Module,
         inputs: ModelInputs,
         loss_fn: Callable[[Any], Any] | None,
-        optimizer: OptimizerName | None,
+        optimizer: OptimizerChoice | None,
         precision: Precision,
         mode: Mode,
         device: torch.device,
@@ -511,7 +516,7 @@ class _Session:
         self.inputs = inputs.map(lambda t: _copy_input(t, dtype, device))
         self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
         # ... and its optimizer as the strategy builds it (ZeroRedundancyOptimizer)
-        build: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] = (
+        build: Callable[[OptimizerChoice, list[torch.Tensor]], torch.optim.Optimizer] = (
             functools.partial(make_optimizer, implementation=implementation)
         )
         if setup is not None and setup.make_optimizer is not None:
@@ -571,7 +576,9 @@ class _Session:
             # a ZeroRedundancyOptimizer keeps its shard's state in its local optimizer
             local = getattr(self.optimizer, "optim", self.optimizer)
             for state in local.state.values():
-                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+                # a tensor subclass's inner tensors (torchao's low-bit state)
+                for value in state.values():
+                    yield from state_tensors(value)
         if self.in_backward is not None:
             yield from (value for _p, _key, value in self.in_backward.state_tensors())
         if not self.set_to_none:  # zeroed in place by the previous step's zero_grad

@@ -23,8 +23,10 @@ from .._estimating.levers import NO_LEVERS, Levers
 from .._estimating.options import (
     PHASE_CODE,
     Category,
+    CustomOptimizer,
     Device,
     Mode,
+    OptimizerChoice,
     OptimizerImplementation,
     OptimizerName,
     Phase,
@@ -58,6 +60,16 @@ from .fake import (
     reparametrized,
 )
 from .generation import generation_limit, prompt_inputs, recorded_generation
+from .optimizers import (
+    OpWatch,
+    cpu_kernels,
+    cuda_default_foreach,
+    each_state,
+    eager_step,
+    is_paged_state,
+    named_failure,
+    unpaged,
+)
 from .probe import KernelProbe
 from .recorder import Recorder, describe_args, module_hooks, tracked_rng_states
 from .step import (
@@ -681,10 +693,10 @@ class Profiler:
     def run_optimizer(
         self,
         precision: Precision,
-        optimizer: OptimizerName,
+        optimizer: OptimizerChoice,
         only: tuple[str, ...] | None = None,
         shard: tuple[int, int] | None = None,
-        implementation: OptimizerImplementation = OptimizerImplementation.FORLOOP,
+        implementation: OptimizerImplementation | None = OptimizerImplementation.FORLOOP,
     ) -> OptimizerTrace:
         """Two ``step()`` calls on gradients of the parameters' shapes; the second, in steady
         state, is recorded. Its allocations do not depend on the batch size. ``only``: the
@@ -693,7 +705,10 @@ class Profiler:
         parameter's temporary while it makes the next one's, so the order counts).
         ``shard=(world_size, rank)``: each parameter as that rank's FSDP2 shard of it (its
         dim-0 chunk, ``sharding.local_shard_shape``), which its optimizer steps.
-        ``implementation``: how torch.optim runs the step (fused, foreach, for-loop)."""
+        ``implementation``: how torch.optim runs the step (fused, foreach, for-loop); None
+        for another library's optimizer or a user's callable, whose own ``step()`` runs
+        (``optimizers``: on a ``device="cpu"`` profile with bitsandbytes' CPU kernels; a
+        failing step is named with its op; bitsandbytes' paged state is counted apart)."""
         subject = self.subject
         cuda = subject.device is Device.CUDA
         stepped = subject.params_with_grad.get(self.levers)
@@ -744,8 +759,15 @@ class Profiler:
             for _name, p in trainable:
                 p.grad = torch.empty_like(p)
             opt = make_optimizer(optimizer, [p for _n, p in trainable], implementation)
+        unpaged(opt)
+        if cuda and isinstance(optimizer, CustomOptimizer):
+            cuda_default_foreach(opt)
         shortcuts = fake_mode if fused else MetaShortcuts()
-        with shortcuts:
+        watch = OpWatch()
+        # the CPU kernels of bitsandbytes' ops, where their fake implementations (CUDA's
+        # allocation-free kernels) are not what a CPU step does
+        kernels = cpu_kernels(opt) if not cuda else contextlib.nullcontext()
+        with named_failure(optimizer, watch), eager_step(opt), shortcuts, watch, kernels:
             opt.step()  # first step: creates the state
         rec = Recorder(
             subject._row_of,
@@ -761,25 +783,34 @@ class Profiler:
         state_bytes = np.zeros(len(subject.rows.names), dtype=np.int64)
         blocks: list[int] = []
         seen: set[int] = set()
-        for name, p in trainable:
-            for key, value in opt.state.get(p, {}).items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                # Without capturable/fused, Adam-family ``step`` counters stay on the CPU
-                # even for CUDA parameters (torch/optim/adam.py, _init_group): no GPU memory.
-                # Fused, they are float32 0-dim tensors on the parameter's device (the same
-                # lines: ``device=p.device if capturable or fused``): 4 bytes each, counted.
-                if cuda and not fused and key == "step" and value.dim() == 0:
-                    continue
-                rec.register_resident([value], Category.OPTIMIZER_STATE)
-                st = value.untyped_storage()
-                if id(st) in seen:
-                    continue
-                seen.add(id(st))
-                state_bytes[rows_of[name]] += st.nbytes()
-                blocks.append(st.nbytes())
-        with paused_gc(), shortcuts, rec:
-            opt.step()
+        paged = 0
+        name_of = {id(p): name for name, p in trainable}
+        for p, key, value in each_state(opt, [p for _n, p in trainable]):
+            name = name_of[id(p)]
+            # Without capturable/fused, Adam-family ``step`` counters stay on the CPU
+            # even for CUDA parameters (torch/optim/adam.py, _init_group): no GPU memory.
+            # Fused, they are float32 0-dim tensors on the parameter's device (the same
+            # lines: ``device=p.device if capturable or fused``): 4 bytes each, counted.
+            # torchao's low-bit Adam keeps its ``step`` on the CPU too
+            # (torchao/optim/adam.py, ``state["step"] = torch.tensor(0.0)``).
+            if cuda and not fused and key == "step" and value.dim() == 0:
+                continue
+            st = value.untyped_storage()
+            if cuda and is_paged_state(opt, p, key):
+                # CUDA unified memory, outside the caching allocator (optimizers module)
+                if id(st) not in seen:
+                    seen.add(id(st))
+                    paged += st.nbytes()
+                continue
+            rec.register_resident([value], Category.OPTIMIZER_STATE)
+            if id(st) in seen:
+                continue
+            seen.add(id(st))
+            state_bytes[rows_of[name]] += st.nbytes()
+            blocks.append(st.nbytes())
+        with named_failure(optimizer, watch), eager_step(opt), paused_gc(), shortcuts, rec:
+            with watch, kernels:
+                opt.step()
             rec.stop()
         events = rec.events()
         return OptimizerTrace(
@@ -787,6 +818,7 @@ class Profiler:
             state_bytes=state_bytes,
             state_block_bytes=np.asarray(blocks, dtype=np.int64),
             event_storage=np.asarray(events.storage, dtype=np.int64),
+            paged_bytes=paged,
         )
 
 
@@ -1124,11 +1156,11 @@ class _Source:
     def optimizer_trace(
         self,
         precision: Precision,
-        optimizer: OptimizerName,
+        optimizer: OptimizerChoice,
         levers: Levers = NO_LEVERS,
         only: tuple[str, ...] | None = None,
         shard: tuple[int, int] | None = None,
-        implementation: OptimizerImplementation = OptimizerImplementation.FORLOOP,
+        implementation: OptimizerImplementation | None = OptimizerImplementation.FORLOOP,
     ) -> OptimizerTrace:
         self.profiler.levers = levers
         try:

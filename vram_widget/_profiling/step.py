@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from .._estimating.levers import Levers, repeated_blocks, resolve_levers
-from .._estimating.options import OptimizerImplementation, OptimizerName, Precision
+from .._estimating.options import (
+    OptimizerChoice,
+    OptimizerImplementation,
+    OptimizerName,
+    Precision,
+)
+from .optimizers import build_optimizer, is_library_optimizer
 
 # The optimizer registry: name -> (class, keyword arguments). Hyper-parameters do not change
 # memory; these are PyTorch's documented defaults where a default exists.
@@ -54,7 +60,7 @@ def optimizer_spec(name: OptimizerName) -> tuple[type[torch.optim.Optimizer], di
 
 
 def make_optimizer(
-    name: OptimizerName,
+    name: OptimizerChoice,
     params: Iterable[torch.Tensor],
     implementation: OptimizerImplementation | None = None,
 ) -> torch.optim.Optimizer:
@@ -66,9 +72,16 @@ def make_optimizer(
     default check (``_default_to_fused_or_foreach``) also looks at ``type(p)``, and a
     FakeTensor is not in its list, so leaving it ``None`` on fake CUDA tensors would pick the
     loop.
+
+    Another library's optimizer (bitsandbytes, torchao, transformers) or a user's callable
+    is built by that library or callable (``optimizers.build_optimizer``); it runs its own
+    ``step()``, and ``implementation`` does not apply.
     """
-    cls, kwargs = _OPTIMIZERS[name]
     params = [p for p in params if p.requires_grad]
+    if is_library_optimizer(name):
+        return build_optimizer(name, params)
+    assert isinstance(name, OptimizerName)
+    cls, kwargs = _OPTIMIZERS[name]
     if implementation is OptimizerImplementation.FUSED:
         return cls(params, fused=True, **kwargs)  # type: ignore[call-arg]
     foreach = None if implementation is None else implementation is OptimizerImplementation.FOREACH

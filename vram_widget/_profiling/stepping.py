@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 
-from .._estimating.options import OptimizerImplementation, OptimizerName, parse_option
+from .._estimating.options import (
+    OptimizerChoice,
+    OptimizerImplementation,
+    OptimizerName,
+    parse_option,
+)
 from .step import make_optimizer
 
 __all__ = ["OptimizerInBackward", "zero_grads_in_place"]
@@ -42,7 +47,7 @@ class OptimizerInBackward:
     ----------
     params : sequence of Tensor
         The parameters; those that do not require grad get no optimizer and no hook.
-    name : OptimizerName
+    name : OptimizerName or CustomOptimizer
         The optimizer each parameter gets.
     implementation : OptimizerImplementation or None
         How torch.optim runs each one's step (None: torch's default on the device).
@@ -64,7 +69,7 @@ class OptimizerInBackward:
     def __init__(
         self,
         params: Sequence[torch.Tensor],
-        name: OptimizerName,
+        name: OptimizerChoice,
         implementation: OptimizerImplementation | None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]

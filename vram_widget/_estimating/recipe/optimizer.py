@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..options import (
+    OPTIMIZER_PACKAGES,
+    CustomOptimizer,
     Device,
+    OptimizerChoice,
     OptimizerImplementation,
     OptimizerName,
     default_implementation,
@@ -20,8 +23,12 @@ class Optimizer:
 
     Attributes
     ----------
-    name : OptimizerName, optional
+    name : OptimizerName or CustomOptimizer, optional
         ``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, ``"adagrad"``, ``"rmsprop"``;
+        the other libraries' ``"adamw8bit"``, ``"paged-adamw8bit"`` (bitsandbytes),
+        ``"adamw8bit-torchao"``, ``"adamw4bit-torchao"`` (torchao), ``"adafactor"``
+        (transformers); or a callable ``params -> torch.optim.Optimizer`` (held as a
+        :class:`~vram_widget._estimating.options.CustomOptimizer`, equal by identity).
         None: no optimizer step.
     implementation : OptimizerImplementation, optional
         ``"fused"``, ``"foreach"`` or ``"forloop"`` (SGD and Adam / AdamW only); None:
@@ -43,7 +50,7 @@ class Optimizer:
     <OptimizerImplementation.FOREACH: 'foreach'>
     """
 
-    name: OptimizerName | None = OptimizerName.ADAM
+    name: OptimizerChoice | None = OptimizerName.ADAM
     implementation: OptimizerImplementation | None = None
     in_backward: bool = False
     set_to_none: bool = True
@@ -58,7 +65,7 @@ class Optimizer:
                 "frees each gradient right after its parameter's step, so no gradient is kept "
                 "between steps to be zeroed in place"
             )
-        if self.name is not None and not isinstance(self.name, OptimizerName):
+        if self.name is not None and not isinstance(self.name, (OptimizerName, CustomOptimizer)):
             name, impl = parse_optimizer_choice(self.name)
             if impl is not None and self.implementation not in (None, impl):
                 raise ValueError(
@@ -93,11 +100,25 @@ class Optimizer:
             parsed, in_backward=self.in_backward, set_to_none=self.set_to_none
         )
 
+    @property
+    def runs_on_torch_optim(self) -> bool:
+        """Whether the optimizer is a ``torch.optim`` class (fused, foreach or for-loop).
+
+        Examples
+        --------
+        >>> Optimizer.parse("adam").runs_on_torch_optim
+        True
+        >>> Optimizer.parse("adafactor").runs_on_torch_optim
+        False
+        """
+        return isinstance(self.name, OptimizerName) and self.name not in OPTIMIZER_PACKAGES
+
     def resolved_implementation(self, device: str | Device) -> OptimizerImplementation | None:
         """The implementation that runs on ``device``: the one asked, else torch's default
         there (:func:`~vram_widget._estimating.options.default_implementation`); None
-        without an optimizer."""
-        if self.name is None:
+        without an optimizer, and for one that is not a ``torch.optim`` class (another
+        library's, or a callable's: they run their own ``step()``)."""
+        if self.name is None or not self.runs_on_torch_optim:
             return None
         if self.implementation is not None:
             return self.implementation
