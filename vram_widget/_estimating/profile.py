@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .accelerator import CudaContext, cuda_context, given_cuda_context
 from .decoding import (
     DECODE_STEPS_ACROSS_WINDOW,
     PROMPT_BEFORE_WINDOW,
@@ -42,7 +43,7 @@ from .options import (
     parse_optimizer_choice,
     parse_option,
 )
-from .recipe import LeverSettings, Recipe
+from .recipe import Accelerator, LeverSettings, Recipe
 from .sharding import (
     DEFAULT_GPUS_PER_NODE,
     ITEMSIZE,
@@ -574,6 +575,10 @@ class ModelProfile:
             (:meth:`Recipe.with_ <vram_widget.Recipe.with_>`), e.g.
             ``optimizer_in_backward=True``, ``set_to_none=False``, ``lora_dtype="bf16"``,
             ``context_bytes=...``; an unknown name is a TypeError listing the valid ones.
+            ``context_bytes`` (bytes) replaces the CUDA context of
+            ``accelerator.cuda_context``'s table, which ``compute_capability`` and
+            ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;
+            ``est.extras.cuda_context_source`` says which figure was used and its source.
 
         Notes
         -----
@@ -640,6 +645,7 @@ class ModelProfile:
         implementation = recipe.optimizer.resolved_implementation(self.device)
         seq_len, compute_capability = step.seq_len, acc.compute_capability
         expandable_segments = acc.expandable_segments
+        context = _context_of(acc)
         length = self.check_seq_len(seq_len)
         tokens = self._check_new_tokens(run_mode, recipe.generation.new_tokens, seq_len)
         if expandable_segments and self.device is not Device.CUDA:
@@ -717,6 +723,7 @@ class ModelProfile:
                 new_tokens=tokens,
                 across_window=across,
                 optimizer_implementation=None if implementation is None else implementation.value,
+                context=context,
             )
 
         impl = implementation
@@ -1411,13 +1418,26 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
     return major, minor
 
 
+def _context_of(acc: Accelerator) -> CudaContext:
+    """The CUDA context the Accelerator settings mean: ``context_bytes`` where given, else
+    the table's row for the GPU and the module loading (``accelerator.cuda_context``)."""
+    if acc.context_bytes is not None:
+        return given_cuda_context(acc.context_bytes)
+    capability = _check_capability(acc.compute_capability)
+    if not isinstance(acc.lazy_loading, bool):
+        raise ValueError(
+            f"lazy_loading must be True (CUDA_MODULE_LOADING=LAZY, torch's default) or False "
+            f"(eager loading); got {acc.lazy_loading!r}"
+        )
+    return cuda_context(capability, acc.lazy_loading)
+
+
 def _refuse_unmodelled(recipe: Recipe) -> None:
     """A Recipe setting the estimate does not model yet is refused by name, never dropped."""
     unmodelled = {
         "optimizer_in_backward": recipe.optimizer.in_backward,
         "set_to_none=False": not recipe.optimizer.set_to_none,
         "lora_dtype": recipe.levers.lora_dtype is not None,
-        "context_bytes": recipe.accelerator.context_bytes is not None,
     }
     asked = [name for name, given in unmodelled.items() if given]
     if asked:

@@ -22,6 +22,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "optimizer_in_backward": ("optimizer", "in_backward"),
     "set_to_none": ("optimizer", "set_to_none"),
     "context_bytes": ("accelerator", "context_bytes"),
+    "lazy_loading": ("accelerator", "lazy_loading"),
     "compute_capability": ("accelerator", "compute_capability"),
     "expandable_segments": ("accelerator", "expandable_segments"),
     "checkpoint": ("levers", "checkpoint"),
