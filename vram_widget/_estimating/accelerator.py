@@ -48,6 +48,7 @@ CUBLAS_WORKSPACE_BYTES_SM90 = 32 * 2**20
 major 10/11/12 (Blackwell history per release UNCONFIRMED). [src: CublasHandlePool.cpp ·
 getChosenWorkspaceSize; fact sheet §6.3]"""
 
+
 @dataclasses.dataclass(frozen=True)
 class CudaContext:
     """One figure of the CUDA context's device memory, with where it comes from.
@@ -94,8 +95,7 @@ _CONTEXT_TABLE: dict[tuple[tuple[int, int], bool], CudaContext] = {
     ),
     ((10, -1), True): CudaContext(
         500 * 2**20,
-        "estimate: 500 MiB, Hopper's figure assumed for Blackwell with lazy loading; "
-        "UNCONFIRMED",
+        "estimate: 500 MiB, Hopper's figure assumed for Blackwell with lazy loading; UNCONFIRMED",
     ),
     ((0, -1), True): CudaContext(
         400 * 2**20,

@@ -24,7 +24,7 @@ from .decoding import (
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .gpus import Gpu, parse_capacity
-from .levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
+from .levers import NO_LEVERS, Levers, repeated_blocks, resolve_levers
 from .options import (
     CATEGORY_CODE,
     PHASE_CODE,
@@ -38,12 +38,11 @@ from .options import (
     Precision,
     Strategy,
     default_implementation,
-    parse_batch_size,
-    parse_optimizer,
     parse_optimizer_choice,
     parse_option,
 )
 from .recipe import Accelerator, LeverSettings, Recipe
+from .recipe.recipe import default
 from .sharding import (
     DEFAULT_GPUS_PER_NODE,
     ITEMSIZE,
@@ -446,26 +445,26 @@ class ModelProfile:
 
     def estimate(
         self,
-        batch_size: int = 1,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
-        mode: str | Mode = "train",
+        batch_size: int = default(1),
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
+        mode: str | Mode = default("train"),
         *,
-        seq_len: int | None = None,
-        compute_capability: tuple[int, int] | None = None,
-        checkpoint: object = None,
-        trainable: object = None,
-        grad_accumulation: int = 1,
-        lora_rank: int | None = None,
-        lora_targets: object = "auto",
-        base_quantization: str | None = None,
-        expandable_segments: bool = False,
-        gpus: int = 1,
-        strategy: str | Strategy = "ddp",
-        rank: int | None = None,
-        gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
-        fsdp_units: object = None,
-        new_tokens: int | None = None,
+        seq_len: int | None = default(None),
+        compute_capability: tuple[int, int] | None = default(None),
+        checkpoint: object = default(None),
+        trainable: object = default(None),
+        grad_accumulation: int = default(1),
+        lora_rank: int | None = default(None),
+        lora_targets: object = default("auto"),
+        base_quantization: str | None = default(None),
+        expandable_segments: bool = default(False),
+        gpus: int = default(1),
+        strategy: str | Strategy = default("ddp"),
+        rank: int | None = default(None),
+        gpus_per_node: int = default(DEFAULT_GPUS_PER_NODE),
+        fsdp_units: object = default(None),
+        new_tokens: int | None = default(None),
         recipe: Recipe | None = None,
         **settings: Any,
     ) -> MemoryEstimate:
@@ -991,12 +990,12 @@ class ModelProfile:
     def max_batch_size(
         self,
         capacity_bytes: int | str | Gpu,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
-        mode: str | Mode = "train",
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
+        mode: str | Mode = default("train"),
         *,
-        seq_len: int | None = None,
-        compute_capability: tuple[int, int] | None = None,
+        seq_len: int | None = default(None),
+        compute_capability: tuple[int, int] | None = default(None),
         limit: int = 2**40,
         basis: str | FitBasis = FitBasis.DEVICE,
         recipe: Recipe | None = None,
@@ -1073,11 +1072,11 @@ class ModelProfile:
     def min_gpus(
         self,
         capacity_bytes: int | str | Gpu,
-        batch_size: int = 1,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
+        batch_size: int = default(1),
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
         *,
-        strategy: str | Strategy = "ddp",
+        strategy: str | Strategy = default("ddp"),
         limit: int = 1024,
         basis: str | FitBasis = FitBasis.DEVICE,
         recipe: Recipe | None = None,
@@ -1137,12 +1136,12 @@ class ModelProfile:
     def max_seq_len(
         self,
         capacity_bytes: int | str | Gpu,
-        batch_size: int = 1,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
-        mode: str | Mode = "train",
+        batch_size: int = default(1),
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
+        mode: str | Mode = default("train"),
         *,
-        compute_capability: tuple[int, int] | None = None,
+        compute_capability: tuple[int, int] | None = default(None),
         limit: int = 2**20,
         basis: str | FitBasis = FitBasis.DEVICE,
         recipe: Recipe | None = None,
@@ -1172,11 +1171,10 @@ class ModelProfile:
         if not self.has_seq_axis:
             self.check_seq_len(1)  # raises: no sequence axis
         capacity = parse_capacity(capacity_bytes)
-        batch = parse_batch_size(batch_size)
         fit_basis = parse_option(FitBasis, basis, "basis")
         assert self.seq_len is not None
         base = Recipe.from_keywords(
-            recipe, batch_size=batch, precision=precision, optimizer=optimizer, mode=mode,
+            recipe, batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode,
             compute_capability=compute_capability, **levers,
         )  # fmt: skip
 
@@ -1196,14 +1194,15 @@ class ModelProfile:
     def frontier(
         self,
         capacity_bytes: int | str | Gpu,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
-        mode: str | Mode = "train",
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
+        mode: str | Mode = default("train"),
         *,
         seq_lens: Sequence[int] | None = None,
-        compute_capability: tuple[int, int] | None = None,
+        compute_capability: tuple[int, int] | None = default(None),
         profile_lengths: bool = False,
         basis: str | FitBasis = FitBasis.DEVICE,
+        recipe: Recipe | None = None,
         **levers: Any,
     ) -> Frontier:
         """The batch x sequence-length frontier: the largest batch that fits
@@ -1225,6 +1224,11 @@ class ModelProfile:
             the result's ``complete`` is False; True profiles each (seconds per length).
         basis : {"device", "allocated"}
             What "fits" means, as for :meth:`max_batch_size`.
+        recipe : Recipe, optional
+            The setup as one value (its batch size and sequence length are the ones
+            searched); keywords that conflict with it are a ValueError.
+        **levers
+            Any other setting of :meth:`estimate` by its flat name.
 
         Returns
         -------
@@ -1248,8 +1252,11 @@ class ModelProfile:
             self.check_seq_len(1)  # raises: no sequence axis
         assert self.seq_len is not None
         capacity = parse_capacity(capacity_bytes)
-        prec = parse_option(Precision, precision, "precision")
-        run_mode = parse_option(Mode, mode, "mode")
+        base = Recipe.from_keywords(
+            recipe, precision=precision, optimizer=optimizer, mode=mode,
+            compute_capability=compute_capability, **levers,
+        ).with_(batch_size=1, seq_len=None)  # fmt: skip
+        prec, run_mode = base.step.precision, base.step.mode
         if seq_lens is None:
             limit = self.seq_len_limit or DEFAULT_MAX_SEQ_LEN
             lengths = length_grid(limit, extra=[self.seq_len]).tolist()
@@ -1257,30 +1264,24 @@ class ModelProfile:
             # check_seq_len gives None for the example's own length
             checked = [self.check_seq_len(n) for n in seq_lens]
             lengths = [self.seq_len if n is None else n for n in checked]
-        opt = parse_optimizer(optimizer)
         # the example's length, the optimizer
-        _check_above_context(
-            self.estimate(1, prec, opt, run_mode, compute_capability=compute_capability, **levers),
-            capacity,
-        )
-        # ``levers`` are estimate keywords: the levers among them, and the others as they are
-        lever_keywords = {k: v for k, v in levers.items() if k in LEVER_KEYWORDS}
-        others = {k: v for k, v in levers.items() if k not in LEVER_KEYWORDS}
-        resolved = self.levers(**lever_keywords) if run_mode is Mode.TRAIN else NO_LEVERS
+        _check_above_context(self.estimate(recipe=base), capacity)
+        lv = base.levers
+        resolved = NO_LEVERS
+        if run_mode is Mode.TRAIN:
+            resolved = self.levers(
+                lv.checkpoint, lv.trainable, lv.grad_accumulation, lv.lora_rank, lv.lora_targets
+            )
         if resolved.lora_rank is not None:
             sub, kwargs = self._lora(resolved)
             return sub.frontier(
                 capacity,
-                prec,
-                opt,
-                run_mode,
                 seq_lens=lengths,
-                compute_capability=compute_capability,
                 profile_lengths=profile_lengths,
                 basis=basis,
-                **others,
-                **kwargs,
+                recipe=dataclasses.replace(base, levers=LeverSettings()).with_(**kwargs),
             )
+        opt = _optimizer_choice(base)
 
         def answerable(length: int) -> bool:
             return profile_lengths or self.is_cached(prec, run_mode, opt, length, resolved)
@@ -1292,14 +1293,7 @@ class ModelProfile:
             self.timeline(prec, run_mode, other, resolved)
         return batch_seq_frontier(
             lambda length: self.max_batch_size(
-                capacity,
-                prec,
-                opt,
-                run_mode,
-                seq_len=length,
-                compute_capability=compute_capability,
-                basis=basis,
-                **levers,
+                capacity, basis=basis, recipe=base.with_(seq_len=length)
             ),
             lengths,
             capacity,
@@ -1416,6 +1410,15 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
     if major < 1 or minor < 0:
         raise ValueError(f"compute_capability must be (major, minor) >= (1, 0); got {value!r}")
     return major, minor
+
+
+def _optimizer_choice(recipe: Recipe) -> str | None:
+    """The recipe's optimizer as ``is_cached`` takes it: ``"adamw"`` or ``"adamw-fused"``."""
+    opt = recipe.optimizer
+    if opt.name is None:
+        return None
+    suffix = "" if opt.implementation is None else f"-{opt.implementation.value}"
+    return f"{opt.name.value}{suffix}"
 
 
 def _context_of(acc: Accelerator) -> CudaContext:
