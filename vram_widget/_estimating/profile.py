@@ -24,7 +24,7 @@ from .decoding import (
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .gpus import Gpu, parse_capacity
-from .levers import NO_LEVERS, Levers, repeated_blocks, resolve_levers
+from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
 from .options import (
     CATEGORY_CODE,
     PHASE_CODE,
@@ -88,7 +88,9 @@ class ProfileSource(Protocol):
         implementation: OptimizerImplementation = ...,
     ) -> OptimizerTrace: ...
 
-    def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
+    def lora_profile(
+        self, rank: int, targets: tuple[str, ...] | None, dtype: str | None = None
+    ) -> ModelProfile: ...
 
     def generation(
         self,
@@ -155,8 +157,9 @@ class ModelProfile:
         self.param_shapes = param_shapes
         # each parameter's requires_grad as the model has it (the levers may freeze more)
         self.param_trainable = param_trainable or tuple(True for _ in param_names)
-        # parameters kept in fp32 whatever the precision (PEFT's adapters on a half base)
-        self.fp32_params: frozenset[str] = frozenset()
+        # parameters kept in their own dtype whatever the precision (PEFT's adapters: fp32
+        # on a half base by default), name -> dtype name
+        self.fixed_param_dtypes: dict[str, str] = {}
         # what ``checkpoint="auto"`` wraps, and whether Hugging Face's own call applies it
         self.checkpoint_blocks = checkpoint_blocks
         self.hf_checkpointing = hf_checkpointing
@@ -182,7 +185,9 @@ class ModelProfile:
         ] = {}
         # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
         # targets); its module names carry PEFT's prefix
-        self._lora_profiles: dict[tuple[int, tuple[str, ...] | None], ModelProfile] = {}
+        self._lora_profiles: dict[
+            tuple[int, tuple[str, ...] | None, str | None], ModelProfile
+        ] = {}
         # data parallelism: (precision, levers, ranks, rank) -> buffers, optimizer shards
         self._rank_layouts: dict[
             tuple[Precision, Levers, Parallel, int | None],
@@ -239,11 +244,14 @@ class ModelProfile:
             lora_targets=lora_targets,
         )
 
-    def _lora(self, levers: Levers) -> tuple[ModelProfile, dict[str, Any]]:
-        """The LoRA profile of ``levers`` (made on first use) and the levers to ask it for:
-        checkpointing by the same names inside PEFT's wrapper, accumulation as it is."""
+    def _lora(
+        self, levers: Levers, dtype: str | None = None
+    ) -> tuple[ModelProfile, dict[str, Any]]:
+        """The LoRA profile of ``levers`` with the adapters in ``dtype``
+        (``parse_lora_dtype``; made on first use, one per dtype) and the levers to ask it
+        for: checkpointing by the same names inside PEFT's wrapper, accumulation as it is."""
         assert levers.lora_rank is not None
-        key = (levers.lora_rank, levers.lora_targets)
+        key = (levers.lora_rank, levers.lora_targets, dtype)
         if key not in self._lora_profiles:
             self._lora_profiles[key] = self._source.lora_profile(*key)
         sub = self._lora_profiles[key]
@@ -257,7 +265,7 @@ class ModelProfile:
     def _made_lora(self, levers: Levers) -> tuple[ModelProfile, Levers] | None:
         """The LoRA profile of ``levers`` and the levers to ask it for, where it was made
         already (None: asking would profile it)."""
-        if (levers.lora_rank, levers.lora_targets) not in self._lora_profiles:
+        if (levers.lora_rank, levers.lora_targets, None) not in self._lora_profiles:
             return None
         sub, kwargs = self._lora(levers)
         return sub, sub.levers(**kwargs)
@@ -661,10 +669,11 @@ class ModelProfile:
         levers = self.levers(
             lv.checkpoint, lv.trainable, lv.grad_accumulation, lv.lora_rank, lv.lora_targets
         )
+        lora_dtype = _lora_dtype_of(lv)
         if run_mode is not Mode.TRAIN:
             levers = NO_LEVERS
         if levers.lora_rank is not None:
-            sub, kwargs = self._lora(levers)
+            sub, kwargs = self._lora(levers, lora_dtype)
             plain = dataclasses.replace(recipe, levers=LeverSettings())
             est = sub._estimate(plain.with_(**kwargs))
             return dataclasses.replace(est, levers=levers)
@@ -925,9 +934,12 @@ class ModelProfile:
 
     def _grad_dtype(self, name: str, precision: Precision) -> str:
         """A parameter's dtype (its gradient's) at ``precision``: half under bf16 / fp16,
-        but the parameters kept in fp32 whatever the precision (PEFT's adapters)."""
+        but the parameters kept in their own dtype whatever the precision (PEFT's
+        adapters)."""
+        if name in self.fixed_param_dtypes:
+            return self.fixed_param_dtypes[name]
         half = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}.get(precision)
-        return "float32" if half is None or name in self.fp32_params else half
+        return "float32" if half is None else half
 
     def _trainable_params(self, precision: Precision, levers: Levers) -> list[TrainableParam]:
         """The parameters that get a gradient in a training step with ``levers``, in
@@ -1272,8 +1284,9 @@ class ModelProfile:
             resolved = self.levers(
                 lv.checkpoint, lv.trainable, lv.grad_accumulation, lv.lora_rank, lv.lora_targets
             )
+        lora_dtype = _lora_dtype_of(lv)
         if resolved.lora_rank is not None:
-            sub, kwargs = self._lora(resolved)
+            sub, kwargs = self._lora(resolved, lora_dtype)
             return sub.frontier(
                 capacity,
                 seq_lens=lengths,
@@ -1412,6 +1425,18 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
     return major, minor
 
 
+def _lora_dtype_of(levers: LeverSettings) -> str | None:
+    """The adapters' dtype the lever settings ask for (``parse_lora_dtype``), checked; a
+    dtype without ``lora_rank`` is refused: there are no adapters to hold it."""
+    dtype = parse_lora_dtype(levers.lora_dtype)
+    if dtype is not None and levers.lora_rank is None:
+        raise ValueError(
+            f"lora_dtype={levers.lora_dtype!r} is the LoRA adapters' dtype, but no adapters "
+            "are asked for: give lora_rank=... too, or leave lora_dtype at None"
+        )
+    return dtype
+
+
 def _optimizer_choice(recipe: Recipe) -> str | None:
     """The recipe's optimizer as ``is_cached`` takes it: ``"adamw"`` or ``"adamw-fused"``."""
     opt = recipe.optimizer
@@ -1440,7 +1465,6 @@ def _refuse_unmodelled(recipe: Recipe) -> None:
     unmodelled = {
         "optimizer_in_backward": recipe.optimizer.in_backward,
         "set_to_none=False": not recipe.optimizer.set_to_none,
-        "lora_dtype": recipe.levers.lora_dtype is not None,
     }
     asked = [name for name, given in unmodelled.items() if given]
     if asked:

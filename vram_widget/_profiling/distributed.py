@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._estimating.levers import repeated_blocks
-from .._estimating.options import OptimizerName, Precision, Strategy
+from .._estimating.options import OptimizerImplementation, OptimizerName, Precision, Strategy
 from .._estimating.sharding import Parallel, resolve_fsdp_units
 
 __all__ = [
@@ -254,15 +254,26 @@ def fsdp_wrapped(
     return wrap
 
 
-def zero_optimizer(name: OptimizerName, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def zero_optimizer(
+    name: OptimizerName,
+    params: list[torch.Tensor],
+    implementation: OptimizerImplementation | None = None,
+) -> torch.optim.Optimizer:
     """``ZeroRedundancyOptimizer`` with its defaults around the registered optimizer (the
-    ``"zero1"`` strategy): each rank's local optimizer steps its shard of ``params``."""
+    ``"zero1"`` strategy): each rank's local optimizer steps its shard of ``params``, run
+    as ``implementation`` (as ``step.make_optimizer`` runs it: ``fused=True``,
+    ``foreach=True`` / ``False``, or PyTorch's choice for None); ZeroRedundancyOptimizer
+    passes the keywords on to each rank's local optimizer
+    (torch/distributed/optim/zero_redundancy_optimizer.py, ``_init_local_optimizer``)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from .step import optimizer_spec
 
     cls, kwargs = optimizer_spec(name)
-    return ZeroRedundancyOptimizer(params, optimizer_class=cls, foreach=None, **kwargs)
+    if implementation is OptimizerImplementation.FUSED:
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, fused=True, **kwargs)
+    foreach = None if implementation is None else implementation is OptimizerImplementation.FOREACH
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls, foreach=foreach, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,9 +282,13 @@ class RankSetup:
     (None: the registered optimizer over every parameter)."""
 
     wrap_model: Callable[[torch.nn.Module, Parallel, Precision], torch.nn.Module]
-    make_optimizer: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] | None = (
-        None
-    )
+    make_optimizer: (
+        Callable[
+            [OptimizerName, list[torch.Tensor], OptimizerImplementation | None],
+            torch.optim.Optimizer,
+        ]
+        | None
+    ) = None
 
 
 # strategy -> how its libraries set up a rank (the strategies sharding models)
