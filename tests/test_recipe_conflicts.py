@@ -81,3 +81,24 @@ def _same(a: object, b: object) -> bool:
     if hasattr(a, "peak_bytes"):
         return a.peak_bytes == b.peak_bytes  # type: ignore[attr-defined]
     return a == b
+
+
+def test_measure_takes_a_recipe() -> None:
+    from vram_widget import measure
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
+    recipe = Recipe.from_keywords(batch_size=3, precision="bf16", optimizer="adamw-foreach")
+    by_recipe = measure(model, x, recipe=recipe)
+    by_keywords = measure(model, x, optimizer="adamw-foreach", precision="bf16")
+    assert by_recipe.peak_bytes == by_keywords.peak_bytes
+    assert by_recipe.precision.value == "bf16" and by_recipe.optimizer.value == "adamw"
+    # agreeing keywords are fine; an explicit default that disagrees names both
+    assert measure(model, x, precision="bf16", recipe=recipe).peak_bytes == by_recipe.peak_bytes
+    with pytest.raises(ValueError, match=r"precision='fp32'.*step.precision='bf16'"):
+        measure(model, x, precision="fp32", recipe=recipe)
+    # what a measured step cannot follow is refused by name, before the step runs
+    with pytest.raises(ValueError, match=r"batch_size=5 is not the inputs' batch of 3"):
+        measure(model, x, recipe=recipe.with_(batch_size=5))
+    with pytest.raises(ValueError, match=r"the recipe's seq_len"):
+        measure(model, x, recipe=recipe.with_(seq_len=16))
