@@ -48,7 +48,8 @@ class Accelerator:
     ----------
     compute_capability : (major, minor), optional
         The target GPU's (``torch.cuda.get_device_capability()``); it sizes the cuBLAS
-        workspace. None: (9, 0), an H100.
+        workspace and picks the CUDA context's row (``accelerator.cuda_context``). None:
+        (9, 0), an H100.
     expandable_segments : bool
         The CUDA caching allocator's ``expandable_segments:True``.
     context_bytes : int, optional
