@@ -19,6 +19,7 @@ from vram_widget._estimating.accelerator import (
     AcceleratorExtras,
     cublas_workspace_bytes,
     cuda_block_bytes,
+    cuda_context,
     nccl_buffers,
     nccl_connection_bytes,
 )
@@ -69,6 +70,81 @@ def test_cublas_workspace_constants() -> None:
 
 def test_context_is_a_plausible_typical_value() -> None:
     assert 200 * 2**20 <= CUDA_CONTEXT_BYTES <= 2**30
+    assert CUDA_CONTEXT_BYTES == cuda_context((9, 0)).nbytes == 500 * 2**20  # H100, lazy
+
+
+@pytest.mark.parametrize(
+    ("capability", "lazy", "mib", "kind"),
+    [
+        ((8, 9), True, 426, "measured"),  # RTX 6000 Ada, unsloth-zoo#1053
+        ((9, 0), True, 500, "estimate"),  # Hopper's row
+        ((9, 9), True, 500, "estimate"),  # any minor of major 9 -> the (9, *) row
+        ((10, 0), True, 500, "estimate"),  # Blackwell: Hopper's figure assumed
+        ((8, 0), True, 400, "estimate"),  # A100: no row -> the any-GPU lazy row
+        ((7, 0), False, 1343, "measured"),  # V100, eager: the Transformers docs
+        ((8, 6), False, 1687, "measured"),  # RTX 3090, eager: pytorch#55277
+        ((6, 1), False, 721, "measured"),  # GTX 1080, eager: pytorch#55277
+        ((9, 0), False, 1343, "estimate"),  # no eager Hopper row -> the any-GPU eager row
+    ],
+)
+def test_context_table_rows(capability: tuple[int, int], lazy: bool, mib: int, kind: str) -> None:
+    row = cuda_context(capability, lazy_loading=lazy)
+    assert row.nbytes == mib * 2**20
+    assert row.source.startswith(f"{kind}:")
+    if kind == "estimate":
+        assert "UNCONFIRMED" in row.source
+
+
+def test_estimate_names_the_context_it_used() -> None:
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cuda")
+    est = profile.estimate(4)  # default GPU: an H100 with lazy loading
+    assert est.extras.cuda_context_bytes == 500 * 2**20
+    assert est.extras.cuda_context_source == cuda_context((9, 0)).source
+    ada = profile.estimate(4, compute_capability=(8, 9)).extras
+    assert (ada.cuda_context_bytes, ada.cuda_context_source) == (
+        426 * 2**20,
+        cuda_context((8, 9)).source,
+    )
+    eager = profile.estimate(4, compute_capability=(7, 0), lazy_loading=False).extras
+    assert eager.cuda_context_bytes == 1343 * 2**20
+    assert profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(
+        4
+    ).extras == AcceleratorExtras(0, 0, 0)
+
+
+def test_given_context_reaches_every_consumer() -> None:
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cuda")
+    table, given = profile.estimate(4096), profile.estimate(4096, context_bytes=2**30)
+    assert given.extras.cuda_context_bytes == 2**30
+    assert given.extras.cuda_context_source == f"given: context_bytes={2**30}"
+    delta = 2**30 - 500 * 2**20  # 1 GiB given instead of the table's 500 MiB
+    assert given.total_bytes - table.total_bytes == delta
+    assert table.device_bytes is not None and given.device_bytes is not None
+    assert given.device_bytes - table.device_bytes == delta
+    # a capacity that fits the table's context with room to spare but not the given one
+    capacity = table.device_bytes + delta - 2**21
+    assert table.fits(capacity) and not given.fits(capacity)
+    by_table = profile.max_batch_size(capacity)
+    by_given = profile.max_batch_size(capacity, context_bytes=2**30)
+    assert 1 <= by_given < 4096 <= by_table
+    assert profile.estimate(by_given, context_bytes=2**30).fits(capacity)
+    assert not profile.estimate(by_given + 1, context_bytes=2**30).fits(capacity)
+    # a capacity the given context fills is refused by the searches, naming the context
+    with pytest.raises(ValueError, match="not above the CUDA context alone"):
+        profile.max_batch_size(2**30, context_bytes=2**30)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1GB", True])
+def test_given_context_must_be_bytes(bad: object) -> None:
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cuda")
+    with pytest.raises(ValueError, match="context_bytes must be a whole number of bytes"):
+        profile.estimate(1, context_bytes=bad)
+
+
+def test_lazy_loading_must_be_a_bool() -> None:
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cuda")
+    with pytest.raises(ValueError, match="lazy_loading must be True"):
+        profile.estimate(1, lazy_loading="yes")
 
 
 def test_extras_total_and_sources() -> None:

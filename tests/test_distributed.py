@@ -322,3 +322,27 @@ def test_fsdp2_composes_with_the_sequence_axis(one_thread: None) -> None:
     with pytest.warns(UserWarning, match="the root .* holds 63%"):  # a 1,000-word vocabulary
         est = profile.estimate(3, "fp32", "adamw", seq_len=40, gpus=2, strategy="zero3")
     assert abs(est.peak_bytes - real.peak_bytes) <= FSDP_SLACK_BYTES
+
+
+def test_zero1_ranks_run_the_asked_implementation(one_thread: None) -> None:
+    # measure(recipe=...) with ZeroRedundancyOptimizer: each rank's local AdamW is built as
+    # the recipe's implementation asks (foreach=True / False), as the estimate's trace is:
+    # the two implementations' rank peaks differ, and each rank's estimate follows its own
+    from vram_widget import Recipe
+
+    entry = zoo.ZOO["mlp"]
+    model = entry.build()
+    inputs = entry.make_inputs(2)
+    profile = profile_model(model, inputs=inputs, device="cpu")
+    measured = {}
+    for impl in ("foreach", "forloop"):
+        recipe = Recipe.from_keywords(
+            batch_size=2, optimizer=f"adamw-{impl}", gpus=2, strategy="zero1"
+        )
+        real = measure(model, inputs, recipe=recipe, timeout_s=120)
+        ranks = [profile.estimate(recipe=recipe.with_(rank=r)) for r in range(2)]
+        for est, peak in zip(ranks, real.rank_peak_bytes, strict=True):
+            assert 0 <= peak - est.peak_bytes <= 1024 + est.buffer_bytes, (impl, est.rank, peak)
+        measured[impl] = real.rank_peak_bytes
+    # were the implementation dropped, both runs would be the same step
+    assert measured["foreach"] != measured["forloop"]

@@ -20,9 +20,12 @@ __all__ = [
     "CUDA_BLOCK_BYTES",
     "CUDA_CONTEXT_BYTES",
     "AcceleratorExtras",
+    "CudaContext",
     "NcclBuffers",
     "cublas_workspace_bytes",
     "cuda_block_bytes",
+    "cuda_context",
+    "given_cuda_context",
     "nccl_buffers",
     "nccl_connection_bytes",
 ]
@@ -45,19 +48,153 @@ CUBLAS_WORKSPACE_BYTES_SM90 = 32 * 2**20
 major 10/11/12 (Blackwell history per release UNCONFIRMED). [src: CublasHandlePool.cpp ·
 getChosenWorkspaceSize; fact sheet §6.3]"""
 
-CUDA_CONTEXT_BYTES = 500 * 2**20
-"""A typical CUDA context on an H100 with lazy module loading: **UNCONFIRMED**, an assumption.
 
-The context (driver state, loaded kernels, library handles) lives outside the caching allocator,
-so it is in neither ``memory_allocated`` nor ``memory_reserved`` but does use device memory
-(fact sheet §6.2). Its size depends on the GPU, driver, CUDA version, which libraries are loaded
-(cuBLAS, cuDNN, NCCL) and ``CUDA_MODULE_LOADING`` (lazy by default since CUDA 11.7 in PyTorch).
-PyTorch maintainers quote "around 400MB if CUDA >= 11.7 is used and lazy module loading
-enabled" (https://github.com/pytorch/pytorch/issues/109888) and ~300 MB
-(https://github.com/pytorch/pytorch/issues/107667), GPUs unstated; eager loading took > 1 GB.
-500 MiB rounds those up for a large GPU with cuBLAS and cuDNN loaded. Measure on the target:
-``torch.cuda.mem_get_info()`` (total - free) minus ``torch.cuda.memory_reserved()`` after the
-first kernels have run."""
+@dataclasses.dataclass(frozen=True)
+class CudaContext:
+    """One figure of the CUDA context's device memory, with where it comes from.
+
+    Attributes
+    ----------
+    nbytes
+        Bytes on the device outside the caching allocator (in neither ``memory_allocated``
+        nor ``memory_reserved``).
+    source
+        Where the figure comes from, and whether it is a measurement or an estimate.
+    """
+
+    nbytes: int
+    source: str
+
+
+# The CUDA context (driver state, the kernels loaded so far, library handles) lives outside
+# the caching allocator, so it is in neither ``memory_allocated`` nor ``memory_reserved`` but
+# uses device memory (fact sheet §6.2). Its size depends on the GPU, the driver, the CUDA
+# version, the libraries loaded (cuBLAS, cuDNN, NCCL) and ``CUDA_MODULE_LOADING``:
+# - lazy loading loads a kernel on its first use instead of every module's kernels when a
+#   library loads; it came in CUDA 11.7 (off by default), is on by default on Linux since
+#   CUDA 12.2 and on every platform since 12.3 (NVIDIA CUDA Programming Guide, "Lazy
+#   Loading", Table "Select Lazy Loading Changes by CUDA Version"); it needs driver >= 515;
+# - PyTorch sets ``CUDA_MODULE_LOADING=LAZY`` where the user has not set it, since 1.13
+#   (pytorch/pytorch#86509), so lazy loading is torch's default: the table's default column.
+# Each row: (compute capability, lazy loading) -> bytes, its source, measured or estimated.
+# A capability of (major, -1) stands for every minor of that major; lookups fall back from
+# the exact capability to its major, then to the column's "any GPU" row (0, -1).
+_CONTEXT_TABLE: dict[tuple[tuple[int, int], bool], CudaContext] = {
+    ((8, 9), True): CudaContext(
+        426 * 2**20,
+        "measured: 426 MiB in nvidia-smi after torch.cuda.mem_get_info() created the context, "
+        "before any kernel ran (RTX 6000 Ada, sm89; torch 2.10.0+cu130, lazy loading; "
+        "unslothai/unsloth-zoo#1053)",
+    ),
+    ((9, -1), True): CudaContext(
+        500 * 2**20,
+        "estimate: 500 MiB for a Hopper-class GPU with lazy loading; UNCONFIRMED. Rounds up "
+        "the 426 MiB measured on sm89 before any kernel ran (unsloth-zoo#1053) and the "
+        "maintainers' ~300-400 MB (pytorch#107667, #109888) for the kernels a training step "
+        "loads and the cuBLAS/cuDNN handles",
+    ),
+    ((10, -1), True): CudaContext(
+        500 * 2**20,
+        "estimate: 500 MiB, Hopper's figure assumed for Blackwell with lazy loading; UNCONFIRMED",
+    ),
+    ((0, -1), True): CudaContext(
+        400 * 2**20,
+        "estimate: 400 MiB, 'around 400MB if CUDA >= 11.7 is used and lazy module loading "
+        "enabled' (PyTorch maintainer, pytorch#109888; GPU unstated); UNCONFIRMED for a "
+        "given GPU",
+    ),
+    ((6, 1), False): CudaContext(
+        721 * 2**20,
+        "measured: 721 MiB in nvidia-smi after torch.Tensor(1).cuda() (GTX 1080, sm61; torch "
+        "1.8.2+cu101, eager loading; pytorch#55277)",
+    ),
+    ((7, 0), False): CudaContext(
+        1343 * 2**20,
+        "measured: 1,343 MiB in NVML's used memory after torch.ones((1, 1)).to('cuda') "
+        "(V100, sm70; eager loading, 2022; Hugging Face Transformers docs, 'Model training "
+        "anatomy')",
+    ),
+    ((8, 6), False): CudaContext(
+        1687 * 2**20,
+        "measured: 1,687 MiB in nvidia-smi after torch.Tensor(1).cuda() (RTX 3090, sm86; "
+        "torch 1.8.2+cu111, eager loading; pytorch#55277)",
+    ),
+    ((0, -1), False): CudaContext(
+        1343 * 2**20,
+        "estimate: 1,343 MiB, the V100 measurement (Hugging Face Transformers docs, 'Model "
+        "training anatomy') for a GPU without a row of its own with eager loading; "
+        "'all kernels ... took >1000MB' before lazy loading (pytorch#107667); UNCONFIRMED",
+    ),
+}
+
+
+def cuda_context(compute_capability: tuple[int, int], lazy_loading: bool = True) -> CudaContext:
+    """The CUDA context's bytes on a GPU of ``compute_capability``, with their source.
+
+    The table's row for the exact capability, else for its major, else the "any GPU" row
+    of the column (lazy or eager module loading; lazy is torch's default since 1.13).
+
+    Parameters
+    ----------
+    compute_capability : (major, minor)
+        The target GPU's (``torch.cuda.get_device_capability()``).
+    lazy_loading : bool
+        ``CUDA_MODULE_LOADING=LAZY`` (torch's default) or eager (``EAGER``, or a CUDA or
+        driver too old for lazy loading: CUDA < 11.7, driver < 515).
+
+    Returns
+    -------
+    CudaContext
+
+    Examples
+    --------
+    >>> cuda_context((8, 9)).nbytes // 2**20                        # RTX 6000 Ada, measured
+    426
+    >>> cuda_context((9, 0)).nbytes // 2**20                        # H100: an estimate
+    500
+    >>> cuda_context((7, 0), lazy_loading=False).nbytes // 2**20    # V100, eager, measured
+    1343
+    >>> cuda_context((8, 0)).source.split(":")[0]                   # A100: the any-GPU row
+    'estimate'
+    """
+    major, minor = compute_capability
+    for key in ((major, minor), (major, -1), (0, -1)):
+        row = _CONTEXT_TABLE.get((key, bool(lazy_loading)))
+        if row is not None:
+            return row
+    raise AssertionError("the table has an any-GPU row in each column")  # pragma: no cover
+
+
+def given_cuda_context(context_bytes: object) -> CudaContext:
+    """The context a caller gives (``context_bytes=``), checked: a whole number of bytes.
+
+    Examples
+    --------
+    >>> given_cuda_context(600 * 2**20).source
+    'given: context_bytes=629145600'
+    >>> given_cuda_context(-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: context_bytes must be a whole number of bytes >= 0 (e.g. 600 * 2**20); got -1
+    """
+    if isinstance(context_bytes, bool) or not isinstance(context_bytes, (int, np.integer)):
+        raise ValueError(
+            "context_bytes must be a whole number of bytes >= 0 (e.g. 600 * 2**20) or None "
+            f"(the table's figure for the GPU); got {context_bytes!r}"
+        )
+    if context_bytes < 0:
+        raise ValueError(
+            f"context_bytes must be a whole number of bytes >= 0 (e.g. 600 * 2**20); got "
+            f"{context_bytes!r}"
+        )
+    return CudaContext(int(context_bytes), f"given: context_bytes={int(context_bytes)}")
+
+
+CUDA_CONTEXT_BYTES = cuda_context((9, 0)).nbytes
+"""The CUDA context of the default GPU (an H100, lazy loading): 500 MiB, an estimate
+(:func:`cuda_context` has the table and its sources). Measure on the target:
+``torch.cuda.mem_get_info()`` (total - free) minus ``torch.cuda.memory_reserved()`` after
+the first kernels have run, and give it as ``context_bytes=``."""
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -114,11 +251,15 @@ class AcceleratorExtras:
         cuBLAS workspace(s), counted in ``memory_allocated``.
     cuda_context_bytes
         The CUDA context: outside ``memory_allocated`` and ``memory_reserved``, but on the device.
+    cuda_context_source
+        Where ``cuda_context_bytes`` comes from: a row of :func:`cuda_context`'s table
+        (measured or estimated) or ``context_bytes=`` given.
     """
 
     allocator_rounding_bytes: int
     cublas_workspace_bytes: int
     cuda_context_bytes: int
+    cuda_context_source: str = ""
 
     source: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
@@ -131,9 +272,15 @@ class AcceleratorExtras:
                 "sm90 (aten/src/ATen/cuda/CublasHandlePool.cpp; pytorch#95668)"
             ),
             "cuda_context_bytes": (
-                "CUDA context, outside the allocator: UNCONFIRMED typical value (~300-400 MB per "
-                "pytorch#107667, #109888 with lazy loading; 500 MiB assumed); depends on GPU, "
-                "driver, CUDA version and loaded libraries"
+                "CUDA context, outside the allocator: a table by compute capability and "
+                "CUDA_MODULE_LOADING (accelerator.cuda_context; measured rows from "
+                "pytorch#55277, unsloth-zoo#1053 and the Transformers docs, the others "
+                "UNCONFIRMED estimates), or context_bytes= given; the estimate's "
+                "cuda_context_source says which"
+            ),
+            "cuda_context_source": (
+                "the row of accelerator.cuda_context's table used (its source, measured or "
+                "estimated), or 'given: context_bytes=...'"
             ),
         }
     )
@@ -141,7 +288,7 @@ class AcceleratorExtras:
 
     @property
     def total_bytes(self) -> int:
-        """The sum of the three lines."""
+        """The sum of the three byte lines."""
         return self.allocator_rounding_bytes + self.cublas_workspace_bytes + self.cuda_context_bytes
 
 

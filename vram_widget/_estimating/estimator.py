@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .accelerator import (
-    CUDA_CONTEXT_BYTES,
     AcceleratorExtras,
+    CudaContext,
     NcclBuffers,
     cublas_workspace_bytes,
     cuda_block_bytes,
+    cuda_context,
     nccl_buffers,
 )
 from .allocator import (
@@ -496,9 +497,11 @@ def estimate(
     new_tokens: int | None = None,
     across_window: tuple[Timeline, int] | None = None,
     optimizer_implementation: str | None = None,
+    context: CudaContext | None = None,
 ) -> MemoryEstimate:
     """Lay the step's events on top of what is resident and read off the peak.
-    ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace);
+    ``compute_capability`` is the target GPU's, for the CUDA extras (cuBLAS workspace, and
+    the CUDA context unless ``context`` gives it: ``accelerator.cuda_context``);
     ``communication_blocks`` are the buffers ``parallel``'s strategy keeps resident on each
     rank (``sharding``), allocated before the step as the parameters are; ``rank`` is the
     rank whose optimizer shard ``opt`` is, where ranks differ. ``edits`` are what a strategy
@@ -617,7 +620,11 @@ def estimate(
 
     extras = AcceleratorExtras(0, 0, 0)
     if device is Device.CUDA:
-        extras = _cuda_extras(resident_blocks, seq, peak, compute_capability, timeline.uses_matmul)
+        if context is None:
+            context = cuda_context(compute_capability)
+        extras = _cuda_extras(
+            resident_blocks, seq, peak, compute_capability, timeline.uses_matmul, context
+        )
 
     def per_row(category: Category) -> np.ndarray:
         return timeline.rows_of_category(category, batch_size, n_rows, length)
@@ -779,6 +786,7 @@ def _cuda_extras(
     peak: int,
     compute_capability: tuple[int, int],
     uses_matmul: bool,
+    context: CudaContext,
 ) -> AcceleratorExtras:
     """What CUDA adds on top of tensor bytes: each block rounded up to 512 bytes by the
     caching allocator, the cuBLAS workspace, and the CUDA context (sources in _accelerator).
@@ -796,5 +804,6 @@ def _cuda_extras(
             if uses_matmul
             else 0
         ),
-        cuda_context_bytes=CUDA_CONTEXT_BYTES,
+        cuda_context_bytes=context.nbytes,
+        cuda_context_source=context.source,
     )

@@ -19,6 +19,7 @@ __all__ = [
     "LEVER_KEYWORDS",
     "NO_LEVERS",
     "Levers",
+    "parse_lora_dtype",
     "repeated_blocks",
     "resolve_levers",
     "resolve_lora",
@@ -364,3 +365,46 @@ def resolve_lora(rank: object, targets: object) -> tuple[int | None, tuple[str, 
             "(PEFT's target_modules)"
         )
     return rank, tuple(names)
+
+
+_LORA_DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "base": "base",
+}
+
+
+def parse_lora_dtype(value: object) -> str | None:
+    """The LoRA adapters' dtype as asked: None (PEFT's default), ``"base"`` or a torch
+    dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
+
+    None follows PEFT: ``get_peft_model(..., autocast_adapter_dtype=True)`` (its default)
+    upcasts float16 / bfloat16 adapters to float32 (peft 0.21 tuners_utils.py,
+    ``cast_adapter_dtype``), so the adapters are fp32 on any base. ``"base"`` keeps them in
+    the base weights' dtype, as PEFT does with ``autocast_adapter_dtype=False`` (it moves
+    each adapter to its base layer's device and float dtype,
+    ``_move_adapter_to_device_of_base_layer``) and torchtune's LoRA recipes do.
+
+    Examples
+    --------
+    >>> parse_lora_dtype(None), parse_lora_dtype("bf16"), parse_lora_dtype("base")
+    (None, 'bfloat16', 'base')
+    >>> parse_lora_dtype("int8")
+    Traceback (most recent call last):
+    ...
+    ValueError: lora_dtype must be None (PEFT's default: fp32 adapters), "base" (the base ...
+    """
+    if value is None:
+        return None
+    key = value.lower() if isinstance(value, str) else value
+    if key not in _LORA_DTYPES:
+        raise ValueError(
+            'lora_dtype must be None (PEFT\'s default: fp32 adapters), "base" (the base '
+            'weights\' dtype, as torchtune keeps them), "fp32", "bf16" or "fp16"; got '
+            f"{value!r}"
+        )
+    return _LORA_DTYPES[key]

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .accelerator import CudaContext, cuda_context, given_cuda_context
 from .decoding import (
     DECODE_STEPS_ACROSS_WINDOW,
     PROMPT_BEFORE_WINDOW,
@@ -23,7 +24,7 @@ from .decoding import (
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .gpus import Gpu, resolve_gpu
-from .levers import LEVER_KEYWORDS, NO_LEVERS, Levers, repeated_blocks, resolve_levers
+from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
 from .options import (
     CATEGORY_CODE,
     PHASE_CODE,
@@ -38,11 +39,11 @@ from .options import (
     Precision,
     Strategy,
     default_implementation,
-    parse_batch_size,
     parse_optimizer_choice,
     parse_option,
 )
-from .recipe import LeverSettings, Recipe
+from .recipe import Accelerator, LeverSettings, Recipe
+from .recipe.recipe import default
 from .sharding import (
     DEFAULT_GPUS_PER_NODE,
     ITEMSIZE,
@@ -89,7 +90,9 @@ class ProfileSource(Protocol):
         implementation: OptimizerImplementation = ...,
     ) -> OptimizerTrace: ...
 
-    def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile: ...
+    def lora_profile(
+        self, rank: int, targets: tuple[str, ...] | None, dtype: str | None = None
+    ) -> ModelProfile: ...
 
     def generation(
         self,
@@ -156,8 +159,9 @@ class ModelProfile:
         self.param_shapes = param_shapes
         # each parameter's requires_grad as the model has it (the levers may freeze more)
         self.param_trainable = param_trainable or tuple(True for _ in param_names)
-        # parameters kept in fp32 whatever the precision (PEFT's adapters on a half base)
-        self.fp32_params: frozenset[str] = frozenset()
+        # parameters kept in their own dtype whatever the precision (PEFT's adapters: fp32
+        # on a half base by default), name -> dtype name
+        self.fixed_param_dtypes: dict[str, str] = {}
         # what ``checkpoint="auto"`` wraps, and whether Hugging Face's own call applies it
         self.checkpoint_blocks = checkpoint_blocks
         self.hf_checkpointing = hf_checkpointing
@@ -183,7 +187,9 @@ class ModelProfile:
         ] = {}
         # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
         # targets); its module names carry PEFT's prefix
-        self._lora_profiles: dict[tuple[int, tuple[str, ...] | None], ModelProfile] = {}
+        self._lora_profiles: dict[
+            tuple[int, tuple[str, ...] | None, str | None], ModelProfile
+        ] = {}
         # data parallelism: (precision, levers, ranks, rank) -> buffers, optimizer shards
         self._rank_layouts: dict[
             tuple[Precision, Levers, Parallel, int | None],
@@ -240,11 +246,14 @@ class ModelProfile:
             lora_targets=lora_targets,
         )
 
-    def _lora(self, levers: Levers) -> tuple[ModelProfile, dict[str, Any]]:
-        """The LoRA profile of ``levers`` (made on first use) and the levers to ask it for:
-        checkpointing by the same names inside PEFT's wrapper, accumulation as it is."""
+    def _lora(
+        self, levers: Levers, dtype: str | None = None
+    ) -> tuple[ModelProfile, dict[str, Any]]:
+        """The LoRA profile of ``levers`` with the adapters in ``dtype``
+        (``parse_lora_dtype``; made on first use, one per dtype) and the levers to ask it
+        for: checkpointing by the same names inside PEFT's wrapper, accumulation as it is."""
         assert levers.lora_rank is not None
-        key = (levers.lora_rank, levers.lora_targets)
+        key = (levers.lora_rank, levers.lora_targets, dtype)
         if key not in self._lora_profiles:
             self._lora_profiles[key] = self._source.lora_profile(*key)
         sub = self._lora_profiles[key]
@@ -258,7 +267,7 @@ class ModelProfile:
     def _made_lora(self, levers: Levers) -> tuple[ModelProfile, Levers] | None:
         """The LoRA profile of ``levers`` and the levers to ask it for, where it was made
         already (None: asking would profile it)."""
-        if (levers.lora_rank, levers.lora_targets) not in self._lora_profiles:
+        if (levers.lora_rank, levers.lora_targets, None) not in self._lora_profiles:
             return None
         sub, kwargs = self._lora(levers)
         return sub, sub.levers(**kwargs)
@@ -447,26 +456,26 @@ class ModelProfile:
 
     def estimate(
         self,
-        batch_size: int = 1,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
-        mode: str | Mode = "train",
+        batch_size: int = default(1),
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
+        mode: str | Mode = default("train"),
         *,
-        seq_len: int | None = None,
-        compute_capability: tuple[int, int] | None = None,
-        checkpoint: object = None,
-        trainable: object = None,
-        grad_accumulation: int = 1,
-        lora_rank: int | None = None,
-        lora_targets: object = "auto",
-        base_quantization: str | None = None,
-        expandable_segments: bool = False,
-        gpus: int = 1,
-        strategy: str | Strategy = "ddp",
-        rank: int | None = None,
-        gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
-        fsdp_units: object = None,
-        new_tokens: int | None = None,
+        seq_len: int | None = default(None),
+        compute_capability: tuple[int, int] | None = default(None),
+        checkpoint: object = default(None),
+        trainable: object = default(None),
+        grad_accumulation: int = default(1),
+        lora_rank: int | None = default(None),
+        lora_targets: object = default("auto"),
+        base_quantization: str | None = default(None),
+        expandable_segments: bool = default(False),
+        gpus: int = default(1),
+        strategy: str | Strategy = default("ddp"),
+        rank: int | None = default(None),
+        gpus_per_node: int = default(DEFAULT_GPUS_PER_NODE),
+        fsdp_units: object = default(None),
+        new_tokens: int | None = default(None),
         recipe: Recipe | None = None,
         **settings: Any,
     ) -> MemoryEstimate:
@@ -585,6 +594,10 @@ class ModelProfile:
             (:meth:`Recipe.with_ <vram_widget.Recipe.with_>`), e.g.
             ``optimizer_in_backward=True``, ``set_to_none=False``, ``lora_dtype="bf16"``,
             ``context_bytes=...``; an unknown name is a TypeError listing the valid ones.
+            ``context_bytes`` (bytes) replaces the CUDA context of
+            ``accelerator.cuda_context``'s table, which ``compute_capability`` and
+            ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;
+            ``est.extras.cuda_context_source`` says which figure was used and its source.
 
         Notes
         -----
@@ -645,13 +658,13 @@ class ModelProfile:
 
     def _estimate(self, recipe: Recipe) -> MemoryEstimate:
         """:meth:`estimate` of one resolved Recipe."""
-        _refuse_unmodelled(recipe)
         step, lv, par, acc = recipe.step, recipe.levers, recipe.parallel, recipe.accelerator
         batch, prec, run_mode = step.batch_size, step.precision, step.mode
         opt_name = recipe.optimizer.name
         implementation = recipe.optimizer.resolved_implementation(self.device)
         seq_len, compute_capability = step.seq_len, acc.compute_capability
         expandable_segments = acc.expandable_segments
+        context = _context_of(acc)
         length = self.check_seq_len(seq_len)
         tokens = self._check_new_tokens(run_mode, recipe.generation.new_tokens, seq_len)
         if expandable_segments and self.device is not Device.CUDA:
@@ -668,12 +681,13 @@ class ModelProfile:
         levers = self.levers(
             lv.checkpoint, lv.trainable, lv.grad_accumulation, lv.lora_rank, lv.lora_targets
         )
+        lora_dtype = _lora_dtype_of(lv)
         if run_mode is not Mode.TRAIN:
             levers = NO_LEVERS
         else:
             levers = stepping_levers(levers, recipe.optimizer, implementation, parallel)
         if levers.lora_rank is not None:
-            sub, kwargs = self._lora(levers)
+            sub, kwargs = self._lora(levers, lora_dtype)
             plain = dataclasses.replace(recipe, levers=LeverSettings())
             est = sub._estimate(plain.with_(**kwargs))
             return dataclasses.replace(est, levers=levers)
@@ -731,6 +745,7 @@ class ModelProfile:
                 new_tokens=tokens,
                 across_window=across,
                 optimizer_implementation=None if implementation is None else implementation.value,
+                context=context,
             )
 
         impl = implementation
@@ -934,9 +949,12 @@ class ModelProfile:
 
     def _grad_dtype(self, name: str, precision: Precision) -> str:
         """A parameter's dtype (its gradient's) at ``precision``: half under bf16 / fp16,
-        but the parameters kept in fp32 whatever the precision (PEFT's adapters)."""
+        but the parameters kept in their own dtype whatever the precision (PEFT's
+        adapters)."""
+        if name in self.fixed_param_dtypes:
+            return self.fixed_param_dtypes[name]
         half = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}.get(precision)
-        return "float32" if half is None or name in self.fp32_params else half
+        return "float32" if half is None else half
 
     def _trainable_params(self, precision: Precision, levers: Levers) -> list[TrainableParam]:
         """The parameters that get a gradient in a training step with ``levers``, in
@@ -999,12 +1017,12 @@ class ModelProfile:
     def max_batch_size(
         self,
         capacity_bytes: int | str | Gpu,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
-        mode: str | Mode = "train",
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
+        mode: str | Mode = default("train"),
         *,
-        seq_len: int | None = None,
-        compute_capability: tuple[int, int] | None = None,
+        seq_len: int | None = default(None),
+        compute_capability: tuple[int, int] | None = default(None),
         limit: int = 2**40,
         basis: str | FitBasis = FitBasis.DEVICE,
         recipe: Recipe | None = None,
@@ -1090,11 +1108,11 @@ class ModelProfile:
     def min_gpus(
         self,
         capacity_bytes: int | str | Gpu,
-        batch_size: int = 1,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
+        batch_size: int = default(1),
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
         *,
-        strategy: str | Strategy = "ddp",
+        strategy: str | Strategy = default("ddp"),
         limit: int = 1024,
         basis: str | FitBasis = FitBasis.DEVICE,
         recipe: Recipe | None = None,
@@ -1157,12 +1175,12 @@ class ModelProfile:
     def max_seq_len(
         self,
         capacity_bytes: int | str | Gpu,
-        batch_size: int = 1,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
-        mode: str | Mode = "train",
+        batch_size: int = default(1),
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
+        mode: str | Mode = default("train"),
         *,
-        compute_capability: tuple[int, int] | None = None,
+        compute_capability: tuple[int, int] | None = default(None),
         limit: int = 2**20,
         basis: str | FitBasis = FitBasis.DEVICE,
         recipe: Recipe | None = None,
@@ -1192,13 +1210,12 @@ class ModelProfile:
         if not self.has_seq_axis:
             self.check_seq_len(1)  # raises: no sequence axis
         capacity, card = _card(capacity_bytes)
-        batch = parse_batch_size(batch_size)
         fit_basis = parse_option(FitBasis, basis, "basis")
         assert self.seq_len is not None
         base = _on_card(
             Recipe.from_keywords(
-                recipe, batch_size=batch, precision=precision, optimizer=optimizer, mode=mode,
-                compute_capability=compute_capability, **levers,
+                recipe, batch_size=batch_size, precision=precision, optimizer=optimizer,
+                mode=mode, compute_capability=compute_capability, **levers,
             ),
             card,
         )  # fmt: skip
@@ -1219,14 +1236,15 @@ class ModelProfile:
     def frontier(
         self,
         capacity_bytes: int | str | Gpu,
-        precision: str | Precision = "fp32",
-        optimizer: str | OptimizerName | None = "adam",
-        mode: str | Mode = "train",
+        precision: str | Precision = default("fp32"),
+        optimizer: str | OptimizerName | None = default("adam"),
+        mode: str | Mode = default("train"),
         *,
         seq_lens: Sequence[int] | None = None,
-        compute_capability: tuple[int, int] | None = None,
+        compute_capability: tuple[int, int] | None = default(None),
         profile_lengths: bool = False,
         basis: str | FitBasis = FitBasis.DEVICE,
+        recipe: Recipe | None = None,
         **levers: Any,
     ) -> Frontier:
         """The batch x sequence-length frontier: the largest batch that fits
@@ -1248,6 +1266,11 @@ class ModelProfile:
             the result's ``complete`` is False; True profiles each (seconds per length).
         basis : {"device", "allocated"}
             What "fits" means, as for :meth:`max_batch_size`.
+        recipe : Recipe, optional
+            The setup as one value (its batch size and sequence length are the ones
+            searched); keywords that conflict with it are a ValueError.
+        **levers
+            Any other setting of :meth:`estimate` by its flat name.
 
         Returns
         -------
@@ -1271,9 +1294,14 @@ class ModelProfile:
             self.check_seq_len(1)  # raises: no sequence axis
         assert self.seq_len is not None
         capacity, card = _card(capacity_bytes)
-        compute_capability = compute_capability or card
-        prec = parse_option(Precision, precision, "precision")
-        run_mode = parse_option(Mode, mode, "mode")
+        base = _on_card(
+            Recipe.from_keywords(
+                recipe, precision=precision, optimizer=optimizer, mode=mode,
+                compute_capability=compute_capability, **levers,
+            ).with_(batch_size=1, seq_len=None),
+            card,
+        )  # fmt: skip
+        prec, run_mode = base.step.precision, base.step.mode
         if seq_lens is None:
             limit = self.seq_len_limit or DEFAULT_MAX_SEQ_LEN
             lengths = length_grid(limit, extra=[self.seq_len]).tolist()
@@ -1281,31 +1309,25 @@ class ModelProfile:
             # check_seq_len gives None for the example's own length
             checked = [self.check_seq_len(n) for n in seq_lens]
             lengths = [self.seq_len if n is None else n for n in checked]
-        parse_optimizer_choice(optimizer)  # checked here; a suffix or a callable kept as given
-        opt = optimizer
         # the example's length, the optimizer
-        _check_above_context(
-            self.estimate(1, prec, opt, run_mode, compute_capability=compute_capability, **levers),
-            capacity,
-        )
-        # ``levers`` are estimate keywords: the levers among them, and the others as they are
-        lever_keywords = {k: v for k, v in levers.items() if k in LEVER_KEYWORDS}
-        others = {k: v for k, v in levers.items() if k not in LEVER_KEYWORDS}
-        resolved = self.levers(**lever_keywords) if run_mode is Mode.TRAIN else NO_LEVERS
+        _check_above_context(self.estimate(recipe=base), capacity)
+        lv = base.levers
+        resolved = NO_LEVERS
+        if run_mode is Mode.TRAIN:
+            resolved = self.levers(
+                lv.checkpoint, lv.trainable, lv.grad_accumulation, lv.lora_rank, lv.lora_targets
+            )
+        lora_dtype = _lora_dtype_of(lv)
         if resolved.lora_rank is not None:
-            sub, kwargs = self._lora(resolved)
+            sub, kwargs = self._lora(resolved, lora_dtype)
             return sub.frontier(
                 capacity,
-                prec,
-                opt,
-                run_mode,
                 seq_lens=lengths,
-                compute_capability=compute_capability,
                 profile_lengths=profile_lengths,
                 basis=basis,
-                **others,
-                **kwargs,
+                recipe=dataclasses.replace(base, levers=LeverSettings()).with_(**kwargs),
             )
+        opt = _optimizer_choice(base)
 
         def answerable(length: int) -> bool:
             return profile_lengths or self.is_cached(prec, run_mode, opt, length, resolved)
@@ -1317,14 +1339,7 @@ class ModelProfile:
             self.timeline(prec, run_mode, other, resolved)
         return batch_seq_frontier(
             lambda length: self.max_batch_size(
-                capacity,
-                prec,
-                opt,
-                run_mode,
-                seq_len=length,
-                compute_capability=compute_capability,
-                basis=basis,
-                **levers,
+                capacity, basis=basis, recipe=base.with_(seq_len=length)
             ),
             lengths,
             capacity,
@@ -1443,18 +1458,39 @@ def _check_capability(value: tuple[int, int] | None) -> tuple[int, int]:
     return major, minor
 
 
-def _refuse_unmodelled(recipe: Recipe) -> None:
-    """A Recipe setting the estimate does not model yet is refused by name, never dropped."""
-    unmodelled = {
-        "lora_dtype": recipe.levers.lora_dtype is not None,
-        "context_bytes": recipe.accelerator.context_bytes is not None,
-    }
-    asked = [name for name, given in unmodelled.items() if given]
-    if asked:
+def _lora_dtype_of(levers: LeverSettings) -> str | None:
+    """The adapters' dtype the lever settings ask for (``parse_lora_dtype``), checked; a
+    dtype without ``lora_rank`` is refused: there are no adapters to hold it."""
+    dtype = parse_lora_dtype(levers.lora_dtype)
+    if dtype is not None and levers.lora_rank is None:
         raise ValueError(
-            f"{', '.join(asked)}: not estimated yet; leave "
-            f"{'it' if len(asked) == 1 else 'them'} at the default"
+            f"lora_dtype={levers.lora_dtype!r} is the LoRA adapters' dtype, but no adapters "
+            "are asked for: give lora_rank=... too, or leave lora_dtype at None"
         )
+    return dtype
+
+
+def _optimizer_choice(recipe: Recipe) -> str | None:
+    """The recipe's optimizer as ``is_cached`` takes it: ``"adamw"`` or ``"adamw-fused"``."""
+    opt = recipe.optimizer
+    if opt.name is None:
+        return None
+    suffix = "" if opt.implementation is None else f"-{opt.implementation.value}"
+    return f"{opt.name.value}{suffix}"
+
+
+def _context_of(acc: Accelerator) -> CudaContext:
+    """The CUDA context the Accelerator settings mean: ``context_bytes`` where given, else
+    the table's row for the GPU and the module loading (``accelerator.cuda_context``)."""
+    if acc.context_bytes is not None:
+        return given_cuda_context(acc.context_bytes)
+    capability = _check_capability(acc.compute_capability)
+    if not isinstance(acc.lazy_loading, bool):
+        raise ValueError(
+            f"lazy_loading must be True (CUDA_MODULE_LOADING=LAZY, torch's default) or False "
+            f"(eager loading); got {acc.lazy_loading!r}"
+        )
+    return cuda_context(capability, acc.lazy_loading)
 
 
 def _card(capacity_bytes: Any) -> tuple[int, tuple[int, int] | None]:

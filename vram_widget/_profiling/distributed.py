@@ -24,6 +24,7 @@ from .._estimating.levers import repeated_blocks
 from .._estimating.options import (
     OPTIMIZER_PACKAGES,
     OptimizerChoice,
+    OptimizerImplementation,
     OptimizerName,
     Precision,
     Strategy,
@@ -260,9 +261,17 @@ def fsdp_wrapped(
     return wrap
 
 
-def zero_optimizer(name: OptimizerChoice, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def zero_optimizer(
+    name: OptimizerChoice,
+    params: list[torch.Tensor],
+    implementation: OptimizerImplementation | None = None,
+) -> torch.optim.Optimizer:
     """``ZeroRedundancyOptimizer`` with its defaults around the registered optimizer (the
-    ``"zero1"`` strategy): each rank's local optimizer steps its shard of ``params``. A
+    ``"zero1"`` strategy): each rank's local optimizer steps its shard of ``params``, run
+    as ``implementation`` (as ``step.make_optimizer`` runs it: ``fused=True``,
+    ``foreach=True`` / ``False``, or PyTorch's choice for None); ZeroRedundancyOptimizer
+    passes the keywords on to each rank's local optimizer
+    (torch/distributed/optim/zero_redundancy_optimizer.py, ``_init_local_optimizer``). A
     ``torch.optim`` class only: ZeroRedundancyOptimizer takes an ``optimizer_class``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -275,7 +284,10 @@ def zero_optimizer(name: OptimizerChoice, params: list[torch.Tensor]) -> torch.o
             "'sgd-momentum', 'adam', 'adamw', 'adagrad', 'rmsprop')"
         )
     cls, kwargs = optimizer_spec(name)
-    return ZeroRedundancyOptimizer(params, optimizer_class=cls, foreach=None, **kwargs)
+    if implementation is OptimizerImplementation.FUSED:
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, fused=True, **kwargs)
+    foreach = None if implementation is None else implementation is OptimizerImplementation.FOREACH
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls, foreach=foreach, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +297,11 @@ class RankSetup:
 
     wrap_model: Callable[[torch.nn.Module, Parallel, Precision], torch.nn.Module]
     make_optimizer: (
-        Callable[[OptimizerChoice, list[torch.Tensor]], torch.optim.Optimizer] | None
+        Callable[
+            [OptimizerChoice, list[torch.Tensor], OptimizerImplementation | None],
+            torch.optim.Optimizer,
+        ]
+        | None
     ) = None
 
 

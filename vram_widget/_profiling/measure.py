@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._estimating.levers import NO_LEVERS, Levers
+from .._estimating.levers import NO_LEVERS, Levers, parse_lora_dtype
 from .._estimating.options import (
     Mode,
     OptimizerChoice,
@@ -44,6 +44,8 @@ from .._estimating.options import (
     parse_optimizer_choice,
     parse_option,
 )
+from .._estimating.recipe import Recipe
+from .._estimating.recipe.recipe import default
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     Parallel,
@@ -52,6 +54,7 @@ from .._estimating.sharding import (
 )
 from .._estimating.stepping import IN_BACKWARD_ACCUMULATION
 from .fake import recorded_cuda_memory
+from .measure_settings import measure_settings
 
 if TYPE_CHECKING:
     from .distributed import RankSetup
@@ -165,24 +168,26 @@ def measure(
     model: torch.nn.Module,
     inputs: Any,
     loss_fn: Callable[[Any], Any] | None = None,
-    optimizer: str | OptimizerName | Callable[..., Any] | None = "adam",
-    precision: str | Precision = "fp32",
-    mode: str | Mode = "train",
+    optimizer: str | OptimizerName | Callable[..., Any] | None = default("adam"),
+    precision: str | Precision = default("fp32"),
+    mode: str | Mode = default("train"),
     *,
-    checkpoint: object = None,
-    trainable: object = None,
-    grad_accumulation: int = 1,
-    lora_rank: int | None = None,
-    lora_targets: object = "auto",
+    checkpoint: object = default(None),
+    trainable: object = default(None),
+    grad_accumulation: int = default(1),
+    lora_rank: int | None = default(None),
+    lora_targets: object = default("auto"),
+    lora_dtype: str | None = default(None),
     snapshot: bool = False,
-    gpus: int = 1,
-    strategy: str | Strategy = "ddp",
-    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
-    fsdp_units: object = None,
+    gpus: int = default(1),
+    strategy: str | Strategy = default("ddp"),
+    gpus_per_node: int = default(DEFAULT_GPUS_PER_NODE),
+    fsdp_units: object = default(None),
     timeout_s: float = 600.0,
-    new_tokens: int | None = None,
-    optimizer_in_backward: bool = False,
-    set_to_none: bool = True,
+    new_tokens: int | None = default(None),
+    optimizer_in_backward: bool = default(False),
+    set_to_none: bool = default(True),
+    recipe: Recipe | None = None,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -218,9 +223,11 @@ def measure(
     mode : str
         ``"train"`` (one training step) or ``"inference"`` (one forward under
         ``torch.no_grad()``, the model copy in eval mode).
-    checkpoint, trainable, grad_accumulation, lora_rank, lora_targets
+    checkpoint, trainable, grad_accumulation, lora_rank, lora_targets, lora_dtype
         The memory levers, as ``ModelProfile.estimate`` takes them, applied to the model copy
-        the way the libraries apply them: PEFT's ``get_peft_model`` for LoRA, Hugging Face's
+        the way the libraries apply them: PEFT's ``get_peft_model`` for LoRA (the adapters
+        upcast to fp32 by default; ``lora_dtype="base"``: ``autocast_adapter_dtype=False``,
+        the base's dtype; ``"bf16"`` etc.: that, then the adapters cast), Hugging Face's
         ``activation_checkpointing_enable`` (non-reentrant) for its models' ``"auto"``,
         torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
         module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
@@ -258,6 +265,12 @@ def measure(
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
+    recipe : Recipe, optional
+        The setup as one value (``vram_widget.Recipe``): its optimizer (and
+        implementation), precision, mode, levers, data parallelism and new tokens drive the
+        step; a keyword given explicitly must agree with it (a ValueError names both).
+        Settings a measured step cannot follow are refused by name
+        (``measure_settings.measure_settings``); the target GPU's are not read.
 
     Returns
     -------
@@ -297,12 +310,37 @@ def measure(
     >>> model.weight.grad is None  # the model passed in is untouched
     True
     """
+    batch = ModelInputs.from_user(inputs).batch_size() if recipe is not None else 1
+    settings = measure_settings(
+        recipe, batch, {
+            "optimizer": optimizer, "precision": precision, "mode": mode,
+            "checkpoint": checkpoint, "trainable": trainable,
+            "grad_accumulation": grad_accumulation, "lora_rank": lora_rank,
+            "lora_targets": lora_targets, "lora_dtype": lora_dtype, "gpus": gpus,
+            "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
+            "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
+            "set_to_none": set_to_none,
+        },
+    )  # fmt: skip
+    optimizer_in_backward, set_to_none = settings["optimizer_in_backward"], settings["set_to_none"]
+    optimizer, precision, mode = settings["optimizer"], settings["precision"], settings["mode"]
+    grad_accumulation, gpus, strategy = (
+        settings["grad_accumulation"], settings["gpus"], settings["strategy"]
+    )  # fmt: skip
+    gpus_per_node, fsdp_units = settings["gpus_per_node"], settings["fsdp_units"]
+    new_tokens = settings["new_tokens"]
     levers: dict[str, Any] = {
-        "checkpoint": checkpoint,
-        "trainable": trainable,
-        "lora_rank": lora_rank,
-        "lora_targets": lora_targets,
+        "checkpoint": settings["checkpoint"],
+        "trainable": settings["trainable"],
+        "lora_rank": settings["lora_rank"],
+        "lora_targets": settings["lora_targets"],
+        "lora_dtype": parse_lora_dtype(settings["lora_dtype"]),
     }
+    if levers["lora_dtype"] is not None and levers["lora_rank"] is None:
+        raise ValueError(
+            f"lora_dtype={settings['lora_dtype']!r} is the LoRA adapters' dtype, but no "
+            "adapters are asked for: give lora_rank=... too, or leave lora_dtype at None"
+        )
     if parse_option(Mode, mode, "mode") is Mode.GENERATE or new_tokens is not None:
         _check_generate(model, inputs, mode, new_tokens, gpus)
         inputs = prompt_inputs(inputs)
@@ -413,6 +451,7 @@ def _measure(
     trainable: object = None,
     lora_rank: object = None,
     lora_targets: object = "auto",
+    lora_dtype: str | None = None,
     snapshot: bool = False,
     setup: RankSetup | None = None,
     parallel: Parallel | None = None,
@@ -440,7 +479,7 @@ def _measure(
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
-            parallel, new_tokens, implementation, stepping,
+            parallel, new_tokens, implementation, stepping, lora_dtype,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -499,12 +538,15 @@ class _Session:
         new_tokens: int | None = None,
         implementation: OptimizerImplementation | None = None,
         stepping: tuple[bool, bool] = (False, True),
+        lora_dtype: str | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
         self.model = _copy_model(model, dtype, mode)
         if levers.lora_rank is not None:  # PEFT wraps the copy; names gain its prefix
-            self.model = lora_wrapped(self.model, levers.lora_rank, levers.lora_targets)
+            self.model = lora_wrapped(
+                self.model, levers.lora_rank, levers.lora_targets, lora_dtype
+            )
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
         apply_levers(self.model, levers)  # the copy, as the libraries apply them
@@ -520,7 +562,11 @@ class _Session:
             functools.partial(make_optimizer, implementation=implementation)
         )
         if setup is not None and setup.make_optimizer is not None:
-            build = setup.make_optimizer
+            make = setup.make_optimizer
+
+            def build(name: OptimizerChoice, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+                return make(name, params, implementation)
+
         in_backward, self.set_to_none = stepping
         steps = mode is Mode.TRAIN and optimizer is not None and bool(self.params)
         self.in_backward = (

@@ -1116,9 +1116,12 @@ class _Source:
             warn_fallback(reason)
             return self.profiler.run(precision, batch_size, mode, flops)
 
-    def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> ModelProfile:
+    def lora_profile(
+        self, rank: int, targets: tuple[str, ...] | None, dtype: str | None = None
+    ) -> ModelProfile:
         """The profile of a meta copy of the model with PEFT's LoRA adapters (the model
-        itself untouched), with the same inputs, loss, device and sequence axis."""
+        itself untouched), with the same inputs, loss, device and sequence axis; the
+        adapters in ``dtype`` (``levers.parse_lora_dtype``: None is PEFT's fp32)."""
         subject = self.profiler.subject
         # PEFT builds each adapter as a CPU nn.Linear (initialized from the global RNG)
         # before moving it to the base layer's (meta) device: the user's RNG is left as it was
@@ -1129,7 +1132,7 @@ class _Source:
             warnings.filterwarnings("ignore", module=r"(peft|transformers)(\.|$)")
             base = meta_copy(subject.model)
             base_ids = {id(p) for p in base.parameters()}
-            wrapped = lora_wrapped(base, rank, targets)
+            wrapped = lora_wrapped(base, rank, targets, dtype)
             sub = profile_model(
                 wrapped,
                 input_size=subject.input_size,
@@ -1146,11 +1149,18 @@ class _Source:
         # PEFT keeps the adapters in fp32 on an fp16 / bf16 base (get_peft_model's
         # autocast_adapter_dtype=True, peft/tuners/tuners_utils.py, _cast_adapter_dtype):
         # the base is cast to the precision, the adapters are not. (fp32 profiles alike.)
-        adapters = {n for n, p in wrapped.named_parameters() if id(p) not in base_ids}
+        # An explicit dtype is kept the same way; "base" adapters follow the precision.
+        if dtype == "base":
+            return sub
+        adapters = {
+            n: str(p.dtype).removeprefix("torch.")
+            for n, p in wrapped.named_parameters()
+            if id(p) not in base_ids
+        }
         source = getattr(sub._source, "inner", sub._source)  # under a DiskCachedSource
         assert isinstance(source, _Source)
         source.profiler.subject.fixed_dtypes = frozenset(adapters)
-        sub.fp32_params = frozenset(adapters)  # their gradients too: DDP buckets them apart
+        sub.fixed_param_dtypes = adapters  # their gradients too: DDP buckets them apart
         return sub
 
     def optimizer_trace(

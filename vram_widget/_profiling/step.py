@@ -562,11 +562,18 @@ PEFT_PREFIX = "base_model.model."
 
 
 def lora_wrapped(
-    model: torch.nn.Module, rank: int, targets: Sequence[str] | None
+    model: torch.nn.Module,
+    rank: int,
+    targets: Sequence[str] | None,
+    dtype: str | None = None,
 ) -> torch.nn.Module:
     """``model`` with LoRA adapters of rank ``rank`` by PEFT's own ``get_peft_model`` (in
     place: give it a copy), with PEFT's ``LoraConfig`` defaults otherwise (alpha 8, no
-    dropout); ``targets`` None takes PEFT's defaults for the architecture."""
+    dropout); ``targets`` None takes PEFT's defaults for the architecture. ``dtype``
+    (``levers.parse_lora_dtype``): None, PEFT's default (adapters upcast to fp32,
+    ``autocast_adapter_dtype=True``); ``"base"``, ``autocast_adapter_dtype=False`` (PEFT
+    leaves them in the base layer's dtype); a dtype name, that and then the adapters cast
+    to it."""
     try:
         import peft
     except ImportError:
@@ -581,7 +588,15 @@ def lora_wrapped(
         target_modules = "all-linear"
     config = peft.LoraConfig(r=rank, target_modules=target_modules)
     try:
-        return peft.get_peft_model(model, config)
+        if dtype is None:
+            return peft.get_peft_model(model, config)
+        base_ids = {id(p) for p in model.parameters()}
+        wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+        if dtype != "base":
+            for p in wrapped.parameters():
+                if id(p) not in base_ids and p.is_floating_point():
+                    p.data = p.data.to(getattr(torch, dtype))
+        return wrapped
     except (ValueError, TypeError, KeyError) as exc:
         what = "PEFT's defaults" if targets is None else f"lora_targets={list(targets)}"
         raise ValueError(

@@ -3,13 +3,62 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from .generation import Generation
 from .levers import LeverSettings
 from .optimizer import Optimizer
 from .parallel import ParallelSettings
 from .step import Accelerator, Step
+
+_T = TypeVar("_T")
+
+
+class Default:
+    """A keyword's documented default, told apart from the same value given explicitly.
+
+    ``estimate(recipe=r)`` takes its settings from ``r``; ``estimate(recipe=r,
+    precision="fp32")`` asks for fp32, which ``r`` must hold. Signatures use
+    :func:`default` so that both read ``precision='fp32'`` in the documentation; its
+    ``repr`` is the value's.
+    """
+
+    __slots__ = ("value",)
+    value: object
+
+    def __init__(self, value: object) -> None:
+        object.__setattr__(self, "value", value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a Default is frozen")
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def default(value: _T) -> _T:
+    """``value`` as a keyword's default (a :class:`Default`), typed as the value itself.
+
+    Examples
+    --------
+    >>> default("fp32")
+    'fp32'
+    >>> isinstance(default("fp32"), Default)
+    True
+    """
+    return cast(_T, Default(value))
+
+
+def given(value: object) -> object:
+    """The value a keyword holds: its default's value where it was not given.
+
+    Examples
+    --------
+    >>> given(default(4)), given(5)
+    (4, 5)
+    """
+    return value.value if isinstance(value, Default) else value
+
 
 # Each flat keyword of ``ModelProfile.estimate`` -> (the Recipe's sub-record, its field).
 # ``optimizer`` is the whole Optimizer record (a name may carry its implementation).
@@ -22,6 +71,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "optimizer_in_backward": ("optimizer", "in_backward"),
     "set_to_none": ("optimizer", "set_to_none"),
     "context_bytes": ("accelerator", "context_bytes"),
+    "lazy_loading": ("accelerator", "lazy_loading"),
     "compute_capability": ("accelerator", "compute_capability"),
     "expandable_segments": ("accelerator", "expandable_segments"),
     "checkpoint": ("levers", "checkpoint"),
@@ -183,32 +233,30 @@ class Recipe:
     def from_keywords(cls, recipe: Recipe | None = None, **keywords: Any) -> Recipe:
         """The Recipe that flat keywords mean, on top of ``recipe`` where one is given.
 
-        A keyword at its default value is taken as not given. Where ``recipe`` is given, a
-        keyword that asks for something else than the recipe holds is a ValueError naming
-        both; one that agrees with it is fine.
+        A keyword left at its :func:`default` is not given: without ``recipe`` the default
+        applies, with one the recipe's value does. A keyword given explicitly must agree
+        with ``recipe``: one that asks for something else than the recipe holds is a
+        ValueError naming both, even where it asks for the keyword's default.
 
         Examples
         --------
         >>> base = Recipe.from_keywords(precision="bf16")
         >>> Recipe.from_keywords(base, batch_size=1, precision="bf16") == base
         True
-        >>> Recipe.from_keywords(base, precision="fp16")
+        >>> Recipe.from_keywords(base, precision=default("fp32")) == base
+        True
+        >>> Recipe.from_keywords(base, precision="fp32")
         Traceback (most recent call last):
         ...
-        ValueError: precision='fp16' conflicts with the recipe's step.precision='bf16': ...
+        ValueError: precision='fp32' conflicts with the recipe's step.precision='bf16': ...
         """
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a vram_widget.Recipe, got {type(recipe).__name__}")
-        default = cls()
-        asked = {}
-        for key, value in keywords.items():
-            wanted = default.with_(**{key: value}).get(key)
-            if wanted != default.get(key):
-                asked[key] = value
+        explicit = {k: v for k, v in keywords.items() if not isinstance(v, Default)}
         if recipe is None:
-            return default.with_(**asked)
-        for key, value in asked.items():
-            wanted = default.with_(**{key: value}).get(key)
+            return cls().with_(**{k: given(v) for k, v in keywords.items()})
+        for key, value in explicit.items():
+            wanted = recipe.with_(**{key: value}).get(key)
             held = recipe.get(key)
             if wanted != held:
                 group, field = KEYWORD_FIELDS[key]

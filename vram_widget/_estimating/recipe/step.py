@@ -48,12 +48,18 @@ class Accelerator:
     ----------
     compute_capability : (major, minor), optional
         The target GPU's (``torch.cuda.get_device_capability()``); it sizes the cuBLAS
-        workspace. None: (9, 0), an H100.
+        workspace and picks the CUDA context's row (``accelerator.cuda_context``). None:
+        (9, 0), an H100.
     expandable_segments : bool
         The CUDA caching allocator's ``expandable_segments:True``.
     context_bytes : int, optional
         The CUDA context's device memory, given (``torch.cuda.mem_get_info`` before and
-        after the first CUDA call measures it); None: the estimate's own figure.
+        after the first CUDA call measures it); None: the figure of
+        ``accelerator.cuda_context``'s table for ``compute_capability`` and
+        ``lazy_loading``.
+    lazy_loading : bool
+        ``CUDA_MODULE_LOADING=LAZY``, torch's default since 1.13 (pytorch/pytorch#86509);
+        False: eager loading, whose context holds every kernel of the loaded libraries.
 
     Examples
     --------
@@ -64,6 +70,7 @@ class Accelerator:
     compute_capability: tuple[int, int] | None = None
     expandable_segments: bool = False
     context_bytes: int | None = None
+    lazy_loading: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.compute_capability, list):
