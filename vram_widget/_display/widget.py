@@ -1275,7 +1275,8 @@ def show_memory(
         ``optimizer_names()``, an implementation suffix included: ``"adamw-fused"``; or
         ``"none"``/None), ``optimizer_in_backward`` (bool: each parameter stepped in the
         backward; one GPU, one micro-batch), ``set_to_none`` (bool: False keeps the
-        gradients between steps, ``zero_grad(set_to_none=False)``), ``mode`` ({"train", "inference", "generate"}: generation
+        gradients between steps, ``zero_grad(set_to_none=False)``), ``mode``
+        ({"train", "inference", "generate"}: generation
         where the model has ``generate()``, the sequence slider then the prompt's length),
         ``new_tokens`` (int >= 1, the tokens a generation adds after the prompt), ``gpu``
         (a GPU name of the catalog, ``"H100"``, ``"custom"``, or a capacity in any form
