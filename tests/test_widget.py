@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import html
 import io
 import re
 from typing import Any
@@ -18,6 +19,7 @@ from torch import nn
 
 from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
 from vram_widget._display.figures import TRACE_NAMES
+from vram_widget._display.optimizer_control import split_choice
 from vram_widget._display.widget import AT_REST_DELAY_S, MemoryWidget, format_bytes
 from vram_widget._estimating.gpus import GPUS, resolve_gpu
 from vram_widget._estimating.levers import NO_LEVERS
@@ -236,9 +238,15 @@ class _Spy:
 
 
 def _usable(w: MemoryWidget) -> bool:
-    """Every control enabled (the custom-GiB box only while the custom GPU is chosen)."""
-    return all(not c.disabled for c in w._control_widgets if c is not w._custom_box) and (
-        w._custom_box.disabled == (w.gpu != "custom")
+    """Every control enabled (the custom-GiB box only while the custom GPU is chosen, the
+    optimizer's implementation only for an optimizer that has several)."""
+    implementation = w._optimizer_controls.implementation
+    conditional = (w._custom_box, implementation)
+    implementations = w._optimizer_controls.groups.get(split_choice(w.optimizer)[0])
+    return (
+        all(not c.disabled for c in w._control_widgets if c not in conditional)
+        and w._custom_box.disabled == (w.gpu != "custom")
+        and implementation.disabled == (not implementations)
     )
 
 
@@ -775,7 +783,7 @@ def test_generation_group_drives_the_estimate() -> None:
     w, profile = _gpt2_widget(batch_size=4)
     assert w.new_tokens == 48  # 128 by default, less where GPT-2's 64 positions end first
     assert w._generation_row.layout.display == "none"
-    assert "generate" in w._controls.children[2].children[2].options
+    assert "generate" in w._controls.children[2].children[-1].options
     w.mode = "generate"
     w.new_tokens = 40
     w.seq_len = 8
@@ -808,7 +816,7 @@ def test_generation_past_the_positions_keeps_the_last_setting() -> None:
 def test_generate_is_offered_only_to_a_model_that_generates() -> None:
     profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
     w = MemoryWidget(profile)
-    assert "generate" not in w._controls.children[2].children[2].options
+    assert "generate" not in w._controls.children[2].children[-1].options
     with pytest.raises(traitlets.TraitError, match="needs a model that generates"):
         w.mode = "generate"
 
@@ -922,3 +930,196 @@ def test_every_entry_point_refuses_a_bad_capacity_alike(
         with pytest.raises(ValueError) as err:
             call(form)
         assert str(err.value) == message, name
+
+
+# ---------------------------------------------------------------- the optimizer controls
+
+
+def test_optimizer_controls_offer_every_optimizer_name(profile: ModelProfile) -> None:
+    # two dropdowns for one name: the optimizer, and its implementation (disabled where
+    # torch.optim runs the optimizer one way only); every name the estimate takes is one
+    # pair, and each pair writes that name into the one trait
+    from vram_widget._display.optimizer_control import join_choice, optimizer_groups
+    from vram_widget._estimating.options import optimizer_names
+
+    w = MemoryWidget(profile, batch_size=8)
+    controls = w._optimizer_controls
+    groups = optimizer_groups()
+    pairs = [(base, impl) for base, impls in groups.items() for impl in (None, *impls)]
+    assert sorted(join_choice(b, i) for b, i in pairs) == sorted(optimizer_names())
+    assert controls.optimizer.options == (*groups, "none")
+    assert groups["adamw"] == ("fused", "foreach", "forloop") and groups["adagrad"] == ()
+    # the default names the implementation torch picks on the profile's device (CPU:
+    # the for-loop, torch/optim/optimizer.py _default_to_fused_or_foreach)
+    assert controls.implementation.options[0] == ("default (for-loop on cpu)", "default")
+    controls.optimizer.value = "adamw"
+    controls.implementation.value = "foreach"
+    assert w.optimizer == "adamw-foreach" and not controls.implementation.disabled
+    controls.optimizer.value = "adagrad"  # no implementations: back to torch's default
+    assert w.optimizer == "adagrad"
+    assert controls.implementation.value == "default" and controls.implementation.disabled
+    controls.optimizer.value = "none"
+    assert w.optimizer == "none" and w.estimate.optimizer is None
+    w.optimizer = "sgd-momentum-fused"  # the trait drives the controls too
+    assert (controls.optimizer.value, controls.implementation.value) == ("sgd-momentum", "fused")
+
+
+def test_optimizer_control_lists_the_names_at_run_time(
+    profile: ModelProfile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an optimizer added to optimizer_names() (another library's, with no implementations)
+    # is offered, grouped on its own, with no change to the widget
+    from vram_widget._display import optimizer_control, widget
+    from vram_widget._estimating.options import optimizer_names
+
+    names = (*optimizer_names(), "adamw8bit")
+    monkeypatch.setattr(optimizer_control, "optimizer_names", lambda: names)
+    monkeypatch.setattr(widget, "optimizer_names", lambda: names)
+    w = MemoryWidget(profile, batch_size=8)
+    assert w._optimizer_controls.optimizer.options[-2:] == ("adamw8bit", "none")
+    assert w._optimizer_controls.groups["adamw8bit"] == ()
+    MemoryWidget.optimizer.validate(w, "adamw8bit")  # the trait takes it
+
+
+def test_implementation_control_drives_estimate_behind_a_progress_label() -> None:
+    profile = profile_model(zoo.mlp(hidden=(64,)), input_size=(784,), device="cpu")
+    spy = _Spy(profile._source)
+    profile._source = spy  # type: ignore[assignment]
+    w = MemoryWidget(profile, batch_size=8, optimizer="adamw", gpu="A100 80GB")
+    spy.widget = w
+    before = w.figure.data[PEAK].y[0]
+    assert not profile.is_cached("fp32", "train", "adamw-foreach")
+    assert "optimizer adamw (forloop: torch's default on cpu)" in w.summary_html
+
+    w._optimizer_controls.implementation.value = "foreach"
+
+    expected = profile.estimate(8, optimizer="adamw-foreach")
+    assert w.optimizer == "adamw-foreach"
+    assert w.estimate.peak_bytes == expected.peak_bytes
+    assert w.estimate.optimizer_implementation == "foreach"
+    # a foreach step's temporaries span the whole group, the loop's one parameter: the
+    # peak moves, and the figure shows it
+    assert w.figure.data[PEAK].y[0] == expected.peak_bytes != before
+    assert "optimizer adamw (foreach)" in w.summary_html
+    # the first use of that implementation profiled its step, behind the label
+    assert spy.seen and all(busy for _r, _s, busy in spy.seen)
+    assert all("profiling fp32 / train / adamw-foreach" in s for _r, s, _b in spy.seen)
+    assert "profiled fp32 / train / adamw-foreach in " in w._status.value
+    assert _usable(w)
+    n = len(spy.seen)
+    w.batch_size = 16  # cached since: numpy only, no label
+    assert len(spy.seen) == n and w._status.value == ""
+
+
+def test_stepping_toggles_drive_estimate_and_summary(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, batch_size=8, optimizer="adamw")
+    controls = w._optimizer_controls
+    assert "post-accumulate-grad hook" in controls.in_backward.tooltip
+    assert "set_to_none=False" in controls.keep_grads.tooltip
+    plain = w.estimate.peak_bytes
+
+    controls.in_backward.value = True
+
+    expected = profile.estimate(8, optimizer="adamw", optimizer_in_backward=True)
+    assert w.optimizer_in_backward is True
+    assert w.estimate.peak_bytes == expected.peak_bytes != plain
+    assert w.figure.data[PEAK].y[0] == expected.peak_bytes
+    assert w.estimate.levers.in_backward == "adamw-forloop"
+    assert "optimizer adamw (forloop: torch's default on cpu), stepped in the backward" in (
+        w.summary_html
+    )
+    # the levers line compares with the same step taken after the backward
+    assert f"({format_bytes(plain)} without)" in w.summary_html
+
+    controls.in_backward.value = False
+    controls.keep_grads.value = True
+
+    expected = profile.estimate(8, optimizer="adamw", set_to_none=False)
+    assert w.set_to_none is False
+    assert w.estimate.peak_bytes == expected.peak_bytes
+    assert w.figure.data[PEAK].y[0] == expected.peak_bytes
+    assert "gradients kept between steps (zero_grad(set_to_none=False))" in w.summary_html
+    assert "stepped in the backward" not in w.summary_html
+    w.set_to_none = True  # the trait drives the checkbox
+    assert controls.keep_grads.value is False and w.estimate.peak_bytes == plain
+
+
+@pytest.mark.parametrize(
+    ("first", "refused", "reason"),
+    [
+        # in backward first, then a setting it cannot go with: that setting is kept
+        (("optimizer_in_backward", True), ("grad_accumulation", 2), "nothing to accumulate"),
+        (("optimizer_in_backward", True), ("gpus", 2), "not estimated yet"),
+        (("optimizer_in_backward", True), ("set_to_none", False), "no gradient is kept"),
+        # and the other way round: the toggle is kept off
+        (("grad_accumulation", 4), ("optimizer_in_backward", True), "nothing to accumulate"),
+        (("set_to_none", False), ("optimizer_in_backward", True), "no gradient is kept"),
+        (("optimizer", "none"), ("optimizer_in_backward", True), "needs an optimizer"),
+    ],
+)
+def test_refused_stepping_combination_keeps_last_state(
+    profile: ModelProfile,
+    first: tuple[str, object],
+    refused: tuple[str, object],
+    reason: str,
+) -> None:
+    w = MemoryWidget(profile, batch_size=8, optimizer="adam")
+    setattr(w, *first)
+    before = w.estimate.peak_bytes
+    figure = w.figure.data[PEAK].y[0]
+    name, value = refused
+    old = getattr(w, name)
+
+    if name in ("optimizer_in_backward", "set_to_none"):  # through its checkbox
+        box = w._optimizer_controls
+        control = box.in_backward if name == "optimizer_in_backward" else box.keep_grads
+        control.value = value if name == "optimizer_in_backward" else not value
+    else:
+        setattr(w, name, value)
+
+    assert getattr(w, name) == old  # kept, and the checkbox shows the kept state
+    assert w._optimizer_controls.in_backward.value is w.optimizer_in_backward
+    assert w._optimizer_controls.keep_grads.value is (not w.set_to_none)
+    assert w.estimate.peak_bytes == before and w.figure.data[PEAK].y[0] == figure
+    status = html.unescape(w._status.value)
+    assert "could not estimate" in status and reason in status
+    assert f"kept {name} = {old!r}" in status
+    assert _usable(w)
+
+
+def test_show_memory_takes_optimizer_settings() -> None:
+    w = show_memory(
+        zoo.mlp(hidden=(32,)),
+        input_size=(784,),
+        device="cpu",
+        batch_size=4,
+        optimizer="adamw-fused",
+        optimizer_in_backward=True,
+    )
+    expected = w.profile.estimate(4, optimizer="adamw-fused", optimizer_in_backward=True)
+    assert (w.optimizer, w.optimizer_in_backward) == ("adamw-fused", True)
+    assert w.estimate.peak_bytes == expected.peak_bytes
+    assert w._optimizer_controls.implementation.value == "fused"
+    assert w._optimizer_controls.in_backward.value is True
+    assert "optimizer adamw (fused), stepped in the backward" in w.summary_html
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "match"),
+    [
+        ({"optimizer": "lion"}, ValueError, r"unknown optimizer 'lion'.*'adamw-fused'"),
+        ({"optimizer": "adagrad-fused"}, ValueError, "unknown optimizer 'adagrad-fused'"),
+        ({"optimizer_in_backward": "yes"}, TypeError, "in_backward must be True or False"),
+        ({"optimizer_in_backward": True, "set_to_none": False}, ValueError, "cannot go with"),
+        ({"optimizer_in_backward": True, "grad_accumulation": 2}, ValueError, "accumulate"),
+        ({"optimizer_in_backward": True, "gpus": 4}, ValueError, "gpus=1"),
+        ({"set_to_none": False, "gpus": 2, "strategy": "zero1"}, ValueError, "gpus=1"),
+        ({"optimizer": None, "optimizer_in_backward": True}, ValueError, "needs an optimizer"),
+    ],
+)
+def test_show_memory_refuses_optimizer_settings_before_profiling(
+    settings: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    # _Broken cannot be run: the error is the setting's, raised before any profiling
+    with pytest.raises(error, match=match):
+        show_memory(_Broken(), input_size=(4,), device="cpu", **settings)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import functools
 import html
 import math
@@ -25,14 +26,16 @@ import traitlets
 from .._estimating.estimator import MemoryEstimate
 from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
 from .._estimating.levers import Levers
-from .._estimating.options import Category, Device, Mode, OptimizerName, Precision
+from .._estimating.options import Category, Device, Mode, Precision, optimizer_names
 from .._estimating.profile import DEFAULT_MAX_SEQ_LEN
+from .._estimating.recipe import Optimizer
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     SINGLE_DEVICE,
     STRATEGIES,
     resolve_parallel,
 )
+from .._estimating.stepping import stepping_levers
 from .._estimating.tradeoff import Frontier
 from .figures import (
     build_figure,
@@ -42,6 +45,7 @@ from .figures import (
     update_figure,
     update_frontier_figure,
 )
+from .optimizer_control import NO_OPTIMIZER, OptimizerControls, split_choice
 from .plotly_widget import FigureWidget
 
 if TYPE_CHECKING:
@@ -58,9 +62,8 @@ BATCH_MAX = 2**40
 SEQ_SLIDER_MAX = DEFAULT_MAX_SEQ_LEN
 # new tokens a generation starts with (less where the model's positions run out first)
 DEFAULT_NEW_TOKENS = 128
-_NO_OPTIMIZER = "none"
+_NO_OPTIMIZER = NO_OPTIMIZER
 _CHECKPOINT_OFF = "off"
-_OPTIMIZERS = (*(o.value for o in OptimizerName), _NO_OPTIMIZER)
 _TABLE_ROWS = 25
 # the GPUs slider's top (log scale, like the batch's)
 GPUS_MAX = 1024
@@ -106,11 +109,23 @@ def _format_seconds(s: float) -> str:
     return f"{s * 1e6:.3g} µs"
 
 
-class _OptimizerTrait(traitlets.Enum):
-    """An optimizer name; ``None`` is accepted and stored as ``"none"``."""
+class _OptimizerTrait(traitlets.Unicode):
+    """An optimizer name ``estimate`` takes (any of ``optimizer_names()`` when set, an
+    implementation suffix included: ``"adamw-fused"``); ``None`` is stored as ``"none"``."""
+
+    info_text = "an optimizer name of optimizer_names(), or None"
 
     def validate(self, obj: Any, value: Any) -> Any:
-        return super().validate(obj, _NO_OPTIMIZER if value is None else value)
+        if value is None:
+            return _NO_OPTIMIZER
+        valid = (*optimizer_names(), _NO_OPTIMIZER)
+        key = value.strip().lower() if isinstance(value, str) else value
+        if key not in valid:
+            raise traitlets.TraitError(
+                f"unknown optimizer {value!r}; valid values are "
+                f"{', '.join(repr(n) for n in valid)}, or None"
+            )
+        return key
 
 
 class MemoryWidget(widgets.VBox):
@@ -124,7 +139,11 @@ class MemoryWidget(widgets.VBox):
     # tokens per sample; None where the profile has no sequence axis
     seq_len = traitlets.Int(None, allow_none=True)
     precision = traitlets.Enum([p.value for p in Precision], default_value="fp32")
-    optimizer = _OptimizerTrait(list(_OPTIMIZERS), default_value="adam")
+    optimizer = _OptimizerTrait("adam")
+    # how the optimizer steps: each parameter in its post-accumulate-grad hook during the
+    # backward; and optimizer.zero_grad(set_to_none=...) (False: gradients kept, zeroed)
+    optimizer_in_backward = traitlets.Bool(False)
+    set_to_none = traitlets.Bool(True)
     mode = traitlets.Enum([m.value for m in Mode], default_value="train")
     # generation (mode "generate"): the tokens generated after the prompt, whose length is
     # seq_len (the sequence slider reads "prompt length" then)
@@ -358,6 +377,7 @@ class MemoryWidget(widgets.VBox):
         return {
             "precision": self.precision,
             "optimizer": None if self.optimizer == _NO_OPTIMIZER else self.optimizer,
+            **self._stepping_settings(),
             "mode": self.mode,
             "seq_len": self.seq_len,
             "new_tokens": self.new_tokens if self._generating else None,
@@ -388,13 +408,45 @@ class MemoryWidget(widgets.VBox):
             "lora_rank": raw["lora_rank"] or None,
         }
 
+    def _stepping_settings(self) -> dict[str, Any]:
+        """How the optimizer steps, as ``estimate`` takes it (only where not torch's
+        default, so the other settings' searches see the keywords they always did)."""
+        return {
+            **({"optimizer_in_backward": True} if self.optimizer_in_backward else {}),
+            **({"set_to_none": False} if not self.set_to_none else {}),
+        }
+
     def _levers(self) -> Levers:
         return self._profile.levers(**self._lever_settings())
+
+    def _step_levers(self) -> Levers | None:
+        """The levers with how the optimizer steps (in the backward, gradients kept), as the
+        estimate runs them; None for a combination the estimate refuses (it says why,
+        before any profiling)."""
+        levers = self._levers()
+        if self.mode != Mode.TRAIN.value:
+            return levers
+        try:
+            record = Optimizer.parse(self._settings()["optimizer"])
+            record = Optimizer(
+                record.name,
+                record.implementation,
+                in_backward=self.optimizer_in_backward,
+                set_to_none=self.set_to_none,
+            )
+            parallel = resolve_parallel(self.gpus, self.strategy, gpus_per_node=self.gpus_per_node)
+            return stepping_levers(
+                levers, record, record.resolved_implementation(self._profile.device), parallel
+            )
+        except ValueError:
+            return None
 
     def _needs_profiling(self) -> bool:
         """Whether the current precision / optimizer (or, with the frontier open, the fit
         in the length) still has to be profiled (torch)."""
-        levers = self._levers()
+        levers = self._step_levers()
+        if levers is None:  # refused by the estimate at once, nothing profiled
+            return False
         try:  # FSDP2 under autocast steps on half parameters: a profiling run of its own
             parallel = resolve_parallel(
                 self.gpus, self.strategy, gpus_per_node=self.gpus_per_node
@@ -464,12 +516,13 @@ class MemoryWidget(widgets.VBox):
         frontier_pending = (
             self._frontier_shown() and self._frontier_key() not in self._frontier_cache
         )
+        levers = self._step_levers()
         what = html.escape(
             f"{self.precision} / {self.mode}"
             + (f" / {self.optimizer}" if self.mode == Mode.TRAIN.value else "")
             + (f" / {self.seq_len} tokens" if self.seq_len is not None else "")
             + (f" + {self.new_tokens} new" if self._generating else "")
-            + (f" / {self._levers().describe()}" if self._levers().active else "")
+            + (f" / {levers.describe()}" if levers is not None and levers.active else "")
         )
         started = 0.0
         if profiling or frontier_pending:
@@ -550,6 +603,7 @@ class MemoryWidget(widgets.VBox):
             control.disabled = busy
         if not busy:
             self._custom_box.disabled = self.gpu != CUSTOM_GPU
+            self._optimizer_controls.enable()
 
     # ------------------------------------------------------------------ derived numbers
 
@@ -641,8 +695,14 @@ class MemoryWidget(widgets.VBox):
     def _min_gpus_html(self, est: MemoryEstimate) -> str:
         if est.mode is not Mode.TRAIN:
             return ""
-        needed = self.min_gpus()
         card = html.escape(self.target.name)
+        try:
+            needed = self.min_gpus()
+        except ValueError as exc:  # more than one GPU, where a setting is one GPU's only
+            return (
+                f"<b>GPUs needed</b>: more than one {card} at batch {self.batch_size:,}; "
+                f"{html.escape(str(exc))}"
+            )
         if needed is None:
             return (
                 f"<b>GPUs needed</b>: no number up to {GPUS_MAX:,} fits {card} with "
@@ -687,8 +747,7 @@ class MemoryWidget(widgets.VBox):
             f"{self._profile.param_count:,} parameters "
             f"({self._profile.trainable_param_count:,} trainable); {est.mode.value}, batch "
             f"{est.batch_size:,} (inputs: {html.escape(self._profile.input_shape)}), "
-            f"{est.precision.value}"
-            f"{', optimizer ' + est.optimizer.value if est.optimizer else ''}, for "
+            f"{est.precision.value}{self._optimizer_text(est)}, for "
             f"{est.device.value} kernels",
             f"<b>Peak</b>: {format_bytes(est.peak_bytes)} ({est.peak_bytes:,} B) in "
             f"{html.escape(est.peak_location)}",
@@ -789,6 +848,23 @@ class MemoryWidget(widgets.VBox):
             )
         return "<br>".join(lines)
 
+    def _optimizer_text(self, est: MemoryEstimate) -> str:
+        """The optimizer of a training estimate, the implementation that ran (the one asked,
+        or torch's default on the device) and how it steps, where not the default."""
+        if not est.optimizer:
+            return ""
+        text = f", optimizer {est.optimizer.value}"
+        impl = est.optimizer_implementation
+        if impl is not None:
+            asked = split_choice(self.optimizer)[1] is not None
+            text += f" ({impl}" + ("" if asked else f": torch's default on {est.device.value}")
+            text += ")"
+        if est.levers.in_backward is not None:
+            text += ", stepped in the backward (each parameter in its gradient's hook)"
+        if not est.levers.set_to_none:
+            text += ", gradients kept between steps (zero_grad(set_to_none=False))"
+        return html.escape(text, quote=False)
+
     def _generation_line(self, est: MemoryEstimate) -> str:
         """A generation's shape, its KV cache and the step of its peak."""
         generation = est.generation
@@ -829,7 +905,8 @@ class MemoryWidget(widgets.VBox):
 
     def _levers_line(self, est: MemoryEstimate) -> str:
         """What the active levers save and cost against the same step without them."""
-        settings = {k: v for k, v in self._settings().items() if k not in self._lever_settings()}
+        plain = {*self._lever_settings(), *_STEPPING_SETTINGS}
+        settings = {k: v for k, v in self._settings().items() if k not in plain}
         base = self._profile.estimate(self.batch_size, **settings)
         saved = base.peak_bytes - est.peak_bytes
         change = "saves" if saved >= 0 else "adds"
@@ -910,7 +987,9 @@ class MemoryWidget(widgets.VBox):
         precision = widgets.Dropdown(
             options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
         )
-        optimizer = widgets.Dropdown(options=list(_OPTIMIZERS), layout={"width": "220px"})
+        # the optimizer, its implementation, and how it steps (two checkboxes)
+        self._optimizer_controls = OptimizerControls(self, self._profile.device)
+        optimizer, implementation, in_backward, keep_grads = self._optimizer_controls.widgets
         # generation where the model generates with a KV cache
         modes = [m.value for m in Mode if m is not Mode.GENERATE or self._profile.generates]
         mode = widgets.ToggleButtons(options=modes, style={"button_width": "90px"})
@@ -976,7 +1055,6 @@ class MemoryWidget(widgets.VBox):
         )
         for control, name, label in (
             (precision, "precision", "precision"),
-            (optimizer, "optimizer", "optimizer"),
             (mode, "mode", "mode"),
             (gpu, "gpu", "GPU"),
             (custom, "custom_gib", "custom GiB"),
@@ -1001,7 +1079,7 @@ class MemoryWidget(widgets.VBox):
             self._seq_slider,
             self._seq_box,
             precision,
-            optimizer,
+            *self._optimizer_controls.widgets,
             mode,
             gpu,
             custom,
@@ -1034,6 +1112,8 @@ class MemoryWidget(widgets.VBox):
                 trainable,
                 accumulation,
                 lora,
+                in_backward,
+                keep_grads,
             ]
         )
         self._controls = widgets.VBox(
@@ -1042,7 +1122,7 @@ class MemoryWidget(widgets.VBox):
                 # compute for memory, then the device
                 widgets.HBox([self._batch_slider, self._batch_box]),
                 self._seq_row,
-                widgets.HBox([precision, optimizer, mode]),
+                widgets.HBox([precision, optimizer, implementation, mode]),
                 self._generation_row,
                 self._levers_row,
                 widgets.HBox([gpu, custom, expandable, depth]),
@@ -1099,6 +1179,8 @@ class MemoryWidget(widgets.VBox):
 
 
 _LEVER_TRAITS = ("checkpoint", "trainable", "grad_accumulation", "lora_rank")
+# how the optimizer steps (estimate's keywords, the widget's traits)
+_STEPPING_SETTINGS = ("optimizer_in_backward", "set_to_none")
 
 
 def _checkpoint_arg(value: str) -> str | None:
@@ -1136,6 +1218,8 @@ _SETTINGS: tuple[str, ...] = (
     "seq_len",
     "precision",
     "optimizer",
+    "optimizer_in_backward",
+    "set_to_none",
     "mode",
     "new_tokens",
     "gpu",
@@ -1187,8 +1271,12 @@ def show_memory(
         Starting values of the controls: ``batch_size`` (int >= 1), ``seq_len`` (tokens
         per sample, where the profile has a sequence axis; default: the example's),
         ``precision``
-        ({"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}), ``optimizer`` (an optimizer name
-        or ``"none"``/None), ``mode`` ({"train", "inference", "generate"}: generation
+        ({"fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"}), ``optimizer`` (a name of
+        ``optimizer_names()``, an implementation suffix included: ``"adamw-fused"``; or
+        ``"none"``/None), ``optimizer_in_backward`` (bool: each parameter stepped in the
+        backward; one GPU, one micro-batch), ``set_to_none`` (bool: False keeps the
+        gradients between steps, ``zero_grad(set_to_none=False)``), ``mode``
+        ({"train", "inference", "generate"}: generation
         where the model has ``generate()``, the sequence slider then the prompt's length),
         ``new_tokens`` (int >= 1, the tokens a generation adds after the prompt), ``gpu``
         (a GPU name of the catalog, ``"H100"``, ``"custom"``, or a capacity in any form
@@ -1213,11 +1301,14 @@ def show_memory(
     ------
     TypeError
         For a setting name that is not one of the controls (before profiling), and for
-        inputs :func:`vram_widget.profile_model` refuses with a TypeError.
+        inputs :func:`vram_widget.profile_model` refuses with a TypeError, and for an
+        ``optimizer_in_backward`` or ``set_to_none`` that is not a bool (before profiling).
     ValueError
         For a ``gpu`` in no capacity form, or an unknown or ambiguous GPU name (before
         profiling; every form ``MemoryEstimate.fits`` takes is valid), for a setting
-        value the control refuses (``batch_size=0``), and for inputs
+        value the control refuses (``batch_size=0``), for an unknown optimizer or a
+        refused way of stepping it (in the backward with ``set_to_none=False``, with
+        ``grad_accumulation`` > 1 or with ``gpus`` > 1; before profiling), and for inputs
         :func:`vram_widget.profile_model` refuses (a sequence past the model's position
         table, no example input); each message names the problem and the valid forms.
     ProfilingError
@@ -1237,6 +1328,10 @@ def show_memory(
     Traceback (most recent call last):
     ...
     ValueError: GPU 'A100' is ambiguous: it names 'A100 80GB' (80 GiB), 'A100 40GB' (40 GiB); ...
+    >>> w = show_memory(zoo.mlp(), input_size=(784,), device="cpu", optimizer="adamw-fused",
+    ...                 optimizer_in_backward=True)
+    >>> w.estimate.optimizer_implementation, w.estimate.levers.in_backward
+    ('fused', 'adamw-fused')
     """
     from .._profiling.profiler import profile_model
 
@@ -1246,6 +1341,7 @@ def show_memory(
             raise TypeError(f"unknown setting {name!r}; valid settings are {', '.join(_SETTINGS)}")
     if "gpu" in initial_settings:
         _gpu_settings(initial_settings["gpu"])
+    _check_optimizer_settings(initial_settings)
     profile = profile_model(
         model,
         input_size=input_size,
@@ -1260,6 +1356,35 @@ def show_memory(
         return MemoryWidget(profile, **initial_settings)
     except traitlets.TraitError as exc:  # a control's own check of its starting value
         raise ValueError(f"invalid setting: {exc}") from None
+
+
+def _check_optimizer_settings(settings: dict[str, Any]) -> None:
+    """The optimizer's settings, checked before the model is run: its name, how it steps
+    (``optimizer_in_backward``, ``set_to_none``), and what stepping in the backward cannot
+    go with in training (micro-batches, several GPUs); each error names the valid forms."""
+    try:
+        name = _OptimizerTrait("adam").validate(None, settings.get("optimizer", "adam"))
+    except traitlets.TraitError as exc:
+        raise ValueError(f"invalid setting: {exc}") from None
+    in_backward = settings.get("optimizer_in_backward", False)
+    set_to_none = settings.get("set_to_none", True)
+    record = dataclasses.replace(
+        Optimizer.parse(None if name == _NO_OPTIMIZER else name),
+        in_backward=in_backward,
+        set_to_none=set_to_none,
+    )  # a flag that is not a bool, or in backward with set_to_none=False: refused here
+    if settings.get("mode", Mode.TRAIN.value) != Mode.TRAIN.value or (
+        set_to_none and not in_backward
+    ):
+        return
+    accumulation = settings.get("grad_accumulation", 1)
+    parallel = resolve_parallel(
+        settings.get("gpus", 1),
+        settings.get("strategy", "ddp"),
+        gpus_per_node=settings.get("gpus_per_node", DEFAULT_GPUS_PER_NODE),
+    )
+    if isinstance(accumulation, int):  # else the control's own check says why
+        stepping_levers(Levers(grad_accumulation=accumulation), record, None, parallel)
 
 
 def _gpu_settings(value: Any) -> dict[str, Any]:
