@@ -873,9 +873,11 @@ def test_max_batch_size_searches_from_the_affine_guess(
     estimate = profile.estimate
     calls: list[int] = []
 
-    def counted(batch: int, *args: Any, **kwargs: Any) -> Any:
-        calls.append(batch)
-        return estimate(batch, *args, **kwargs)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        # the searches ask with a Recipe (estimate(recipe=...)); a call by keywords counts too
+        recipe = kwargs.get("recipe")
+        calls.append(recipe.step.batch_size if recipe is not None else args[0])
+        return estimate(*args, **kwargs)
 
     monkeypatch.setattr(profile, "estimate", counted)
     b = profile.max_batch_size(capacity, "fp32", "adam", mode, basis="allocated")
