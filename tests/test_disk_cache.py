@@ -180,6 +180,28 @@ def test_edited_forward_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _profile_count(counted, _Twice()) == 0
 
 
+def test_attention_implementation_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two GPT-2s of one structure, parameters and JSON config, but eager against SDPA
+    # attention (config._attn_implementation, which to_json_string leaves out): their steps
+    # differ (the eager one saves the B x H x T x T scores), so their profiles must too.
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2(attention: str) -> nn.Module:
+        config = transformers.GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64,
+            attn_implementation=attention,
+        )  # fmt: skip
+        with torch.device("meta"):
+            return transformers.GPT2LMHeadModel(config)
+
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    counted = Counted(monkeypatch)
+    inputs = {"input_ids": ids, "labels": ids}
+    assert _profile_count(counted, gpt2("eager"), input_size=None, inputs=inputs) == 3
+    assert _profile_count(counted, gpt2("sdpa"), input_size=None, inputs=inputs) == 3
+    assert _profile_count(counted, gpt2("sdpa"), input_size=None, inputs=inputs) == 0
+
+
 def test_device_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     counted = Counted(monkeypatch)
     assert _profile_count(counted, _net(), device="cuda") == 3

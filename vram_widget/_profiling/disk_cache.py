@@ -153,6 +153,24 @@ def _canon(value: Any) -> str:
     raise _Uncacheable(type(value).__name__)
 
 
+def _config_state(config: Any, depth: int = 0) -> str:
+    """Every attribute of a Hugging Face config, private ones included, as text: a value with
+    no canonical form by its type and repr (a repr with an address is a miss, never a stale
+    hit); a nested config recursively."""
+    parts = []
+    for name, value in sorted(vars(config).items()):
+        if depth < 3 and hasattr(value, "to_json_string") and hasattr(value, "__dict__"):
+            text = _config_state(value, depth + 1)
+        else:
+            try:
+                text = _canon(value)
+            except _Uncacheable:
+                text = f"{type(value).__module__}.{type(value).__qualname__}:{value!r}"
+        parts.append(f"{name}={text}")
+    attention = getattr(config, "_attn_implementation", None)
+    return "{" + ",".join(parts) + f"}}attn={attention!r}"
+
+
 def _code(code: types.CodeType) -> str:
     """A code object's bytecode, constants (nested code objects recursively) and names."""
     consts = ",".join(
@@ -389,6 +407,9 @@ def profile_key(
         to_json = getattr(config, "to_json_string", None)
         if callable(to_json):
             add("config=" + to_json(use_diff=False))
+            # what the JSON leaves out and the model still reads: the attention kernel
+            # (``config._attn_implementation``, not serialized) and other private settings
+            add("config state=" + _config_state(config))
         owners: dict[int, str] = {}
         for name, module in model.named_modules(remove_duplicate=False):
             add(f"module {name} {_class(type(module))} ({module.extra_repr()})")
