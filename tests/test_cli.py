@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import os
 import subprocess
 import sys
 import textwrap
@@ -243,6 +244,22 @@ def test_console_entry_runs() -> None:
     # --device cpu assumes no GPU: no capacity, so no verdict and no largest batch
     assert out["gpu"] is None
     assert (out["settings"][0]["fits"], out["settings"][0]["max_batch_size"]) == (None, None)
+
+
+def test_a_transformers_model_prints_nothing_but_the_answer() -> None:
+    # In a fresh process (a library logs its import-time messages once per process): what
+    # transformers, torch and torchao log while the model is built and profiled is kept from
+    # the user; stderr is empty and stdout is the answer.
+    result = subprocess.run(
+        [sys.executable, "-m", "vram_widget", "--transformers", "gpt2", "--config",
+         "n_layer=1,n_embd=32,n_head=2,vocab_size=64,bos_token_id=0,eos_token_id=0",
+         "--seq-len", "16", "--gpu", "A100 80GB"],
+        capture_output=True, text=True, timeout=180, check=False,
+        env={**os.environ, "VRAM_WIDGET_CACHE": "0"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.startswith("ModelProfile(GPT2LMHeadModel")
 
 
 def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:

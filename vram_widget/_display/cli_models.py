@@ -282,8 +282,11 @@ def build_model(parser: argparse.ArgumentParser, spec: ModelSpec) -> nn.Module:
     error naming the argument."""
     from torch import nn
 
+    from .._profiling.fake import quiet_third_party
+
     try:
-        model = spec.build()
+        with quiet_third_party():  # what libraries log while the model is built
+            model = spec.build()
     except Exception as exc:  # the user's code or config: report it as a bad argument
         what = "--transformers/--config" if spec.kind == "transformers" else "MODEL"
         parser.error(f"{what}: building {spec.label!r} failed: {type(exc).__name__}: {exc}")

@@ -308,7 +308,17 @@ def quieted(logger_name: str, level: int) -> Iterator[None]:
 # The libraries a profile runs, whose log records during the fake runs are about those runs
 # (transformers' "`loss_type=None` was set in the config but it is unrecognized", logged at
 # WARNING by PreTrainedModel.loss_function on every GPT-2 with labels), not news for the user.
-_QUIET_LOGGERS = ("torch", "transformers", "peft", "accelerate", "huggingface_hub")
+# torchao and bitsandbytes log at import (torchao: each CUDA extension it cannot load on a
+# CPU-only build), which transformers triggers while it builds a model
+_QUIET_LOGGERS = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "huggingface_hub",
+    "torchao",
+    "bitsandbytes",
+)
 
 
 @contextlib.contextmanager
