@@ -9,8 +9,8 @@ one-layer GPT-2 built from a config (no download).
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import textwrap
