@@ -43,6 +43,7 @@ from .options import (
     parse_option,
 )
 from .recipe import Accelerator, LeverSettings, Recipe
+from .recipe.ignored import warn_ignored
 from .recipe.recipe import default
 from .sharding import (
     DEFAULT_GPUS_PER_NODE,
@@ -653,8 +654,12 @@ class ModelProfile:
             **settings,
         )
         est = self._estimate(asked)
-        # what the config the Recipe was read from sets but the estimate leaves out
-        return dataclasses.replace(est, ignored=asked.ignored) if asked.ignored else est
+        # what the config the Recipe was read from sets, and what the step runs, that the
+        # estimate leaves out: named on the estimate and in a warning, never dropped
+        ignored = (*asked.ignored, *_unmodelled_step(asked))
+        if len(ignored) > len(asked.ignored):
+            warn_ignored("the step", ignored[len(asked.ignored) :])
+        return dataclasses.replace(est, ignored=ignored) if ignored else est
 
     def _estimate(self, recipe: Recipe) -> MemoryEstimate:
         """:meth:`estimate` of one resolved Recipe."""
@@ -1491,6 +1496,25 @@ def _context_of(acc: Accelerator) -> CudaContext:
             f"(eager loading); got {acc.lazy_loading!r}"
         )
     return cuda_context(capability, acc.lazy_loading)
+
+
+# torchao's low-bit Adam compiles each parameter's update (torchao/optim/adam.py,
+# ``_AdamBase.step``: ``torch.compile(single_param_adam, fullgraph=True, dynamic=False)``);
+# the profiler traces it uncompiled, so its state is exact and its step's temporaries are
+# the eager ops', not Inductor's buffers (on the CPU the real step peaked 6.4 MB below the
+# estimate with AdamW8bit and 0.8 MB above it with AdamW4bit, a zoo MLP at batch 4).
+_COMPILED_OPTIMIZERS = ("adamw8bit-torchao", "adamw4bit-torchao")
+
+
+def _unmodelled_step(recipe: Recipe) -> tuple[str, ...]:
+    """What the asked step runs that the estimate does not model, by name."""
+    name = recipe.optimizer.name
+    if recipe.step.mode is Mode.TRAIN and name is not None and name.value in _COMPILED_OPTIMIZERS:
+        return (
+            f"optimizer={name.value!r}: its step is compiled by torch.compile, and only its "
+            "state is estimated exactly (the step's temporaries are the uncompiled ops')",
+        )
+    return ()
 
 
 def _card(capacity_bytes: Any) -> tuple[int, tuple[int, int] | None]:
