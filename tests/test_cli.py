@@ -292,8 +292,8 @@ def test_profiling_error_is_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
         (["--precision", "fp32,fp8"], "'amp-bf16'"),
         (
             ["--optimizer", "lion"],
-            "sgd, sgd-momentum, adam, adamw, adagrad, rmsprop, adamw8bit, paged-adamw8bit, "
-            "adamw8bit-torchao, adamw4bit-torchao, adafactor, sgd-fused",
+            "adamw-forloop, adamw8bit, paged-adamw8bit, adamw8bit-torchao, adamw4bit-torchao, "
+            "adafactor, none",
         ),
         (["--mode", "eval"], "'train', 'inference'"),
         (["--device", "tpu"], "'cuda', 'cpu'"),
@@ -305,6 +305,8 @@ def test_profiling_error_is_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
         (["resnet19"], "resnet18"),
         (["mlp", "--model", "mlp"], "not both"),
         (["mlp", "--config", "n_layer=1"], "--transformers"),
+        (["mlp", "--device", "cpu", "--context-bytes", "1048576"], "--device cuda"),
+        (["mlp", "--device", "cpu", "--lazy-loading", "false"], "--device cuda"),
     ],
 )
 def test_bad_values_are_usage_errors(
@@ -314,6 +316,38 @@ def test_bad_values_are_usage_errors(
     assert names in err
     if argv[0] == "--gpu":
         assert "a GPU name of the catalog" in err
+
+
+def test_cuda_context_figure_and_its_source_are_shown(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from vram_widget._estimating.accelerator import cuda_context
+
+    # an A100 (compute capability 8.0) with torch's lazy module loading: the table's row,
+    # named with its source in the text and the JSON
+    row = cuda_context((8, 0), lazy_loading=True)
+    out = _run_json(["mlp", "--gpu", "A100 80GB", "--precision", "fp32"], capsys)
+    (setting,) = out["settings"]
+    assert (setting["cuda_context_bytes"], setting["cuda_context_source"]) == (
+        row.nbytes,
+        row.source,
+    )
+    assert main(["mlp", "--gpu", "A100 80GB", "--precision", "fp32"]) == 0
+    text = capsys.readouterr().out
+    assert f"CUDA context: {_bytes(row.nbytes)} in device ({row.source})" in text
+    # a context measured by the user replaces it, and the device figure moves by the change
+    given = _run_json(
+        ["mlp", "--gpu", "A100 80GB", "--precision", "fp32", "--context-bytes", str(2**30)], capsys
+    )
+    (moved,) = given["settings"]
+    assert moved["cuda_context_bytes"] == 2**30
+    assert moved["cuda_context_source"] == f"given: context_bytes={2**30}"
+    assert moved["device_bytes"] - setting["device_bytes"] == 2**30 - row.nbytes
+    # without lazy loading, the eager figure of the table
+    eager = _run_json(
+        ["mlp", "--gpu", "A100 80GB", "--precision", "fp32", "--lazy-loading", "false"], capsys
+    )
+    assert eager["settings"][0]["cuda_context_bytes"] == cuda_context((8, 0), False).nbytes
 
 
 def test_bad_config_pair(capsys: pytest.CaptureFixture[str]) -> None:

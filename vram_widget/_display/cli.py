@@ -175,6 +175,8 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["expandable_segments"] = True
     if args.context_bytes is not None:
         keywords["context_bytes"] = args.context_bytes
+    if args.lazy_loading is not None:
+        keywords["lazy_loading"] = args.lazy_loading
     if not train:
         return keywords
     return {**keywords, **_training_keywords(args)}
@@ -264,6 +266,8 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "reserved_bytes": est.reserved_bytes,
         "device_bytes": est.device_bytes,
         "extras_bytes": est.extras.total_bytes,
+        "cuda_context_bytes": est.extras.cuda_context_bytes,
+        "cuda_context_source": est.extras.cuda_context_source or None,
         "total_bytes": est.total_bytes,
         "fit_bytes": s.fit_bytes,
         "fits": None if gpu is None else s.fit_bytes <= gpu.memory_bytes,
@@ -316,6 +320,11 @@ def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[
         print("device    = the least GPU memory the step runs in (the segments the allocator")
         print("            cannot release, the one it asks for, the CUDA context outside it):")
         print("            the figure compared with the GPU's memory (fits, largest batch)")
+        extras = first.extras
+        print(
+            f"CUDA context: {_bytes(extras.cuda_context_bytes)} in device "
+            f"({extras.cuda_context_source})"
+        )
     else:
         print("            (--device cpu: no caching allocator, no CUDA context; the figure")
         print("            compared with a --gpu capacity, when one is given)")

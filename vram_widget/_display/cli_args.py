@@ -379,7 +379,15 @@ def _recipe_flags(recipe: argparse._ArgumentGroup) -> None:
         "--context-bytes",
         type=positive_int,
         metavar="BYTES",
-        help="the CUDA context's device memory, as measured (default: the estimate's figure)",
+        help="the CUDA context's device memory, as measured (default: the estimate's figure "
+        "for the GPU's generation and --lazy-loading)",
+    )
+    recipe.add_argument(
+        "--lazy-loading",
+        type=true_false,
+        metavar="{true,false}",
+        help="CUDA_MODULE_LOADING=LAZY, which sizes the CUDA context (default: true, torch's "
+        "default since 1.13)",
     )
 
 
@@ -606,6 +614,12 @@ def _check_levers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             "--expandable-segments is a setting of the CUDA caching allocator; --device cpu "
             "has none: drop it or use --device cuda"
         )
+    for dest, flag in (("context_bytes", "--context-bytes"), ("lazy_loading", "--lazy-loading")):
+        if getattr(args, dest) is not None and args.device is Device.CPU:
+            parser.error(
+                f"{flag} sizes the CUDA context; --device cpu has none: drop it or use "
+                "--device cuda"
+            )
 
 
 def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
