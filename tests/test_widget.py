@@ -1123,3 +1123,14 @@ def test_show_memory_refuses_optimizer_settings_before_profiling(
     # _Broken cannot be run: the error is the setting's, raised before any profiling
     with pytest.raises(error, match=match):
         show_memory(_Broken(), input_size=(4,), device="cpu", **settings)
+
+
+def test_summary_names_the_cuda_context_figure_and_its_source() -> None:
+    from vram_widget._estimating.accelerator import cuda_context
+
+    w = show_memory(zoo.mlp(), input_size=(784,), gpu="A100 80GB")
+    row = cuda_context((8, 0))  # an A100, lazy module loading (torch's default)
+    assert w.estimate.extras.cuda_context_source == row.source
+    summary = w.summary_html
+    assert html.escape(row.source) in summary  # the whole source, on hover
+    assert f"({row.source.partition(':')[0]})</span>" in summary  # its kind, in the line

@@ -785,13 +785,24 @@ class MemoryWidget(widgets.VBox):
         lines.append("<b>At the peak</b>: " + ", ".join(parts))
         x = est.extras
         lines.append(
-            f"<b>Extras</b> (reserve): CUDA context {format_bytes(x.cuda_context_bytes)}, "
+            f"<b>Extras</b> (reserve): CUDA context {format_bytes(x.cuda_context_bytes)}"
+            + (
+                f' <span title="{html.escape(x.cuda_context_source)}">'
+                f"({html.escape(x.cuda_context_source.partition(':')[0])})</span>"
+                if x.cuda_context_source
+                else ""
+            )
+            + ", "
             f"cuBLAS workspace {format_bytes(x.cublas_workspace_bytes)}, allocator rounding "
             f"{format_bytes(x.allocator_rounding_bytes)}; allocated + extras "
             f"{format_bytes(est.total_bytes)}"
             # what "fits" compares with the card: this on the CPU, the device line on CUDA
             + (" (the number compared with the card)" if est.allocator is None else "")
         )
+        if est.ignored:  # what the setup runs that the estimate leaves out, never dropped
+            lines.append(
+                "<b>Not estimated</b>: " + "; ".join(html.escape(i) for i in est.ignored)
+            )
         allocator_line = self._allocator_line(est)
         if allocator_line:
             lines.append(allocator_line)
