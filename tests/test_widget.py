@@ -1134,3 +1134,29 @@ def test_summary_names_the_cuda_context_figure_and_its_source() -> None:
     summary = w.summary_html
     assert html.escape(row.source) in summary  # the whole source, on hover
     assert f"({row.source.partition(':')[0]})</span>" in summary  # its kind, in the line
+
+
+def test_a_recipe_starts_the_controls_and_holds_what_has_no_control() -> None:
+    import dataclasses
+
+    from vram_widget import Recipe
+
+    recipe = Recipe().with_(
+        batch_size=8, precision="bf16", optimizer="adamw-fused", context_bytes=2**30
+    )
+    recipe = dataclasses.replace(recipe, ignored=("torch_compile=True: not estimated",))
+    profile = profile_model(zoo.mlp(), input_size=(784,))
+    w = show_memory(zoo.mlp(), input_size=(784,), recipe=recipe)
+    # the controls start at the recipe's values, and the context (no control) is held
+    assert (w.batch_size, w.precision, w.optimizer) == (8, "bf16", "adamw-fused")
+    assert w.estimate.peak_bytes == profile.estimate(recipe=recipe).peak_bytes
+    assert w.estimate.extras.cuda_context_bytes == 2**30
+    w.batch_size = 16  # a move keeps the held setting
+    assert w.estimate.extras.cuda_context_bytes == 2**30
+    assert w.estimate.peak_bytes == profile.estimate(recipe=recipe.with_(batch_size=16)).peak_bytes
+    assert "torch_compile=True: not estimated" in w.summary_html
+    # a setting given twice must agree; a recipe setting the widget cannot hold is named
+    with pytest.raises(ValueError, match="batch_size=4 conflicts with the recipe's 8"):
+        show_memory(zoo.mlp(), input_size=(784,), recipe=recipe, batch_size=4)
+    with pytest.raises(ValueError, match="rank=1 has no control"):
+        show_memory(zoo.mlp(), input_size=(784,), recipe=Recipe().with_(gpus=2, rank=1))

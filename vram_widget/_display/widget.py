@@ -16,6 +16,7 @@ import html
 import math
 import re
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -28,7 +29,7 @@ from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom
 from .._estimating.levers import Levers
 from .._estimating.options import Category, Device, Mode, Precision, optimizer_names
 from .._estimating.profile import DEFAULT_MAX_SEQ_LEN
-from .._estimating.recipe import Optimizer
+from .._estimating.recipe import Optimizer, Recipe
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     SINGLE_DEVICE,
@@ -47,6 +48,7 @@ from .figures import (
 )
 from .optimizer_control import NO_OPTIMIZER, OptimizerControls, split_choice
 from .plotly_widget import FigureWidget
+from .widget_recipe import recipe_settings
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -170,8 +172,19 @@ class MemoryWidget(widgets.VBox):
     # shows with that strategy)
     gpus_per_node = traitlets.Int(DEFAULT_GPUS_PER_NODE, min=1, max=GPUS_MAX)
 
-    def __init__(self, profile: ModelProfile, **settings: Any) -> None:
+    def __init__(
+        self,
+        profile: ModelProfile,
+        *,
+        fixed_settings: Mapping[str, Any] | None = None,
+        ignored: tuple[str, ...] = (),
+        **settings: Any,
+    ) -> None:
         self._profile = profile
+        # a Recipe's settings that have no control (widget_recipe), passed to every estimate,
+        # and what the config it was read from sets but the estimate leaves out
+        self._fixed = dict(fixed_settings or {})
+        self._ignored = ignored
         self._syncing = False
         self._reverting = False
         self._fit_cache: dict[tuple[Any, ...], int] = {}
@@ -388,6 +401,7 @@ class MemoryWidget(widgets.VBox):
             "gpus": self.gpus,
             "strategy": self.strategy,
             "gpus_per_node": self.gpus_per_node,
+            **self._fixed,
         }
 
     @property
@@ -799,10 +813,9 @@ class MemoryWidget(widgets.VBox):
             # what "fits" compares with the card: this on the CPU, the device line on CUDA
             + (" (the number compared with the card)" if est.allocator is None else "")
         )
-        if est.ignored:  # what the setup runs that the estimate leaves out, never dropped
-            lines.append(
-                "<b>Not estimated</b>: " + "; ".join(html.escape(i) for i in est.ignored)
-            )
+        ignored = (*self._ignored, *est.ignored)
+        if ignored:  # what the setup runs that the estimate leaves out, never dropped
+            lines.append("<b>Not estimated</b>: " + "; ".join(html.escape(i) for i in ignored))
         allocator_line = self._allocator_line(est)
         if allocator_line:
             lines.append(allocator_line)
@@ -1256,6 +1269,7 @@ def show_memory(
     device: str = "cuda",
     seq_axis: Any = None,
     cache: Any = True,
+    recipe: Recipe | None = None,
     **initial_settings: Any,
 ) -> MemoryWidget:
     """Profile ``model`` once and show an interactive memory / FLOPs widget.
@@ -1278,6 +1292,12 @@ def show_memory(
     cache : bool or path, optional
         Whether the profile is read from and written to the on-disk cache (see
         :func:`vram_widget.profile_model`).
+    recipe : Recipe, optional
+        A whole setup (:class:`~vram_widget.Recipe`, e.g. from
+        ``Recipe.from_training_arguments``): its settings start the controls, those with no
+        control (``lora_targets``, ``lora_dtype``, ``context_bytes``, ``lazy_loading``,
+        ``fsdp_units``) are held for every estimate, and what its config sets but the
+        estimate leaves out is listed in the summary. A setting given here too must agree.
     **initial_settings
         Starting values of the controls: ``batch_size`` (int >= 1), ``seq_len`` (tokens
         per sample, where the profile has a sequence axis; default: the example's),
@@ -1346,6 +1366,15 @@ def show_memory(
     """
     from .._profiling.profiler import profile_model
 
+    from_recipe = recipe_settings(recipe) if recipe is not None else None
+    if from_recipe is not None:
+        for name, value in from_recipe.controls.items():
+            if name in initial_settings and initial_settings[name] != value:
+                raise ValueError(
+                    f"{name}={initial_settings[name]!r} conflicts with the recipe's "
+                    f"{value!r}: give the setting in one place"
+                )
+        initial_settings = {**from_recipe.controls, **initial_settings}
     # settings that need no profile are checked before the model is run
     for name in initial_settings:
         if name not in _SETTINGS:
@@ -1364,7 +1393,14 @@ def show_memory(
         cache=cache,
     )
     try:
-        return MemoryWidget(profile, **initial_settings)
+        if from_recipe is None:
+            return MemoryWidget(profile, **initial_settings)
+        return MemoryWidget(
+            profile,
+            fixed_settings=from_recipe.fixed,
+            ignored=from_recipe.ignored,
+            **initial_settings,
+        )
     except traitlets.TraitError as exc:  # a control's own check of its starting value
         raise ValueError(f"invalid setting: {exc}") from None
 

@@ -1,0 +1,88 @@
+"""A :class:`~vram_widget.Recipe` as the widget's starting state: the settings that have a
+control become the controls' values; the others are held fixed beside them and passed to every
+estimate; and what the config the Recipe was read from sets but the estimate leaves out stays
+listed in the summary."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from .._estimating.options import CustomOptimizer
+from .._estimating.recipe import Recipe
+from .._estimating.recipe.recipe import KEYWORD_FIELDS
+
+__all__ = ["RecipeSettings", "recipe_settings"]
+
+# Settings with no control: held as the Recipe gives them, for every estimate of the widget.
+# (compute_capability is the chosen GPU's, which the "GPU" control sets.)
+_FIXED = ("lora_targets", "lora_dtype", "context_bytes", "lazy_loading", "fsdp_units")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeSettings:
+    """The controls' starting values, the settings held fixed, and the config's ignored
+    settings, from one Recipe."""
+
+    controls: Mapping[str, Any]
+    fixed: Mapping[str, Any]
+    ignored: tuple[str, ...]
+
+
+def recipe_settings(recipe: object) -> RecipeSettings:
+    """Split ``recipe`` into the widget's starting settings.
+
+    Every setting that differs from a default Recipe's is kept: a control's value where the
+    widget has one, else held fixed (``lora_targets``, ``lora_dtype``, ``context_bytes``,
+    ``lazy_loading``, ``fsdp_units``). What the widget cannot hold is a ValueError naming it:
+    a user's optimizer callable, a ``rank`` (the widget shows the worst rank), 4-bit base
+    weights and a compute capability (the GPU control sets it).
+
+    Examples
+    --------
+    >>> s = recipe_settings(Recipe().with_(batch_size=8, optimizer="adamw-fused",
+    ...                                    lora_rank=8, lora_dtype="bf16"))
+    >>> dict(s.controls)
+    {'batch_size': 8, 'optimizer': 'adamw-fused', 'lora_rank': 8}
+    >>> dict(s.fixed)
+    {'lora_dtype': 'bf16'}
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a vram_widget.Recipe, got {type(recipe).__name__}")
+    default = Recipe()
+    controls: dict[str, Any] = {}
+    fixed: dict[str, Any] = {}
+    for key in KEYWORD_FIELDS:
+        value = recipe.get(key)
+        if value == default.get(key):
+            continue
+        if key in _FIXED:
+            fixed[key] = value
+        elif key in ("rank", "base_quantization", "compute_capability"):
+            raise ValueError(
+                f"the recipe's {key}={value!r} has no control in the widget (the GPU control "
+                "sets the compute capability; the widget shows the worst rank); estimate it "
+                "with profile.estimate(recipe=...)"
+            )
+        else:
+            controls[key] = _control_value(key, value)
+    return RecipeSettings(controls, fixed, tuple(recipe.ignored))
+
+
+def _control_value(key: str, value: Any) -> Any:
+    """A Recipe value as its control holds it."""
+    if key == "optimizer":
+        if value.name is None:
+            return None
+        if isinstance(value.name, CustomOptimizer):
+            raise ValueError(
+                f"the recipe's optimizer {value.name.value!r} is a callable, which the "
+                "widget's optimizer control cannot hold; estimate it with "
+                "profile.estimate(recipe=...)"
+            )
+        suffix = "" if value.implementation is None else f"-{value.implementation.value}"
+        return f"{value.name.value}{suffix}"
+    if key in ("checkpoint", "trainable") and isinstance(value, tuple):
+        return ",".join(value)  # the text boxes take comma-separated patterns
+    return getattr(value, "value", value)  # an option's text
