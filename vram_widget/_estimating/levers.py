@@ -59,6 +59,13 @@ class Levers:
         post-accumulate-grad hook during the backward (torchtune's ``optimizer_in_bwd``);
         None: one ``optimizer.step()`` after the backward. Set by ``estimate`` from its
         Recipe's optimizer.
+    outputs_freed : bool
+        The model's outputs dropped once the loss is computed, before the backward (the
+        Recipe's ``step.outputs="freed"``), instead of kept to the end of the step.
+    clip_grad_norm : bool
+        ``torch.nn.utils.clip_grad_norm_`` over the gradients between the backward and the
+        optimizer step, its total norm kept to the end of the step (the Recipe's
+        ``optimizer.clip_grad_norm``; the norm's value changes no memory).
     """
 
     checkpoint: tuple[str, ...] = ()
@@ -70,6 +77,8 @@ class Levers:
     param_dtype: str | None = None
     set_to_none: bool = True
     in_backward: str | None = None
+    outputs_freed: bool = False
+    clip_grad_norm: bool = False
 
     @property
     def active(self) -> bool:
@@ -80,6 +89,8 @@ class Levers:
             or self.lora_rank is not None
             or not self.set_to_none
             or self.in_backward is not None
+            or self.outputs_freed
+            or self.clip_grad_norm
         )
 
     @property
@@ -111,6 +122,10 @@ class Levers:
             parts.append("gradients zeroed in place")
         if self.in_backward is not None:
             parts.append(f"{self.in_backward} stepped in the backward")
+        if self.outputs_freed:
+            parts.append("outputs freed before the backward")
+        if self.clip_grad_norm:
+            parts.append("gradients clipped by norm")
         return ", ".join(parts) or "no levers"
 
 

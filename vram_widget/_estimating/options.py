@@ -142,6 +142,17 @@ class Mode(StrEnum):
     GENERATE = "generate"
 
 
+class StepOutputs(StrEnum):
+    """How long a training step holds the model's outputs: ``KEPT`` to the end of the step
+    (``output = model(x); loss = loss_fn(output)``, the output alive through the backward,
+    the optimizer step and ``zero_grad``), or ``FREED`` right after the loss is computed,
+    before the backward (Hugging Face ``Trainer.compute_loss`` returns the loss alone;
+    torchtune's recipes ``del logits`` before the backward)."""
+
+    KEPT = "kept"
+    FREED = "freed"
+
+
 class FitBasis(StrEnum):
     """What "fits" compares with a capacity: ``ALLOCATED`` is the allocated peak plus the
     accelerator extras (``MemoryEstimate.total_bytes``); ``DEVICE`` replays the CUDA caching

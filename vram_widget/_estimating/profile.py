@@ -56,7 +56,7 @@ from .sharding import (
     resolve_fsdp_units,
     resolve_parallel,
 )
-from .stepping import stepping_levers
+from .stepping import protocol_levers, stepping_levers
 from .table import ModuleRows, OptimizerTrace, Poly, Timeline
 from .tradeoff import Frontier, batch_seq_frontier, length_grid
 
@@ -663,6 +663,7 @@ class ModelProfile:
             levers = NO_LEVERS
         else:
             levers = stepping_levers(levers, recipe.optimizer, implementation, parallel)
+            levers = protocol_levers(levers, step, recipe.optimizer, parallel)
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers)
             plain = dataclasses.replace(recipe, levers=LeverSettings())

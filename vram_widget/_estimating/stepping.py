@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 
 from .levers import Levers
-from .options import OptimizerImplementation
-from .recipe import Optimizer
+from .options import OptimizerImplementation, StepOutputs
+from .recipe import Optimizer, Step
 from .sharding import Parallel
 
-__all__ = ["IN_BACKWARD_ACCUMULATION", "stepping_levers"]
+__all__ = ["IN_BACKWARD_ACCUMULATION", "protocol_levers", "stepping_levers"]
 
 # torchtune refuses the pair (recipes/full_finetune_single_device.py, _setup: "Gradient
 # accumulation is not supported with optimizer in bwd"): each parameter is stepped, and its
@@ -71,3 +71,32 @@ def stepping_levers(
     name = optimizer.name.value
     choice = name if implementation is None else f"{name}-{implementation.value}"
     return dataclasses.replace(levers, in_backward=choice)
+
+
+def protocol_levers(levers: Levers, step: Step, optimizer: Optimizer, parallel: Parallel) -> Levers:
+    """``levers`` with how the step treats its outputs and its gradients' norm: the outputs
+    freed before the backward (``step.outputs="freed"``) and ``clip_grad_norm_`` before the
+    optimizer step (``optimizer.clip_grad_norm``), each a run of its own. Refused by name
+    with a data-parallel strategy (not modelled yet).
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.sharding import SINGLE_DEVICE
+    >>> lv = protocol_levers(Levers(), Step(outputs="freed"), Optimizer(clip_grad_norm=1.0),
+    ...                      SINGLE_DEVICE)
+    >>> lv.outputs_freed, lv.clip_grad_norm
+    (True, True)
+    """
+    freed = step.outputs is StepOutputs.FREED
+    clip = optimizer.clip_grad_norm is not None
+    if not (freed or clip):
+        return levers
+    if parallel.distributed:
+        asked = ", ".join(
+            a for a, on in (("outputs='freed'", freed), ("clip_grad_norm", clip)) if on
+        )
+        raise ValueError(
+            f"{asked} with strategy={parallel.strategy.value!r} on {parallel.gpus} GPUs: not "
+            "estimated yet (it is on one GPU, gpus=1)"
+        )
+    return dataclasses.replace(levers, outputs_freed=freed, clip_grad_norm=clip)

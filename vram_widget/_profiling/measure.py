@@ -39,10 +39,12 @@ from .._estimating.options import (
     OptimizerImplementation,
     OptimizerName,
     Precision,
+    StepOutputs,
     Strategy,
     parse_optimizer_choice,
     parse_option,
 )
+from .._estimating.recipe import Optimizer
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     Parallel,
@@ -181,6 +183,8 @@ def measure(
     new_tokens: int | None = None,
     optimizer_in_backward: bool = False,
     set_to_none: bool = True,
+    outputs: str | StepOutputs = "kept",
+    clip_grad_norm: float | None = None,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -250,6 +254,14 @@ def measure(
     set_to_none : bool
         ``optimizer.zero_grad(set_to_none=...)``: False zeroes the gradients in place, so
         they stay allocated between steps and are resident when the measured step starts.
+    outputs : str
+        ``"kept"``: the model's output held to the end of the step; ``"freed"``: dropped
+        once the loss is computed, before the backward (Hugging Face's ``Trainer``,
+        torchtune's recipes).
+    clip_grad_norm : float, optional
+        ``torch.nn.utils.clip_grad_norm_`` of the gradients to this max norm between the
+        backward and the optimizer step (torch's default implementation for the device),
+        its total norm held to the end of the step.
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
@@ -308,11 +320,12 @@ def measure(
         units = (fsdp_units,) if isinstance(fsdp_units, str) else tuple(fsdp_units)  # type: ignore[arg-type]
         parallel = dataclasses.replace(parallel, fsdp_units=units)
     stepping = _check_stepping(optimizer_in_backward, set_to_none, grad_accumulation)
+    protocol = _check_protocol(outputs, clip_grad_norm, optimizer_in_backward)
     if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
-        if stepping != (False, True):
+        if stepping != (False, True) or protocol != (False, None):
             raise ValueError(
-                "optimizer_in_backward and set_to_none=False are measured on one process "
-                "(gpus=1) only for now"
+                "optimizer_in_backward, set_to_none=False, outputs='freed' and "
+                "clip_grad_norm are measured on one process (gpus=1) only for now"
             )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
@@ -329,8 +342,21 @@ def measure(
         snapshot=snapshot,
         new_tokens=new_tokens,
         stepping=stepping,
+        protocol=protocol,
         **levers,
     )[0]
+
+
+def _check_protocol(
+    outputs: object, clip_grad_norm: object, in_backward: object
+) -> tuple[bool, float | None]:
+    """``outputs`` and ``clip_grad_norm`` checked as the Recipe checks them: (outputs
+    freed, max norm or None)."""
+    freed = parse_option(StepOutputs, outputs, "outputs") is StepOutputs.FREED
+    checked = Optimizer(
+        name=None, in_backward=bool(in_backward), clip_grad_norm=clip_grad_norm  # type: ignore[arg-type]
+    )
+    return freed, checked.clip_grad_norm
 
 
 def _check_stepping(
@@ -413,6 +439,7 @@ def _measure(
     parallel: Parallel | None = None,
     new_tokens: int | None = None,
     stepping: tuple[bool, bool] = (False, True),
+    protocol: tuple[bool, float | None] = (False, None),
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -435,7 +462,7 @@ def _measure(
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
-            parallel, new_tokens, implementation, stepping,
+            parallel, new_tokens, implementation, stepping, protocol,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -494,6 +521,7 @@ class _Session:
         new_tokens: int | None = None,
         implementation: OptimizerImplementation | None = None,
         stepping: tuple[bool, bool] = (False, True),
+        protocol: tuple[bool, float | None] = (False, None),
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
@@ -517,6 +545,7 @@ class _Session:
         if setup is not None and setup.make_optimizer is not None:
             build = setup.make_optimizer
         in_backward, self.set_to_none = stepping
+        self.outputs_freed, self.clip_grad_norm = protocol
         steps = mode is Mode.TRAIN and optimizer is not None and bool(self.params)
         self.in_backward = (
             OptimizerInBackward(self.params, optimizer, implementation)
@@ -547,6 +576,8 @@ class _Session:
                     params=self.params,
                     micro_batches=self.micro_batches,
                     set_to_none=self.set_to_none,
+                    outputs_freed=self.outputs_freed,
+                    clip_grad_norm=self.clip_grad_norm,
                 )
         elif self.mode is Mode.GENERATE:
             assert self.new_tokens is not None  # checked by measure

@@ -522,6 +522,10 @@ class Profiler:
                         on_loss=rec.watch_accumulations,
                         micro_batches=levers.profiled_micro_batches,
                         set_to_none=levers.set_to_none,
+                        outputs_freed=levers.outputs_freed,
+                        # any max norm: the clipping's memory does not depend on it
+                        clip_grad_norm=1.0 if levers.clip_grad_norm else None,
+                        clip_foreach=True if subject.device is Device.CUDA else None,
                     )
                 elif mode is Mode.GENERATE:
                     step_starts, step_flops = recorded_generation(
@@ -1141,8 +1145,11 @@ class _Source:
 
 
 def _plain_stepping(levers: Levers) -> Levers:
-    """``levers`` with one optimizer step after the backward, and gradients set to None."""
-    return dataclasses.replace(levers, set_to_none=True, in_backward=None)
+    """``levers`` with one optimizer step after the backward, gradients set to None, the
+    outputs kept and no clipping (none of which changes which parameters get a gradient)."""
+    return dataclasses.replace(
+        levers, set_to_none=True, in_backward=None, outputs_freed=False, clip_grad_norm=False
+    )
 
 
 def _recompute_context(

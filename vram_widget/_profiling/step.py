@@ -6,10 +6,25 @@ input batch resident,
 
     output = model(*args, **kwargs)        # under autocast for amp-* precisions
     loss = loss_fn(output)
+    # outputs="freed": del output (here, before the backward)
     loss.backward()
+    # clip_grad_norm=c: norm = torch.nn.utils.clip_grad_norm_(grads' params, c)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    del output, loss
+    del output, loss                       # (and norm)
+
+By default (``outputs="kept"``) the output lives to the end of the step. With
+``outputs="freed"`` it is dropped once the loss is computed, as Hugging Face's
+``Trainer.compute_loss`` does (it returns the loss alone: ``outputs`` is local to it,
+transformers/trainer.py, 5.x) and torchtune's recipes do (``_loss_step``: ``del logits``,
+"free logits otherwise it peaks backward memory", recipes/full_finetune_single_device.py,
+0.6.1). What the loss's autograd graph saved stays alive, through the backward.
+
+With ``clip_grad_norm`` the gradients are clipped by torch's own
+``torch.nn.utils.clip_grad_norm_`` between the last backward and the optimizer step, and the
+total norm it returns is held to the end of the step, as the Trainer (``grad_norm =
+self._clip_grad_norm(model)`` before ``self.optimizer.step()``) and torchtune (``grad_norm =
+clip_grad_norm_(...)`` before ``self._optimizer.step()``) hold it.
 
 Inference is ``output = model(...)`` under ``torch.no_grad()``, then ``del output``.
 
@@ -289,6 +304,9 @@ def training_iteration(
     on_loss: Callable[[torch.Tensor], None] | None = None,
     micro_batches: int = 1,
     set_to_none: bool = True,
+    outputs_freed: bool = False,
+    clip_grad_norm: float | None = None,
+    clip_foreach: bool | None = None,
 ) -> None:
     """Run one training iteration by the protocol above (``micro_batches`` forward and
     backward passes, accumulating into ``.grad``, before one optimizer step).
@@ -299,6 +317,13 @@ def training_iteration(
     With ``optimizer=None`` the gradients of ``params`` are still computed, and set to None
     where ``zero_grad`` would run. ``set_to_none=False``: ``zero_grad(set_to_none=False)``,
     the gradients zeroed in place instead (kept allocated for the next step).
+
+    ``outputs_freed``: the output is dropped right after the loss is computed (before the
+    backward). ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_(params with a gradient,
+    clip_grad_norm, foreach=clip_foreach)`` after the last backward (``clip_foreach`` None:
+    torch's default for the device, the per-tensor loop on CPU and foreach on CUDA,
+    ``_group_tensors_by_device_and_dtype`` and ``_has_foreach_support`` in
+    torch/nn/utils/clip_grad.py; the CUDA emulation passes True), its norm held to the end.
 
     ``between(phase)`` is called at each phase boundary ("backward", "optimizer",
     "zero_grad", "end", and "forward" before each micro-batch after the first), which is how
@@ -312,6 +337,8 @@ def training_iteration(
         with context() if context is not None else forward_context(precision, device_type):
             output = inputs.call(model)
             loss = compute_loss(output, loss_fn)
+            if outputs_freed:
+                output = None
         mark("backward")
         if on_loss is not None:
             on_loss(loss)  # the profiler's recorder reads the autograd graph before backward
@@ -319,6 +346,12 @@ def training_iteration(
             loss.backward()
         if micro + 1 < micro_batches:
             del output, loss
+    norm = None
+    if clip_grad_norm is not None:
+        with_grad = [p for p in (*params, *_optimized(optimizer)) if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(
+            list({id(p): p for p in with_grad}.values()), clip_grad_norm, foreach=clip_foreach
+        )
     mark("optimizer")
     if optimizer is not None:
         optimizer.step()
@@ -332,7 +365,14 @@ def training_iteration(
             elif p.grad is not None:
                 p.grad.zero_()
     mark("end")
-    del output, loss
+    del output, loss, norm
+
+
+def _optimized(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` steps (none without one)."""
+    if optimizer is None:
+        return []
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def inference_pass(

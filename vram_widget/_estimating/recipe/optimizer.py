@@ -34,6 +34,12 @@ class Optimizer:
         ``optimizer.zero_grad(set_to_none=...)``: True (torch's default since 2.0) frees the
         gradients after the step; False zeroes them in place, so they stay allocated
         between steps.
+    clip_grad_norm : float, optional
+        ``torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)`` between the backward
+        and the optimizer step (the Trainer's ``max_grad_norm``, torchtune's
+        ``clip_grad_norm``), its total norm held to the end of the step; None: no clipping.
+        Its per-tensor norms (one scalar each, stacked) and the clipping coefficient are the
+        memory it adds; the value itself changes none.
 
     Examples
     --------
@@ -47,8 +53,10 @@ class Optimizer:
     implementation: OptimizerImplementation | None = None
     in_backward: bool = False
     set_to_none: bool = True
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
+        self._check_clip()
         for flag in ("in_backward", "set_to_none"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -77,6 +85,25 @@ class Optimizer:
                     "'adamw' (leave implementation=None for torch's default)"
                 )
 
+    def _check_clip(self) -> None:
+        clip = self.clip_grad_norm
+        if clip is None:
+            return
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 < clip < 1e308:
+            raise ValueError(
+                f"clip_grad_norm must be a positive finite number (the max norm given to "
+                f"torch.nn.utils.clip_grad_norm_) or None for no clipping; got {clip!r}"
+            )
+        if self.in_backward:
+            # torchtune refuses the pair too (recipes/full_finetune_single_device.py,
+            # _setup: "Gradient clipping is not supported with optimizer in bwd")
+            raise ValueError(
+                "clip_grad_norm cannot go with in_backward=True: each parameter is stepped "
+                "in the backward before the total norm of all gradients exists; use "
+                "clip_grad_norm=None"
+            )
+        object.__setattr__(self, "clip_grad_norm", float(clip))
+
     @classmethod
     def parse(cls, value: object) -> Optimizer:
         """An ``optimizer=`` keyword's value (a name, a suffixed name or None) as a record."""
@@ -87,10 +114,13 @@ class Optimizer:
 
     def named(self, value: object) -> Optimizer:
         """This record with the name (and implementation) that ``value`` gives, keeping how
-        it is stepped (``in_backward``, ``set_to_none``)."""
+        it is stepped (``in_backward``, ``set_to_none``, ``clip_grad_norm``)."""
         parsed = Optimizer.parse(value)
         return dataclasses.replace(
-            parsed, in_backward=self.in_backward, set_to_none=self.set_to_none
+            parsed,
+            in_backward=self.in_backward,
+            set_to_none=self.set_to_none,
+            clip_grad_norm=self.clip_grad_norm,
         )
 
     def resolved_implementation(self, device: str | Device) -> OptimizerImplementation | None:
