@@ -525,7 +525,8 @@ class Profiler:
                         outputs_freed=levers.outputs_freed,
                         # any max norm: the clipping's memory does not depend on it
                         clip_grad_norm=1.0 if levers.clip_grad_norm else None,
-                        clip_foreach=True if subject.device is Device.CUDA else None,
+                        # the real tensors' path (a FakeTensor would take the loop)
+                        clip_foreach=True,
                     )
                 elif mode is Mode.GENERATE:
                     step_starts, step_flops = recorded_generation(

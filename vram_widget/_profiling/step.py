@@ -320,10 +320,12 @@ def training_iteration(
 
     ``outputs_freed``: the output is dropped right after the loss is computed (before the
     backward). ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_(params with a gradient,
-    clip_grad_norm, foreach=clip_foreach)`` after the last backward (``clip_foreach`` None:
-    torch's default for the device, the per-tensor loop on CPU and foreach on CUDA,
-    ``_group_tensors_by_device_and_dtype`` and ``_has_foreach_support`` in
-    torch/nn/utils/clip_grad.py; the CUDA emulation passes True), its norm held to the end.
+    clip_grad_norm, foreach=clip_foreach)`` after the last backward, its norm held to the
+    end. ``clip_foreach`` None is torch's default: foreach (``torch._foreach_norm``, then
+    ``torch._foreach_mul_``) for plain CPU and CUDA tensors (``_has_foreach_support`` in
+    torch/utils/_foreach_utils.py, read by torch/nn/utils/clip_grad.py), the per-tensor loop
+    for any tensor subclass. A FakeTensor is a subclass, so the profiler passes True, the
+    path the real tensors take.
 
     ``between(phase)`` is called at each phase boundary ("backward", "optimizer",
     "zero_grad", "end", and "forward" before each micro-batch after the first), which is how

@@ -37,7 +37,8 @@ class Optimizer:
     clip_grad_norm : float, optional
         ``torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)`` between the backward
         and the optimizer step (the Trainer's ``max_grad_norm``, torchtune's
-        ``clip_grad_norm``), its total norm held to the end of the step; None: no clipping.
+        ``clip_grad_norm``), its total norm held to the end of the step; ``inf`` computes
+        the norm and scales by 1 (the Trainer with ``max_grad_norm=0``); None: no clipping.
         Its per-tensor norms (one scalar each, stacked) and the clipping coefficient are the
         memory it adds; the value itself changes none.
 
@@ -89,10 +90,13 @@ class Optimizer:
         clip = self.clip_grad_norm
         if clip is None:
             return
-        if isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 < clip < 1e308:
+        # inf is valid: the norm is computed and nothing is scaled down (the Trainer reads
+        # its gradients' norm so), with the same memory
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0:
             raise ValueError(
-                f"clip_grad_norm must be a positive finite number (the max norm given to "
-                f"torch.nn.utils.clip_grad_norm_) or None for no clipping; got {clip!r}"
+                f"clip_grad_norm must be a positive number (the max norm given to "
+                f"torch.nn.utils.clip_grad_norm_; float('inf') to read the norm without "
+                f"clipping) or None for no clipping; got {clip!r}"
             )
         if self.in_backward:
             # torchtune refuses the pair too (recipes/full_finetune_single_device.py,
