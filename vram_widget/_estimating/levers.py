@@ -62,6 +62,9 @@ class Levers:
     outputs_freed : bool
         The model's outputs dropped once the loss is computed, before the backward (the
         Recipe's ``step.outputs="freed"``), instead of kept to the end of the step.
+    loss_scaled : bool
+        The backward runs on ``loss / grad_accumulation`` (a new scalar), the loss kept (the
+        Recipe's ``step.loss_scaled``).
     clip_grad_norm : bool
         ``torch.nn.utils.clip_grad_norm_`` over the gradients between the backward and the
         optimizer step, its total norm kept to the end of the step (the Recipe's
@@ -78,6 +81,7 @@ class Levers:
     set_to_none: bool = True
     in_backward: str | None = None
     outputs_freed: bool = False
+    loss_scaled: bool = False
     clip_grad_norm: bool = False
 
     @property
@@ -90,6 +94,7 @@ class Levers:
             or not self.set_to_none
             or self.in_backward is not None
             or self.outputs_freed
+            or self.loss_scaled
             or self.clip_grad_norm
         )
 
@@ -124,6 +129,8 @@ class Levers:
             parts.append(f"{self.in_backward} stepped in the backward")
         if self.outputs_freed:
             parts.append("outputs freed before the backward")
+        if self.loss_scaled:
+            parts.append("backward on the scaled loss")
         if self.clip_grad_norm:
             parts.append("gradients clipped by norm")
         return ", ".join(parts) or "no levers"

@@ -74,9 +74,10 @@ def stepping_levers(
 
 
 def protocol_levers(levers: Levers, step: Step, optimizer: Optimizer, parallel: Parallel) -> Levers:
-    """``levers`` with how the step treats its outputs and its gradients' norm: the outputs
-    freed before the backward (``step.outputs="freed"``) and ``clip_grad_norm_`` before the
-    optimizer step (``optimizer.clip_grad_norm``), each a run of its own. Refused by name
+    """``levers`` with how the step treats its outputs, its loss and its gradients' norm: the
+    outputs freed before the backward (``step.outputs="freed"``), the backward on a scaled
+    copy of the loss (``step.loss_scaled``) and ``clip_grad_norm_`` before the optimizer
+    step (``optimizer.clip_grad_norm``), each a run of its own. Refused by name
     with a data-parallel strategy (not modelled yet).
 
     Examples
@@ -89,14 +90,21 @@ def protocol_levers(levers: Levers, step: Step, optimizer: Optimizer, parallel: 
     """
     freed = step.outputs is StepOutputs.FREED
     clip = optimizer.clip_grad_norm is not None
-    if not (freed or clip):
+    scaled = step.loss_scaled
+    if not (freed or clip or scaled):
         return levers
     if parallel.distributed:
         asked = ", ".join(
-            a for a, on in (("outputs='freed'", freed), ("clip_grad_norm", clip)) if on
+            a
+            for a, on in (
+                ("outputs='freed'", freed), ("loss_scaled", scaled), ("clip_grad_norm", clip)
+            )
+            if on
         )
         raise ValueError(
             f"{asked} with strategy={parallel.strategy.value!r} on {parallel.gpus} GPUs: not "
             "estimated yet (it is on one GPU, gpus=1)"
         )
-    return dataclasses.replace(levers, outputs_freed=freed, clip_grad_norm=clip)
+    return dataclasses.replace(
+        levers, outputs_freed=freed, loss_scaled=scaled, clip_grad_norm=clip
+    )

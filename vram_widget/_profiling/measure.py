@@ -44,7 +44,7 @@ from .._estimating.options import (
     parse_optimizer_choice,
     parse_option,
 )
-from .._estimating.recipe import Optimizer
+from .._estimating.recipe import Optimizer, Step
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     Parallel,
@@ -184,6 +184,7 @@ def measure(
     optimizer_in_backward: bool = False,
     set_to_none: bool = True,
     outputs: str | StepOutputs = "kept",
+    loss_scaled: bool = False,
     clip_grad_norm: float | None = None,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
@@ -258,6 +259,9 @@ def measure(
         ``"kept"``: the model's output held to the end of the step; ``"freed"``: dropped
         once the loss is computed, before the backward (Hugging Face's ``Trainer``,
         torchtune's recipes).
+    loss_scaled : bool
+        The backward on ``loss / grad_accumulation`` (a new scalar), the loss kept
+        (accelerate's ``Accelerator.backward``, which Hugging Face's ``Trainer`` calls).
     clip_grad_norm : float, optional
         ``torch.nn.utils.clip_grad_norm_`` of the gradients to this max norm between the
         backward and the optimizer step (torch's default implementation for the device),
@@ -320,12 +324,12 @@ def measure(
         units = (fsdp_units,) if isinstance(fsdp_units, str) else tuple(fsdp_units)  # type: ignore[arg-type]
         parallel = dataclasses.replace(parallel, fsdp_units=units)
     stepping = _check_stepping(optimizer_in_backward, set_to_none, grad_accumulation)
-    protocol = _check_protocol(outputs, clip_grad_norm, optimizer_in_backward)
+    protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
     if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
-        if stepping != (False, True) or protocol != (False, None):
+        if stepping != (False, True) or protocol != (False, False, None):
             raise ValueError(
-                "optimizer_in_backward, set_to_none=False, outputs='freed' and "
-                "clip_grad_norm are measured on one process (gpus=1) only for now"
+                "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled "
+                "and clip_grad_norm are measured on one process (gpus=1) only for now"
             )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
@@ -348,15 +352,16 @@ def measure(
 
 
 def _check_protocol(
-    outputs: object, clip_grad_norm: object, in_backward: object
-) -> tuple[bool, float | None]:
-    """``outputs`` and ``clip_grad_norm`` checked as the Recipe checks them: (outputs
-    freed, max norm or None)."""
-    freed = parse_option(StepOutputs, outputs, "outputs") is StepOutputs.FREED
+    outputs: object, loss_scaled: object, clip_grad_norm: object, in_backward: object
+) -> tuple[bool, bool, float | None]:
+    """``outputs``, ``loss_scaled`` and ``clip_grad_norm`` checked as the Recipe checks
+    them: (outputs freed, loss scaled, max norm or None)."""
+    step = Step(outputs=outputs, loss_scaled=loss_scaled)  # type: ignore[arg-type]
+    freed = step.outputs is StepOutputs.FREED
     checked = Optimizer(
         name=None, in_backward=bool(in_backward), clip_grad_norm=clip_grad_norm  # type: ignore[arg-type]
     )
-    return freed, checked.clip_grad_norm
+    return freed, step.loss_scaled, checked.clip_grad_norm
 
 
 def _check_stepping(
@@ -439,7 +444,7 @@ def _measure(
     parallel: Parallel | None = None,
     new_tokens: int | None = None,
     stepping: tuple[bool, bool] = (False, True),
-    protocol: tuple[bool, float | None] = (False, None),
+    protocol: tuple[bool, bool, float | None] = (False, False, None),
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -521,7 +526,7 @@ class _Session:
         new_tokens: int | None = None,
         implementation: OptimizerImplementation | None = None,
         stepping: tuple[bool, bool] = (False, True),
-        protocol: tuple[bool, float | None] = (False, None),
+        protocol: tuple[bool, bool, float | None] = (False, False, None),
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
@@ -545,7 +550,7 @@ class _Session:
         if setup is not None and setup.make_optimizer is not None:
             build = setup.make_optimizer
         in_backward, self.set_to_none = stepping
-        self.outputs_freed, self.clip_grad_norm = protocol
+        self.outputs_freed, self.loss_scaled, self.clip_grad_norm = protocol
         steps = mode is Mode.TRAIN and optimizer is not None and bool(self.params)
         self.in_backward = (
             OptimizerInBackward(self.params, optimizer, implementation)
@@ -577,6 +582,7 @@ class _Session:
                     micro_batches=self.micro_batches,
                     set_to_none=self.set_to_none,
                     outputs_freed=self.outputs_freed,
+                    loss_scaled=self.loss_scaled,
                     clip_grad_norm=self.clip_grad_norm,
                 )
         elif self.mode is Mode.GENERATE:

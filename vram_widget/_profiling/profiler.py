@@ -523,6 +523,7 @@ class Profiler:
                         micro_batches=levers.profiled_micro_batches,
                         set_to_none=levers.set_to_none,
                         outputs_freed=levers.outputs_freed,
+                        loss_scaled=levers.loss_scaled,
                         # any max norm: the clipping's memory does not depend on it
                         clip_grad_norm=1.0 if levers.clip_grad_norm else None,
                         # the real tensors' path (a FakeTensor would take the loop)
@@ -1149,7 +1150,12 @@ def _plain_stepping(levers: Levers) -> Levers:
     """``levers`` with one optimizer step after the backward, gradients set to None, the
     outputs kept and no clipping (none of which changes which parameters get a gradient)."""
     return dataclasses.replace(
-        levers, set_to_none=True, in_backward=None, outputs_freed=False, clip_grad_norm=False
+        levers,
+        set_to_none=True,
+        in_backward=None,
+        outputs_freed=False,
+        loss_scaled=False,
+        clip_grad_norm=False,
     )
 
 

@@ -7,7 +7,7 @@ input batch resident,
     output = model(*args, **kwargs)        # under autocast for amp-* precisions
     loss = loss_fn(output)
     # outputs="freed": del output (here, before the backward)
-    loss.backward()
+    loss.backward()                        # loss_scaled: (loss / k).backward(), loss kept
     # clip_grad_norm=c: norm = torch.nn.utils.clip_grad_norm_(grads' params, c)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -305,6 +305,7 @@ def training_iteration(
     micro_batches: int = 1,
     set_to_none: bool = True,
     outputs_freed: bool = False,
+    loss_scaled: bool = False,
     clip_grad_norm: float | None = None,
     clip_foreach: bool | None = None,
 ) -> None:
@@ -319,7 +320,8 @@ def training_iteration(
     the gradients zeroed in place instead (kept allocated for the next step).
 
     ``outputs_freed``: the output is dropped right after the loss is computed (before the
-    backward). ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_(params with a gradient,
+    backward). ``loss_scaled``: the backward runs on ``loss / micro_batches``, a new scalar
+    dropped after it, the loss kept (accelerate's ``Accelerator.backward``). ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_(params with a gradient,
     clip_grad_norm, foreach=clip_foreach)`` after the last backward, its norm held to the
     end. ``clip_foreach`` None is torch's default: foreach (``torch._foreach_norm``, then
     ``torch._foreach_mul_``) for plain CPU and CUDA tensors (``_has_foreach_support`` in
@@ -342,10 +344,12 @@ def training_iteration(
             if outputs_freed:
                 output = None
         mark("backward")
+        root = loss / micro_batches if loss_scaled else loss
         if on_loss is not None:
-            on_loss(loss)  # the profiler's recorder reads the autograd graph before backward
-        if loss.requires_grad:  # nothing to differentiate (no trainable parameter)
-            loss.backward()
+            on_loss(root)  # the profiler's recorder reads the autograd graph before backward
+        if root.requires_grad:  # nothing to differentiate (no trainable parameter)
+            root.backward()
+        del root
         if micro + 1 < micro_batches:
             del output, loss
     norm = None

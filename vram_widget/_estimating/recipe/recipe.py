@@ -19,6 +19,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "precision": ("step", "precision"),
     "mode": ("step", "mode"),
     "outputs": ("step", "outputs"),
+    "loss_scaled": ("step", "loss_scaled"),
     "optimizer": ("optimizer", ""),
     "optimizer_in_backward": ("optimizer", "in_backward"),
     "set_to_none": ("optimizer", "set_to_none"),

@@ -28,6 +28,12 @@ class Step:
         and ``zero_grad``); ``"freed"``: dropped once the loss is computed, before the
         backward, as Hugging Face's ``Trainer`` and torchtune's recipes do (with a large
         vocabulary the logits are gigabytes). A structural setting: profiled once more.
+    loss_scaled : bool
+        The backward runs on a new scalar, ``loss / grad_accumulation``, while the loss
+        itself stays referenced through the backward, as Hugging Face's ``Trainer`` does
+        through accelerate (``Accelerator.backward``: ``loss = loss /
+        self.gradient_accumulation_steps; loss.backward()``): one more scalar. False: the
+        backward runs on the loss. Profiled once more.
 
     Examples
     --------
@@ -42,12 +48,15 @@ class Step:
     precision: Precision = Precision.FP32
     mode: Mode = Mode.TRAIN
     outputs: StepOutputs = StepOutputs.KEPT
+    loss_scaled: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_size", parse_batch_size(self.batch_size))
         object.__setattr__(self, "precision", parse_option(Precision, self.precision, "precision"))
         object.__setattr__(self, "mode", parse_option(Mode, self.mode, "mode"))
         object.__setattr__(self, "outputs", parse_option(StepOutputs, self.outputs, "outputs"))
+        if not isinstance(self.loss_scaled, bool):
+            raise TypeError(f"loss_scaled must be True or False, got {self.loss_scaled!r}")
 
 
 @dataclasses.dataclass(frozen=True)

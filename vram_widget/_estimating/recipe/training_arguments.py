@@ -24,7 +24,13 @@ What each setting means for the Trainer's step:
 - The step itself: ``Trainer.compute_loss`` returns the loss alone (``outputs =
   model(**inputs)`` is local to it) and ``training_step`` runs ``self.accelerator.backward(
   loss)`` on it, so the model's outputs (the logits) are freed before the backward:
-  ``outputs="freed"``.
+  ``outputs="freed"``. ``training_step`` then calls ``self.accelerator.backward(loss)``,
+  which runs ``loss = loss / self.gradient_accumulation_steps; loss.backward()``
+  (accelerate 1.x, ``Accelerator.backward``; the Trainer gives accelerate ``num_steps=1``,
+  ``Trainer.create_accelerator_and_postprocess``, and scales for accumulation itself): a new
+  scalar for the backward while ``training_step`` holds the loss, ``loss_scaled=True``.
+  The Trainer's own ``loss / self.current_gradient_accumulation_steps`` (where the model
+  does not take ``num_items_in_batch``) replaces its ``loss``, so nothing more stays alive.
 - ``max_grad_norm`` (default 1.0): ``_inner_training_loop`` calls ``self._clip_grad_norm(
   model)`` when it is > 0, and ``self._get_grad_norm(model)`` otherwise, which runs the same
   ``accelerator.clip_grad_norm_(model.parameters(), float("inf"))`` to read the norm
@@ -191,6 +197,7 @@ def read_training_arguments(args: object, gpus: int = 1) -> Recipe:
         "optimizer": _optimizer(values.get("optim", "adamw_torch_fused"), values.get("optim_args")),
         "checkpoint": _checkpoint(values),
         "outputs": "freed",  # compute_loss returns the loss alone (module docstring)
+        "loss_scaled": True,  # accelerate's backward divides the loss (module docstring)
         "clip_grad_norm": _clip(values.get("max_grad_norm", 1.0)),
     }
     settings.update(_fsdp(values.get("fsdp"), values.get("fsdp_config"), gpus, ignored))
