@@ -65,6 +65,9 @@ class Levers:
     loss_scaled : bool
         The backward runs on ``loss / grad_accumulation`` (a new scalar), the loss kept (the
         Recipe's ``step.loss_scaled``).
+    decay_groups : bool
+        The optimizer over Hugging Face ``Trainer``'s two parameter groups (the Recipe's
+        ``optimizer.param_groups="decay-split"``) instead of one.
     clip_grad_norm : bool
         ``torch.nn.utils.clip_grad_norm_`` over the gradients between the backward and the
         optimizer step, its total norm kept to the end of the step (the Recipe's
@@ -83,6 +86,7 @@ class Levers:
     outputs_freed: bool = False
     loss_scaled: bool = False
     clip_grad_norm: bool = False
+    decay_groups: bool = False
 
     @property
     def active(self) -> bool:
@@ -96,6 +100,7 @@ class Levers:
             or self.outputs_freed
             or self.loss_scaled
             or self.clip_grad_norm
+            or self.decay_groups
         )
 
     @property
@@ -133,6 +138,8 @@ class Levers:
             parts.append("backward on the scaled loss")
         if self.clip_grad_norm:
             parts.append("gradients clipped by norm")
+        if self.decay_groups:
+            parts.append("decay / no-decay parameter groups")
         return ", ".join(parts) or "no levers"
 
 

@@ -153,6 +153,15 @@ class StepOutputs(StrEnum):
     FREED = "freed"
 
 
+class ParamGroups(StrEnum):
+    """The optimizer's parameter groups: ``ONE`` holds every trainable parameter in the
+    model's order; ``DECAY_SPLIT`` is Hugging Face ``Trainer.create_optimizer``'s two groups,
+    the parameters weight decay applies to, then the others (norms and biases)."""
+
+    ONE = "one"
+    DECAY_SPLIT = "decay-split"
+
+
 class FitBasis(StrEnum):
     """What "fits" compares with a capacity: ``ALLOCATED`` is the allocated peak plus the
     accelerator extras (``MemoryEstimate.total_bytes``); ``DEVICE`` replays the CUDA caching

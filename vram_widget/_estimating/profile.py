@@ -1360,8 +1360,9 @@ def _profiled(levers: Levers, mode: Mode) -> Levers:
 
 
 def _optimizer_levers(levers: Levers) -> Levers:
-    """What the optimizer's trace depends on: which parameters train."""
-    return Levers(trainable=levers.trainable)
+    """What the optimizer's trace depends on: which parameters train, and in which
+    parameter groups."""
+    return Levers(trainable=levers.trainable, decay_groups=levers.decay_groups)
 
 
 def _scaled_flops(timeline: Timeline, numerator: int, denominator: int) -> Timeline:

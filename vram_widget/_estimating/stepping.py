@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from .levers import Levers
-from .options import OptimizerImplementation, StepOutputs
+from .options import OptimizerImplementation, ParamGroups, StepOutputs
 from .recipe import Optimizer, Step
 from .sharding import Parallel
 
@@ -77,7 +77,8 @@ def protocol_levers(levers: Levers, step: Step, optimizer: Optimizer, parallel: 
     """``levers`` with how the step treats its outputs, its loss and its gradients' norm: the
     outputs freed before the backward (``step.outputs="freed"``), the backward on a scaled
     copy of the loss (``step.loss_scaled``) and ``clip_grad_norm_`` before the optimizer
-    step (``optimizer.clip_grad_norm``), each a run of its own. Refused by name
+    step (``optimizer.clip_grad_norm``), and the optimizer over the Trainer's two parameter
+    groups (``optimizer.param_groups="decay-split"``), each a run of its own. Refused by name
     with a data-parallel strategy (not modelled yet).
 
     Examples
@@ -91,20 +92,30 @@ def protocol_levers(levers: Levers, step: Step, optimizer: Optimizer, parallel: 
     freed = step.outputs is StepOutputs.FREED
     clip = optimizer.clip_grad_norm is not None
     scaled = step.loss_scaled
-    if not (freed or clip or scaled):
+    groups = optimizer.param_groups is ParamGroups.DECAY_SPLIT and optimizer.name is not None
+    if not (freed or clip or scaled or groups):
         return levers
     if parallel.distributed:
         asked = ", ".join(
             a
             for a, on in (
-                ("outputs='freed'", freed), ("loss_scaled", scaled), ("clip_grad_norm", clip)
+                ("outputs='freed'", freed),
+                ("loss_scaled", scaled),
+                ("clip_grad_norm", clip),
+                ("param_groups='decay-split'", groups),
             )
             if on
         )
         raise ValueError(
             f"{asked} with strategy={parallel.strategy.value!r} on {parallel.gpus} GPUs: not "
-            "estimated yet (it is on one GPU, gpus=1)"
+            "estimated yet (it is on one GPU, gpus=1): recipe.with_(outputs='kept', "
+            "loss_scaled=False, clip_grad_norm=None, param_groups='one') estimates the "
+            "step without them"
         )
     return dataclasses.replace(
-        levers, outputs_freed=freed, loss_scaled=scaled, clip_grad_norm=clip
+        levers,
+        outputs_freed=freed,
+        loss_scaled=scaled,
+        clip_grad_norm=clip,
+        decay_groups=groups and levers.in_backward is None,
     )

@@ -38,6 +38,7 @@ from .._estimating.options import (
     Mode,
     OptimizerImplementation,
     OptimizerName,
+    ParamGroups,
     Precision,
     StepOutputs,
     Strategy,
@@ -74,6 +75,7 @@ from .step import (
     storage_dtype,
     training_iteration,
 )
+from .param_groups import decay_parameter_names, trainer_groups
 from .stepping import OptimizerInBackward
 
 __all__ = ["Measurement", "measure"]
@@ -186,6 +188,7 @@ def measure(
     outputs: str | StepOutputs = "kept",
     loss_scaled: bool = False,
     clip_grad_norm: float | None = None,
+    param_groups: str | ParamGroups = "one",
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -266,6 +269,10 @@ def measure(
         ``torch.nn.utils.clip_grad_norm_`` of the gradients to this max norm between the
         backward and the optimizer step (torch's default implementation for the device),
         its total norm held to the end of the step.
+    param_groups : str
+        ``"one"``: the optimizer over one group of every trainable parameter;
+        ``"decay-split"``: over Hugging Face ``Trainer.create_optimizer``'s two groups
+        (decayed parameters, then norms and biases).
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
@@ -325,11 +332,12 @@ def measure(
         parallel = dataclasses.replace(parallel, fsdp_units=units)
     stepping = _check_stepping(optimizer_in_backward, set_to_none, grad_accumulation)
     protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
+    decay_split = parse_option(ParamGroups, param_groups, "param_groups") is ParamGroups.DECAY_SPLIT
     if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
-        if stepping != (False, True) or protocol != (False, False, None):
+        if stepping != (False, True) or protocol != (False, False, None) or decay_split:
             raise ValueError(
-                "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled "
-                "and clip_grad_norm are measured on one process (gpus=1) only for now"
+                "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled, "
+                "clip_grad_norm and param_groups='decay-split' are measured on one process (gpus=1) only for now"
             )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
@@ -347,6 +355,7 @@ def measure(
         new_tokens=new_tokens,
         stepping=stepping,
         protocol=protocol,
+        decay_split=decay_split,
         **levers,
     )[0]
 
@@ -445,6 +454,7 @@ def _measure(
     new_tokens: int | None = None,
     stepping: tuple[bool, bool] = (False, True),
     protocol: tuple[bool, bool, float | None] = (False, False, None),
+    decay_split: bool = False,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -467,7 +477,7 @@ def _measure(
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
-            parallel, new_tokens, implementation, stepping, protocol,
+            parallel, new_tokens, implementation, stepping, protocol, decay_split,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -527,6 +537,7 @@ class _Session:
         implementation: OptimizerImplementation | None = None,
         stepping: tuple[bool, bool] = (False, True),
         protocol: tuple[bool, bool, float | None] = (False, False, None),
+        decay_split: bool = False,
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
@@ -547,6 +558,12 @@ class _Session:
         build: Callable[[OptimizerName, list[torch.Tensor]], torch.optim.Optimizer] = (
             functools.partial(make_optimizer, implementation=implementation)
         )
+        if decay_split:  # Hugging Face Trainer's two groups (param_groups.py)
+            decay = decay_parameter_names(self.model)
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            build = functools.partial(
+                make_optimizer, implementation=implementation, groups=trainer_groups(named, decay)
+            )
         if setup is not None and setup.make_optimizer is not None:
             build = setup.make_optimizer
         in_backward, self.set_to_none = stepping

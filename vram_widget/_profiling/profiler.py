@@ -60,6 +60,7 @@ from .fake import (
 from .generation import generation_limit, prompt_inputs, recorded_generation
 from .probe import KernelProbe
 from .recorder import Recorder, describe_args, module_hooks, tracked_rng_states
+from .param_groups import decay_parameter_names, trainer_groups
 from .step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -749,7 +750,10 @@ class Profiler:
         with fake_mode:
             for _name, p in trainable:
                 p.grad = torch.empty_like(p)
-            opt = make_optimizer(optimizer, [p for _n, p in trainable], implementation)
+            groups = None
+            if self.levers.decay_groups:  # Hugging Face Trainer's (param_groups.py)
+                groups = trainer_groups(trainable, decay_parameter_names(subject.model))
+            opt = make_optimizer(optimizer, [p for _n, p in trainable], implementation, groups)
         shortcuts = fake_mode if fused else MetaShortcuts()
         with shortcuts:
             opt.step()  # first step: creates the state
@@ -1156,6 +1160,7 @@ def _plain_stepping(levers: Levers) -> Levers:
         outputs_freed=False,
         loss_scaled=False,
         clip_grad_norm=False,
+        decay_groups=False,
     )
 
 

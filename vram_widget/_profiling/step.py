@@ -72,8 +72,10 @@ def make_optimizer(
     name: OptimizerName,
     params: Iterable[torch.Tensor],
     implementation: OptimizerImplementation | None = None,
+    groups: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> torch.optim.Optimizer:
-    """Build the registered optimizer over ``params``, run as ``implementation``.
+    """Build the registered optimizer over ``params``, run as ``implementation``; with
+    ``groups``, over those parameter groups instead (``params`` unused).
 
     ``fused`` passes ``fused=True``, ``foreach`` ``foreach=True``, ``forloop``
     ``foreach=False``; None lets PyTorch choose as it does by default (the single-tensor loop
@@ -83,11 +85,15 @@ def make_optimizer(
     loop.
     """
     cls, kwargs = _OPTIMIZERS[name]
-    params = [p for p in params if p.requires_grad]
+    chosen: list[Any]
+    if groups is None:
+        chosen = [p for p in params if p.requires_grad]
+    else:  # param groups, as torch.optim takes them: [{"params": [...]}, ...]
+        chosen = [{"params": [p for p in g if p.requires_grad]} for g in groups]
     if implementation is OptimizerImplementation.FUSED:
-        return cls(params, fused=True, **kwargs)  # type: ignore[call-arg]
+        return cls(chosen, fused=True, **kwargs)  # type: ignore[call-arg]
     foreach = None if implementation is None else implementation is OptimizerImplementation.FOREACH
-    return cls(params, foreach=foreach, **kwargs)  # type: ignore[call-arg]
+    return cls(chosen, foreach=foreach, **kwargs)  # type: ignore[call-arg]
 
 
 HALF_DTYPES: dict[Precision, torch.dtype] = {

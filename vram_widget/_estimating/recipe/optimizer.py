@@ -8,6 +8,7 @@ from ..options import (
     Device,
     OptimizerImplementation,
     OptimizerName,
+    ParamGroups,
     default_implementation,
     parse_optimizer_choice,
     parse_option,
@@ -39,6 +40,12 @@ class Optimizer:
         and the optimizer step (the Trainer's ``max_grad_norm``, torchtune's
         ``clip_grad_norm``), its total norm held to the end of the step; ``inf`` computes
         the norm and scales by 1 (the Trainer with ``max_grad_norm=0``); None: no clipping.
+    param_groups : ParamGroups
+        ``"one"``: every trainable parameter in one group, in the model's order;
+        ``"decay-split"``: Hugging Face ``Trainer.create_optimizer``'s two groups, the
+        parameters weight decay applies to, then the others (norms, biases). The groups
+        change the step's temporaries (a for-loop step holds one parameter's while making
+        the next one's; foreach and fused make theirs per group).
         Its per-tensor norms (one scalar each, stacked) and the clipping coefficient are the
         memory it adds; the value itself changes none.
 
@@ -55,9 +62,12 @@ class Optimizer:
     in_backward: bool = False
     set_to_none: bool = True
     clip_grad_norm: float | None = None
+    param_groups: ParamGroups = ParamGroups.ONE
 
     def __post_init__(self) -> None:
         self._check_clip()
+        groups = parse_option(ParamGroups, self.param_groups, "param_groups")
+        object.__setattr__(self, "param_groups", groups)
         for flag in ("in_backward", "set_to_none"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -118,13 +128,15 @@ class Optimizer:
 
     def named(self, value: object) -> Optimizer:
         """This record with the name (and implementation) that ``value`` gives, keeping how
-        it is stepped (``in_backward``, ``set_to_none``, ``clip_grad_norm``)."""
+        it is stepped (``in_backward``, ``set_to_none``, ``clip_grad_norm``,
+        ``param_groups``)."""
         parsed = Optimizer.parse(value)
         return dataclasses.replace(
             parsed,
             in_backward=self.in_backward,
             set_to_none=self.set_to_none,
             clip_grad_norm=self.clip_grad_norm,
+            param_groups=self.param_groups,
         )
 
     def resolved_implementation(self, device: str | Device) -> OptimizerImplementation | None:

@@ -24,6 +24,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "optimizer_in_backward": ("optimizer", "in_backward"),
     "set_to_none": ("optimizer", "set_to_none"),
     "clip_grad_norm": ("optimizer", "clip_grad_norm"),
+    "param_groups": ("optimizer", "param_groups"),
     "context_bytes": ("accelerator", "context_bytes"),
     "compute_capability": ("accelerator", "compute_capability"),
     "expandable_segments": ("accelerator", "expandable_segments"),

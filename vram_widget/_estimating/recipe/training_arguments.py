@@ -38,6 +38,9 @@ What each setting means for the Trainer's step:
   (accelerate 1.x, ``Accelerator._clip_grad_norm_dtensor_aware`` on plain tensors), its norm
   held as ``grad_norm`` through ``optimizer.step()`` and ``model.zero_grad()``:
   ``clip_grad_norm=max_grad_norm``, or ``inf`` (the same memory) where it is 0.
+- The optimizer's parameters: ``Trainer.create_optimizer`` builds two groups, the parameters
+  weight decay applies to (``get_decay_parameter_names``: not norms nor biases), then the
+  others: ``param_groups="decay-split"`` (``_profiling/param_groups.py``).
 - ``fsdp`` / ``fsdp_config``: FSDP2 by default (``fsdp_config["version"]`` 2), with
   ``reshard_after_forward`` True (zero3) or False (zero2); the legacy strings
   ``"full_shard"`` / ``"shard_grad_op"`` / ``"hybrid_shard"`` (``_apply_legacy_fsdp_to_config``).
@@ -199,6 +202,7 @@ def read_training_arguments(args: object, gpus: int = 1) -> Recipe:
         "outputs": "freed",  # compute_loss returns the loss alone (module docstring)
         "loss_scaled": True,  # accelerate's backward divides the loss (module docstring)
         "clip_grad_norm": _clip(values.get("max_grad_norm", 1.0)),
+        "param_groups": "decay-split",  # Trainer.create_optimizer (module docstring)
     }
     settings.update(_fsdp(values.get("fsdp"), values.get("fsdp_config"), gpus, ignored))
     warn_ignored(SOURCE, ignored)  # before the optimizer's name is parsed, which may refuse it
