@@ -205,9 +205,7 @@ def test_trainer_step_against_the_estimate(
 ) -> None:
     # max_grad_norm 1.0 (the default) clips; 0.0 only reads the norm: the same memory
     max_grad_norm = 1.0 if accumulation == 1 else 0.0
-    measured, args = _trainer_peak(
-        optim, checkpointing, accumulation, max_grad_norm, tmp_path
-    )
+    measured, args = _trainer_peak(optim, checkpointing, accumulation, max_grad_norm, tmp_path)
     recipe = Recipe.from_training_arguments(args)
     assert recipe.levers.checkpoint == ("auto" if checkpointing else None)
     assert recipe.ignored == ()

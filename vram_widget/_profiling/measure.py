@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from .distributed import RankSetup
 from .._estimating.decoding import check_generation
 from .generation import generation_limit, prompt_inputs
+from .param_groups import decay_parameter_names, trainer_groups
 from .step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -75,7 +76,6 @@ from .step import (
     storage_dtype,
     training_iteration,
 )
-from .param_groups import decay_parameter_names, trainer_groups
 from .stepping import OptimizerInBackward
 
 __all__ = ["Measurement", "measure"]
@@ -337,7 +337,8 @@ def measure(
         if stepping != (False, True) or protocol != (False, False, None) or decay_split:
             raise ValueError(
                 "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled, "
-                "clip_grad_norm and param_groups='decay-split' are measured on one process (gpus=1) only for now"
+                "clip_grad_norm and param_groups='decay-split' are measured on one process "
+                "(gpus=1) only for now"
             )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
@@ -368,7 +369,9 @@ def _check_protocol(
     step = Step(outputs=outputs, loss_scaled=loss_scaled)  # type: ignore[arg-type]
     freed = step.outputs is StepOutputs.FREED
     checked = Optimizer(
-        name=None, in_backward=bool(in_backward), clip_grad_norm=clip_grad_norm  # type: ignore[arg-type]
+        name=None,
+        in_backward=bool(in_backward),
+        clip_grad_norm=clip_grad_norm,  # type: ignore[arg-type]
     )
     return freed, step.loss_scaled, checked.clip_grad_norm
 

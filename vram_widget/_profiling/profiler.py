@@ -58,9 +58,9 @@ from .fake import (
     reparametrized,
 )
 from .generation import generation_limit, prompt_inputs, recorded_generation
+from .param_groups import decay_parameter_names, trainer_groups
 from .probe import KernelProbe
 from .recorder import Recorder, describe_args, module_hooks, tracked_rng_states
-from .param_groups import decay_parameter_names, trainer_groups
 from .step import (
     PEFT_PREFIX,
     ModelInputs,

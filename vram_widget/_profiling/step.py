@@ -327,7 +327,8 @@ def training_iteration(
 
     ``outputs_freed``: the output is dropped right after the loss is computed (before the
     backward). ``loss_scaled``: the backward runs on ``loss / micro_batches``, a new scalar
-    dropped after it, the loss kept (accelerate's ``Accelerator.backward``). ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_(params with a gradient,
+    dropped after it, the loss kept (accelerate's ``Accelerator.backward``).
+    ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_(params with a gradient,
     clip_grad_norm, foreach=clip_foreach)`` after the last backward, its norm held to the
     end. ``clip_foreach`` None is torch's default: foreach (``torch._foreach_norm``, then
     ``torch._foreach_mul_``) for plain CPU and CUDA tensors (``_has_foreach_support`` in
