@@ -104,10 +104,12 @@ class Recipe:
         no effect on the step's memory (``training_arguments.NO_MEMORY_EFFECT``) are read
         past; one that changes memory without being estimated is refused by name (DeepSpeed,
         GaLore, reentrant checkpointing...) or listed in :attr:`ignored` and in a
-        :class:`~vram_widget.RecipeSettingIgnored` warning (``torch_compile``,
-        ``max_grad_norm`` > 0...). The Trainer drops the model's outputs (the logits) before
-        its backward, where the estimate's step keeps them to the end of the step (see the
-        README's section on readers).
+        :class:`~vram_widget.RecipeSettingIgnored` warning (``torch_compile``, ``tf32``...).
+        The step is the Trainer's: the model's outputs freed before the backward, the
+        backward on accelerate's scaled copy of the loss, ``clip_grad_norm_`` with
+        ``max_grad_norm`` and the optimizer's two parameter groups (``outputs="freed"``,
+        ``loss_scaled``, ``clip_grad_norm``, ``param_groups="decay-split"``; docs: the guide
+        on the Trainer and torchtune).
 
         Examples
         --------
