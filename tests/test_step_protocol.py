@@ -52,6 +52,18 @@ def test_scaled_loss_is_one_more_scalar_through_the_backward_by_hand() -> None:
     assert measure(model, x, optimizer="sgd", loss_scaled=True).peak_bytes == 524
 
 
+def test_carried_scalars_start_the_step_by_hand() -> None:
+    model, x = _linear_relu(), torch.randn(2, 4)
+    profile = profile_model(model, inputs=x, device="cpu")
+    est = profile.estimate(2, optimizer="sgd", carried_scalars=True)
+    # as in the first test (520 B), with the previous step's loss (4 B) alive until this
+    # step's backward has run: 524 B
+    assert (est.peak_bytes, est.peak_phase.value) == (524, "backward")
+    real = measure(model, x, optimizer="sgd", carried_scalars=True)
+    # the measured step starts with the first step's loss: 192 + 4 B resident
+    assert (real.peak_bytes, real.resident_bytes) == (524, 196)
+
+
 def _mlp() -> tuple[nn.Module, Callable[[int], Any]]:
     return zoo.mlp(), lambda b: torch.randn(b, 784, generator=torch.Generator().manual_seed(b))
 
@@ -63,7 +75,7 @@ def _gpt2() -> tuple[nn.Module, Callable[[int], Any]]:
 PROTOCOLS = [
     {"outputs": "freed"},
     {"outputs": "freed", "loss_scaled": True, "clip_grad_norm": 1.0,
-     "param_groups": "decay-split"},
+     "param_groups": "decay-split", "carried_scalars": True},
 ]  # fmt: skip
 
 
@@ -129,7 +141,9 @@ def test_refusals_name_the_problem() -> None:
 
 def test_readers_set_the_libraries_step() -> None:
     r = Recipe.from_training_arguments({"optim": "adamw_torch"})
-    assert (r.step.outputs.value, r.step.loss_scaled) == ("freed", True)
+    assert (r.step.outputs.value, r.step.loss_scaled, r.step.carried_scalars) == (
+        "freed", True, True
+    )  # fmt: skip
     # max_grad_norm's default 1.0; 0 still reads the norm (Trainer._get_grad_norm)
     assert (r.optimizer.clip_grad_norm, r.optimizer.param_groups.value) == (1.0, "decay-split")
     off = Recipe.from_training_arguments({"optim": "adamw_torch", "max_grad_norm": 0})
@@ -137,6 +151,8 @@ def test_readers_set_the_libraries_step() -> None:
     tune = Recipe.from_torchtune(
         {"optimizer": {"_component_": "torch.optim.AdamW"}, "clip_grad_norm": 1.0}
     )
-    assert (tune.step.outputs.value, tune.step.loss_scaled) == ("freed", False)
+    assert (tune.step.outputs.value, tune.step.loss_scaled, tune.step.carried_scalars) == (
+        "freed", False, False
+    )  # fmt: skip
     assert (tune.optimizer.clip_grad_norm, tune.optimizer.param_groups.value) == (1.0, "one")
     assert tune.ignored == ()

@@ -68,6 +68,9 @@ class Levers:
     decay_groups : bool
         The optimizer over Hugging Face ``Trainer``'s two parameter groups (the Recipe's
         ``optimizer.param_groups="decay-split"``) instead of one.
+    carried_scalars : bool
+        The loop's last loss and gradient norm carried from step to step (the Recipe's
+        ``step.carried_scalars``).
     clip_grad_norm : bool
         ``torch.nn.utils.clip_grad_norm_`` over the gradients between the backward and the
         optimizer step, its total norm kept to the end of the step (the Recipe's
@@ -85,6 +88,7 @@ class Levers:
     in_backward: str | None = None
     outputs_freed: bool = False
     loss_scaled: bool = False
+    carried_scalars: bool = False
     clip_grad_norm: bool = False
     decay_groups: bool = False
 
@@ -99,6 +103,7 @@ class Levers:
             or self.in_backward is not None
             or self.outputs_freed
             or self.loss_scaled
+            or self.carried_scalars
             or self.clip_grad_norm
             or self.decay_groups
         )
@@ -136,6 +141,8 @@ class Levers:
             parts.append("outputs freed before the backward")
         if self.loss_scaled:
             parts.append("backward on the scaled loss")
+        if self.carried_scalars:
+            parts.append("loss and norm carried between steps")
         if self.clip_grad_norm:
             parts.append("gradients clipped by norm")
         if self.decay_groups:

@@ -92,8 +92,9 @@ def protocol_levers(levers: Levers, step: Step, optimizer: Optimizer, parallel: 
     freed = step.outputs is StepOutputs.FREED
     clip = optimizer.clip_grad_norm is not None
     scaled = step.loss_scaled
+    carried = step.carried_scalars
     groups = optimizer.param_groups is ParamGroups.DECAY_SPLIT and optimizer.name is not None
-    if not (freed or clip or scaled or groups):
+    if not (freed or clip or scaled or carried or groups):
         return levers
     if parallel.distributed:
         asked = ", ".join(
@@ -101,6 +102,7 @@ def protocol_levers(levers: Levers, step: Step, optimizer: Optimizer, parallel: 
             for a, on in (
                 ("outputs='freed'", freed),
                 ("loss_scaled", scaled),
+                ("carried_scalars", carried),
                 ("clip_grad_norm", clip),
                 ("param_groups='decay-split'", groups),
             )
@@ -109,13 +111,14 @@ def protocol_levers(levers: Levers, step: Step, optimizer: Optimizer, parallel: 
         raise ValueError(
             f"{asked} with strategy={parallel.strategy.value!r} on {parallel.gpus} GPUs: not "
             "estimated yet (it is on one GPU, gpus=1): recipe.with_(outputs='kept', "
-            "loss_scaled=False, clip_grad_norm=None, param_groups='one') estimates the "
-            "step without them"
+            "loss_scaled=False, carried_scalars=False, clip_grad_norm=None, "
+            "param_groups='one') estimates the step without them"
         )
     return dataclasses.replace(
         levers,
         outputs_freed=freed,
         loss_scaled=scaled,
+        carried_scalars=carried,
         clip_grad_norm=clip,
         decay_groups=groups and levers.in_backward is None,
     )

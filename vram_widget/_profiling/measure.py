@@ -58,6 +58,7 @@ from .fake import recorded_cuda_memory
 if TYPE_CHECKING:
     from .distributed import RankSetup
 from .._estimating.decoding import check_generation
+from .carried import CarriedScalars
 from .generation import generation_limit, prompt_inputs
 from .param_groups import decay_parameter_names, trainer_groups
 from .step import (
@@ -189,6 +190,7 @@ def measure(
     loss_scaled: bool = False,
     clip_grad_norm: float | None = None,
     param_groups: str | ParamGroups = "one",
+    carried_scalars: bool = False,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -269,6 +271,10 @@ def measure(
         ``torch.nn.utils.clip_grad_norm_`` of the gradients to this max norm between the
         backward and the optimizer step (torch's default implementation for the device),
         its total norm held to the end of the step.
+    carried_scalars : bool
+        Each micro-batch's loss held until the next micro-batch's backward has run, and the
+        gradient norm until the next step's clipping (Hugging Face ``Trainer``'s loop): the
+        measured step starts with the first step's, counted as resident.
     param_groups : str
         ``"one"``: the optimizer over one group of every trainable parameter;
         ``"decay-split"``: over Hugging Face ``Trainer.create_optimizer``'s two groups
@@ -332,12 +338,14 @@ def measure(
         parallel = dataclasses.replace(parallel, fsdp_units=units)
     stepping = _check_stepping(optimizer_in_backward, set_to_none, grad_accumulation)
     protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
+    carry = Step(carried_scalars=carried_scalars).carried_scalars  # checked as the Recipe does
     decay_split = parse_option(ParamGroups, param_groups, "param_groups") is ParamGroups.DECAY_SPLIT
     if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
-        if stepping != (False, True) or protocol != (False, False, None) or decay_split:
+        if stepping != (False, True) or protocol != (False, False, None) or decay_split or carry:
             raise ValueError(
                 "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled, "
-                "clip_grad_norm and param_groups='decay-split' are measured on one process "
+                "carried_scalars, clip_grad_norm and param_groups='decay-split' are measured "
+                "on one process "
                 "(gpus=1) only for now"
             )
         return _measure_ranks(
@@ -357,6 +365,7 @@ def measure(
         stepping=stepping,
         protocol=protocol,
         decay_split=decay_split,
+        carried_scalars=carry,
         **levers,
     )[0]
 
@@ -458,6 +467,7 @@ def _measure(
     stepping: tuple[bool, bool] = (False, True),
     protocol: tuple[bool, bool, float | None] = (False, False, None),
     decay_split: bool = False,
+    carried_scalars: bool = False,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -481,6 +491,7 @@ def _measure(
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
             parallel, new_tokens, implementation, stepping, protocol, decay_split,
+            carried_scalars,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -541,6 +552,7 @@ class _Session:
         stepping: tuple[bool, bool] = (False, True),
         protocol: tuple[bool, bool, float | None] = (False, False, None),
         decay_split: bool = False,
+        carried_scalars: bool = False,
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
@@ -571,6 +583,8 @@ class _Session:
             build = setup.make_optimizer
         in_backward, self.set_to_none = stepping
         self.outputs_freed, self.loss_scaled, self.clip_grad_norm = protocol
+        # the loop's scalars, carried from the first (warm-up) iteration into the measured one
+        self.carried = CarriedScalars() if carried_scalars and mode is Mode.TRAIN else None
         steps = mode is Mode.TRAIN and optimizer is not None and bool(self.params)
         self.in_backward = (
             OptimizerInBackward(self.params, optimizer, implementation)
@@ -603,6 +617,7 @@ class _Session:
                     set_to_none=self.set_to_none,
                     outputs_freed=self.outputs_freed,
                     loss_scaled=self.loss_scaled,
+                    carried=self.carried,
                     clip_grad_norm=self.clip_grad_norm,
                 )
         elif self.mode is Mode.GENERATE:
@@ -631,6 +646,8 @@ class _Session:
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
         if self.in_backward is not None:
             yield from (value for _p, _key, value in self.in_backward.state_tensors())
+        if self.carried is not None:  # the previous step's loss and gradient norm
+            yield from self.carried.tensors()
         if not self.set_to_none:  # zeroed in place by the previous step's zero_grad
             yield from (p.grad for p in self.params if p.grad is not None)
         yield from self.inputs.tensors()

@@ -44,6 +44,7 @@ from .._estimating.table import (
     padded_fit_lengths,
     same_step,
 )
+from .carried import CarriedScalars
 from .composites import real_run_composites, rules_hold
 from .data_dependent import example_mask_values, graph_randomness, worst_case_graph
 from .disk_cache import cached_source
@@ -459,6 +460,10 @@ class Profiler:
         if train:
             in_backward = self._stepping(rec, fake_mode, levers, named_trainable)
 
+        carried = None
+        if train and levers.carried_scalars:  # the previous step's, resident (carried.py)
+            carried = CarriedScalars(lambda t: rec.register_resident([t], Category.TEMPORARY))
+
         def between(phase: str) -> None:
             marks.setdefault(phase, rec.event_count())  # the first micro-batch's
             if phase == "forward":  # the next micro-batch of an accumulated step
@@ -525,6 +530,7 @@ class Profiler:
                         set_to_none=levers.set_to_none,
                         outputs_freed=levers.outputs_freed,
                         loss_scaled=levers.loss_scaled,
+                        carried=carried,
                         # any max norm: the clipping's memory does not depend on it
                         clip_grad_norm=1.0 if levers.clip_grad_norm else None,
                         # the real tensors' path (a FakeTensor would take the loop)
@@ -1159,6 +1165,7 @@ def _plain_stepping(levers: Levers) -> Levers:
         in_backward=None,
         outputs_freed=False,
         loss_scaled=False,
+        carried_scalars=False,
         clip_grad_norm=False,
         decay_groups=False,
     )

@@ -8,6 +8,7 @@ input batch resident,
     loss = loss_fn(output)
     # outputs="freed": del output (here, before the backward)
     loss.backward()                        # loss_scaled: (loss / k).backward(), loss kept
+    # carried_scalars: the loss replaces the one the loop held (carried.py)
     # clip_grad_norm=c: norm = torch.nn.utils.clip_grad_norm_(grads' params, c)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -48,6 +49,7 @@ import torch
 
 from .._estimating.levers import Levers, repeated_blocks, resolve_levers
 from .._estimating.options import OptimizerImplementation, OptimizerName, Precision
+from .carried import CarriedScalars
 
 # The optimizer registry: name -> (class, keyword arguments). Hyper-parameters do not change
 # memory; these are PyTorch's documented defaults where a default exists.
@@ -314,6 +316,7 @@ def training_iteration(
     loss_scaled: bool = False,
     clip_grad_norm: float | None = None,
     clip_foreach: bool | None = None,
+    carried: CarriedScalars | None = None,
 ) -> None:
     """Run one training iteration by the protocol above (``micro_batches`` forward and
     backward passes, accumulating into ``.grad``, before one optimizer step).
@@ -336,6 +339,11 @@ def training_iteration(
     for any tensor subclass. A FakeTensor is a subclass, so the profiler passes True, the
     path the real tensors take.
 
+    ``carried``: the loop's scalars carried between steps (``carried.py``): each
+    micro-batch's loss replaces the one held once its backward has run, instead of being
+    dropped before the next forward, and the norm replaces the previous step's at the
+    clipping; both outlive the iteration.
+
     ``between(phase)`` is called at each phase boundary ("backward", "optimizer",
     "zero_grad", "end", and "forward" before each micro-batch after the first), which is how
     the profiler tags phases and ``measure`` resets peaks; ``on_loss(loss)`` right before
@@ -357,14 +365,19 @@ def training_iteration(
         if root.requires_grad:  # nothing to differentiate (no trainable parameter)
             root.backward()
         del root
+        if carried is not None:
+            carried.replace_loss(loss.detach())
         if micro + 1 < micro_batches:
             del output, loss
     norm = None
     if clip_grad_norm is not None:
         with_grad = [p for p in (*params, *_optimized(optimizer)) if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(
-            list({id(p): p for p in with_grad}.values()), clip_grad_norm, foreach=clip_foreach
-        )
+        unique = list({id(p): p for p in with_grad}.values())
+        if carried is not None:
+            carried.replace_norm([p.grad for p in unique if p.grad is not None])
+        norm = torch.nn.utils.clip_grad_norm_(unique, clip_grad_norm, foreach=clip_foreach)
+        if carried is not None:
+            carried.hold_norm(norm)
     mark("optimizer")
     if optimizer is not None:
         optimizer.step()

@@ -20,6 +20,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "mode": ("step", "mode"),
     "outputs": ("step", "outputs"),
     "loss_scaled": ("step", "loss_scaled"),
+    "carried_scalars": ("step", "carried_scalars"),
     "optimizer": ("optimizer", ""),
     "optimizer_in_backward": ("optimizer", "in_backward"),
     "set_to_none": ("optimizer", "set_to_none"),

@@ -34,6 +34,12 @@ class Step:
         through accelerate (``Accelerator.backward``: ``loss = loss /
         self.gradient_accumulation_steps; loss.backward()``): one more scalar. False: the
         backward runs on the loss. Profiled once more.
+    carried_scalars : bool
+        The training loop holds each micro-batch's loss until the next micro-batch's
+        backward has run, and the gradient norm until the next step's clipping, so a step
+        starts with the previous one's (Hugging Face ``Trainer``'s ``tr_loss_step`` and
+        ``grad_norm`` loop variables): two scalars. False: the step's loss goes before the
+        next forward and nothing outlives the step. Profiled once more.
 
     Examples
     --------
@@ -49,14 +55,16 @@ class Step:
     mode: Mode = Mode.TRAIN
     outputs: StepOutputs = StepOutputs.KEPT
     loss_scaled: bool = False
+    carried_scalars: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_size", parse_batch_size(self.batch_size))
         object.__setattr__(self, "precision", parse_option(Precision, self.precision, "precision"))
         object.__setattr__(self, "mode", parse_option(Mode, self.mode, "mode"))
         object.__setattr__(self, "outputs", parse_option(StepOutputs, self.outputs, "outputs"))
-        if not isinstance(self.loss_scaled, bool):
-            raise TypeError(f"loss_scaled must be True or False, got {self.loss_scaled!r}")
+        for flag in ("loss_scaled", "carried_scalars"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,10 @@ What each setting means for the Trainer's step:
   (accelerate 1.x, ``Accelerator._clip_grad_norm_dtensor_aware`` on plain tensors), its norm
   held as ``grad_norm`` through ``optimizer.step()`` and ``model.zero_grad()``:
   ``clip_grad_norm=max_grad_norm``, or ``inf`` (the same memory) where it is 0.
+- The loop (``Trainer._run_epoch``) holds ``tr_loss_step``, the last micro-batch's loss
+  (``training_step`` returns ``loss.detach()``), until the next ``training_step`` returns,
+  and ``grad_norm`` until it is set to None before the next step's clipping:
+  ``carried_scalars=True``.
 - The optimizer's parameters: ``Trainer.create_optimizer`` builds two groups, the parameters
   weight decay applies to (``get_decay_parameter_names``: not norms nor biases), then the
   others: ``param_groups="decay-split"`` (``_profiling/param_groups.py``).
@@ -201,6 +205,7 @@ def read_training_arguments(args: object, gpus: int = 1) -> Recipe:
         "checkpoint": _checkpoint(values),
         "outputs": "freed",  # compute_loss returns the loss alone (module docstring)
         "loss_scaled": True,  # accelerate's backward divides the loss (module docstring)
+        "carried_scalars": True,  # tr_loss_step and grad_norm (module docstring)
         "clip_grad_norm": _clip(values.get("max_grad_norm", 1.0)),
         "param_groups": "decay-split",  # Trainer.create_optimizer (module docstring)
     }
