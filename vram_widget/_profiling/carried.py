@@ -2,11 +2,11 @@
 
 Hugging Face's ``Trainer`` (transformers/trainer.py, 5.x: ``Trainer._run_epoch``, the loop of
 ``_inner_training_loop``) keeps two loop variables between its steps: ``tr_loss_step =
-self.training_step(...)``, the last micro-batch's loss (``training_step`` returns ``loss.detach()``, the same storage), replaced
-when the next micro-batch's ``training_step`` returns, after its backward; and ``grad_norm``,
-the total norm ``clip_grad_norm_`` returned, set to None right before the next step's clipping
-and replaced by its result. So a steady-state step starts with the previous step's loss and
-norm alive, and ends holding its own.
+self.training_step(...)``, the last micro-batch's loss (``training_step`` returns
+``loss.detach()``, the same storage), replaced when the next micro-batch's ``training_step``
+returns, after its backward; and ``grad_norm``, the total norm ``clip_grad_norm_`` returned,
+set to None right before the next step's clipping and replaced by its result. So a steady-state
+step starts with the previous step's loss and norm alive, and ends holding its own.
 
 The profiler cannot have the previous step's scalars (it runs one step), so it makes each
 where the real one would be freed, outside any recording, as a resident tensor of the same
