@@ -25,7 +25,11 @@ With ``clip_grad_norm`` the gradients are clipped by torch's own
 ``torch.nn.utils.clip_grad_norm_`` between the last backward and the optimizer step, and the
 total norm it returns is held to the end of the step, as the Trainer (``grad_norm =
 self._clip_grad_norm(model)`` before ``self.optimizer.step()``) and torchtune (``grad_norm =
-clip_grad_norm_(...)`` before ``self._optimizer.step()``) hold it.
+clip_grad_norm_(...)`` before ``self._optimizer.step()``) hold it. With ``loss_scaled`` the
+backward runs on ``loss / k``, a new scalar, the loss held beside it (accelerate's
+``Accelerator.backward``, which the Trainer calls). With ``carried_scalars`` each loss and the
+norm outlive the step, held until the next ones replace them (``carried.py``). The optimizer
+is built by ``make_optimizer``, over one group or the Trainer's two (``param_groups.py``).
 
 Inference is ``output = model(...)`` under ``torch.no_grad()``, then ``del output``.
 
