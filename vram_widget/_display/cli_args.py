@@ -75,6 +75,11 @@ _TRAIN_ONLY = (
     ("optimizer_in_backward", "--optimizer-in-backward"),
     ("set_to_none", "--set-to-none"),
     ("lora_dtype", "--lora-dtype"),
+    ("outputs", "--outputs"),
+    ("loss_scaled", "--loss-scaled"),
+    ("carried_scalars", "--carried-scalars"),
+    ("clip_grad_norm", "--clip-grad-norm"),
+    ("param_groups", "--param-groups"),
     ("training_args", "--training-args"),
     ("torchtune_config", "--torchtune-config"),
     ("checkpoint", "--checkpoint"),
@@ -371,6 +376,38 @@ def _recipe_flags(recipe: argparse._ArgumentGroup) -> None:
         help="optimizer.zero_grad(set_to_none=...) (default: true, torch's default)",
     )
     recipe.add_argument(
+        "--outputs",
+        choices=("kept", "freed"),
+        help="how long the step holds the model's outputs: to its end ('kept', a plain loop) "
+        "or only until the loss is computed ('freed': Hugging Face Trainer, torchtune)",
+    )
+    recipe.add_argument(
+        "--loss-scaled",
+        type=true_false,
+        metavar="{true,false}",
+        help="the backward runs on a scaled copy of the loss (accelerate's Accelerator.backward, "
+        "as the Trainer steps)",
+    )
+    recipe.add_argument(
+        "--carried-scalars",
+        type=true_false,
+        metavar="{true,false}",
+        help="the training loop keeps the last loss and gradient norm into the next step "
+        "(the Trainer's loop)",
+    )
+    recipe.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        metavar="MAX_NORM",
+        help="torch.nn.utils.clip_grad_norm_ to this norm before the optimizer step",
+    )
+    recipe.add_argument(
+        "--param-groups",
+        choices=("one", "decay-split"),
+        help="the optimizer's parameter groups: one, or the Trainer's two (weight decay on, "
+        "then norms and biases)",
+    )
+    recipe.add_argument(
         "--lora-dtype",
         choices=("fp32", "bf16", "fp16", "base"),
         help="with --lora-rank: the adapters' dtype ('base': the base weights'; default: PEFT's)",
@@ -504,7 +541,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
 # flag dest -> the Recipe's flat setting a --training-args / --torchtune-config file sets
 _FILE_SETTINGS = (
     "batch_size", "optimizer", "grad_accumulation", "checkpoint", "lora_rank", "lora_targets",
-    "lora_dtype", "optimizer_in_backward", "gpus", "strategy", "fsdp_units",
+    "lora_dtype", "optimizer_in_backward", "gpus", "strategy", "fsdp_units", "outputs",
+    "loss_scaled", "carried_scalars", "clip_grad_norm", "param_groups",
 )  # fmt: skip
 
 
@@ -573,7 +611,7 @@ def _flag_value(key: str, value: Any) -> Any:
         return ",".join(value)
     if key == "optimizer_in_backward":
         return value or None
-    if key == "strategy":
+    if key in ("strategy", "outputs", "param_groups"):
         return value.value
     return value
 

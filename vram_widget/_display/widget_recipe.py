@@ -17,7 +17,18 @@ __all__ = ["RecipeSettings", "recipe_settings"]
 
 # Settings with no control: held as the Recipe gives them, for every estimate of the widget.
 # (compute_capability is the chosen GPU's, which the "GPU" control sets.)
-_FIXED = ("lora_targets", "lora_dtype", "context_bytes", "lazy_loading", "fsdp_units")
+_FIXED = (
+    "lora_targets",
+    "lora_dtype",
+    "context_bytes",
+    "lazy_loading",
+    "fsdp_units",
+    "outputs",
+    "loss_scaled",
+    "carried_scalars",
+    "clip_grad_norm",
+    "param_groups",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +46,8 @@ def recipe_settings(recipe: object) -> RecipeSettings:
 
     Every setting that differs from a default Recipe's is kept: a control's value where the
     widget has one, else held fixed (``lora_targets``, ``lora_dtype``, ``context_bytes``,
-    ``lazy_loading``, ``fsdp_units``). What the widget cannot hold is a ValueError naming it:
+    ``lazy_loading``, ``fsdp_units``, and the training loop's ``outputs``, ``loss_scaled``,
+    ``carried_scalars``, ``clip_grad_norm`` and ``param_groups``). What the widget cannot hold is a ValueError naming it:
     a user's optimizer callable, a ``rank`` (the widget shows the worst rank), 4-bit base
     weights and a compute capability (the GPU control sets it).
 

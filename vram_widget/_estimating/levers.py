@@ -60,6 +60,22 @@ class Levers:
         post-accumulate-grad hook during the backward (torchtune's ``optimizer_in_bwd``);
         None: one ``optimizer.step()`` after the backward. Set by ``estimate`` from its
         Recipe's optimizer.
+    outputs_freed : bool
+        The model's outputs dropped once the loss is computed, before the backward (the
+        Recipe's ``step.outputs="freed"``), instead of kept to the end of the step.
+    loss_scaled : bool
+        The backward runs on ``loss / grad_accumulation`` (a new scalar), the loss kept (the
+        Recipe's ``step.loss_scaled``).
+    decay_groups : bool
+        The optimizer over Hugging Face ``Trainer``'s two parameter groups (the Recipe's
+        ``optimizer.param_groups="decay-split"``) instead of one.
+    carried_scalars : bool
+        The loop's last loss and gradient norm carried from step to step (the Recipe's
+        ``step.carried_scalars``).
+    clip_grad_norm : bool
+        ``torch.nn.utils.clip_grad_norm_`` over the gradients between the backward and the
+        optimizer step, its total norm kept to the end of the step (the Recipe's
+        ``optimizer.clip_grad_norm``; the norm's value changes no memory).
     """
 
     checkpoint: tuple[str, ...] = ()
@@ -71,6 +87,11 @@ class Levers:
     param_dtype: str | None = None
     set_to_none: bool = True
     in_backward: str | None = None
+    outputs_freed: bool = False
+    loss_scaled: bool = False
+    carried_scalars: bool = False
+    clip_grad_norm: bool = False
+    decay_groups: bool = False
 
     @property
     def active(self) -> bool:
@@ -81,6 +102,11 @@ class Levers:
             or self.lora_rank is not None
             or not self.set_to_none
             or self.in_backward is not None
+            or self.outputs_freed
+            or self.loss_scaled
+            or self.carried_scalars
+            or self.clip_grad_norm
+            or self.decay_groups
         )
 
     @property
@@ -112,6 +138,16 @@ class Levers:
             parts.append("gradients zeroed in place")
         if self.in_backward is not None:
             parts.append(f"{self.in_backward} stepped in the backward")
+        if self.outputs_freed:
+            parts.append("outputs freed before the backward")
+        if self.loss_scaled:
+            parts.append("backward on the scaled loss")
+        if self.carried_scalars:
+            parts.append("loss and norm carried between steps")
+        if self.clip_grad_norm:
+            parts.append("gradients clipped by norm")
+        if self.decay_groups:
+            parts.append("decay / no-decay parameter groups")
         return ", ".join(parts) or "no levers"
 
 

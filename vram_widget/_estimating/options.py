@@ -243,6 +243,26 @@ class Mode(StrEnum):
     GENERATE = "generate"
 
 
+class StepOutputs(StrEnum):
+    """How long a training step holds the model's outputs: ``KEPT`` to the end of the step
+    (``output = model(x); loss = loss_fn(output)``, the output alive through the backward,
+    the optimizer step and ``zero_grad``), or ``FREED`` right after the loss is computed,
+    before the backward (Hugging Face ``Trainer.compute_loss`` returns the loss alone;
+    torchtune's recipes ``del logits`` before the backward)."""
+
+    KEPT = "kept"
+    FREED = "freed"
+
+
+class ParamGroups(StrEnum):
+    """The optimizer's parameter groups: ``ONE`` holds every trainable parameter in the
+    model's order; ``DECAY_SPLIT`` is Hugging Face ``Trainer.create_optimizer``'s two groups,
+    the parameters weight decay applies to, then the others (norms and biases)."""
+
+    ONE = "one"
+    DECAY_SPLIT = "decay-split"
+
+
 class FitBasis(StrEnum):
     """What "fits" compares with a capacity: ``ALLOCATED`` is the allocated peak plus the
     accelerator extras (``MemoryEstimate.total_bytes``); ``DEVICE`` replays the CUDA caching

@@ -58,7 +58,7 @@ from .sharding import (
     resolve_fsdp_units,
     resolve_parallel,
 )
-from .stepping import stepping_levers
+from .stepping import protocol_levers, stepping_levers
 from .table import ModuleRows, OptimizerTrace, Poly, Timeline
 from .tradeoff import Frontier, batch_seq_frontier, length_grid
 
@@ -691,6 +691,7 @@ class ModelProfile:
             levers = NO_LEVERS
         else:
             levers = stepping_levers(levers, recipe.optimizer, implementation, parallel)
+            levers = protocol_levers(levers, step, recipe.optimizer, parallel)
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers, lora_dtype)
             plain = dataclasses.replace(recipe, levers=LeverSettings())
@@ -1389,8 +1390,9 @@ def _profiled(levers: Levers, mode: Mode) -> Levers:
 
 
 def _optimizer_levers(levers: Levers) -> Levers:
-    """What the optimizer's trace depends on: which parameters train."""
-    return Levers(trainable=levers.trainable)
+    """What the optimizer's trace depends on: which parameters train, and in which
+    parameter groups."""
+    return Levers(trainable=levers.trainable, decay_groups=levers.decay_groups)
 
 
 def _scaled_flops(timeline: Timeline, numerator: int, denominator: int) -> Timeline:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 
 from .levers import Levers
-from .options import OptimizerImplementation
-from .recipe import Optimizer
+from .options import OptimizerImplementation, ParamGroups, StepOutputs
+from .recipe import Optimizer, Step
 from .sharding import Parallel
 
-__all__ = ["IN_BACKWARD_ACCUMULATION", "stepping_levers"]
+__all__ = ["IN_BACKWARD_ACCUMULATION", "protocol_levers", "stepping_levers"]
 
 # torchtune refuses the pair (recipes/full_finetune_single_device.py, _setup: "Gradient
 # accumulation is not supported with optimizer in bwd"): each parameter is stepped, and its
@@ -71,3 +71,54 @@ def stepping_levers(
     name = optimizer.name.value
     choice = name if implementation is None else f"{name}-{implementation.value}"
     return dataclasses.replace(levers, in_backward=choice)
+
+
+def protocol_levers(levers: Levers, step: Step, optimizer: Optimizer, parallel: Parallel) -> Levers:
+    """``levers`` with how the step treats its outputs, its loss and its gradients' norm: the
+    outputs freed before the backward (``step.outputs="freed"``), the backward on a scaled
+    copy of the loss (``step.loss_scaled``) and ``clip_grad_norm_`` before the optimizer
+    step (``optimizer.clip_grad_norm``), and the optimizer over the Trainer's two parameter
+    groups (``optimizer.param_groups="decay-split"``), each a run of its own. Refused by name
+    with a data-parallel strategy (not modelled yet).
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.sharding import SINGLE_DEVICE
+    >>> lv = protocol_levers(Levers(), Step(outputs="freed"), Optimizer(clip_grad_norm=1.0),
+    ...                      SINGLE_DEVICE)
+    >>> lv.outputs_freed, lv.clip_grad_norm
+    (True, True)
+    """
+    freed = step.outputs is StepOutputs.FREED
+    clip = optimizer.clip_grad_norm is not None
+    scaled = step.loss_scaled
+    carried = step.carried_scalars
+    groups = optimizer.param_groups is ParamGroups.DECAY_SPLIT and optimizer.name is not None
+    if not (freed or clip or scaled or carried or groups):
+        return levers
+    if parallel.distributed:
+        asked = ", ".join(
+            a
+            for a, on in (
+                ("outputs='freed'", freed),
+                ("loss_scaled", scaled),
+                ("carried_scalars", carried),
+                ("clip_grad_norm", clip),
+                ("param_groups='decay-split'", groups),
+            )
+            if on
+        )
+        raise ValueError(
+            f"{asked} with strategy={parallel.strategy.value!r} on {parallel.gpus} GPUs: not "
+            "estimated yet (it is on one GPU, gpus=1): recipe.with_(outputs='kept', "
+            "loss_scaled=False, carried_scalars=False, clip_grad_norm=None, "
+            "param_groups='one') estimates the step without them"
+        )
+    return dataclasses.replace(
+        levers,
+        outputs_freed=freed,
+        loss_scaled=scaled,
+        carried_scalars=carried,
+        clip_grad_norm=clip,
+        decay_groups=groups and levers.in_backward is None,
+    )

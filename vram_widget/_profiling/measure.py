@@ -39,12 +39,14 @@ from .._estimating.options import (
     OptimizerChoice,
     OptimizerImplementation,
     OptimizerName,
+    ParamGroups,
     Precision,
+    StepOutputs,
     Strategy,
     parse_optimizer_choice,
     parse_option,
 )
-from .._estimating.recipe import Recipe
+from .._estimating.recipe import Optimizer, Recipe, Step
 from .._estimating.recipe.recipe import default
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
@@ -59,8 +61,10 @@ from .measure_settings import measure_settings
 if TYPE_CHECKING:
     from .distributed import RankSetup
 from .._estimating.decoding import check_generation
+from .carried import CarriedScalars
 from .generation import generation_limit, prompt_inputs
 from .optimizers import state_tensors
+from .param_groups import decay_parameter_names, trainer_groups
 from .step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -187,6 +191,11 @@ def measure(
     new_tokens: int | None = default(None),
     optimizer_in_backward: bool = default(False),
     set_to_none: bool = default(True),
+    outputs: str | StepOutputs = default("kept"),
+    loss_scaled: bool = default(False),
+    clip_grad_norm: float | None = default(None),
+    param_groups: str | ParamGroups = default("one"),
+    carried_scalars: bool = default(False),
     recipe: Recipe | None = None,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
@@ -262,6 +271,25 @@ def measure(
     set_to_none : bool
         ``optimizer.zero_grad(set_to_none=...)``: False zeroes the gradients in place, so
         they stay allocated between steps and are resident when the measured step starts.
+    outputs : str
+        ``"kept"``: the model's output held to the end of the step; ``"freed"``: dropped
+        once the loss is computed, before the backward (Hugging Face's ``Trainer``,
+        torchtune's recipes).
+    loss_scaled : bool
+        The backward on ``loss / grad_accumulation`` (a new scalar), the loss kept
+        (accelerate's ``Accelerator.backward``, which Hugging Face's ``Trainer`` calls).
+    clip_grad_norm : float, optional
+        ``torch.nn.utils.clip_grad_norm_`` of the gradients to this max norm between the
+        backward and the optimizer step (torch's default implementation for the device),
+        its total norm held to the end of the step.
+    carried_scalars : bool
+        Each micro-batch's loss held until the next micro-batch's backward has run, and the
+        gradient norm until the next step's clipping (Hugging Face ``Trainer``'s loop): the
+        measured step starts with the first step's, counted as resident.
+    param_groups : str
+        ``"one"``: the optimizer over one group of every trainable parameter;
+        ``"decay-split"``: over Hugging Face ``Trainer.create_optimizer``'s two groups
+        (decayed parameters, then norms and biases).
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
@@ -319,10 +347,16 @@ def measure(
             "lora_targets": lora_targets, "lora_dtype": lora_dtype, "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
             "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
-            "set_to_none": set_to_none,
+            "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
+            "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
+            "carried_scalars": carried_scalars,
         },
     )  # fmt: skip
     optimizer_in_backward, set_to_none = settings["optimizer_in_backward"], settings["set_to_none"]
+    outputs, loss_scaled, clip_grad_norm = (
+        settings["outputs"], settings["loss_scaled"], settings["clip_grad_norm"]
+    )  # fmt: skip
+    param_groups, carried_scalars = settings["param_groups"], settings["carried_scalars"]
     optimizer, precision, mode = settings["optimizer"], settings["precision"], settings["mode"]
     grad_accumulation, gpus, strategy = (
         settings["grad_accumulation"], settings["gpus"], settings["strategy"]
@@ -351,10 +385,15 @@ def measure(
         units = (fsdp_units,) if isinstance(fsdp_units, str) else tuple(fsdp_units)  # type: ignore[arg-type]
         parallel = dataclasses.replace(parallel, fsdp_units=units)
     stepping = _check_stepping(optimizer_in_backward, set_to_none, grad_accumulation)
+    protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
+    carry = Step(carried_scalars=carried_scalars).carried_scalars  # checked as the Recipe does
+    decay_split = parse_option(ParamGroups, param_groups, "param_groups") is ParamGroups.DECAY_SPLIT
     if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
-        if stepping != (False, True):
+        if stepping != (False, True) or protocol != (False, False, None) or decay_split or carry:
             raise ValueError(
-                "optimizer_in_backward and set_to_none=False are measured on one process "
+                "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled, "
+                "carried_scalars, clip_grad_norm and param_groups='decay-split' are measured "
+                "on one process "
                 "(gpus=1) only for now"
             )
         return _measure_ranks(
@@ -372,8 +411,26 @@ def measure(
         snapshot=snapshot,
         new_tokens=new_tokens,
         stepping=stepping,
+        protocol=protocol,
+        decay_split=decay_split,
+        carried_scalars=carry,
         **levers,
     )[0]
+
+
+def _check_protocol(
+    outputs: object, loss_scaled: object, clip_grad_norm: object, in_backward: object
+) -> tuple[bool, bool, float | None]:
+    """``outputs``, ``loss_scaled`` and ``clip_grad_norm`` checked as the Recipe checks
+    them: (outputs freed, loss scaled, max norm or None)."""
+    step = Step(outputs=outputs, loss_scaled=loss_scaled)  # type: ignore[arg-type]
+    freed = step.outputs is StepOutputs.FREED
+    checked = Optimizer(
+        name=None,
+        in_backward=bool(in_backward),
+        clip_grad_norm=clip_grad_norm,  # type: ignore[arg-type]
+    )
+    return freed, step.loss_scaled, checked.clip_grad_norm
 
 
 def _check_stepping(
@@ -457,6 +514,9 @@ def _measure(
     parallel: Parallel | None = None,
     new_tokens: int | None = None,
     stepping: tuple[bool, bool] = (False, True),
+    protocol: tuple[bool, bool, float | None] = (False, False, None),
+    decay_split: bool = False,
+    carried_scalars: bool = False,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -479,7 +539,8 @@ def _measure(
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
-            parallel, new_tokens, implementation, stepping, lora_dtype,
+            parallel, new_tokens, implementation, stepping, protocol, decay_split,
+            carried_scalars, lora_dtype,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -538,6 +599,9 @@ class _Session:
         new_tokens: int | None = None,
         implementation: OptimizerImplementation | None = None,
         stepping: tuple[bool, bool] = (False, True),
+        protocol: tuple[bool, bool, float | None] = (False, False, None),
+        decay_split: bool = False,
+        carried_scalars: bool = False,
         lora_dtype: str | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
@@ -561,6 +625,12 @@ class _Session:
         build: Callable[[OptimizerChoice, list[torch.Tensor]], torch.optim.Optimizer] = (
             functools.partial(make_optimizer, implementation=implementation)
         )
+        if decay_split:  # Hugging Face Trainer's two groups (param_groups.py)
+            decay = decay_parameter_names(self.model)
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            build = functools.partial(
+                make_optimizer, implementation=implementation, groups=trainer_groups(named, decay)
+            )
         if setup is not None and setup.make_optimizer is not None:
             make = setup.make_optimizer
 
@@ -568,6 +638,9 @@ class _Session:
                 return make(name, params, implementation)
 
         in_backward, self.set_to_none = stepping
+        self.outputs_freed, self.loss_scaled, self.clip_grad_norm = protocol
+        # the loop's scalars, carried from the first (warm-up) iteration into the measured one
+        self.carried = CarriedScalars() if carried_scalars and mode is Mode.TRAIN else None
         steps = mode is Mode.TRAIN and optimizer is not None and bool(self.params)
         self.in_backward = (
             OptimizerInBackward(self.params, optimizer, implementation)
@@ -598,6 +671,10 @@ class _Session:
                     params=self.params,
                     micro_batches=self.micro_batches,
                     set_to_none=self.set_to_none,
+                    outputs_freed=self.outputs_freed,
+                    loss_scaled=self.loss_scaled,
+                    carried=self.carried,
+                    clip_grad_norm=self.clip_grad_norm,
                 )
         elif self.mode is Mode.GENERATE:
             assert self.new_tokens is not None  # checked by measure
@@ -627,6 +704,8 @@ class _Session:
                     yield from state_tensors(value)
         if self.in_backward is not None:
             yield from (value for _p, _key, value in self.in_backward.state_tensors())
+        if self.carried is not None:  # the previous step's loss and gradient norm
+            yield from self.carried.tensors()
         if not self.set_to_none:  # zeroed in place by the previous step's zero_grad
             yield from (p.grad for p in self.params if p.grad is not None)
         yield from self.inputs.tensors()

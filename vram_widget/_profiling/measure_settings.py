@@ -27,6 +27,11 @@ MEASURED_SETTINGS = (
     "new_tokens",
     "optimizer_in_backward",
     "set_to_none",
+    "outputs",
+    "loss_scaled",
+    "clip_grad_norm",
+    "param_groups",
+    "carried_scalars",
 )
 """The Recipe settings a measured step runs with, by their flat names (``measure``'s
 keywords)."""

@@ -46,6 +46,7 @@ from .._estimating.table import (
     padded_fit_lengths,
     same_step,
 )
+from .carried import CarriedScalars
 from .composites import real_run_composites, rules_hold
 from .data_dependent import example_mask_values, graph_randomness, worst_case_graph
 from .disk_cache import cached_source
@@ -70,6 +71,7 @@ from .optimizers import (
     named_failure,
     unpaged,
 )
+from .param_groups import decay_parameter_names, trainer_groups
 from .probe import KernelProbe
 from .recorder import Recorder, describe_args, module_hooks, tracked_rng_states
 from .step import (
@@ -470,6 +472,10 @@ class Profiler:
         if train:
             in_backward = self._stepping(rec, fake_mode, levers, named_trainable)
 
+        carried = None
+        if train and levers.carried_scalars:  # the previous step's, resident (carried.py)
+            carried = CarriedScalars(lambda t: rec.register_resident([t], Category.TEMPORARY))
+
         def between(phase: str) -> None:
             marks.setdefault(phase, rec.event_count())  # the first micro-batch's
             if phase == "forward":  # the next micro-batch of an accumulated step
@@ -534,6 +540,13 @@ class Profiler:
                         on_loss=rec.watch_accumulations,
                         micro_batches=levers.profiled_micro_batches,
                         set_to_none=levers.set_to_none,
+                        outputs_freed=levers.outputs_freed,
+                        loss_scaled=levers.loss_scaled,
+                        carried=carried,
+                        # any max norm: the clipping's memory does not depend on it
+                        clip_grad_norm=1.0 if levers.clip_grad_norm else None,
+                        # the real tensors' path (a FakeTensor would take the loop)
+                        clip_foreach=True,
                     )
                 elif mode is Mode.GENERATE:
                     step_starts, step_flops = recorded_generation(
@@ -758,7 +771,10 @@ class Profiler:
         with fake_mode:
             for _name, p in trainable:
                 p.grad = torch.empty_like(p)
-            opt = make_optimizer(optimizer, [p for _n, p in trainable], implementation)
+            groups = None
+            if self.levers.decay_groups:  # Hugging Face Trainer's (param_groups.py)
+                groups = trainer_groups(trainable, decay_parameter_names(subject.model))
+            opt = make_optimizer(optimizer, [p for _n, p in trainable], implementation, groups)
         unpaged(opt)
         if cuda and isinstance(optimizer, CustomOptimizer):
             cuda_default_foreach(opt)
@@ -1183,8 +1199,18 @@ class _Source:
 
 
 def _plain_stepping(levers: Levers) -> Levers:
-    """``levers`` with one optimizer step after the backward, and gradients set to None."""
-    return dataclasses.replace(levers, set_to_none=True, in_backward=None)
+    """``levers`` with one optimizer step after the backward, gradients set to None, the
+    outputs kept and no clipping (none of which changes which parameters get a gradient)."""
+    return dataclasses.replace(
+        levers,
+        set_to_none=True,
+        in_backward=None,
+        outputs_freed=False,
+        loss_scaled=False,
+        carried_scalars=False,
+        clip_grad_norm=False,
+        decay_groups=False,
+    )
 
 
 def _recompute_context(

@@ -6,10 +6,30 @@ input batch resident,
 
     output = model(*args, **kwargs)        # under autocast for amp-* precisions
     loss = loss_fn(output)
-    loss.backward()
+    # outputs="freed": del output (here, before the backward)
+    loss.backward()                        # loss_scaled: (loss / k).backward(), loss kept
+    # carried_scalars: the loss replaces the one the loop held (carried.py)
+    # clip_grad_norm=c: norm = torch.nn.utils.clip_grad_norm_(grads' params, c)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    del output, loss
+    del output, loss                       # (and norm)
+
+By default (``outputs="kept"``) the output lives to the end of the step. With
+``outputs="freed"`` it is dropped once the loss is computed, as Hugging Face's
+``Trainer.compute_loss`` does (it returns the loss alone: ``outputs`` is local to it,
+transformers/trainer.py, 5.x) and torchtune's recipes do (``_loss_step``: ``del logits``,
+"free logits otherwise it peaks backward memory", recipes/full_finetune_single_device.py,
+0.6.1). What the loss's autograd graph saved stays alive, through the backward.
+
+With ``clip_grad_norm`` the gradients are clipped by torch's own
+``torch.nn.utils.clip_grad_norm_`` between the last backward and the optimizer step, and the
+total norm it returns is held to the end of the step, as the Trainer (``grad_norm =
+self._clip_grad_norm(model)`` before ``self.optimizer.step()``) and torchtune (``grad_norm =
+clip_grad_norm_(...)`` before ``self._optimizer.step()``) hold it. With ``loss_scaled`` the
+backward runs on ``loss / k``, a new scalar, the loss held beside it (accelerate's
+``Accelerator.backward``, which the Trainer calls). With ``carried_scalars`` each loss and the
+norm outlive the step, held until the next ones replace them (``carried.py``). The optimizer
+is built by ``make_optimizer``, over one group or the Trainer's two (``param_groups.py``).
 
 Inference is ``output = model(...)`` under ``torch.no_grad()``, then ``del output``.
 
@@ -38,6 +58,7 @@ from .._estimating.options import (
     OptimizerName,
     Precision,
 )
+from .carried import CarriedScalars
 from .optimizers import build_optimizer, is_library_optimizer
 
 # The optimizer registry: name -> (class, keyword arguments). Hyper-parameters do not change
@@ -63,8 +84,10 @@ def make_optimizer(
     name: OptimizerChoice,
     params: Iterable[torch.Tensor],
     implementation: OptimizerImplementation | None = None,
+    groups: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> torch.optim.Optimizer:
-    """Build the registered optimizer over ``params``, run as ``implementation``.
+    """Build the registered optimizer over ``params``, run as ``implementation``; with
+    ``groups``, over those parameter groups instead (``params`` unused).
 
     ``fused`` passes ``fused=True``, ``foreach`` ``foreach=True``, ``forloop``
     ``foreach=False``; None lets PyTorch choose as it does by default (the single-tensor loop
@@ -77,15 +100,20 @@ def make_optimizer(
     is built by that library or callable (``optimizers.build_optimizer``); it runs its own
     ``step()``, and ``implementation`` does not apply.
     """
-    params = [p for p in params if p.requires_grad]
     if is_library_optimizer(name):
-        return build_optimizer(name, params)
+        # its own param groups do not change its per-parameter state or step
+        return build_optimizer(name, [p for p in params if p.requires_grad])
     assert isinstance(name, OptimizerName)
     cls, kwargs = _OPTIMIZERS[name]
+    chosen: list[Any]
+    if groups is None:
+        chosen = [p for p in params if p.requires_grad]
+    else:  # param groups, as torch.optim takes them: [{"params": [...]}, ...]
+        chosen = [{"params": [p for p in g if p.requires_grad]} for g in groups]
     if implementation is OptimizerImplementation.FUSED:
-        return cls(params, fused=True, **kwargs)  # type: ignore[call-arg]
+        return cls(chosen, fused=True, **kwargs)  # type: ignore[call-arg]
     foreach = None if implementation is None else implementation is OptimizerImplementation.FOREACH
-    return cls(params, foreach=foreach, **kwargs)  # type: ignore[call-arg]
+    return cls(chosen, foreach=foreach, **kwargs)  # type: ignore[call-arg]
 
 
 HALF_DTYPES: dict[Precision, torch.dtype] = {
@@ -302,6 +330,11 @@ def training_iteration(
     on_loss: Callable[[torch.Tensor], None] | None = None,
     micro_batches: int = 1,
     set_to_none: bool = True,
+    outputs_freed: bool = False,
+    loss_scaled: bool = False,
+    clip_grad_norm: float | None = None,
+    clip_foreach: bool | None = None,
+    carried: CarriedScalars | None = None,
 ) -> None:
     """Run one training iteration by the protocol above (``micro_batches`` forward and
     backward passes, accumulating into ``.grad``, before one optimizer step).
@@ -312,6 +345,22 @@ def training_iteration(
     With ``optimizer=None`` the gradients of ``params`` are still computed, and set to None
     where ``zero_grad`` would run. ``set_to_none=False``: ``zero_grad(set_to_none=False)``,
     the gradients zeroed in place instead (kept allocated for the next step).
+
+    ``outputs_freed``: the output is dropped right after the loss is computed (before the
+    backward). ``loss_scaled``: the backward runs on ``loss / micro_batches``, a new scalar
+    dropped after it, the loss kept (accelerate's ``Accelerator.backward``).
+    ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_(params with a gradient,
+    clip_grad_norm, foreach=clip_foreach)`` after the last backward, its norm held to the
+    end. ``clip_foreach`` None is torch's default: foreach (``torch._foreach_norm``, then
+    ``torch._foreach_mul_``) for plain CPU and CUDA tensors (``_has_foreach_support`` in
+    torch/utils/_foreach_utils.py, read by torch/nn/utils/clip_grad.py), the per-tensor loop
+    for any tensor subclass. A FakeTensor is a subclass, so the profiler passes True, the
+    path the real tensors take.
+
+    ``carried``: the loop's scalars carried between steps (``carried.py``): each
+    micro-batch's loss replaces the one held once its backward has run, instead of being
+    dropped before the next forward, and the norm replaces the previous step's at the
+    clipping; both outlive the iteration.
 
     ``between(phase)`` is called at each phase boundary ("backward", "optimizer",
     "zero_grad", "end", and "forward" before each micro-batch after the first), which is how
@@ -325,13 +374,28 @@ def training_iteration(
         with context() if context is not None else forward_context(precision, device_type):
             output = inputs.call(model)
             loss = compute_loss(output, loss_fn)
+            if outputs_freed:
+                output = None
         mark("backward")
+        root = loss / micro_batches if loss_scaled else loss
         if on_loss is not None:
-            on_loss(loss)  # the profiler's recorder reads the autograd graph before backward
-        if loss.requires_grad:  # nothing to differentiate (no trainable parameter)
-            loss.backward()
+            on_loss(root)  # the profiler's recorder reads the autograd graph before backward
+        if root.requires_grad:  # nothing to differentiate (no trainable parameter)
+            root.backward()
+        del root
+        if carried is not None:
+            carried.replace_loss(loss.detach())
         if micro + 1 < micro_batches:
             del output, loss
+    norm = None
+    if clip_grad_norm is not None:
+        with_grad = [p for p in (*params, *_optimized(optimizer)) if p.grad is not None]
+        unique = list({id(p): p for p in with_grad}.values())
+        if carried is not None:
+            carried.replace_norm([p.grad for p in unique if p.grad is not None])
+        norm = torch.nn.utils.clip_grad_norm_(unique, clip_grad_norm, foreach=clip_foreach)
+        if carried is not None:
+            carried.hold_norm(norm)
     mark("optimizer")
     if optimizer is not None:
         optimizer.step()
@@ -345,7 +409,14 @@ def training_iteration(
             elif p.grad is not None:
                 p.grad.zero_()
     mark("end")
-    del output, loss
+    del output, loss, norm
+
+
+def _optimized(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` steps (none without one)."""
+    if optimizer is None:
+        return []
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def inference_pass(

@@ -11,6 +11,7 @@ from ..options import (
     OptimizerChoice,
     OptimizerImplementation,
     OptimizerName,
+    ParamGroups,
     default_implementation,
     parse_optimizer_choice,
     parse_option,
@@ -41,6 +42,19 @@ class Optimizer:
         ``optimizer.zero_grad(set_to_none=...)``: True (torch's default since 2.0) frees the
         gradients after the step; False zeroes them in place, so they stay allocated
         between steps.
+    clip_grad_norm : float, optional
+        ``torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)`` between the backward
+        and the optimizer step (the Trainer's ``max_grad_norm``, torchtune's
+        ``clip_grad_norm``), its total norm held to the end of the step; ``inf`` computes
+        the norm and scales by 1 (the Trainer with ``max_grad_norm=0``); None: no clipping.
+    param_groups : ParamGroups
+        ``"one"``: every trainable parameter in one group, in the model's order;
+        ``"decay-split"``: Hugging Face ``Trainer.create_optimizer``'s two groups, the
+        parameters weight decay applies to, then the others (norms, biases). The groups
+        change the step's temporaries (a for-loop step holds one parameter's while making
+        the next one's; foreach and fused make theirs per group).
+        Its per-tensor norms (one scalar each, stacked) and the clipping coefficient are the
+        memory it adds; the value itself changes none.
 
     Examples
     --------
@@ -54,8 +68,13 @@ class Optimizer:
     implementation: OptimizerImplementation | None = None
     in_backward: bool = False
     set_to_none: bool = True
+    clip_grad_norm: float | None = None
+    param_groups: ParamGroups = ParamGroups.ONE
 
     def __post_init__(self) -> None:
+        self._check_clip()
+        groups = parse_option(ParamGroups, self.param_groups, "param_groups")
+        object.__setattr__(self, "param_groups", groups)
         for flag in ("in_backward", "set_to_none"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -84,6 +103,28 @@ class Optimizer:
                     "'adamw' (leave implementation=None for torch's default)"
                 )
 
+    def _check_clip(self) -> None:
+        clip = self.clip_grad_norm
+        if clip is None:
+            return
+        # inf is valid: the norm is computed and nothing is scaled down (the Trainer reads
+        # its gradients' norm so), with the same memory
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0:
+            raise ValueError(
+                f"clip_grad_norm must be a positive number (the max norm given to "
+                f"torch.nn.utils.clip_grad_norm_; float('inf') to read the norm without "
+                f"clipping) or None for no clipping; got {clip!r}"
+            )
+        if self.in_backward:
+            # torchtune refuses the pair too (recipes/full_finetune_single_device.py,
+            # _setup: "Gradient clipping is not supported with optimizer in bwd")
+            raise ValueError(
+                "clip_grad_norm cannot go with in_backward=True: each parameter is stepped "
+                "in the backward before the total norm of all gradients exists; use "
+                "clip_grad_norm=None"
+            )
+        object.__setattr__(self, "clip_grad_norm", float(clip))
+
     @classmethod
     def parse(cls, value: object) -> Optimizer:
         """An ``optimizer=`` keyword's value (a name, a suffixed name or None) as a record."""
@@ -94,10 +135,15 @@ class Optimizer:
 
     def named(self, value: object) -> Optimizer:
         """This record with the name (and implementation) that ``value`` gives, keeping how
-        it is stepped (``in_backward``, ``set_to_none``)."""
+        it is stepped (``in_backward``, ``set_to_none``, ``clip_grad_norm``,
+        ``param_groups``)."""
         parsed = Optimizer.parse(value)
         return dataclasses.replace(
-            parsed, in_backward=self.in_backward, set_to_none=self.set_to_none
+            parsed,
+            in_backward=self.in_backward,
+            set_to_none=self.set_to_none,
+            clip_grad_norm=self.clip_grad_norm,
+            param_groups=self.param_groups,
         )
 
     @property

@@ -67,9 +67,14 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "seq_len": ("step", "seq_len"),
     "precision": ("step", "precision"),
     "mode": ("step", "mode"),
+    "outputs": ("step", "outputs"),
+    "loss_scaled": ("step", "loss_scaled"),
+    "carried_scalars": ("step", "carried_scalars"),
     "optimizer": ("optimizer", ""),
     "optimizer_in_backward": ("optimizer", "in_backward"),
     "set_to_none": ("optimizer", "set_to_none"),
+    "clip_grad_norm": ("optimizer", "clip_grad_norm"),
+    "param_groups": ("optimizer", "param_groups"),
     "context_bytes": ("accelerator", "context_bytes"),
     "lazy_loading": ("accelerator", "lazy_loading"),
     "compute_capability": ("accelerator", "compute_capability"),
@@ -150,10 +155,12 @@ class Recipe:
         no effect on the step's memory (``training_arguments.NO_MEMORY_EFFECT``) are read
         past; one that changes memory without being estimated is refused by name (DeepSpeed,
         GaLore, reentrant checkpointing...) or listed in :attr:`ignored` and in a
-        :class:`~vram_widget.RecipeSettingIgnored` warning (``torch_compile``,
-        ``max_grad_norm`` > 0...). The Trainer drops the model's outputs (the logits) before
-        its backward, where the estimate's step keeps them to the end of the step (see the
-        README's section on readers).
+        :class:`~vram_widget.RecipeSettingIgnored` warning (``torch_compile``, ``tf32``...).
+        The step is the Trainer's: the model's outputs freed before the backward, the
+        backward on accelerate's scaled copy of the loss, ``clip_grad_norm_`` with
+        ``max_grad_norm`` and the optimizer's two parameter groups (``outputs="freed"``,
+        ``loss_scaled``, ``clip_grad_norm``, ``param_groups="decay-split"``; docs: the guide
+        on the Trainer and torchtune).
 
         Examples
         --------

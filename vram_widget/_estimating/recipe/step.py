@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..options import Mode, Precision, parse_batch_size, parse_option
+from ..options import Mode, Precision, StepOutputs, parse_batch_size, parse_option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,22 +22,49 @@ class Step:
         ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"amp-bf16"`` or ``"amp-fp16"``.
     mode : Mode
         ``"train"``, ``"inference"`` or ``"generate"``.
+    outputs : StepOutputs
+        ``"kept"``: the model's outputs stay alive to the end of a training step (the
+        output of ``output = model(x)`` is held through the backward, the optimizer step
+        and ``zero_grad``); ``"freed"``: dropped once the loss is computed, before the
+        backward, as Hugging Face's ``Trainer`` and torchtune's recipes do (with a large
+        vocabulary the logits are gigabytes). A structural setting: profiled once more.
+    loss_scaled : bool
+        The backward runs on a new scalar, ``loss / grad_accumulation``, while the loss
+        itself stays referenced through the backward, as Hugging Face's ``Trainer`` does
+        through accelerate (``Accelerator.backward``: ``loss = loss /
+        self.gradient_accumulation_steps; loss.backward()``): one more scalar. False: the
+        backward runs on the loss. Profiled once more.
+    carried_scalars : bool
+        The training loop holds each micro-batch's loss until the next micro-batch's
+        backward has run, and the gradient norm until the next step's clipping, so a step
+        starts with the previous one's (Hugging Face ``Trainer``'s ``tr_loss_step`` and
+        ``grad_norm`` loop variables): two scalars. False: the step's loss goes before the
+        next forward and nothing outlives the step. Profiled once more.
 
     Examples
     --------
     >>> Step(batch_size=8, precision="bf16").precision
     <Precision.BF16: 'bf16'>
+    >>> Step(outputs="freed").outputs
+    <StepOutputs.FREED: 'freed'>
     """
 
     batch_size: int = 1
     seq_len: int | None = None
     precision: Precision = Precision.FP32
     mode: Mode = Mode.TRAIN
+    outputs: StepOutputs = StepOutputs.KEPT
+    loss_scaled: bool = False
+    carried_scalars: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_size", parse_batch_size(self.batch_size))
         object.__setattr__(self, "precision", parse_option(Precision, self.precision, "precision"))
         object.__setattr__(self, "mode", parse_option(Mode, self.mode, "mode"))
+        object.__setattr__(self, "outputs", parse_option(StepOutputs, self.outputs, "outputs"))
+        for flag in ("loss_scaled", "carried_scalars"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
 
 @dataclasses.dataclass(frozen=True)

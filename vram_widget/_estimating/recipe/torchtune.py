@@ -19,6 +19,14 @@ keys as in torchtune's ``recipes/configs/llama3_2/3B_full_single_device.yaml`` a
   ``down_proj`` (torchtune's ``FeedForward``: ``w2(silu(w1(x)) * w3(x))``); the output
   projection (``apply_lora_to_output``) -> ``lm_head``. The adapters are in the base dtype
   (torchtune builds them with the model, under its dtype): ``lora_dtype="base"``.
+- The step: the recipes drop the logits once the loss is computed, before the backward
+  (``_loss_step``: ``# free logits otherwise it peaks backward memory`` / ``del logits``,
+  ``recipes/full_finetune_single_device.py`` and ``lora_finetune_single_device.py``,
+  torchtune 0.6.1): ``outputs="freed"``.
+- ``clip_grad_norm``: ``grad_norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(),
+  max_norm=float(self._clip_grad_norm))`` before ``self._optimizer.step()`` where it is not
+  null (same recipes): our ``clip_grad_norm``. torchtune refuses it with ``optimizer_in_bwd``
+  ("Gradient clipping is not supported with optimizer in bwd"), and so does the Recipe.
 """
 
 from __future__ import annotations
@@ -95,7 +103,11 @@ def read_torchtune(config: object, gpus: int = 1) -> Recipe:
         "optimizer_in_backward": bool(values.get("optimizer_in_bwd", False)),
         "checkpoint": "auto" if values.get("enable_activation_checkpointing") else None,
         "gpus": gpus,
+        "outputs": "freed",  # del logits before the backward (module docstring)
     }
+    clip = values.get("clip_grad_norm")
+    if clip is not None:
+        settings["clip_grad_norm"] = float(clip)
     if gpus > 1:  # torchtune's distributed recipes: FSDP2 fully_shard on each layer
         reshard = values.get("fsdp_reshard_after_forward", True)
         settings["strategy"] = "zero3" if reshard else "zero2"
@@ -150,9 +162,6 @@ def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str]) -> None:
         ignored.append("compile=True (torch.compile fuses the forward and changes what is saved)")
     if values.get("enable_activation_offloading"):
         ignored.append("enable_activation_offloading=True (saved activations moved to the host)")
-    if values.get("clip_grad_norm") is not None:
-        ignored.append(f"clip_grad_norm={values['clip_grad_norm']} (clip_grad_norm_'s "
-                       "per-parameter norms after the backward)")  # fmt: skip
     profiler = values.get("profiler")
     if isinstance(profiler, Mapping) and profiler.get("enabled") and profiler.get("profile_memory"):
         ignored.append("profiler.profile_memory (the profiler's own records)")

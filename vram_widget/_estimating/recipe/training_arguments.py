@@ -21,6 +21,30 @@ What each setting means for the Trainer's step:
   ``model.activation_checkpointing_enable(kwargs)``, which defaults to
   ``{"use_reentrant": False}`` (``modeling_utils.PreTrainedModel
   ._activation_checkpointing_enable``): our ``checkpoint="auto"``.
+- The step itself: ``Trainer.compute_loss`` returns the loss alone (``outputs =
+  model(**inputs)`` is local to it) and ``training_step`` runs ``self.accelerator.backward(
+  loss)`` on it, so the model's outputs (the logits) are freed before the backward:
+  ``outputs="freed"``. ``training_step`` then calls ``self.accelerator.backward(loss)``,
+  which runs ``loss = loss / self.gradient_accumulation_steps; loss.backward()``
+  (accelerate 1.x, ``Accelerator.backward``; the Trainer gives accelerate ``num_steps=1``,
+  ``Trainer.create_accelerator_and_postprocess``, and scales for accumulation itself): a new
+  scalar for the backward while ``training_step`` holds the loss, ``loss_scaled=True``.
+  The Trainer's own ``loss / self.current_gradient_accumulation_steps`` (where the model
+  does not take ``num_items_in_batch``) replaces its ``loss``, so nothing more stays alive.
+- ``max_grad_norm`` (default 1.0): ``_inner_training_loop`` calls ``self._clip_grad_norm(
+  model)`` when it is > 0, and ``self._get_grad_norm(model)`` otherwise, which runs the same
+  ``accelerator.clip_grad_norm_(model.parameters(), float("inf"))`` to read the norm
+  (``Trainer._get_grad_norm``): one ``torch.nn.utils.clip_grad_norm_`` either way
+  (accelerate 1.x, ``Accelerator._clip_grad_norm_dtensor_aware`` on plain tensors), its norm
+  held as ``grad_norm`` through ``optimizer.step()`` and ``model.zero_grad()``:
+  ``clip_grad_norm=max_grad_norm``, or ``inf`` (the same memory) where it is 0.
+- The loop (``Trainer._run_epoch``) holds ``tr_loss_step``, the last micro-batch's loss
+  (``training_step`` returns ``loss.detach()``), until the next ``training_step`` returns,
+  and ``grad_norm`` until it is set to None before the next step's clipping:
+  ``carried_scalars=True``.
+- The optimizer's parameters: ``Trainer.create_optimizer`` builds two groups, the parameters
+  weight decay applies to (``get_decay_parameter_names``: not norms nor biases), then the
+  others: ``param_groups="decay-split"`` (``_profiling/param_groups.py``).
 - ``fsdp`` / ``fsdp_config``: FSDP2 by default (``fsdp_config["version"]`` 2), with
   ``reshard_after_forward`` True (zero3) or False (zero2); the legacy strings
   ``"full_shard"`` / ``"shard_grad_op"`` / ``"hybrid_shard"`` (``_apply_legacy_fsdp_to_config``).
@@ -121,6 +145,7 @@ _MODELLED = frozenset({
     "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "optim",
     "optim_args", "activation_checkpointing", "activation_checkpointing_kwargs",
     "gradient_checkpointing", "gradient_checkpointing_kwargs", "fsdp", "fsdp_config",
+    "max_grad_norm",
 })  # fmt: skip
 
 # Refused: the step they make is another one than the estimate's.
@@ -133,10 +158,6 @@ _REFUSED: dict[str, str] = {
 
 # Ignored with a warning where set away from the default: (is it set?, what it changes).
 _IGNORED: dict[str, tuple[Any, str]] = {
-    "max_grad_norm": (
-        lambda v: bool(v) and v > 0,
-        "clip_grad_norm_'s per-parameter norms (one scalar each) after the backward",
-    ),
     "torch_compile": (bool, "torch.compile fuses the forward and changes what is saved"),
     "torch_compile_backend": (lambda v: v is not None, "torch.compile"),
     "torch_compile_mode": (lambda v: v is not None, "torch.compile"),
@@ -182,6 +203,11 @@ def read_training_arguments(args: object, gpus: int = 1) -> Recipe:
         # transformers 5.x: the default optim is adamw_torch_fused (training_args.py)
         "optimizer": _optimizer(values.get("optim", "adamw_torch_fused"), values.get("optim_args")),
         "checkpoint": _checkpoint(values),
+        "outputs": "freed",  # compute_loss returns the loss alone (module docstring)
+        "loss_scaled": True,  # accelerate's backward divides the loss (module docstring)
+        "carried_scalars": True,  # tr_loss_step and grad_norm (module docstring)
+        "clip_grad_norm": _clip(values.get("max_grad_norm", 1.0)),
+        "param_groups": "decay-split",  # Trainer.create_optimizer (module docstring)
     }
     settings.update(_fsdp(values.get("fsdp"), values.get("fsdp_config"), gpus, ignored))
     warn_ignored(SOURCE, ignored)  # before the optimizer's name is parsed, which may refuse it
@@ -237,6 +263,14 @@ def _optimizer(optim: object, optim_args: object) -> str:
             "more state than the plain RMSprop the estimate runs",
         )  # fmt: skip
     return name
+
+
+def _clip(max_grad_norm: object) -> float:
+    """The max norm the Trainer's ``clip_grad_norm_`` runs with: ``max_grad_norm`` where it
+    is > 0, else ``inf`` (``Trainer._get_grad_norm`` reads the norm with it: the same
+    memory, no clipping)."""
+    value = float(max_grad_norm) if max_grad_norm is not None else 0.0  # type: ignore[arg-type]
+    return value if value > 0 else float("inf")
 
 
 def _optim_args(optim_args: object) -> dict[str, Any]:
