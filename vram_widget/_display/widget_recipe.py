@@ -48,8 +48,9 @@ def recipe_settings(recipe: object) -> RecipeSettings:
     widget has one, else held fixed (``lora_targets``, ``lora_dtype``, ``context_bytes``,
     ``lazy_loading``, ``fsdp_units``, and the training loop's ``outputs``, ``loss_scaled``,
     ``carried_scalars``, ``clip_grad_norm`` and ``param_groups``). What the widget cannot
-    hold is a ValueError naming it: a user's optimizer callable, a ``rank`` (the widget shows the worst rank), 4-bit base
-    weights and a compute capability (the GPU control sets it).
+    hold is a ValueError naming it: a user's optimizer callable, a ``rank`` (the widget
+    shows the worst rank), 4-bit base weights and a compute capability (the GPU control
+    sets it).
 
     Examples
     --------
