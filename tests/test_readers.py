@@ -82,11 +82,23 @@ def test_training_arguments_refused_by_name(args: dict[str, Any], named: str) ->
 
 def test_training_arguments_fsdp() -> None:
     base = {"max_grad_norm": 0, "optim": "adamw_torch"}
-    full = Recipe.from_training_arguments({**base, "fsdp": "full_shard"}, gpus=8)
+    # across GPUs the Trainer's loop settings are not estimated: named, and left at the plain
+    # loop's, so the rank's step is estimated rather than refused
+    with pytest.warns(RecipeSettingIgnored, match=r"the Trainer's loop \(outputs, .*8 GPUs"):
+        full = Recipe.from_training_arguments({**base, "fsdp": "full_shard"}, gpus=8)
     assert (full.parallel.gpus, full.parallel.strategy.value) == (8, "zero3")
-    grad_op = Recipe.from_training_arguments(
-        {**base, "fsdp": True, "fsdp_config": {"reshard_after_forward": False}}, gpus=4
-    )
+    assert (full.step.outputs.value, full.optimizer.clip_grad_norm) == ("kept", None)
+    assert any("8 GPUs" in item for item in full.ignored)
+    from models import hf_llama, hf_tokens
+
+    profile = profile_model(hf_llama(), inputs=hf_tokens(2))
+    with pytest.warns(UserWarning, match="sharding saves little"):  # a tiny model's root
+        est = profile.estimate(recipe=full.with_(batch_size=2))
+    assert est.gpus == 8 and est.ignored == full.ignored
+    with pytest.warns(RecipeSettingIgnored, match="4 GPUs"):
+        grad_op = Recipe.from_training_arguments(
+            {**base, "fsdp": True, "fsdp_config": {"reshard_after_forward": False}}, gpus=4
+        )
     assert grad_op.parallel.strategy.value == "zero2"
     with pytest.warns(RecipeSettingIgnored, match="version=1"):
         hybrid = Recipe.from_training_arguments(

@@ -210,8 +210,20 @@ def read_training_arguments(args: object, gpus: int = 1) -> Recipe:
         "param_groups": "decay-split",  # Trainer.create_optimizer (module docstring)
     }
     settings.update(_fsdp(values.get("fsdp"), values.get("fsdp_config"), gpus, ignored))
+    if gpus > 1:
+        # the loop's own settings are estimated on one device only (a rank's step with them
+        # is refused): across ranks, the step is the plain loop's, and they are named here
+        loop = [k for k in _LOOP_SETTINGS if settings.pop(k, None) is not None]
+        ignored.append(
+            f"the Trainer's loop ({', '.join(loop)}) across {gpus} GPUs: each rank's step is "
+            "estimated as a plain loop's (outputs kept through the backward, no clipping)"
+        )
     warn_ignored(SOURCE, ignored)  # before the optimizer's name is parsed, which may refuse it
     return Recipe(ignored=tuple(ignored)).with_(**settings)
+
+
+# the Trainer's loop as its settings (see the module docstring), estimated on one device
+_LOOP_SETTINGS = ("outputs", "loss_scaled", "carried_scalars", "clip_grad_norm", "param_groups")
 
 
 def _as_dict(args: object) -> dict[str, Any]:
