@@ -111,6 +111,12 @@ def read_torchtune(config: object, gpus: int = 1) -> Recipe:
     if gpus > 1:  # torchtune's distributed recipes: FSDP2 fully_shard on each layer
         reshard = values.get("fsdp_reshard_after_forward", True)
         settings["strategy"] = "zero3" if reshard else "zero2"
+        # the recipe's loop settings are estimated on one device only: named, not estimated
+        loop = [k for k in ("outputs", "clip_grad_norm") if settings.pop(k, None) is not None]
+        ignored.append(
+            f"the recipe's loop ({', '.join(loop)}) across {gpus} GPUs: each rank's step is "
+            "estimated as a plain loop's (outputs kept through the backward, no clipping)"
+        )
     settings.update(_lora(values.get("model"), ignored))
     warn_ignored(SOURCE, ignored)  # before the optimizer's name is parsed, which may refuse it
     return Recipe(ignored=tuple(ignored)).with_(**settings)
