@@ -551,10 +551,10 @@ class DiskCachedSource:
             None,
         )
 
-    def lora_profile(self, rank: int, targets: tuple[str, ...] | None) -> Any:
+    def lora_profile(self, rank: int, targets: tuple[str, ...] | None, *args: Any) -> Any:
         # a profile of PEFT's wrapping of a meta copy, cached by its own profile key (the
-        # wrapped structure holds the rank and the targets)
-        return self.inner.lora_profile(rank, targets)
+        # wrapped structure holds the rank, the targets and the adapters' dtypes)
+        return self.inner.lora_profile(rank, targets, *args)
 
     def generation(
         self,
