@@ -972,13 +972,13 @@ def test_optimizer_control_lists_the_names_at_run_time(
     from vram_widget._display import optimizer_control, widget
     from vram_widget._estimating.options import optimizer_names
 
-    names = (*optimizer_names(), "adamw8bit")
+    names = (*optimizer_names(), "lion8bit")
     monkeypatch.setattr(optimizer_control, "optimizer_names", lambda: names)
     monkeypatch.setattr(widget, "optimizer_names", lambda: names)
     w = MemoryWidget(profile, batch_size=8)
-    assert w._optimizer_controls.optimizer.options[-2:] == ("adamw8bit", "none")
-    assert w._optimizer_controls.groups["adamw8bit"] == ()
-    MemoryWidget.optimizer.validate(w, "adamw8bit")  # the trait takes it
+    assert w._optimizer_controls.optimizer.options[-2:] == ("lion8bit", "none")
+    assert w._optimizer_controls.groups["lion8bit"] == ()
+    MemoryWidget.optimizer.validate(w, "lion8bit")  # the trait takes it
 
 
 def test_implementation_control_drives_estimate_behind_a_progress_label() -> None:
