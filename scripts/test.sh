@@ -10,7 +10,8 @@ lint-imports
 # The documentation site (mkdocs.yml): strict, so a broken link, a missing page or a docstring
 # that mkdocstrings cannot parse fails; built into a temporary directory, nothing left behind.
 site_dir="$(mktemp -d)"
-NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --quiet --site-dir "$site_dir"
+# (not --quiet: it hides the warnings --strict counts, and a broken docstring would pass)
+NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --site-dir "$site_dir"
 rm -rf "$site_dir"
 python3 -m pytest
 # Once more under a narrower instruction set than this CPU may have. Which kernels run (and so

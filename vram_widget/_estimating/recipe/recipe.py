@@ -148,6 +148,8 @@ class Recipe:
             Data-parallel ranks (the world size is not in the arguments); needed > 1 with
             ``fsdp``.
 
+        Notes
+        -----
         Read: the micro-batch, accumulation, ``bf16`` / ``fp16`` (autocast over the weights'
         own dtype: ``"amp-bf16"`` / ``"amp-fp16"``; a model loaded in bf16 is ``"bf16"``,
         which the arguments cannot tell), ``optim`` (every ``OptimizerNames`` value mapped,
