@@ -24,7 +24,7 @@ thread (the forked ranks must, and CPU kernel scratch can depend on the thread c
 
     python benchmarks/accuracy_distributed.py      # about 5 minutes on 2 cores
 
-Targets (issue "Beyond one GPU"): per-rank median <= 0.5 %, worst <= 3 %. Writes
+Targets: per-rank median <= 0.5 %, worst <= 3 %. Writes
 results/accuracy_distributed.json and prints a markdown
 summary (benchmarks/report.py writes it into docs/).
 """

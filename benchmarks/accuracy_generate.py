@@ -17,7 +17,7 @@ at batch {1, 4} x prompt {16, 200} x T {8, 64}, fp32.
 
     python benchmarks/accuracy_generate.py      # about 4 minutes on 2 cores
 
-Target (issue "Inference the way people serve models"): worst <= 2 %. Writes
+Target: worst <= 2 %. Writes
 results/accuracy_generate.json and prints a markdown table (docs/accuracy.md's
 generation section is written from it).
 """

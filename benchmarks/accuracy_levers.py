@@ -20,7 +20,7 @@ Each at batch 1 and 8, in fp32 and bf16, AdamW. Small Hugging Face configs (no d
 
     python benchmarks/accuracy_levers.py          # about 2 minutes on 2 cores
 
-Targets (issue "Memory levers"): train median <= 0.1 %, worst <= 2 %. Writes
+Targets: train median <= 0.1 %, worst <= 2 %. Writes
 results/accuracy_levers.json and prints a markdown
 summary (benchmarks/report.py writes it into docs/).
 """

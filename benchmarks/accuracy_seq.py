@@ -10,7 +10,7 @@ workspaces, which the probes measure per shape).
 
     python benchmarks/accuracy_seq.py            # about 5 minutes on 2 cores
 
-Targets (issue "Sequence length"): train median <= 0.1 %, worst <= 2 %; inference worst
+Targets: train median <= 0.1 %, worst <= 2 %; inference worst
 <= 5 %. Writes results/accuracy_seq.json and prints a markdown
 summary (benchmarks/report.py writes it into docs/).
 """

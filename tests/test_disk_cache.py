@@ -5,6 +5,7 @@ the precisions asked."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -245,6 +246,26 @@ def test_loss_over_a_tensor_is_not_cached(tmp_path: Path, monkeypatch: pytest.Mo
         assert _profile_count(counted, _net(), loss_fn=loss, cache=tmp_path) == 3
         assert _profile_count(counted, _net(), loss_fn=loss, cache=tmp_path) == 3
     assert list(tmp_path.iterdir()) == []
+
+
+def test_custom_optimizer_runs_and_stores_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted = Counted(monkeypatch)
+    momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    profile_model(_net(), input_size=(4,), cache=tmp_path)
+    stored = sorted(tmp_path.rglob("*.pkl"))
+    counted.count()
+    for _ in range(2):  # a fresh profile from the cache: the callable's trace runs again
+        warm = profile_model(_net(), input_size=(4,), cache=tmp_path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            est = warm.estimate(8, optimizer=momentum)
+        assert counted.count() == 1  # its optimizer trace; the timeline is a hit
+        # one momentum buffer per parameter: Linear(4, 3) 4*3 + 3 = 15 and Linear(3, 2)
+        # 3*2 + 2 = 8 floats, 23 * 4 bytes = 92
+        assert est.optimizer_state_bytes == 92
+    assert sorted(tmp_path.rglob("*.pkl")) == stored  # the callable is keyed by identity only
 
 
 def test_key_is_stable_and_canonical() -> None:

@@ -581,8 +581,13 @@ class DiskCachedSource:
         self, method: str, args: tuple[Any, ...], run: Callable[[], Any], stepped: Levers | None
     ) -> Any:
         subject = self._subject()
-        # parameters kept in their own dtype (PEFT's adapters) change half-precision answers
-        key = call_key(method, *args, fixed_dtypes=subject.fixed_dtypes)
+        try:
+            # parameters kept in their own dtype (PEFT's adapters) change half-precision answers
+            key = call_key(method, *args, fixed_dtypes=subject.fixed_dtypes)
+        except _Uncacheable:
+            # an argument with no canonical form across processes (a user's optimizer class or
+            # factory, known only by its identity): run, and store nothing
+            return run()
         path = self.directory / self.key / f"{key}.pkl"
         entry = self._read(path)
         if entry is not None:
