@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -124,6 +125,13 @@ def test_batch_one_matches_too() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    "ATEN_CPU_CAPABILITY" in os.environ,
+    # torchao's real step is compiled by Inductor, whose generated CPU kernels abort the
+    # process when ATen's dispatch is capped below the CPU's own ISA (scripts/test.sh's second
+    # pass); the state this test checks does not depend on the ISA
+    reason="torchao's compiled step aborts under a capped ATEN_CPU_CAPABILITY",
+)
 @pytest.mark.parametrize("name", ["adamw8bit-torchao", "adamw4bit-torchao"])
 def test_torchao_state_is_what_the_library_allocates(name: str) -> None:
     pytest.importorskip("torchao")
