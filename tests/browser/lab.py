@@ -300,6 +300,16 @@ def open_and_run_all(page: Any, server: LabServer, notebook: str, timeout_s: flo
         page.wait_for_function(
             "() => !document.body.innerText.includes('Loading widget...')", timeout=30_000
         )
+    # Each figure draws once plotly.js has come from the kernel (plotly_widget.py: asked for
+    # once per page, answered when the kernel is idle, a 5 MB message): wait for every
+    # figure's loading note to go before anything reads the plots.
+    with contextlib.suppress(Exception):
+        page.wait_for_function(
+            "() => document.querySelectorAll('.js-plotly-plot').length > 0"
+            " && !document.querySelector('.vram-widget-plotly-loading')",
+            timeout=60_000,
+            polling=250,
+        )
     text = page.evaluate("() => document.body.innerText")
     return CellReport(
         errors=errors,
