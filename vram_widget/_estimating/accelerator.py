@@ -44,9 +44,9 @@ aten/src/ATen/cuda/CublasHandlePool.cpp · parseChosenWorkspaceSize; docs/source
 "cuBLAS workspaces"; fact sheet §6.3]"""
 
 CUBLAS_WORKSPACE_BYTES_SM90 = 32 * 2**20
-"""cuBLAS workspace on Hopper (sm90): 32 MiB since PR #89027 (2.0); recent main also uses it for
-major 10/11/12 (Blackwell history per release UNCONFIRMED). [src: CublasHandlePool.cpp ·
-getChosenWorkspaceSize; fact sheet §6.3]"""
+"""cuBLAS workspace on Hopper (sm90): 32 MiB since pytorch/pytorch PR 89027 (2.0); recent
+main also uses it for major 10/11/12 (Blackwell history per release UNCONFIRMED).
+[src: CublasHandlePool.cpp · getChosenWorkspaceSize; fact sheet §6.3]"""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,11 +112,12 @@ class CudaTarget:
           alone put cuDNN first on H100 (reverted in 2.5.1); ``(2, 5)`` cannot tell the patch
           releases apart and follows 2.5.1.
         * 2.9: cuDNN first on sm90/sm100 (minor 0) when the build's cuDNN >= 9.9 [sdp_utils.cpp
-          · check_prefer_cudnn_attention, PR #162073]; assumed true for the 2.9 wheels.
+          · check_prefer_cudnn_attention, pytorch/pytorch PR 162073]; assumed true for the 2.9
+          wheels.
         * 2.10: additionally needs runtime cuDNN > 9.15.0, which the 2.10 wheels do not bundle,
           so flash stays first.
         * >= 2.11: wheels bundle cuDNN >= 9.15.1: cuDNN first on major 9/10 with minor 0 or 3
-          (PR #171627; issue #196678).
+          (pytorch/pytorch PR 171627 and issue 196678).
         """
         if self.prefer_cudnn_attention is not None:
             return self.prefer_cudnn_attention
