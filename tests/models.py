@@ -550,3 +550,21 @@ def hf_t5() -> nn.Module:
         decoder_start_token_id=0, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
     return transformers.T5ForConditionalGeneration(config)
+
+
+def assert_optimizers_match_cpu_step(case: str, precision: str, names: Any) -> None:
+    """Each optimizer of ``names`` on the zoo MLP (``case="mlp"``, batch 4) or the small GPT-2
+    (``"gpt2"``, batch 2): the estimate from the plain model's CPU profile equals, to the
+    byte, the peak ``measure`` reads from the real CPU step with that optimizer."""
+    from vram_widget import measure, profile_model, zoo
+
+    torch.manual_seed(0)
+    if case == "mlp":
+        model, inputs, batch = zoo.mlp(), torch.randn(4, 784), 4
+    else:
+        model, inputs, batch = hf_gpt2(), hf_tokens(2), 2
+    profile = profile_model(model, inputs=inputs, device="cpu")
+    for name in names:
+        est = profile.estimate(batch, precision=precision, optimizer=name)
+        real = measure(model, inputs, optimizer=name, precision=precision)
+        assert est.peak_bytes == real.peak_bytes, name

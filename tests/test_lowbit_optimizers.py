@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from models import hf_gpt2, hf_tokens
+from models import assert_optimizers_match_cpu_step, hf_gpt2, hf_tokens
 from torch import nn
 
 from vram_widget import Recipe, RecipeSettingIgnored, measure, profile_model, zoo
@@ -103,16 +103,7 @@ LIBRARY_OPTIMIZERS = [
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", ["mlp", "gpt2"])
 def test_library_optimizers_match_their_real_cpu_step(case: str, precision: str) -> None:
-    torch.manual_seed(0)
-    if case == "mlp":
-        model, inputs, batch = zoo.mlp(), torch.randn(4, 784), 4
-    else:
-        model, inputs, batch = hf_gpt2(), hf_tokens(2), 2
-    profile = profile_model(model, inputs=inputs, device="cpu")
-    for name in LIBRARY_OPTIMIZERS:
-        est = profile.estimate(batch, precision=precision, optimizer=name)
-        real = measure(model, inputs, optimizer=name, precision=precision)
-        assert est.peak_bytes == real.peak_bytes, name
+    assert_optimizers_match_cpu_step(case, precision, LIBRARY_OPTIMIZERS)
 
 
 def test_batch_one_matches_too() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import hf_gpt2, hf_tokens
+from models import assert_optimizers_match_cpu_step
 from torch import nn
 
-from vram_widget import Recipe, measure, profile_model, zoo
+from vram_widget import Recipe, measure, profile_model
 from vram_widget._estimating.options import parse_optimizer_choice
 
 
@@ -64,16 +64,7 @@ IMPLEMENTATIONS = [
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", ["mlp", "gpt2"])
 def test_implementations_match_a_real_cpu_step(case: str, precision: str) -> None:
-    torch.manual_seed(0)
-    if case == "mlp":
-        model, inputs, batch = zoo.mlp(), torch.randn(4, 784), 4
-    else:
-        model, inputs, batch = hf_gpt2(), hf_tokens(2), 2
-    profile = profile_model(model, inputs=inputs, device="cpu")
-    for name in IMPLEMENTATIONS:
-        est = profile.estimate(batch, precision=precision, optimizer=name)
-        real = measure(model, inputs, optimizer=name, precision=precision)
-        assert est.peak_bytes == real.peak_bytes, name
+    assert_optimizers_match_cpu_step(case, precision, IMPLEMENTATIONS)
 
 
 def test_unknown_optimizer_lists_the_valid_names() -> None:
