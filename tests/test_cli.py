@@ -211,16 +211,21 @@ def test_bad_values_leave_the_callable_model_alone(
     assert_model_unchanged(model, before)
 
 
-def test_transformers_model(capsys: pytest.CaptureFixture[str]) -> None:
-    transformers = pytest.importorskip("transformers")
-    out = _run_json([*_GPT2, "--device", "cpu", "--precision", "fp32", "--batch-size", "4"],
-                    capsys)  # fmt: skip
+def _gpt2_model(transformers: Any) -> torch.nn.Module:
+    """The model the ``_GPT2`` flags build, as the command line builds it (on meta)."""
     config = transformers.AutoConfig.for_model(
         "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64,
         bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_transformers_model(capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    out = _run_json([*_GPT2, "--device", "cpu", "--precision", "fp32", "--batch-size", "4"],
+                    capsys)  # fmt: skip
+    model = _gpt2_model(transformers)
     ids = torch.zeros(1, 16, dtype=torch.long)
     profile = profile_model(model, inputs={"input_ids": ids, "labels": ids}, device="cpu")
     assert out["model_class"] == "GPT2LMHeadModel"
@@ -464,12 +469,7 @@ def test_new_tokens_flag_is_estimate_generate(capsys: pytest.CaptureFixture[str]
     transformers = pytest.importorskip("transformers")
     argv = [*_GPT2, "--device", "cpu", "--precision", "fp32", "--batch-size", "3"]
     out = _run_json([*argv, "--mode", "generate", "--new-tokens", "5"], capsys)
-    config = transformers.AutoConfig.for_model(
-        "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    model = _gpt2_model(transformers)
     prompt = {"input_ids": torch.zeros(1, 16, dtype=torch.long)}  # a prompt: no labels
     est = profile_model(model, inputs=prompt, device="cpu").estimate(
         3, "fp32", mode="generate", new_tokens=5
