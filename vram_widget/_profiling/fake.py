@@ -32,6 +32,23 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+# torch.Tag.inplace arrived after 2.11 (native_functions.yaml tags); where it is missing, an
+# in-place op is one whose schema writes its first argument in place (``Tensor(a!) self``)
+# under a trailing-underscore name, the convention native_functions.yaml follows.
+_INPLACE_TAG = getattr(torch.Tag, "inplace", None)
+
+
+def is_in_place(func: Any) -> bool:
+    """Whether an ATen op writes its first argument in place (``add_``, ``_foreach_mul_``)."""
+    if _INPLACE_TAG is not None:
+        return _INPLACE_TAG in func.tags
+    schema = func._schema
+    if not schema.name.endswith("_") or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
 try:  # private, and not in every torch the package accepts: see _cheap_keys_fit
     from torch._subclasses.fake_tensor import (
         _DISPATCH_HANDLE_DIRECTLY,
@@ -226,7 +243,7 @@ class MetaShortcuts(TorchDispatchMode):
         tags = func.tags
         schema = func._schema
         if (
-            torch.Tag.inplace in tags
+            is_in_place(func)
             and torch.Tag.inplace_view not in tags
             and (torch.Tag.pointwise in tags or schema.name.startswith("aten::_foreach_"))
         ):

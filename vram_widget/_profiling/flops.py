@@ -83,6 +83,7 @@ def _sdpa_forward_flop(
     **kwargs: Any,
 ) -> int:
     """Forward SDPA: Q K^T and P V (``sdpa_flop`` in torch/utils/flop_counter.py)."""
+    key_shape, value_shape = (_query_heads(query_shape, s) for s in (key_shape, value_shape))
     return int(sdpa_flop_count(query_shape, key_shape, value_shape))
 
 
@@ -97,7 +98,19 @@ def _sdpa_backward_flop(
     **kwargs: Any,
 ) -> int:
     """Backward SDPA: score recompute plus four gradient matmuls (``sdpa_backward_flop``)."""
+    key_shape, value_shape = (_query_heads(query_shape, s) for s in (key_shape, value_shape))
     return int(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
+
+
+def _query_heads(query_shape: Sequence[int], shape: Sequence[int]) -> Sequence[int]:
+    """A key or value shape (B, H_kv, S, D) of grouped-query attention with the query's H
+    heads: the kernel broadcasts each key/value head to its group of query heads, so the
+    matmuls count H heads (torch's ``sdpa_flop_count`` does this itself from 2.12; 2.11's
+    asserts equal head counts)."""
+    heads, kv_heads = query_shape[1], shape[1]
+    if len(shape) == 4 and kv_heads != heads and kv_heads and heads % kv_heads == 0:
+        return (shape[0], heads, shape[2], shape[3])
+    return shape
 
 
 # --------------------------------------------------------------------------------------------

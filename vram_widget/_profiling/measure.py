@@ -608,9 +608,7 @@ class _Session:
         self.new_tokens = new_tokens
         self.model = _copy_model(model, dtype, mode)
         if levers.lora_rank is not None:  # PEFT wraps the copy; names gain its prefix
-            self.model = lora_wrapped(
-                self.model, levers.lora_rank, levers.lora_targets, lora_dtype
-            )
+            self.model = lora_wrapped(self.model, levers.lora_rank, levers.lora_targets, lora_dtype)
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
         apply_levers(self.model, levers)  # the copy, as the libraries apply them

@@ -25,6 +25,7 @@ from .fake import (
     TorchDispatchMode,
     current_autograd_node_name,
     current_autograd_sequence_nr,
+    is_in_place,
     next_sequence_nr,
     tree_flatten,
 )
@@ -834,7 +835,7 @@ def _promotion_copy_bytes(func: Any, args: tuple[Any, ...], out: Any) -> int:
     tensors = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in skip]
     if not tensors:
         return 0
-    in_place = torch.Tag.inplace in tags
+    in_place = is_in_place(func)
     if not in_place and isinstance(out, torch.Tensor) and out.dtype is not torch.bool:
         common = out.dtype
     else:
