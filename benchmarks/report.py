@@ -282,6 +282,50 @@ def _speed() -> str:
     return "\n".join(lines)
 
 
+def _accuracy_cuda() -> str:
+    """The real-GPU check (benchmarks/accuracy_cuda.py): allocated, reserved, the out-of-memory
+    line and the CUDA context, estimated against the real step."""
+    path = RESULTS / "accuracy_cuda.json"
+    if not path.exists():
+        return "No real-GPU results are recorded."
+    data = json.loads(path.read_text())
+    mib = 1 << 20
+    lines = [
+        f"{data['gpu']} ({data['total_memory_bytes'] / 2**30:.1f} GiB), compute capability "
+        f"{'.'.join(map(str, data['compute_capability']))}, torch {data['torch']} (CUDA "
+        f"{data['cuda']}), module loading {data['lazy_loading']}. Each ratio is estimate / "
+        "real; allocated includes the cuBLAS workspace on both sides.",
+        "",
+        "| model | setting | allocated peak (est / real) | reserved peak (est / real) | "
+        "least cap that runs (est / real) | CUDA context (est / real) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        setting = (
+            f"{r['mode']}, batch {r['batch_size']}, {r['precision']}"
+            + (f", {r['optimizer']}" if r["optimizer"] else "")
+        )
+        if "error" in r:
+            lines.append(f"| {r['model']} | {setting} | {r['error']} | | | |")
+            continue
+        e, real = r["estimate"], r["real"]
+        cap = (
+            f"{r['estimated_cap_bytes'] / mib:,.0f} / {r['least_cap_bytes'] / mib:,.0f} MiB "
+            f"({r['ratio_cap']:.3f})"
+            if "least_cap_bytes" in r
+            else ""
+        )
+        lines.append(
+            f"| {r['model']} | {setting} | "
+            f"{(e['peak_bytes'] + e['cublas_workspace_bytes']) / mib:,.0f} / "
+            f"{real['allocated_peak_bytes'] / mib:,.0f} MiB ({r['ratio_allocated']:.3f}) | "
+            f"{e['reserved_peak_bytes'] / mib:,.0f} / {real['reserved_peak_bytes'] / mib:,.0f} "
+            f"MiB ({r['ratio_reserved']:.3f}) | {cap} | "
+            f"{e['context_bytes'] / mib:,.0f} / {real['context_bytes'] / mib:,.0f} MiB |"
+        )
+    return "\n".join(lines)
+
+
 # Which page of docs/ holds each marked section.
 PAGES = {
     "accuracy": "docs/accuracy.md",
@@ -289,6 +333,7 @@ PAGES = {
     "accuracy-levers": "docs/accuracy.md",
     "optimizers": "docs/accuracy.md",
     "accuracy-distributed": "docs/accuracy.md",
+    "accuracy-cuda": "docs/accuracy.md",
     "isa": "docs/accuracy.md",
     "deepspeed-states": "docs/guides/multi-gpu.md",
     "speed": "docs/speed.md",
@@ -302,6 +347,7 @@ def main() -> None:
         "accuracy-levers": _accuracy_levers(),
         "optimizers": _optimizers(),
         "accuracy-distributed": _accuracy_distributed(),
+        "accuracy-cuda": _accuracy_cuda(),
         "deepspeed-states": _deepspeed_states(),
         "isa": _isa(),
         "speed": _speed(),

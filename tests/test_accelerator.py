@@ -70,16 +70,16 @@ def test_cublas_workspace_constants() -> None:
 
 def test_context_is_a_plausible_typical_value() -> None:
     assert 200 * 2**20 <= CUDA_CONTEXT_BYTES <= 2**30
-    assert CUDA_CONTEXT_BYTES == cuda_context((9, 0)).nbytes == 500 * 2**20  # H100, lazy
+    assert CUDA_CONTEXT_BYTES == cuda_context((9, 0)).nbytes == 775 * 2**20  # Hopper, lazy
 
 
 @pytest.mark.parametrize(
     ("capability", "lazy", "mib", "kind"),
     [
         ((8, 9), True, 426, "measured"),  # RTX 6000 Ada, unsloth-zoo#1053
-        ((9, 0), True, 500, "estimate"),  # Hopper's row
-        ((9, 9), True, 500, "estimate"),  # any minor of major 9 -> the (9, *) row
-        ((10, 0), True, 500, "estimate"),  # Blackwell: Hopper's figure assumed
+        ((9, 0), True, 775, "measured"),  # Hopper's row: an H200 (accuracy_cuda.json)
+        ((9, 9), True, 775, "measured"),  # any minor of major 9 -> the (9, *) row
+        ((10, 0), True, 775, "estimate"),  # Blackwell: Hopper's figure assumed
         ((8, 0), True, 400, "estimate"),  # A100: no row -> the any-GPU lazy row
         ((7, 0), False, 1343, "measured"),  # V100, eager: the Transformers docs
         ((8, 6), False, 1687, "measured"),  # RTX 3090, eager: pytorch#55277
@@ -98,7 +98,7 @@ def test_context_table_rows(capability: tuple[int, int], lazy: bool, mib: int, k
 def test_estimate_names_the_context_it_used() -> None:
     profile = profile_model(zoo.mlp(), input_size=(784,), device="cuda")
     est = profile.estimate(4)  # default GPU: an H100 with lazy loading
-    assert est.extras.cuda_context_bytes == 500 * 2**20
+    assert est.extras.cuda_context_bytes == 775 * 2**20
     assert est.extras.cuda_context_source == cuda_context((9, 0)).source
     ada = profile.estimate(4, compute_capability=(8, 9)).extras
     assert (ada.cuda_context_bytes, ada.cuda_context_source) == (
@@ -117,7 +117,7 @@ def test_given_context_reaches_every_consumer() -> None:
     table, given = profile.estimate(4096), profile.estimate(4096, context_bytes=2**30)
     assert given.extras.cuda_context_bytes == 2**30
     assert given.extras.cuda_context_source == f"given: context_bytes={2**30}"
-    delta = 2**30 - 500 * 2**20  # 1 GiB given instead of the table's 500 MiB
+    delta = 2**30 - 775 * 2**20  # 1 GiB given instead of the table's 775 MiB
     assert given.total_bytes - table.total_bytes == delta
     assert table.device_bytes is not None and given.device_bytes is not None
     assert given.device_bytes - table.device_bytes == delta

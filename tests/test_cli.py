@@ -537,7 +537,7 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
     ("argv", "names"),
     [
         (["--gpu", "256 MiB"], "a CUDA device holds before any tensor"),
-        (["--gpu", "532MiB"], "give a larger capacity"),  # 500 MiB context + 32 MiB workspace
+        (["--gpu", "807MiB"], "give a larger capacity"),  # 775 MiB context + 32 MiB workspace
         (["--gpus", "12", "--strategy", "hsdp"], "gpus=12 is not a whole number of nodes"),
         (["--gpus", "4", "--rank", "4"], "an int in [0, 4)"),
         (["--strategy", "zero1"], "for --gpus N with N > 1"),
