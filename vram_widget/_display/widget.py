@@ -462,9 +462,7 @@ class MemoryWidget(widgets.VBox):
         if levers is None:  # refused by the estimate at once, nothing profiled
             return False
         try:  # FSDP2 under autocast steps on half parameters: a profiling run of its own
-            parallel = resolve_parallel(
-                self.gpus, self.strategy, gpus_per_node=self.gpus_per_node
-            )
+            parallel = resolve_parallel(self.gpus, self.strategy, gpus_per_node=self.gpus_per_node)
         except ValueError:  # the estimate says why
             parallel = SINGLE_DEVICE
         cached = self._profile.is_cached(
@@ -811,7 +809,7 @@ class MemoryWidget(widgets.VBox):
             f"{format_bytes(x.allocator_rounding_bytes)}; allocated + extras "
             f"{format_bytes(est.total_bytes)}"
             # what "fits" compares with the card: this on the CPU, the device line on CUDA
-            + (" (the number compared with the card)" if est.allocator is None else "")
+             + (" (the number compared with the card)" if est.allocator is None else "")
         )
         ignored = (*self._ignored, *est.ignored)
         if ignored:  # what the setup runs that the estimate leaves out, never dropped
