@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # torch is imported on first use: the command line's parser needs none
     import torch
@@ -287,7 +287,7 @@ def build_from_config(
     import torch
 
     transformers = _transformers()
-    label = name or getattr(config, "model_type", "config")
+    label = str(name or getattr(config, "model_type", None) or "config")
     architectures = getattr(config, "architectures", None) or []
     arch = architectures[0] if architectures else None
     cls = getattr(transformers, arch, None) if arch else None
@@ -421,7 +421,7 @@ def model_or_name(
     inputs: Any,
     seq_len: Any = None,
     trust_remote_code: Any = False,
-) -> tuple[Any, Any, str]:
+) -> tuple[torch.nn.Module, Any, str]:
     """``profile_model``'s model: a module as given, or a string built by :func:`hub_model`.
 
     Returns
@@ -443,7 +443,8 @@ def model_or_name(
                 f"{given}= is for a model named by a string (a Hub id or a directory); for a "
                 "module, give inputs=<an example batch> of the length to profile"
             )
-        return model, inputs, type(model).__name__
+        # not checked here: profile_model's check_model says what a non-module is
+        return cast("torch.nn.Module", model), inputs, type(model).__name__
     name = os.fspath(model)
     if input_size is not None or inputs is not None:
         given = "input_size" if input_size is not None else "inputs"
