@@ -272,8 +272,8 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert len(re.findall(r"^  vram-widget ", out, flags=re.MULTILINE)) == 3
-    assert "--transformers" in out and ":build_model" in out
+    assert len(re.findall(r"^  vram-widget ", out, flags=re.MULTILINE)) == 4
+    assert "--transformers" in out and ":build_model" in out and "--hf Qwen/" in out
 
 
 def test_profiling_error_is_exit_1(capsys: pytest.CaptureFixture[str]) -> None:

@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = build_model(parser, spec)
     check_positions(parser, args, model)
     inputs = model_inputs(parser, args, spec, model)
-    assumed = _assumptions(args, spec, inputs)
+    assumed = _assumptions(args, spec, inputs, model)
     if assumed and not args.json:
         for line in assumed:
             print(line)
@@ -121,9 +121,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _assumptions(args: argparse.Namespace, spec: ModelSpec, inputs: dict[str, Any]) -> list[str]:
+def _assumptions(
+    args: argparse.Namespace, spec: ModelSpec, inputs: dict[str, Any], model: nn.Module
+) -> list[str]:
     """One line per default the user did not choose: the model and its inputs, the GPU."""
     lines = []
+    if spec.kind == "hub":
+        lines.append(
+            f"built from the config.json of {spec.label} (no weights): {type(model).__name__}, "
+            f"one sample {describe_inputs(inputs)}"
+        )
     if args.model_assumed:
         lines.append(
             f"assumed model: {DEFAULT_MODEL} (zoo), one sample {describe_inputs(inputs)}; "
@@ -167,7 +174,7 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         "mode": args.mode,
         "compute_capability": None if args.gpu is None else args.gpu.compute_capability,
     }
-    if args.transformers is None and args.seq_len is not None:
+    if args.transformers is None and args.hf is None and args.seq_len is not None:
         keywords["seq_len"] = args.seq_len  # a --transformers model is profiled at its length
     if args.new_tokens is not None:
         keywords["new_tokens"] = args.new_tokens

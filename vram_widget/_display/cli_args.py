@@ -29,6 +29,7 @@ from .cli_models import (
     DEFAULT_MODEL,
     DEFAULT_SEQ_LEN,
     config_pairs,
+    hub_name,
     model_spec,
     transformers_type,
 )
@@ -67,6 +68,7 @@ examples:
   vram-widget --transformers llama \\
       --config num_hidden_layers=2,hidden_size=256,num_attention_heads=4,vocab_size=32000 \\
       --seq-len 512 --batch-size 8 --json
+  vram-widget --hf Qwen/Qwen2.5-0.5B --seq-len 2048 --batch-size 4 --precision amp-bf16
 """
 
 # Flags of training only: (dest, flag) — given with another --mode, a usage error.
@@ -256,6 +258,21 @@ def _model_flags(what: argparse._ArgumentGroup) -> None:
         help="config of --transformers, e.g. n_layer=2,n_embd=64 (values: int, float, "
         "true/false, str; keys: the config class's own fields); may be repeated",
     )
+    what.add_argument(
+        "--hf",
+        type=hub_name,
+        metavar="ID",
+        help="a Hugging Face Hub model id (org/name) or a local directory holding a "
+        "config.json: only config.json is fetched (no weights), and the class its "
+        "architectures names is built on the meta device (else a causal-LM head, else the "
+        "bare model), fed input_ids (and labels) of --seq-len tokens",
+    )
+    what.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="with --hf: build an architecture that is the repository's own code "
+        "(config.auto_map), which downloads and runs that code on this machine",
+    )
 
 
 def _zoo_names() -> list[str]:
@@ -277,8 +294,9 @@ def _input_flags(inputs: argparse._ArgumentGroup) -> None:
         "--seq-len",
         type=positive_int,
         metavar="N",
-        help="tokens per sample (the prompt, with --mode generate): a --transformers model's "
-        f"example length (default: {DEFAULT_SEQ_LEN}), at most its position table; for a zoo "
+        help="tokens per sample (the prompt, with --mode generate): a --transformers or --hf "
+        f"model's example length (default: {DEFAULT_SEQ_LEN}, or the config's "
+        "max_position_embeddings where less), at most its position table; for a zoo "
         "or callable model with a sequence axis, the length estimated (default: its example's)",
     )
     inputs.add_argument(

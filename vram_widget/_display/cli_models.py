@@ -1,8 +1,10 @@
 """How the command line's model is named, built and fed (``vram-widget MODEL``).
 
-A zoo name, a ``package.module:callable`` or a Hugging Face model type built from a config on
-the meta device; each kind has its default example inputs. Every problem found here is a usage
-error (``parser.error``): it happens before any profiling.
+A zoo name, a ``package.module:callable``, a Hugging Face model type built from a config on
+the meta device, or a Hub id or local directory whose config.json is built the same way
+(``--hf``, :mod:`vram_widget._profiling.hub`); each kind has its default example inputs.
+Every problem found here is a usage error (``parser.error``): it happens before any
+profiling.
 """
 
 from __future__ import annotations
@@ -18,20 +20,23 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from .._profiling.hub import DEFAULT_SEQ_LEN, build_from_config, check_model_name, token_inputs
+
 if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "DEFAULT_SEQ_LEN",
     "ModelSpec",
     "build_model",
     "config_pairs",
+    "hub_name",
     "model_spec",
     "resolve_model",
     "transformers_type",
 ]
 
 DEFAULT_MODEL = "resnet18"
-DEFAULT_SEQ_LEN = 128
 CALLABLE_FORM = "package.module:callable (a function that takes no arguments)"
 
 
@@ -42,9 +47,9 @@ class ModelSpec:
     Attributes
     ----------
     label
-        How the user named it (zoo name, ``module:callable`` or transformers type).
+        How the user named it (zoo name, ``module:callable``, transformers type or Hub id).
     kind
-        ``"zoo"``, ``"callable"`` or ``"transformers"``.
+        ``"zoo"``, ``"callable"``, ``"transformers"`` or ``"hub"``.
     build
         Returns the module (may raise: the caller turns that into a usage error).
     """
@@ -161,6 +166,22 @@ def transformers_type(value: str) -> str:
     )
 
 
+def hub_name(value: str) -> str:
+    """Validate ``--hf``: a directory holding a config.json, or a Hub id in its valid form
+    (checked here, before any network call).
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        Naming the valid forms.
+    """
+    try:
+        check_model_name(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _config_value(text: str) -> Any:
     """int, float, bool (``true``/``false``) or str, in that order of preference."""
     lowered = text.lower()
@@ -234,21 +255,22 @@ def check_config_keys(model_type: str, config: dict[str, Any]) -> None:
 
 def _transformers_spec(model_type: str, config: dict[str, Any]) -> ModelSpec:
     def build() -> Any:
-        import torch
-
-        transformers = _transformers()
-        hf_config = transformers.AutoConfig.for_model(model_type, **config)
-        # The meta device: shapes only, so a 70B model "builds" in a second and the profile
-        # (which runs on fake tensors anyway) never needs its weights.
-        with torch.device("meta"):
-            try:
-                return transformers.AutoModelForCausalLM.from_config(hf_config)
-            except ValueError:
-                # No causal-LM head for this type (an encoder, a vision model): the bare model.
-                return transformers.AutoModel.from_config(hf_config)
+        hf_config = _transformers().AutoConfig.for_model(model_type, **config)
+        # on the meta device: a causal-LM head where the type has one, else the bare model
+        return build_from_config(hf_config)[0]
 
     label = model_type + "".join(f",{k}={v}" for k, v in config.items())
     return ModelSpec(label, "transformers", build)
+
+
+def _hub_spec(name: str, trust_remote_code: bool) -> ModelSpec:
+    def build() -> Any:
+        from .._profiling.hub import hub_model
+
+        # the example batch is made again at --seq-len by model_inputs
+        return hub_model(name, trust_remote_code=trust_remote_code).model
+
+    return ModelSpec(name, "hub", build)
 
 
 def resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelSpec:
@@ -258,6 +280,21 @@ def resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error("give the model once: as MODEL or as --model, not both")
     spec: ModelSpec | None = args.model or args.model_option
     args.model_assumed = False
+    if args.trust_remote_code and args.hf is None:
+        parser.error("--trust-remote-code goes with --hf ID (a Hub model id or a directory)")
+    if args.hf is not None:
+        if spec is not None or args.transformers is not None:
+            parser.error("give one model: MODEL/--model, --transformers TYPE or --hf ID")
+        if args.config:
+            parser.error(
+                "--config is the config of --transformers TYPE; --hf ID reads its config.json"
+            )
+        if args.input_size is not None:
+            parser.error(
+                "--input-size does not go with --hf: the model is fed input_ids (and labels) "
+                "of --seq-len tokens; give --seq-len N"
+            )
+        return _hub_spec(args.hf, args.trust_remote_code)
     if args.transformers is not None:
         if spec is not None:
             parser.error("give MODEL/--model or --transformers, not both")
@@ -288,6 +325,8 @@ def build_model(parser: argparse.ArgumentParser, spec: ModelSpec) -> nn.Module:
         with quiet_third_party():  # what libraries log while the model is built
             model = spec.build()
     except Exception as exc:  # the user's code or config: report it as a bad argument
+        if spec.kind == "hub":  # hub_model's errors say what to do already
+            parser.error(f"--hf {spec.label}: {exc}")
         what = "--transformers/--config" if spec.kind == "transformers" else "MODEL"
         parser.error(f"{what}: building {spec.label!r} failed: {type(exc).__name__}: {exc}")
     if not isinstance(model, nn.Module):
@@ -322,7 +361,7 @@ def check_positions(parser: argparse.ArgumentParser, args: argparse.Namespace, m
             "values (a Hugging Face model with generate(), e.g. --transformers gpt2); "
             "--mode inference is one forward"
         )
-    prompt = effective_seq_len(args)
+    prompt = effective_seq_len(args, model)
     if limit is not None and prompt is not None and prompt + args.new_tokens > limit:
         parser.error(
             f"a prompt of --seq-len {prompt} tokens plus --new-tokens {args.new_tokens} is "
@@ -331,8 +370,13 @@ def check_positions(parser: argparse.ArgumentParser, args: argparse.Namespace, m
         )
 
 
-def effective_seq_len(args: argparse.Namespace) -> int | None:
-    """Tokens per sample: --seq-len, or DEFAULT_SEQ_LEN for a --transformers model."""
+def effective_seq_len(args: argparse.Namespace, model: Any = None) -> int | None:
+    """Tokens per sample: --seq-len, or DEFAULT_SEQ_LEN for a --transformers model, or for an
+    --hf model the same bounded by its config's max_position_embeddings."""
+    if args.seq_len is None and args.hf is not None:
+        from .._profiling.hub import default_seq_len
+
+        return default_seq_len(getattr(model, "config", None))
     if args.seq_len is None and args.transformers is not None:
         return DEFAULT_SEQ_LEN
     length: int | None = args.seq_len
@@ -351,16 +395,12 @@ def model_inputs(
         # Batch 2, not 1: the profile fits every allocation to a + b * batch and reads only
         # shapes, so the example's batch does not matter beyond having one.
         return {"inputs": zoo.ZOO[spec.label].make_inputs(2)}
-    if spec.kind == "transformers":
-        import torch
-
-        ids = torch.zeros(1, effective_seq_len(args) or DEFAULT_SEQ_LEN, dtype=torch.long)
-        # labels make the model compute its own loss, as in training; a bare model (no LM
-        # head) takes no labels, and its loss is the mean of its first output. A generation
-        # is prompted with the ids alone, as model.generate(input_ids) is.
-        if args.new_tokens is None and "labels" in inspect.signature(model.forward).parameters:
-            return {"inputs": {"input_ids": ids, "labels": ids}}
-        return {"inputs": {"input_ids": ids}}
+    if spec.kind in ("transformers", "hub"):
+        # labels make a language-model head compute its own loss, as in training; a bare
+        # model or another head's loss is the mean of its first output. A generation is
+        # prompted with the ids alone, as model.generate(input_ids) is.
+        length = effective_seq_len(args, model) or DEFAULT_SEQ_LEN
+        return {"inputs": token_inputs(model, length, labels=args.new_tokens is None)}
     _needs_input_size(parser, spec)
 
 

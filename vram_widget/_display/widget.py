@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import html
 import math
+import os
 import re
 import time
 from collections.abc import Mapping
@@ -462,9 +463,7 @@ class MemoryWidget(widgets.VBox):
         if levers is None:  # refused by the estimate at once, nothing profiled
             return False
         try:  # FSDP2 under autocast steps on half parameters: a profiling run of its own
-            parallel = resolve_parallel(
-                self.gpus, self.strategy, gpus_per_node=self.gpus_per_node
-            )
+            parallel = resolve_parallel(self.gpus, self.strategy, gpus_per_node=self.gpus_per_node)
         except ValueError:  # the estimate says why
             parallel = SINGLE_DEVICE
         cached = self._profile.is_cached(
@@ -811,7 +810,7 @@ class MemoryWidget(widgets.VBox):
             f"{format_bytes(x.allocator_rounding_bytes)}; allocated + extras "
             f"{format_bytes(est.total_bytes)}"
             # what "fits" compares with the card: this on the CPU, the device line on CUDA
-            + (" (the number compared with the card)" if est.allocator is None else "")
+             + (" (the number compared with the card)" if est.allocator is None else "")
         )
         ignored = (*self._ignored, *est.ignored)
         if ignored:  # what the setup runs that the estimate leaves out, never dropped
@@ -1270,14 +1269,17 @@ def show_memory(
     seq_axis: Any = None,
     cache: Any = True,
     recipe: Recipe | None = None,
+    trust_remote_code: bool = False,
     **initial_settings: Any,
 ) -> MemoryWidget:
     """Profile ``model`` once and show an interactive memory / FLOPs widget.
 
     Parameters
     ----------
-    model : torch.nn.Module
-        The model to estimate (any device, including meta).
+    model : torch.nn.Module or str
+        The model to estimate (any device, including meta), or a Hugging Face Hub id or a
+        local directory holding a config.json (see :func:`vram_widget.profile_model`: built
+        from the config alone, profiled at the ``seq_len`` setting, by default 128 tokens).
     input_size : tuple of int, optional
         The shape of one sample (no batch dimension).
     inputs : Tensor, tuple or dict of Tensors, optional
@@ -1298,6 +1300,9 @@ def show_memory(
         control (``lora_targets``, ``lora_dtype``, ``context_bytes``, ``lazy_loading``,
         ``fsdp_units``) are held for every estimate, and what its config sets but the
         estimate leaves out is listed in the summary. A setting given here too must agree.
+    trust_remote_code : bool, optional
+        For a model named by a string whose architecture is the repository's own code: True
+        downloads and runs that code (see :func:`vram_widget.profile_model`).
     **initial_settings
         Starting values of the controls: ``batch_size`` (int >= 1), ``seq_len`` (tokens
         per sample, where the profile has a sequence axis; default: the example's),
@@ -1391,6 +1396,7 @@ def show_memory(
         seq_axis=seq_axis,
         precisions=(initial_settings.get("precision", "fp32"),),  # the first one asked
         cache=cache,
+        **_named_model_keywords(model, initial_settings, trust_remote_code),
     )
     try:
         if from_recipe is None:
@@ -1403,6 +1409,19 @@ def show_memory(
         )
     except traitlets.TraitError as exc:  # a control's own check of its starting value
         raise ValueError(f"invalid setting: {exc}") from None
+
+
+def _named_model_keywords(
+    model: Any, settings: dict[str, Any], trust_remote_code: bool
+) -> dict[str, Any]:
+    """profile_model's keywords for a model named by a string: the sequence slider's start
+    is the example's length (a module takes neither keyword)."""
+    if not isinstance(model, str | os.PathLike):
+        return {"trust_remote_code": True} if trust_remote_code else {}
+    keywords: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if isinstance(settings.get("seq_len"), int):
+        keywords["seq_len"] = settings["seq_len"]
+    return keywords
 
 
 def _check_optimizer_settings(settings: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from .fake import (
     reparametrized,
 )
 from .generation import generation_limit, prompt_inputs, recorded_generation
+from .hub import model_or_name
 from .optimizers import (
     OpWatch,
     cpu_kernels,
@@ -1424,7 +1426,7 @@ def _check_devices(model: torch.nn.Module, inputs: ModelInputs) -> None:
 
 
 def profile_model(
-    model: torch.nn.Module,
+    model: torch.nn.Module | str | os.PathLike[str],
     input_size: Any = None,
     inputs: Any = None,
     loss_fn: Callable[[Any], Any] | None = None,
@@ -1433,6 +1435,8 @@ def profile_model(
     *,
     precisions: Any = ("fp32",),
     cache: Any = True,
+    seq_len: int | None = None,
+    trust_remote_code: bool = False,
 ) -> ModelProfile:
     """Profile one training step and one inference pass of ``model`` on fake tensors.
 
@@ -1443,9 +1447,15 @@ def profile_model(
 
     Parameters
     ----------
-    model : torch.nn.Module
+    model : torch.nn.Module or str
         Any module, on any device, including the meta device; nothing is moved or allocated
-        there (parameters and buffers are profiled as fake CPU tensors of their shapes).
+        there (parameters and buffers are profiled as fake CPU tensors of their shapes). Or a
+        Hugging Face Hub id (``"org/name"``) or a local directory holding a ``config.json``:
+        only the config is read, and the model is built from it on the meta device, with the
+        class ``config.architectures`` names (else ``AutoModelForCausalLM``, else
+        ``AutoModel``), fed ``input_ids`` (and ``labels``, for a language-model head) of
+        ``seq_len`` tokens; ``input_size`` and ``inputs`` are then refused. The profile's
+        ``model_name`` says which class was built (``vram_widget._profiling.hub``).
     input_size : tuple of int, optional
         The shape of one sample, without the batch dimension; the input is one float tensor.
     inputs : Tensor, tuple of Tensors or dict of keyword Tensors, optional
@@ -1479,6 +1489,13 @@ def profile_model(
         versions runs nothing; what is in the key is listed in
         ``vram_widget._profiling.disk_cache``. A ``loss_fn`` whose state cannot be hashed (a
         bound method, a closure over a tensor) is not cached.
+    seq_len : int, optional
+        For a model named by a string: tokens per sample of the example batch (default 128,
+        or the config's ``max_position_embeddings`` where that is less); ``estimate(seq_len=)``
+        varies it afterwards.
+    trust_remote_code : bool, optional
+        For a model named by a string whose architecture is the repository's own code
+        (``config.auto_map``), not transformers': True downloads and runs that code.
 
     Returns
     -------
@@ -1496,6 +1513,7 @@ def profile_model(
     >>> est.optimizer_state_bytes == 2 * 4 * profile.param_count + 6 * 4
     True
     """
+    model, inputs, model_name = model_or_name(model, input_size, inputs, seq_len, trust_remote_code)
     check_model(model)
     target = parse_option(Device, device, "device")
     eager = _parse_precisions(precisions)
@@ -1536,7 +1554,7 @@ def profile_model(
         subject.rows,
         target,
         source,
-        model_name=type(model).__name__,
+        model_name=model_name,
         input_shape=subject.describe_inputs(),
         seq_len=subject.seq_len,
         no_seq_reason=no_seq_reason,
