@@ -58,6 +58,7 @@ __all__ = [
     "ReplayStream",
     "cached_replay",
     "fast_replay",
+    "forget_replays",
     "plan",
     "replays_run",
 ]
@@ -446,6 +447,12 @@ _plans: OrderedDict[bytes, ReplayPlan] = OrderedDict()
 _outcomes: OrderedDict[
     tuple[bytes, int | None, bool], AllocatorReplay | tuple[int, int, int, int]
 ] = OrderedDict()
+
+
+def forget_replays() -> None:
+    """Forget every remembered plan and replay (benchmarks time cold replays with it)."""
+    _plans.clear()
+    _outcomes.clear()
 
 
 def _ints(a: np.ndarray) -> np.ndarray:
