@@ -389,7 +389,9 @@ class MemoryEstimate:
         # request. The first cap that runs is the answer, every lower one tried having
         # failed; at the unconstrained reserved peak nothing has to be released, so the
         # climb stops there at the latest. A failing replay stops at its failure, so this
-        # costs about half a bisection between the two bounds (measured: 2-11 replays).
+        # costs about half a bisection between the two bounds (measured: 2-11 replays), each
+        # remembered per step and capacity (replaying.cached_replay): another estimate of
+        # the same setting, made by any caller, climbs again without a replay.
         cap, top = (least - context) // step, (most - context) // step
         while cap < top:
             try:
