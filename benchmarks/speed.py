@@ -3,6 +3,7 @@ meta-device giant needs.
 
     python benchmarks/speed.py            # everything (a few minutes on 2 cores)
     python benchmarks/speed.py --skip-llama
+    python benchmarks/speed.py --replay-only  # the allocator replay rows alone
 
 1. ResNet-50 (torchvision architecture) at 3x224x224: ``profile_model`` (fp32, training and
    inference, Adam; both devices) against ``torchinfo.summary`` of the same model in the same
@@ -24,6 +25,7 @@ meta-device giant needs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,6 +38,9 @@ import numpy as np
 import torch
 
 from vram_widget import profile_model, zoo
+from vram_widget._estimating.allocator import replay
+from vram_widget._estimating.estimator import MemoryEstimate
+from vram_widget._estimating.replaying import forget_replays, replays_run
 
 # The process's own peak RSS, defined in each measuring script.
 _PEAK_RSS = """
@@ -364,26 +369,65 @@ def estimate_latency(calls: int) -> dict[str, float]:
     }
 
 
-def replay_latency(repeats: int = 20) -> dict[str, float]:
-    """The caching-allocator replay of ResNet-50's step at 224 x 224, batch 32, fp32, AdamW
-    (``device="cuda"``): median of ``repeats`` replays, plain and with expandable segments,
-    and ``device_bytes`` (a climb over capacities, several replays; median of 5 fresh
-    estimates, as it is cached on each)."""
-    profile = profile_model(zoo.resnet50(), input_size=(3, 224, 224))
-    est = profile.estimate(32, "fp32", "adamw")
-    plain = [_timed(lambda: est.replayed(False)) for _ in range(repeats)]
-    grown = [_timed(lambda: est.replayed(True)) for _ in range(repeats)]
-    fresh = profile.estimate(32, "fp32", "adamw")
-    searches = [profile.estimate(32, "fp32", "adamw") for _ in range(5)]
+def replay_latency(est: MemoryEstimate, repeats: int = 9) -> dict[str, float]:
+    """The caching-allocator replay of ``est``'s step (``device="cuda"``), cold (nothing
+    remembered: ``replaying.forget_replays`` before each), median of ``repeats``, back to
+    back with the class-based reference (``allocator.replay``) in the same process: plain,
+    with expandable segments, and ``device_bytes`` of a fresh estimate (the free replay and
+    a climb of capped ones), then ``device_bytes`` of a fresh estimate of the same setting
+    with the replays remembered (what every caller after the first pays)."""
+    stream = est._replay_stream
+    assert stream is not None
+    residents = stream.resident_bytes.tolist()
+    events = list(zip(stream.storage.tolist(), stream.nbytes.tolist(), strict=True))
+
+    def cold(fn):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            forget_replays()
+            fn()
+
+        return run
+
+    def fresh() -> MemoryEstimate:
+        return dataclasses.replace(est)  # a new estimate: nothing cached on it
+
+    times: dict[str, list[float]] = {k: [] for k in ("ref", "ref_exp", "flat", "flat_exp")}
+    for _ in range(repeats):  # interleaved, so that the machine's load falls on both alike
+        times["ref"].append(_timed(lambda: replay(residents, events)))
+        times["flat"].append(_timed(cold(lambda: est.replayed(False))))
+        times["ref_exp"].append(_timed(lambda: replay(residents, events, expandable_segments=True)))
+        times["flat_exp"].append(_timed(cold(lambda: est.replayed(True))))
+    device = [_timed(cold(lambda: fresh().device_bytes)) for _ in range(repeats)]
+    forget_replays()
+    before = replays_run()
+    device_bytes = fresh().device_bytes
+    replays = replays_run() - before
+    remembered = [_timed(lambda: fresh().device_bytes) for _ in range(repeats)]
     return {
         "events": len(est.event_bytes) if est.event_bytes is not None else 0,
-        "replay_ms": 1e3 * statistics.median(plain),
-        "replay_expandable_ms": 1e3 * statistics.median(grown),
-        "device_bytes_ms": 1e3
-        * statistics.median(_timed(lambda e=e: e.device_bytes) for e in searches),
+        "replay_ms": 1e3 * statistics.median(times["flat"]),
+        "replay_expandable_ms": 1e3 * statistics.median(times["flat_exp"]),
+        "reference_replay_ms": 1e3 * statistics.median(times["ref"]),
+        "reference_replay_expandable_ms": 1e3 * statistics.median(times["ref_exp"]),
+        "device_bytes_ms": 1e3 * statistics.median(device),
+        "device_bytes_replays": replays,
+        "device_bytes_remembered_ms": 1e3 * statistics.median(remembered),
         "peak_bytes": est.peak_bytes,
         "reserved_bytes": est.reserved_bytes or 0,
-        "device_bytes": fresh.device_bytes or 0,
+        "device_bytes": device_bytes or 0,
+    }
+
+
+def replay_rows(repeats: int = 9) -> dict[str, dict[str, float]]:
+    """:func:`replay_latency` of ResNet-50 at 224 x 224, batch 32, fp32, AdamW, and of the
+    Llama-7B shape (on the meta device, 128 tokens) at batch 8, bf16, AdamW."""
+    resnet = profile_model(zoo.resnet50(), input_size=(3, 224, 224)).estimate(32, "fp32", "adamw")
+    with torch.device("meta"):
+        model = zoo.llama_decoder(zoo.LLAMA_7B)
+    llama = profile_model(model, inputs=torch.zeros(1, 128, dtype=torch.long))
+    return {
+        "replay": replay_latency(resnet, repeats),
+        "replay_llama_7b": replay_latency(llama.estimate(8, "bf16", "adamw"), repeats),
     }
 
 
@@ -403,8 +447,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="run only the allocator replay rows, updating them in --out (the others kept)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "speed.json"))
     args = parser.parse_args()
+    if args.replay_only:
+        out = Path(args.out)
+        kept = json.loads(out.read_text()) if out.exists() else {}
+        rows = replay_rows()
+        print(json.dumps(rows, indent=1), flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**kept, **rows}, indent=1))
+        return
     results: dict[str, object] = {"torch": torch.__version__, "cpus": os.cpu_count()}
     results["resnet50_224"] = profile_vs_torchinfo(args.repeats)
     print("ResNet-50 3x224x224:", results["resnet50_224"], flush=True)
@@ -412,8 +469,8 @@ def main() -> None:
         results[f"floor_{which}"] = profile_vs_floor(which)
         print(f"{which} against the floor:", results[f"floor_{which}"], flush=True)
     results["estimate"] = estimate_latency(args.calls)
-    results["replay"] = replay_latency()
-    print("allocator replay:", results["replay"], flush=True)
+    results.update(replay_rows())
+    print("allocator replay:", results["replay"], results["replay_llama_7b"], flush=True)
     print("estimate():", results["estimate"], flush=True)
     if not args.skip_llama:
         results["llama_7b_meta"] = llama_meta()

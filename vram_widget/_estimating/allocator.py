@@ -460,6 +460,9 @@ def replay(
     the final state as a ``torch.cuda.memory._snapshot()`` (``snapshot``), each request
     with ``frames[i]`` where given (the residents with a frame named "resident").
 
+    This is the reference, one object per block; ``replaying.fast_replay`` gives the same
+    numbers from flat ints (and ``MemoryEstimate`` replays through it, once per setting).
+
     Examples
     --------
     >>> # 1 KiB, then 1.5 MiB, then 11.5 MiB; free the 1.5 MiB; then 0.9 MiB. The 1 KiB

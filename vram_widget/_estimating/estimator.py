@@ -48,6 +48,7 @@ from .options import (
     Strategy,
     parse_option,
 )
+from .replaying import ReplayStream, cached_replay
 from .sharding import SINGLE_DEVICE, STRATEGIES, Parallel, StepEdits
 from .table import N_CATEGORIES, ModuleRows, OptimizerTrace, Timeline, sum_by
 
@@ -221,20 +222,35 @@ class MemoryEstimate:
         well (CublasHandlePool.cpp allocates it with the caching allocator), resident from
         the first matmul on. ``frames`` (one list per event) records the replay as a
         snapshot (:meth:`memory_snapshot`)."""
+        stream = self._replay_stream
+        if stream is None:
+            return None
+        if frames is not None:  # the reference allocator, which records the trace
+            return replay(
+                stream.resident_bytes.tolist(),
+                zip(stream.storage.tolist(), stream.nbytes.tolist(), strict=True),
+                expandable_segments=expandable_segments,
+                capacity_bytes=capacity_bytes,
+                frames=frames,
+                record=True,
+            )
+        return cached_replay(
+            stream, capacity_bytes=capacity_bytes, expandable_segments=expandable_segments
+        )
+
+    @cached_property
+    def _replay_stream(self) -> ReplayStream | None:
+        """What the allocator replays: the residents, the cuBLAS workspace after them, and
+        the step's events; None where nothing is replayed (``device="cpu"``, no storage
+        ids). Replays of the same stream and setting run once in the process
+        (``replaying.cached_replay``), whichever estimate asks."""
         if self.device is not Device.CUDA or self.event_storage is None:
             return None
         assert self.resident_storage_bytes is not None and self.event_bytes is not None
-        residents = self.resident_storage_bytes.tolist()
+        residents = self.resident_storage_bytes
         if self.extras.cublas_workspace_bytes:
-            residents.append(self.extras.cublas_workspace_bytes)
-        return replay(
-            residents,
-            zip(self.event_storage.tolist(), self.event_bytes.tolist(), strict=True),
-            expandable_segments=expandable_segments,
-            capacity_bytes=capacity_bytes,
-            frames=frames,
-            record=frames is not None,
-        )
+            residents = np.append(residents, self.extras.cublas_workspace_bytes)
+        return ReplayStream.of(residents, self.event_storage, self.event_bytes)
 
     def memory_snapshot(self, expandable_segments: bool | None = None) -> dict[str, Any] | None:
         """The predicted step in the format of ``torch.cuda.memory._snapshot()``: the
@@ -373,7 +389,9 @@ class MemoryEstimate:
         # request. The first cap that runs is the answer, every lower one tried having
         # failed; at the unconstrained reserved peak nothing has to be released, so the
         # climb stops there at the latest. A failing replay stops at its failure, so this
-        # costs about half a bisection between the two bounds (measured: 2-11 replays).
+        # costs about half a bisection between the two bounds (measured: 2-11 replays), each
+        # remembered per step and capacity (replaying.cached_replay): another estimate of
+        # the same setting, made by any caller, climbs again without a replay.
         cap, top = (least - context) // step, (most - context) // step
         while cap < top:
             try:

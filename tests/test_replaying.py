@@ -1,0 +1,272 @@
+"""The flat caching-allocator replay against the class-based reference, and the replays kept."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vram_widget import profile_model, zoo
+from vram_widget._estimating import replaying
+from vram_widget._estimating.allocator import (
+    K_LARGE_BUFFER,
+    K_MIN_LARGE_ALLOC,
+    K_SMALL_BUFFER,
+    K_SMALL_SIZE,
+    AllocatorReplay,
+    OutOfMemory,
+    replay,
+)
+from vram_widget._estimating.estimator import MemoryEstimate
+from vram_widget._estimating.replaying import (
+    ReplayStream,
+    cached_replay,
+    fast_replay,
+    plan,
+    replays_run,
+)
+
+MiB = 2**20
+Outcome = tuple[Any, ...]
+
+
+def _outcome(run: Callable[[], AllocatorReplay]) -> Outcome:
+    """Every number a replay gives, or every field of its out-of-memory error."""
+    try:
+        r = run()
+    except OutOfMemory as short:
+        return ("oom", short.request, short.segment, short.reserved, short.allocated)
+    return (
+        "ok",
+        r.peak_reserved_bytes,
+        r.peak_allocated_bytes,
+        r.reserved_at_end_bytes,
+        r.segments,
+    )
+
+
+def _both(
+    residents: list[int],
+    events: list[tuple[int, int]],
+    *,
+    iterations: int = 2,
+    capacity_bytes: int | None = None,
+    expandable_segments: bool = False,
+) -> tuple[Outcome, Outcome]:
+    """The reference replay's outcome and the flat one's, of the same stream and setting."""
+    ids = [s for s, _ in events]
+    nbytes = [n for _, n in events]
+    kw: dict[str, Any] = {
+        "iterations": iterations,
+        "capacity_bytes": capacity_bytes,
+        "expandable_segments": expandable_segments,
+    }
+    reference = _outcome(lambda: replay(residents, events, **kw))
+    flat = _outcome(lambda: fast_replay(plan(residents, ids, nbytes), **kw))
+    return reference, flat
+
+
+# request sizes from every regime of the allocator: small pool (at most 1 MiB), the 20 MiB
+# large buffer (1-10 MiB), rounded 2 MiB segments (10 MiB and up), and the boundaries
+_sizes = st.one_of(
+    st.integers(1, K_SMALL_SIZE),
+    st.integers(K_SMALL_SIZE + 1, K_MIN_LARGE_ALLOC - 1),
+    st.integers(K_MIN_LARGE_ALLOC, 48 * MiB),
+    st.sampled_from(
+        [512, K_SMALL_SIZE, K_SMALL_SIZE + 1, K_SMALL_BUFFER, K_MIN_LARGE_ALLOC, K_LARGE_BUFFER]
+    ),
+)
+# an action: allocate a new storage, free a live one (by its index among the live), free a
+# storage never allocated, allocate again over a live storage (the earlier block stays in
+# use), or an event of zero bytes
+_actions = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc"] * 3 + ["free"] * 3 + ["stray", "over", "zero"]),
+        _sizes,
+        st.integers(0, 2**16),
+    ),
+    max_size=60,
+)
+
+
+def _stream(actions: list[tuple[str, int, int]]) -> list[tuple[int, int]]:
+    events: list[tuple[int, int]] = []
+    live: dict[int, int] = {}
+    fresh = 0
+    for kind, size, pick in actions:
+        if kind == "alloc" or (kind in ("free", "over") and not live):
+            events.append((fresh, size))
+            live[fresh] = size
+            fresh += 1
+        elif kind == "free":
+            storage = list(live)[pick % len(live)]
+            events.append((storage, -live.pop(storage)))
+        elif kind == "over":
+            storage = list(live)[pick % len(live)]
+            events.append((storage, size))
+            live[storage] = size
+        elif kind == "stray":
+            events.append((10**6 + pick, -size))
+        else:
+            events.append((fresh, 0))
+    return events
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    residents=st.lists(_sizes, max_size=6),
+    actions=_actions,
+    iterations=st.integers(1, 3),
+    shortfalls=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+)
+def test_flat_replay_equals_the_reference_on_random_streams(
+    residents: list[int], actions: list[tuple[str, int, int]], iterations: int,
+    shortfalls: list[int],
+) -> None:  # fmt: skip
+    # Exactly the reference's numbers: peaks of the last iteration, reserved at the end,
+    # segments; under caps below the free replay's reserved peak (2 MiB steps, where the
+    # allocator releases cached segments, runs on or fails), the same error fields.
+    events = _stream(actions)
+    reference, flat = _both(residents, events, iterations=iterations)
+    assert flat == reference
+    reference, flat = _both(residents, events, iterations=iterations, expandable_segments=True)
+    assert flat == reference
+    free_peak = _outcome(lambda: replay(residents, events, iterations=iterations))[1]
+    for shortfall in shortfalls:
+        cap = max(0, free_peak - shortfall * K_SMALL_BUFFER)
+        reference, flat = _both(residents, events, iterations=iterations, capacity_bytes=cap)
+        assert flat == reference, cap
+
+
+def test_flat_replay_releases_and_runs_on_under_a_cap() -> None:
+    # A cap that binds and is then met by releasing a cached segment: 30 MiB (its own
+    # 30 MiB segment: 10 MiB and up round to 2 MiB), freed and cached; 32 MiB does not fit
+    # it and needs a 32 MiB segment: 30 + 32 > 40, the free 30 MiB segment is released, and
+    # 32 <= 40 runs on. One iteration: peaks 32 MiB reserved and allocated, and at the end
+    # (the 32 MiB freed into its cached segment) 32 MiB in one segment.
+    events = [(0, 30 * MiB), (0, -30 * MiB), (1, 32 * MiB)]
+    reference, flat = _both([], events, iterations=1, capacity_bytes=40 * MiB)
+    assert flat == reference == ("ok", 32 * MiB, 32 * MiB, 32 * MiB, 1)
+    # under 32 MiB the segment cannot be had even with nothing cached: the error names the
+    # request, the segment, and what is left reserved and allocated after the release (0)
+    reference, flat = _both([], events, iterations=1, capacity_bytes=31 * MiB)
+    assert flat == reference == ("oom", 32 * MiB, 32 * MiB, 0, 0)
+
+
+def test_plan_pairs_frees_as_the_reference_does() -> None:
+    # storage 0 allocated over while live: slot 0 stays in use (never freed), slot 1 is
+    # freed; a stray free is dropped; storage 2 lives to the end and is freed there
+    p = plan([], [0, 0, 9, 0, 2], [1024, 2048, -64, -2048, 4096])
+    assert p.ops == [1024, 2048, ~1, 4096, ~2]
+    # the numpy pairing (alternating storages) and the dict one agree
+    ids, nbytes = [3, 4, 3, 4, 3], [512, 700, -512, -700, 100]
+    assert plan([], ids, nbytes).ops == [512, 1024, ~0, ~1, 512, ~2]
+
+
+def _gpt2() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500)
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("which", ["resnet18", "resnet50", "gpt2"])
+def test_flat_replay_equals_the_reference_on_real_steps(which: str) -> None:
+    # Real profiles' streams, at capacities around device_bytes (2 MiB steps either side,
+    # and the free reserved peak), plain and expandable.
+    if which == "gpt2":
+        ids = torch.zeros(2, 32, dtype=torch.long)
+        profile = profile_model(_gpt2(), inputs={"input_ids": ids, "labels": ids})
+        est = profile.estimate(4, "fp32", "adamw")
+    else:
+        model = zoo.resnet18() if which == "resnet18" else zoo.resnet50()
+        est = profile_model(model, input_size=(3, 64, 64)).estimate(8, "fp32", "adamw")
+    stream = est._replay_stream
+    assert stream is not None and est.device_bytes is not None
+    residents = stream.resident_bytes.tolist()
+    events = list(zip(stream.storage.tolist(), stream.nbytes.tolist(), strict=True))
+    for expandable in (False, True):
+        reference, flat = _both(residents, events, expandable_segments=expandable)
+        assert flat == reference
+    context = est.extras.cuda_context_bytes
+    caps = [est.device_bytes - context + k * K_SMALL_BUFFER for k in range(-3, 4)]
+    caps.append(_outcome(lambda: replay(residents, events))[1])
+    outcomes = set()
+    for cap in caps:
+        reference, flat = _both(residents, events, capacity_bytes=cap)
+        assert flat == reference, cap
+        outcomes.add(reference[0])
+    assert outcomes == {"ok", "oom"}  # the caps straddle the least that runs
+
+
+def _fresh_setting() -> tuple[Any, int]:
+    """A profile and a batch size whose replays this process has not run before."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1000, 3000), torch.nn.ReLU(), torch.nn.Linear(3000, 700)
+    )
+    return profile_model(model, input_size=(1000,)), 1000 + int(replays_run()) % 997
+
+
+def test_each_setting_is_replayed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fits, device_bytes, allocator and the expandable replay of one estimate replay each
+    # setting (capacity, expandable) at most once; a fresh estimate of the same setting,
+    # as another caller makes it, replays nothing.
+    profile, batch = _fresh_setting()
+    asked: list[tuple[int | None, bool]] = []
+    real = replaying.fast_replay
+
+    def counted(step: replaying.ReplayPlan, **kw: Any) -> AllocatorReplay:
+        asked.append((kw.get("capacity_bytes"), kw.get("expandable_segments", False)))
+        return real(step, **kw)
+
+    monkeypatch.setattr(replaying, "fast_replay", counted)
+    est = profile.estimate(batch, "fp32", "adamw")
+    bounds = est._device_bounds()
+    assert bounds is not None and bounds[0] < bounds[1]  # device_bytes climbs capped replays
+    capacity = (bounds[0] + bounds[1]) // 2
+    est.fits(capacity)
+    assert est.device_bytes is not None
+    est.fits(est.device_bytes)
+    assert est.allocator is not None
+    assert est.replayed(expandable_segments=True) is not None
+    assert len(asked) == len(set(asked))  # no setting twice
+    assert (None, False) in asked and (None, True) in asked
+    assert len(asked) >= 3  # the free replay, the expandable one, one capped at least
+    before = len(asked)
+    again = profile.estimate(batch, "fp32", "adamw")
+    assert again is not est
+    assert again.fits(capacity) == est.fits(capacity)
+    assert again.device_bytes == est.device_bytes
+    assert again.allocator == est.allocator
+    assert again.replayed(expandable_segments=True) == est.replayed(expandable_segments=True)
+    assert len(asked) == before  # zero new replays
+
+
+def test_a_remembered_out_of_memory_is_raised_again() -> None:
+    # 30 MiB of resident parameters, then a step under a 10 MiB cap: the same error
+    # (fields) both times, the second without a replay
+    stream = ReplayStream.of([30 * MiB + 7], np.array([0, 0]), np.array([4096, -4096]))
+    errors = []
+    before = replays_run()
+    for _ in range(2):
+        with pytest.raises(OutOfMemory) as raised:
+            cached_replay(stream, capacity_bytes=10 * MiB)
+        e = raised.value
+        errors.append((e.request, e.segment, e.reserved, e.allocated))
+    assert replays_run() - before == 1
+    # 30 MiB + 7 bytes rounds to 30 MiB + 512, in a 30 MiB + 2 MiB segment (2 MiB steps)
+    assert errors[0] == errors[1] == (30 * MiB + 7, 32 * MiB, 0, 0)
+
+
+def test_estimate_replays_match_the_reference() -> None:
+    # MemoryEstimate.allocator goes through the flat replay; the recording reference
+    # (memory_snapshot) gives the same segments.
+    est: MemoryEstimate = profile_model(zoo.resnet18(), input_size=(3, 32, 32)).estimate(2)
+    snap = est.memory_snapshot()
+    assert est.allocator is not None and snap is not None
+    assert est.allocator.segments == len(snap["segments"])
+    assert est.allocator.reserved_at_end_bytes == sum(s["total_size"] for s in snap["segments"])
