@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .accelerator import CudaContext, cuda_context, given_cuda_context
+from .chunked_loss import CHUNKING_UNKNOWN, chunked_loss_levers
 from .decoding import (
     DECODE_STEPS_ACROSS_WINDOW,
     PROMPT_BEFORE_WINDOW,
@@ -24,7 +25,6 @@ from .decoding import (
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .gpus import Gpu, resolve_gpu
-from .chunked_loss import CHUNKING_UNKNOWN, chunked_loss_levers
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
 from .options import (
     CATEGORY_CODE,

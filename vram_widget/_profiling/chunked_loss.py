@@ -209,8 +209,8 @@ def chunked_step(
     is changed); check it with :func:`chunked_loss_refusal` first.
     """
     inner = _unwrapped(model)
-    body = inner.base_model
-    head = inner.get_output_embeddings()
+    body: torch.nn.Module = getattr(inner, "base_model")  # noqa: B009 (a Module attribute)
+    head: torch.nn.Module = getattr(inner, "get_output_embeddings")()  # noqa: B009
     loss_module = torchtune_chunked_loss()(num_output_chunks=loss_chunks, ignore_index=IGNORE_INDEX)
 
     def forward(*args: Any, **kwargs: Any) -> ChunkedOutput:
