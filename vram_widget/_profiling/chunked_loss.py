@@ -126,8 +126,8 @@ def chunked_loss_refusal(
 
     Examples
     --------
-    >>> chunked_loss_refusal(torch.nn.Linear(2, 2), None, None)
-    'Linear is not a Hugging Face causal LM (one of AutoModelForCausalLM\\'s classes)'
+    >>> print(chunked_loss_refusal(torch.nn.Linear(2, 2), None, None))
+    Linear is not a Hugging Face causal LM (one of AutoModelForCausalLM's classes)
     """
     inner = _unwrapped(model)
     name = type(inner).__name__
