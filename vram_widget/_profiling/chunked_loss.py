@@ -186,11 +186,11 @@ class ChunkedOutput:
 def _body_arguments(model: torch.nn.Module, inputs: ModelInputs) -> dict[str, Any]:
     """The inputs as the keyword arguments of the causal LM's forward, less those its body
     does not take (``labels``, ``logits_to_keep``)."""
-    bound = inspect.signature(model.forward).bind(*inputs.args, **inputs.kwargs)
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*inputs.args, **inputs.kwargs)
     named: dict[str, Any] = {}
     for key, value in bound.arguments.items():
-        kind = inspect.signature(model.forward).parameters[key].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
+        if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
             named.update(value)
         else:
             named[key] = value
