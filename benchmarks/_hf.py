@@ -56,3 +56,11 @@ def t5() -> nn.Module:
         vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0,
     )  # fmt: skip
     return transformers.T5ForConditionalGeneration(config)
+
+
+def qwen2() -> nn.Module:
+    config = transformers.Qwen2Config(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config)

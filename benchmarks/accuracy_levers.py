@@ -13,12 +13,17 @@ Truth, per lever:
 * LoRA: PEFT's own ``get_peft_model(model, LoraConfig(r=8, target_modules=...))`` on the
   measured copy (PEFT's default targets for the Hugging Face models; every ``conv1``,
   ``conv2``, ``conv3`` of ResNet-50, the case of PEFT issue 2196), against the estimate from
-  the plain profile, where PEFT wraps a meta copy.
+  the plain profile, where PEFT wraps a meta copy;
+* the chunked output and loss (``loss_chunks=k``): the real model's body, its output
+  projection on k chunks of the sequence and torchtune's own ``CEWithChunkedOutputLoss``
+  (loaded from its file) on GPT-2, Llama and Qwen2, k = 4 and 8, at the profile's 16 tokens
+  and at 64 (reached through the sequence axis).
 
 Each at batch 1 and 8, in fp32 and bf16, AdamW. Small Hugging Face configs (no download),
 16 tokens; ResNet-50 at 3 x 64 x 64.
 
     python benchmarks/accuracy_levers.py          # about 2 minutes on 2 cores
+    python benchmarks/accuracy_levers.py --chunked-only   # the chunked-loss rows alone
 
 Targets: train median <= 0.1 %, worst <= 2 %. Writes
 results/accuracy_levers.json and prints a markdown
@@ -27,6 +32,7 @@ summary (benchmarks/report.py writes it into docs/).
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -68,6 +74,67 @@ CASES: dict[
 }
 
 
+# the chunked output and loss: causal LMs, chunk counts and sequence lengths (16: the
+# profile's example; 64: through the sequence axis)
+CHUNKED_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "gpt2": _hf.gpt2,
+    "llama": _hf.llama,
+    "qwen2": _hf.qwen2,
+}
+CHUNKS = (4, 8)
+CHUNKED_LENGTHS = (16, 64)
+
+
+def _tokens(batch: int, seq: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(batch * 1000 + seq)
+    ids = torch.randint(0, _hf.VOCAB, (batch, seq), generator=gen)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _row(name: str, lever: str, precision: str, batch: int, est: Any, real: Any,
+         estimate_s: float) -> dict[str, Any]:  # fmt: skip
+    err = (est.peak_bytes - real.peak_bytes) / real.peak_bytes * 100
+    print(
+        f"{name:9s} {lever:16s} {precision:5s} B={batch} "
+        f"est={est.peak_bytes:>12,} meas={real.peak_bytes:>12,} err={err:+7.3f}%",
+        flush=True,
+    )
+    return {
+        "model": name,
+        "lever": lever,
+        "precision": precision,
+        "batch": batch,
+        "estimated": est.peak_bytes,
+        "measured": real.peak_bytes,
+        "error_pct": err,
+        "flops": est.flops,
+        "first_estimate_s": estimate_s,
+    }
+
+
+def run_chunked() -> list[dict[str, Any]]:
+    """The chunked output and loss, estimated from each plain profile (16 tokens) and
+    measured on the real step with torchtune's loss."""
+    rows: list[dict[str, Any]] = []
+    for name, build in CHUNKED_MODELS.items():
+        torch.manual_seed(0)
+        model = build()
+        profile = profile_model(model, inputs=_tokens(2, 16), device="cpu")
+        for k in CHUNKS:
+            for seq in CHUNKED_LENGTHS:
+                for precision in PRECISIONS:
+                    for batch in BATCHES:
+                        t0 = time.perf_counter()
+                        est = profile.estimate(batch, precision, "adamw", seq_len=seq,
+                                               loss_chunks=k)  # fmt: skip
+                        estimate_s = time.perf_counter() - t0
+                        real = measure(model, _tokens(batch, seq), optimizer="adamw",
+                                       precision=precision, loss_chunks=k)  # fmt: skip
+                        lever = f"loss chunks {k}, T={seq}"
+                        rows.append(_row(name, lever, precision, batch, est, real, estimate_s))
+    return rows
+
+
 def run() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name, (build, make, checkpoint, head, lora_targets) in CASES.items():
@@ -88,26 +155,7 @@ def run() -> list[dict[str, Any]]:
                     estimate_s = time.perf_counter() - t0
                     real = measure(model, make(batch), optimizer="adamw", precision=precision,
                                    **kwargs)  # fmt: skip
-                    err = (est.peak_bytes - real.peak_bytes) / real.peak_bytes * 100
-                    rows.append(
-                        {
-                            "model": name,
-                            "lever": lever,
-                            "precision": precision,
-                            "batch": batch,
-                            "estimated": est.peak_bytes,
-                            "measured": real.peak_bytes,
-                            "error_pct": err,
-                            "flops": est.flops,
-                            "first_estimate_s": estimate_s,
-                        }
-                    )
-                    print(
-                        f"{name:9s} {lever:16s} {precision:5s} B={batch} "
-                        f"est={est.peak_bytes:>12,} meas={real.peak_bytes:>12,} "
-                        f"err={err:+7.3f}%",
-                        flush=True,
-                    )
+                    rows.append(_row(name, lever, precision, batch, est, real, estimate_s))
     return rows
 
 
@@ -129,8 +177,21 @@ def summarize(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--chunked-only",
+        action="store_true",
+        help="run the chunked-loss configurations alone (printed; results/ is left as it is)",
+    )
+    args = parser.parse_args()
     started = time.perf_counter()
-    rows = run()
+    if args.chunked_only:
+        rows = run_chunked()
+        print()
+        print(summarize(rows))
+        print(f"\n{len(rows)} configurations in {time.perf_counter() - started:.0f} s")
+        return
+    rows = run() + run_chunked()
     write_results("accuracy_levers", rows, summarize(rows), started)
 
 

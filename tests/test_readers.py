@@ -108,17 +108,30 @@ def test_training_arguments_fsdp() -> None:
 
 
 def test_torchtune_full_single_device() -> None:
-    with pytest.warns(RecipeSettingIgnored, match="CEWithChunkedOutputLoss"):
-        try:
-            r = Recipe.from_torchtune(DATA / "torchtune_3B_full_single_device.yaml")
-        except ValueError as exc:
-            # bitsandbytes' PagedAdamW8bit is mapped; the optimizer registry decides on it
-            assert "'paged-adamw8bit'" in str(exc)
-            return
+    # its CEWithChunkedOutputLoss (no num_output_chunks: the class default, 8) is estimated
+    try:
+        r = Recipe.from_torchtune(DATA / "torchtune_3B_full_single_device.yaml")
+    except ValueError as exc:
+        # bitsandbytes' PagedAdamW8bit is mapped; the optimizer registry decides on it
+        assert "'paged-adamw8bit'" in str(exc)
+        return
+    assert r.levers.loss_chunks == 8 and r.ignored == ()
     assert r.optimizer.name.value == "paged-adamw8bit"
     assert (r.step.precision.value, r.optimizer.in_backward, r.levers.checkpoint) == (
         "bf16", True, "auto"
     )  # fmt: skip
+
+
+def test_torchtune_chunked_loss_is_loss_chunks() -> None:
+    loss = {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
+    base = {"optimizer": {"_component_": "torch.optim.AdamW"}}
+    config = {**base, "loss": {**loss, "num_output_chunks": 4}}
+    assert Recipe.from_torchtune(config).levers.loss_chunks == 4
+    # the class default
+    assert Recipe.from_torchtune({**base, "loss": loss}).levers.loss_chunks == 8
+    with pytest.warns(RecipeSettingIgnored, match=r"loop \(outputs, loss_chunks\) across 2"):
+        sharded = Recipe.from_torchtune({**base, "loss": loss}, gpus=2)
+    assert sharded.levers.loss_chunks is None
 
 
 def test_torchtune_lora_single_device() -> None:

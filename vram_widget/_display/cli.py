@@ -218,7 +218,7 @@ def _training_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["base_quantization"] = args.base_quantization
     for name in (
         "optimizer_in_backward", "set_to_none", "lora_dtype", "outputs", "loss_scaled",
-        "carried_scalars", "clip_grad_norm", "param_groups",
+        "carried_scalars", "clip_grad_norm", "param_groups", "loss_chunks",
     ):  # fmt: skip
         if getattr(args, name) is not None:
             keywords[name] = getattr(args, name)

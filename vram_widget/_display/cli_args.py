@@ -87,6 +87,7 @@ _TRAIN_ONLY = (
     ("checkpoint", "--checkpoint"),
     ("trainable", "--trainable"),
     ("grad_accumulation", "--grad-accumulation"),
+    ("loss_chunks", "--loss-chunks"),
     ("lora_rank", "--lora-rank"),
     ("lora_targets", "--lora-targets"),
     ("base_quantization", "--base-quantization"),
@@ -465,6 +466,13 @@ def _lever_flags(levers: argparse._ArgumentGroup) -> None:
         help="micro-batches of --batch-size per optimizer step (default: 1)",
     )
     levers.add_argument(
+        "--loss-chunks",
+        type=positive_int,
+        metavar="K",
+        help="a Hugging Face causal LM's output projection and cross-entropy on K chunks of "
+        "the sequence, torchtune's CEWithChunkedOutputLoss (needs labels; torchtune uses 8)",
+    )
+    levers.add_argument(
         "--lora-rank",
         type=positive_int,
         metavar="R",
@@ -560,7 +568,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
 _FILE_SETTINGS = (
     "batch_size", "optimizer", "grad_accumulation", "checkpoint", "lora_rank", "lora_targets",
     "lora_dtype", "optimizer_in_backward", "gpus", "strategy", "fsdp_units", "outputs",
-    "loss_scaled", "carried_scalars", "clip_grad_norm", "param_groups",
+    "loss_scaled", "carried_scalars", "clip_grad_norm", "param_groups", "loss_chunks",
 )  # fmt: skip
 
 

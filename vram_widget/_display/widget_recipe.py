@@ -28,6 +28,7 @@ _FIXED = (
     "carried_scalars",
     "clip_grad_norm",
     "param_groups",
+    "loss_chunks",
 )
 
 
@@ -47,10 +48,10 @@ def recipe_settings(recipe: object) -> RecipeSettings:
     Every setting that differs from a default Recipe's is kept: a control's value where the
     widget has one, else held fixed (``lora_targets``, ``lora_dtype``, ``context_bytes``,
     ``lazy_loading``, ``fsdp_units``, and the training loop's ``outputs``, ``loss_scaled``,
-    ``carried_scalars``, ``clip_grad_norm`` and ``param_groups``). What the widget cannot
-    hold is a ValueError naming it: a user's optimizer callable, a ``rank`` (the widget
-    shows the worst rank), 4-bit base weights and a compute capability (the GPU control
-    sets it).
+    ``carried_scalars``, ``clip_grad_norm``, ``param_groups`` and ``loss_chunks``). What the
+    widget cannot hold is a ValueError naming it: a user's optimizer callable, a ``rank``
+    (the widget shows the worst rank), 4-bit base weights and a compute capability (the GPU
+    control sets it).
 
     Examples
     --------

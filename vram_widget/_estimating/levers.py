@@ -76,6 +76,10 @@ class Levers:
         ``torch.nn.utils.clip_grad_norm_`` over the gradients between the backward and the
         optimizer step, its total norm kept to the end of the step (the Recipe's
         ``optimizer.clip_grad_norm``; the norm's value changes no memory).
+    loss_chunks : int or None
+        The output projection and the cross-entropy run on this many chunks of the
+        sequence, torchtune's ``CEWithChunkedOutputLoss`` (the Recipe's
+        ``levers.loss_chunks``, ``chunked_loss.py``); None: the model's own output and loss.
     """
 
     checkpoint: tuple[str, ...] = ()
@@ -92,6 +96,7 @@ class Levers:
     carried_scalars: bool = False
     clip_grad_norm: bool = False
     decay_groups: bool = False
+    loss_chunks: int | None = None
 
     @property
     def active(self) -> bool:
@@ -107,6 +112,7 @@ class Levers:
             or self.carried_scalars
             or self.clip_grad_norm
             or self.decay_groups
+            or self.loss_chunks is not None
         )
 
     @property
@@ -148,6 +154,8 @@ class Levers:
             parts.append("gradients clipped by norm")
         if self.decay_groups:
             parts.append("decay / no-decay parameter groups")
+        if self.loss_chunks is not None:
+            parts.append(f"output and loss in {self.loss_chunks} chunks")
         return ", ".join(parts) or "no levers"
 
 

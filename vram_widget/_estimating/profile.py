@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .accelerator import CudaContext, cuda_context, given_cuda_context
+from .chunked_loss import CHUNKING_UNKNOWN, chunked_loss_levers
 from .decoding import (
     DECODE_STEPS_ACROSS_WINDOW,
     PROMPT_BEFORE_WINDOW,
@@ -132,6 +133,7 @@ class ModelProfile:
         param_trainable: tuple[bool, ...] = (),
         checkpoint_blocks: tuple[str, ...] = (),
         hf_checkpointing: bool = False,
+        loss_chunks_refusal: str = CHUNKING_UNKNOWN,
     ) -> None:
         self.rows = rows
         self.device = device
@@ -166,6 +168,8 @@ class ModelProfile:
         # what ``checkpoint="auto"`` wraps, and whether Hugging Face's own call applies it
         self.checkpoint_blocks = checkpoint_blocks
         self.hf_checkpointing = hf_checkpointing
+        # why ``loss_chunks`` cannot be applied to the model ("": it can; chunked_loss.py)
+        self.loss_chunks_refusal = loss_chunks_refusal
         # Every cache is per (precision, mode, levers); inference has no levers.
         self._timelines: dict[tuple[Precision, Mode, Levers], Timeline] = {}
         # the timeline as a polynomial in (batch, seq), made on the first other length
@@ -263,7 +267,11 @@ class ModelProfile:
             checkpoint = "auto"
         elif levers.checkpoint:
             checkpoint = list(levers.checkpoint)  # prefixed by the sub-profile's levers()
-        return sub, {"checkpoint": checkpoint, "grad_accumulation": levers.grad_accumulation}
+        return sub, {
+            "checkpoint": checkpoint,
+            "grad_accumulation": levers.grad_accumulation,
+            "loss_chunks": levers.loss_chunks,
+        }
 
     def _made_lora(self, levers: Levers) -> tuple[ModelProfile, Levers] | None:
         """The LoRA profile of ``levers`` and the levers to ask it for, where it was made
@@ -271,7 +279,8 @@ class ModelProfile:
         if (levers.lora_rank, levers.lora_targets, None) not in self._lora_profiles:
             return None
         sub, kwargs = self._lora(levers)
-        return sub, sub.levers(**kwargs)
+        chunks = kwargs.pop("loss_chunks")
+        return sub, dataclasses.replace(sub.levers(**kwargs), loss_chunks=chunks)
 
     def is_cached(
         self,
@@ -692,6 +701,9 @@ class ModelProfile:
         else:
             levers = stepping_levers(levers, recipe.optimizer, implementation, parallel)
             levers = protocol_levers(levers, step, recipe.optimizer, parallel)
+            levers = chunked_loss_levers(
+                levers, lv.loss_chunks, self.loss_chunks_refusal, length or self.seq_len, parallel
+            )
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers, lora_dtype)
             plain = dataclasses.replace(recipe, levers=LeverSettings())

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from .distributed import RankSetup
 from .._estimating.decoding import check_generation
 from .carried import CarriedScalars
+from .chunked_loss import checked_loss_chunks, chunked_step
 from .generation import generation_limit, prompt_inputs
 from .optimizers import state_tensors
 from .param_groups import decay_parameter_names, trainer_groups
@@ -196,6 +197,7 @@ def measure(
     clip_grad_norm: float | None = default(None),
     param_groups: str | ParamGroups = default("one"),
     carried_scalars: bool = default(False),
+    loss_chunks: int | None = default(None),
     recipe: Recipe | None = None,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
@@ -290,6 +292,12 @@ def measure(
         ``"one"``: the optimizer over one group of every trainable parameter;
         ``"decay-split"``: over Hugging Face ``Trainer.create_optimizer``'s two groups
         (decayed parameters, then norms and biases).
+    loss_chunks : int, optional
+        A Hugging Face causal LM's output projection and loss on this many chunks of the
+        sequence: its body's hidden states chunked, the output projection on each, the
+        labels shifted as torchtune's recipes shift them and torchtune's own
+        ``CEWithChunkedOutputLoss`` (``chunked_loss.py``). Needs labels in ``inputs`` and
+        no ``loss_fn``; one process only.
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
@@ -349,7 +357,7 @@ def measure(
             "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
             "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
-            "carried_scalars": carried_scalars,
+            "carried_scalars": carried_scalars, "loss_chunks": loss_chunks,
         },
     )  # fmt: skip
     optimizer_in_backward, set_to_none = settings["optimizer_in_backward"], settings["set_to_none"]
@@ -389,10 +397,17 @@ def measure(
     carry = Step(carried_scalars=carried_scalars).carried_scalars  # checked as the Recipe does
     decay_split = parse_option(ParamGroups, param_groups, "param_groups") is ParamGroups.DECAY_SPLIT
     if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
-        if stepping != (False, True) or protocol != (False, False, None) or decay_split or carry:
+        if (
+            stepping != (False, True)
+            or protocol != (False, False, None)
+            or decay_split
+            or carry
+            or settings["loss_chunks"] is not None
+        ):
             raise ValueError(
                 "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled, "
-                "carried_scalars, clip_grad_norm and param_groups='decay-split' are measured "
+                "carried_scalars, clip_grad_norm, param_groups='decay-split' and "
+                "loss_chunks are measured "
                 "on one process "
                 "(gpus=1) only for now"
             )
@@ -414,6 +429,7 @@ def measure(
         protocol=protocol,
         decay_split=decay_split,
         carried_scalars=carry,
+        loss_chunks=settings["loss_chunks"],
         **levers,
     )[0]
 
@@ -517,6 +533,7 @@ def _measure(
     protocol: tuple[bool, bool, float | None] = (False, False, None),
     decay_split: bool = False,
     carried_scalars: bool = False,
+    loss_chunks: int | None = None,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -535,12 +552,13 @@ def _measure(
     user_inputs = ModelInputs.from_user(inputs)
     batch_size = user_inputs.batch_size()
     check_forward_accepts(model, user_inputs)
+    chunks = checked_loss_chunks(model, user_inputs, loss_fn, loss_chunks)
 
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
             parallel, new_tokens, implementation, stepping, protocol, decay_split,
-            carried_scalars, lora_dtype,
+            carried_scalars, lora_dtype, chunks if run_mode is Mode.TRAIN else None,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -603,6 +621,7 @@ class _Session:
         decay_split: bool = False,
         carried_scalars: bool = False,
         lora_dtype: str | None = None,
+        loss_chunks: int | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
@@ -651,6 +670,9 @@ class _Session:
             else None
         )
         self.loss_fn = loss_fn
+        self.forward: Callable[..., Any] = self.model
+        if loss_chunks is not None:  # torchtune's chunked output and loss
+            self.forward, self.loss_fn = chunked_step(self.model, loss_chunks)
         self.precision = precision
         self.mode = mode
         self.device_type = device.type
@@ -660,7 +682,7 @@ class _Session:
             hooks = self.in_backward.hooked() if self.in_backward else contextlib.nullcontext()
             with hooks:
                 training_iteration(
-                    self.model,
+                    self.forward,
                     self.inputs,
                     self.loss_fn,
                     self.optimizer,

@@ -32,6 +32,7 @@ MEASURED_SETTINGS = (
     "clip_grad_norm",
     "param_groups",
     "carried_scalars",
+    "loss_chunks",
 )
 """The Recipe settings a measured step runs with, by their flat names (``measure``'s
 keywords)."""

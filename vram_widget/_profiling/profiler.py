@@ -48,6 +48,7 @@ from .._estimating.table import (
     same_step,
 )
 from .carried import CarriedScalars
+from .chunked_loss import chunked_loss_refusal, chunked_step
 from .composites import real_run_composites, rules_hold
 from .data_dependent import example_mask_values, graph_randomness, worst_case_graph
 from .disk_cache import cached_source
@@ -461,8 +462,11 @@ class Profiler:
         )
         rec.register_resident(inputs.tensors(), Category.INPUT)
         state = {**params, **buffers}
-        model_fn = subject.model  # run with ``state`` swapped in (below)
+        model_fn: Callable[..., Any] = subject.model  # run with ``state`` swapped in (below)
         levers = self.levers if train else NO_LEVERS
+        loss_fn = subject.loss_fn
+        if levers.loss_chunks is not None:  # torchtune's chunked output and loss
+            model_fn, loss_fn = chunked_step(subject.model, levers.loss_chunks)
 
         marks: dict[str, int] = {}
         frozen = [params[n] for n in frozen_by(levers, params) if params[n].requires_grad]
@@ -532,7 +536,7 @@ class Profiler:
                     training_iteration(
                         model_fn,
                         inputs,
-                        subject.loss_fn,
+                        loss_fn,
                         None,
                         precision,
                         "cpu",
@@ -1202,9 +1206,11 @@ class _Source:
 
 def _plain_stepping(levers: Levers) -> Levers:
     """``levers`` with one optimizer step after the backward, gradients set to None, the
-    outputs kept and no clipping (none of which changes which parameters get a gradient)."""
+    outputs kept, no clipping and the model's own loss (none of which changes which
+    parameters get a gradient)."""
     return dataclasses.replace(
         levers,
+        loss_chunks=None,
         set_to_none=True,
         in_backward=None,
         outputs_freed=False,
@@ -1568,6 +1574,7 @@ def profile_model(
         param_trainable=tuple(p.requires_grad for _name, p, _row in subject._params),
         checkpoint_blocks=auto_blocks,
         hf_checkpointing=hf_auto,
+        loss_chunks_refusal=chunked_loss_refusal(model, model_inputs, loss_fn),
     )
     # Training and inference, and Adam, in the precisions the first estimate asks for.
     try:

@@ -31,6 +31,10 @@ class LeverSettings:
     lora_dtype : None or str
         The LoRA adapters' dtype (``"fp32"``, ``"bf16"``, ``"fp16"``, or ``"base"`` for the
         base weights' own). None: PEFT's default.
+    loss_chunks : int, optional
+        The output projection and cross-entropy over this many chunks of the sequence,
+        torchtune's ``num_output_chunks`` with its ``CEWithChunkedOutputLoss``: one chunk of
+        logits upcast to fp32 at a time. None: the model's own output and loss.
 
     Examples
     --------
@@ -45,6 +49,7 @@ class LeverSettings:
     lora_targets: object = "auto"
     base_quantization: str | None = None
     lora_dtype: str | None = None
+    loss_chunks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "trainable", "lora_targets"):

@@ -86,6 +86,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "lora_targets": ("levers", "lora_targets"),
     "lora_dtype": ("levers", "lora_dtype"),
     "base_quantization": ("levers", "base_quantization"),
+    "loss_chunks": ("levers", "loss_chunks"),
     "gpus": ("parallel", "gpus"),
     "strategy": ("parallel", "strategy"),
     "rank": ("parallel", "rank"),

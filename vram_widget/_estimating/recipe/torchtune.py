@@ -23,6 +23,11 @@ keys as in torchtune's ``recipes/configs/llama3_2/3B_full_single_device.yaml`` a
   (``_loss_step``: ``# free logits otherwise it peaks backward memory`` / ``del logits``,
   ``recipes/full_finetune_single_device.py`` and ``lora_finetune_single_device.py``,
   torchtune 0.6.1): ``outputs="freed"``.
+- ``loss``: ``torchtune.modules.loss.CEWithChunkedOutputLoss`` is the chunked output and loss,
+  ``loss_chunks`` = its ``num_output_chunks`` (8 where the config leaves the class default,
+  ``ce_chunked_output_loss.py``; the recipes pass it to the model, ``_setup_model``:
+  ``model.set_num_output_chunks(self._loss_fn.num_output_chunks)``). Another loss than
+  ``CrossEntropyLoss`` (a fused linear cross-entropy) is listed as ignored.
 - ``clip_grad_norm``: ``grad_norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(),
   max_norm=float(self._clip_grad_norm))`` before ``self._optimizer.step()`` where it is not
   null (same recipes): our ``clip_grad_norm``. torchtune refuses it with ``optimizer_in_bwd``
@@ -41,6 +46,11 @@ if TYPE_CHECKING:
     from .recipe import Recipe
 
 SOURCE = "torchtune config"
+
+# torchtune's chunked output and loss, and its default chunk count
+# (``CEWithChunkedOutputLoss.__init__(self, num_output_chunks: int = 8, ...)``, 0.6.1)
+_CHUNKED_LOSS = "CEWithChunkedOutputLoss"
+_CHUNKS_DEFAULT = 8
 
 # optimizer._component_ -> our name (implementation from fused / foreach below).
 OPTIMIZERS: dict[str, str] = {
@@ -105,6 +115,10 @@ def read_torchtune(config: object, gpus: int = 1) -> Recipe:
         "gpus": gpus,
         "outputs": "freed",  # del logits before the backward (module docstring)
     }
+    loss = values.get("loss")
+    if _component(loss).rsplit(".", 1)[-1] == _CHUNKED_LOSS:
+        assert isinstance(loss, Mapping)
+        settings["loss_chunks"] = int(loss.get("num_output_chunks", _CHUNKS_DEFAULT))
     clip = values.get("clip_grad_norm")
     if clip is not None:
         settings["clip_grad_norm"] = float(clip)
@@ -112,7 +126,11 @@ def read_torchtune(config: object, gpus: int = 1) -> Recipe:
         reshard = values.get("fsdp_reshard_after_forward", True)
         settings["strategy"] = "zero3" if reshard else "zero2"
         # the recipe's loop settings are estimated on one device only: named, not estimated
-        loop = [k for k in ("outputs", "clip_grad_norm") if settings.pop(k, None) is not None]
+        loop = [
+            k
+            for k in ("outputs", "clip_grad_norm", "loss_chunks")
+            if settings.pop(k, None) is not None
+        ]
         ignored.append(
             f"the recipe's loop ({', '.join(loop)}) across {gpus} GPUs: each rank's step is "
             "estimated as a plain loop's (outputs kept through the backward, no clipping)"
@@ -161,7 +179,7 @@ def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str]) -> None:
     if "qlora" in model.rsplit(".", 1)[-1]:
         raise refuse(SOURCE, f"model {model}", "QLoRA's 4-bit NF4 base weights")
     loss = _component(values.get("loss"))
-    if loss and loss.rsplit(".", 1)[-1] != "CrossEntropyLoss":
+    if loss and loss.rsplit(".", 1)[-1] not in ("CrossEntropyLoss", _CHUNKED_LOSS):
         ignored.append(f"loss {loss} (a chunked or fused cross-entropy: the estimate's loss "
                        "is the model's own over the whole logits)")  # fmt: skip
     if values.get("compile"):
