@@ -48,6 +48,10 @@ case "$what" in
     test)
         pip_install "torch==2.13.0"
         pip_install -e ".[test]"
+        # torchtune without its dependencies, which would replace huggingface_hub and fsspec
+        # with older versions: the tests load one module of it from its file (its chunked
+        # cross-entropy), since `import torchtune` fails next to torchao 0.18.
+        pip_install --no-deps "torchtune>=0.6.1,<0.7"
         # The browser test drives Debian's Chromium (never `playwright install`, which
         # downloads a browser of its own and fails offline). Installed once, when missing and
         # we may install it.
