@@ -150,6 +150,11 @@ def _canon(value: Any) -> str:
         return _canon(value.item())
     if isinstance(value, torch.dtype | torch.device | torch.Size):
         return repr(value)
+    if isinstance(value, types.FunctionType | functools.partial):
+        # a callable setting (a ``checkpoint_policy``): by its code, defaults, closure and
+        # the globals it names, as a ``loss_fn`` is keyed (_Uncacheable where one of them
+        # holds state: a bound method, a tensor, an object)
+        return _value(value, _HELPER_DEPTH, set())
     raise _Uncacheable(type(value).__name__)
 
 
@@ -233,6 +238,11 @@ def _value(value: Any, depth: int, seen: set[int]) -> str:
         return _module_instance(value)
     if isinstance(value, torch.Tensor):
         raise _Uncacheable("a tensor")
+    if isinstance(value, tuple | list | frozenset | set):
+        items = [_value(v, depth, seen) for v in value]
+        if isinstance(value, frozenset | set):
+            items.sort()
+        return f"{type(value).__name__}({','.join(items)})"
     if callable(value) and _is_versioned(getattr(value, "__module__", None) or ""):
         # torch's ops and their overload packets: identified by name
         return f"callable({type(value).__qualname__},{getattr(value, '__name__', '')})"
