@@ -26,7 +26,8 @@ Each at batch 1 and 8, in fp32 and bf16, AdamW. Small Hugging Face configs (no d
     python benchmarks/accuracy_levers.py --policies  # the checkpoint policies only
 
 Targets: train median <= 0.1 %, worst <= 2 %. Writes results/accuracy_levers.json
-(``--policies``: results/accuracy_levers_policies.json) and prints a markdown summary (benchmarks/report.py writes it into docs/).
+(``--policies``: results/accuracy_levers_policies.json) and prints a markdown summary
+(benchmarks/report.py writes it into docs/).
 """
 
 from __future__ import annotations
