@@ -98,7 +98,8 @@ def torchtitan_save_ops() -> frozenset[Any]:
     """
     from torch._functorch.partitioners import get_default_op_list
 
-    ops: set[Any] = {op.default for op in get_default_op_list().compute_intensive_ops}
+    compute_intensive: Any = get_default_op_list().compute_intensive_ops
+    ops: set[Any] = {op.default for op in compute_intensive}
     aten, higher = torch.ops.aten, torch._higher_order_ops
     specs = [
         (aten, "_scaled_dot_product_cudnn_attention.default"),
@@ -300,7 +301,7 @@ def apply_checkpoint_policy(
                 layer.gradient_checkpointing = False
                 continue
             settings = _block_settings(levers, applied, name, layer)
-            layer._gradient_checkpointing_func = functools.partial(  # type: ignore[assignment]
+            layer._gradient_checkpointing_func = functools.partial(
                 checkpoint, use_reentrant=False, **settings
             )
         return
