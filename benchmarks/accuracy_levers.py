@@ -9,6 +9,10 @@ Truth, per lever:
   each stage of the zoo ResNet-50 (``checkpoint=["layer1", ..., "layer4"]``);
 * a frozen backbone: ``requires_grad_(False)`` on every parameter but the head's
   (``trainable=<head patterns>``);
+* selective activation checkpointing (``checkpoint_policy``) around the same blocks:
+  torchtitan's op-level policy (``"op"``), every 2nd block (``2``) and a callable that saves
+  every matmul's output, each by ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
+  (non-reentrant) on the measured copy, as ``_profiling/checkpoint_policy.py`` applies it;
 * gradient accumulation of 4: four forward and backward passes, then one AdamW step;
 * LoRA: PEFT's own ``get_peft_model(model, LoraConfig(r=8, target_modules=...))`` on the
   measured copy (PEFT's default targets for the Hugging Face models; every ``conv1``,
@@ -22,12 +26,13 @@ Truth, per lever:
 Each at batch 1 and 8, in fp32 and bf16, AdamW. Small Hugging Face configs (no download),
 16 tokens; ResNet-50 at 3 x 64 x 64.
 
-    python benchmarks/accuracy_levers.py          # about 2 minutes on 2 cores
+    python benchmarks/accuracy_levers.py                  # about 2 minutes on 2 cores
     python benchmarks/accuracy_levers.py --chunked-only   # the chunked-loss rows alone
+    python benchmarks/accuracy_levers.py --policies       # the checkpoint policies only
 
-Targets: train median <= 0.1 %, worst <= 2 %. Writes
-results/accuracy_levers.json and prints a markdown
-summary (benchmarks/report.py writes it into docs/).
+Targets: train median <= 0.1 %, worst <= 2 %. Writes results/accuracy_levers.json
+(``--policies``: results/accuracy_levers_policies.json) and prints a markdown summary
+(benchmarks/report.py writes it into docs/).
 """
 
 from __future__ import annotations
@@ -45,11 +50,21 @@ import _hf
 import torch
 from _results import write_results
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 from vram_widget import profile_model, zoo
 from vram_widget._profiling.measure import measure
 
 BATCHES = (1, 8)
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A callable checkpoint policy: keep every matmul's output, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+POLICIES: dict[str, object] = {"op": "op", "every 2nd": 2, "callable": save_matmuls}
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -135,7 +150,7 @@ def run_chunked() -> list[dict[str, Any]]:
     return rows
 
 
-def run() -> list[dict[str, Any]]:
+def run(policies_only: bool = False) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name, (build, make, checkpoint, head, lora_targets) in CASES.items():
         torch.manual_seed(0)
@@ -147,6 +162,10 @@ def run() -> list[dict[str, Any]]:
             "accumulation x4": {"grad_accumulation": 4},
             "LoRA r=8": {"lora_rank": 8, "lora_targets": lora_targets},
         }
+        if policies_only:
+            levers = {}
+        for label, policy in POLICIES.items():
+            levers[f"policy {label}"] = {"checkpoint": checkpoint, "checkpoint_policy": policy}
         for lever, kwargs in levers.items():
             for precision in PRECISIONS:
                 for batch in BATCHES:
@@ -183,6 +202,11 @@ def main() -> None:
         action="store_true",
         help="run the chunked-loss configurations alone (printed; results/ is left as it is)",
     )
+    parser.add_argument(
+        "--policies",
+        action="store_true",
+        help="run the checkpoint policies alone (results/accuracy_levers_policies.json)",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     if args.chunked_only:
@@ -190,6 +214,10 @@ def main() -> None:
         print()
         print(summarize(rows))
         print(f"\n{len(rows)} configurations in {time.perf_counter() - started:.0f} s")
+        return
+    if args.policies:
+        rows = run(policies_only=True)
+        write_results("accuracy_levers_policies", rows, summarize(rows), started)
         return
     rows = run() + run_chunked()
     write_results("accuracy_levers", rows, summarize(rows), started)

@@ -8,8 +8,8 @@ the model are apart and reported beside them. Scenarios:
 * ``show_memory`` of ResNet-50 at 224 and of GPT-2 small (2 x 128 tokens, SDPA) with
   ``device="cuda"``: the widget built with its first figure (what the kernel sends for the
   first paint); then, on that widget, a batch-slider move (median of 20, in a running event
-  loop as in a kernel), a new precision (bf16), a new lever (checkpointing each ``Bottleneck``, or ``"auto"``: GPT-2's blocks) and, for
-  GPT-2, a new sequence length (512);
+  loop as in a kernel), a new precision (bf16), a new lever (checkpointing each
+  ``Bottleneck``, or ``"auto"``: GPT-2's blocks) and, for GPT-2, a new sequence length (512);
 * ``profile_model`` of Llama-2-7B's and Llama-2-70B's shapes on the meta device (1 x 128
   tokens + labels), then the first bf16 / AdamW estimate and an estimate at 4,096 tokens;
   peak RSS.

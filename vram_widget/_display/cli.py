@@ -200,6 +200,7 @@ def _training_keywords(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint = _patterns(text)
     keywords: dict[str, Any] = {
         "checkpoint": checkpoint,
+        "checkpoint_policy": args.checkpoint_policy,
         "trainable": _patterns(args.trainable),
         "grad_accumulation": args.grad_accumulation,
         "lora_rank": args.lora_rank,

@@ -85,6 +85,7 @@ _TRAIN_ONLY = (
     ("training_args", "--training-args"),
     ("torchtune_config", "--torchtune-config"),
     ("checkpoint", "--checkpoint"),
+    ("checkpoint_policy", "--checkpoint-policy"),
     ("trainable", "--trainable"),
     ("grad_accumulation", "--grad-accumulation"),
     ("loss_chunks", "--loss-chunks"),
@@ -102,6 +103,24 @@ _TRAIN_ONLY = (
 # --------------------------------------------------------------------------------------------
 # Option values: each type= function names the valid forms, so argparse says them on error.
 # --------------------------------------------------------------------------------------------
+
+
+def checkpoint_policy(value: str) -> str | int:
+    """``--checkpoint-policy``: ``full``, ``op`` or an int K >= 1 (every K-th block).
+
+    Examples
+    --------
+    >>> checkpoint_policy("op"), checkpoint_policy("2")
+    ('op', 2)
+    """
+    if value in ("full", "op"):
+        return value
+    try:
+        return positive_int(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give 'full', 'op' or an integer K >= 1 (every K-th block)"
+        ) from None
 
 
 def positive_int(value: str) -> int:
@@ -453,6 +472,14 @@ def _lever_flags(levers: argparse._ArgumentGroup) -> None:
         metavar="WHAT",
         help="activation checkpointing: 'auto' (each repeated block; Hugging Face's own "
         "checkpointing on its models), a class name, or comma-separated module-name patterns",
+    )
+    levers.add_argument(
+        "--checkpoint-policy",
+        type=checkpoint_policy,
+        metavar="POLICY",
+        help="how each checkpointed block is checkpointed: 'full' (default), 'op' "
+        "(torchtitan's op-level selective checkpointing) or K (every K-th block); without "
+        "--checkpoint, the repeated blocks ('auto')",
     )
     levers.add_argument(
         "--trainable",

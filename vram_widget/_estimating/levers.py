@@ -15,6 +15,13 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .checkpoint_policy import (
+    CheckpointPolicyName,
+    CheckpointPolicyValue,
+    policy_label,
+    resolve_checkpoint_policy,
+)
+
 __all__ = [
     "LEVER_KEYWORDS",
     "NO_LEVERS",
@@ -35,6 +42,11 @@ class Levers:
     checkpoint : tuple of str
         Qualified names of the modules whose forward is recomputed in the backward
         (``torch.utils.checkpoint``, ``use_reentrant=False``), outermost only.
+    checkpoint_policy : CheckpointPolicyName, int or callable
+        How each block of ``checkpoint`` is checkpointed (``checkpoint_policy.py``):
+        ``"full"`` (the whole forward recomputed), ``"op"`` (torchtitan's op-level
+        selective checkpointing), k (every k-th of them, fully) or a callable policy given
+        to ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
     checkpoint_hf : bool
         True where ``checkpoint="auto"`` on a Hugging Face model: applied by its own
         ``activation_checkpointing_enable`` (which wraps ``checkpoint``), so that what it
@@ -83,6 +95,7 @@ class Levers:
     """
 
     checkpoint: tuple[str, ...] = ()
+    checkpoint_policy: CheckpointPolicyValue = CheckpointPolicyName.FULL
     checkpoint_hf: bool = False
     trainable: tuple[str, ...] | None = None
     grad_accumulation: int = 1
@@ -133,6 +146,8 @@ class Levers:
         parts = []
         if self.checkpoint:
             parts.append(f"checkpointing {len(self.checkpoint)} module(s)")
+            if self.checkpoint_policy is not CheckpointPolicyName.FULL:
+                parts[-1] += f" ({policy_label(self.checkpoint_policy)})"
         if self.trainable is not None:
             parts.append(f"{len(self.trainable)} trainable tensor(s)")
         if self.lora_rank is not None:
@@ -290,6 +305,7 @@ def resolve_levers(
     grad_accumulation: object = 1,
     lora_rank: object = None,
     lora_targets: object = "auto",
+    checkpoint_policy: object = None,
 ) -> Levers:
     """The :class:`Levers` a user's keywords mean for this model, or a ValueError /
     TypeError that names the problem and the valid forms.
@@ -314,6 +330,11 @@ def resolve_levers(
     lora_rank, lora_targets
         LoRA by PEFT (:func:`resolve_lora`); not with ``trainable`` (PEFT decides what
         trains).
+    checkpoint_policy : None, "full", "op", int or callable
+        How each checkpointed block is checkpointed
+        (:func:`~vram_widget._estimating.checkpoint_policy.resolve_checkpoint_policy`);
+        None: ``"full"``. Given without ``checkpoint``, it applies to ``checkpoint="auto"``'s
+        blocks (the repeated layers, as torchtitan applies it to ``model.layers``).
 
     Examples
     --------
@@ -324,6 +345,9 @@ def resolve_levers(
     ...                     checkpoint="Block", trainable="head.*", grad_accumulation=4)
     >>> lv.checkpoint, lv.trainable, lv.grad_accumulation
     (('h.0', 'h.1'), ('head.weight', 'head.bias'), 4)
+    >>> resolve_levers(module_names=names, module_types=types, param_names=params,
+    ...                auto_blocks=("h.0", "h.1"), checkpoint_policy=2).describe()
+    'checkpointing 2 module(s) (every 2nd block)'
     """
     if isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int):
         raise TypeError(f"grad_accumulation must be an integer >= 1, got {grad_accumulation!r}")
@@ -338,11 +362,29 @@ def resolve_levers(
             "give trainable or lora_rank, not both: with LoRA, PEFT decides what trains "
             "(the adapters; every base weight is frozen)"
         )
-    names, hf = _resolve_checkpoint(
-        checkpoint, module_names, module_types, auto_blocks, hf_auto, model_name
-    )
+    implied = checkpoint_policy is not None and checkpoint is None
+    try:
+        names, hf = _resolve_checkpoint(
+            "auto" if implied else checkpoint,
+            module_names,
+            module_types,
+            auto_blocks,
+            hf_auto,
+            model_name,
+        )
+    except ValueError as exc:
+        if not implied:
+            raise
+        raise ValueError(
+            f"checkpoint_policy={checkpoint_policy!r} applies to the blocks checkpoint= "
+            f"names (checkpoint='auto' when not given), and {exc}"
+        ) from None
+    policy: CheckpointPolicyValue = CheckpointPolicyName.FULL
+    if names:
+        policy = resolve_checkpoint_policy(checkpoint_policy, names)
     return Levers(
         checkpoint=names,
+        checkpoint_policy=policy,
         checkpoint_hf=hf,
         trainable=_resolve_trainable(trainable, param_names),
         grad_accumulation=int(grad_accumulation),

@@ -192,9 +192,7 @@ class ModelProfile:
         ] = {}
         # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
         # targets); its module names carry PEFT's prefix
-        self._lora_profiles: dict[
-            tuple[int, tuple[str, ...] | None, str | None], ModelProfile
-        ] = {}
+        self._lora_profiles: dict[tuple[int, tuple[str, ...] | None, str | None], ModelProfile] = {}
         # data parallelism: (precision, levers, ranks, rank) -> buffers, optimizer shards
         self._rank_layouts: dict[
             tuple[Precision, Levers, Parallel, int | None],
@@ -231,6 +229,7 @@ class ModelProfile:
         grad_accumulation: object = 1,
         lora_rank: object = None,
         lora_targets: object = "auto",
+        checkpoint_policy: object = None,
     ) -> Levers:
         """The :class:`Levers` that ``estimate``'s lever keywords mean for this model (a
         ValueError / TypeError naming the problem and the valid forms)."""
@@ -249,6 +248,7 @@ class ModelProfile:
             grad_accumulation=grad_accumulation,
             lora_rank=lora_rank,
             lora_targets=lora_targets,
+            checkpoint_policy=checkpoint_policy,
         )
 
     def _lora(
@@ -267,8 +267,10 @@ class ModelProfile:
             checkpoint = "auto"
         elif levers.checkpoint:
             checkpoint = list(levers.checkpoint)  # prefixed by the sub-profile's levers()
+        policy = levers.checkpoint_policy if checkpoint is not None else None
         return sub, {
             "checkpoint": checkpoint,
+            "checkpoint_policy": policy,
             "grad_accumulation": levers.grad_accumulation,
             "loss_chunks": levers.loss_chunks,
         }
@@ -693,7 +695,12 @@ class ModelProfile:
             parallel = dataclasses.replace(parallel, fsdp_units=self._fsdp_units(par.fsdp_units))
         asked_rank = check_rank(par.rank, parallel.gpus)
         levers = self.levers(
-            lv.checkpoint, lv.trainable, lv.grad_accumulation, lv.lora_rank, lv.lora_targets
+            lv.checkpoint,
+            lv.trainable,
+            lv.grad_accumulation,
+            lv.lora_rank,
+            lv.lora_targets,
+            lv.checkpoint_policy,
         )
         lora_dtype = _lora_dtype_of(lv)
         if run_mode is not Mode.TRAIN:
@@ -1333,7 +1340,12 @@ class ModelProfile:
         resolved = NO_LEVERS
         if run_mode is Mode.TRAIN:
             resolved = self.levers(
-                lv.checkpoint, lv.trainable, lv.grad_accumulation, lv.lora_rank, lv.lora_targets
+                lv.checkpoint,
+                lv.trainable,
+                lv.grad_accumulation,
+                lv.lora_rank,
+                lv.lora_targets,
+                lv.checkpoint_policy,
             )
         lora_dtype = _lora_dtype_of(lv)
         if resolved.lora_rank is not None:

@@ -139,9 +139,7 @@ def _canon(value: Any) -> str:
         items = sorted((_canon(k), _canon(v)) for k, v in value.items())
         return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = ",".join(
-            f"{f.name}={_canon(getattr(value, f.name))}" for f in dataclasses.fields(value)
-        )
+        fields = ",".join(f"{f.name}={_field(value, f.name)}" for f in dataclasses.fields(value))
         return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
     if isinstance(value, np.ndarray):
         digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
@@ -151,6 +149,19 @@ def _canon(value: Any) -> str:
     if isinstance(value, torch.dtype | torch.device | torch.Size):
         return repr(value)
     raise _Uncacheable(type(value).__name__)
+
+
+def _field(record: Any, name: str) -> str:
+    """One field of a frozen dataclass; a callable ``Levers.checkpoint_policy`` by its code,
+    defaults, closure and the globals it names, as a ``loss_fn`` is keyed (_Uncacheable where
+    one of them holds state: a bound method, a tensor, an object). Other callables (a user's
+    optimizer factory) stay keyed by identity only: not stored."""
+    value = getattr(record, name)
+    if isinstance(record, Levers) and name == "checkpoint_policy" and callable(value):
+        if not isinstance(value, types.FunctionType | functools.partial):
+            raise _Uncacheable("a checkpoint_policy that is not a plain function")
+        return _value(value, _HELPER_DEPTH, set())
+    return _canon(value)
 
 
 def _config_state(config: Any, depth: int = 0) -> str:
@@ -233,6 +244,11 @@ def _value(value: Any, depth: int, seen: set[int]) -> str:
         return _module_instance(value)
     if isinstance(value, torch.Tensor):
         raise _Uncacheable("a tensor")
+    if isinstance(value, tuple | list | frozenset | set):
+        items = [_value(v, depth, seen) for v in value]
+        if isinstance(value, frozenset | set):
+            items.sort()
+        return f"{type(value).__name__}({','.join(items)})"
     if callable(value) and _is_versioned(getattr(value, "__module__", None) or ""):
         # torch's ops and their overload packets: identified by name
         return f"callable({type(value).__qualname__},{getattr(value, '__name__', '')})"

@@ -178,6 +178,7 @@ def measure(
     mode: str | Mode = default("train"),
     *,
     checkpoint: object = default(None),
+    checkpoint_policy: object = default(None),
     trainable: object = default(None),
     grad_accumulation: int = default(1),
     lora_rank: int | None = default(None),
@@ -243,6 +244,12 @@ def measure(
         torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
         module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
         and ``grad_accumulation`` forward and backward passes before the optimizer step.
+    checkpoint_policy : None, "full", "op", int or callable
+        How each checkpointed block is checkpointed, as ``ModelProfile.estimate`` takes it:
+        ``"op"`` is torchtitan's op-level policy around each block
+        (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, non-reentrant),
+        k every k-th block as torchtitan picks them, a callable the user's policy
+        (``_profiling/checkpoint_policy.py``).
     snapshot : bool
         CUDA only: record the caching allocator's history over the measured iteration and
         return its ``torch.cuda.memory._snapshot()`` as ``Measurement.snapshot`` (for
@@ -350,7 +357,8 @@ def measure(
     settings = measure_settings(
         recipe, batch, {
             "optimizer": optimizer, "precision": precision, "mode": mode,
-            "checkpoint": checkpoint, "trainable": trainable,
+            "checkpoint": checkpoint, "checkpoint_policy": checkpoint_policy,
+            "trainable": trainable,
             "grad_accumulation": grad_accumulation, "lora_rank": lora_rank,
             "lora_targets": lora_targets, "lora_dtype": lora_dtype, "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
@@ -373,6 +381,7 @@ def measure(
     new_tokens = settings["new_tokens"]
     levers: dict[str, Any] = {
         "checkpoint": settings["checkpoint"],
+        "checkpoint_policy": settings["checkpoint_policy"],
         "trainable": settings["trainable"],
         "lora_rank": settings["lora_rank"],
         "lora_targets": settings["lora_targets"],
@@ -526,6 +535,7 @@ def _measure(
     lora_targets: object = "auto",
     lora_dtype: str | None = None,
     snapshot: bool = False,
+    checkpoint_policy: object = None,
     setup: RankSetup | None = None,
     parallel: Parallel | None = None,
     new_tokens: int | None = None,
@@ -545,7 +555,9 @@ def _measure(
     opt_name, implementation = parse_optimizer_choice(optimizer)
     run_mode = parse_option(Mode, mode, "mode")
     check_model(model)
-    levers = model_levers(model, checkpoint, trainable, grad_accumulation, lora_rank, lora_targets)
+    levers = model_levers(
+        model, checkpoint, trainable, grad_accumulation, lora_rank, lora_targets, checkpoint_policy
+    )
     if run_mode is not Mode.TRAIN:
         levers = NO_LEVERS
     device = _model_device(model)

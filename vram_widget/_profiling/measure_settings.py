@@ -15,6 +15,7 @@ MEASURED_SETTINGS = (
     "precision",
     "mode",
     "checkpoint",
+    "checkpoint_policy",
     "trainable",
     "grad_accumulation",
     "lora_rank",

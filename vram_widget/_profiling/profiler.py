@@ -48,6 +48,7 @@ from .._estimating.table import (
     same_step,
 )
 from .carried import CarriedScalars
+from .checkpoint_policy import CheckpointPolicyError
 from .chunked_loss import chunked_loss_refusal, chunked_step
 from .composites import real_run_composites, rules_hold
 from .data_dependent import example_mask_values, graph_randomness, worst_case_graph
@@ -666,6 +667,8 @@ class Profiler:
         run, or the loss, or the backward. The user's exception becomes its cause, with its
         traceback trimmed to the user's frames."""
         if isinstance(exc, (TypeError, ValueError)) and "loss_fn" in str(exc):
+            return exc
+        if isinstance(exc, CheckpointPolicyError):  # names the block and the policy
             return exc
         subject = self.subject
         entries = entry_codes((type(subject.model).forward, subject.loss_fn))

@@ -524,7 +524,8 @@ def apply_levers(model: torch.nn.Module, levers: Levers) -> None:
     ``activation_checkpointing_enable`` for its models' ``checkpoint="auto"``, torch's
     ``checkpoint_wrapper`` (non-reentrant) around each other module to checkpoint, and
     ``requires_grad_(False)`` on every parameter not in ``levers.trainable``. (Gradient
-    accumulation is the iteration's ``micro_batches``.)"""
+    accumulation is the iteration's ``micro_batches``.) A ``checkpoint_policy`` other than
+    ``"full"`` is applied by ``checkpoint_policy.apply_checkpoint_policy``."""
     from .fake import checkpoint_wrapped
 
     if levers.trainable is not None:  # by the names before any wrapper renames them
@@ -532,7 +533,11 @@ def apply_levers(model: torch.nn.Module, levers: Levers) -> None:
         for name, p in model.named_parameters():
             if name not in keep:
                 p.requires_grad_(False)
-    if levers.checkpoint_hf:
+    if levers.checkpoint and levers.checkpoint_policy != "full":
+        from .checkpoint_policy import apply_checkpoint_policy
+
+        apply_checkpoint_policy(model, levers, _hf_checkpointing)
+    elif levers.checkpoint_hf:
         _hf_checkpointing(model)
     else:
         modules = dict(model.named_modules())
@@ -589,6 +594,7 @@ def model_levers(
     grad_accumulation: object,
     lora_rank: object = None,
     lora_targets: object = "auto",
+    checkpoint_policy: object = None,
 ) -> Levers:
     """The :class:`Levers` the keywords mean for ``model`` (as ``ModelProfile.levers`` does
     from a profile's names)."""
@@ -609,6 +615,7 @@ def model_levers(
         grad_accumulation=grad_accumulation,
         lora_rank=lora_rank,
         lora_targets=lora_targets,
+        checkpoint_policy=checkpoint_policy,
     )
 
 

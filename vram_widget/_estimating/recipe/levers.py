@@ -21,6 +21,12 @@ class LeverSettings:
     Attributes
     ----------
     checkpoint : None, "auto", str or tuple of str
+    checkpoint_policy : None, "full", "op", int or callable
+        How each checkpointed block is checkpointed: None or ``"full"`` (the whole block
+        recomputed), ``"op"`` (torchtitan's op-level selective checkpointing), k (every k-th
+        block) or a ``policy(ctx, op, *args, **kwargs)`` for
+        ``torch.utils.checkpoint.create_selective_checkpoint_contexts``. Without
+        ``checkpoint``, it applies to ``checkpoint="auto"``'s blocks.
     trainable : None, str or tuple of str
     grad_accumulation : int
         Micro-batches per optimizer step.
@@ -50,6 +56,7 @@ class LeverSettings:
     base_quantization: str | None = None
     lora_dtype: str | None = None
     loss_chunks: int | None = None
+    checkpoint_policy: object = None
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "trainable", "lora_targets"):

@@ -80,6 +80,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "compute_capability": ("accelerator", "compute_capability"),
     "expandable_segments": ("accelerator", "expandable_segments"),
     "checkpoint": ("levers", "checkpoint"),
+    "checkpoint_policy": ("levers", "checkpoint_policy"),
     "trainable": ("levers", "trainable"),
     "grad_accumulation": ("levers", "grad_accumulation"),
     "lora_rank": ("levers", "lora_rank"),
