@@ -1364,6 +1364,18 @@ def test_stock_fake_mode_gives_the_same_estimates(monkeypatch: pytest.MonkeyPatc
         )
 
 
+def test_rnn_reads_its_own_weights_again_after_a_profile() -> None:
+    # nn.LSTM's forward reads its _flat_weights list, not its parameters: a run points it at
+    # the fake weights swapped in, and afterwards at the module's own parameters again
+    entry = zoo.ZOO["lstm"]
+    model = entry.build()
+    lstm = next(m for m in model.modules() if isinstance(m, nn.LSTM))
+    profile_model(model, inputs=entry.make_inputs(2), device="cuda", precisions=("fp32",))
+    own = [getattr(lstm, name) for name in lstm._flat_weights_names]
+    assert all(a is b for a, b in zip(lstm._flat_weights, own, strict=True))
+    assert all(isinstance(w, nn.Parameter) for w in lstm._flat_weights)
+
+
 def test_is_cached_knows_precision_mode_and_optimizer() -> None:
     # precisions=("fp32",) runs fp32 training, fp32 inference and Adam; anything else is lazy.
     profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu", precisions=("fp32",))
