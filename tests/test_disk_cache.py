@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from models import assert_model_unchanged, snapshot_model
 from torch import nn
 
 import vram_widget
@@ -123,8 +124,9 @@ def _in_new_process(cache_dir: Path) -> dict[str, Any]:
 
 def test_second_process_answers_from_the_cache(tmp_path: Path) -> None:
     cold = _in_new_process(tmp_path)
-    # fp32 train + inference timelines and Adam's trace, each run once
-    assert cold["calls"] == ["timeline", "timeline", "optimizer_trace"]
+    # what the fp32 / Adam estimate needs, each run once: the training timeline and Adam's
+    # trace (profile_model defers its runs; no inference pass is asked)
+    assert cold["calls"] == ["timeline", "optimizer_trace"]
     warm = _in_new_process(tmp_path)
     assert warm["calls"] == []  # nothing ran
     for key in ("peak", "breakdown", "live", "phase"):
@@ -253,7 +255,7 @@ def test_custom_optimizer_runs_and_stores_nothing(
 ) -> None:
     counted = Counted(monkeypatch)
     momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-    profile_model(_net(), input_size=(4,), cache=tmp_path)
+    profile_model(_net(), input_size=(4,), cache=tmp_path, precisions=("fp32",))
     stored = sorted(tmp_path.rglob("*.pkl"))
     counted.count()
     for _ in range(2):  # a fresh profile from the cache: the callable's trace runs again
@@ -308,14 +310,15 @@ def test_corrupt_entry_is_a_miss_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counted = Counted(monkeypatch)
-    reference = profile_model(_net(), input_size=(4,), cache=tmp_path).estimate(8)
+    eager = {"input_size": (4,), "cache": tmp_path, "precisions": ("fp32",)}
+    reference = profile_model(_net(), **eager).estimate(8)
     counted.count()
     entries = sorted(tmp_path.glob("*/*.pkl"))
     assert len(entries) == 3
     for entry in entries:
         entry.write_bytes(b"not a pickle")
     with pytest.warns(CacheWarning, match="cannot be read"):
-        again = profile_model(_net(), input_size=(4,), cache=tmp_path).estimate(8)
+        again = profile_model(_net(), **eager).estimate(8)
     assert counted.count() == 3
     assert again.peak_bytes == reference.peak_bytes
     # the entries were written again: the next profile is a hit
@@ -332,7 +335,7 @@ def test_unwritable_directory_warns_once_and_profiles(
     where = blocker / "cache"  # under a regular file: no directory can be made (root too)
     counted = Counted(monkeypatch)
     with pytest.warns(CacheWarning, match="cannot be cached") as caught:
-        profile = profile_model(_net(), input_size=(4,), cache=where)
+        profile = profile_model(_net(), input_size=(4,), cache=where, precisions=("fp32",))
     assert len([w for w in caught if issubclass(w.category, CacheWarning)]) == 1
     assert counted.count() == 3
     assert profile.estimate(8).peak_bytes > 0
@@ -417,18 +420,71 @@ def test_stored_warnings_are_warned_on_a_hit(tmp_path: Path) -> None:
 # -- precisions= -----------------------------------------------------------------------------
 
 
+def _assert_same_estimate(asked: Any, reference: Any) -> None:
+    assert asked.peak_bytes == reference.peak_bytes
+    assert dict(asked.peak_breakdown) == dict(reference.peak_breakdown)
+    assert np.array_equal(asked.live_bytes, reference.live_bytes)
+    assert asked.flops == reference.flops
+
+
 def test_precisions_bf16_runs_no_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     counted = Counted(monkeypatch)
     profile = profile_model(_net(), input_size=(4,), precisions=("bf16",), cache=False)
     assert [args[0] for _name, args in counted.calls] == [Precision.BF16] * 3
     counted.count()
-    default = profile_model(_net(), input_size=(4,), cache=False)
+    eager = profile_model(_net(), input_size=(4,), precisions=("fp32",), cache=False)
     asked = profile.estimate(8, "bf16")
-    assert counted.count() == 3  # the default's fp32 train, inference, Adam
-    reference = default.estimate(8, "bf16")
-    assert asked.peak_bytes == reference.peak_bytes
-    assert dict(asked.peak_breakdown) == dict(reference.peak_breakdown)
-    assert np.array_equal(asked.live_bytes, reference.live_bytes)
+    assert counted.count() == 3  # the eager fp32 train, inference, Adam
+    _assert_same_estimate(asked, eager.estimate(8, "bf16"))
+
+
+def test_default_profiles_only_what_the_first_estimate_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counted = Counted(monkeypatch)
+    model = _net()
+    before = snapshot_model(model)
+    profile = profile_model(model, input_size=(4,), cache=False)
+    assert counted.count() == 0  # an unrecorded fake step checks it runs; nothing profiled
+    asked = profile.estimate(8, "bf16", "adamw")
+    # a training estimate needs the training step and the optimizer's: no fp32, no inference
+    assert counted.calls == [
+        ("timeline", (Precision.BF16, Mode.TRAIN)),
+        ("optimizer_trace", (Precision.BF16, vram_widget.OptimizerName.ADAMW)),
+    ]
+    assert_model_unchanged(model, before)
+    # the same answer as a profile that ran fp32 up front (as the default did before)
+    eager = profile_model(_net(), input_size=(4,), precisions=("fp32",), cache=False)
+    _assert_same_estimate(asked, eager.estimate(8, "bf16", "adamw"))
+    _assert_same_estimate(profile.estimate(8), eager.estimate(8))
+
+
+def test_show_memory_in_bf16_runs_no_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = Counted(monkeypatch)
+    vram_widget.show_memory(_net(), input_size=(4,), precision="bf16", cache=False)
+    assert counted.calls and {args[0] for _name, args in counted.calls} == {Precision.BF16}
+
+
+class _ReadsAValue(nn.Module):
+    """A forward that reads a value (``.item()``): no meta tensor has one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (1.0 + 0.0 * float(x.sum().item() > 0))
+
+
+def test_default_profiles_fp32_where_the_meta_check_cannot_tell(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counted = Counted(monkeypatch)
+    with pytest.warns(UserWarning, match="fake tensors cannot run this model"):
+        profile = profile_model(_ReadsAValue(), input_size=(4,), cache=False)
+    # what precisions=("fp32",) profiles, at once (here through the real fallback)
+    assert [name for name, _args in counted.calls] == ["timeline", "timeline", "optimizer_trace"]
+    assert profile.fallback_reason is not None
 
 
 def test_precisions_empty_defers_every_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1364,9 +1364,21 @@ def test_stock_fake_mode_gives_the_same_estimates(monkeypatch: pytest.MonkeyPatc
         )
 
 
+def test_rnn_reads_its_own_weights_again_after_a_profile() -> None:
+    # nn.LSTM's forward reads its _flat_weights list, not its parameters: a run points it at
+    # the fake weights swapped in, and afterwards at the module's own parameters again
+    entry = zoo.ZOO["lstm"]
+    model = entry.build()
+    lstm = next(m for m in model.modules() if isinstance(m, nn.LSTM))
+    profile_model(model, inputs=entry.make_inputs(2), device="cuda", precisions=("fp32",))
+    own = [getattr(lstm, name) for name in lstm._flat_weights_names]
+    assert all(a is b for a, b in zip(lstm._flat_weights, own, strict=True))
+    assert all(isinstance(w, nn.Parameter) for w in lstm._flat_weights)
+
+
 def test_is_cached_knows_precision_mode_and_optimizer() -> None:
-    # profile_model runs fp32 training, fp32 inference and Adam; anything else is lazy.
-    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    # precisions=("fp32",) runs fp32 training, fp32 inference and Adam; anything else is lazy.
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu", precisions=("fp32",))
     assert profile.is_cached("fp32", "train", "adam")
     assert profile.is_cached("fp32", "train", None)
     assert profile.is_cached("fp32", "inference", "sgd")  # inference runs no optimizer
@@ -1374,6 +1386,14 @@ def test_is_cached_knows_precision_mode_and_optimizer() -> None:
     assert not profile.is_cached("bf16", "train", None)
     profile.estimate(4, "fp32", "sgd")
     assert profile.is_cached("fp32", "train", "sgd")
+    # The default profiles nothing up front: the first estimate runs what it needs alone.
+    lazy = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    assert not lazy.is_cached("fp32", "train", None)
+    assert not lazy.is_cached("fp32", "inference")
+    lazy.estimate(4, "bf16", "adam")
+    assert lazy.is_cached("bf16", "train", "adam")
+    assert not lazy.is_cached("bf16", "inference")
+    assert not lazy.is_cached("fp32", "train", None)
 
 
 class _NoShortcuts(contextlib.nullcontext):  # type: ignore[type-arg]
@@ -1493,11 +1513,11 @@ def test_gradient_sums_in_place_allocate_one_tensor_fewer() -> None:
         return int(np.clip(np.diff(live), 0, None).sum())
 
     model, make = _dispatch_mode_case("diamond")
-    in_place = profile_model(model, inputs=make(2), device="cpu")
+    in_place = profile_model(model, inputs=make(2), device="cpu", precisions=("fp32",))
     original = recorder_module.Recorder._is_buffer_sum
     try:
         recorder_module.Recorder._is_buffer_sum = lambda *_a, **_k: False  # type: ignore[method-assign]
-        out_of_place = profile_model(model, inputs=make(2), device="cpu")
+        out_of_place = profile_model(model, inputs=make(2), device="cpu", precisions=("fp32",))
     finally:
         recorder_module.Recorder._is_buffer_sum = original  # type: ignore[method-assign]
     for batch in (3, 7):
@@ -1510,11 +1530,11 @@ def test_mixed_dtype_copies_are_counted_on_the_cpu_only() -> None:
     import vram_widget._profiling.recorder as recorder_module
 
     model, make = _dispatch_mode_case("mixed_dtypes")
-    with_copies = profile_model(model, inputs=make(2), device="cpu")
+    with_copies = profile_model(model, inputs=make(2), device="cpu", precisions=("fp32",))
     original = recorder_module._promotion_copy_bytes
     try:
         recorder_module._promotion_copy_bytes = lambda *_a: 0  # type: ignore[assignment]
-        without = profile_model(model, inputs=make(2), device="cpu")
+        without = profile_model(model, inputs=make(2), device="cpu", precisions=("fp32",))
     finally:
         recorder_module._promotion_copy_bytes = original  # type: ignore[assignment]
     a = with_copies.estimate(7, "fp32", None, "inference")
@@ -1691,8 +1711,9 @@ def test_memory_no_polynomial_fits_warns_how_far_off() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x.sum() * torch.ones(2 ** x.shape[0]).sum()
 
+    # profiled (and so warned) on the first estimate
     with pytest.warns(UserWarning, match=r"at batch 5 the fitted peak is -?[\d,]+ bytes"):
-        profile_model(Exponential(), input_size=(4,), device="cpu")
+        profile_model(Exponential(), input_size=(4,), device="cpu").estimate(2)
 
 
 class _HalfOnly(nn.Module):
@@ -1930,7 +1951,7 @@ def test_batch_one_checks_the_fit_where_it_is_the_same_step(
         return original(self, precision, batch_size, *args)
 
     monkeypatch.setattr(Profiler, "run", counting)
-    profile_model(zoo.mlp(hidden=(16,)), input_size=(784,))
+    profile_model(zoo.mlp(hidden=(16,)), input_size=(784,), precisions=("fp32",))
     assert batches == [2, 3, 1, 2, 3, 1]  # training, then inference
 
     class OtherPathAtOne(nn.Module):
@@ -1943,7 +1964,7 @@ def test_batch_one_checks_the_fit_where_it_is_the_same_step(
             return y * 2 if x.size(0) == 1 else y  # one more tensor at batch 1
 
     batches.clear()
-    profile = profile_model(OtherPathAtOne(), input_size=(8,))
+    profile = profile_model(OtherPathAtOne(), input_size=(8,), precisions=("fp32",))
     assert batches[:4] == [2, 3, 1, 5]
     for batch in (1, 2, 5, 9):
         est = profile.estimate(batch, optimizer="sgd")

@@ -440,7 +440,20 @@ class ModelProfile:
     @property
     def precisions(self) -> tuple[Precision, ...]:
         """The precisions profiled so far whose training step runs (the widget starts there
-        when fp32 does not: a kernel that runs in some dtypes only)."""
+        when fp32 does not: a kernel that runs in some dtypes only). Where no training step
+        has been profiled yet (``profile_model`` defers its runs), fp32's is profiled now,
+        then bf16's and fp16's while it fails; where none runs, fp32's error is raised."""
+        if not any(m is Mode.TRAIN and lv == NO_LEVERS for _p, m, lv in self._timelines):
+            first: ProfilingError | None = None
+            for precision in (Precision.FP32, Precision.BF16, Precision.FP16):
+                try:
+                    self.timeline(precision, Mode.TRAIN)
+                    break
+                except ProfilingError as exc:
+                    first = first or exc
+            else:
+                assert first is not None
+                raise first
         return tuple(p for p, m, lv in self._timelines if m is Mode.TRAIN and lv == NO_LEVERS)
 
     def optimizer_trace(

@@ -530,6 +530,14 @@ class DiskCachedSource:
     def profiler(self) -> Any:
         return self.inner.profiler
 
+    def made_before(self) -> bool:
+        """Whether this profile has entries on disk: a run of it succeeded before (entries
+        are written for successful runs only)."""
+        try:
+            return any((self.directory / self.key).glob("*.pkl"))
+        except OSError:
+            return False
+
     # -- the ProfileSource protocol ----------------------------------------------------------
     def timeline(
         self,

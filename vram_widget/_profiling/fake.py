@@ -112,6 +112,13 @@ class _ProfilingFakeTensorMode(FakeTensorMode):
     sparse or constant tensors, other types) takes the stock path, argument by argument.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Without this, TorchDispatchMode.__init_subclass__ wraps the __torch_dispatch__
+        # below in torch._disable_dynamo (torch/utils/_python_dispatch.py), the wrapper it
+        # is written to go without: no torch.compile frame is traced inside a profiling run.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """``FakeTensorMode.dispatch`` without what a profile does not need on each of its
         ~10,000 ops: the ``torch._dynamo`` disable wrapper and the op counter around
@@ -404,7 +411,25 @@ def reparametrized(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> I
     loss and backward; tied weights are tied as ``functional_call(tie_weights=True)`` ties
     them."""
     with _reparametrize_module(module, state, tie_weights=True, strict=False):
-        yield
+        _repoint_flat_weights(module)
+        try:
+            yield
+        finally:
+            _repoint_flat_weights(module)
+    _repoint_flat_weights(module)
+
+
+def _repoint_flat_weights(module: torch.nn.Module) -> None:
+    """Point each RNN's ``_flat_weights`` (the list its forward reads) at the weights it
+    holds now. ``nn.RNNBase.__setattr__`` keeps that list in step with ``self.weight_ih_l0 =
+    ...`` (torch/nn/modules/rnn.py), but the swap above writes the parameter dicts
+    directly, so without this a run reads the weights the module held before it, and the
+    module keeps a run's fake weights after it (and later runs read those)."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.RNNBase):
+            m._flat_weights = [
+                getattr(m, name) if hasattr(m, name) else None for name in m._flat_weights_names
+            ]
 
 
 @contextlib.contextmanager

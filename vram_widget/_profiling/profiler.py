@@ -606,6 +606,58 @@ class Profiler:
             step_flops=step_flops,
         )
 
+    def check_runs(self) -> bool:
+        """Whether one unrecorded training step (forward, loss, backward) and one inference
+        forward of the model run on fake tensors (fp32, batch ``CHECK_BATCH_SIZE``, the
+        profile's kernel choices): the check ``profile_model`` makes before it defers its
+        runs. Nothing is recorded or hooked, so it costs about one recorded run. False
+        where anything raises (a real error, or an op fake tensors cannot run, which the
+        real fallback may): the caller then profiles fp32 at once, and its errors and
+        warnings come as that run raises them. (Meta tensors cost more here: their
+        elementwise kernels are Python references, run afresh for every op, where the fake
+        mode caches each op's output by its arguments' metadata.)"""
+        subject = self.subject
+        if self.real:
+            return False
+        fake_mode = new_fake_mode()
+        with fake_mode:
+            params, buffers = subject.make_state(Precision.FP32, real=False)
+            inputs = subject.make_inputs(CHECK_BATCH_SIZE, Precision.FP32, real=False)
+        trainable = [p for p in params.values() if p.requires_grad]
+        # the kernels the runs pick (CUDA's fused attention takes one op where the CPU's
+        # math path takes a dozen)
+        context = self._context(Precision.FP32)
+        rules_hold()  # before any mode: it probes real tensors
+        with (
+            warnings.catch_warnings(),
+            paused_gc(),
+            quiet_fake_tensor_log(),
+            quiet_third_party(),
+            fake_mode,
+            reparametrized(subject.model, {**params, **buffers}),
+        ):
+            warnings.simplefilter("ignore")  # the profiling runs say what is worth saying
+            subject.model.train(True)
+            try:
+                training_iteration(
+                    subject.model,
+                    inputs,
+                    subject.loss_fn,
+                    None,
+                    Precision.FP32,
+                    "cpu",
+                    params=trainable,
+                    context=context,
+                )
+                subject.model.eval()  # a forward may fail in inference alone
+                inference_pass(subject.model, inputs, Precision.FP32, "cpu", context=context)
+            except Exception:
+                return False
+            finally:
+                for p in trainable:
+                    p.grad = None
+        return True
+
     def _stepping(
         self,
         rec: Recorder,
@@ -851,6 +903,11 @@ class Profiler:
 # where it is the same step, else the third does. Not 1 in the fit: there BatchNorm and
 # squeeze-happy code behave unlike any larger batch.
 FIT_BATCH_SIZES = (2, 3, 5)
+# profile_model's check that a model runs (Profiler.check_runs) runs at a batch size no
+# profiling run uses: a run then never meets a fake dispatch cache entry the check made for
+# its shapes (an LSTM's backward on CUDA emulation records other frees from a cache hit than
+# from a fresh kernel call).
+CHECK_BATCH_SIZE = 4
 # Where memory is quadratic in the batch, the three fit it and this one checks it.
 QUADRATIC_CHECK_BATCH = 8
 # CPU kernel workspaces are not affine in the batch (oneDNN picks its algorithm per shape):
@@ -1121,6 +1178,18 @@ class _Source:
             torch.enable_grad(),
         ):
             return self._run_once(precision, batch_size, mode, flops)
+
+    def check_runs(self) -> bool:
+        """:meth:`Profiler.check_runs` inside the wrappers of every run (the model's
+        flags and the RNG kept, the worst-case graph, the example's mask values)."""
+        with (
+            _preserved_model_state(self.profiler.subject.model),
+            worst_case_graph(graph_randomness(self.profiler.subject.model)),
+            example_mask_values(self.profiler.subject.model, *self._example()),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
+            return self.profiler.check_runs()
 
     def _run_once(self, precision: Precision, batch_size: int, mode: Mode, flops: bool) -> RawTrace:
         try:
@@ -1442,7 +1511,7 @@ def profile_model(
     device: str = "cuda",
     seq_axis: Any = None,
     *,
-    precisions: Any = ("fp32",),
+    precisions: Any = None,
     cache: Any = True,
     seq_len: int | None = None,
     trust_remote_code: bool = False,
@@ -1487,9 +1556,13 @@ def profile_model(
         positional) to dims; False means none.
     precisions : sequence of str, optional
         The precisions whose training step, inference pass and Adam step are profiled now
-        (each other setting is profiled on its first estimate). The default, ``("fp32",)``,
-        also checks that the model runs at all before the profile is returned; ``()``
-        defers every run to the first estimate; ``("bf16",)`` runs bf16 alone.
+        (each other setting is profiled on its first estimate). The default, None,
+        profiles nothing up front: one unrecorded fake training step and inference forward
+        (fp32, nothing recorded) check that the model runs, so that a model or input that
+        cannot run is refused here, and each setting is profiled on its first estimate (an
+        estimate in bf16 runs no fp32 profile). Where that check fails, fp32 is profiled
+        now, as ``("fp32",)`` does, and raises the error (or falls back to a real run) as
+        it did. ``()`` defers every run without the check; ``("bf16",)`` runs bf16 alone.
     cache : bool or path, optional
         Whether profiles are read from and written to the on-disk cache: True (the user
         cache directory, ``$VRAM_WIDGET_CACHE_DIR`` where set, off where
@@ -1525,7 +1598,7 @@ def profile_model(
     model, inputs, model_name = model_or_name(model, input_size, inputs, seq_len, trust_remote_code)
     check_model(model)
     target = parse_option(Device, device, "device")
-    eager = _parse_precisions(precisions)
+    eager = () if precisions is None else _parse_precisions(precisions)
     if inputs is None and input_size is None:
         raise ValueError(
             "give the example input: input_size=(...) for one sample's shape, "
@@ -1547,8 +1620,9 @@ def profile_model(
     seq_len_limit = position_limit(model) if seq_axes else None
     _check_position_table(subject, seq_len_limit)
     profiler = Profiler(subject)
+    inner = _Source(profiler, cache)
     source = cached_source(
-        _Source(profiler, cache),
+        inner,
         cache,
         model,
         _named_values(model_inputs),
@@ -1579,6 +1653,9 @@ def profile_model(
         hf_checkpointing=hf_auto,
         loss_chunks_refusal=chunked_loss_refusal(model, model_inputs, loss_fn),
     )
+    if precisions is None and not _made_before(source) and not inner.check_runs():
+        # the check cannot tell: the fp32 profile says whether (and how) the model runs
+        eager = (Precision.FP32,)
     # Training and inference, and Adam, in the precisions the first estimate asks for.
     try:
         for precision in eager:
@@ -1625,6 +1702,13 @@ def _parse_precisions(precisions: Any) -> tuple[Precision, ...]:
             f"or () to profile on the first estimate; got {precisions!r}"
         ) from None
     return tuple(dict.fromkeys(parse_option(Precision, p, "precision") for p in items))
+
+
+def _made_before(source: object) -> bool:
+    """Whether the on-disk cache holds runs of this profile: a process profiled the same
+    model, inputs, loss and device before, so it runs (``DiskCachedSource.made_before``)."""
+    made_before = getattr(source, "made_before", None)
+    return made_before is not None and bool(made_before())
 
 
 def _another_precision_runs(profile: ModelProfile) -> bool:
