@@ -33,10 +33,12 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import plotly
 import plotly.graph_objects as go
+from plotly.basedatatypes import BaseFigure
 
 __all__ = [
     "LOADER_ESM",
@@ -210,6 +212,22 @@ def plotly_bundle() -> bytes:
     return str(go.FigureWidget._esm).encode("utf-8")
 
 
+_UNCHANGED = object()
+
+
+def _stored(props: dict[str, Any], key: str) -> Any:
+    """The value a trace's or layout's property dict holds at a dotted path (None: none)."""
+    value: Any = props
+    for part in BaseFigure._str_to_dict_path(key):
+        if isinstance(value, dict) and not isinstance(part, int):
+            value = value.get(part)
+        elif isinstance(value, list) and isinstance(part, int) and part < len(value):
+            value = value[part]
+        else:
+            return None
+    return value
+
+
 class FigureWidget(go.FigureWidget):
     """``go.FigureWidget`` whose synced ``_esm`` is a small loader, not plotly.js.
 
@@ -234,6 +252,54 @@ class FigureWidget(go.FigureWidget):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.on_msg(self._answer_loader)
+
+    def write_updates(
+        self, trace_updates: Sequence[Mapping[str, Any]], layout_updates: Mapping[str, Any]
+    ) -> None:
+        """Write new property values into every trace (``trace_updates[i]`` for trace ``i``,
+        keyed by plotly's dotted paths: ``"marker.color"``) and the layout
+        (``"annotations[0].text"``), and send what changed as one ``Plotly.update``.
+
+        What ``batch_update()`` does, without plotly's per-property validation and
+        key-path checks (measured: ~4 ms of a ~4.5 ms waterfall update, ResNet-50): the
+        values are the figure's own, written by :mod:`.figures` into traces it built, so
+        they are stored as given (``BaseFigure._set_in``, plotly's own store for
+        ``plotly_update``; a None removes the property) and only the properties whose
+        value changed are sent (``BaseFigureWidget._send_update_msg``).
+
+        Examples
+        --------
+        >>> from vram_widget._display.plotly_widget import FigureWidget
+        >>> fig = FigureWidget(data=[{"type": "bar", "y": [1, 2]}])
+        >>> fig.write_updates([{"y": [3, 4], "marker.color": "red"}], {"title.text": "t"})
+        >>> fig.data[0].y, fig.data[0].marker.color, fig.layout.title.text
+        ((3, 4), 'red', 't')
+        """
+        if len(trace_updates) != len(self._data):
+            raise ValueError(
+                f"{len(trace_updates)} trace updates for a figure of {len(self._data)} traces"
+            )
+        restyle: dict[str, list[Any]] = {}
+        for i, update in enumerate(trace_updates):
+            for key, value in update.items():
+                if BaseFigure._set_in(self._data[i], key, value):
+                    changed = restyle.setdefault(key, [_UNCHANGED] * len(self._data))
+                    changed[i] = value
+        relayout = {
+            key: value
+            for key, value in layout_updates.items()
+            if BaseFigure._set_in(self._layout, key, value)
+        }
+        if not restyle and not relayout:
+            return
+        # Plotly.restyle takes one value per trace of the list, and a null resets a trace's
+        # property to its default (JSON has no "undefined"), so a trace whose value did not
+        # change is sent the value it holds (a null where it holds none: the default it has)
+        for key, values in restyle.items():
+            for i, value in enumerate(values):
+                if value is _UNCHANGED:
+                    values[i] = _stored(self._data[i], key)
+        self._send_update_msg(restyle, relayout, list(range(len(self._data))))
 
     def _answer_loader(
         self, _widget: object, content: Any, _buffers: list[bytes] | None = None
