@@ -20,7 +20,8 @@ from torch import nn
 from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
 from vram_widget._display.figures import TRACE_NAMES
 from vram_widget._display.optimizer_control import split_choice
-from vram_widget._display.widget import AT_REST_DELAY_S, MemoryWidget, format_bytes
+from vram_widget._display.widget import MemoryWidget, format_bytes
+from vram_widget._display.widget_summary import AT_REST_DELAY_S
 from vram_widget._estimating.gpus import GPUS, resolve_gpu
 from vram_widget._estimating.levers import NO_LEVERS
 from vram_widget._estimating.profile import ModelProfile
