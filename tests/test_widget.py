@@ -152,12 +152,13 @@ def test_fits_and_largest_batch(profile: ModelProfile) -> None:
     assert largest == profile.max_batch_size(GIB // 4, "fp32", "adam", "train")
     assert largest > 1
     w.batch_size = largest
-    assert "<b>fits</b>" in w.summary_html
+    assert "<b>fits</b>" in w.headline_html and w.headline.fits is True
     w.batch_size = largest * 4
-    assert "does not fit" in w.summary_html
-    assert f"largest batch that fits: <b>{largest:,}</b>" in w.summary_html
+    assert "does not fit" in w.headline_html and w.headline.fits is False
+    assert f"largest batch <b>{largest:,}</b>" in w.headline_html
+    assert w.headline.largest_batch == largest
     w.custom_gib = 0.001  # 1 MiB: not even the parameters fit
-    assert "not even batch size 1 fits" in w.summary_html
+    assert "not even batch size 1 fits" in w.headline_html
 
 
 def test_summary_step_time(profile: ModelProfile) -> None:
@@ -434,12 +435,12 @@ def test_nothing_fits_names_the_largest_batch(profile: ModelProfile) -> None:
     w = MemoryWidget(profile, gpu="custom", custom_gib=0.125, batch_size=2**20)
     largest = profile.max_batch_size(GIB // 8, "fp32", "adam", "train")
     assert w.estimate.total_bytes > GIB // 8
-    assert "does not fit" in w.summary_html
-    assert f"largest batch that fits: <b>{largest:,}</b>" in w.summary_html
+    assert "does not fit" in w.headline_html
+    assert f"largest batch <b>{largest:,}</b>" in w.headline_html
     w.custom_gib = 0.002  # 2 MiB: less than the parameters
-    assert "does not fit" in w.summary_html
-    assert "not even batch size 1 fits" in w.summary_html
-    assert "largest batch that fits" not in w.summary_html
+    assert "does not fit" in w.headline_html
+    assert "not even batch size 1 fits" in w.headline_html
+    assert "largest batch <b>" not in w.headline_html
 
 
 def test_extras_follow_the_chosen_gpu() -> None:
@@ -472,12 +473,12 @@ def token_profile() -> ModelProfile:
 def test_sequence_slider_drives_the_estimate(token_profile: ModelProfile) -> None:
     w = MemoryWidget(token_profile, batch_size=8)
     assert w.seq_len == 32 and w._seq_row.layout.display is None  # shown
-    assert "Tokens per step</b>: 8 x 32 = 256" in w.summary_html
+    assert "Tokens per step</th><td>8 x 32 = 256" in w.summary_html
     w.seq_len = 200  # the first other length fits the profile in the length: "profiling"
     assert "profiled" in w._status.value and "200 tokens" in w._status.value
     expected = token_profile.estimate(8, seq_len=200)
     assert w.estimate.seq_len == 200 and w.estimate.peak_bytes == expected.peak_bytes
-    assert "Tokens per step</b>: 8 x 200 = 1,600" in w.summary_html
+    assert "Tokens per step</th><td>8 x 200 = 1,600" in w.summary_html
     assert w._seq_slider.value == 200.0 and w._seq_box.value == 200
     w.seq_len = 1000  # numpy from here: no profiling status
     assert w._status.value == ""
@@ -548,8 +549,8 @@ def test_levers_group_drives_the_estimate(token_profile: ModelProfile) -> None:
     # The zoo dict_input model has no repeated blocks: its checkpointing choices are "off"
     # and the classes with repeated instances; trainable patterns and micro-batches apply.
     w = MemoryWidget(token_profile, batch_size=8)
-    assert w._levers_row in w._controls.children
-    assert "Levers" not in w.summary_html
+    assert w._levers_row in w._tabs.children[2].children
+    assert "<th>Levers</th>" not in w.summary_html
     w.trainable = "head.*"
     expected = token_profile.estimate(8, trainable=["head.*"])
     assert w.estimate.peak_bytes == expected.peak_bytes
@@ -578,7 +579,7 @@ def test_checkpoint_choice_follows_the_model() -> None:
     model = zoo.causal_decoder(vocab_size=64, d_model=32, n_head=2, n_layer=2, max_len=64)
     profile = profile_model(model, inputs=torch.zeros(2, 16, dtype=torch.long))
     w = MemoryWidget(profile, batch_size=4, checkpoint="auto")
-    dropdown = w._levers_row.children[1]
+    dropdown = w._checkpoint_dropdown
     assert list(dropdown.options)[:2] == ["off", "auto"] and "DecoderBlock" in dropdown.options
     assert w.estimate.levers.checkpoint == profile.checkpoint_blocks == ("blocks.0", "blocks.1")
     assert w.estimate.peak_bytes == profile.estimate(4, checkpoint="auto").peak_bytes
@@ -613,25 +614,29 @@ def test_reserved_line_and_expandable_toggle() -> None:
     assert plain is not None and grown is not None
 
     def reserved_line() -> str:
-        return next(line for line in w.summary_html.split("<br>") if "Reserved" in line)
+        return next(row for row in w.summary_html.split("<tr>") if "<th>Reserved</th>" in row)
 
-    assert f"{format_bytes(plain.peak_reserved_bytes)} at its peak" in reserved_line()
+    assert f"{format_bytes(plain.peak_reserved_bytes)} at the caching allocator's peak" in (
+        reserved_line()
+    )
     assert f"expandable_segments:True: {format_bytes(grown.peak_reserved_bytes)}" in (
         reserved_line()
     )
     w.expandable_segments = True
-    assert f"{format_bytes(grown.peak_reserved_bytes)} at its peak" in reserved_line()
+    assert f"{format_bytes(grown.peak_reserved_bytes)} at the caching allocator's peak" in (
+        reserved_line()
+    )
     assert "expandable_segments:False" in reserved_line()
     # the CPU has no caching allocator: no line, no toggle
     cpu = MemoryWidget(profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu"))
-    assert "Reserved" not in cpu.summary_html
+    assert "<th>Reserved</th>" not in cpu.summary_html
 
 
 def test_capacity_below_the_cuda_context_is_said() -> None:
     profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,))  # device="cuda"
     w = MemoryWidget(profile, gpu="64 MiB")
-    assert "does not fit" in w.summary_html
-    assert "the capacity is below the CUDA context alone" in w.summary_html
+    assert "does not fit" in w.headline_html
+    assert "the capacity is below the CUDA context alone" in w.headline_html
     assert w.largest_batch() == 0  # the API refuses such a capacity; the widget says why
     entry = zoo.ZOO["dict_input"]  # a sequence axis: the frontier panel, nothing fits
     tokens = profile_model(entry.build(), inputs=entry.make_inputs(2))
@@ -653,32 +658,39 @@ def test_device_line_gives_the_third_number() -> None:
     assert MemoryWidget(profile_model(zoo.mlp(), input_size=(784,), device="cpu")).device_html == ""
 
 
-def test_device_line_waits_for_the_controls_to_rest() -> None:
+def test_device_line_waits_for_the_controls_to_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     # In a kernel (a running event loop) the allocator search runs once the moves stop:
-    # two quick moves give one search, for the setting the controls rest on.
+    # two quick moves give one search, for the setting the controls rest on; until then the
+    # headline shows "…" for the device figure and the verdict, then the exact numbers.
+    from vram_widget._display import widget_summary
+
     profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
     w = MemoryWidget(profile, batch_size=16)
     searched: list[int] = []
-    device_html = w._device_html
+    device_text = widget_summary.device_text
 
-    def counted(est: MemoryEstimate) -> str:
+    def counted(est: MemoryEstimate, gpu_name: str, capacity_bytes: int) -> str:
         searched.append(est.batch_size)
-        return device_html(est)
+        return device_text(est, gpu_name, capacity_bytes)
 
-    w._device_html = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(widget_summary, "device_text", counted)
 
-    async def move() -> tuple[str, str]:
+    async def move() -> tuple[str, Any, str, Any]:
         w.batch_size = 8
         w.batch_size = 32
-        pending = w.device_html
+        pending, pending_numbers = w.headline_html, w.headline
         await asyncio.sleep(3 * AT_REST_DELAY_S)
-        return pending, w.device_html
+        return pending, pending_numbers, w.device_html, w.headline
 
-    pending, rested = asyncio.run(move())
-    assert "replaying the allocator" in pending
+    pending, before, rested, after = asyncio.run(move())
+    assert before.fit_bytes is None and before.fits is None and "…" in pending
+    assert w._details_panel.get_title(0) == "Details"  # "(updating…)" until then
     assert searched == [32]
-    device = profile.estimate(32).device_bytes
+    est = profile.estimate(32)
+    device = est.device_bytes
     assert device is not None and f"<b>{format_bytes(device)}</b>" in rested
+    assert after.fit_bytes == device and after.fits == est.fits(w.target.memory_bytes)
+    assert f"<b>{format_bytes(device)}</b> device" in w.headline_html
 
 
 def test_data_parallel_group() -> None:
@@ -687,10 +699,8 @@ def test_data_parallel_group() -> None:
     profile = profile_model(zoo.mlp(), input_size=(784,))
     w = MemoryWidget(profile, batch_size=16, optimizer="adamw")
     assert w.estimate.gpus == 1 and "Data parallel" not in w.summary_html
-    assert (
-        w.parallel_html
-        == "<b>GPUs needed</b>: 1 x H100 SXM 80GB with ddp at batch 16 per GPU (global batch 16)"
-    )
+    assert w.parallel_html == "1 x H100 SXM 80GB with ddp at batch 16 per GPU (global batch 16)"
+    assert f"<th>GPUs needed</th><td>{w.parallel_html}</td>" in w.details_html
     w.gpus = 4
     est = profile.estimate(16, optimizer="adamw", gpus=4)
     assert w.estimate.peak_bytes == est.peak_bytes and w.estimate.communication_bytes > 0
@@ -708,7 +718,7 @@ def test_data_parallel_group() -> None:
     assert profile.min_gpus(w.target.memory_bytes, 16, optimizer="adamw", strategy="zero1") == 2
     two = profile.estimate(16, optimizer="adamw", gpus=2, strategy="zero1").device_bytes
     assert two is not None and two <= w.target.memory_bytes < single
-    assert "<b>GPUs needed</b>: 2 x custom" in w.parallel_html
+    assert w.parallel_html.startswith("2 x custom")
     assert "(global batch 32)" in w.parallel_html
     w.strategy = "ddp"
     assert (
@@ -784,7 +794,7 @@ def test_generation_group_drives_the_estimate() -> None:
     w, profile = _gpt2_widget(batch_size=4)
     assert w.new_tokens == 48  # 128 by default, less where GPT-2's 64 positions end first
     assert w._generation_row.layout.display == "none"
-    assert "generate" in w._controls.children[2].children[-1].options
+    assert "generate" in w._mode_buttons.options
     w.mode = "generate"
     w.new_tokens = 40
     w.seq_len = 8
@@ -799,7 +809,7 @@ def test_generation_group_drives_the_estimate() -> None:
     summary = w.summary_html
     assert f"KV cache</b> {format_bytes(expected.kv_cache_bytes)}" in summary
     assert "1.00 KiB per token per sequence" in summary  # 2 layers x k, v x 64 x 4 B
-    assert f"most sequences generated at once: <b>{most:,}</b>" in summary
+    assert f"most sequences at once <b>{most:,}</b>" in w.headline_html
     assert f"decode step {expected.peak_step:,} of 39" in summary
     w.mode = "train"
     assert w._generation_row.layout.display == "none"
@@ -817,7 +827,7 @@ def test_generation_past_the_positions_keeps_the_last_setting() -> None:
 def test_generate_is_offered_only_to_a_model_that_generates() -> None:
     profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
     w = MemoryWidget(profile)
-    assert "generate" not in w._controls.children[2].children[-1].options
+    assert "generate" not in w._mode_buttons.options
     with pytest.raises(traitlets.TraitError, match="needs a model that generates"):
         w.mode = "generate"
 

@@ -323,9 +323,7 @@ class FigureWidget(go.FigureWidget):
                     changed = restyle.setdefault(key, [_UNCHANGED] * len(self._data))
                     changed[i] = value
         relayout = {
-            key: value
-            for key, value in layout_updates.items()
-            if _put(self._layout, key, value)
+            key: value for key, value in layout_updates.items() if _put(self._layout, key, value)
         }
         if not restyle and not relayout:
             return

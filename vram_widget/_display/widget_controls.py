@@ -173,6 +173,7 @@ class ControlsMixin:
             options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
         )
         mode = widgets.ToggleButtons(options=modes, style={"button_width": "90px"})
+        self._mode_buttons = mode
         # the optimizer, its implementation, and how it steps (two checkboxes)
         self._optimizer_controls = OptimizerControls(self, self._profile.device)
         # The memory levers: checkpointing ("auto" where the model has repeated blocks, and

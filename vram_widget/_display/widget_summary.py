@@ -147,11 +147,18 @@ class SummaryMixin:
         if largest is None and (at_rest or below):
             largest = self.largest_batch()
         longest = None
+        longest_note = ""
         if self._profile.has_seq_axis and not below:
             seq_key = (self.batch_size, *self._settings_key("seq_len"))
             longest = self._seq_cache.get(seq_key)
             if seq_key not in self._seq_cache and at_rest:
                 longest = self.longest_sequence()
+                if longest is None:
+                    longest_note = (
+                        "n/a"
+                        if self._length_fitted()
+                        else "? (move the sequence length once to fit the profile in it)"
+                    )
         tokens = None
         if est.generation is not None:
             tokens = est.batch_size * est.generation.new_tokens
@@ -165,6 +172,7 @@ class SummaryMixin:
             fits=None if fit_bytes is None else fit_bytes <= capacity,
             largest_batch=largest,
             longest_seq=longest,
+            longest_seq_note=longest_note,
             has_seq_axis=self._profile.has_seq_axis,
             generating=est.generation is not None,
             flops=est.flops,
@@ -176,9 +184,11 @@ class SummaryMixin:
 
     def longest_sequence(self: MemoryWidget) -> int | None:  # type: ignore[misc]
         """:meth:`ModelProfile.max_seq_len` at the current batch, setting and card (the
-        longest prompt in a generation; cached; None without a sequence axis, or where the
-        search fails: the details say nothing more than the estimate does)."""
-        if not self._profile.has_seq_axis:
+        longest prompt in a generation; cached). None without a sequence axis, before the
+        profile has been fitted in the length at this setting (the search would profile:
+        moving the sequence length once, or opening the batch x length panel, fits it), or
+        where the search fails (the estimate at that length says why)."""
+        if not self._profile.has_seq_axis or not self._length_fitted():
             return None
         key = (self.batch_size, *self._settings_key("seq_len"))
         if key not in self._seq_cache:
@@ -191,10 +201,18 @@ class SummaryMixin:
                     if self._below_context(capacity)
                     else self._profile.max_seq_len(capacity, self.batch_size, **s)
                 )
-            except ValueError:  # a setting one length cannot take: the estimate says why
+            except Exception:  # a length the model refuses (past its positions): not shown
                 found = None
             self._seq_cache[key] = found
         return self._seq_cache[key]
+
+    def _length_fitted(self: MemoryWidget) -> bool:  # type: ignore[misc]
+        """Whether the profile's fit in the length is made at this setting (so the longest
+        sequence is a search of numpy estimates, not of profiling runs)."""
+        levers = self._step_levers()
+        return levers is not None and self._profile.length_fit_tried(
+            self.precision, self.mode, levers
+        )
 
     @property
     def parallel_html(self: MemoryWidget) -> str:  # type: ignore[misc]

@@ -139,6 +139,8 @@ class Headline:
     tokens_count: int | None
     # the CUDA context alone fills the card
     below_context_bytes: int | None = None
+    # in place of a longest sequence that is not searched for (why), at rest
+    longest_seq_note: str = ""
     # why the last setting could not be estimated (the state shown is the one before)
     error: str = ""
 
@@ -186,7 +188,9 @@ def headline_html(h: Headline) -> str:
         cells.append(f"<span class='vw-largest'>{word} {largest}</span>")
     if h.has_seq_axis and h.below_context_bytes is None:
         what = "longest prompt" if h.generating else "longest sequence"
-        longest = _pending(h.longest_seq, f"<b>{h.longest_seq or 0:,}</b>")
+        longest = html.escape(h.longest_seq_note) or _pending(
+            h.longest_seq, f"<b>{h.longest_seq or 0:,}</b>"
+        )
         cells.append(f"<span class='vw-longest'>{what} {longest} at batch {h.batch_size:,}</span>")
     per = "generation" if h.generating else "step"
     work = (
