@@ -764,13 +764,20 @@ def test_fsdp_strategies_in_the_widget() -> None:
     w.gpus = 12
     est = profile.estimate(4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=4)
     assert w.gpus == 12 and w.estimate.peak_bytes == est.peak_bytes
-    assert est.parameter_bytes > profile.estimate(
-        4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=12
-    ).parameter_bytes
+    assert (
+        est.parameter_bytes
+        > profile.estimate(
+            4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=12
+        ).parameter_bytes
+    )
     w._per_node_box.value = 6  # the box drives the trait: 2 nodes of 6
-    assert w.gpus_per_node == 6 and w.estimate.peak_bytes == profile.estimate(
-        4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=6
-    ).peak_bytes
+    assert (
+        w.gpus_per_node == 6
+        and w.estimate.peak_bytes
+        == profile.estimate(
+            4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=6
+        ).peak_bytes
+    )
     w.strategy = "zero3"
     assert w._per_node_box.layout.display == "none"
 
@@ -1171,3 +1178,130 @@ def test_a_recipe_starts_the_controls_and_holds_what_has_no_control() -> None:
         show_memory(zoo.mlp(), input_size=(784,), recipe=recipe, batch_size=4)
     with pytest.raises(ValueError, match="rank=1 has no control"):
         show_memory(zoo.mlp(), input_size=(784,), recipe=Recipe().with_(gpus=2, rank=1))
+
+
+# The layout: the answer first, controls grouped by question
+# --------------------------------------------------------------------------------------------
+
+
+def test_answer_first_then_bar_controls_figure_and_details(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)
+    assert w.children[:5] == (w._headline, w._status, w._bar, w._controls, w.figure)
+    assert w._details_panel in w.children and w._details_panel.selected_index is None
+    # as wide as the notebook, the plot resizing with it (no fixed width, a fixed height)
+    assert w.layout.width == "100%" and w._tabs.layout.width == "100%"
+    assert w.figure.layout.autosize is True and w.figure.layout.width is None
+    assert w.figure.layout.height is not None
+
+
+def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)
+    groups = w.control_groups
+    assert list(groups) == ["Step", "Optimizer", "Memory levers", "GPUs", "Display"]
+    assert [w._tabs.get_title(i) for i in range(4)] == list(groups)[:4]
+    labels = {
+        title: [c.description for c in controls if c.description]
+        for title, controls in groups.items()
+    }
+    assert labels == {
+        "Step": ["batch size", "sequence length", "precision", "mode", "new tokens"],
+        "Optimizer": ["optimizer", "implementation", "in backward", "keep grads"],
+        "Memory levers": ["checkpointing", "trainable", "micro-batches", "LoRA rank"],
+        "GPUs": ["GPU", "custom GiB", "expandable_segments", "GPUs", "strategy", "per node"],
+        "Display": ["group depth"],
+    }
+    every = [c for controls in groups.values() for c in controls]
+    assert sorted(map(id, every)) == sorted(map(id, w._control_widgets))  # each shown once
+    for control in every:
+        assert control.tooltip, control  # says what it changes
+        if not control.description:  # the exact box beside a labelled slider
+            assert isinstance(control, widgets.BoundedIntText)
+
+
+def test_headline_numbers_are_the_estimates(profile: ModelProfile) -> None:
+    # device="cpu": the number compared with the card is total_bytes ("allocated"), exactly
+    # what estimate(), fits() and max_batch_size() give at the same setting
+    w = MemoryWidget(profile, gpu="T4 16GB", batch_size=24, optimizer="sgd")
+    est = profile.estimate(24, optimizer="sgd", compute_capability=w.target.compute_capability)
+    capacity = GPUS["T4 16GB"].memory_bytes
+    h = w.headline
+    assert (h.fit_bytes, h.fit_label) == (est.total_bytes, "allocated")
+    assert h.fits is est.fits(capacity) is True
+    assert h.largest_batch == profile.max_batch_size(
+        capacity, optimizer="sgd", compute_capability=w.target.compute_capability
+    )
+    assert (h.flops, h.batch_size, h.tokens_count) == (est.flops, 24, None)
+    assert h.longest_seq is None and not h.has_seq_axis
+    text = w.headline_html
+    assert f"<b>{format_bytes(est.total_bytes)}</b> allocated" in text
+    assert f"largest batch <b>{h.largest_batch:,}</b>" in text
+    assert "24 samples per step" in text
+
+
+def test_headline_on_cuda_gives_device_bytes_and_the_longest_sequence() -> None:
+    entry = zoo.ZOO["dict_input"]  # a sequence axis; device="cuda"
+    tokens = profile_model(entry.build(), inputs=entry.make_inputs(2))
+    w = MemoryWidget(tokens, batch_size=8, gpu="T4 16GB")
+    capacity = GPUS["T4 16GB"].memory_bytes
+    cc = w.target.compute_capability
+    # before the profile is fitted in the length, the headline says how to get it
+    assert w.headline.longest_seq is None and "move the sequence length" in w.headline_html
+    w.seq_len = 64  # the first other length: the fit in the length
+    est = tokens.estimate(8, seq_len=64, compute_capability=cc)
+    h = w.headline
+    assert (h.fit_bytes, h.fit_label) == (est.device_bytes, "device")
+    assert h.fits is est.fits(capacity)
+    assert h.largest_batch == tokens.max_batch_size(capacity, seq_len=64, compute_capability=cc)
+    assert h.longest_seq == tokens.max_seq_len(capacity, 8, compute_capability=cc)
+    assert h.tokens_count == 8 * 64 and "512 tokens per step" in w.headline_html
+    assert f"longest sequence <b>{h.longest_seq:,}</b> at batch 8" in w.headline_html
+
+
+def test_bar_shows_what_fills_the_peak(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, batch_size=8)
+    parts = re.findall(r"title='([^:]+): ([\d,]+) B' style='width:([\d.]+)%", w._bar.value)
+    breakdown = w.estimate.peak_breakdown
+    assert [(name, int(n.replace(",", ""))) for name, n, _ in parts] == [
+        (c.value, breakdown[c])
+        for c in breakdown
+        if breakdown[c]  # Category order
+    ]
+    # the parameters: (784 x 512 + 512) + (512 x 512 + 512) + (512 x 10 + 10) = 669,706
+    # floats of 4 B = 2,678,824 B
+    assert parts[0][:2] == ("Parameter", "2,678,824")
+    assert sum(float(width) for *_, width in parts) == pytest.approx(100, abs=0.01)
+
+
+def test_largest_batch_of_a_new_setting_lands_at_rest(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, batch_size=8)
+
+    async def move() -> tuple[Any, str, Any]:
+        w.gpu = "T4 16GB"  # a new capacity: its largest batch is a search
+        pending, text = w.headline, w.headline_html
+        await asyncio.sleep(3 * AT_REST_DELAY_S)
+        return pending, text, w.headline
+
+    before, text, after = asyncio.run(move())
+    assert before.largest_batch is None and "largest batch <span class='vw-pending'" in text
+    assert before.fit_bytes == w.estimate.total_bytes  # on the CPU: known at once
+    capacity = GPUS["T4 16GB"].memory_bytes
+    cc = GPUS["T4 16GB"].compute_capability
+    assert after.largest_batch == profile.max_batch_size(capacity, compute_capability=cc)
+    w.batch_size = 9  # the same setting, another batch: the cached answer, at once
+    assert w.headline.largest_batch == after.largest_batch
+
+
+def test_a_refused_setting_keeps_the_last_state_and_says_why_in_the_headline() -> None:
+    pytest.importorskip("peft")
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    profile = profile_model(model, input_size=(16,))
+    w = MemoryWidget(profile, batch_size=4, optimizer="adamw")
+    peak, y = w.estimate.peak_bytes, w.figure.data[PEAK].y
+    w.lora_rank = 2  # PEFT has no default targets for a plain Sequential
+    assert w.lora_rank == 0 and w.estimate.peak_bytes == peak
+    assert tuple(w.figure.data[PEAK].y) == tuple(y)
+    assert w.headline.error.startswith("could not profile")
+    assert "target_modules" in w.headline.error and "kept lora_rank = 0" in w.headline.error
+    assert "vw-error" in w.headline_html
+    w.batch_size = 5  # the next move clears it
+    assert w.headline.error == "" and "vw-error" not in w.headline_html
