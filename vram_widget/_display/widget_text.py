@@ -155,11 +155,15 @@ def headline_html(h: Headline) -> str:
 
     Examples
     --------
-    >>> h = Headline("T4 16GB", 16 * 2**30, 2**30, "allocated", True, 64, None, False,
-    ...              False, 4 * 10**9, 8, None)
+    >>> h = Headline(gpu_name="T4 16GB", capacity_bytes=16 * 2**30, fit_bytes=2**30,
+    ...              fit_label="allocated", fits=True, largest_batch=64, longest_seq=None,
+    ...              has_seq_axis=False, generating=False, flops=4 * 10**9, batch_size=8,
+    ...              tokens_count=None)
     >>> text = headline_html(h)
-    >>> "fits" in text and "1.00 GiB allocated" in text and "largest batch <b>64</b>" in text
-    True
+    >>> "<b>fits</b>" in text, "<b>1.00 GiB</b> allocated (6%) of 16.00 GiB" in text
+    (True, True)
+    >>> "largest batch <b>64</b>" in text, "<b>4 GFLOP</b> and 8 samples per step" in text
+    (True, True)
     """
     card = html.escape(h.gpu_name)
     if h.fits is None:
