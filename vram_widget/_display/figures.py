@@ -771,6 +771,10 @@ def _write_frontier(fig: go.Figure, *args: Any) -> None:
             f"figure has {len(fig.data)} traces, expected {len(traces)}: "
             "build it with build_frontier_figure()"
         )
+    write = getattr(fig, "write_updates", None)
+    if write is not None:  # plotly_widget.FigureWidget: stored as given, one message
+        write(traces, layout)
+        return
     for trace, update in zip(fig.data, traces, strict=True):
         for path, value in update.items():
             head, _, key = path.rpartition(".")
