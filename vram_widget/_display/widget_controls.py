@@ -114,6 +114,12 @@ class ControlsMixin:
     """Builds, groups and syncs the controls of :class:`~.widget.MemoryWidget`."""
 
     def _build_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
+        self._build_sliders()
+        self._group_controls(self._build_choices())
+
+    def _build_sliders(self: MemoryWidget) -> None:  # type: ignore[misc]
+        """The integer settings' log sliders and exact boxes (batch, length, new tokens,
+        GPUs), each pair writing its trait."""
         moved = self._control_moved
         self._batch_slider, self._batch_box = log_slider_and_box(
             "batch size",
@@ -168,6 +174,10 @@ class ControlsMixin:
         ):
             slider.observe(functools.partial(moved, name), "value")
             box.observe(functools.partial(moved, name), "value")
+
+    def _build_choices(self: MemoryWidget) -> dict[str, widgets.DOMWidget]:  # type: ignore[misc]
+        """The other controls, each linked to its trait with a label and a tooltip; the
+        optimizer's are :class:`~.optimizer_control.OptimizerControls`."""
         modes = [m.value for m in Mode if m is not Mode.GENERATE or self._profile.generates]
         precision = widgets.Dropdown(
             options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
@@ -226,26 +236,39 @@ class ControlsMixin:
             # Labels as wide as their text, so no control wraps under its own label.
             control.style.description_width = "initial"
             widgets.link((self, name), (control, "value"))
+        return {
+            "precision": precision,
+            "mode": mode,
+            "gpu": gpu,
+            "trainable": trainable,
+            "accumulation": accumulation,
+            "lora": lora,
+            "expandable": expandable,
+            "strategy": strategy,
+        }
+
+    def _group_controls(self: MemoryWidget, c: dict[str, widgets.DOMWidget]) -> None:  # type: ignore[misc]
+        """The controls in one tab per question, and the display settings apart."""
         opt = self._optimizer_controls
         self._control_widgets: tuple[widgets.DOMWidget, ...] = (
             self._batch_slider,
             self._batch_box,
             self._seq_slider,
             self._seq_box,
-            precision,
+            c["precision"],
             *opt.widgets,
-            mode,
-            gpu,
+            c["mode"],
+            c["gpu"],
             self._custom_box,
             self._depth_slider,
             self._checkpoint_dropdown,
-            trainable,
-            accumulation,
-            lora,
-            expandable,
+            c["trainable"],
+            c["accumulation"],
+            c["lora"],
+            c["expandable"],
             self._gpus_slider,
             self._gpus_box,
-            strategy,
+            c["strategy"],
             self._per_node_box,
             self._tokens_slider,
             self._tokens_box,
@@ -254,16 +277,20 @@ class ControlsMixin:
             [
                 _row(self._batch_slider, self._batch_box),
                 self._seq_row,
-                _row(precision, mode),
+                _row(c["precision"], c["mode"]),
                 self._generation_row,
             ]
         )
         optimizer = widgets.VBox(
             [_row(opt.optimizer, opt.implementation), _row(opt.in_backward, opt.keep_grads)]
         )
-        self._levers_row = _row(self._checkpoint_dropdown, trainable, accumulation, lora)
-        self._parallel_row = _row(self._gpus_slider, self._gpus_box, strategy, self._per_node_box)
-        gpus = widgets.VBox([_row(gpu, self._custom_box, expandable), self._parallel_row])
+        self._levers_row = _row(
+            self._checkpoint_dropdown, c["trainable"], c["accumulation"], c["lora"]
+        )
+        self._parallel_row = _row(
+            self._gpus_slider, self._gpus_box, c["strategy"], self._per_node_box
+        )
+        gpus = widgets.VBox([_row(c["gpu"], self._custom_box, c["expandable"]), self._parallel_row])
         self._tabs = widgets.Tab(
             children=[step, optimizer, widgets.VBox([self._levers_row]), gpus],
             titles=GROUP_TITLES,
