@@ -343,7 +343,7 @@ const root = label && label.closest('.jp-OutputArea-output');
 const gd = root && root.querySelector('.js-plotly-plot');
 // everything the widget says in words: the headline, the bar and the (collapsed) details
 const summary = root && Array.from(root.querySelectorAll('.widget-html-content'))
-  .map(e => e.textContent).join('\n');
+  .map(e => e.textContent).join(' | ');
 const deviceRow = root && Array.from(root.querySelectorAll('.vw-details tr'))
   .find(r => r.querySelector('th') && r.querySelector('th').textContent === 'On the device');
 const device = deviceRow && ('On the device: ' + deviceRow.querySelector('td').textContent);
