@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 from .._estimating.estimator import MemoryEstimate
 from .._estimating.options import Mode
+from .._estimating.sharding import resolve_parallel
 from .optimizer_control import split_choice
-from .widget_controls import GPUS_MAX
+from .widget_controls import GPUS_MAX, SEQ_SLIDER_MAX
 from .widget_text import (
     Headline,
     allocator_text,
@@ -153,12 +154,13 @@ class SummaryMixin:
             longest = self._seq_cache.get(seq_key)
             if seq_key not in self._seq_cache and at_rest:
                 longest = self.longest_sequence()
-                if longest is None:
-                    longest_note = (
-                        "n/a"
-                        if self._length_fitted()
-                        else "? (move the sequence length once to fit the profile in it)"
-                    )
+            if longest is None and at_rest:
+                longest_note = (
+                    "n/a (memory is not a verified polynomial in the length here: see the "
+                    "batch x length panel)"
+                    if self._length_fit_tried()
+                    else "? (move the sequence length once to fit the profile in it)"
+                )
         tokens = None
         if est.generation is not None:
             tokens = est.batch_size * est.generation.new_tokens
@@ -206,13 +208,39 @@ class SummaryMixin:
             self._seq_cache[key] = found
         return self._seq_cache[key]
 
-    def _length_fitted(self: MemoryWidget) -> bool:  # type: ignore[misc]
-        """Whether the profile's fit in the length is made at this setting (so the longest
-        sequence is a search of numpy estimates, not of profiling runs)."""
+    def _length_fit_tried(self: MemoryWidget) -> bool:  # type: ignore[misc]
+        """Whether the profile's fit in the length has been tried at this setting."""
         levers = self._step_levers()
         return levers is not None and self._profile.length_fit_tried(
             self.precision, self.mode, levers
         )
+
+    def _length_fitted(self: MemoryWidget) -> bool:  # type: ignore[misc]
+        """Whether other lengths are numpy at this setting: the fit in the length is made
+        and verified, so an estimate at the shortest, a longer and the longest length needs
+        no profiling run (``ModelProfile.is_cached``). Only then is the longest sequence
+        searched for at rest: where lengths are profiled one by one, that search would hold
+        the kernel for seconds (the batch x length panel says so and profiles them)."""
+        levers = self._step_levers()
+        if levers is None or not self._length_fit_tried():
+            return False
+        s = self._settings()
+        try:
+            parallel = resolve_parallel(self.gpus, self.strategy, gpus_per_node=self.gpus_per_node)
+        except ValueError:  # the estimate says why
+            return False
+        limit = self._profile.seq_len_limit or SEQ_SLIDER_MAX
+        if self._generating and self._profile.generation_limit is not None:
+            # a generation's prompt: the new tokens follow it within the positions
+            limit = max(1, min(limit, self._profile.generation_limit - self.new_tokens))
+        probes = {1, min(2 * (self.seq_len or 1), limit), limit}
+        return all(
+            self._profile.is_cached(
+                self.precision, self.mode, s["optimizer"], length, levers, parallel,
+                s["new_tokens"],
+            )
+            for length in probes
+        )  # fmt: skip
 
     @property
     def parallel_html(self: MemoryWidget) -> str:  # type: ignore[misc]
