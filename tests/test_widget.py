@@ -987,12 +987,12 @@ def test_optimizer_control_lists_the_names_at_run_time(
 ) -> None:
     # an optimizer added to optimizer_names() (another library's, with no implementations)
     # is offered, grouped on its own, with no change to the widget
-    from vram_widget._display import optimizer_control, widget
+    from vram_widget._display import optimizer_control, widget_settings
     from vram_widget._estimating.options import optimizer_names
 
     names = (*optimizer_names(), "lion8bit")
     monkeypatch.setattr(optimizer_control, "optimizer_names", lambda: names)
-    monkeypatch.setattr(widget, "optimizer_names", lambda: names)
+    monkeypatch.setattr(widget_settings, "optimizer_names", lambda: names)
     w = MemoryWidget(profile, batch_size=8)
     assert w._optimizer_controls.optimizer.options[-2:] == ("lion8bit", "none")
     assert w._optimizer_controls.groups["lion8bit"] == ()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import html
 import math
 import re
@@ -31,9 +30,9 @@ import plotly.graph_objects as go
 import traitlets
 
 from .._estimating.estimator import MemoryEstimate
-from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
+from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu
 from .._estimating.levers import Levers
-from .._estimating.options import Device, Mode, Precision, optimizer_names
+from .._estimating.options import Device, Mode, Precision
 from .._estimating.recipe import Optimizer, Recipe
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
@@ -53,6 +52,11 @@ from .optimizer_control import NO_OPTIMIZER
 from .plotly_widget import FigureWidget
 from .widget_controls import CHECKPOINT_OFF, GPUS_MAX, ControlsMixin
 from .widget_recipe import recipe_settings
+from .widget_settings import OptimizerTrait as _OptimizerTrait
+from .widget_settings import check_optimizer_settings as _check_optimizer_settings
+from .widget_settings import checkpoint_arg as _checkpoint_arg
+from .widget_settings import gpu_settings as _gpu_settings
+from .widget_settings import trainable_arg as _trainable_arg
 from .widget_summary import DETAILS_TITLE, SummaryMixin
 from .widget_text import (
     Headline,
@@ -74,25 +78,6 @@ BATCH_MAX = 2**40
 DEFAULT_NEW_TOKENS = 128
 _NO_OPTIMIZER = NO_OPTIMIZER
 _CHECKPOINT_OFF = CHECKPOINT_OFF
-
-
-class _OptimizerTrait(traitlets.Unicode):
-    """An optimizer name ``estimate`` takes (any of ``optimizer_names()`` when set, an
-    implementation suffix included: ``"adamw-fused"``); ``None`` is stored as ``"none"``."""
-
-    info_text = "an optimizer name of optimizer_names(), or None"
-
-    def validate(self, obj: Any, value: Any) -> Any:
-        if value is None:
-            return _NO_OPTIMIZER
-        valid = (*optimizer_names(), _NO_OPTIMIZER)
-        key = value.strip().lower() if isinstance(value, str) else value
-        if key not in valid:
-            raise traitlets.TraitError(
-                f"unknown optimizer {value!r}; valid values are "
-                f"{', '.join(repr(n) for n in valid)}, or None"
-            )
-        return key
 
 
 class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
@@ -655,17 +640,6 @@ _LEVER_TRAITS = ("checkpoint", "trainable", "grad_accumulation", "lora_rank")
 _STEPPING_SETTINGS = ("optimizer_in_backward", "set_to_none")
 
 
-def _checkpoint_arg(value: str) -> str | None:
-    """The ``checkpoint`` trait as ``estimate`` takes it ("off": None)."""
-    return None if value in (_CHECKPOINT_OFF, "") else value
-
-
-def _trainable_arg(value: str) -> list[str] | None:
-    """The ``trainable`` trait (comma-separated patterns) as ``estimate`` takes it."""
-    patterns = [p.strip() for p in value.split(",") if p.strip()]
-    return patterns or None
-
-
 _SETTINGS: tuple[str, ...] = (
     "batch_size",
     "seq_len",
@@ -832,42 +806,3 @@ def show_memory(
         )
     except traitlets.TraitError as exc:  # a control's own check of its starting value
         raise ValueError(f"invalid setting: {exc}") from None
-
-
-def _check_optimizer_settings(settings: dict[str, Any]) -> None:
-    """The optimizer's settings, checked before the model is run: its name, how it steps
-    (``optimizer_in_backward``, ``set_to_none``), and what stepping in the backward cannot
-    go with in training (micro-batches, several GPUs); each error names the valid forms."""
-    try:
-        name = _OptimizerTrait("adam").validate(None, settings.get("optimizer", "adam"))
-    except traitlets.TraitError as exc:
-        raise ValueError(f"invalid setting: {exc}") from None
-    in_backward = settings.get("optimizer_in_backward", False)
-    set_to_none = settings.get("set_to_none", True)
-    record = dataclasses.replace(
-        Optimizer.parse(None if name == _NO_OPTIMIZER else name),
-        in_backward=in_backward,
-        set_to_none=set_to_none,
-    )  # a flag that is not a bool, or in backward with set_to_none=False: refused here
-    if settings.get("mode", Mode.TRAIN.value) != Mode.TRAIN.value or (
-        set_to_none and not in_backward
-    ):
-        return
-    accumulation = settings.get("grad_accumulation", 1)
-    parallel = resolve_parallel(
-        settings.get("gpus", 1),
-        settings.get("strategy", "ddp"),
-        gpus_per_node=settings.get("gpus_per_node", DEFAULT_GPUS_PER_NODE),
-    )
-    if isinstance(accumulation, int):  # else the control's own check says why
-        stepping_levers(Levers(grad_accumulation=accumulation), record, None, parallel)
-
-
-def _gpu_settings(value: Any) -> dict[str, Any]:
-    """The ``gpu`` (and ``custom_gib``) traits for a ``gpu=`` setting in any capacity form."""
-    if value == CUSTOM_GPU:
-        return {"gpu": CUSTOM_GPU}
-    target = resolve_gpu(value)
-    if target.name in GPUS:
-        return {"gpu": target.name}
-    return {"gpu": CUSTOM_GPU, "custom_gib": target.memory_bytes / 2**30}
