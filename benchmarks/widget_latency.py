@@ -1,8 +1,13 @@
-"""Widget latency: a trait change -> estimate -> figure and summary updated, median of 50 moves.
+"""Widget latency: a trait change -> estimate -> figure, headline and bar updated, median of
+50 moves.
 
-Targets: <= 20 ms (ResNet-50 at 3x64x64, and GPT-2 small's sequence and batch sliders with
-the batch x length frontier panel open) and <= 50 ms (a 1,000-module model). Run with
-``python benchmarks/widget_latency.py``; writes ``benchmarks/results/widget_latency.json``.
+Targets, for a batch-size move (``device="cuda"`` profiles): <= 5 ms for ResNet-50 at 3x64x64
+and for GPT-2 small (its batch slider alone, and its sequence and batch sliders with the
+batch x length frontier panel open, where the batch move's target holds too); <= 50 ms for
+any move of a 1,000-module model. What searches (the device figure, a new setting's largest
+batch, the longest sequence, the GPUs needed) waits for the controls to rest and is timed
+apart. Run with ``python benchmarks/widget_latency.py``; writes
+``benchmarks/results/widget_latency.json``.
 """
 
 from __future__ import annotations
@@ -69,31 +74,40 @@ def _gpt2_small() -> tuple[nn.Module, dict[str, Any]]:
     return model, {"input_ids": ids, "labels": ids}
 
 
+def _batch_moves() -> list[tuple[str, Any]]:
+    """50 batch-size drags of a token model's widget."""
+    return [("batch_size", 1 + (i * 37) % 256) for i in range(MOVES)]
+
+
 def _measure(w: MemoryWidget, moves: list[tuple[str, Any]] | None = None) -> dict[str, float]:
-    """Each move as a kernel runs it: inside a running event loop, so the device line
-    (``device_bytes``, allocator replays under caps) is deferred until the controls rest, as
-    it is in Jupyter; that line is timed apart, on the estimate each move left."""
+    """Each move as a kernel runs it: inside a running event loop, so what searches
+    (``device_bytes``, allocator replays under caps, the largest batch of a new setting, the
+    longest sequence, the GPUs needed) is deferred until the controls rest, as it is in
+    Jupyter; that fill is timed apart, on the estimate each move left."""
 
     async def run() -> dict[str, float]:
         all_s: list[float] = []
         batch_s: list[float] = []
+        # the process's CPU time of a batch move: what the move costs in Python, apart from
+        # waiting for a core on a loaded machine (wall time is what a person sees)
+        batch_cpu_s: list[float] = []
         seq_s: list[float] = []
         device_s: list[float] = []
         for name, value in moves or _moves():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             setattr(w, name, value)
             dt = time.perf_counter() - t0
             all_s.append(dt)
             if name == "batch_size":
                 batch_s.append(dt)
+                batch_cpu_s.append(time.process_time() - c0)
             if name == "seq_len":
                 seq_s.append(dt)
-            if w.estimate.allocator is not None:
-                t0 = time.perf_counter()
-                w._fill_at_rest(w.estimate)  # what the pending callback does at rest
-                device_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            w._fill_at_rest(w.estimate)  # what the pending callback does at rest
+            device_s.append(time.perf_counter() - t0)
         seq = {"seq_only_median_ms": 1e3 * statistics.median(seq_s)} if seq_s else {}
-        device = {"device_line_median_ms": 1e3 * statistics.median(device_s)} if device_s else {}
+        device = {"at_rest_median_ms": 1e3 * statistics.median(device_s)} if device_s else {}
         return {
             **seq,
             **device,
@@ -101,6 +115,7 @@ def _measure(w: MemoryWidget, moves: list[tuple[str, Any]] | None = None) -> dic
             "p90_ms": 1e3 * statistics.quantiles(all_s, n=10)[-1],
             "max_ms": 1e3 * max(all_s),
             "batch_only_median_ms": 1e3 * statistics.median(batch_s),
+            "batch_only_cpu_median_ms": 1e3 * statistics.median(batch_cpu_s),
             "moves": len(all_s),
         }
 
@@ -109,7 +124,7 @@ def _measure(w: MemoryWidget, moves: list[tuple[str, Any]] | None = None) -> dic
 
 def main() -> None:
     cases: dict[str, tuple[nn.Module, tuple[int, ...], float]] = {
-        "resnet50_3x64x64": (zoo.resnet50(), (3, 64, 64), 20.0),
+        "resnet50_3x64x64": (zoo.resnet50(), (3, 64, 64), 5.0),
         "sequential_1000_modules": (
             nn.Sequential(nn.Linear(64, 64), *[nn.Identity() for _ in range(999)]),
             (64,),
@@ -121,7 +136,8 @@ def main() -> None:
         "machine": platform.machine(),
         "note": "cuda profile (default), fp32 cached; every move is a cached estimate (the "
         "token model's fit in the length made in the warm-up pass); moves run in an event loop, "
-        "as in a kernel, where the device line waits for the controls to rest",
+        "as in a kernel, where the searches wait for the controls to rest; the target is the "
+        "batch-size moves' median (any move's for the 1,000-module model)",
     }
     runs: list[tuple[str, Any, float, dict[str, Any], list[tuple[str, Any]] | None]] = [
         (name, model, target_ms, {"input_size": size}, None)
@@ -129,7 +145,8 @@ def main() -> None:
     ]
     gpt2, tokens = _gpt2_small()
     seq_case = {"inputs": tokens, "show_frontier": True, "gpu": "A100 80GB"}
-    runs.insert(1, ("gpt2_small_seq_frontier", gpt2, 20.0, seq_case, _seq_moves()))
+    runs.insert(1, ("gpt2_small_seq_frontier", gpt2, 5.0, seq_case, _seq_moves()))
+    runs.insert(1, ("gpt2_small_batch", gpt2, 5.0, {"inputs": tokens}, _batch_moves()))
     for name, model, target_ms, kwargs, moves in runs:
         t0 = time.perf_counter()
         w = show_memory(model, **kwargs)
@@ -139,18 +156,22 @@ def main() -> None:
         # model the fit in the length, run once on the first other length)
         _measure(w, moves)
         stats = _measure(w, moves)
+        judged = "median_ms" if name.startswith("sequential") else "batch_only_median_ms"
         stats.update(
             target_ms=target_ms,
-            meets_target=stats["median_ms"] <= target_ms,
+            target_of=judged,
+            meets_target=stats[judged] <= target_ms,
             profile_and_build_s=build_s,
             rows=len(w.estimate.layers.name),
             events=len(w.estimate.live_bytes),
         )
         results[name] = stats
         print(
-            f"{name}: median {stats['median_ms']:.1f} ms (target {target_ms:.0f}), "
-            f"p90 {stats['p90_ms']:.1f} ms, max {stats['max_ms']:.1f} ms, batch-only median "
-            f"{stats['batch_only_median_ms']:.1f} ms; profile+build {build_s:.1f} s"
+            f"{name}: median {stats['median_ms']:.1f} ms, p90 {stats['p90_ms']:.1f} ms, max "
+            f"{stats['max_ms']:.1f} ms, batch-only median {stats['batch_only_median_ms']:.1f} ms "
+            f"(CPU {stats['batch_only_cpu_median_ms']:.1f} ms) "
+            f"(target {target_ms:.0f} ms for {judged}); at rest "
+            f"{stats.get('at_rest_median_ms', 0.0):.1f} ms; profile+build {build_s:.1f} s"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")

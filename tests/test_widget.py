@@ -20,7 +20,8 @@ from torch import nn
 from vram_widget import MemoryEstimate, profile_model, show_memory, zoo
 from vram_widget._display.figures import TRACE_NAMES
 from vram_widget._display.optimizer_control import split_choice
-from vram_widget._display.widget import AT_REST_DELAY_S, MemoryWidget, format_bytes
+from vram_widget._display.widget import MemoryWidget, format_bytes
+from vram_widget._display.widget_summary import AT_REST_DELAY_S
 from vram_widget._estimating.gpus import GPUS, resolve_gpu
 from vram_widget._estimating.levers import NO_LEVERS
 from vram_widget._estimating.profile import ModelProfile
@@ -151,12 +152,13 @@ def test_fits_and_largest_batch(profile: ModelProfile) -> None:
     assert largest == profile.max_batch_size(GIB // 4, "fp32", "adam", "train")
     assert largest > 1
     w.batch_size = largest
-    assert "<b>fits</b>" in w.summary_html
+    assert "<b>fits</b>" in w.headline_html and w.headline.fits is True
     w.batch_size = largest * 4
-    assert "does not fit" in w.summary_html
-    assert f"largest batch that fits: <b>{largest:,}</b>" in w.summary_html
+    assert "does not fit" in w.headline_html and w.headline.fits is False
+    assert f"largest batch <b>{largest:,}</b>" in w.headline_html
+    assert w.headline.largest_batch == largest
     w.custom_gib = 0.001  # 1 MiB: not even the parameters fit
-    assert "not even batch size 1 fits" in w.summary_html
+    assert "not even batch size 1 fits" in w.headline_html
 
 
 def test_summary_step_time(profile: ModelProfile) -> None:
@@ -433,12 +435,12 @@ def test_nothing_fits_names_the_largest_batch(profile: ModelProfile) -> None:
     w = MemoryWidget(profile, gpu="custom", custom_gib=0.125, batch_size=2**20)
     largest = profile.max_batch_size(GIB // 8, "fp32", "adam", "train")
     assert w.estimate.total_bytes > GIB // 8
-    assert "does not fit" in w.summary_html
-    assert f"largest batch that fits: <b>{largest:,}</b>" in w.summary_html
+    assert "does not fit" in w.headline_html
+    assert f"largest batch <b>{largest:,}</b>" in w.headline_html
     w.custom_gib = 0.002  # 2 MiB: less than the parameters
-    assert "does not fit" in w.summary_html
-    assert "not even batch size 1 fits" in w.summary_html
-    assert "largest batch that fits" not in w.summary_html
+    assert "does not fit" in w.headline_html
+    assert "not even batch size 1 fits" in w.headline_html
+    assert "largest batch <b>" not in w.headline_html
 
 
 def test_extras_follow_the_chosen_gpu() -> None:
@@ -471,12 +473,12 @@ def token_profile() -> ModelProfile:
 def test_sequence_slider_drives_the_estimate(token_profile: ModelProfile) -> None:
     w = MemoryWidget(token_profile, batch_size=8)
     assert w.seq_len == 32 and w._seq_row.layout.display is None  # shown
-    assert "Tokens per step</b>: 8 x 32 = 256" in w.summary_html
+    assert "Tokens per step</th><td>8 x 32 = 256" in w.summary_html
     w.seq_len = 200  # the first other length fits the profile in the length: "profiling"
     assert "profiled" in w._status.value and "200 tokens" in w._status.value
     expected = token_profile.estimate(8, seq_len=200)
     assert w.estimate.seq_len == 200 and w.estimate.peak_bytes == expected.peak_bytes
-    assert "Tokens per step</b>: 8 x 200 = 1,600" in w.summary_html
+    assert "Tokens per step</th><td>8 x 200 = 1,600" in w.summary_html
     assert w._seq_slider.value == 200.0 and w._seq_box.value == 200
     w.seq_len = 1000  # numpy from here: no profiling status
     assert w._status.value == ""
@@ -547,8 +549,8 @@ def test_levers_group_drives_the_estimate(token_profile: ModelProfile) -> None:
     # The zoo dict_input model has no repeated blocks: its checkpointing choices are "off"
     # and the classes with repeated instances; trainable patterns and micro-batches apply.
     w = MemoryWidget(token_profile, batch_size=8)
-    assert w._levers_row in w._controls.children
-    assert "Levers" not in w.summary_html
+    assert w._levers_row in w._tabs.children[2].children
+    assert "<th>Levers</th>" not in w.summary_html
     w.trainable = "head.*"
     expected = token_profile.estimate(8, trainable=["head.*"])
     assert w.estimate.peak_bytes == expected.peak_bytes
@@ -577,7 +579,7 @@ def test_checkpoint_choice_follows_the_model() -> None:
     model = zoo.causal_decoder(vocab_size=64, d_model=32, n_head=2, n_layer=2, max_len=64)
     profile = profile_model(model, inputs=torch.zeros(2, 16, dtype=torch.long))
     w = MemoryWidget(profile, batch_size=4, checkpoint="auto")
-    dropdown = w._levers_row.children[1]
+    dropdown = w._checkpoint_dropdown
     assert list(dropdown.options)[:2] == ["off", "auto"] and "DecoderBlock" in dropdown.options
     assert w.estimate.levers.checkpoint == profile.checkpoint_blocks == ("blocks.0", "blocks.1")
     assert w.estimate.peak_bytes == profile.estimate(4, checkpoint="auto").peak_bytes
@@ -612,25 +614,29 @@ def test_reserved_line_and_expandable_toggle() -> None:
     assert plain is not None and grown is not None
 
     def reserved_line() -> str:
-        return next(line for line in w.summary_html.split("<br>") if "Reserved" in line)
+        return next(row for row in w.summary_html.split("<tr>") if "<th>Reserved</th>" in row)
 
-    assert f"{format_bytes(plain.peak_reserved_bytes)} at its peak" in reserved_line()
+    assert f"{format_bytes(plain.peak_reserved_bytes)} at the caching allocator's peak" in (
+        reserved_line()
+    )
     assert f"expandable_segments:True: {format_bytes(grown.peak_reserved_bytes)}" in (
         reserved_line()
     )
     w.expandable_segments = True
-    assert f"{format_bytes(grown.peak_reserved_bytes)} at its peak" in reserved_line()
+    assert f"{format_bytes(grown.peak_reserved_bytes)} at the caching allocator's peak" in (
+        reserved_line()
+    )
     assert "expandable_segments:False" in reserved_line()
     # the CPU has no caching allocator: no line, no toggle
     cpu = MemoryWidget(profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu"))
-    assert "Reserved" not in cpu.summary_html
+    assert "<th>Reserved</th>" not in cpu.summary_html
 
 
 def test_capacity_below_the_cuda_context_is_said() -> None:
     profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,))  # device="cuda"
     w = MemoryWidget(profile, gpu="64 MiB")
-    assert "does not fit" in w.summary_html
-    assert "the capacity is below the CUDA context alone" in w.summary_html
+    assert "does not fit" in w.headline_html
+    assert "the capacity is below the CUDA context alone" in w.headline_html
     assert w.largest_batch() == 0  # the API refuses such a capacity; the widget says why
     entry = zoo.ZOO["dict_input"]  # a sequence axis: the frontier panel, nothing fits
     tokens = profile_model(entry.build(), inputs=entry.make_inputs(2))
@@ -652,32 +658,39 @@ def test_device_line_gives_the_third_number() -> None:
     assert MemoryWidget(profile_model(zoo.mlp(), input_size=(784,), device="cpu")).device_html == ""
 
 
-def test_device_line_waits_for_the_controls_to_rest() -> None:
+def test_device_line_waits_for_the_controls_to_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     # In a kernel (a running event loop) the allocator search runs once the moves stop:
-    # two quick moves give one search, for the setting the controls rest on.
+    # two quick moves give one search, for the setting the controls rest on; until then the
+    # headline shows "…" for the device figure and the verdict, then the exact numbers.
+    from vram_widget._display import widget_summary
+
     profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
     w = MemoryWidget(profile, batch_size=16)
     searched: list[int] = []
-    device_html = w._device_html
+    device_text = widget_summary.device_text
 
-    def counted(est: MemoryEstimate) -> str:
+    def counted(est: MemoryEstimate, gpu_name: str, capacity_bytes: int) -> str:
         searched.append(est.batch_size)
-        return device_html(est)
+        return device_text(est, gpu_name, capacity_bytes)
 
-    w._device_html = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(widget_summary, "device_text", counted)
 
-    async def move() -> tuple[str, str]:
+    async def move() -> tuple[str, Any, str, Any]:
         w.batch_size = 8
         w.batch_size = 32
-        pending = w.device_html
+        pending, pending_numbers = w.headline_html, w.headline
         await asyncio.sleep(3 * AT_REST_DELAY_S)
-        return pending, w.device_html
+        return pending, pending_numbers, w.device_html, w.headline
 
-    pending, rested = asyncio.run(move())
-    assert "replaying the allocator" in pending
+    pending, before, rested, after = asyncio.run(move())
+    assert before.fit_bytes is None and before.fits is None and "…" in pending
+    assert w._details_panel.get_title(0) == "Details"  # "(updating…)" until then
     assert searched == [32]
-    device = profile.estimate(32).device_bytes
+    est = profile.estimate(32)
+    device = est.device_bytes
     assert device is not None and f"<b>{format_bytes(device)}</b>" in rested
+    assert after.fit_bytes == device and after.fits == est.fits(w.target.memory_bytes)
+    assert f"<b>{format_bytes(device)}</b> device" in w.headline_html
 
 
 def test_data_parallel_group() -> None:
@@ -686,10 +699,8 @@ def test_data_parallel_group() -> None:
     profile = profile_model(zoo.mlp(), input_size=(784,))
     w = MemoryWidget(profile, batch_size=16, optimizer="adamw")
     assert w.estimate.gpus == 1 and "Data parallel" not in w.summary_html
-    assert (
-        w.parallel_html
-        == "<b>GPUs needed</b>: 1 x H100 SXM 80GB with ddp at batch 16 per GPU (global batch 16)"
-    )
+    assert w.parallel_html == "1 x H100 SXM 80GB with ddp at batch 16 per GPU (global batch 16)"
+    assert f"<th>GPUs needed</th><td>{w.parallel_html}</td>" in w.details_html
     w.gpus = 4
     est = profile.estimate(16, optimizer="adamw", gpus=4)
     assert w.estimate.peak_bytes == est.peak_bytes and w.estimate.communication_bytes > 0
@@ -707,7 +718,7 @@ def test_data_parallel_group() -> None:
     assert profile.min_gpus(w.target.memory_bytes, 16, optimizer="adamw", strategy="zero1") == 2
     two = profile.estimate(16, optimizer="adamw", gpus=2, strategy="zero1").device_bytes
     assert two is not None and two <= w.target.memory_bytes < single
-    assert "<b>GPUs needed</b>: 2 x custom" in w.parallel_html
+    assert w.parallel_html.startswith("2 x custom")
     assert "(global batch 32)" in w.parallel_html
     w.strategy = "ddp"
     assert (
@@ -753,13 +764,20 @@ def test_fsdp_strategies_in_the_widget() -> None:
     w.gpus = 12
     est = profile.estimate(4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=4)
     assert w.gpus == 12 and w.estimate.peak_bytes == est.peak_bytes
-    assert est.parameter_bytes > profile.estimate(
-        4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=12
-    ).parameter_bytes
+    assert (
+        est.parameter_bytes
+        > profile.estimate(
+            4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=12
+        ).parameter_bytes
+    )
     w._per_node_box.value = 6  # the box drives the trait: 2 nodes of 6
-    assert w.gpus_per_node == 6 and w.estimate.peak_bytes == profile.estimate(
-        4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=6
-    ).peak_bytes
+    assert (
+        w.gpus_per_node == 6
+        and w.estimate.peak_bytes
+        == profile.estimate(
+            4, optimizer="adamw", gpus=12, strategy="hsdp", gpus_per_node=6
+        ).peak_bytes
+    )
     w.strategy = "zero3"
     assert w._per_node_box.layout.display == "none"
 
@@ -783,7 +801,7 @@ def test_generation_group_drives_the_estimate() -> None:
     w, profile = _gpt2_widget(batch_size=4)
     assert w.new_tokens == 48  # 128 by default, less where GPT-2's 64 positions end first
     assert w._generation_row.layout.display == "none"
-    assert "generate" in w._controls.children[2].children[-1].options
+    assert "generate" in w._mode_buttons.options
     w.mode = "generate"
     w.new_tokens = 40
     w.seq_len = 8
@@ -798,7 +816,7 @@ def test_generation_group_drives_the_estimate() -> None:
     summary = w.summary_html
     assert f"KV cache</b> {format_bytes(expected.kv_cache_bytes)}" in summary
     assert "1.00 KiB per token per sequence" in summary  # 2 layers x k, v x 64 x 4 B
-    assert f"most sequences generated at once: <b>{most:,}</b>" in summary
+    assert f"most sequences at once <b>{most:,}</b>" in w.headline_html
     assert f"decode step {expected.peak_step:,} of 39" in summary
     w.mode = "train"
     assert w._generation_row.layout.display == "none"
@@ -816,7 +834,7 @@ def test_generation_past_the_positions_keeps_the_last_setting() -> None:
 def test_generate_is_offered_only_to_a_model_that_generates() -> None:
     profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device="cpu")
     w = MemoryWidget(profile)
-    assert "generate" not in w._controls.children[2].children[-1].options
+    assert "generate" not in w._mode_buttons.options
     with pytest.raises(traitlets.TraitError, match="needs a model that generates"):
         w.mode = "generate"
 
@@ -969,12 +987,12 @@ def test_optimizer_control_lists_the_names_at_run_time(
 ) -> None:
     # an optimizer added to optimizer_names() (another library's, with no implementations)
     # is offered, grouped on its own, with no change to the widget
-    from vram_widget._display import optimizer_control, widget
+    from vram_widget._display import optimizer_control, widget_settings
     from vram_widget._estimating.options import optimizer_names
 
     names = (*optimizer_names(), "lion8bit")
     monkeypatch.setattr(optimizer_control, "optimizer_names", lambda: names)
-    monkeypatch.setattr(widget, "optimizer_names", lambda: names)
+    monkeypatch.setattr(widget_settings, "optimizer_names", lambda: names)
     w = MemoryWidget(profile, batch_size=8)
     assert w._optimizer_controls.optimizer.options[-2:] == ("lion8bit", "none")
     assert w._optimizer_controls.groups["lion8bit"] == ()
@@ -1160,3 +1178,130 @@ def test_a_recipe_starts_the_controls_and_holds_what_has_no_control() -> None:
         show_memory(zoo.mlp(), input_size=(784,), recipe=recipe, batch_size=4)
     with pytest.raises(ValueError, match="rank=1 has no control"):
         show_memory(zoo.mlp(), input_size=(784,), recipe=Recipe().with_(gpus=2, rank=1))
+
+
+# The layout: the answer first, controls grouped by question
+# --------------------------------------------------------------------------------------------
+
+
+def test_answer_first_then_bar_controls_figure_and_details(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)
+    assert w.children[:5] == (w._headline, w._status, w._bar, w._controls, w.figure)
+    assert w._details_panel in w.children and w._details_panel.selected_index is None
+    # as wide as the notebook, the plot resizing with it (no fixed width, a fixed height)
+    assert w.layout.width == "100%" and w._tabs.layout.width == "100%"
+    assert w.figure.layout.autosize is True and w.figure.layout.width is None
+    assert w.figure.layout.height is not None
+
+
+def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)
+    groups = w.control_groups
+    assert list(groups) == ["Step", "Optimizer", "Memory levers", "GPUs", "Display"]
+    assert [w._tabs.get_title(i) for i in range(4)] == list(groups)[:4]
+    labels = {
+        title: [c.description for c in controls if c.description]
+        for title, controls in groups.items()
+    }
+    assert labels == {
+        "Step": ["batch size", "sequence length", "precision", "mode", "new tokens"],
+        "Optimizer": ["optimizer", "implementation", "in backward", "keep grads"],
+        "Memory levers": ["checkpointing", "trainable", "micro-batches", "LoRA rank"],
+        "GPUs": ["GPU", "custom GiB", "expandable_segments", "GPUs", "strategy", "per node"],
+        "Display": ["group depth"],
+    }
+    every = [c for controls in groups.values() for c in controls]
+    assert sorted(map(id, every)) == sorted(map(id, w._control_widgets))  # each shown once
+    for control in every:
+        assert control.tooltip, control  # says what it changes
+        if not control.description:  # the exact box beside a labelled slider
+            assert isinstance(control, widgets.BoundedIntText)
+
+
+def test_headline_numbers_are_the_estimates(profile: ModelProfile) -> None:
+    # device="cpu": the number compared with the card is total_bytes ("allocated"), exactly
+    # what estimate(), fits() and max_batch_size() give at the same setting
+    w = MemoryWidget(profile, gpu="T4 16GB", batch_size=24, optimizer="sgd")
+    est = profile.estimate(24, optimizer="sgd", compute_capability=w.target.compute_capability)
+    capacity = GPUS["T4 16GB"].memory_bytes
+    h = w.headline
+    assert (h.fit_bytes, h.fit_label) == (est.total_bytes, "allocated")
+    assert h.fits is est.fits(capacity) is True
+    assert h.largest_batch == profile.max_batch_size(
+        capacity, optimizer="sgd", compute_capability=w.target.compute_capability
+    )
+    assert (h.flops, h.batch_size, h.tokens_count) == (est.flops, 24, None)
+    assert h.longest_seq is None and not h.has_seq_axis
+    text = w.headline_html
+    assert f"<b>{format_bytes(est.total_bytes)}</b> allocated" in text
+    assert f"largest batch <b>{h.largest_batch:,}</b>" in text
+    assert "24 samples per step" in text
+
+
+def test_headline_on_cuda_gives_device_bytes_and_the_longest_sequence() -> None:
+    entry = zoo.ZOO["dict_input"]  # a sequence axis; device="cuda"
+    tokens = profile_model(entry.build(), inputs=entry.make_inputs(2))
+    w = MemoryWidget(tokens, batch_size=8, gpu="T4 16GB")
+    capacity = GPUS["T4 16GB"].memory_bytes
+    cc = w.target.compute_capability
+    # before the profile is fitted in the length, the headline says how to get it
+    assert w.headline.longest_seq is None and "move the sequence length" in w.headline_html
+    w.seq_len = 64  # the first other length: the fit in the length
+    est = tokens.estimate(8, seq_len=64, compute_capability=cc)
+    h = w.headline
+    assert (h.fit_bytes, h.fit_label) == (est.device_bytes, "device")
+    assert h.fits is est.fits(capacity)
+    assert h.largest_batch == tokens.max_batch_size(capacity, seq_len=64, compute_capability=cc)
+    assert h.longest_seq == tokens.max_seq_len(capacity, 8, compute_capability=cc)
+    assert h.tokens_count == 8 * 64 and "512 tokens per step" in w.headline_html
+    assert f"longest sequence <b>{h.longest_seq:,}</b> at batch 8" in w.headline_html
+
+
+def test_bar_shows_what_fills_the_peak(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, batch_size=8)
+    parts = re.findall(r"title='([^:]+): ([\d,]+) B' style='width:([\d.]+)%", w._bar.value)
+    breakdown = w.estimate.peak_breakdown
+    assert [(name, int(n.replace(",", ""))) for name, n, _ in parts] == [
+        (c.value, breakdown[c])
+        for c in breakdown
+        if breakdown[c]  # Category order
+    ]
+    # the parameters: (784 x 512 + 512) + (512 x 512 + 512) + (512 x 10 + 10) = 669,706
+    # floats of 4 B = 2,678,824 B
+    assert parts[0][:2] == ("Parameter", "2,678,824")
+    assert sum(float(width) for *_, width in parts) == pytest.approx(100, abs=0.01)
+
+
+def test_largest_batch_of_a_new_setting_lands_at_rest(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile, batch_size=8)
+
+    async def move() -> tuple[Any, str, Any]:
+        w.gpu = "T4 16GB"  # a new capacity: its largest batch is a search
+        pending, text = w.headline, w.headline_html
+        await asyncio.sleep(3 * AT_REST_DELAY_S)
+        return pending, text, w.headline
+
+    before, text, after = asyncio.run(move())
+    assert before.largest_batch is None and "largest batch <span class='vw-pending'" in text
+    assert before.fit_bytes == w.estimate.total_bytes  # on the CPU: known at once
+    capacity = GPUS["T4 16GB"].memory_bytes
+    cc = GPUS["T4 16GB"].compute_capability
+    assert after.largest_batch == profile.max_batch_size(capacity, compute_capability=cc)
+    w.batch_size = 9  # the same setting, another batch: the cached answer, at once
+    assert w.headline.largest_batch == after.largest_batch
+
+
+def test_a_refused_setting_keeps_the_last_state_and_says_why_in_the_headline() -> None:
+    pytest.importorskip("peft")
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    profile = profile_model(model, input_size=(16,))
+    w = MemoryWidget(profile, batch_size=4, optimizer="adamw")
+    peak, y = w.estimate.peak_bytes, w.figure.data[PEAK].y
+    w.lora_rank = 2  # PEFT has no default targets for a plain Sequential
+    assert w.lora_rank == 0 and w.estimate.peak_bytes == peak
+    assert tuple(w.figure.data[PEAK].y) == tuple(y)
+    assert w.headline.error.startswith("could not profile")
+    assert "target_modules" in w.headline.error and "kept lora_rank = 0" in w.headline.error
+    assert "vw-error" in w.headline_html
+    w.batch_size = 5  # the next move clears it
+    assert w.headline.error == "" and "vw-error" not in w.headline_html

@@ -335,14 +335,21 @@ def _js_widget(label: str) -> str:
     slider's handle, the widget's (first) figure and its summary. Each is found from the
     slider's description label, so other widgets on the page do not confuse it."""
     return f"""
-const label = Array.from(document.querySelectorAll('.widget-slider .widget-label'))
-  .find(l => l.textContent.trim() === {json.dumps(label)} && l.offsetParent !== null);
+const labels = Array.from(document.querySelectorAll('.widget-slider .widget-label'))
+  .filter(l => l.textContent.trim() === {json.dumps(label)});
+// a visible one first (a widget whose row shows it); else one in a tab not selected now
+const label = labels.find(l => l.offsetParent !== null) || labels[0];
 const root = label && label.closest('.jp-OutputArea-output');
 const gd = root && root.querySelector('.js-plotly-plot');
+// everything the widget says in words: the headline, the bar and the (collapsed) details
 const summary = root && Array.from(root.querySelectorAll('.widget-html-content'))
-  .map(e => e.innerText).find(t => t.includes('peak'));
-const device = root && Array.from(root.querySelectorAll('.widget-html-content'))
-  .map(e => e.innerText).find(t => t.startsWith('On the device'));
+  .map(e => e.textContent).join(' | ');
+const deviceRow = root && Array.from(root.querySelectorAll('.vw-details tr'))
+  .find(r => r.querySelector('th') && r.querySelector('th').textContent === 'On the device');
+const device = deviceRow && ('On the device: ' + deviceRow.querySelector('td').textContent);
+const headline = root && root.querySelector('.vw-headline');
+const tabs = root ? Array.from(root.querySelectorAll('.lm-TabBar-tabLabel'))
+  .map(t => t.textContent.trim()) : [];
 const handle = label && label.closest('.widget-slider').querySelector('.noUi-handle');
 """
 
@@ -357,6 +364,8 @@ def js_widget_state(label: str = "batch size") -> str:
     fingerprint: {_JS_FINGERPRINT},
     summary: summary || '',
     device: device || '',
+    headline: headline ? headline.textContent : '',
+    tabs: tabs,
     traces: gd.data.length,
     title: (gd.layout && gd.layout.title && gd.layout.title.text) || '',
     slider: handle ? handle.getAttribute('aria-valuenow') : null,
@@ -435,17 +444,28 @@ def move_batch_slider(page: Any, moves: int) -> SliderRun:
     return move_slider(page, moves, "batch size")
 
 
+def open_tab(page: Any, title: str) -> None:
+    """Select the first widget's control tab titled ``title`` (a click on its tab)."""
+    tab = page.locator(".lm-TabBar-tab:has(.lm-TabBar-tabLabel:text-is('" + title + "'))")
+    tab.first.scroll_into_view_if_needed()
+    tab.first.click()
+
+
 def set_micro_batches(page: Any, value: int, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Type ``value`` into the first widget's "micro-batches" box (the memory levers row) and
-    wait until its figure and its summary changed; returns :data:`JS_WIDGET_STATE` after."""
-    box = ".widget-inline-hbox:has(.widget-label:text-is('micro-batches')) input"
+    """Type ``value`` into the first widget's "micro-batches" box (its "Memory levers" tab)
+    and wait until its figure and its summary changed; returns :data:`JS_WIDGET_STATE` after."""
+    open_tab(page, "Memory levers")
+    box = ".widget-inline-hbox:has(.widget-label:text-is('micro-batches')) input:visible"
     return _set_box(page, box, value, timeout_s)
 
 
 def set_gpus(page: Any, value: int, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Type ``value`` into the first widget's GPUs box (the data-parallel row, beside the
-    "GPUs" slider) and wait until its figure and its summary changed."""
-    box = ".widget-hbox:has(.widget-slider .widget-label:text-is('GPUs')) .widget-text input"
+    """Type ``value`` into the first widget's GPUs box (its "GPUs" tab, beside the "GPUs"
+    slider) and wait until its figure and its summary changed."""
+    open_tab(page, "GPUs")
+    box = (
+        ".widget-hbox:has(.widget-slider .widget-label:text-is('GPUs')) .widget-text input:visible"
+    )
     return _set_box(page, box, value, timeout_s)
 
 
@@ -477,6 +497,12 @@ def _set_box(
     page.wait_for_function(
         changed,
         arg=[before["fingerprint"], before["summary"]],
+        timeout=timeout_s * 1000,
+        polling=100,
+    )
+    # and for the controls' rest: the searches landed in the headline, the details filled
+    page.wait_for_function(
+        f"() => {{ const s = ({state})(); return s && !s.headline.includes('…'); }}",
         timeout=timeout_s * 1000,
         polling=100,
     )

@@ -199,6 +199,15 @@ def test_slider_move_redraws_figure_and_summary(session: Session) -> None:
     assert session.after["slider"] != session.before["slider"]
 
 
+def test_answer_first_and_controls_in_groups(session: Session) -> None:
+    # the headline strip (a verdict on the card, the largest batch) and the control tabs
+    assert session.before is not None and session.after is not None
+    assert session.before["tabs"] == ["Step", "Optimizer", "Memory levers", "GPUs"]
+    headline = session.after["headline"]
+    assert "fit" in headline and "largest batch" in headline, headline
+    assert "…" not in headline  # at rest: every number landed
+
+
 def test_device_line_filled_once_the_slider_rests(session: Session) -> None:
     # The third number (est.device_bytes, allocator replays under caps) is computed by the
     # kernel's event loop once the controls rest: after the moves it is there, not pending.

@@ -665,12 +665,17 @@ def _write(
         f"{est.extras.cublas_workspace_bytes:,} B + allocator rounding "
         f"{est.extras.allocator_rounding_bytes:,} B<extra></extra>"
     )
+    layout_updates = _layout_updates(est, data, capacity_bytes, gpu_name)
+    write = getattr(fig, "write_updates", None)
+    if write is not None:  # plotly_widget.FigureWidget: stored as given, one message
+        write(updates, layout_updates)
+        return
     for trace, update in zip(fig.data, updates, strict=True):
         for key, value in update.items():
             if not _same(trace[key], value):
                 trace[key] = value
     layout = fig.layout
-    for path, value in _layout_updates(est, data, capacity_bytes, gpu_name).items():
+    for path, value in layout_updates.items():
         parent, _, key = path.rpartition(".")
         obj = layout[parent] if parent else layout
         if not _same(obj[key], value):
@@ -766,6 +771,10 @@ def _write_frontier(fig: go.Figure, *args: Any) -> None:
             f"figure has {len(fig.data)} traces, expected {len(traces)}: "
             "build it with build_frontier_figure()"
         )
+    write = getattr(fig, "write_updates", None)
+    if write is not None:  # plotly_widget.FigureWidget: stored as given, one message
+        write(traces, layout)
+        return
     for trace, update in zip(fig.data, traces, strict=True):
         for path, value in update.items():
             head, _, key = path.rpartition(".")

@@ -33,10 +33,13 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import plotly
 import plotly.graph_objects as go
+from plotly.basedatatypes import BaseFigure
 
 __all__ = [
     "LOADER_ESM",
@@ -210,6 +213,58 @@ def plotly_bundle() -> bytes:
     return str(go.FigureWidget._esm).encode("utf-8")
 
 
+_UNCHANGED = object()
+
+
+def _put(props: dict[str, Any], key: str, value: Any) -> bool:
+    """Store ``value`` at a dotted path of a trace's or layout's property dict (None
+    removes it); whether that changed what was stored. Plain dotted paths are walked here
+    (most of a figure's updates; plotly's ``_set_in`` parses every path, ~1 ms a move for
+    ResNet-50), indexed ones (``annotations[0].text``) by plotly's ``_set_in``."""
+    if "[" in key:
+        return bool(BaseFigure._set_in(props, key, value))
+    *parents, last = key.split(".")
+    parent = props
+    for part in parents:
+        child = parent.get(part)
+        if not isinstance(child, dict):
+            if value is None:
+                return False
+            child = parent[part] = {}
+        parent = child
+    if value is None:
+        return parent.pop(last, None) is not None
+    old = parent.get(last)
+    if old is not None and _equal(old, value):
+        return False
+    parent[last] = value
+    return True
+
+
+def _equal(old: Any, new: Any) -> bool:
+    """Whether two property values are the same (arrays by shape, kind and elements)."""
+    if isinstance(old, np.ndarray) or isinstance(new, np.ndarray):
+        a, b = np.asarray(old), np.asarray(new)
+        return a.shape == b.shape and a.dtype.kind == b.dtype.kind and np.array_equal(a, b)
+    try:
+        return bool(old == new)
+    except (TypeError, ValueError):  # e.g. a list holding arrays
+        return False
+
+
+def _stored(props: dict[str, Any], key: str) -> Any:
+    """The value a trace's or layout's property dict holds at a dotted path (None: none)."""
+    value: Any = props
+    for part in BaseFigure._str_to_dict_path(key):
+        if isinstance(value, dict) and not isinstance(part, int):
+            value = value.get(part)
+        elif isinstance(value, list) and isinstance(part, int) and part < len(value):
+            value = value[part]
+        else:
+            return None
+    return value
+
+
 class FigureWidget(go.FigureWidget):
     """``go.FigureWidget`` whose synced ``_esm`` is a small loader, not plotly.js.
 
@@ -234,6 +289,52 @@ class FigureWidget(go.FigureWidget):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.on_msg(self._answer_loader)
+
+    def write_updates(
+        self, trace_updates: Sequence[Mapping[str, Any]], layout_updates: Mapping[str, Any]
+    ) -> None:
+        """Write new property values into every trace (``trace_updates[i]`` for trace ``i``,
+        keyed by plotly's dotted paths: ``"marker.color"``) and the layout
+        (``"annotations[0].text"``), and send what changed as one ``Plotly.update``.
+
+        What ``batch_update()`` does, without plotly's per-property validation and
+        key-path checks (measured: ~4 ms of a ~4.5 ms waterfall update, ResNet-50): the
+        values are the figure's own, written by :mod:`.figures` into traces it built, so
+        they are stored as given (``BaseFigure._set_in``, plotly's own store for
+        ``plotly_update``; a None removes the property) and only the properties whose
+        value changed are sent (``BaseFigureWidget._send_update_msg``).
+
+        Examples
+        --------
+        >>> from vram_widget._display.plotly_widget import FigureWidget
+        >>> fig = FigureWidget(data=[{"type": "bar", "y": [1, 2]}])
+        >>> fig.write_updates([{"y": [3, 4], "marker.color": "red"}], {"title.text": "t"})
+        >>> fig.data[0].y, fig.data[0].marker.color, fig.layout.title.text
+        ((3, 4), 'red', 't')
+        """
+        if len(trace_updates) != len(self._data):
+            raise ValueError(
+                f"{len(trace_updates)} trace updates for a figure of {len(self._data)} traces"
+            )
+        restyle: dict[str, list[Any]] = {}
+        for i, update in enumerate(trace_updates):
+            for key, value in update.items():
+                if _put(self._data[i], key, value):
+                    changed = restyle.setdefault(key, [_UNCHANGED] * len(self._data))
+                    changed[i] = value
+        relayout = {
+            key: value for key, value in layout_updates.items() if _put(self._layout, key, value)
+        }
+        if not restyle and not relayout:
+            return
+        # Plotly.restyle takes one value per trace of the list, and a null resets a trace's
+        # property to its default (JSON has no "undefined"), so a trace whose value did not
+        # change is sent the value it holds (a null where it holds none: the default it has)
+        for key, values in restyle.items():
+            for i, value in enumerate(values):
+                if value is _UNCHANGED:
+                    values[i] = _stored(self._data[i], key)
+        self._send_update_msg(restyle, relayout, list(range(len(self._data))))
 
     def _answer_loader(
         self, _widget: object, content: Any, _buffers: list[bytes] | None = None

@@ -1,17 +1,22 @@
 """The notebook widget: controls are traits; one observer -> estimate -> figure, in place.
 
-No torch at import time: :func:`show_memory` imports the profiler when it is called. A control
-move recomputes from the cached :class:`~vram_widget.ModelProfile` (numpy only) and writes into
-the same ``go.FigureWidget`` inside ``batch_update()``; only the first use of a precision (or
-an optimizer) not yet profiled runs the profiler once more, behind a "profiling…" label.
+What a person reads first is the answer (:mod:`.widget_text`): a headline strip with the
+verdict on the chosen card, the number that decides it, the largest batch (and the longest
+sequence), the step's FLOPs and tokens; under it a bar of what fills the peak, the controls
+grouped by question (:mod:`.widget_controls`), the waterfall, and the details in collapsed
+sections. A move recomputes from the cached :class:`~vram_widget.ModelProfile` (numpy only)
+and writes into the same figure in one update; what searches or replays the allocator under
+caps (the device figure, a new setting's largest batch, the longest sequence, the GPUs needed)
+waits until the controls rest, the headline showing "…" until it lands. Only the first use of
+a precision (or an optimizer) not yet profiled runs the profiler once more, behind a
+"profiling…" label. No torch at import time: :func:`show_memory` imports the profiler when
+it is called.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
-import functools
 import html
 import math
 import os
@@ -26,10 +31,9 @@ import plotly.graph_objects as go
 import traitlets
 
 from .._estimating.estimator import MemoryEstimate
-from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu, resolve_gpu
+from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu
 from .._estimating.levers import Levers
-from .._estimating.options import Category, Device, Mode, Precision, optimizer_names
-from .._estimating.profile import DEFAULT_MAX_SEQ_LEN
+from .._estimating.options import Device, Mode, Precision
 from .._estimating.recipe import Optimizer, Recipe
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
@@ -42,14 +46,25 @@ from .._estimating.tradeoff import Frontier
 from .figures import (
     build_figure,
     build_frontier_figure,
-    group_rows,
-    output_shape_text,
     update_figure,
     update_frontier_figure,
 )
-from .optimizer_control import NO_OPTIMIZER, OptimizerControls, split_choice
+from .optimizer_control import NO_OPTIMIZER
 from .plotly_widget import FigureWidget
+from .widget_controls import CHECKPOINT_OFF, GPUS_MAX, ControlsMixin
 from .widget_recipe import recipe_settings
+from .widget_settings import OptimizerTrait as _OptimizerTrait
+from .widget_settings import check_optimizer_settings as _check_optimizer_settings
+from .widget_settings import checkpoint_arg as _checkpoint_arg
+from .widget_settings import gpu_settings as _gpu_settings
+from .widget_settings import trainable_arg as _trainable_arg
+from .widget_summary import DETAILS_TITLE, SummaryMixin
+from .widget_text import (
+    Headline,
+    format_bytes,
+    format_seconds,
+    rows_html,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -58,84 +73,20 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryWidget", "format_bytes", "show_memory"]
 
-BATCH_SLIDER_MAX = 8192
 BATCH_MAX = 2**40
 """The largest batch the widget accepts (the exact box's bound and ``max_batch_size``'s limit)."""
-# The sequence slider's top where the model has no learned position table: 128k tokens
-SEQ_SLIDER_MAX = DEFAULT_MAX_SEQ_LEN
 # new tokens a generation starts with (less where the model's positions run out first)
 DEFAULT_NEW_TOKENS = 128
 _NO_OPTIMIZER = NO_OPTIMIZER
-_CHECKPOINT_OFF = "off"
-_TABLE_ROWS = 25
-# the GPUs slider's top (log scale, like the batch's)
-GPUS_MAX = 1024
-# the rest after a move before the lines that search run (a kernel: _schedule_at_rest)
-AT_REST_DELAY_S = 0.15
+_CHECKPOINT_OFF = CHECKPOINT_OFF
 
 
-def format_bytes(nbytes: int | float) -> str:
-    """Bytes in binary units, three significant digits.
-
-    Examples
-    --------
-    >>> format_bytes(3 * 2**30)
-    '3.00 GiB'
-    >>> format_bytes(512)
-    '512 B'
-    """
-    value = float(nbytes)
-    sign = "-" if value < 0 else ""
-    value = abs(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{sign}{int(value)} B"
-            return f"{sign}{value:.3g} {unit}" if value >= 100 else f"{sign}{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _format_count(n: float) -> str:
-    """Large counts with an SI suffix (FLOPs, parameters)."""
-    for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {suffix}"
-    return f"{n:.0f} "
-
-
-def _format_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
-
-
-class _OptimizerTrait(traitlets.Unicode):
-    """An optimizer name ``estimate`` takes (any of ``optimizer_names()`` when set, an
-    implementation suffix included: ``"adamw-fused"``); ``None`` is stored as ``"none"``."""
-
-    info_text = "an optimizer name of optimizer_names(), or None"
-
-    def validate(self, obj: Any, value: Any) -> Any:
-        if value is None:
-            return _NO_OPTIMIZER
-        valid = (*optimizer_names(), _NO_OPTIMIZER)
-        key = value.strip().lower() if isinstance(value, str) else value
-        if key not in valid:
-            raise traitlets.TraitError(
-                f"unknown optimizer {value!r}; valid values are "
-                f"{', '.join(repr(n) for n in valid)}, or None"
-            )
-        return key
-
-
-class MemoryWidget(widgets.VBox):
+class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
     """Interactive memory / FLOPs view of one profiled model (see :func:`show_memory`).
 
     Every control is a trait: setting ``w.batch_size = 64`` does what the slider does. The
-    current estimate is ``w.estimate``, the figure ``w.figure`` (a ``go.FigureWidget``).
+    current estimate is ``w.estimate``, the figure ``w.figure`` (a ``go.FigureWidget``), the
+    headline's numbers ``w.headline`` (a :class:`~.widget_text.Headline`).
     """
 
     batch_size = traitlets.Int(32, min=1, max=BATCH_MAX)
@@ -173,6 +124,16 @@ class MemoryWidget(widgets.VBox):
     # shows with that strategy)
     gpus_per_node = traitlets.Int(DEFAULT_GPUS_PER_NODE, min=1, max=GPUS_MAX)
 
+    # set in __init__; declared here for the mixins (widget_controls, widget_summary), whose
+    # methods take a MemoryWidget as self
+    _estimate: MemoryEstimate
+    _headline: widgets.HTML
+    _bar: widgets.HTML
+    _details: widgets.HTML
+    _details_panel: widgets.Accordion
+    _table: widgets.HTML
+    _frontier_panel: widgets.Accordion
+
     def __init__(
         self,
         profile: ModelProfile,
@@ -191,6 +152,14 @@ class MemoryWidget(widgets.VBox):
         self._fit_cache: dict[tuple[Any, ...], int] = {}
         self._per_sample_cache: dict[tuple[Any, ...], int] = {}
         self._frontier_cache: dict[tuple[Any, ...], Frontier] = {}
+        self._seq_cache: dict[tuple[Any, ...], int | None] = {}
+        self._gpus_cache: dict[tuple[Any, ...], int | None] = {}
+        self._at_rest_pending: asyncio.TimerHandle | None = None
+        # why the last setting could not be estimated (shown in the headline until a move)
+        self._error = ""
+        self._device_text = ""
+        self._parallel_text = ""
+        self._headline_numbers: Headline | None = None
         super().__init__()
         if profile.has_seq_axis and settings.get("seq_len") is None:
             settings = {**settings, "seq_len": profile.seq_len}
@@ -214,24 +183,24 @@ class MemoryWidget(widgets.VBox):
                     )
                 setattr(self, name, value)
         self._estimate = self._compute()
-        self._figure = FigureWidget(
-            build_figure(
-                self._estimate,
-                depth=self.depth,
-                capacity_bytes=self.target.memory_bytes,
-                gpu_name=self.target.name,
-            )
+        figure = build_figure(
+            self._estimate,
+            depth=self.depth,
+            capacity_bytes=self.target.memory_bytes,
+            gpu_name=self.target.name,
         )
+        figure.update_layout(autosize=True)  # as wide as the notebook; its height is kept
+        self._figure = FigureWidget(figure)
         self._build_controls()
-        self._summary = widgets.HTML()
-        # the device figure: allocator replays under caps, after the summary (below)
-        self._device = widgets.HTML()
-        # the fewest GPUs that fit (a search of estimates at several ranks), likewise
-        self._parallel = widgets.HTML()
-        self._gpus_cache: dict[tuple[Any, ...], int | None] = {}
-        self._at_rest_pending: asyncio.TimerHandle | None = None
-        self._table = widgets.HTML()
+        self._headline = widgets.HTML(layout={"width": "100%"})
+        # profiling runs: what runs, and how long it took
         self._status = widgets.HTML()
+        self._bar = widgets.HTML(layout={"width": "100%"})
+        self._details = widgets.HTML()
+        self._details_panel = widgets.Accordion(
+            children=[self._details], titles=(DETAILS_TITLE,), selected_index=None
+        )
+        self._table = widgets.HTML()
         self._csv_button = widgets.Button(
             description="Download CSV",
             icon="download",
@@ -241,12 +210,14 @@ class MemoryWidget(widgets.VBox):
         self._csv_link = widgets.HTML()
         self._render_text()
         panels = [
+            self._details_panel,
             widgets.Accordion(
                 children=[
                     widgets.VBox([widgets.HBox([self._csv_button, self._csv_link]), self._table])
                 ],
                 titles=("Layers (largest first)",),
-            )
+                selected_index=None,
+            ),
         ]
         # The frontier panel, where lengths vary: an empty line until first opened.
         nothing = np.zeros(0, dtype=np.int64)
@@ -265,14 +236,14 @@ class MemoryWidget(widgets.VBox):
         )
         if self._profile.has_seq_axis:
             self._frontier_panel.observe(self._frontier_toggled, "selected_index")
-            panels.insert(0, self._frontier_panel)
+            panels.insert(1, self._frontier_panel)
+        self.layout.width = "100%"
         self.children = [
-            self._controls,
+            self._headline,
             self._status,
+            self._bar,
+            self._controls,
             self._figure,
-            self._summary,
-            self._device,
-            self._parallel,
             *panels,
         ]
         self.observe(self._on_change, names=list(_SETTINGS))
@@ -304,15 +275,33 @@ class MemoryWidget(widgets.VBox):
         return GPUS[self.gpu]
 
     @property
+    def headline(self) -> Headline:
+        """The headline's numbers as shown (None where a search has not landed yet)."""
+        assert self._headline_numbers is not None
+        return self._headline_numbers
+
+    @property
+    def headline_html(self) -> str:
+        """The headline strip's HTML: the verdict, the deciding number, the largest batch
+        (and longest sequence), FLOPs and tokens; and why a setting was refused."""
+        return str(self._headline.value)
+
+    @property
+    def details_html(self) -> str:
+        """The details' HTML (a table of labelled rows; filled once the controls rest)."""
+        return str(self._details.value)
+
+    @property
     def summary_html(self) -> str:
-        """The summary panel's HTML."""
-        return str(self._summary.value)
+        """Everything the widget says in words: the headline, the bar of what fills the
+        peak, and the details."""
+        return f"{self._headline.value}{self._bar.value}{self._details.value}"
 
     @property
     def device_html(self) -> str:
-        """The device line's HTML (CUDA): allocated -> reserved -> what the device needs;
-        in a running kernel it says it is computing until the controls rest."""
-        return str(self._device.value)
+        """The device row's HTML (CUDA): allocated -> reserved -> what the device needs;
+        empty until the controls rest (and on CPU)."""
+        return self._device_text
 
     def to_dataframe(self) -> pd.DataFrame:
         """Per-layer rows of the current estimate (one per module, plus loss and optimizer)."""
@@ -517,50 +506,51 @@ class MemoryWidget(widgets.VBox):
         return self._profile.estimate(self.batch_size, **self._settings())
 
     def _on_change(self, change: dict[str, Any]) -> None:
-        """The one observer: any setting -> estimate -> figure and summary, in place.
+        """The one observer: any setting -> estimate -> figure, headline and bar, in place.
 
         Where the setting needs a profiling run (torch, seconds), the status says so and the
         controls are disabled *before* it starts, and both are restored after it; on failure
-        the setting goes back to its last value (traits stay the truth of what is shown).
+        the setting goes back to its last value (traits stay the truth of what is shown) and
+        the headline says why.
         """
-        profiling = self._needs_profiling()
+        # The batch and the grouping depth are in no profile's or frontier's key: a move of
+        # either never profiles (the slider's common case skips the checks, ~0.3 ms)
+        unprofiled = change["name"] in _NEVER_PROFILES
+        profiling = not unprofiled and self._needs_profiling()
         # the frontier of a new setting is a search with allocator replays at each length:
         # a second or two, so it gets the same label and disabled controls
         frontier_pending = (
-            self._frontier_shown() and self._frontier_key() not in self._frontier_cache
-        )
-        levers = self._step_levers()
-        what = html.escape(
-            f"{self.precision} / {self.mode}"
-            + (f" / {self.optimizer}" if self.mode == Mode.TRAIN.value else "")
-            + (f" / {self.seq_len} tokens" if self.seq_len is not None else "")
-            + (f" + {self.new_tokens} new" if self._generating else "")
-            + (f" / {levers.describe()}" if levers is not None and levers.active else "")
+            not unprofiled
+            and self._frontier_shown()
+            and self._frontier_key() not in self._frontier_cache
         )
         started = 0.0
         if profiling or frontier_pending:
             doing = "profiling" if profiling else "computing the batch x length frontier for"
-            self._status.value = f"<i>⏳ {doing} {what} (first use, runs once)…</i>"
+            self._status.value = f"<i>⏳ {doing} {self._what()} (first use, runs once)…</i>"
             self._set_busy(True)
             started = time.perf_counter()
         try:
             est = self._compute()
             frontier = self.frontier() if self._frontier_shown() else None
         except Exception as exc:  # a failed extra profiling run: say so, keep the last view
+            what = self._what()
             self._set_busy(False)
             self._revert(change)
-            self._status.value = (
-                f"<span style='color:#b00'>could not {'profile' if profiling else 'estimate'} "
-                f"{what}: "
-                f"{html.escape(f'{type(exc).__name__}: {exc}')}; kept {change['name']} = "
-                f"{html.escape(repr(change['old']))}</span>"
+            why = (
+                f"could not {'profile' if profiling else 'estimate'} {what}: "
+                f"{type(exc).__name__}: {exc}; kept {change['name']} = {change['old']!r}"
             )
+            self._status.value = f"<span style='color:#b00'>{html.escape(why)}</span>"
+            self._error = why
+            self._render_headline(at_rest=self._at_rest_pending is None)
             return
+        self._error = ""
         if profiling or frontier_pending:
             self._set_busy(False)
-            elapsed = _format_seconds(time.perf_counter() - started)
+            elapsed = format_seconds(time.perf_counter() - started)
             done = "profiled" if profiling else "computed the frontier for"
-            self._status.value = f"<i>{done} {what} in {elapsed}</i>"
+            self._status.value = f"<i>{done} {self._what()} in {elapsed}</i>"
         elif self._status.value:
             self._status.value = ""
         if self._csv_link.value:
@@ -578,6 +568,17 @@ class MemoryWidget(widgets.VBox):
             self._draw_frontier(frontier)
         self._sync_controls()
         self._render_text()
+
+    def _what(self) -> str:
+        """The setting in a few words, for the status line (HTML-escaped)."""
+        levers = self._step_levers()
+        return html.escape(
+            f"{self.precision} / {self.mode}"
+            + (f" / {self.optimizer}" if self.mode == Mode.TRAIN.value else "")
+            + (f" / {self.seq_len} tokens" if self.seq_len is not None else "")
+            + (f" + {self.new_tokens} new" if self._generating else "")
+            + (f" / {levers.describe()}" if levers is not None and levers.active else "")
+        )
 
     def _draw_frontier(self, frontier: Frontier) -> None:
         assert self.seq_len is not None
@@ -610,578 +611,6 @@ class MemoryWidget(widgets.VBox):
         finally:
             self._reverting = False
 
-    def _set_busy(self, busy: bool) -> None:
-        """Disable every control while a profiling run blocks the kernel; re-enable after."""
-        for control in self._control_widgets:
-            control.disabled = busy
-        if not busy:
-            self._custom_box.disabled = self.gpu != CUSTOM_GPU
-            self._optimizer_controls.enable()
-
-    # ------------------------------------------------------------------ derived numbers
-
-    def largest_batch(self) -> int:
-        """The largest batch whose peak plus extras fits the chosen device (0: none fits).
-
-        Cached per (precision, optimizer, mode, GPU): a batch-size move costs nothing.
-        """
-        s = self._settings()
-        capacity = self.target.memory_bytes
-        key = self._settings_key()
-        if key not in self._fit_cache:
-            self._fit_cache[key] = (
-                0 if self._below_context(capacity) else self._profile.max_batch_size(capacity, **s)
-            )
-        return self._fit_cache[key]
-
-    def bytes_per_sample(self) -> int:
-        """How much the peak grows per extra sample (cached per precision/optimizer/mode)."""
-        key = self._settings_key("compute_capability", card=False)
-        if key not in self._per_sample_cache:
-            settings = self._settings()
-            del settings["compute_capability"]  # the extras do not grow with the batch
-            self._per_sample_cache[key] = self._profile.bytes_per_sample(**settings)
-        return self._per_sample_cache[key]
-
-    # ------------------------------------------------------------------ rendering
-
-    def _render_text(self) -> None:
-        self._summary.value = self._summary_html()
-        self._table.value = self._table_html()
-        self._schedule_at_rest()
-
-    def _schedule_at_rest(self) -> None:
-        """The lines that wait for the controls to rest, after the figure and summary.
-
-        ``device_bytes`` is a search of allocator replays under caps (5-30 ms for ResNet-50)
-        and the fewest GPUs a search of estimates at several ranks: more than a slider move
-        may take. So in a running kernel they are filled in once the controls rest for
-        ``AT_REST_DELAY_S`` (a new move cancels a pending one); with no event loop (a
-        script, a test) at once."""
-        if self._at_rest_pending is not None:
-            self._at_rest_pending.cancel()
-            self._at_rest_pending = None
-        est = self._estimate
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._fill_at_rest(est)
-            return
-        if est.allocator is not None:
-            self._device.value = "<b>On the device</b>: <i>replaying the allocator under caps…</i>"
-        if est.mode is Mode.TRAIN:
-            self._parallel.value = "<b>GPUs needed</b>: <i>searching…</i>"
-        self._at_rest_pending = loop.call_later(AT_REST_DELAY_S, self._fill_at_rest, est)
-
-    def _fill_at_rest(self, est: MemoryEstimate) -> None:
-        """The lines that wait for the controls to rest: the device line and the fewest
-        GPUs that fit."""
-        self._at_rest_pending = None
-        if est is not self._estimate:  # a setting moved away from since
-            return
-        self._device.value = "" if est.allocator is None else self._device_html(est)
-        self._parallel.value = self._min_gpus_html(est)
-
-    @property
-    def parallel_html(self) -> str:
-        """The "GPUs needed" line's HTML (training): the fewest GPUs of the chosen card on
-        which the current setting fits, per rank, with the chosen strategy."""
-        return str(self._parallel.value)
-
-    def min_gpus(self) -> int | None:
-        """:meth:`ModelProfile.min_gpus` at the current setting and card (cached)."""
-        s = self._settings()
-        s.pop("gpus")
-        capacity = self.target.memory_bytes
-        key = (self.batch_size, *self._settings_key("gpus"))
-        if key not in self._gpus_cache:
-            if self._below_context(capacity):
-                self._gpus_cache[key] = None
-            else:
-                strategy = s.pop("strategy")
-                del s["mode"]
-                self._gpus_cache[key] = self._profile.min_gpus(
-                    capacity, self.batch_size, strategy=strategy, **s
-                )
-        return self._gpus_cache[key]
-
-    def _min_gpus_html(self, est: MemoryEstimate) -> str:
-        if est.mode is not Mode.TRAIN:
-            return ""
-        card = html.escape(self.target.name)
-        try:
-            needed = self.min_gpus()
-        except ValueError as exc:  # more than one GPU, where a setting is one GPU's only
-            return (
-                f"<b>GPUs needed</b>: more than one {card} at batch {self.batch_size:,}; "
-                f"{html.escape(str(exc))}"
-            )
-        if needed is None:
-            return (
-                f"<b>GPUs needed</b>: no number up to {GPUS_MAX:,} fits {card} with "
-                f"{self.strategy} at batch {self.batch_size:,} per GPU ("
-                + (
-                    "DDP keeps the whole model, its gradients and optimizer state on every "
-                    "GPU; zero1 shards the optimizer state)"
-                    if self.strategy == "ddp"
-                    else "the state it shards is not what fills the card)"
-                )
-            )
-        return (
-            f"<b>GPUs needed</b>: {needed:,} x {card} with {self.strategy} at batch "
-            f"{self.batch_size:,} per GPU (global batch {needed * self.batch_size:,})"
-        )
-
-    def _device_html(self, est: MemoryEstimate) -> str:
-        """Allocated -> reserved -> device: the third of the three numbers (CUDA)."""
-        device = est.device_bytes
-        replayed = est.allocator
-        assert device is not None and replayed is not None
-        context = est.extras.cuda_context_bytes
-        capacity = self.target.memory_bytes
-        share = f" ({device / capacity:.0%} of {html.escape(self.target.name)})"
-        return (
-            f"<b>On the device</b> (what an out-of-memory error decides on): "
-            f"<b>{format_bytes(device)}</b>{share} = the least the caching allocator can "
-            f"reserve and still run the step, releasing its cached segments "
-            f"({format_bytes(device - context)}), + the CUDA context "
-            f"({format_bytes(context)}). Allocated {format_bytes(est.peak_bytes)} -> reserved "
-            f"{format_bytes(replayed.peak_reserved_bytes)} (nothing released) -> device"
-        )
-
-    def _summary_html(self) -> str:
-        est = self._estimate
-        target = self.target
-        capacity = target.memory_bytes
-        fits = est.fits(capacity)  # the device basis on CUDA (the replayed allocator)
-        largest = self.largest_batch()
-        lines = [
-            f"<b>{html.escape(self._profile.model_name or 'model')}</b>: "
-            f"{self._profile.param_count:,} parameters "
-            f"({self._profile.trainable_param_count:,} trainable); {est.mode.value}, batch "
-            f"{est.batch_size:,} (inputs: {html.escape(self._profile.input_shape)}), "
-            f"{est.precision.value}{self._optimizer_text(est)}, for "
-            f"{est.device.value} kernels",
-            f"<b>Peak</b>: {format_bytes(est.peak_bytes)} ({est.peak_bytes:,} B) in "
-            f"{html.escape(est.peak_location)}",
-        ]
-        if est.levers.active:
-            lines.append(self._levers_line(est))
-        if est.gpus > 1:
-            which = f"rank {est.rank}" if est.rank is not None else "each rank"
-            lines.append(
-                f"<b>Data parallel</b>: {est.gpus:,} GPUs, {est.strategy}; shown: {which} "
-                f"(the peak per GPU), with {format_bytes(est.communication_bytes)} of "
-                f"communication buffers; global batch {est.gpus:,} x {est.batch_size:,} = "
-                f"{est.gpus * est.batch_size:,}"
-                + (
-                    f"; beside the totals, NCCL's own buffers ~{format_bytes(est.nccl.nbytes)} "
-                    f"(outside the allocator: {html.escape(est.nccl.describe())})"
-                    if est.nccl is not None
-                    else ""
-                )
-            )
-        generation = est.generation
-        if generation is not None:
-            lines.insert(1, self._generation_line(est))
-        elif est.seq_len is not None:
-            lines.insert(
-                1,
-                f"<b>Tokens per step</b>: {est.batch_size:,} x {est.seq_len:,} = "
-                f"{est.batch_size * est.seq_len:,}",
-            )
-        parts = [
-            f"{c.value} {format_bytes(est.peak_breakdown.get(c, 0))}"
-            for c in Category
-            if est.peak_breakdown.get(c, 0)
-        ]
-        lines.append("<b>At the peak</b>: " + ", ".join(parts))
-        x = est.extras
-        lines.append(
-            f"<b>Extras</b> (reserve): CUDA context {format_bytes(x.cuda_context_bytes)}"
-            + (
-                f' <span title="{html.escape(x.cuda_context_source)}">'
-                f"({html.escape(x.cuda_context_source.partition(':')[0])})</span>"
-                if x.cuda_context_source
-                else ""
-            )
-            + ", "
-            f"cuBLAS workspace {format_bytes(x.cublas_workspace_bytes)}, allocator rounding "
-            f"{format_bytes(x.allocator_rounding_bytes)}; allocated + extras "
-            f"{format_bytes(est.total_bytes)}"
-            # what "fits" compares with the card: this on the CPU, the device line on CUDA
-             + (" (the number compared with the card)" if est.allocator is None else "")
-        )
-        ignored = (*self._ignored, *est.ignored)
-        if ignored:  # what the setup runs that the estimate leaves out, never dropped
-            lines.append("<b>Not estimated</b>: " + "; ".join(html.escape(i) for i in ignored))
-        allocator_line = self._allocator_line(est)
-        if allocator_line:
-            lines.append(allocator_line)
-        # On CUDA, "fits" is the allocator replayed under the capacity less the context (no
-        # out-of-memory error); what is used at its peak is the reserved memory plus the
-        # context, as nvidia-smi would show it. On the CPU: the allocated peak.
-        used = est.total_bytes
-        if est.allocator is not None:
-            used = est.allocator.peak_reserved_bytes + est.extras.cuda_context_bytes
-        verdict = (
-            f"<span style='color:#080'><b>fits</b></span> {html.escape(target.name)} "
-            f"({format_bytes(capacity)}; {used / capacity:.0%} used at the peak"
-            f"{', reserved + context' if est.allocator is not None else ''})"
-            if fits
-            else f"<span style='color:#b00'><b>does not fit</b></span> "
-            f"{html.escape(target.name)} ({format_bytes(capacity)}"
-            f"{': the replayed allocator runs out of memory' if est.allocator else ''})"
-        )
-        context = est.extras.cuda_context_bytes
-        if capacity < context:
-            verdict += f"; the capacity is below the CUDA context alone ({format_bytes(context)})"
-        elif largest == 0:
-            verdict += "; not even batch size 1 fits"
-        elif generation is not None:
-            verdict += f"; most sequences generated at once: <b>{largest:,}</b>"
-        else:
-            verdict += f"; largest batch that fits: <b>{largest:,}</b>"
-        lines.append(verdict)
-        sample = "sequence" if generation is not None else "sample"
-        lines.append(f"<b>Memory per extra {sample}</b>: {format_bytes(self.bytes_per_sample())}")
-        lines.append(
-            f"<b>FLOPs {'of the generation' if generation is not None else 'per step'}</b>: "
-            f"{_format_count(est.flops)}FLOP "
-            f"({_format_count(est.macs)}MAC; forward {_format_count(est.flops_forward)}FLOP, "
-            f"backward {_format_count(est.flops_backward)}FLOP)"
-        )
-        rate = target.peak_flops_per_s(self.precision)
-        if rate:
-            t = est.flops / rate
-            speed = f"{est.batch_size / t:,.0f} samples/s" if t > 0 else "n/a"
-            if generation is not None and t > 0:  # compute-bound; decoding rarely is
-                speed = f"{est.batch_size * generation.new_tokens / t:,.0f} new tokens/s"
-            lines.append(
-                f"<b>{'Generation' if generation is not None else 'Step'} time</b> &ge; "
-                f"{_format_seconds(t)} at {rate / 1e12:g} TFLOP/s "
-                f"(dense peak); at most {speed}"
-            )
-        else:
-            lines.append("<b>Step time</b>: no FLOP rate for this device")
-        if not est.exact:
-            lines.append(
-                "<i>memory is not a polynomial the profile could verify in the batch size for "
-                "this model: estimates away from the profiled batches are extrapolated</i>"
-            )
-        return "<br>".join(lines)
-
-    def _optimizer_text(self, est: MemoryEstimate) -> str:
-        """The optimizer of a training estimate, the implementation that ran (the one asked,
-        or torch's default on the device) and how it steps, where not the default."""
-        if not est.optimizer:
-            return ""
-        text = f", optimizer {est.optimizer.value}"
-        impl = est.optimizer_implementation
-        if impl is not None:
-            asked = split_choice(self.optimizer)[1] is not None
-            text += f" ({impl}" + ("" if asked else f": torch's default on {est.device.value}")
-            text += ")"
-        if est.levers.in_backward is not None:
-            text += ", stepped in the backward (each parameter in its gradient's hook)"
-        if not est.levers.set_to_none:
-            text += ", gradients kept between steps (zero_grad(set_to_none=False))"
-        return html.escape(text, quote=False)
-
-    def _generation_line(self, est: MemoryEstimate) -> str:
-        """A generation's shape, its KV cache and the step of its peak."""
-        generation = est.generation
-        assert generation is not None
-        prompt = est.seq_len or 0
-        step = (
-            "the prefill of the prompt"
-            if not est.peak_step
-            else f"decode step {est.peak_step:,} of {generation.new_tokens - 1:,}"
-        )
-        return (
-            f"<b>Generation</b>: {est.batch_size:,} sequences x (a prompt of {prompt:,} "
-            f"tokens + {generation.new_tokens:,} new); <b>KV cache</b> "
-            f"{format_bytes(generation.kv_cache_bytes)} after the last step, "
-            f"{format_bytes(generation.kv_cache_bytes_per_token)} per token per sequence; "
-            f"the peak is in {step}"
-        )
-
-    def _allocator_line(self, est: MemoryEstimate) -> str:
-        """The caching allocator's view (CUDA): what it reserves at its peak, the gap to
-        the whole blocks in use, and the other expandable_segments setting; empty on CPU."""
-        shown = est.allocator
-        other = est.replayed(expandable_segments=not est.expandable_segments)
-        if shown is None or other is None:
-            return ""
-        gap = shown.peak_reserved_bytes - shown.peak_allocated_bytes
-        delta = other.peak_reserved_bytes - shown.peak_reserved_bytes
-        setting = "expandable_segments:" + ("False" if est.expandable_segments else "True")
-        return (
-            f"<b>Reserved</b> (caching allocator replayed"
-            f"{', expandable segments' if est.expandable_segments else ''}; not yet checked on "
-            f"a GPU): {format_bytes(shown.peak_reserved_bytes)} at its peak for "
-            f"{format_bytes(shown.peak_allocated_bytes)} of whole blocks in use; "
-            f"{format_bytes(gap)} is fragmentation and segment rounding; with {setting}: "
-            f"{format_bytes(other.peak_reserved_bytes)} ({'+' if delta >= 0 else '-'}"
-            f"{format_bytes(abs(delta))})"
-        )
-
-    def _levers_line(self, est: MemoryEstimate) -> str:
-        """What the active levers save and cost against the same step without them."""
-        plain = {*self._lever_settings(), *_STEPPING_SETTINGS}
-        settings = {k: v for k, v in self._settings().items() if k not in plain}
-        base = self._profile.estimate(self.batch_size, **settings)
-        saved = base.peak_bytes - est.peak_bytes
-        change = "saves" if saved >= 0 else "adds"
-        flops = est.flops / base.flops - 1 if base.flops else 0.0
-        line = (
-            f"<b>Levers</b> ({html.escape(est.levers.describe())}): {change} "
-            f"{format_bytes(abs(saved))} at the peak ({format_bytes(base.peak_bytes)} without), "
-            f"FLOPs {flops:+.0%}"
-        )
-        if est.levers.grad_accumulation > 1:
-            k = est.levers.grad_accumulation
-            line += f"; effective batch {k} x {est.batch_size:,} = {k * est.batch_size:,}"
-        return line
-
-    def _table_html(self) -> str:
-        """The largest module groups at the current depth (numpy ranking, few rows)."""
-        layers = self._estimate.layers
-        groups = group_rows(layers.depth, self.depth)
-        n = len(groups)
-        cols = {
-            "params": layers.param_count,
-            "param B": layers.param_bytes,
-            "grad B": layers.gradient_bytes,
-            "opt state B": layers.optimizer_state_bytes,
-            "activation B": layers.activation_bytes,
-            "fwd FLOPs": layers.flops_forward,
-            "bwd FLOPs": layers.flops_backward,
-        }
-        sums = {k: np.bincount(groups, weights=v, minlength=n) for k, v in cols.items()}
-        total = sums["param B"] + sums["grad B"] + sums["opt state B"] + sums["activation B"]
-        heads = np.flatnonzero(groups == np.arange(n))
-        order = heads[np.argsort(-total[heads], kind="stable")][:_TABLE_ROWS]
-        heads_row = ("module", "type", "output", "activations", *cols)
-        head = "".join(f"<th>{h}</th>" for h in heads_row)
-        body = []
-        numel = layers.output_numel
-        for i, shape in zip(order.tolist(), output_shape_text(layers, order), strict=True):
-            cells = [
-                html.escape(layers.name[i] or "(model)"),
-                html.escape(layers.type[i]),
-                html.escape(shape),
-                f"{int(numel[i]):,}" if shape else "",
-                *(f"{round(sums[k][i]):,}" for k in cols),
-            ]
-            body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-        return (
-            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-            f"<p>{len(heads)} groups at depth {self.depth}; activations: elements of the "
-            f"group's output at this batch; full table: "
-            f"<code>w.to_dataframe()</code> / <code>w.to_csv(path)</code></p>"
-        )
-
-    # ------------------------------------------------------------------ controls
-
-    def _build_controls(self) -> None:
-        self._batch_slider, self._batch_box = _log_slider_and_box(
-            "batch size", self.batch_size, BATCH_SLIDER_MAX, BATCH_MAX, continuous=True
-        )
-        self._batch_slider.observe(functools.partial(self._control_moved, "batch_size"), "value")
-        self._batch_box.observe(functools.partial(self._control_moved, "batch_size"), "value")
-        # The sequence length, where the profile has a sequence axis: a log slider like the
-        # batch's, up to the model's learned positions (else 128k tokens), and a box. A move
-        # may profile (the first other length), so the slider reports on release.
-        seq_max = self._profile.seq_len_limit or SEQ_SLIDER_MAX
-        self._seq_slider, self._seq_box = _log_slider_and_box(
-            "prompt length" if self._generating else "sequence length",
-            self.seq_len or 1,
-            seq_max,
-            seq_max,
-            continuous=False,
-        )
-        self._seq_slider.observe(functools.partial(self._control_moved, "seq_len"), "value")
-        self._seq_box.observe(functools.partial(self._control_moved, "seq_len"), "value")
-        self._seq_row = widgets.HBox(
-            [self._seq_slider, self._seq_box],
-            layout={"display": None if self._profile.has_seq_axis else "none"},
-        )
-        precision = widgets.Dropdown(
-            options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
-        )
-        # the optimizer, its implementation, and how it steps (two checkboxes)
-        self._optimizer_controls = OptimizerControls(self, self._profile.device)
-        optimizer, implementation, in_backward, keep_grads = self._optimizer_controls.widgets
-        # generation where the model generates with a KV cache
-        modes = [m.value for m in Mode if m is not Mode.GENERATE or self._profile.generates]
-        mode = widgets.ToggleButtons(options=modes, style={"button_width": "90px"})
-        # Generation: the new tokens after the prompt (a log slider and a box, up to the
-        # model's positions); the prompt is the sequence slider, relabelled.
-        tokens_max = self._profile.generation_limit or SEQ_SLIDER_MAX
-        self._tokens_slider, self._tokens_box = _log_slider_and_box(
-            "new tokens", self.new_tokens, tokens_max, tokens_max, continuous=False
-        )
-        self._tokens_slider.observe(functools.partial(self._control_moved, "new_tokens"), "value")
-        self._tokens_box.observe(functools.partial(self._control_moved, "new_tokens"), "value")
-        self._generation_row = widgets.HBox(
-            [widgets.HTML("<b>generation</b>&nbsp;"), self._tokens_slider, self._tokens_box],
-            layout={"display": None if self._generating else "none"},
-        )
-        gpu = widgets.Dropdown(options=[*GPUS, CUSTOM_GPU], layout={"width": "300px"})
-        custom = widgets.BoundedFloatText(
-            min=0.001, max=1e6, layout={"width": "170px"}, disabled=self.gpu != CUSTOM_GPU
-        )
-        max_depth = (
-            int(self._estimate.layers.depth.max()) if len(self._estimate.layers.depth) else 0
-        )
-        depth = widgets.IntSlider(min=0, max=max(max_depth, 1), description="group depth")
-        # The memory levers: checkpointing ("auto" where the model has repeated blocks, and
-        # each class with repeated instances), the parameters that train, accumulation.
-        types = self._profile.rows.types[:-2]
-        repeated = sorted({t for t in types[1:] if types.count(t) > 1})
-        auto = ["auto"] if self._profile.checkpoint_blocks else []
-        options = [_CHECKPOINT_OFF, *auto, *repeated]
-        if self.checkpoint not in options:
-            options.append(self.checkpoint)
-        checkpoint = widgets.Dropdown(options=options, layout={"width": "260px"})
-        trainable = widgets.Text(
-            placeholder="all (or patterns: head.*, *.bias)",
-            continuous_update=False,
-            layout={"width": "300px"},
-        )
-        accumulation = widgets.BoundedIntText(min=1, max=1 << 20, layout={"width": "190px"})
-        lora = widgets.BoundedIntText(
-            min=0, max=4096, layout={"width": "170px"}, tooltip="0: no LoRA (PEFT's targets)"
-        )
-        expandable = widgets.Checkbox(
-            description="expandable_segments",
-            indent=False,
-            layout={"width": "190px"},
-            tooltip="replay the caching allocator with PYTORCH_CUDA_ALLOC_CONF="
-            "expandable_segments:True",
-        )
-        if self._profile.device is not Device.CUDA:  # no caching allocator to replay
-            expandable.layout.display = "none"
-        # Data parallelism: the ranks (a log slider like the batch's, and a box) and the
-        # strategy; a rank's estimate is shown, its batch per rank.
-        self._gpus_slider, self._gpus_box = _log_slider_and_box(
-            "GPUs", self.gpus, GPUS_MAX, GPUS_MAX, continuous=False
-        )
-        self._gpus_slider.observe(functools.partial(self._control_moved, "gpus"), "value")
-        self._gpus_box.observe(functools.partial(self._control_moved, "gpus"), "value")
-        strategy = widgets.Dropdown(
-            options=list(self.traits()["strategy"].values or []), layout={"width": "200px"}
-        )
-        self._per_node_box = widgets.BoundedIntText(
-            min=1, max=GPUS_MAX, layout={"width": "150px"}, tooltip="hsdp: GPUs in one node"
-        )
-        for control, name, label in (
-            (precision, "precision", "precision"),
-            (mode, "mode", "mode"),
-            (gpu, "gpu", "GPU"),
-            (custom, "custom_gib", "custom GiB"),
-            (depth, "depth", ""),
-            (checkpoint, "checkpoint", "checkpointing"),
-            (trainable, "trainable", "trainable"),
-            (accumulation, "grad_accumulation", "micro-batches"),
-            (lora, "lora_rank", "LoRA rank"),
-            (expandable, "expandable_segments", ""),
-            (strategy, "strategy", "strategy"),
-            (self._per_node_box, "gpus_per_node", "per node"),
-        ):
-            if label:
-                control.description = label
-            # Labels as wide as their text, so no control wraps under its own label.
-            control.style.description_width = "initial"
-            widgets.link((self, name), (control, "value"))
-        self._custom_box = custom
-        self._control_widgets: tuple[widgets.DOMWidget, ...] = (
-            self._batch_slider,
-            self._batch_box,
-            self._seq_slider,
-            self._seq_box,
-            precision,
-            *self._optimizer_controls.widgets,
-            mode,
-            gpu,
-            custom,
-            depth,
-            checkpoint,
-            trainable,
-            accumulation,
-            lora,
-            expandable,
-            self._gpus_slider,
-            self._gpus_box,
-            strategy,
-            self._per_node_box,
-            self._tokens_slider,
-            self._tokens_box,
-        )
-        self._parallel_row = widgets.HBox(
-            [
-                widgets.HTML("<b>data parallel</b>&nbsp;"),
-                self._gpus_slider,
-                self._gpus_box,
-                strategy,
-                self._per_node_box,
-            ]
-        )
-        self._levers_row = widgets.HBox(
-            [
-                widgets.HTML("<b>memory levers</b>&nbsp;"),
-                checkpoint,
-                trainable,
-                accumulation,
-                lora,
-                in_backward,
-                keep_grads,
-            ]
-        )
-        self._controls = widgets.VBox(
-            [
-                # the step's shape, then what is stored and run, then the levers that trade
-                # compute for memory, then the device
-                widgets.HBox([self._batch_slider, self._batch_box]),
-                self._seq_row,
-                widgets.HBox([precision, optimizer, implementation, mode]),
-                self._generation_row,
-                self._levers_row,
-                widgets.HBox([gpu, custom, expandable, depth]),
-                self._parallel_row,
-            ]
-        )
-
-    def _control_moved(self, name: str, change: dict[str, Any]) -> None:
-        """A slider or box of an integer setting moved: set the trait (never feeding back
-        while the controls are synced to the traits)."""
-        if not self._syncing and getattr(self, name) is not None:
-            setattr(self, name, max(1, round(change["new"])))
-
-    def _sync_controls(self) -> None:
-        """Show the batch size on the slider and the box without feeding back."""
-        self._syncing = True
-        try:
-            self._batch_slider.value = float(min(self.batch_size, BATCH_SLIDER_MAX))
-            self._batch_box.value = self.batch_size
-            if self.seq_len is not None:
-                self._seq_slider.value = float(self.seq_len)
-                self._seq_box.value = self.seq_len
-            self._gpus_slider.value = float(self.gpus)
-            self._gpus_box.value = self.gpus
-            self._tokens_slider.value = float(self.new_tokens)
-            self._tokens_box.value = self.new_tokens
-            self._seq_slider.description = (
-                "prompt length" if self._generating else "sequence length"
-            )
-            self._generation_row.layout.display = None if self._generating else "none"
-            self._per_node_box.layout.display = None if self.strategy == "hsdp" else "none"
-            self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
-        finally:
-            self._syncing = False
-        self._custom_box.disabled = self.gpu != CUSTOM_GPU
-
     # ------------------------------------------------------------------ static fallback
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
@@ -1192,48 +621,24 @@ class MemoryWidget(widgets.VBox):
         return bundle
 
     def static_html(self) -> str:
-        """The figure (plotly.js from the CDN) and the summary as one HTML fragment."""
+        """The headline, the bar, the figure (plotly.js from the CDN) and the details as one
+        HTML fragment (the details as at rest)."""
+        est = self._estimate
+        if self._at_rest_pending is not None:
+            self._fill_at_rest(est)
         fig = go.Figure(self._figure)
         return (
-            fig.to_html(include_plotlyjs="cdn", full_html=False)
-            + f"<div>{self._summary.value}</div>"
-            + (f"<div>{self._device_html(self._estimate)}</div>" if self._device.value else "")
+            f"<div>{self._headline.value}</div><div>{self._bar.value}</div>"
+            + fig.to_html(include_plotlyjs="cdn", full_html=False)
+            + f"<div>{rows_html(self._detail_rows(est))}</div>"
         )
 
 
+# settings that are in no profile's cache key nor the frontier's (_settings leaves them out)
+_NEVER_PROFILES = ("batch_size", "depth")
 _LEVER_TRAITS = ("checkpoint", "trainable", "grad_accumulation", "lora_rank")
 # how the optimizer steps (estimate's keywords, the widget's traits)
 _STEPPING_SETTINGS = ("optimizer_in_backward", "set_to_none")
-
-
-def _checkpoint_arg(value: str) -> str | None:
-    """The ``checkpoint`` trait as ``estimate`` takes it ("off": None)."""
-    return None if value in (_CHECKPOINT_OFF, "") else value
-
-
-def _trainable_arg(value: str) -> list[str] | None:
-    """The ``trainable`` trait (comma-separated patterns) as ``estimate`` takes it."""
-    patterns = [p.strip() for p in value.split(",") if p.strip()]
-    return patterns or None
-
-
-def _log_slider_and_box(
-    description: str, value: int, slider_max: int, box_max: int, *, continuous: bool
-) -> tuple[widgets.FloatLogSlider, widgets.BoundedIntText]:
-    """A base-2 log slider from 1 to ``slider_max`` in quarter steps, and an exact-value box
-    beside it (up to ``box_max``)."""
-    slider = widgets.FloatLogSlider(
-        value=float(min(value, slider_max)),
-        base=2,
-        min=0,
-        max=math.log2(slider_max),
-        step=0.25,
-        description=description,
-        continuous_update=continuous,
-        readout=False,
-    )
-    box = widgets.BoundedIntText(value=value, min=1, max=box_max, layout={"width": "110px"})
-    return slider, box
 
 
 _SETTINGS: tuple[str, ...] = (
@@ -1422,42 +827,3 @@ def _named_model_keywords(
     if isinstance(settings.get("seq_len"), int):
         keywords["seq_len"] = settings["seq_len"]
     return keywords
-
-
-def _check_optimizer_settings(settings: dict[str, Any]) -> None:
-    """The optimizer's settings, checked before the model is run: its name, how it steps
-    (``optimizer_in_backward``, ``set_to_none``), and what stepping in the backward cannot
-    go with in training (micro-batches, several GPUs); each error names the valid forms."""
-    try:
-        name = _OptimizerTrait("adam").validate(None, settings.get("optimizer", "adam"))
-    except traitlets.TraitError as exc:
-        raise ValueError(f"invalid setting: {exc}") from None
-    in_backward = settings.get("optimizer_in_backward", False)
-    set_to_none = settings.get("set_to_none", True)
-    record = dataclasses.replace(
-        Optimizer.parse(None if name == _NO_OPTIMIZER else name),
-        in_backward=in_backward,
-        set_to_none=set_to_none,
-    )  # a flag that is not a bool, or in backward with set_to_none=False: refused here
-    if settings.get("mode", Mode.TRAIN.value) != Mode.TRAIN.value or (
-        set_to_none and not in_backward
-    ):
-        return
-    accumulation = settings.get("grad_accumulation", 1)
-    parallel = resolve_parallel(
-        settings.get("gpus", 1),
-        settings.get("strategy", "ddp"),
-        gpus_per_node=settings.get("gpus_per_node", DEFAULT_GPUS_PER_NODE),
-    )
-    if isinstance(accumulation, int):  # else the control's own check says why
-        stepping_levers(Levers(grad_accumulation=accumulation), record, None, parallel)
-
-
-def _gpu_settings(value: Any) -> dict[str, Any]:
-    """The ``gpu`` (and ``custom_gib``) traits for a ``gpu=`` setting in any capacity form."""
-    if value == CUSTOM_GPU:
-        return {"gpu": CUSTOM_GPU}
-    target = resolve_gpu(value)
-    if target.name in GPUS:
-        return {"gpu": target.name}
-    return {"gpu": CUSTOM_GPU, "custom_gib": target.memory_bytes / 2**30}

@@ -1,0 +1,362 @@
+"""The widget's controls, grouped by the question each answers.
+
+A tab per question: **Step** (what one step is: batch, sequence length, precision, mode, a
+generation's new tokens), **Optimizer** (:mod:`.optimizer_control`), **Memory levers** (what
+trades compute for memory: checkpointing, the parameters that train, micro-batches, LoRA) and
+**GPUs** (the card, its allocator's ``expandable_segments`` setting, and data parallelism);
+how the figure groups modules is a display setting, in a small "Display" section apart from
+the questions. Every control has a visible label and a tooltip saying what it changes.
+
+The controls are views of the widget's traits (the truth): a control writes its trait, and
+:meth:`ControlsMixin._sync_controls` shows the traits on the controls without feeding back.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+
+from .._estimating.gpus import CUSTOM_GPU, GPUS
+from .._estimating.options import Device, Mode
+from .._estimating.profile import DEFAULT_MAX_SEQ_LEN
+from .optimizer_control import OptimizerControls
+
+if TYPE_CHECKING:
+    from .widget import MemoryWidget
+
+__all__ = [
+    "BATCH_SLIDER_MAX",
+    "CHECKPOINT_OFF",
+    "GPUS_MAX",
+    "GROUP_TITLES",
+    "SEQ_SLIDER_MAX",
+    "TOOLTIPS",
+    "ControlsMixin",
+]
+
+BATCH_SLIDER_MAX = 8192
+# The sequence slider's top where the model has no learned position table: 128k tokens
+SEQ_SLIDER_MAX = DEFAULT_MAX_SEQ_LEN
+# the GPUs slider's top (log scale, like the batch's)
+GPUS_MAX = 1024
+CHECKPOINT_OFF = "off"
+
+GROUP_TITLES: tuple[str, ...] = ("Step", "Optimizer", "Memory levers", "GPUs")
+"""The control tabs, in order: each answers one question about the step."""
+
+TOOLTIPS: dict[str, str] = {
+    "batch_size": "samples per step (per GPU with data parallelism): the slider up to "
+    f"{BATCH_SLIDER_MAX:,}, the box any size",
+    "seq_len": "tokens per sample (the prompt's length in a generation)",
+    "precision": "the dtype of weights and activations: fp32, bf16/fp16 (all half), or "
+    "amp-* (fp32 weights, autocast activations)",
+    "mode": "train: forward, backward, optimizer step; inference: one forward under "
+    "no_grad; generate: prefill and decode steps with the KV cache",
+    "new_tokens": "tokens a generation adds after the prompt (its KV cache grows with them)",
+    "checkpoint": "activation checkpointing (torch.utils.checkpoint, non-reentrant): auto "
+    "wraps the repeated blocks, or name a block class; recomputes their forward",
+    "trainable": "glob patterns of the parameters that train, comma-separated (head.*, "
+    "*.bias); empty: as the model is. Frozen parameters keep no gradient or state",
+    "grad_accumulation": "micro-batches per optimizer step: each is one batch; gradients "
+    "accumulate, one optimizer step at the end",
+    "lora_rank": "LoRA adapters of this rank on PEFT's default target modules (0: none); the "
+    "base weights freeze",
+    "gpu": "the card whose memory the step is compared with",
+    "custom_gib": "the card's memory in GiB, used when the GPU is 'custom'",
+    "expandable_segments": "replay the caching allocator with PYTORCH_CUDA_ALLOC_CONF="
+    "expandable_segments:True (less fragmentation; CUDA profiles)",
+    "gpus": "data-parallel ranks: each runs the batch; the estimate is one rank's",
+    "strategy": "how the ranks share the step: ddp replicates all; zero1 shards optimizer "
+    "state; zero2/zero3 (FSDP2) shard gradients / parameters too; hsdp shards in a node",
+    "gpus_per_node": "GPUs in one node: hsdp shards within a node, replicates across nodes",
+    "depth": "how deep the waterfall and the layers table group modules (0: the whole model)",
+}
+"""What each control changes (its tooltip), by the trait it sets."""
+
+
+def log_slider_and_box(
+    description: str,
+    value: int,
+    slider_max: int,
+    box_max: int,
+    *,
+    continuous: bool,
+    tooltip: str,
+) -> tuple[widgets.FloatLogSlider, widgets.BoundedIntText]:
+    """A base-2 log slider from 1 to ``slider_max`` in quarter steps, and an exact-value box
+    beside it (up to ``box_max``); both carry ``tooltip``."""
+    slider = widgets.FloatLogSlider(
+        value=float(min(value, slider_max)),
+        base=2,
+        min=0,
+        max=math.log2(slider_max),
+        step=0.25,
+        description=description,
+        continuous_update=continuous,
+        readout=False,
+        tooltip=tooltip,
+        style={"description_width": "initial"},
+    )
+    box = widgets.BoundedIntText(
+        value=value, min=1, max=box_max, layout={"width": "110px"}, tooltip=tooltip
+    )
+    return slider, box
+
+
+def _row(*children: widgets.Widget, **layout: Any) -> widgets.HBox:
+    return widgets.HBox(list(children), layout={"flex_flow": "row wrap", **layout})
+
+
+class ControlsMixin:
+    """Builds, groups and syncs the controls of :class:`~.widget.MemoryWidget`."""
+
+    def _build_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
+        self._build_sliders()
+        self._group_controls(self._build_choices())
+
+    def _build_sliders(self: MemoryWidget) -> None:  # type: ignore[misc]
+        """The integer settings' log sliders and exact boxes (batch, length, new tokens,
+        GPUs), each pair writing its trait."""
+        moved = self._control_moved
+        self._batch_slider, self._batch_box = log_slider_and_box(
+            "batch size",
+            self.batch_size,
+            BATCH_SLIDER_MAX,
+            2**40,
+            continuous=True,
+            tooltip=TOOLTIPS["batch_size"],
+        )
+        # The sequence length, where the profile has a sequence axis: a log slider like the
+        # batch's, up to the model's learned positions (else 128k tokens), and a box. A move
+        # may profile (the first other length), so the slider reports on release.
+        seq_max = self._profile.seq_len_limit or SEQ_SLIDER_MAX
+        self._seq_slider, self._seq_box = log_slider_and_box(
+            "prompt length" if self._generating else "sequence length",
+            self.seq_len or 1,
+            seq_max,
+            seq_max,
+            continuous=False,
+            tooltip=TOOLTIPS["seq_len"],
+        )
+        self._seq_row = _row(
+            self._seq_slider,
+            self._seq_box,
+            display=None if self._profile.has_seq_axis else "none",
+        )
+        # Generation: the new tokens after the prompt (a log slider and a box, up to the
+        # model's positions); the prompt is the sequence slider, relabelled.
+        tokens_max = self._profile.generation_limit or SEQ_SLIDER_MAX
+        self._tokens_slider, self._tokens_box = log_slider_and_box(
+            "new tokens",
+            self.new_tokens,
+            tokens_max,
+            tokens_max,
+            continuous=False,
+            tooltip=TOOLTIPS["new_tokens"],
+        )
+        self._generation_row = _row(
+            self._tokens_slider,
+            self._tokens_box,
+            display=None if self._generating else "none",
+        )
+        # Data parallelism: the ranks (a log slider like the batch's, and a box)
+        self._gpus_slider, self._gpus_box = log_slider_and_box(
+            "GPUs", self.gpus, GPUS_MAX, GPUS_MAX, continuous=False, tooltip=TOOLTIPS["gpus"]
+        )
+        for name, slider, box in (
+            ("batch_size", self._batch_slider, self._batch_box),
+            ("seq_len", self._seq_slider, self._seq_box),
+            ("new_tokens", self._tokens_slider, self._tokens_box),
+            ("gpus", self._gpus_slider, self._gpus_box),
+        ):
+            slider.observe(functools.partial(moved, name), "value")
+            box.observe(functools.partial(moved, name), "value")
+
+    def _build_choices(self: MemoryWidget) -> dict[str, widgets.DOMWidget]:  # type: ignore[misc]
+        """The other controls, each linked to its trait with a label and a tooltip; the
+        optimizer's are :class:`~.optimizer_control.OptimizerControls`."""
+        modes = [m.value for m in Mode if m is not Mode.GENERATE or self._profile.generates]
+        precision = widgets.Dropdown(
+            options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
+        )
+        mode = widgets.ToggleButtons(options=modes, style={"button_width": "90px"})
+        self._mode_buttons = mode
+        # the optimizer, its implementation, and how it steps (two checkboxes)
+        self._optimizer_controls = OptimizerControls(self, self._profile.device)
+        # The memory levers: checkpointing ("auto" where the model has repeated blocks, and
+        # each class with repeated instances), the parameters that train, accumulation.
+        types = self._profile.rows.types[:-2]
+        repeated = sorted({t for t in types[1:] if types.count(t) > 1})
+        auto = ["auto"] if self._profile.checkpoint_blocks else []
+        options = [CHECKPOINT_OFF, *auto, *repeated]
+        if self.checkpoint not in options:
+            options.append(self.checkpoint)
+        self._checkpoint_dropdown = widgets.Dropdown(options=options, layout={"width": "260px"})
+        trainable = widgets.Text(
+            placeholder="all (or patterns: head.*, *.bias)",
+            continuous_update=False,
+            layout={"width": "320px"},
+        )
+        accumulation = widgets.BoundedIntText(min=1, max=1 << 20, layout={"width": "190px"})
+        lora = widgets.BoundedIntText(min=0, max=4096, layout={"width": "170px"})
+        gpu = widgets.Dropdown(options=[*GPUS, CUSTOM_GPU], layout={"width": "300px"})
+        self._custom_box = widgets.BoundedFloatText(
+            min=0.001, max=1e6, layout={"width": "170px"}, disabled=self.gpu != CUSTOM_GPU
+        )
+        expandable = widgets.Checkbox(indent=False, layout={"width": "220px"})
+        if self._profile.device is not Device.CUDA:  # no caching allocator to replay
+            expandable.layout.display = "none"
+        strategy = widgets.Dropdown(
+            options=list(self.traits()["strategy"].values or []), layout={"width": "200px"}
+        )
+        self._per_node_box = widgets.BoundedIntText(min=1, max=GPUS_MAX, layout={"width": "150px"})
+        max_depth = (
+            int(self._estimate.layers.depth.max()) if len(self._estimate.layers.depth) else 0
+        )
+        self._depth_slider = widgets.IntSlider(min=0, max=max(max_depth, 1))
+        for control, name, label in (
+            (precision, "precision", "precision"),
+            (mode, "mode", "mode"),
+            (gpu, "gpu", "GPU"),
+            (self._custom_box, "custom_gib", "custom GiB"),
+            (self._depth_slider, "depth", "group depth"),
+            (self._checkpoint_dropdown, "checkpoint", "checkpointing"),
+            (trainable, "trainable", "trainable"),
+            (accumulation, "grad_accumulation", "micro-batches"),
+            (lora, "lora_rank", "LoRA rank"),
+            (expandable, "expandable_segments", "expandable_segments"),
+            (strategy, "strategy", "strategy"),
+            (self._per_node_box, "gpus_per_node", "per node"),
+        ):
+            control.description = label
+            control.tooltip = TOOLTIPS[name]
+            # Labels as wide as their text, so no control wraps under its own label.
+            control.style.description_width = "initial"
+            widgets.link((self, name), (control, "value"))
+        return {
+            "precision": precision,
+            "mode": mode,
+            "gpu": gpu,
+            "trainable": trainable,
+            "accumulation": accumulation,
+            "lora": lora,
+            "expandable": expandable,
+            "strategy": strategy,
+        }
+
+    def _group_controls(self: MemoryWidget, c: dict[str, widgets.DOMWidget]) -> None:  # type: ignore[misc]
+        """The controls in one tab per question, and the display settings apart."""
+        opt = self._optimizer_controls
+        self._control_widgets: tuple[widgets.DOMWidget, ...] = (
+            self._batch_slider,
+            self._batch_box,
+            self._seq_slider,
+            self._seq_box,
+            c["precision"],
+            *opt.widgets,
+            c["mode"],
+            c["gpu"],
+            self._custom_box,
+            self._depth_slider,
+            self._checkpoint_dropdown,
+            c["trainable"],
+            c["accumulation"],
+            c["lora"],
+            c["expandable"],
+            self._gpus_slider,
+            self._gpus_box,
+            c["strategy"],
+            self._per_node_box,
+            self._tokens_slider,
+            self._tokens_box,
+        )
+        step = widgets.VBox(
+            [
+                _row(self._batch_slider, self._batch_box),
+                self._seq_row,
+                _row(c["precision"], c["mode"]),
+                self._generation_row,
+            ]
+        )
+        optimizer = widgets.VBox(
+            [_row(opt.optimizer, opt.implementation), _row(opt.in_backward, opt.keep_grads)]
+        )
+        self._levers_row = _row(
+            self._checkpoint_dropdown, c["trainable"], c["accumulation"], c["lora"]
+        )
+        self._parallel_row = _row(
+            self._gpus_slider, self._gpus_box, c["strategy"], self._per_node_box
+        )
+        gpus = widgets.VBox([_row(c["gpu"], self._custom_box, c["expandable"]), self._parallel_row])
+        self._tabs = widgets.Tab(
+            children=[step, optimizer, widgets.VBox([self._levers_row]), gpus],
+            titles=GROUP_TITLES,
+            layout={"width": "100%"},
+        )
+        self._display_menu = widgets.Accordion(
+            children=[widgets.VBox([self._depth_slider])],
+            titles=("Display",),
+            selected_index=None,
+            layout={"width": "100%"},
+        )
+        self._controls = widgets.VBox([self._tabs, self._display_menu], layout={"width": "100%"})
+
+    @property
+    def control_groups(self: MemoryWidget) -> dict[str, tuple[widgets.DOMWidget, ...]]:  # type: ignore[misc]
+        """Each tab's title and the controls in it (sliders, boxes, dropdowns,
+        checkboxes), in the order shown; and "Display" for the display settings."""
+        groups: dict[str, tuple[widgets.DOMWidget, ...]] = {}
+        kinds = tuple(type(c) for c in self._control_widgets)
+        for title, child in [
+            *zip(GROUP_TITLES, self._tabs.children, strict=True),
+            ("Display", self._display_menu.children[0]),
+        ]:
+            groups[title] = tuple(_controls_in(child, kinds))
+        return groups
+
+    def _control_moved(self: MemoryWidget, name: str, change: dict[str, Any]) -> None:  # type: ignore[misc]
+        """A slider or box of an integer setting moved: set the trait (never feeding back
+        while the controls are synced to the traits)."""
+        if not self._syncing and getattr(self, name) is not None:
+            setattr(self, name, max(1, round(change["new"])))
+
+    def _set_busy(self: MemoryWidget, busy: bool) -> None:  # type: ignore[misc]
+        """Disable every control while a profiling run blocks the kernel; re-enable after."""
+        for control in self._control_widgets:
+            control.disabled = busy
+        if not busy:
+            self._custom_box.disabled = self.gpu != CUSTOM_GPU
+            self._optimizer_controls.enable()
+
+    def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
+        """Show the integer settings on their sliders and boxes without feeding back."""
+        self._syncing = True
+        try:
+            self._batch_slider.value = float(min(self.batch_size, BATCH_SLIDER_MAX))
+            self._batch_box.value = self.batch_size
+            if self.seq_len is not None:
+                self._seq_slider.value = float(self.seq_len)
+                self._seq_box.value = self.seq_len
+            self._gpus_slider.value = float(self.gpus)
+            self._gpus_box.value = self.gpus
+            self._tokens_slider.value = float(self.new_tokens)
+            self._tokens_box.value = self.new_tokens
+            self._seq_slider.description = (
+                "prompt length" if self._generating else "sequence length"
+            )
+            self._generation_row.layout.display = None if self._generating else "none"
+            self._per_node_box.layout.display = None if self.strategy == "hsdp" else "none"
+            self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
+        finally:
+            self._syncing = False
+        self._custom_box.disabled = self.gpu != CUSTOM_GPU
+
+
+def _controls_in(box: widgets.Widget, kinds: tuple[type, ...]) -> list[widgets.DOMWidget]:
+    """The controls inside ``box`` (depth first), boxes and labels left out."""
+    if isinstance(box, widgets.Box):
+        return [c for child in box.children for c in _controls_in(child, kinds)]
+    return [box] if isinstance(box, kinds) else []
