@@ -143,6 +143,64 @@ def test_flat_replay_equals_the_reference_on_random_streams(
         assert flat == reference, cap
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    residents=st.lists(_sizes, max_size=6),
+    actions=_actions,
+    iterations=st.integers(1, 3),
+    mark=st.integers(0, 40),
+    shortfalls=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+)
+def test_capped_replays_from_checkpoints_equal_the_reference(
+    residents: list[int], actions: list[tuple[str, int, int]], iterations: int, mark: int,
+    shortfalls: list[int],
+) -> None:  # fmt: skip
+    # One plan replayed free (leaving a checkpoint where reserved would pass ``mark``), then
+    # under caps in any order, each starting from the latest checkpoint that the earlier
+    # replays left and that it passes through: every outcome is the reference's, replayed
+    # from the start.
+    events = _stream(actions)
+    step = plan(residents, [s for s, _ in events], [n for _, n in events])
+    free_peak = _outcome(lambda: replay(residents, events, iterations=iterations))[1]
+    flat = _outcome(
+        lambda: fast_replay(
+            step, iterations=iterations, checkpoint_above=free_peak - mark * K_SMALL_BUFFER
+        )
+    )
+    assert flat == _outcome(lambda: replay(residents, events, iterations=iterations))
+    for shortfall in shortfalls:
+        cap = max(0, free_peak - shortfall * K_SMALL_BUFFER)
+        reference = _outcome(
+            lambda: replay(residents, events, iterations=iterations, capacity_bytes=cap)
+        )
+        flat = _outcome(lambda: fast_replay(step, iterations=iterations, capacity_bytes=cap))
+        assert flat == reference, cap
+
+
+def test_a_capped_replay_starts_where_the_free_one_would_pass_its_cap() -> None:
+    # Two 30 MiB storages (10 MiB and up: a segment of their own each), then both freed.
+    # The free replay, marked at 40 MiB: the first segment takes reserved to 30 MiB, the
+    # second would take it to 60 > 40, so the state before the second allocation (run 1,
+    # op 1, slot 1, 30 MiB reserved) is kept.
+    step = plan([], [0, 1, 0, 1], [30 * MiB, 30 * MiB, -30 * MiB, -30 * MiB])
+    fast_replay(step, iterations=1, checkpoint_above=40 * MiB)
+    (kept,) = step.checkpoints.values()
+    assert (kept.run, kept.at, kept.k, kept.reserved) == (1, 1, 1, 30 * MiB)
+    # a cap of at least 30 MiB passes through it; 20 MiB does not (its first segment fails)
+    assert replaying._resume_point(step, 1, 50 * MiB) is kept
+    assert replaying._resume_point(step, 1, 20 * MiB) is None
+    assert replaying._resume_point(step, 2, 50 * MiB) is None  # another iteration count
+    # under 50 MiB, from it: nothing cached to release (the first 30 MiB is in use), so the
+    # second 30 MiB segment fails with 30 MiB reserved and allocated; as the reference
+    events = [(0, 30 * MiB), (1, 30 * MiB), (0, -30 * MiB), (1, -30 * MiB)]
+    flat = _outcome(lambda: fast_replay(step, iterations=1, capacity_bytes=50 * MiB))
+    reference = _outcome(lambda: replay([], events, iterations=1, capacity_bytes=50 * MiB))
+    assert flat == reference == ("oom", 30 * MiB, 30 * MiB, 30 * MiB, 30 * MiB)
+    # at 60 MiB it runs: peaks of 60 MiB reserved and allocated, two segments
+    flat = _outcome(lambda: fast_replay(step, iterations=1, capacity_bytes=60 * MiB))
+    assert flat == ("ok", 60 * MiB, 60 * MiB, 60 * MiB, 2)
+
+
 def test_flat_replay_releases_and_runs_on_under_a_cap() -> None:
     # A cap that binds and is then met by releasing a cached segment: 30 MiB (its own
     # 30 MiB segment: 10 MiB and up round to 2 MiB), freed and cached; 32 MiB does not fit
@@ -201,6 +259,18 @@ def test_flat_replay_equals_the_reference_on_real_steps(which: str) -> None:
         assert flat == reference, cap
         outcomes.add(reference[0])
     assert outcomes == {"ok", "oom"}  # the caps straddle the least that runs
+    # one plan for every cap, climbing and then descending, so that each capped replay
+    # starts from the checkpoints the free replay (marked at the lowest cap) and the
+    # earlier ones left: the same outcomes
+    step = plan(residents, stream.storage, stream.nbytes)
+    assert (
+        _outcome(lambda: fast_replay(step, checkpoint_above=min(caps)))
+        == _both(residents, events)[0]
+    )
+    for cap in [*sorted(caps), *sorted(caps, reverse=True)]:
+        reference = _outcome(lambda: replay(residents, events, capacity_bytes=cap))
+        assert _outcome(lambda: fast_replay(step, capacity_bytes=cap)) == reference, cap
+    assert step.checkpoints  # kept, and started from
 
 
 def _fresh_setting() -> tuple[Any, int]:

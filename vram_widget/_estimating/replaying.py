@@ -37,7 +37,7 @@ import hashlib
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,8 @@ import numpy as np
 from .allocator import (
     K_LARGE_BUFFER,
     K_MIN_BLOCK_SIZE,
+    K_MIN_LARGE_ALLOC,
+    K_ROUND_LARGE,
     K_SMALL_BUFFER,
     K_SMALL_SIZE,
     AllocatorReplay,
@@ -109,6 +111,10 @@ class ReplayPlan:
     ops: list[int]
     requests: list[int]
     shift: int
+    # where replays under caps may start (see _Checkpoint), by (iterations, run, op index);
+    # and each slot's op index, computed with the first checkpoint
+    checkpoints: dict[tuple[int, int, int], _Checkpoint] = field(default_factory=dict, repr=False)
+    allocation_at: list[int] = field(default_factory=list, repr=False)
 
 
 def _rounded(nbytes: np.ndarray) -> list[int]:
@@ -211,9 +217,17 @@ def fast_replay(
     iterations: int = 2,
     capacity_bytes: int | None = None,
     expandable_segments: bool = False,
+    checkpoint_above: int | None = None,
 ) -> AllocatorReplay:
     """``allocator.replay`` of a planned step, without recording: the same numbers (and
     the same ``OutOfMemory`` under a cap), from flat ints.
+
+    A replay under a cap starts from the latest state of the free replay it passes
+    through that an earlier replay of the same plan kept (``_Checkpoint``): the state
+    before the first new segment that took the free replay's reserved bytes past a cap
+    (``capacity_bytes``, or ``checkpoint_above`` for a free replay, which changes nothing
+    else). Up to there a capped replay is the free one; from there it runs on as a
+    replay from the start would, so the numbers are the same, for less work.
 
     Examples
     --------
@@ -229,34 +243,106 @@ def fast_replay(
     _replays[0] += 1
     if expandable_segments:
         return _expandable(step, iterations)
-    return _caching(step, iterations, capacity_bytes)
+    return _caching(step, iterations, capacity_bytes, checkpoint_above)
 
 
-def _caching(step: ReplayPlan, iterations: int, cap: int | None) -> AllocatorReplay:
-    """The default allocator (``CachingAllocator``), one loop over plain ints."""
+@dataclass(eq=False)
+class _Checkpoint:
+    """The free (uncapped) replay's state just before an allocation that needs a new
+    segment: a replay under any cap of at least ``reserved`` passes through it unchanged
+    (``reserved`` only grows without a cap, so no earlier segment passed that cap), and so
+    may start there instead of from the residents."""
+
+    iterations: int
+    run: int  # 0: the residents, then the iterations
+    at: int  # the allocation's index among the run's ops
+    k: int  # its slot
+    reserved: int
+    top: int
+    allocated: int
+    peak_allocated: int
+    peak_reserved: int
+    small: list[int] = field(repr=False)
+    large: list[int] = field(repr=False)
+    free_start: dict[int, int] = field(repr=False)
+    free_end: dict[int, int] = field(repr=False)
+    segments: dict[int, int] = field(repr=False)
+    slot_addr: list[int] = field(repr=False)
+    slot_size: list[int] = field(repr=False)
+
+
+_CHECKPOINTS_KEPT = 8  # per plan: a climb of capped replays (device_bytes) leaves a few
+
+
+def _resume_point(step: ReplayPlan, iterations: int, cap: int | None) -> _Checkpoint | None:
+    """The latest checkpoint a replay under ``cap`` passes through, if any."""
+    if cap is None:
+        return None
+    best = None
+    for c in step.checkpoints.values():
+        if c.iterations == iterations and c.reserved <= cap:
+            if best is None or (c.run, c.at) > (best.run, best.at):
+                best = c
+    return best
+
+
+def _keep_checkpoint(step: ReplayPlan, c: _Checkpoint) -> None:
+    where = (c.iterations, c.run, c.at)
+    if where in step.checkpoints:
+        return
+    step.checkpoints[where] = c
+    while len(step.checkpoints) > _CHECKPOINTS_KEPT:
+        del step.checkpoints[next(iter(step.checkpoints))]  # the oldest
+
+
+def _allocation_index(step: ReplayPlan, run: int, k: int) -> int:
+    """The index among its run's ops of slot ``k``'s allocation."""
+    if run == 0:
+        return k
+    at = step.allocation_at
+    if not at:  # computed once per plan, when a first checkpoint is taken
+        at.extend(i for i, v in enumerate(step.ops) if v > 0)
+    return at[k]
+
+
+def _caching(
+    step: ReplayPlan, iterations: int, cap: int | None, mark: int | None = None
+) -> AllocatorReplay:
+    """The default allocator (``CachingAllocator``), one loop over plain ints; under a cap,
+    from the latest checkpoint it passes through, leaving one where it first departs
+    from the free replay (its first failed ``cudaMalloc``); without one, leaving one
+    where reserved bytes would first pass ``mark``, where given."""
     shift = step.shift
     mask = (1 << shift) - 1
     small_limit = K_SMALL_SIZE
     min_block = K_MIN_BLOCK_SIZE
-    pools: tuple[list[int], list[int]] = ([], [])  # free keys: small pool, large pool
-    free_start: dict[int, int] = {}  # free block's address -> size
-    free_end: dict[int, int] = {}  # free block's end -> address
-    segments: dict[int, int] = {}  # base -> size
-    top = 0  # the next segment's base
-    allocated = reserved = peak_allocated = peak_reserved = 0
-    n_slots = max(len(step.requests), len(step.resident_sizes))
-    slot_addr = [0] * n_slots
-    slot_size = [0] * n_slots
-    runs: list[tuple[list[int], list[int]]] = [(step.resident_sizes, step.resident_requests)]
-    runs += [(step.ops, step.requests)] * iterations
-    for run, (ops, requests) in enumerate(runs):
-        if run == iterations:  # reset_peak_memory_stats() before the last iteration
-            peak_allocated, peak_reserved = allocated, reserved
+    c = _resume_point(step, iterations, cap)
+    if c is None:
+        n_slots = max(len(step.requests), len(step.resident_sizes))
+        c = _Checkpoint(
+            iterations, 0, 0, 0, 0, 0, 0, 0, 0, [], [], {}, {}, {}, [0] * n_slots, [0] * n_slots
+        )
+    # copies: the checkpoint stays as it is for the next replay
+    small, large = c.small.copy(), c.large.copy()
+    slot_addr, slot_size = c.slot_addr.copy(), c.slot_size.copy()
+    free_start, free_end, segments = c.free_start.copy(), c.free_end.copy(), c.segments.copy()
+    top, reserved, allocated = c.top, c.reserved, c.allocated
+    peak_allocated, peak_reserved = c.peak_allocated, c.peak_reserved
+    limit = mark if cap is None else cap  # where a checkpoint is taken
+    departed = limit is None  # from the free replay: no more checkpoints to take
+    for run in range(c.run, iterations + 1):
+        ops, requests = (
+            (step.resident_sizes, step.resident_requests) if run == 0 else (step.ops, step.requests)
+        )
         k = 0
+        if run == c.run and c.at:
+            ops, k = ops[c.at :], c.k  # resumed: the peaks already reset where due
+        elif run == iterations:  # reset_peak_memory_stats() before the last iteration
+            peak_allocated, peak_reserved = allocated, reserved
         for v in ops:
             if v > 0:  # malloc of a rounded size v
-                small = v <= small_limit
-                pool = pools[0] if small else pools[1]
+                is_small = v <= small_limit
+                pool = small if is_small else large
                 i = bisect_left(pool, v << shift)
                 if i < len(pool):
                     key = pool.pop(i)
@@ -265,11 +351,31 @@ def _caching(step: ReplayPlan, iterations: int, cap: int | None) -> AllocatorRep
                     del free_start[addr]
                     del free_end[addr + bsize]
                 else:
-                    bsize = allocation_size(v)
-                    if cap is not None and reserved + bsize > cap:
-                        reserved = _release(pools, free_start, free_end, segments, reserved, shift)
-                        if reserved + bsize > cap:
-                            raise OutOfMemory(requests[k], bsize, reserved, allocated)
+                    # get_allocation_size, inline (allocator.allocation_size)
+                    if is_small:
+                        bsize = K_SMALL_BUFFER
+                    elif v < K_MIN_LARGE_ALLOC:
+                        bsize = K_LARGE_BUFFER
+                    else:
+                        bsize = -(-v // K_ROUND_LARGE) * K_ROUND_LARGE
+                    if limit is not None and reserved + bsize > limit:
+                        if not departed:
+                            departed = True
+                            at = _allocation_index(step, run, k)
+                            _keep_checkpoint(step, _Checkpoint(
+                                iterations, run, at, k, reserved, top, allocated,
+                                peak_allocated, peak_reserved, small.copy(), large.copy(),
+                                free_start.copy(), free_end.copy(), segments.copy(),
+                                slot_addr.copy(), slot_size.copy(),
+                            ))  # fmt: skip
+                        if cap is None:  # a free replay: past its mark, runs on
+                            limit = None
+                        else:
+                            reserved = _release(
+                                small, large, free_start, free_end, segments, reserved, shift
+                            )
+                            if reserved + bsize > cap:
+                                raise OutOfMemory(requests[k], bsize, reserved, allocated)
                     addr = top
                     top += bsize + 1
                     segments[addr] = bsize
@@ -277,7 +383,7 @@ def _caching(step: ReplayPlan, iterations: int, cap: int | None) -> AllocatorRep
                     if reserved > peak_reserved:
                         peak_reserved = reserved
                 rest = bsize - v
-                if (rest >= min_block) if small else (rest > small_limit):
+                if (rest >= min_block) if is_small else (rest > small_limit):
                     raddr = addr + v
                     insort(pool, rest << shift | raddr)
                     free_start[raddr] = rest
@@ -290,11 +396,10 @@ def _caching(step: ReplayPlan, iterations: int, cap: int | None) -> AllocatorRep
                 slot_size[k] = bsize
                 k += 1
             else:  # free of slot ~v
-                slot = ~v
-                addr = slot_addr[slot]
-                bsize = slot_size[slot]
+                addr = slot_addr[~v]
+                bsize = slot_size[~v]
                 allocated -= bsize
-                pool = pools[0] if bsize <= small_limit else pools[1]
+                pool = small if bsize <= small_limit else large
                 end = addr + bsize
                 before = free_end.pop(addr, None)
                 if before is not None:  # merge with the free block before it
@@ -320,7 +425,8 @@ def _caching(step: ReplayPlan, iterations: int, cap: int | None) -> AllocatorRep
 
 
 def _release(
-    pools: tuple[list[int], list[int]],
+    small: list[int],
+    large: list[int],
     free_start: dict[int, int],
     free_end: dict[int, int],
     segments: dict[int, int],
@@ -334,7 +440,7 @@ def _release(
             del free_start[base]
             del free_end[base + size]
             # a small-pool segment is 2 MiB; a large-pool one 20 MiB or at least 10 MiB
-            pool = pools[0] if size == K_SMALL_BUFFER else pools[1]
+            pool = small if size == K_SMALL_BUFFER else large
             del pool[bisect_left(pool, size << shift | base)]
             del segments[base]
             reserved -= size
@@ -515,10 +621,13 @@ def cached_replay(
     *,
     capacity_bytes: int | None = None,
     expandable_segments: bool = False,
+    checkpoint_above: int | None = None,
 ) -> AllocatorReplay:
     """:func:`fast_replay` of a step (two iterations), remembered per step and setting: a
     stream of the same contents (its digest), capacity and ``expandable_segments`` gives
     the remembered outcome (an ``OutOfMemory`` raised again) without a replay.
+    ``checkpoint_above`` (a free replay's, see :func:`fast_replay`) changes no outcome,
+    only where later capped replays of the step may start.
 
     Examples
     --------
@@ -539,7 +648,10 @@ def cached_replay(
             _plans.move_to_end(stream.digest)
         try:
             outcome = fast_replay(
-                step, capacity_bytes=capacity_bytes, expandable_segments=expandable_segments
+                step,
+                capacity_bytes=capacity_bytes,
+                expandable_segments=expandable_segments,
+                checkpoint_above=checkpoint_above,
             )
         except OutOfMemory as short:
             outcome = (short.request, short.segment, short.reserved, short.allocated)
