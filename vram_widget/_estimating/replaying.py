@@ -51,7 +51,6 @@ from .allocator import (
     K_SMALL_SIZE,
     AllocatorReplay,
     OutOfMemory,
-    allocation_size,
     round_size,
 )
 
@@ -101,6 +100,9 @@ class ReplayPlan:
         end freed last, in the reference's order.
     requests : list of int
         Each slot's unrounded request.
+    leaked : list of int
+        The slots never freed (an allocation over a live storage leaves the earlier block
+        in use): what each iteration leaves allocated.
     shift : int
         Bits of an address in a packed free-block key (every address the replay can
         reach, gaps included, is below ``1 << shift``).
@@ -110,11 +112,13 @@ class ReplayPlan:
     resident_requests: list[int]
     ops: list[int]
     requests: list[int]
+    leaked: list[int]
     shift: int
     # where replays under caps may start (see _Checkpoint), by (iterations, run, op index);
-    # and each slot's op index, computed with the first checkpoint
+    # each slot's op index, computed with the first checkpoint; each op's slot and sign
     checkpoints: dict[tuple[int, int, int], _Checkpoint] = field(default_factory=dict, repr=False)
     allocation_at: list[int] = field(default_factory=list, repr=False)
+    op_slots: list[np.ndarray] = field(default_factory=list, repr=False)
 
 
 def _rounded(nbytes: np.ndarray) -> list[int]:
@@ -194,6 +198,9 @@ def plan(
     ops = _paired(ids, n, sizes) if n.dtype != object else None
     if ops is None:
         ops = _paired_by_dict(ids.tolist(), np.sign(n).tolist(), sizes)
+    leaked: list[int] = []
+    if len(ops) != 2 * len(sizes):  # each slot is freed at most once
+        leaked = sorted(set(range(len(sizes))).difference(~v for v in ops if v < 0))
     resident_sizes = _rounded(residents)
     # every address reachable: at most one segment per request and iteration (a segment
     # released under a cap is not reused: addresses only grow), each at most the request
@@ -207,6 +214,7 @@ def plan(
         resident_requests=[int(r) for r in residents.tolist()],
         ops=ops,
         requests=requests,
+        leaked=leaked,
         shift=int(bound).bit_length() + 1,
     )
 
@@ -257,11 +265,9 @@ class _Checkpoint:
     run: int  # 0: the residents, then the iterations
     at: int  # the allocation's index among the run's ops
     k: int  # its slot
-    reserved: int
+    reserved: int  # also the reserved peak so far: without a cap it only grows
     top: int
-    allocated: int
-    peak_allocated: int
-    peak_reserved: int
+    base: int  # bytes allocated when the run began
     small: list[int] = field(repr=False)
     large: list[int] = field(repr=False)
     free_start: dict[int, int] = field(repr=False)
@@ -280,29 +286,87 @@ def _resume_point(step: ReplayPlan, iterations: int, cap: int | None) -> _Checkp
         return None
     best = None
     for c in step.checkpoints.values():
-        if c.iterations == iterations and c.reserved <= cap:
-            if best is None or (c.run, c.at) > (best.run, best.at):
-                best = c
+        later = best is None or (c.run, c.at) > (best.run, best.at)
+        if c.iterations == iterations and c.reserved <= cap and later:
+            best = c
     return best
 
 
-def _keep_checkpoint(step: ReplayPlan, c: _Checkpoint) -> None:
-    where = (c.iterations, c.run, c.at)
-    if where in step.checkpoints:
-        return
-    step.checkpoints[where] = c
-    while len(step.checkpoints) > _CHECKPOINTS_KEPT:
-        del step.checkpoints[next(iter(step.checkpoints))]  # the oldest
+def _op_slots(step: ReplayPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Each op's slot and sign (1: its allocation, -1: its free), once per plan."""
+    if not step.op_slots:
+        o = np.array([v > 0 for v in step.ops], dtype=bool)
+        slot = np.cumsum(o) - 1
+        slot[~o] = [~v for v in step.ops if v < 0]
+        step.op_slots.extend((slot, np.where(o, 1, -1)))
+    return step.op_slots[0], step.op_slots[1]
 
 
-def _allocation_index(step: ReplayPlan, run: int, k: int) -> int:
-    """The index among its run's ops of slot ``k``'s allocation."""
+def _allocated(step: ReplayPlan, run: int, at: int, slot_size: list[int], base: int) -> int:
+    """Bytes allocated before op ``at`` of ``run``, from the blocks its slots were given."""
     if run == 0:
-        return k
-    at = step.allocation_at
-    if not at:  # computed once per plan, when a first checkpoint is taken
-        at.extend(i for i, v in enumerate(step.ops) if v > 0)
-    return at[k]
+        return base + sum(slot_size[:at])
+    slot, sign = _op_slots(step)
+    return base + sum(int(slot_size[s]) * int(g) for s, g in zip(slot[:at], sign[:at], strict=True))
+
+
+def _peak_allocated(step: ReplayPlan, slot_size: list[int], base: int) -> int:
+    """The peak of allocated bytes over an iteration that began with ``base`` allocated,
+    from the blocks its slots were given (each allocation charges its block, each free
+    gives it back)."""
+    if not step.ops:
+        return base
+    slot, sign = _op_slots(step)
+    if step.shift < 62:  # every size and sum below 2**62 (plan's bound): int64 is exact
+        charges = np.asarray(slot_size, dtype=np.int64)[slot] * sign
+        return base + max(0, int(np.cumsum(charges).max()))
+    allocated = peak = base
+    for s, g in zip(slot.tolist(), sign.tolist(), strict=True):
+        allocated += slot_size[s] * g
+        peak = max(peak, allocated)
+    return peak
+
+
+def _past_limit(
+    step: ReplayPlan,
+    where: tuple[int, int, int],
+    reserved: int,
+    top: int,
+    base: int,
+    segment: int,
+    cap: int | None,
+    departed: bool,
+    state: tuple[
+        list[int], list[int], dict[int, int], dict[int, int], dict[int, int], list[int], list[int]
+    ],
+) -> int:
+    """A new ``segment`` would take reserved bytes past the limit: keep the state as a
+    checkpoint where the replay has not yet departed from the free one; under a cap,
+    release the cached segments and fail as the reference does. Returns what stays
+    reserved."""
+    iterations, run, k = where
+    small, large, free_start, free_end, segments, slot_addr, slot_size = state
+    at = k
+    if run:
+        if not step.allocation_at:  # each slot's op index, once per plan
+            step.allocation_at.extend(i for i, v in enumerate(step.ops) if v > 0)
+        at = step.allocation_at[k]
+    if not departed and (iterations, run, at) not in step.checkpoints:
+        step.checkpoints[iterations, run, at] = _Checkpoint(
+            iterations, run, at, k, reserved, top, base, small.copy(), large.copy(),
+            free_start.copy(), free_end.copy(), segments.copy(), slot_addr.copy(),
+            slot_size.copy(),
+        )  # fmt: skip
+        while len(step.checkpoints) > _CHECKPOINTS_KEPT:
+            del step.checkpoints[next(iter(step.checkpoints))]  # the oldest
+    if cap is None:
+        return reserved
+    reserved = _release(small, large, free_start, free_end, segments, reserved, step.shift)
+    if reserved + segment > cap:
+        requests = step.requests if run else step.resident_requests
+        allocated = _allocated(step, run, at, slot_size, base)
+        raise OutOfMemory(requests[k], segment, reserved, allocated)
+    return reserved
 
 
 def _caching(
@@ -311,71 +375,60 @@ def _caching(
     """The default allocator (``CachingAllocator``), one loop over plain ints; under a cap,
     from the latest checkpoint it passes through, leaving one where it first departs
     from the free replay (its first failed ``cudaMalloc``); without one, leaving one
-    where reserved bytes would first pass ``mark``, where given."""
+    where reserved bytes would first pass ``mark``, where given. Allocated bytes are
+    summed after each iteration from the blocks its slots were given (each iteration
+    frees all it allocates but what ``step.leaked`` names), not in the loop."""
     shift = step.shift
     mask = (1 << shift) - 1
     small_limit = K_SMALL_SIZE
-    min_block = K_MIN_BLOCK_SIZE
+    # each pool's sorted keys end with one above every key: a best fit past the blocks
+    # cached finds it (no length to check) and it is never taken
+    end_key = 1 << (2 * shift + 1)
     c = _resume_point(step, iterations, cap)
     if c is None:
         n_slots = max(len(step.requests), len(step.resident_sizes))
+        pools = ([end_key], [end_key])
         c = _Checkpoint(
-            iterations, 0, 0, 0, 0, 0, 0, 0, 0, [], [], {}, {}, {}, [0] * n_slots, [0] * n_slots
+            iterations, 0, 0, 0, 0, 0, 0, *pools, {}, {}, {}, [0] * n_slots, [0] * n_slots
         )
     # copies: the checkpoint stays as it is for the next replay
-    small, large = c.small.copy(), c.large.copy()
-    slot_addr, slot_size = c.slot_addr.copy(), c.slot_size.copy()
-    free_start, free_end, segments = c.free_start.copy(), c.free_end.copy(), c.segments.copy()
-    top, reserved, allocated = c.top, c.reserved, c.allocated
-    peak_allocated, peak_reserved = c.peak_allocated, c.peak_reserved
+    state = (
+        c.small.copy(), c.large.copy(), c.free_start.copy(), c.free_end.copy(),
+        c.segments.copy(), c.slot_addr.copy(), c.slot_size.copy(),
+    )  # fmt: skip
+    small, large, free_start, free_end, segments, slot_addr, slot_size = state
+    top, reserved, peak_reserved, base = c.top, c.reserved, c.reserved, c.base
     limit = mark if cap is None else cap  # where a checkpoint is taken
     departed = limit is None  # from the free replay: no more checkpoints to take
     for run in range(c.run, iterations + 1):
-        ops, requests = (
-            (step.resident_sizes, step.resident_requests) if run == 0 else (step.ops, step.requests)
-        )
+        ops = step.ops if run else step.resident_sizes
         k = 0
         if run == c.run and c.at:
-            ops, k = ops[c.at :], c.k  # resumed: the peaks already reset where due
+            ops, k = ops[c.at :], c.k  # resumed: the peak already reset where due
         elif run == iterations:  # reset_peak_memory_stats() before the last iteration
-            peak_allocated, peak_reserved = allocated, reserved
+            peak_reserved = reserved
         for v in ops:
-            if v > 0:  # malloc of a rounded size v
-                is_small = v <= small_limit
-                pool = small if is_small else large
-                i = bisect_left(pool, v << shift)
-                if i < len(pool):
-                    key = pool.pop(i)
+            if v > small_limit:  # a large-pool malloc of a rounded size v
+                i = bisect_left(large, v << shift)
+                key = large[i]
+                if key != end_key:
+                    del large[i]
                     addr = key & mask
                     bsize = key >> shift
                     del free_start[addr]
                     del free_end[addr + bsize]
-                else:
-                    # get_allocation_size, inline (allocator.allocation_size)
-                    if is_small:
-                        bsize = K_SMALL_BUFFER
-                    elif v < K_MIN_LARGE_ALLOC:
+                else:  # get_allocation_size (allocator.allocation_size), inline
+                    if v < K_MIN_LARGE_ALLOC:
                         bsize = K_LARGE_BUFFER
                     else:
                         bsize = -(-v // K_ROUND_LARGE) * K_ROUND_LARGE
                     if limit is not None and reserved + bsize > limit:
-                        if not departed:
-                            departed = True
-                            at = _allocation_index(step, run, k)
-                            _keep_checkpoint(step, _Checkpoint(
-                                iterations, run, at, k, reserved, top, allocated,
-                                peak_allocated, peak_reserved, small.copy(), large.copy(),
-                                free_start.copy(), free_end.copy(), segments.copy(),
-                                slot_addr.copy(), slot_size.copy(),
-                            ))  # fmt: skip
-                        if cap is None:  # a free replay: past its mark, runs on
-                            limit = None
-                        else:
-                            reserved = _release(
-                                small, large, free_start, free_end, segments, reserved, shift
-                            )
-                            if reserved + bsize > cap:
-                                raise OutOfMemory(requests[k], bsize, reserved, allocated)
+                        where = (iterations, run, k)
+                        reserved = _past_limit(
+                            step, where, reserved, top, base, bsize, cap, departed, state
+                        )
+                        departed = True
+                        limit = cap
                     addr = top
                     top += bsize + 1
                     segments[addr] = bsize
@@ -383,32 +436,61 @@ def _caching(
                     if reserved > peak_reserved:
                         peak_reserved = reserved
                 rest = bsize - v
-                if (rest >= min_block) if is_small else (rest > small_limit):
+                if rest > small_limit:  # should_split, large pool
                     raddr = addr + v
-                    insort(pool, rest << shift | raddr)
+                    insort(large, rest << shift | raddr)
                     free_start[raddr] = rest
                     free_end[raddr + rest] = raddr
                     bsize = v
-                allocated += bsize
-                if allocated > peak_allocated:
-                    peak_allocated = allocated
                 slot_addr[k] = addr
                 slot_size[k] = bsize
+                k += 1
+            elif v > 0:  # a small-pool one: blocks of a 2 MiB segment, split to 512 bytes
+                i = bisect_left(small, v << shift)
+                key = small[i]
+                if key != end_key:
+                    del small[i]
+                    addr = key & mask
+                    bsize = key >> shift
+                    del free_start[addr]
+                    del free_end[addr + bsize]
+                else:
+                    bsize = K_SMALL_BUFFER
+                    if limit is not None and reserved + bsize > limit:
+                        where = (iterations, run, k)
+                        reserved = _past_limit(
+                            step, where, reserved, top, base, bsize, cap, departed, state
+                        )
+                        departed = True
+                        limit = cap
+                    addr = top
+                    top += bsize + 1
+                    segments[addr] = bsize
+                    reserved += bsize
+                    if reserved > peak_reserved:
+                        peak_reserved = reserved
+                if bsize != v:  # should_split: every size is a multiple of 512
+                    raddr = addr + v
+                    rest = bsize - v
+                    insort(small, rest << shift | raddr)
+                    free_start[raddr] = rest
+                    free_end[raddr + rest] = raddr
+                slot_addr[k] = addr
+                slot_size[k] = v
                 k += 1
             else:  # free of slot ~v
                 addr = slot_addr[~v]
                 bsize = slot_size[~v]
-                allocated -= bsize
                 pool = small if bsize <= small_limit else large
                 end = addr + bsize
-                before = free_end.pop(addr, None)
-                if before is not None:  # merge with the free block before it
+                if addr in free_end:  # merge with the free block before it
+                    before = free_end.pop(addr)
                     size_before = free_start.pop(before)
                     del pool[bisect_left(pool, size_before << shift | before)]
                     addr = before
                     bsize += size_before
-                after = free_start.pop(end, None)
-                if after is not None:  # and with the one after it
+                if end in free_start:  # and with the one after it
+                    after = free_start.pop(end)
                     del free_end[end + after]
                     del pool[bisect_left(pool, after << shift | end)]
                     bsize += after
@@ -416,6 +498,11 @@ def _caching(
                 insort(pool, bsize << shift | addr)
                 free_start[addr] = bsize
                 free_end[end] = addr
+        if run == 0:  # the residents, in use to the end
+            base = sum(slot_size[: len(step.resident_sizes)])
+        elif run < iterations:  # what the iteration left in use
+            base += sum(slot_size[s] for s in step.leaked)
+    peak_allocated = _peak_allocated(step, slot_size, base) if iterations else base
     return AllocatorReplay(
         peak_reserved_bytes=peak_reserved,
         peak_allocated_bytes=peak_allocated,
