@@ -185,7 +185,7 @@ def test_a_capped_replay_starts_where_the_free_one_would_pass_its_cap() -> None:
     step = plan([], [0, 1, 0, 1], [30 * MiB, 30 * MiB, -30 * MiB, -30 * MiB])
     fast_replay(step, iterations=1, checkpoint_above=40 * MiB)
     (kept,) = step.checkpoints.values()
-    assert (kept.run, kept.at, kept.k, kept.reserved) == (1, 1, 1, 30 * MiB)
+    assert (kept.run, kept.at, kept.k, kept.reserved) == (1, 1, 1, 30 * MiB // 512)  # units
     # a cap of at least 30 MiB passes through it; 20 MiB does not (its first segment fails)
     assert replaying._resume_point(step, 1, 50 * MiB) is kept
     assert replaying._resume_point(step, 1, 20 * MiB) is None
@@ -219,11 +219,15 @@ def test_flat_replay_releases_and_runs_on_under_a_cap() -> None:
 def test_plan_pairs_frees_as_the_reference_does() -> None:
     # storage 0 allocated over while live: slot 0 stays in use (never freed), slot 1 is
     # freed; a stray free is dropped; storage 2 lives to the end and is freed there
+    # (sizes in 512-byte units: 1024 B is 2); slot 0 is what each iteration leaves in use
     p = plan([], [0, 0, 9, 0, 2], [1024, 2048, -64, -2048, 4096])
-    assert p.ops == [1024, 2048, ~1, 4096, ~2]
-    # the numpy pairing (alternating storages) and the dict one agree
+    assert p.ops == [2, 4, ~1, 8, ~2]
+    assert p.leaked == [0]
+    # the numpy pairing (alternating storages) and the dict one agree (700 B rounds to
+    # 1024 B, 100 B to 512 B)
     ids, nbytes = [3, 4, 3, 4, 3], [512, 700, -512, -700, 100]
-    assert plan([], ids, nbytes).ops == [512, 1024, ~0, ~1, 512, ~2]
+    assert plan([], ids, nbytes).ops == [1, 2, ~0, ~1, 1, ~2]
+    assert plan([], ids, nbytes).leaked == []
 
 
 def _gpt2() -> torch.nn.Module:

@@ -14,10 +14,12 @@ The state, and why it is the reference's:
   smallest size of at least the request, the lowest address among equal sizes. Two dicts
   index them by start and by end, which is how a freed block finds its free neighbours
   (``try_merge_blocks``).
+* Sizes and addresses are counted in 512-byte units (``kMinBlockSize``), which keeps them
+  small ints.
 * Segments are laid out in creation order, as ``cudaMalloc`` addresses are in the reference,
-  with one unused byte between two segments: blocks compare in the same order as there, and
-  the end of one segment is never the start of another, so only blocks of the same segment
-  are ever neighbours.
+  with one unused unit between two segments: blocks compare in the same order as there,
+  and the end of one segment is never the start of another, so only blocks of the same
+  segment are ever neighbours.
 * A block in use is known by its size alone to be small-pool or large-pool: small-pool
   blocks are split whenever 512 bytes or more remain (and every size is a multiple of 512),
   so one in use is the rounded request, at most 1 MiB; a large-pool block in use is at least
@@ -64,9 +66,15 @@ __all__ = [
     "replays_run",
 ]
 
-# with expandable segments: each pool's one segment, at distinct addresses (as in
-# allocator.ExpandableAllocator.BASE_ADDRESS)
-_EXPANDABLE_LARGE_BASE = 1 << 50
+# Sizes and addresses are counted in 512-byte units (kMinBlockSize: every rounded size is
+# a multiple of it, and so is every segment), which keeps them small ints: the
+# allocator's constants in those units
+_UNIT = K_MIN_BLOCK_SIZE
+_SMALL_SIZE = K_SMALL_SIZE // _UNIT
+_SMALL_BUFFER = K_SMALL_BUFFER // _UNIT
+_LARGE_BUFFER = K_LARGE_BUFFER // _UNIT
+_MIN_LARGE_ALLOC = K_MIN_LARGE_ALLOC // _UNIT
+_ROUND_LARGE = K_ROUND_LARGE // _UNIT
 
 _replays = [0]  # replays run by fast_replay since import (tests count them)
 
@@ -91,11 +99,12 @@ class ReplayPlan:
     Attributes
     ----------
     resident_sizes : list of int
-        ``round_size`` of each resident request (those of at least one byte), in order.
+        ``round_size`` of each resident request (those of at least one byte), in order, in
+        512-byte units (every size and address of the replay is counted in them).
     resident_requests : list of int
         The same requests unrounded (an out-of-memory error names the request).
     ops : list of int
-        One iteration: an allocation as its rounded size (> 0), in order, the i-th
+        One iteration: an allocation as its rounded size in units (> 0), in order, the i-th
         allocation being slot i; a free as ``~slot`` (< 0); the storages still live at the
         end freed last, in the reference's order.
     requests : list of int
@@ -104,8 +113,8 @@ class ReplayPlan:
         The slots never freed (an allocation over a live storage leaves the earlier block
         in use): what each iteration leaves allocated.
     shift : int
-        Bits of an address in a packed free-block key (every address the replay can
-        reach, gaps included, is below ``1 << shift``).
+        Bits of an address in a packed free-block key (every address the default
+        allocator's replay can reach, gaps included, is below ``1 << shift``).
     """
 
     resident_sizes: list[int]
@@ -122,11 +131,11 @@ class ReplayPlan:
 
 
 def _rounded(nbytes: np.ndarray) -> list[int]:
-    """``round_size`` of each (positive) request; exact Python ints for object arrays."""
+    """``round_size`` of each (positive) request in 512-byte units; exact Python ints for
+    object arrays."""
     if nbytes.dtype == object:
-        return [round_size(int(n)) for n in nbytes]
-    step = K_MIN_BLOCK_SIZE
-    return np.maximum(step, (nbytes.astype(np.int64) + step - 1) // step * step).tolist()
+        return [round_size(int(n)) // _UNIT for n in nbytes]
+    return np.maximum(1, (nbytes.astype(np.int64) + _UNIT - 1) // _UNIT).tolist()
 
 
 def _paired_by_dict(ids: list[int], signs: list[int], sizes: list[int]) -> list[int]:
@@ -185,8 +194,8 @@ def plan(
     Examples
     --------
     >>> p = plan([100], [0, 1, 0, 2], [1024, 600, -1024, 2_000_000])
-    >>> p.resident_sizes, p.ops  # storage 0 is slot 0, freed; 1 and 2 live to the end
-    ([512], [1024, 1024, -1, 2000384, -2, -3])
+    >>> p.resident_sizes, p.ops  # in 512-byte units: 1024 B is 2, 2,000,000 B rounds to 3,907
+    ([1], [2, 2, -1, 3907, -2, -3])
     """
     residents = np.asarray(resident_bytes)
     residents = residents[residents > 0]
@@ -204,11 +213,9 @@ def plan(
     resident_sizes = _rounded(residents)
     # every address reachable: at most one segment per request and iteration (a segment
     # released under a cap is not reused: addresses only grow), each at most the request
-    # plus 20 MiB (allocation_size), plus a gap byte each, plus the expandable large
-    # pool's base
+    # plus 20 MiB (allocation_size), plus a gap unit each
     requests_count = len(resident_sizes) + 2 * len(sizes)
-    segments = sum(resident_sizes) + 2 * sum(sizes) + requests_count * (K_LARGE_BUFFER + 1)
-    bound = segments + _EXPANDABLE_LARGE_BASE
+    bound = sum(resident_sizes) + 2 * sum(sizes) + requests_count * (_LARGE_BUFFER + 1)
     return ReplayPlan(
         resident_sizes=resident_sizes,
         resident_requests=[int(r) for r in residents.tolist()],
@@ -265,7 +272,7 @@ class _Checkpoint:
     run: int  # 0: the residents, then the iterations
     at: int  # the allocation's index among the run's ops
     k: int  # its slot
-    reserved: int  # also the reserved peak so far: without a cap it only grows
+    reserved: int  # in units; also the reserved peak so far: without a cap it only grows
     top: int
     base: int  # bytes allocated when the run began
     small: list[int] = field(repr=False)
@@ -287,7 +294,7 @@ def _resume_point(step: ReplayPlan, iterations: int, cap: int | None) -> _Checkp
     best = None
     for c in step.checkpoints.values():
         later = best is None or (c.run, c.at) > (best.run, best.at)
-        if c.iterations == iterations and c.reserved <= cap and later:
+        if c.iterations == iterations and c.reserved * _UNIT <= cap and later:
             best = c
     return best
 
@@ -365,7 +372,7 @@ def _past_limit(
     if reserved + segment > cap:
         requests = step.requests if run else step.resident_requests
         allocated = _allocated(step, run, at, slot_size, base)
-        raise OutOfMemory(requests[k], segment, reserved, allocated)
+        raise OutOfMemory(requests[k], segment * _UNIT, reserved * _UNIT, allocated * _UNIT)
     return reserved
 
 
@@ -380,7 +387,7 @@ def _caching(
     frees all it allocates but what ``step.leaked`` names), not in the loop."""
     shift = step.shift
     mask = (1 << shift) - 1
-    small_limit = K_SMALL_SIZE
+    small_limit = _SMALL_SIZE
     # each pool's sorted keys end with one above every key: a best fit past the blocks
     # cached finds it (no length to check) and it is never taken
     end_key = 1 << (2 * shift + 1)
@@ -398,6 +405,10 @@ def _caching(
     )  # fmt: skip
     small, large, free_start, free_end, segments, slot_addr, slot_size = state
     top, reserved, peak_reserved, base = c.top, c.reserved, c.reserved, c.base
+    if cap is not None:  # in units: a count of units passes cap bytes where it passes this
+        cap //= _UNIT
+    if mark is not None:
+        mark //= _UNIT
     limit = mark if cap is None else cap  # where a checkpoint is taken
     departed = limit is None  # from the free replay: no more checkpoints to take
     for run in range(c.run, iterations + 1):
@@ -418,10 +429,10 @@ def _caching(
                     del free_start[addr]
                     del free_end[addr + bsize]
                 else:  # get_allocation_size (allocator.allocation_size), inline
-                    if v < K_MIN_LARGE_ALLOC:
-                        bsize = K_LARGE_BUFFER
+                    if v < _MIN_LARGE_ALLOC:
+                        bsize = _LARGE_BUFFER
                     else:
-                        bsize = -(-v // K_ROUND_LARGE) * K_ROUND_LARGE
+                        bsize = -(-v // _ROUND_LARGE) * _ROUND_LARGE
                     if limit is not None and reserved + bsize > limit:
                         where = (iterations, run, k)
                         reserved = _past_limit(
@@ -455,7 +466,7 @@ def _caching(
                     del free_start[addr]
                     del free_end[addr + bsize]
                 else:
-                    bsize = K_SMALL_BUFFER
+                    bsize = _SMALL_BUFFER
                     if limit is not None and reserved + bsize > limit:
                         where = (iterations, run, k)
                         reserved = _past_limit(
@@ -504,9 +515,9 @@ def _caching(
             base += sum(slot_size[s] for s in step.leaked)
     peak_allocated = _peak_allocated(step, slot_size, base) if iterations else base
     return AllocatorReplay(
-        peak_reserved_bytes=peak_reserved,
-        peak_allocated_bytes=peak_allocated,
-        reserved_at_end_bytes=reserved,
+        peak_reserved_bytes=peak_reserved * _UNIT,
+        peak_allocated_bytes=peak_allocated * _UNIT,
+        reserved_at_end_bytes=reserved * _UNIT,
         segments=len(segments),
     )
 
@@ -527,7 +538,7 @@ def _release(
             del free_start[base]
             del free_end[base + size]
             # a small-pool segment is 2 MiB; a large-pool one 20 MiB or at least 10 MiB
-            pool = small if size == K_SMALL_BUFFER else large
+            pool = small if size == _SMALL_BUFFER else large
             del pool[bisect_left(pool, size << shift | base)]
             del segments[base]
             reserved -= size
@@ -536,14 +547,16 @@ def _release(
 
 def _expandable(step: ReplayPlan, iterations: int) -> AllocatorReplay:
     """``ExpandableAllocator``: one segment per pool growing at its end, no capacity."""
-    shift = step.shift
+    # the large pool's segment above every address the small pool's can reach
+    large_base = 1 << step.shift
+    shift = step.shift + 2
     mask = (1 << shift) - 1
-    small_limit = K_SMALL_SIZE
-    min_block = K_MIN_BLOCK_SIZE
+    small_limit = _SMALL_SIZE
+    min_block = 1  # should_split at 512 bytes in both pools: one unit
     pools: tuple[list[int], list[int]] = ([], [])
-    bases = (0, _EXPANDABLE_LARGE_BASE)
-    pages = (K_SMALL_BUFFER, K_LARGE_BUFFER)
-    mapped = [0, _EXPANDABLE_LARGE_BASE]  # each pool's mapped end
+    bases = (0, large_base)
+    pages = (_SMALL_BUFFER, _LARGE_BUFFER)
+    mapped = [0, large_base]  # each pool's mapped end
     free_start: dict[int, int] = {}
     free_end: dict[int, int] = {}
     allocated = reserved = peak_allocated = peak_reserved = 0
@@ -623,9 +636,9 @@ def _expandable(step: ReplayPlan, iterations: int) -> AllocatorReplay:
                 free_start[addr] = bsize
                 free_end[end] = addr
     return AllocatorReplay(
-        peak_reserved_bytes=peak_reserved,
-        peak_allocated_bytes=peak_allocated,
-        reserved_at_end_bytes=reserved,
+        peak_reserved_bytes=peak_reserved * _UNIT,
+        peak_allocated_bytes=peak_allocated * _UNIT,
+        reserved_at_end_bytes=reserved * _UNIT,
         segments=sum(1 for p in (0, 1) if mapped[p] > bases[p]),
     )
 
