@@ -138,6 +138,11 @@ def _rounded(nbytes: np.ndarray) -> list[int]:
     return np.maximum(1, (nbytes.astype(np.int64) + _UNIT - 1) // _UNIT).tolist()
 
 
+def _exact(a: np.ndarray) -> list[int]:
+    """An integer array as Python ints (``tolist`` gives them for numeric dtypes)."""
+    return [int(r) for r in a.tolist()] if a.dtype == object else a.tolist()
+
+
 def _paired_by_dict(ids: list[int], signs: list[int], sizes: list[int]) -> list[int]:
     """The ops of one iteration, paired as the reference's ``live`` dict pairs them."""
     live: dict[int, int] = {}
@@ -203,7 +208,7 @@ def plan(
     ids = np.asarray(storage)
     alloc = n > 0
     sizes = _rounded(n[alloc])
-    requests = [int(r) for r in n[alloc].tolist()]
+    requests = _exact(n[alloc])
     ops = _paired(ids, n, sizes) if n.dtype != object else None
     if ops is None:
         ops = _paired_by_dict(ids.tolist(), np.sign(n).tolist(), sizes)
@@ -218,7 +223,7 @@ def plan(
     bound = sum(resident_sizes) + 2 * sum(sizes) + requests_count * (_LARGE_BUFFER + 1)
     return ReplayPlan(
         resident_sizes=resident_sizes,
-        resident_requests=[int(r) for r in residents.tolist()],
+        resident_requests=_exact(residents),
         ops=ops,
         requests=requests,
         leaked=leaked,
