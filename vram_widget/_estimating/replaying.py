@@ -124,9 +124,8 @@ class ReplayPlan:
     leaked: list[int]
     shift: int
     # where replays under caps may start (see _Checkpoint), by (iterations, run, op index);
-    # each slot's op index, computed with the first checkpoint; each op's slot and sign
+    # each op's slot and sign, and each slot's op index (_op_slots)
     checkpoints: dict[tuple[int, int, int], _Checkpoint] = field(default_factory=dict, repr=False)
-    allocation_at: list[int] = field(default_factory=list, repr=False)
     op_slots: list[np.ndarray] = field(default_factory=list, repr=False)
 
 
@@ -304,21 +303,24 @@ def _resume_point(step: ReplayPlan, iterations: int, cap: int | None) -> _Checkp
     return best
 
 
-def _op_slots(step: ReplayPlan) -> tuple[np.ndarray, np.ndarray]:
-    """Each op's slot and sign (1: its allocation, -1: its free), once per plan."""
+def _op_slots(step: ReplayPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each op's slot and sign (1: its allocation, -1: its free), and each slot's op index,
+    once per plan."""
     if not step.op_slots:
-        o = np.array([v > 0 for v in step.ops], dtype=bool)
-        slot = np.cumsum(o) - 1
-        slot[~o] = [~v for v in step.ops if v < 0]
-        step.op_slots.extend((slot, np.where(o, 1, -1)))
-    return step.op_slots[0], step.op_slots[1]
+        # every op is below 2**shift in size: int64 where that fits
+        o = np.array(step.ops, dtype=np.int64 if step.shift < 62 else object)
+        alloc = o > 0
+        slot = np.where(alloc, np.cumsum(alloc) - 1, ~o).astype(np.int64)
+        step.op_slots.extend((slot, np.where(alloc, 1, -1), np.flatnonzero(alloc)))
+    slot, sign, allocation_at = step.op_slots
+    return slot, sign, allocation_at
 
 
 def _allocated(step: ReplayPlan, run: int, at: int, slot_size: list[int], base: int) -> int:
     """Bytes allocated before op ``at`` of ``run``, from the blocks its slots were given."""
     if run == 0:
         return base + sum(slot_size[:at])
-    slot, sign = _op_slots(step)
+    slot, sign, _ = _op_slots(step)
     return base + sum(int(slot_size[s]) * int(g) for s, g in zip(slot[:at], sign[:at], strict=True))
 
 
@@ -328,7 +330,7 @@ def _peak_allocated(step: ReplayPlan, slot_size: list[int], base: int) -> int:
     gives it back)."""
     if not step.ops:
         return base
-    slot, sign = _op_slots(step)
+    slot, sign, _ = _op_slots(step)
     if step.shift < 62:  # every size and sum below 2**62 (plan's bound): int64 is exact
         charges = np.asarray(slot_size, dtype=np.int64)[slot] * sign
         return base + max(0, int(np.cumsum(charges).max()))
@@ -360,9 +362,7 @@ def _past_limit(
     small, large, free_start, free_end, segments, slot_addr, slot_size = state
     at = k
     if run:
-        if not step.allocation_at:  # each slot's op index, once per plan
-            step.allocation_at.extend(i for i, v in enumerate(step.ops) if v > 0)
-        at = step.allocation_at[k]
+        at = int(_op_slots(step)[2][k])
     if not departed and (iterations, run, at) not in step.checkpoints:
         step.checkpoints[iterations, run, at] = _Checkpoint(
             iterations, run, at, k, reserved, top, base, small.copy(), large.copy(),
