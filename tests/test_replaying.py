@@ -201,6 +201,21 @@ def test_a_capped_replay_starts_where_the_free_one_would_pass_its_cap() -> None:
     assert flat == ("ok", 60 * MiB, 60 * MiB, 60 * MiB, 2)
 
 
+def test_only_the_latest_plans_keep_checkpoints() -> None:
+    # Five steps replayed free, each marked where its second 30 MiB segment passes 40 MiB:
+    # each keeps a checkpoint, and once a newer step's replay is asked for, only the four
+    # most recently used steps' plans still hold theirs (each is a copy of the state).
+    replaying.forget_replays()
+    streams = [
+        ReplayStream.of([], [0, 1, 0, 1], [30 * MiB + i, 30 * MiB, -30 * MiB - i, -30 * MiB])
+        for i in range(5)
+    ]
+    for stream in streams:
+        cached_replay(stream, checkpoint_above=40 * MiB)
+    kept = [len(replaying._plans[s.digest].checkpoints) for s in streams]
+    assert kept == [0, 1, 1, 1, 1]
+
+
 def test_flat_replay_releases_and_runs_on_under_a_cap() -> None:
     # A cap that binds and is then met by releasing a cached segment: 30 MiB (its own
     # 30 MiB segment: 10 MiB and up round to 2 MiB), freed and cached; 32 MiB does not fit

@@ -31,6 +31,16 @@ The state, and why it is the reference's:
 The events are paired up front (:func:`plan`): each free names the allocation it returns, as
 the reference's ``live`` dict pairs them by storage (a free of a storage not live is
 skipped; an allocation over a live storage leaves the earlier block in use to the end).
+Allocated bytes are not counted in the loop: an iteration's peak is summed afterwards, in
+numpy, from the blocks its slots were given.
+
+A replay under a cap is the free replay until the first new segment that would pass the cap
+(only then does the allocator release cached segments), and the free replay's reserved bytes
+only grow; so a replay may keep its state there (a checkpoint), and a later replay of the
+same step under any cap at least the reserved bytes of that state starts from it. The free
+replay keeps one where a given mark is first passed (``device_bytes`` marks the least cap it
+tries), each capped replay one where it first binds: the climb of capped replays behind
+``device_bytes`` replays the common prefix once.
 """
 
 from __future__ import annotations
@@ -288,7 +298,10 @@ class _Checkpoint:
     slot_size: list[int] = field(repr=False)
 
 
-_CHECKPOINTS_KEPT = 8  # per plan: a climb of capped replays (device_bytes) leaves a few
+# per plan: a climb of capped replays (device_bytes) leaves a few, the later ones the most
+# useful to the next climb; each is a copy of the replay's state (about 0.3 MB for the
+# Llama-7B shape's step)
+_CHECKPOINTS_KEPT = 4
 
 
 def _resume_point(step: ReplayPlan, iterations: int, cap: int | None) -> _Checkpoint | None:
@@ -651,6 +664,7 @@ def _expandable(step: ReplayPlan, iterations: int) -> AllocatorReplay:
 # -- one replay per setting ---------------------------------------------------------------
 
 _PLANS_KEPT = 32  # steps whose plan is kept (a widget session visits a few dozen settings)
+_PLANS_CHECKPOINTED = 4  # the most recently used plans keep their checkpoints
 _OUTCOMES_KEPT = 512  # replays kept: each step's plain, expandable and capped ones
 _plans: OrderedDict[bytes, ReplayPlan] = OrderedDict()
 # an outcome: the replay, or an out-of-memory error's fields (request, segment, reserved,
@@ -751,6 +765,8 @@ def cached_replay(
             _remember(_plans, stream.digest, step, _PLANS_KEPT)
         else:
             _plans.move_to_end(stream.digest)
+        for older in list(_plans.values())[:-_PLANS_CHECKPOINTED]:
+            older.checkpoints.clear()
         try:
             outcome = fast_replay(
                 step,
