@@ -171,9 +171,9 @@ def test_capped_replays_from_checkpoints_equal_the_reference(
     for shortfall in shortfalls:
         cap = max(0, free_peak - shortfall * K_SMALL_BUFFER)
         reference = _outcome(
-            lambda: replay(residents, events, iterations=iterations, capacity_bytes=cap)
+            lambda c=cap: replay(residents, events, iterations=iterations, capacity_bytes=c)
         )
-        flat = _outcome(lambda: fast_replay(step, iterations=iterations, capacity_bytes=cap))
+        flat = _outcome(lambda c=cap: fast_replay(step, iterations=iterations, capacity_bytes=c))
         assert flat == reference, cap
 
 
@@ -287,8 +287,8 @@ def test_flat_replay_equals_the_reference_on_real_steps(which: str) -> None:
         == _both(residents, events)[0]
     )
     for cap in [*sorted(caps), *sorted(caps, reverse=True)]:
-        reference = _outcome(lambda: replay(residents, events, capacity_bytes=cap))
-        assert _outcome(lambda: fast_replay(step, capacity_bytes=cap)) == reference, cap
+        reference = _outcome(lambda c=cap: replay(residents, events, capacity_bytes=c))
+        assert _outcome(lambda c=cap: fast_replay(step, capacity_bytes=c)) == reference, cap
     assert step.checkpoints  # kept, and started from
 
 
