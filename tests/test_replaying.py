@@ -231,6 +231,21 @@ def test_flat_replay_releases_and_runs_on_under_a_cap() -> None:
     assert flat == reference == ("oom", 32 * MiB, 32 * MiB, 0, 0)
 
 
+def test_sizes_past_int64_replay_as_the_reference() -> None:
+    # Requests of 2**70 bytes and more (object arrays, Python ints; the allocated bytes
+    # summed without numpy's int64): the same outcomes, free and under caps on either side
+    # of what the step needs (under the second request's segment: out of memory).
+    big = 2**70
+    residents = [big]
+    events = [(0, big), (1, 3 * big), (0, -big), (2, big // 2), (1, -3 * big), (2, -(big // 2))]
+    reference, flat = _both(residents, events)
+    assert flat == reference and flat[0] == "ok"
+    for cap in (4 * big, 5 * big, 6 * big):
+        reference, flat = _both(residents, events, capacity_bytes=cap)
+        assert flat == reference, cap
+    assert _both(residents, events, capacity_bytes=4 * big)[0][0] == "oom"
+
+
 def test_plan_pairs_frees_as_the_reference_does() -> None:
     # storage 0 allocated over while live: slot 0 stays in use (never freed), slot 1 is
     # freed; a stray free is dropped; storage 2 lives to the end and is freed there

@@ -334,7 +334,10 @@ def _allocated(step: ReplayPlan, run: int, at: int, slot_size: list[int], base: 
     if run == 0:
         return base + sum(slot_size[:at])
     slot, sign, _ = _op_slots(step)
-    return base + sum(int(slot_size[s]) * int(g) for s, g in zip(slot[:at], sign[:at], strict=True))
+    if step.shift < 62:  # as in _peak_allocated: int64 is exact
+        return base + int((np.asarray(slot_size, dtype=np.int64)[slot[:at]] * sign[:at]).sum())
+    pairs = zip(slot[:at].tolist(), sign[:at].tolist(), strict=True)
+    return base + sum(slot_size[s] * g for s, g in pairs)
 
 
 def _peak_allocated(step: ReplayPlan, slot_size: list[int], base: int) -> int:
