@@ -287,6 +287,11 @@ def test_flat_replay_equals_the_reference_on_real_steps(which: str) -> None:
     context = est.extras.cuda_context_bytes
     caps = [est.device_bytes - context + k * K_SMALL_BUFFER for k in range(-3, 4)]
     caps.append(_outcome(lambda: replay(residents, events))[1])
+    # and every 2 MiB step between device_bytes' bounds, one past them either side
+    bounds = est._device_bounds()
+    assert bounds is not None
+    low, high = (b - context for b in bounds)
+    caps += range(low - K_SMALL_BUFFER, high + 2 * K_SMALL_BUFFER, K_SMALL_BUFFER)
     outcomes = set()
     for cap in caps:
         reference, flat = _both(residents, events, capacity_bytes=cap)
@@ -301,10 +306,16 @@ def test_flat_replay_equals_the_reference_on_real_steps(which: str) -> None:
         _outcome(lambda: fast_replay(step, checkpoint_above=min(caps)))
         == _both(residents, events)[0]
     )
+    runs = {}
     for cap in [*sorted(caps), *sorted(caps, reverse=True)]:
         reference = _outcome(lambda c=cap: replay(residents, events, capacity_bytes=c))
         assert _outcome(lambda c=cap: fast_replay(step, capacity_bytes=c)) == reference, cap
+        runs[cap] = reference[0] == "ok"
     assert step.checkpoints  # kept, and started from
+    # device_bytes by its definition, from the reference: the first 2 MiB step between the
+    # bounds under which the step runs (at the upper bound, the free reserved peak, it does)
+    steps = range(low, high + K_SMALL_BUFFER, K_SMALL_BUFFER)
+    assert est.device_bytes == next(cap for cap in steps if runs[cap]) + context
 
 
 def _fresh_setting() -> tuple[Any, int]:
