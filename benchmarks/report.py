@@ -323,9 +323,8 @@ def _accuracy_cuda() -> str:
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in data["rows"]:
-        setting = (
-            f"{r['mode']}, batch {r['batch_size']}, {r['precision']}"
-            + (f", {r['optimizer']}" if r["optimizer"] else "")
+        setting = f"{r['mode']}, batch {r['batch_size']}, {r['precision']}" + (
+            f", {r['optimizer']}" if r["optimizer"] else ""
         )
         if "error" in r:
             lines.append(f"| {r['model']} | {setting} | {r['error']} | | | |")
