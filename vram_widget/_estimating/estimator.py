@@ -410,7 +410,7 @@ class MemoryEstimate:
         # the same setting, made by any caller, climbs again without a replay. Each capped
         # replay starts where the free replay would first pass its cap (the free replay
         # keeps its state where it passes the least cap tried, ``replayed``; each capped
-        # one where it binds): the climb costs about 1.4-2.4 plain replays' time, not one
+        # one where it binds): the climb costs about 2 plain replays' time, not one
         # replay per cap (benchmarks/speed.py).
         cap, top = (least - context) // step, (most - context) // step
         while cap < top:
