@@ -237,8 +237,14 @@ def _speed() -> str:
             f"| caching-allocator replay, {what} ({r['events']:,} events), cold, median: plain "
             f"/ expandable_segments (the class-based reference, same process: "
             f"{r['reference_replay_ms']:.1f} / {r['reference_replay_expandable_ms']:.1f} ms); "
-            f"`device_bytes` of a fresh estimate ({r['device_bytes_replays']} replays) / of "
-            f"another estimate of the same setting (remembered) | {r['replay_ms']:.1f} / "
+            f"`device_bytes` of a fresh estimate ({r['device_bytes_replays']} replays"
+            + (
+                f", the capped ones from checkpoints: {r['device_bytes_in_replays']:.1f} plain "
+                "replays' time"
+                if "device_bytes_in_replays" in r
+                else ""
+            )
+            + f") / of another estimate of the same setting (remembered) | {r['replay_ms']:.1f} / "
             f"{r['replay_expandable_ms']:.1f} ms; {r['device_bytes_ms']:.1f} / "
             f"{r['device_bytes_remembered_ms']:.2f} ms | <= 5 ms (Llama-7B) |"
         )
@@ -334,9 +340,8 @@ def _accuracy_cuda() -> str:
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in data["rows"]:
-        setting = (
-            f"{r['mode']}, batch {r['batch_size']}, {r['precision']}"
-            + (f", {r['optimizer']}" if r["optimizer"] else "")
+        setting = f"{r['mode']}, batch {r['batch_size']}, {r['precision']}" + (
+            f", {r['optimizer']}" if r["optimizer"] else ""
         )
         if "error" in r:
             lines.append(f"| {r['model']} | {setting} | {r['error']} | | | |")

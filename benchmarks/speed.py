@@ -451,7 +451,10 @@ def replay_latency(est: MemoryEstimate, repeats: int = 9) -> dict[str, float]:
     back with the class-based reference (``allocator.replay``) in the same process: plain,
     with expandable segments, and ``device_bytes`` of a fresh estimate (the free replay and
     a climb of capped ones), then ``device_bytes`` of a fresh estimate of the same setting
-    with the replays remembered (what every caller after the first pays)."""
+    with the replays remembered (what every caller after the first pays). The capped
+    replays start from the checkpoints of the free replay and of each other
+    (``replaying.fast_replay``): ``device_bytes_in_replays`` is what ``device_bytes`` costs
+    in plain replays' time."""
     stream = est._replay_stream
     assert stream is not None
     residents = stream.resident_bytes.tolist()
@@ -487,6 +490,7 @@ def replay_latency(est: MemoryEstimate, repeats: int = 9) -> dict[str, float]:
         "reference_replay_expandable_ms": 1e3 * statistics.median(times["ref_exp"]),
         "device_bytes_ms": 1e3 * statistics.median(device),
         "device_bytes_replays": replays,
+        "device_bytes_in_replays": statistics.median(device) / statistics.median(times["flat"]),
         "device_bytes_remembered_ms": 1e3 * statistics.median(remembered),
         "peak_bytes": est.peak_bytes,
         "reserved_bytes": est.reserved_bytes or 0,

@@ -143,6 +143,79 @@ def test_flat_replay_equals_the_reference_on_random_streams(
         assert flat == reference, cap
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    residents=st.lists(_sizes, max_size=6),
+    actions=_actions,
+    iterations=st.integers(1, 3),
+    mark=st.integers(0, 40),
+    shortfalls=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+)
+def test_capped_replays_from_checkpoints_equal_the_reference(
+    residents: list[int], actions: list[tuple[str, int, int]], iterations: int, mark: int,
+    shortfalls: list[int],
+) -> None:  # fmt: skip
+    # One plan replayed free (leaving a checkpoint where reserved would pass ``mark``), then
+    # under caps in any order, each starting from the latest checkpoint that the earlier
+    # replays left and that it passes through: every outcome is the reference's, replayed
+    # from the start.
+    events = _stream(actions)
+    step = plan(residents, [s for s, _ in events], [n for _, n in events])
+    free_peak = _outcome(lambda: replay(residents, events, iterations=iterations))[1]
+    flat = _outcome(
+        lambda: fast_replay(
+            step, iterations=iterations, checkpoint_above=free_peak - mark * K_SMALL_BUFFER
+        )
+    )
+    assert flat == _outcome(lambda: replay(residents, events, iterations=iterations))
+    for shortfall in shortfalls:
+        cap = max(0, free_peak - shortfall * K_SMALL_BUFFER)
+        reference = _outcome(
+            lambda c=cap: replay(residents, events, iterations=iterations, capacity_bytes=c)
+        )
+        flat = _outcome(lambda c=cap: fast_replay(step, iterations=iterations, capacity_bytes=c))
+        assert flat == reference, cap
+
+
+def test_a_capped_replay_starts_where_the_free_one_would_pass_its_cap() -> None:
+    # Two 30 MiB storages (10 MiB and up: a segment of their own each), then both freed.
+    # The free replay, marked at 40 MiB: the first segment takes reserved to 30 MiB, the
+    # second would take it to 60 > 40, so the state before the second allocation (run 1,
+    # op 1, slot 1, 30 MiB reserved) is kept.
+    step = plan([], [0, 1, 0, 1], [30 * MiB, 30 * MiB, -30 * MiB, -30 * MiB])
+    fast_replay(step, iterations=1, checkpoint_above=40 * MiB)
+    (kept,) = step.checkpoints.values()
+    assert (kept.run, kept.at, kept.k, kept.reserved) == (1, 1, 1, 30 * MiB // 512)  # units
+    # a cap of at least 30 MiB passes through it; 20 MiB does not (its first segment fails)
+    assert replaying._resume_point(step, 1, 50 * MiB) is kept
+    assert replaying._resume_point(step, 1, 20 * MiB) is None
+    assert replaying._resume_point(step, 2, 50 * MiB) is None  # another iteration count
+    # under 50 MiB, from it: nothing cached to release (the first 30 MiB is in use), so the
+    # second 30 MiB segment fails with 30 MiB reserved and allocated; as the reference
+    events = [(0, 30 * MiB), (1, 30 * MiB), (0, -30 * MiB), (1, -30 * MiB)]
+    flat = _outcome(lambda: fast_replay(step, iterations=1, capacity_bytes=50 * MiB))
+    reference = _outcome(lambda: replay([], events, iterations=1, capacity_bytes=50 * MiB))
+    assert flat == reference == ("oom", 30 * MiB, 30 * MiB, 30 * MiB, 30 * MiB)
+    # at 60 MiB it runs: peaks of 60 MiB reserved and allocated, two segments
+    flat = _outcome(lambda: fast_replay(step, iterations=1, capacity_bytes=60 * MiB))
+    assert flat == ("ok", 60 * MiB, 60 * MiB, 60 * MiB, 2)
+
+
+def test_only_the_latest_plans_keep_checkpoints() -> None:
+    # Five steps replayed free, each marked where its second 30 MiB segment passes 40 MiB:
+    # each keeps a checkpoint, and once a newer step's replay is asked for, only the four
+    # most recently used steps' plans still hold theirs (each is a copy of the state).
+    replaying.forget_replays()
+    streams = [
+        ReplayStream.of([], [0, 1, 0, 1], [30 * MiB + i, 30 * MiB, -30 * MiB - i, -30 * MiB])
+        for i in range(5)
+    ]
+    for stream in streams:
+        cached_replay(stream, checkpoint_above=40 * MiB)
+    kept = [len(replaying._plans[s.digest].checkpoints) for s in streams]
+    assert kept == [0, 1, 1, 1, 1]
+
+
 def test_flat_replay_releases_and_runs_on_under_a_cap() -> None:
     # A cap that binds and is then met by releasing a cached segment: 30 MiB (its own
     # 30 MiB segment: 10 MiB and up round to 2 MiB), freed and cached; 32 MiB does not fit
@@ -158,14 +231,33 @@ def test_flat_replay_releases_and_runs_on_under_a_cap() -> None:
     assert flat == reference == ("oom", 32 * MiB, 32 * MiB, 0, 0)
 
 
+def test_sizes_past_int64_replay_as_the_reference() -> None:
+    # Requests of 2**70 bytes and more (object arrays, Python ints; the allocated bytes
+    # summed without numpy's int64): the same outcomes, free and under caps on either side
+    # of what the step needs (under the second request's segment: out of memory).
+    big = 2**70
+    residents = [big]
+    events = [(0, big), (1, 3 * big), (0, -big), (2, big // 2), (1, -3 * big), (2, -(big // 2))]
+    reference, flat = _both(residents, events)
+    assert flat == reference and flat[0] == "ok"
+    for cap in (4 * big, 5 * big, 6 * big):
+        reference, flat = _both(residents, events, capacity_bytes=cap)
+        assert flat == reference, cap
+    assert _both(residents, events, capacity_bytes=4 * big)[0][0] == "oom"
+
+
 def test_plan_pairs_frees_as_the_reference_does() -> None:
     # storage 0 allocated over while live: slot 0 stays in use (never freed), slot 1 is
     # freed; a stray free is dropped; storage 2 lives to the end and is freed there
+    # (sizes in 512-byte units: 1024 B is 2); slot 0 is what each iteration leaves in use
     p = plan([], [0, 0, 9, 0, 2], [1024, 2048, -64, -2048, 4096])
-    assert p.ops == [1024, 2048, ~1, 4096, ~2]
-    # the numpy pairing (alternating storages) and the dict one agree
+    assert p.ops == [2, 4, ~1, 8, ~2]
+    assert p.leaked == [0]
+    # the numpy pairing (alternating storages) and the dict one agree (700 B rounds to
+    # 1024 B, 100 B to 512 B)
     ids, nbytes = [3, 4, 3, 4, 3], [512, 700, -512, -700, 100]
-    assert plan([], ids, nbytes).ops == [512, 1024, ~0, ~1, 512, ~2]
+    assert plan([], ids, nbytes).ops == [1, 2, ~0, ~1, 1, ~2]
+    assert plan([], ids, nbytes).leaked == []
 
 
 def _gpt2() -> torch.nn.Module:
@@ -195,12 +287,35 @@ def test_flat_replay_equals_the_reference_on_real_steps(which: str) -> None:
     context = est.extras.cuda_context_bytes
     caps = [est.device_bytes - context + k * K_SMALL_BUFFER for k in range(-3, 4)]
     caps.append(_outcome(lambda: replay(residents, events))[1])
+    # and every 2 MiB step between device_bytes' bounds, one past them either side
+    bounds = est._device_bounds()
+    assert bounds is not None
+    low, high = (b - context for b in bounds)
+    caps += range(low - K_SMALL_BUFFER, high + 2 * K_SMALL_BUFFER, K_SMALL_BUFFER)
     outcomes = set()
     for cap in caps:
         reference, flat = _both(residents, events, capacity_bytes=cap)
         assert flat == reference, cap
         outcomes.add(reference[0])
     assert outcomes == {"ok", "oom"}  # the caps straddle the least that runs
+    # one plan for every cap, climbing and then descending, so that each capped replay
+    # starts from the checkpoints the free replay (marked at the lowest cap) and the
+    # earlier ones left: the same outcomes
+    step = plan(residents, stream.storage, stream.nbytes)
+    assert (
+        _outcome(lambda: fast_replay(step, checkpoint_above=min(caps)))
+        == _both(residents, events)[0]
+    )
+    runs = {}
+    for cap in [*sorted(caps), *sorted(caps, reverse=True)]:
+        reference = _outcome(lambda c=cap: replay(residents, events, capacity_bytes=c))
+        assert _outcome(lambda c=cap: fast_replay(step, capacity_bytes=c)) == reference, cap
+        runs[cap] = reference[0] == "ok"
+    assert step.checkpoints  # kept, and started from
+    # device_bytes by its definition, from the reference: the first 2 MiB step between the
+    # bounds under which the step runs (at the upper bound, the free reserved peak, it does)
+    steps = range(low, high + K_SMALL_BUFFER, K_SMALL_BUFFER)
+    assert est.device_bytes == next(cap for cap in steps if runs[cap]) + context
 
 
 def _fresh_setting() -> tuple[Any, int]:

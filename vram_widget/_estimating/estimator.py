@@ -234,8 +234,16 @@ class MemoryEstimate:
                 frames=frames,
                 record=True,
             )
+        # the free replay keeps its state where the first cap device_bytes tries would bind,
+        # so that the capped replays of the climb start there (replaying.fast_replay)
+        mark = None
+        if capacity_bytes is None and not expandable_segments:
+            mark = self._device_floor - self.extras.cuda_context_bytes
         return cached_replay(
-            stream, capacity_bytes=capacity_bytes, expandable_segments=expandable_segments
+            stream,
+            capacity_bytes=capacity_bytes,
+            expandable_segments=expandable_segments,
+            checkpoint_above=mark,
         )
 
     @cached_property
@@ -357,10 +365,18 @@ class MemoryEstimate:
         if self.expandable_segments:
             return (free.peak_reserved_bytes + context,) * 2
         step = K_ROUND_LARGE
+        most = -(-free.peak_reserved_bytes // step) * step + context
+        return min(self._device_floor, most), most
+
+    @cached_property
+    def _device_floor(self) -> int:
+        """The peak of 512-byte blocks and the cuBLAS workspace, up to a 2 MiB step, plus
+        the CUDA context: below it no allocator runs the step (a bound of
+        :attr:`device_bytes` known without a replay)."""
+        step = K_ROUND_LARGE
         rounded = self.peak_bytes + self.extras.allocator_rounding_bytes
         least = -(-(rounded + self.extras.cublas_workspace_bytes) // step)
-        most = -(-free.peak_reserved_bytes // step)
-        return min(least, most) * step + context, most * step + context
+        return least * step + self.extras.cuda_context_bytes
 
     @cached_property
     def device_bytes(self) -> int | None:
@@ -391,7 +407,11 @@ class MemoryEstimate:
         # climb stops there at the latest. A failing replay stops at its failure, so this
         # costs about half a bisection between the two bounds (measured: 2-11 replays), each
         # remembered per step and capacity (replaying.cached_replay): another estimate of
-        # the same setting, made by any caller, climbs again without a replay.
+        # the same setting, made by any caller, climbs again without a replay. Each capped
+        # replay starts where the free replay would first pass its cap (the free replay
+        # keeps its state where it passes the least cap tried, ``replayed``; each capped
+        # one where it binds): the climb costs about 2 plain replays' time, not one
+        # replay per cap (benchmarks/speed.py).
         cap, top = (least - context) // step, (most - context) // step
         while cap < top:
             try:
