@@ -284,13 +284,15 @@ def test_disk_cache_hits_on_the_second_profile(
     monkeypatch.setattr(_Source, "timeline", counted)
     folder = _gpt2_dir(tmp_path / "model")
     cache = tmp_path / "cache"
-    first = profile_model(folder, device="cpu", seq_len=16, cache=cache)
+    # fp32 profiled up front (by default the runs wait for the first estimate)
+    eager = {"device": "cpu", "cache": cache, "precisions": ("fp32",)}
+    first = profile_model(folder, seq_len=16, **eager)
     assert runs and cache_directory(cache) == cache and any(cache.iterdir())
     runs.clear()
-    second = profile_model(folder, device="cpu", seq_len=16, cache=cache)
+    second = profile_model(folder, seq_len=16, **eager)
     assert runs == []  # every timeline read from the cache
     assert second.estimate(4).peak_bytes == first.estimate(4).peak_bytes
-    profile_model(folder, device="cpu", seq_len=32, cache=cache)
+    profile_model(folder, seq_len=32, **eager)
     assert runs  # another length: another key
 
 
