@@ -364,6 +364,66 @@ def _accuracy_cuda() -> str:
     return "\n".join(lines)
 
 
+def _fresh_speed() -> str:
+    """What a person waits for, each in a fresh process, cold and warm cache
+    (benchmarks/fresh_speed.py)."""
+    path = RESULTS / "fresh_speed.json"
+    if not path.exists():
+        return "Not measured yet: run `python3 benchmarks/fresh_speed.py`."
+    data = json.loads(path.read_text())
+
+    def s(x: float) -> str:
+        return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.1f} s"
+
+    lines = [
+        f"{data['cpus']} CPUs, Python {data['python']}; each time inside a fresh process "
+        "(imports and building the model apart, shown last).",
+        "",
+        "| what | cold cache | warm cache | target |",
+        "|---|---:|---:|---|",
+    ]
+    widgets = {"resnet50": "ResNet-50 at 224", "gpt2": "GPT-2 small, 2 x 128 tokens"}
+    for key, label in widgets.items():
+        if key not in data:
+            continue
+        cold, warm = data[key]["cold"], data[key]["warm"]
+        rows = [
+            ("`show_memory(..., device='cuda')` to its first figure", "show_memory_s", ""),
+            ("a batch-slider move (median of 20, event loop running)", "move_median_s", "<= 5 ms"),
+            ("a new precision (bf16)", "new_precision_s", ""),
+            ("a new lever (checkpointing)", "new_lever_s", ""),
+            ("a new sequence length (512)", "new_seq_len_s", ""),
+            ("imports / building the model", "import_s", ""),
+        ]
+        for what, field, target in rows:
+            if field in cold:
+                extra = f" / {s(cold['build_s'])}" if field == "import_s" else ""
+                extra_w = f" / {s(warm['build_s'])}" if field == "import_s" else ""
+                lines.append(
+                    f"| {label}: {what} | {s(cold[field])}{extra} | {s(warm[field])}{extra_w} "
+                    f"| {target} |"
+                )
+    llamas = {"llama2-7b": "Llama-2-7B", "llama2-70b": "Llama-2-70B"}
+    for key, label in llamas.items():
+        if key not in data:
+            continue
+        cold, warm = data[key]["cold"], data[key]["warm"]
+        target = " | <= 15 s / <= 25 s" if key == "llama2-70b" else " |"
+        lines.append(
+            f"| {label}'s shape on meta: `profile_model` + first bf16/AdamW answer / + an "
+            f"answer at 4,096 tokens (from the build) | "
+            f"{s(cold['build_s'] + cold['first_bf16_s'])} / "
+            f"{s(cold['build_s'] + cold['at_4096_s'])} | "
+            f"{s(warm['build_s'] + warm['first_bf16_s'])} / "
+            f"{s(warm['build_s'] + warm['at_4096_s'])}{target} |"
+        )
+        lines.append(
+            f"| ... peak RSS | {cold['max_rss_bytes'] / 2**30:.2f} GiB | "
+            f"{warm['max_rss_bytes'] / 2**30:.2f} GiB | |"
+        )
+    return "\n".join(lines)
+
+
 # Which page of docs/ holds each marked section.
 PAGES = {
     "accuracy": "docs/accuracy.md",
@@ -375,6 +435,7 @@ PAGES = {
     "isa": "docs/accuracy.md",
     "deepspeed-states": "docs/guides/multi-gpu.md",
     "speed": "docs/speed.md",
+    "fresh-speed": "docs/speed.md",
 }
 
 
@@ -389,6 +450,7 @@ def main() -> None:
         "deepspeed-states": _deepspeed_states(),
         "isa": _isa(),
         "speed": _speed(),
+        "fresh-speed": _fresh_speed(),
     }
     for page in sorted(set(PAGES.values())):
         path = ROOT / page
