@@ -32,6 +32,7 @@ import traitlets
 
 from .._estimating.estimator import MemoryEstimate
 from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu
+from .._estimating.chunked_loss import check_chunkable, check_loss_chunks, chunked_loss_levers
 from .._estimating.levers import Levers
 from .._estimating.options import Device, Mode, Precision
 from .._estimating.recipe import Optimizer, Recipe
@@ -56,6 +57,9 @@ from .widget_recipe import recipe_settings
 from .widget_settings import OptimizerTrait as _OptimizerTrait
 from .widget_settings import check_optimizer_settings as _check_optimizer_settings
 from .widget_settings import checkpoint_arg as _checkpoint_arg
+from .widget_settings import check_policy_value as _check_policy_value
+from .widget_settings import paired_checkpoint as _paired_checkpoint
+from .widget_settings import policy_arg as _policy_arg
 from .widget_settings import gpu_settings as _gpu_settings
 from .widget_settings import trainable_arg as _trainable_arg
 from .widget_summary import DETAILS_TITLE, SummaryMixin
@@ -111,10 +115,20 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
     # memory levers: "off", "auto" or a class name of repeated blocks; glob patterns of the
     # parameters that train, comma-separated ("" = as the model is); micro-batches per step
     checkpoint = traitlets.Unicode(_CHECKPOINT_OFF)
+    # how the checkpointed blocks are recomputed: "off" (no checkpointing, as checkpoint
+    # "off"), "full", "op" (torchtitan's op-level policy) or k (every k-th block); a policy
+    # with checkpoint "off" checkpoints the "auto" blocks, as estimate() does, and the
+    # checkpoint trait says so (the two move together: off with off)
+    checkpoint_policy = traitlets.Union(
+        [traitlets.Unicode(), traitlets.Int()], default_value=_CHECKPOINT_OFF
+    )
     trainable = traitlets.Unicode("")
     grad_accumulation = traitlets.Int(1, min=1)
     # LoRA adapters of this rank on PEFT's default targets (0: none)
     lora_rank = traitlets.Int(0, min=0)
+    # the output projection and cross-entropy over this many chunks of the sequence
+    # (torchtune's CEWithChunkedOutputLoss); None: the model's own output and loss
+    loss_chunks = traitlets.Int(None, allow_none=True)
     # the caching allocator replayed with expandable_segments:True (CUDA estimates)
     expandable_segments = traitlets.Bool(False)
     # data parallelism: ranks (1: one device) and how they share the step (sharding)
@@ -149,6 +163,8 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         self._ignored = ignored
         self._syncing = False
         self._reverting = False
+        # set while the checkpoint / policy pair's partner is being set (no second estimate)
+        self._pairing = False
         self._fit_cache: dict[tuple[Any, ...], int] = {}
         self._per_sample_cache: dict[tuple[Any, ...], int] = {}
         self._frontier_cache: dict[tuple[Any, ...], Frontier] = {}
@@ -182,6 +198,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
                         f"unknown setting {name!r}; valid settings are {', '.join(_SETTINGS)}"
                     )
                 setattr(self, name, value)
+            self._pair_checkpoint(None)
         self._estimate = self._compute()
         figure = build_figure(
             self._estimate,
@@ -356,14 +373,29 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
             )
         return str(value)
 
-    @traitlets.validate("checkpoint", "trainable", "grad_accumulation", "lora_rank")
+    @traitlets.validate(
+        "checkpoint", "checkpoint_policy", "trainable", "grad_accumulation", "lora_rank"
+    )
     def _valid_levers(self, proposal: dict[str, Any]) -> Any:
         value = proposal["value"]
         try:
+            if proposal["trait"].name == "checkpoint_policy":
+                _check_policy_value(value)
             self._profile.levers(**self._lever_settings(**{proposal["trait"].name: value}))
         except (TypeError, ValueError) as exc:
             raise traitlets.TraitError(str(exc)) from None
         return value
+
+    @traitlets.validate("loss_chunks")
+    def _valid_loss_chunks(self, proposal: dict[str, Any]) -> int | None:
+        value = proposal["value"]
+        try:
+            chunks = check_loss_chunks(value, self.seq_len or self._profile.seq_len)
+            if chunks is not None:
+                check_chunkable(chunks, self._profile.loss_chunks_refusal)
+        except (TypeError, ValueError) as exc:
+            raise traitlets.TraitError(str(exc)) from None
+        return chunks
 
     @traitlets.validate("custom_gib")
     def _valid_custom_gib(self, proposal: dict[str, Any]) -> float:
@@ -387,6 +419,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
             # The chosen GPU's, for the cuBLAS workspace in the extras (custom: default).
             "compute_capability": self.target.compute_capability,
             **self._lever_settings(),
+            "loss_chunks": self.loss_chunks,
             **({"expandable_segments": self.expandable_segments} if self._cuda else {}),
             "gpus": self.gpus,
             "strategy": self.strategy,
@@ -403,10 +436,18 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         return self._profile.device is Device.CUDA
 
     def _lever_settings(self, **proposed: Any) -> dict[str, Any]:
-        """The lever traits (or ``proposed`` values for some) as ``estimate`` takes them."""
+        """The lever traits (or ``proposed`` values for some) as ``estimate`` takes them;
+        a proposed checkpoint or policy with its partner as the pair will move it."""
         raw = {name: proposed.get(name, getattr(self, name)) for name in _LEVER_TRAITS}
+        moved = next((n for n in _CHECKPOINT_PAIR if n in proposed), None)
+        checkpoint, policy = _paired_checkpoint(
+            raw["checkpoint"], raw["checkpoint_policy"], moved
+        )
+        if _checkpoint_arg(raw["checkpoint"]) is None:
+            checkpoint = raw["checkpoint"]  # a policy alone means "auto": estimate says so
         return {
-            "checkpoint": _checkpoint_arg(raw["checkpoint"]),
+            "checkpoint": _checkpoint_arg(checkpoint),
+            "checkpoint_policy": _policy_arg(policy),
             "trainable": _trainable_arg(raw["trainable"]),
             "grad_accumulation": raw["grad_accumulation"],
             "lora_rank": raw["lora_rank"] or None,
@@ -424,9 +465,9 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         return self._profile.levers(**self._lever_settings())
 
     def _step_levers(self) -> Levers | None:
-        """The levers with how the optimizer steps (in the backward, gradients kept), as the
-        estimate runs them; None for a combination the estimate refuses (it says why,
-        before any profiling)."""
+        """The levers with how the optimizer steps (in the backward, gradients kept) and
+        the chunked loss, as the estimate runs them; None for a combination the estimate
+        refuses (it says why, before any profiling)."""
         levers = self._levers()
         if self.mode != Mode.TRAIN.value:
             return levers
@@ -439,8 +480,15 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
                 set_to_none=self.set_to_none,
             )
             parallel = resolve_parallel(self.gpus, self.strategy, gpus_per_node=self.gpus_per_node)
-            return stepping_levers(
+            levers = stepping_levers(
                 levers, record, record.resolved_implementation(self._profile.device), parallel
+            )
+            return chunked_loss_levers(
+                levers,
+                self.loss_chunks,
+                self._profile.loss_chunks_refusal,
+                self.seq_len or self._profile.seq_len,
+                parallel,
             )
         except ValueError:
             return None
@@ -511,8 +559,12 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         Where the setting needs a profiling run (torch, seconds), the status says so and the
         controls are disabled *before* it starts, and both are restored after it; on failure
         the setting goes back to its last value (traits stay the truth of what is shown) and
-        the headline says why.
+        the headline says why. A move of the checkpoint or its policy moves its partner
+        first (:func:`~.widget_settings.paired_checkpoint`), and one estimate shows both.
         """
+        if self._pairing:
+            return
+        partner = self._pair_checkpoint(change["name"])
         # The batch and the grouping depth are in no profile's or frontier's key: a move of
         # either never profiles (the slider's common case skips the checks, ~0.3 ms)
         unprofiled = change["name"] in _NEVER_PROFILES
@@ -536,7 +588,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         except Exception as exc:  # a failed extra profiling run: say so, keep the last view
             what = self._what()
             self._set_busy(False)
-            self._revert(change)
+            self._revert(change, partner)
             why = (
                 f"could not {'profile' if profiling else 'estimate'} {what}: "
                 f"{type(exc).__name__}: {exc}; kept {change['name']} = {change['old']!r}"
@@ -600,16 +652,55 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         if not self._syncing:
             self.show_frontier = change["new"] is not None
 
-    def _revert(self, change: dict[str, Any]) -> None:
-        """Put a setting whose estimate failed back to its last value (re-renders that)."""
+    def _revert(self, change: dict[str, Any], partner: tuple[str, Any] | None = None) -> None:
+        """Put a setting whose estimate failed back to its last value (re-renders that),
+        and the partner it moved (the checkpoint / policy pair) first."""
         name = change.get("name")
         if self._reverting or name not in _SETTINGS or change.get("old") is None:
             return  # never bounce between two settings that both fail
         self._reverting = True
         try:
+            if partner is not None:
+                self._pairing = True
+                try:
+                    setattr(self, *partner)
+                finally:
+                    self._pairing = False
             setattr(self, name, change["old"])
         finally:
             self._reverting = False
+
+    def _pair_checkpoint(self, moved: str | None) -> tuple[str, Any] | None:
+        """Move the checkpoint / policy pair's partner after ``moved`` (None: at the start):
+        a policy with checkpointing off checkpoints the "auto" blocks, checkpointing off
+        turns the policy off. Returns the partner's name and old value where it moved."""
+        if moved is not None and moved not in _CHECKPOINT_PAIR:
+            return None
+        checkpoint, policy = _paired_checkpoint(self.checkpoint, self.checkpoint_policy, moved)
+        for name, value in (("checkpoint", checkpoint), ("checkpoint_policy", policy)):
+            old = getattr(self, name)
+            if value != old:
+                self._pairing = True
+                try:
+                    setattr(self, name, value)
+                finally:
+                    self._pairing = False
+                return name, old
+        return None
+
+    def _set_from_control(self, name: str, value: Any) -> None:
+        """A control's value for ``name``: a value the trait refuses keeps the last state,
+        and the status and headline say why (the controls show the kept value)."""
+        if self._syncing:
+            return
+        try:
+            setattr(self, name, value)
+        except traitlets.TraitError as exc:
+            why = f"{name} = {value!r} refused: {exc}; kept {name} = {getattr(self, name)!r}"
+            self._error = why
+            self._status.value = f"<span style='color:#b00'>{html.escape(why)}</span>"
+            self._sync_controls()
+            self._render_headline(at_rest=self._at_rest_pending is None)
 
     # ------------------------------------------------------------------ static fallback
 
@@ -636,7 +727,9 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
 
 # settings that are in no profile's cache key nor the frontier's (_settings leaves them out)
 _NEVER_PROFILES = ("batch_size", "depth")
-_LEVER_TRAITS = ("checkpoint", "trainable", "grad_accumulation", "lora_rank")
+_LEVER_TRAITS = ("checkpoint", "checkpoint_policy", "trainable", "grad_accumulation", "lora_rank")
+# the two traits that move together (widget_settings.paired_checkpoint)
+_CHECKPOINT_PAIR = ("checkpoint", "checkpoint_policy")
 # how the optimizer steps (estimate's keywords, the widget's traits)
 _STEPPING_SETTINGS = ("optimizer_in_backward", "set_to_none")
 
@@ -655,9 +748,11 @@ _SETTINGS: tuple[str, ...] = (
     "depth",
     "show_frontier",
     "checkpoint",
+    "checkpoint_policy",
     "trainable",
     "grad_accumulation",
     "lora_rank",
+    "loss_chunks",
     "expandable_segments",
     "gpus",
     "strategy",
@@ -725,9 +820,12 @@ def show_memory(
         which selects the custom size), ``custom_gib`` (float), ``depth``
         (module grouping depth, int >= 0), ``show_frontier`` (bool: open the batch x
         sequence-length panel, where the profile has a sequence axis), the memory levers
-        ``checkpoint`` ("off", "auto" or a class name), ``trainable`` (comma-separated
-        parameter-name patterns, "" for all), ``grad_accumulation`` (int >= 1) and
-        ``lora_rank`` (0 for none), ``expandable_segments`` (bool, CUDA profiles), and the
+        ``checkpoint`` ("off", "auto" or a class name), ``checkpoint_policy`` ("off",
+        "full", "op" or an int k: every k-th block; a policy with ``checkpoint`` "off"
+        checkpoints the "auto" blocks), ``trainable`` (comma-separated parameter-name
+        patterns, "" for all), ``grad_accumulation`` (int >= 1), ``lora_rank`` (0 for
+        none) and ``loss_chunks`` (None, or k >= 1: the output and cross-entropy in k
+        chunks, for a Hugging Face causal LM with labels), ``expandable_segments`` (bool, CUDA profiles), and the
         data-parallel ``gpus`` (int >= 1), ``strategy`` ({"ddp", "zero1", "zero2", "zero3",
         "hsdp"}) and ``gpus_per_node`` (int >= 1: hsdp shards within a node; its box shows
         with that strategy).
@@ -741,7 +839,8 @@ def show_memory(
     Raises
     ------
     TypeError
-        For a setting name that is not one of the controls (before profiling), and for
+        For a setting name that is not one of the controls (before profiling), for a
+        ``checkpoint_policy`` or ``loss_chunks`` of no valid type (before profiling), and for
         inputs :func:`vram_widget.profile_model` refuses with a TypeError, and for an
         ``optimizer_in_backward`` or ``set_to_none`` that is not a bool (before profiling).
     ValueError
@@ -758,6 +857,7 @@ def show_memory(
 
     Examples
     --------
+    >>> import torch
     >>> from vram_widget import show_memory, zoo
     >>> w = show_memory(zoo.mlp(), input_size=(784,), device="cpu", batch_size=64)
     >>> w.batch_size = 128          # what the slider does
@@ -773,6 +873,10 @@ def show_memory(
     ...                 optimizer_in_backward=True)
     >>> w.estimate.optimizer_implementation, w.estimate.levers.in_backward
     ('fused', 'adamw-fused')
+    >>> w = show_memory(zoo.causal_decoder(), inputs=torch.zeros(2, 16, dtype=torch.long),
+    ...                 device="cpu", checkpoint_policy=1)
+    >>> w.checkpoint, w.estimate.levers.describe()
+    ('auto', 'checkpointing 2 module(s) (every 1st block)')
     """
     from .._profiling.profiler import profile_model
 
@@ -792,6 +896,7 @@ def show_memory(
     if "gpu" in initial_settings:
         _gpu_settings(initial_settings["gpu"])
     _check_optimizer_settings(initial_settings)
+    _check_lever_forms(initial_settings)
     profile = profile_model(
         model,
         input_size=input_size,
@@ -813,6 +918,20 @@ def show_memory(
             **initial_settings,
         )
     except traitlets.TraitError as exc:  # a control's own check of its starting value
+        raise ValueError(f"invalid setting: {exc}") from None
+
+
+def _check_lever_forms(settings: Mapping[str, Any]) -> None:
+    """The forms of ``checkpoint_policy`` and ``loss_chunks``, checked before the model is
+    run (their bounds are the model's: the widget checks those)."""
+    try:
+        if "checkpoint_policy" in settings:
+            _check_policy_value(settings["checkpoint_policy"])
+        if "loss_chunks" in settings:
+            check_loss_chunks(settings["loss_chunks"])
+    except TypeError as exc:
+        raise TypeError(f"invalid setting: {exc}") from None
+    except ValueError as exc:
         raise ValueError(f"invalid setting: {exc}") from None
 
 
