@@ -1513,5 +1513,5 @@ def test_a_recipe_starts_the_activation_lever_controls(gpt2_profile: ModelProfil
     def policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
         return None
 
-    with pytest.raises(ValueError, match="checkpoint_policy .*policy is a callable"):
+    with pytest.raises(ValueError, match=r"checkpoint_policy .*policy is a callable"):
         recipe_settings(Recipe().with_(checkpoint="auto", checkpoint_policy=policy))

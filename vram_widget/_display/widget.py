@@ -30,19 +30,17 @@ import numpy as np
 import plotly.graph_objects as go
 import traitlets
 
+from .._estimating.chunked_loss import check_loss_chunks
 from .._estimating.estimator import MemoryEstimate
 from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu
-from .._estimating.chunked_loss import check_chunkable, check_loss_chunks, chunked_loss_levers
-from .._estimating.levers import Levers
 from .._estimating.options import Device, Mode, Precision
-from .._estimating.recipe import Optimizer, Recipe
+from .._estimating.recipe import Recipe
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     SINGLE_DEVICE,
     STRATEGIES,
     resolve_parallel,
 )
-from .._estimating.stepping import stepping_levers
 from .._estimating.tradeoff import Frontier
 from .figures import (
     build_figure,
@@ -53,15 +51,12 @@ from .figures import (
 from .optimizer_control import NO_OPTIMIZER
 from .plotly_widget import FigureWidget
 from .widget_controls import CHECKPOINT_OFF, GPUS_MAX, ControlsMixin
+from .widget_levers import LeversMixin
 from .widget_recipe import recipe_settings
 from .widget_settings import OptimizerTrait as _OptimizerTrait
 from .widget_settings import check_optimizer_settings as _check_optimizer_settings
-from .widget_settings import checkpoint_arg as _checkpoint_arg
 from .widget_settings import check_policy_value as _check_policy_value
-from .widget_settings import paired_checkpoint as _paired_checkpoint
-from .widget_settings import policy_arg as _policy_arg
 from .widget_settings import gpu_settings as _gpu_settings
-from .widget_settings import trainable_arg as _trainable_arg
 from .widget_summary import DETAILS_TITLE, SummaryMixin
 from .widget_text import (
     Headline,
@@ -85,7 +80,7 @@ _NO_OPTIMIZER = NO_OPTIMIZER
 _CHECKPOINT_OFF = CHECKPOINT_OFF
 
 
-class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
+class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
     """Interactive memory / FLOPs view of one profiled model (see :func:`show_memory`).
 
     Every control is a trait: setting ``w.batch_size = 64`` does what the slider does. The
@@ -373,30 +368,6 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
             )
         return str(value)
 
-    @traitlets.validate(
-        "checkpoint", "checkpoint_policy", "trainable", "grad_accumulation", "lora_rank"
-    )
-    def _valid_levers(self, proposal: dict[str, Any]) -> Any:
-        value = proposal["value"]
-        try:
-            if proposal["trait"].name == "checkpoint_policy":
-                _check_policy_value(value)
-            self._profile.levers(**self._lever_settings(**{proposal["trait"].name: value}))
-        except (TypeError, ValueError) as exc:
-            raise traitlets.TraitError(str(exc)) from None
-        return value
-
-    @traitlets.validate("loss_chunks")
-    def _valid_loss_chunks(self, proposal: dict[str, Any]) -> int | None:
-        value = proposal["value"]
-        try:
-            chunks = check_loss_chunks(value, self.seq_len or self._profile.seq_len)
-            if chunks is not None:
-                check_chunkable(chunks, self._profile.loss_chunks_refusal)
-        except (TypeError, ValueError) as exc:
-            raise traitlets.TraitError(str(exc)) from None
-        return chunks
-
     @traitlets.validate("custom_gib")
     def _valid_custom_gib(self, proposal: dict[str, Any]) -> float:
         value = float(proposal["value"])
@@ -434,64 +405,6 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
     @property
     def _cuda(self) -> bool:
         return self._profile.device is Device.CUDA
-
-    def _lever_settings(self, **proposed: Any) -> dict[str, Any]:
-        """The lever traits (or ``proposed`` values for some) as ``estimate`` takes them;
-        a proposed checkpoint or policy with its partner as the pair will move it."""
-        raw = {name: proposed.get(name, getattr(self, name)) for name in _LEVER_TRAITS}
-        moved = next((n for n in _CHECKPOINT_PAIR if n in proposed), None)
-        checkpoint, policy = _paired_checkpoint(
-            raw["checkpoint"], raw["checkpoint_policy"], moved
-        )
-        if _checkpoint_arg(raw["checkpoint"]) is None:
-            checkpoint = raw["checkpoint"]  # a policy alone means "auto": estimate says so
-        return {
-            "checkpoint": _checkpoint_arg(checkpoint),
-            "checkpoint_policy": _policy_arg(policy),
-            "trainable": _trainable_arg(raw["trainable"]),
-            "grad_accumulation": raw["grad_accumulation"],
-            "lora_rank": raw["lora_rank"] or None,
-        }
-
-    def _stepping_settings(self) -> dict[str, Any]:
-        """How the optimizer steps, as ``estimate`` takes it (only where not torch's
-        default, so the other settings' searches see the keywords they always did)."""
-        return {
-            **({"optimizer_in_backward": True} if self.optimizer_in_backward else {}),
-            **({"set_to_none": False} if not self.set_to_none else {}),
-        }
-
-    def _levers(self) -> Levers:
-        return self._profile.levers(**self._lever_settings())
-
-    def _step_levers(self) -> Levers | None:
-        """The levers with how the optimizer steps (in the backward, gradients kept) and
-        the chunked loss, as the estimate runs them; None for a combination the estimate
-        refuses (it says why, before any profiling)."""
-        levers = self._levers()
-        if self.mode != Mode.TRAIN.value:
-            return levers
-        try:
-            record = Optimizer.parse(self._settings()["optimizer"])
-            record = Optimizer(
-                record.name,
-                record.implementation,
-                in_backward=self.optimizer_in_backward,
-                set_to_none=self.set_to_none,
-            )
-            parallel = resolve_parallel(self.gpus, self.strategy, gpus_per_node=self.gpus_per_node)
-            levers = stepping_levers(
-                levers, record, record.resolved_implementation(self._profile.device), parallel
-            )
-            return chunked_loss_levers(
-                levers,
-                self.loss_chunks,
-                self._profile.loss_chunks_refusal,
-                self.seq_len or self._profile.seq_len,
-                parallel,
-            )
-        except ValueError:
-            return None
 
     def _needs_profiling(self) -> bool:
         """Whether the current precision / optimizer (or, with the frontier open, the fit
@@ -670,38 +583,6 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         finally:
             self._reverting = False
 
-    def _pair_checkpoint(self, moved: str | None) -> tuple[str, Any] | None:
-        """Move the checkpoint / policy pair's partner after ``moved`` (None: at the start):
-        a policy with checkpointing off checkpoints the "auto" blocks, checkpointing off
-        turns the policy off. Returns the partner's name and old value where it moved."""
-        if moved is not None and moved not in _CHECKPOINT_PAIR:
-            return None
-        checkpoint, policy = _paired_checkpoint(self.checkpoint, self.checkpoint_policy, moved)
-        for name, value in (("checkpoint", checkpoint), ("checkpoint_policy", policy)):
-            old = getattr(self, name)
-            if value != old:
-                self._pairing = True
-                try:
-                    setattr(self, name, value)
-                finally:
-                    self._pairing = False
-                return name, old
-        return None
-
-    def _set_from_control(self, name: str, value: Any) -> None:
-        """A control's value for ``name``: a value the trait refuses keeps the last state,
-        and the status and headline say why (the controls show the kept value)."""
-        if self._syncing:
-            return
-        try:
-            setattr(self, name, value)
-        except traitlets.TraitError as exc:
-            why = f"{name} = {value!r} refused: {exc}; kept {name} = {getattr(self, name)!r}"
-            self._error = why
-            self._status.value = f"<span style='color:#b00'>{html.escape(why)}</span>"
-            self._sync_controls()
-            self._render_headline(at_rest=self._at_rest_pending is None)
-
     # ------------------------------------------------------------------ static fallback
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
@@ -727,11 +608,6 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
 
 # settings that are in no profile's cache key nor the frontier's (_settings leaves them out)
 _NEVER_PROFILES = ("batch_size", "depth")
-_LEVER_TRAITS = ("checkpoint", "checkpoint_policy", "trainable", "grad_accumulation", "lora_rank")
-# the two traits that move together (widget_settings.paired_checkpoint)
-_CHECKPOINT_PAIR = ("checkpoint", "checkpoint_policy")
-# how the optimizer steps (estimate's keywords, the widget's traits)
-_STEPPING_SETTINGS = ("optimizer_in_backward", "set_to_none")
 
 
 _SETTINGS: tuple[str, ...] = (
@@ -825,10 +701,10 @@ def show_memory(
         checkpoints the "auto" blocks), ``trainable`` (comma-separated parameter-name
         patterns, "" for all), ``grad_accumulation`` (int >= 1), ``lora_rank`` (0 for
         none) and ``loss_chunks`` (None, or k >= 1: the output and cross-entropy in k
-        chunks, for a Hugging Face causal LM with labels), ``expandable_segments`` (bool, CUDA profiles), and the
-        data-parallel ``gpus`` (int >= 1), ``strategy`` ({"ddp", "zero1", "zero2", "zero3",
-        "hsdp"}) and ``gpus_per_node`` (int >= 1: hsdp shards within a node; its box shows
-        with that strategy).
+        chunks, for a Hugging Face causal LM with labels), ``expandable_segments`` (bool,
+        CUDA profiles), and the data-parallel ``gpus`` (int >= 1), ``strategy`` ({"ddp",
+        "zero1", "zero2", "zero3", "hsdp"}) and ``gpus_per_node`` (int >= 1: hsdp shards
+        within a node; its box shows with that strategy).
 
     Returns
     -------
