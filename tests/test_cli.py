@@ -715,3 +715,48 @@ def test_optimizer_flag_takes_every_name() -> None:
     parser = build_parser()
     for name in optimizer_names():
         assert parser.parse_args(["mlp", "--optimizer", name]).optimizer == name
+
+
+def test_torchtitan_config_file_fills_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from vram_widget import Recipe, profile_model
+    from vram_widget._display.cli import main
+    from vram_widget._display.cli_args import build_parser, validate
+
+    path = tmp_path / "job.toml"
+    path.write_text(
+        '[training]\nlocal_batch_size = 4\nseq_len = 16\ndtype = "bfloat16"\n'
+        '[optimizer]\nname = "Adam"\nimplementation = "foreach"\n'
+        '[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "op"\n'
+    )
+    parser = build_parser()
+    args = validate(parser, parser.parse_args(["mlp", "--torchtitan-config", str(path)]))
+    assert (args.batch_size, args.seq_len, args.optimizer) == (4, 16, "adam-foreach")
+    assert (args.checkpoint, args.checkpoint_policy) == ("auto", "op")
+    assert [p.value for p in args.precisions] == ["bf16"]
+    with pytest.raises(SystemExit):  # another policy than the file's
+        validate(parser, parser.parse_args(["mlp", "--torchtitan-config", str(path),
+                                            "--checkpoint-policy", "full"]))  # fmt: skip
+    with pytest.raises(SystemExit):  # one file at a time
+        parser.parse_args(["mlp", "--torchtitan-config", str(path), "--torchtune-config", "x"])
+    config = (
+        "n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=64,bos_token_id=0,eos_token_id=0"
+    )
+    argv = ["--transformers", "gpt2", "--config", config, "--device", "cpu",
+            "--torchtitan-config", str(path), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    (setting,) = json.loads(capsys.readouterr().out)["settings"]
+    hf_config = transformers.AutoConfig.for_model(
+        "gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    profile = profile_model(model, inputs={"input_ids": ids, "labels": ids}, device="cpu")
+    expected = profile.estimate(recipe=Recipe.from_torchtitan(path))
+    assert setting["peak_bytes"] == expected.peak_bytes

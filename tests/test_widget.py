@@ -241,14 +241,16 @@ class _Spy:
 
 def _usable(w: MemoryWidget) -> bool:
     """Every control enabled (the custom-GiB box only while the custom GPU is chosen, the
-    optimizer's implementation only for an optimizer that has several)."""
+    optimizer's implementation only for an optimizer that has several, the loss chunks only
+    for a model that can be chunked)."""
     implementation = w._optimizer_controls.implementation
-    conditional = (w._custom_box, implementation)
+    conditional = (w._custom_box, implementation, w._chunks_dropdown)
     implementations = w._optimizer_controls.groups.get(split_choice(w.optimizer)[0])
     return (
         all(not c.disabled for c in w._control_widgets if c not in conditional)
         and w._custom_box.disabled == (w.gpu != "custom")
         and implementation.disabled == (not implementations)
+        and w._chunks_dropdown.disabled == bool(w.profile.loss_chunks_refusal)
     )
 
 
@@ -1206,7 +1208,15 @@ def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelPro
     assert labels == {
         "Step": ["batch size", "sequence length", "precision", "mode", "new tokens"],
         "Optimizer": ["optimizer", "implementation", "in backward", "keep grads"],
-        "Memory levers": ["checkpointing", "trainable", "micro-batches", "LoRA rank"],
+        "Memory levers": [
+            "checkpointing",
+            "checkpoint policy",
+            "k",
+            "trainable",
+            "micro-batches",
+            "LoRA rank",
+            "loss chunks",
+        ],
         "GPUs": ["GPU", "custom GiB", "expandable_segments", "GPUs", "strategy", "per node"],
         "Display": ["group depth"],
     }
@@ -1305,3 +1315,203 @@ def test_a_refused_setting_keeps_the_last_state_and_says_why_in_the_headline() -
     assert "vw-error" in w.headline_html
     w.batch_size = 5  # the next move clears it
     assert w.headline.error == "" and "vw-error" not in w.headline_html
+
+
+# --------------------------------------------------------------------------------------------
+# The activation levers: checkpoint policy and loss chunks
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoder_profile() -> ModelProfile:
+    # two DecoderBlocks: checkpoint="auto" wraps blocks.0 and blocks.1
+    model = zoo.causal_decoder(vocab_size=64, d_model=32, n_head=2, n_layer=2, max_len=64)
+    return profile_model(model, inputs=torch.zeros(2, 16, dtype=torch.long), device="cpu")
+
+
+def test_checkpoint_policy_control_drives_the_estimate(decoder_profile: ModelProfile) -> None:
+    from vram_widget._display.widget_controls import TOOLTIPS
+
+    profile = decoder_profile
+    w = MemoryWidget(profile, batch_size=4)
+    dropdown, k_box = w._policy_dropdown, w._policy_k_box
+    assert (dropdown.description, dropdown.tooltip) == (
+        "checkpoint policy",
+        TOOLTIPS["checkpoint_policy"],
+    )
+    assert (k_box.description, k_box.tooltip) == ("k", TOOLTIPS["checkpoint_policy_k"])
+    assert list(dropdown.options) == ["off", "full", "op", "every k"]
+    assert w.checkpoint_policy == "off" and k_box.layout.display == "none"
+
+    def same(est: MemoryEstimate, **levers: object) -> None:
+        expected = profile.estimate(4, **levers)  # type: ignore[arg-type]
+        assert est.peak_bytes == expected.peak_bytes and est.flops == expected.flops
+        assert est.levers == expected.levers
+
+    # a policy with checkpointing off checkpoints the "auto" blocks, and the checkpoint
+    # control says so (estimate() takes a policy alone as checkpoint="auto")
+    dropdown.value = "full"
+    assert (w.checkpoint, w.checkpoint_policy) == ("auto", "full")
+    assert w._checkpoint_dropdown.value == "auto"
+    same(w.estimate, checkpoint_policy="full")
+    same(w.estimate, checkpoint="auto")
+    dropdown.value = "every k"  # the box shows, and its k (2) is the policy
+    assert w.checkpoint_policy == 2 and k_box.layout.display is None
+    same(w.estimate, checkpoint_policy=2)
+    assert w.estimate.levers.checkpoint_policy == 2
+    assert w.estimate.levers.checkpoint == ("blocks.0", "blocks.1")  # the blocks it picks from
+    k_box.value = 1
+    assert w.checkpoint_policy == 1
+    same(w.estimate, checkpoint_policy=1)
+    k_box.value = 3  # 2 blocks: refused, kept, and the headline says why
+    assert w.checkpoint_policy == 1 and k_box.value == 1
+    assert "checkpoint_policy=3 checkpoints every 3rd block" in w.headline.error
+    assert "kept checkpoint_policy = 1" in w.headline.error
+    assert "vw-error" in w.headline_html
+    same(w.estimate, checkpoint_policy=1)
+    dropdown.value = "op"  # a profiling run of its own, behind the label
+    assert w.checkpoint_policy == "op" and w.headline.error == ""
+    assert "profiled" in w._status.value and "policy &#x27;op&#x27;" in w._status.value
+    same(w.estimate, checkpoint_policy="op")
+    assert _usable(w) and k_box.layout.display == "none"
+    # checkpointing off turns the policy off, and the step has no levers
+    w._checkpoint_dropdown.value = "off"
+    assert (w.checkpoint, w.checkpoint_policy, dropdown.value) == ("off", "off", "off")
+    assert not w.estimate.levers.active
+    same(w.estimate)
+    # checkpointing on with the policy off is "full"; the policy off turns it off again
+    w.checkpoint = "DecoderBlock"
+    assert w.checkpoint_policy == "full" and dropdown.value == "full"
+    same(w.estimate, checkpoint="DecoderBlock")
+    w.checkpoint_policy = "off"
+    assert w.checkpoint == "off" and not w.estimate.levers.active
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("sometimes", r"checkpoint_policy='sometimes': the widget takes 'off', 'full', 'op'"),
+        (0, r"checkpoint_policy=0: the widget takes"),
+        (True, r"checkpoint_policy=True \(bool\)"),
+        (5, r"checkpoint_policy=5 checkpoints every 5th block, and there are 2"),
+    ],
+)
+def test_refused_checkpoint_policies(
+    decoder_profile: ModelProfile, value: object, message: str
+) -> None:
+    w = MemoryWidget(decoder_profile, batch_size=4, checkpoint_policy="full")
+    before = w.estimate
+    with pytest.raises(traitlets.TraitError, match=message):
+        w.checkpoint_policy = value
+    assert w.checkpoint_policy == "full" and w.estimate is before
+
+
+def test_a_policy_on_a_model_without_repeated_blocks_is_refused(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)  # zoo.mlp: no repeated blocks, no "auto"
+    with pytest.raises(traitlets.TraitError, match="checkpoint_policy='op' applies to the"):
+        w.checkpoint_policy = "op"
+    assert (w.checkpoint, w.checkpoint_policy) == ("off", "off")
+
+
+def test_show_memory_starts_with_the_activation_levers() -> None:
+    from models import hf_gpt2, hf_tokens
+
+    pytest.importorskip("transformers")
+    w = show_memory(
+        hf_gpt2(), inputs=hf_tokens(2), device="cpu", loss_chunks=8, checkpoint_policy="op"
+    )
+    assert (w.loss_chunks, w.checkpoint_policy, w.checkpoint) == (8, "op", "auto")
+    assert (w._chunks_dropdown.value, w._policy_dropdown.value) == (8, "op")
+    expected = w.profile.estimate(32, loss_chunks=8, checkpoint_policy="op")
+    assert w.estimate.peak_bytes == expected.peak_bytes
+    assert w.estimate.levers == expected.levers
+    # forms are checked before any profiling
+    with pytest.raises(ValueError, match=r"invalid setting: checkpoint_policy='half'"):
+        show_memory(_Broken(), input_size=(4,), checkpoint_policy="half")
+    with pytest.raises(TypeError, match=r"invalid setting: loss_chunks=2.5 \(float\)"):
+        show_memory(_Broken(), input_size=(4,), loss_chunks=2.5)
+
+
+@pytest.fixture(scope="module")
+def gpt2_profile() -> ModelProfile:
+    from models import hf_gpt2, hf_tokens
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return profile_model(hf_gpt2(), inputs=hf_tokens(2, 16), device="cpu")
+
+
+def test_loss_chunks_control_drives_the_estimate(gpt2_profile: ModelProfile) -> None:
+    from vram_widget._display.widget_controls import TOOLTIPS
+
+    profile = gpt2_profile
+    w = MemoryWidget(profile, batch_size=2)
+    dropdown = w._chunks_dropdown
+    assert (dropdown.description, dropdown.tooltip) == ("loss chunks", TOOLTIPS["loss_chunks"])
+    assert [label for label, _ in dropdown.options] == ["off", "2", "4", "8", "16"]
+    assert not dropdown.disabled and w.loss_chunks is None
+    plain = profile.estimate(2)
+    dropdown.value = 4  # its own profiling run, behind the label
+    assert w.loss_chunks == 4
+    assert "profiled" in w._status.value and "output and loss in 4 chunks" in w._status.value
+    expected = profile.estimate(2, loss_chunks=4)
+    assert w.estimate.peak_bytes == expected.peak_bytes != plain.peak_bytes
+    assert w.estimate.levers.loss_chunks == 4 and _usable(w)
+    # a count off the list shows as its own choice
+    w.loss_chunks = 3
+    assert dropdown.value == 3 and ("3", 3) in dropdown.options
+    assert w.estimate.peak_bytes == profile.estimate(2, loss_chunks=3).peak_bytes
+    # more chunks than the 16 positions: refused from the trait, kept from the control
+    with pytest.raises(traitlets.TraitError, match="into more chunks than it has positions"):
+        w.loss_chunks = 17
+    for refused in (0, True):
+        with pytest.raises(traitlets.TraitError, match="loss_chunks"):
+            w.loss_chunks = refused
+    assert w.loss_chunks == 3
+    # a shorter sequence than the chunks: the estimate refuses it, the length is kept
+    w.seq_len = 2
+    assert w.seq_len == 16 and "into more chunks than it has positions" in w.headline.error
+    # data parallelism is not estimated with chunks: kept, and said
+    w.gpus = 2
+    assert w.gpus == 1 and "loss_chunks=3 with strategy='ddp' on 2 GPUs" in w.headline.error
+    dropdown.value = 0  # off
+    assert w.loss_chunks is None and w.estimate.peak_bytes == plain.peak_bytes
+
+
+def test_loss_chunks_off_where_the_model_cannot_be_chunked(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)  # zoo.mlp: not a causal LM
+    dropdown = w._chunks_dropdown
+    assert dropdown.disabled
+    assert dropdown.tooltip.startswith("loss chunks: not available for this model: ")
+    assert profile.loss_chunks_refusal in dropdown.tooltip
+    with pytest.raises(traitlets.TraitError, match="loss_chunks=4 cannot be applied"):
+        w.loss_chunks = 4
+    w._set_busy(True)
+    w._set_busy(False)  # a profiling run's end leaves it off
+    assert dropdown.disabled
+
+
+def test_a_recipe_starts_the_activation_lever_controls(gpt2_profile: ModelProfile) -> None:
+    from vram_widget import Recipe
+    from vram_widget._display.widget import _SETTINGS
+    from vram_widget._display.widget_recipe import CONTROLLED, recipe_settings
+
+    assert set(CONTROLLED) <= set(_SETTINGS)  # each held control is a trait
+    recipe = Recipe().with_(batch_size=2, loss_chunks=4, checkpoint_policy="op")
+    settings = recipe_settings(recipe)
+    assert dict(settings.controls) == {"batch_size": 2, "loss_chunks": 4, "checkpoint_policy": "op"}
+    assert dict(settings.fixed) == {}
+    w = MemoryWidget(gpt2_profile, **settings.controls)
+    assert (w.loss_chunks, w.checkpoint_policy, w.checkpoint) == (4, "op", "auto")
+    assert w.estimate.peak_bytes == gpt2_profile.estimate(recipe=recipe).peak_bytes
+    w._chunks_dropdown.value = 8  # a control now, not a held setting
+    assert (
+        w.estimate.peak_bytes
+        == gpt2_profile.estimate(recipe=recipe.with_(loss_chunks=8)).peak_bytes
+    )
+
+    def policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+        return None
+
+    with pytest.raises(ValueError, match=r"checkpoint_policy .*policy is a callable"):
+        recipe_settings(Recipe().with_(checkpoint="auto", checkpoint_policy=policy))

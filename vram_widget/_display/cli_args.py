@@ -84,6 +84,7 @@ _TRAIN_ONLY = (
     ("param_groups", "--param-groups"),
     ("training_args", "--training-args"),
     ("torchtune_config", "--torchtune-config"),
+    ("torchtitan_config", "--torchtitan-config"),
     ("checkpoint", "--checkpoint"),
     ("checkpoint_policy", "--checkpoint-policy"),
     ("trainable", "--trainable"),
@@ -334,7 +335,7 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         type=positive_int,
         metavar="N",
         help="samples per step (sequences generated at once with --mode generate), >= 1 "
-        "(default: 32, or the --training-args / --torchtune-config file's)",
+        "(default: 32, or the --training-args / --torchtune-config / --torchtitan-config file's)",
     )
     settings.add_argument(
         "--precision",
@@ -399,6 +400,14 @@ def _recipe_flags(recipe: argparse._ArgumentGroup) -> None:
         help="read the step from a torchtune recipe config (batch_size, dtype, optimizer, "
         "optimizer_in_bwd, activation checkpointing, LoRA); a flag that asks for another "
         "value than the file's is refused",
+    )
+    source.add_argument(
+        "--torchtitan-config",
+        metavar="FILE.toml",
+        help="read the step from a torchtitan job config (TOML: [training] local_batch_size, "
+        "seq_len, dtype; [optimizer]; [activation_checkpoint]; [parallelism] data-parallel "
+        "degrees, with --gpus the world size); a flag that asks for another value than the "
+        "file's is refused",
     )
     recipe.add_argument(
         "--optimizer-in-backward",
@@ -591,31 +600,39 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     return args
 
 
-# flag dest -> the Recipe's flat setting a --training-args / --torchtune-config file sets
+# flag dest -> the Recipe's flat setting a --training-args / --torchtune-config /
+# --torchtitan-config file sets
 _FILE_SETTINGS = (
-    "batch_size", "optimizer", "grad_accumulation", "checkpoint", "lora_rank", "lora_targets",
-    "lora_dtype", "optimizer_in_backward", "gpus", "strategy", "fsdp_units", "outputs",
-    "loss_scaled", "carried_scalars", "clip_grad_norm", "param_groups", "loss_chunks",
+    "batch_size", "seq_len", "optimizer", "grad_accumulation", "checkpoint",
+    "checkpoint_policy", "lora_rank", "lora_targets", "lora_dtype", "optimizer_in_backward",
+    "gpus", "strategy", "gpus_per_node", "fsdp_units", "outputs", "loss_scaled",
+    "carried_scalars", "clip_grad_norm", "param_groups", "loss_chunks",
 )  # fmt: skip
+# each recipe file's flag, and the Recipe reader that reads it (its gpus: the --gpus flag;
+# None for torchtitan: the product of the file's parallelism degrees)
+_RECIPE_FILES = (
+    ("training_args", "--training-args", "from_training_arguments"),
+    ("torchtune_config", "--torchtune-config", "from_torchtune"),
+    ("torchtitan_config", "--torchtitan-config", "from_torchtitan"),
+)
 
 
 def _read_recipe_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Fill the flags left out from a --training-args or --torchtune-config file; a flag
-    given with another value than the file's is refused (one place per setting)."""
+    """Fill the flags left out from a --training-args, --torchtune-config or
+    --torchtitan-config file; a flag given with another value than the file's is refused
+    (one place per setting)."""
     from .._estimating.recipe import Recipe
 
     args.recipe_ignored = ()
-    path, flag = args.training_args, "--training-args"
-    if path is None:
-        path, flag = args.torchtune_config, "--torchtune-config"
-    if path is None:
+    given_files = [(getattr(args, d), f, r) for d, f, r in _RECIPE_FILES if getattr(args, d)]
+    if not given_files:
         return
-    gpus = 1 if args.gpus is None else args.gpus
+    ((path, flag, reader),) = given_files  # the flags are mutually exclusive
+    gpus = args.gpus
+    if gpus is None and flag != "--torchtitan-config":
+        gpus = 1
     try:
-        if flag == "--training-args":
-            recipe = Recipe.from_training_arguments(path, gpus=gpus)
-        else:
-            recipe = Recipe.from_torchtune(path, gpus=gpus)
+        recipe = getattr(Recipe, reader)(path, gpus=gpus)
     except (OSError, ValueError, TypeError) as exc:
         parser.error(f"{flag} {path}: {exc}")
     given = {k: getattr(args, k) for k in _FILE_SETTINGS if getattr(args, k) is not None}

@@ -30,18 +30,17 @@ import numpy as np
 import plotly.graph_objects as go
 import traitlets
 
+from .._estimating.chunked_loss import check_loss_chunks
 from .._estimating.estimator import MemoryEstimate
 from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu
-from .._estimating.levers import Levers
 from .._estimating.options import Device, Mode, Precision
-from .._estimating.recipe import Optimizer, Recipe
+from .._estimating.recipe import Recipe
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     SINGLE_DEVICE,
     STRATEGIES,
     resolve_parallel,
 )
-from .._estimating.stepping import stepping_levers
 from .._estimating.tradeoff import Frontier
 from .figures import (
     build_figure,
@@ -52,12 +51,12 @@ from .figures import (
 from .optimizer_control import NO_OPTIMIZER
 from .plotly_widget import FigureWidget
 from .widget_controls import CHECKPOINT_OFF, GPUS_MAX, ControlsMixin
+from .widget_levers import LeversMixin
 from .widget_recipe import recipe_settings
 from .widget_settings import OptimizerTrait as _OptimizerTrait
 from .widget_settings import check_optimizer_settings as _check_optimizer_settings
-from .widget_settings import checkpoint_arg as _checkpoint_arg
+from .widget_settings import check_policy_value as _check_policy_value
 from .widget_settings import gpu_settings as _gpu_settings
-from .widget_settings import trainable_arg as _trainable_arg
 from .widget_summary import DETAILS_TITLE, SummaryMixin
 from .widget_text import (
     Headline,
@@ -81,7 +80,7 @@ _NO_OPTIMIZER = NO_OPTIMIZER
 _CHECKPOINT_OFF = CHECKPOINT_OFF
 
 
-class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
+class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
     """Interactive memory / FLOPs view of one profiled model (see :func:`show_memory`).
 
     Every control is a trait: setting ``w.batch_size = 64`` does what the slider does. The
@@ -111,10 +110,20 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
     # memory levers: "off", "auto" or a class name of repeated blocks; glob patterns of the
     # parameters that train, comma-separated ("" = as the model is); micro-batches per step
     checkpoint = traitlets.Unicode(_CHECKPOINT_OFF)
+    # how the checkpointed blocks are recomputed: "off" (no checkpointing, as checkpoint
+    # "off"), "full", "op" (torchtitan's op-level policy) or k (every k-th block); a policy
+    # with checkpoint "off" checkpoints the "auto" blocks, as estimate() does, and the
+    # checkpoint trait says so (the two move together: off with off)
+    checkpoint_policy = traitlets.Union(
+        [traitlets.Unicode(), traitlets.Int()], default_value=_CHECKPOINT_OFF
+    )
     trainable = traitlets.Unicode("")
     grad_accumulation = traitlets.Int(1, min=1)
     # LoRA adapters of this rank on PEFT's default targets (0: none)
     lora_rank = traitlets.Int(0, min=0)
+    # the output projection and cross-entropy over this many chunks of the sequence
+    # (torchtune's CEWithChunkedOutputLoss); None: the model's own output and loss
+    loss_chunks = traitlets.Int(None, allow_none=True)
     # the caching allocator replayed with expandable_segments:True (CUDA estimates)
     expandable_segments = traitlets.Bool(False)
     # data parallelism: ranks (1: one device) and how they share the step (sharding)
@@ -149,6 +158,8 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         self._ignored = ignored
         self._syncing = False
         self._reverting = False
+        # set while the checkpoint / policy pair's partner is being set (no second estimate)
+        self._pairing = False
         self._fit_cache: dict[tuple[Any, ...], int] = {}
         self._per_sample_cache: dict[tuple[Any, ...], int] = {}
         self._frontier_cache: dict[tuple[Any, ...], Frontier] = {}
@@ -182,6 +193,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
                         f"unknown setting {name!r}; valid settings are {', '.join(_SETTINGS)}"
                     )
                 setattr(self, name, value)
+            self._pair_checkpoint(None)
         self._estimate = self._compute()
         figure = build_figure(
             self._estimate,
@@ -356,15 +368,6 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
             )
         return str(value)
 
-    @traitlets.validate("checkpoint", "trainable", "grad_accumulation", "lora_rank")
-    def _valid_levers(self, proposal: dict[str, Any]) -> Any:
-        value = proposal["value"]
-        try:
-            self._profile.levers(**self._lever_settings(**{proposal["trait"].name: value}))
-        except (TypeError, ValueError) as exc:
-            raise traitlets.TraitError(str(exc)) from None
-        return value
-
     @traitlets.validate("custom_gib")
     def _valid_custom_gib(self, proposal: dict[str, Any]) -> float:
         value = float(proposal["value"])
@@ -387,6 +390,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
             # The chosen GPU's, for the cuBLAS workspace in the extras (custom: default).
             "compute_capability": self.target.compute_capability,
             **self._lever_settings(),
+            "loss_chunks": self.loss_chunks,
             **({"expandable_segments": self.expandable_segments} if self._cuda else {}),
             "gpus": self.gpus,
             "strategy": self.strategy,
@@ -401,49 +405,6 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
     @property
     def _cuda(self) -> bool:
         return self._profile.device is Device.CUDA
-
-    def _lever_settings(self, **proposed: Any) -> dict[str, Any]:
-        """The lever traits (or ``proposed`` values for some) as ``estimate`` takes them."""
-        raw = {name: proposed.get(name, getattr(self, name)) for name in _LEVER_TRAITS}
-        return {
-            "checkpoint": _checkpoint_arg(raw["checkpoint"]),
-            "trainable": _trainable_arg(raw["trainable"]),
-            "grad_accumulation": raw["grad_accumulation"],
-            "lora_rank": raw["lora_rank"] or None,
-        }
-
-    def _stepping_settings(self) -> dict[str, Any]:
-        """How the optimizer steps, as ``estimate`` takes it (only where not torch's
-        default, so the other settings' searches see the keywords they always did)."""
-        return {
-            **({"optimizer_in_backward": True} if self.optimizer_in_backward else {}),
-            **({"set_to_none": False} if not self.set_to_none else {}),
-        }
-
-    def _levers(self) -> Levers:
-        return self._profile.levers(**self._lever_settings())
-
-    def _step_levers(self) -> Levers | None:
-        """The levers with how the optimizer steps (in the backward, gradients kept), as the
-        estimate runs them; None for a combination the estimate refuses (it says why,
-        before any profiling)."""
-        levers = self._levers()
-        if self.mode != Mode.TRAIN.value:
-            return levers
-        try:
-            record = Optimizer.parse(self._settings()["optimizer"])
-            record = Optimizer(
-                record.name,
-                record.implementation,
-                in_backward=self.optimizer_in_backward,
-                set_to_none=self.set_to_none,
-            )
-            parallel = resolve_parallel(self.gpus, self.strategy, gpus_per_node=self.gpus_per_node)
-            return stepping_levers(
-                levers, record, record.resolved_implementation(self._profile.device), parallel
-            )
-        except ValueError:
-            return None
 
     def _needs_profiling(self) -> bool:
         """Whether the current precision / optimizer (or, with the frontier open, the fit
@@ -511,8 +472,12 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         Where the setting needs a profiling run (torch, seconds), the status says so and the
         controls are disabled *before* it starts, and both are restored after it; on failure
         the setting goes back to its last value (traits stay the truth of what is shown) and
-        the headline says why.
+        the headline says why. A move of the checkpoint or its policy moves its partner
+        first (:func:`~.widget_settings.paired_checkpoint`), and one estimate shows both.
         """
+        if self._pairing:
+            return
+        partner = self._pair_checkpoint(change["name"])
         # The batch and the grouping depth are in no profile's or frontier's key: a move of
         # either never profiles (the slider's common case skips the checks, ~0.3 ms)
         unprofiled = change["name"] in _NEVER_PROFILES
@@ -536,7 +501,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         except Exception as exc:  # a failed extra profiling run: say so, keep the last view
             what = self._what()
             self._set_busy(False)
-            self._revert(change)
+            self._revert(change, partner)
             why = (
                 f"could not {'profile' if profiling else 'estimate'} {what}: "
                 f"{type(exc).__name__}: {exc}; kept {change['name']} = {change['old']!r}"
@@ -600,13 +565,20 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
         if not self._syncing:
             self.show_frontier = change["new"] is not None
 
-    def _revert(self, change: dict[str, Any]) -> None:
-        """Put a setting whose estimate failed back to its last value (re-renders that)."""
+    def _revert(self, change: dict[str, Any], partner: tuple[str, Any] | None = None) -> None:
+        """Put a setting whose estimate failed back to its last value (re-renders that),
+        and the partner it moved (the checkpoint / policy pair) first."""
         name = change.get("name")
         if self._reverting or name not in _SETTINGS or change.get("old") is None:
             return  # never bounce between two settings that both fail
         self._reverting = True
         try:
+            if partner is not None:
+                self._pairing = True
+                try:
+                    setattr(self, *partner)
+                finally:
+                    self._pairing = False
             setattr(self, name, change["old"])
         finally:
             self._reverting = False
@@ -636,9 +608,6 @@ class MemoryWidget(ControlsMixin, SummaryMixin, widgets.VBox):
 
 # settings that are in no profile's cache key nor the frontier's (_settings leaves them out)
 _NEVER_PROFILES = ("batch_size", "depth")
-_LEVER_TRAITS = ("checkpoint", "trainable", "grad_accumulation", "lora_rank")
-# how the optimizer steps (estimate's keywords, the widget's traits)
-_STEPPING_SETTINGS = ("optimizer_in_backward", "set_to_none")
 
 
 _SETTINGS: tuple[str, ...] = (
@@ -655,9 +624,11 @@ _SETTINGS: tuple[str, ...] = (
     "depth",
     "show_frontier",
     "checkpoint",
+    "checkpoint_policy",
     "trainable",
     "grad_accumulation",
     "lora_rank",
+    "loss_chunks",
     "expandable_segments",
     "gpus",
     "strategy",
@@ -725,12 +696,15 @@ def show_memory(
         which selects the custom size), ``custom_gib`` (float), ``depth``
         (module grouping depth, int >= 0), ``show_frontier`` (bool: open the batch x
         sequence-length panel, where the profile has a sequence axis), the memory levers
-        ``checkpoint`` ("off", "auto" or a class name), ``trainable`` (comma-separated
-        parameter-name patterns, "" for all), ``grad_accumulation`` (int >= 1) and
-        ``lora_rank`` (0 for none), ``expandable_segments`` (bool, CUDA profiles), and the
-        data-parallel ``gpus`` (int >= 1), ``strategy`` ({"ddp", "zero1", "zero2", "zero3",
-        "hsdp"}) and ``gpus_per_node`` (int >= 1: hsdp shards within a node; its box shows
-        with that strategy).
+        ``checkpoint`` ("off", "auto" or a class name), ``checkpoint_policy`` ("off",
+        "full", "op" or an int k: every k-th block; a policy with ``checkpoint`` "off"
+        checkpoints the "auto" blocks), ``trainable`` (comma-separated parameter-name
+        patterns, "" for all), ``grad_accumulation`` (int >= 1), ``lora_rank`` (0 for
+        none) and ``loss_chunks`` (None, or k >= 1: the output and cross-entropy in k
+        chunks, for a Hugging Face causal LM with labels), ``expandable_segments`` (bool,
+        CUDA profiles), and the data-parallel ``gpus`` (int >= 1), ``strategy`` ({"ddp",
+        "zero1", "zero2", "zero3", "hsdp"}) and ``gpus_per_node`` (int >= 1: hsdp shards
+        within a node; its box shows with that strategy).
 
     Returns
     -------
@@ -741,7 +715,8 @@ def show_memory(
     Raises
     ------
     TypeError
-        For a setting name that is not one of the controls (before profiling), and for
+        For a setting name that is not one of the controls (before profiling), for a
+        ``checkpoint_policy`` or ``loss_chunks`` of no valid type (before profiling), and for
         inputs :func:`vram_widget.profile_model` refuses with a TypeError, and for an
         ``optimizer_in_backward`` or ``set_to_none`` that is not a bool (before profiling).
     ValueError
@@ -758,6 +733,7 @@ def show_memory(
 
     Examples
     --------
+    >>> import torch
     >>> from vram_widget import show_memory, zoo
     >>> w = show_memory(zoo.mlp(), input_size=(784,), device="cpu", batch_size=64)
     >>> w.batch_size = 128          # what the slider does
@@ -773,6 +749,10 @@ def show_memory(
     ...                 optimizer_in_backward=True)
     >>> w.estimate.optimizer_implementation, w.estimate.levers.in_backward
     ('fused', 'adamw-fused')
+    >>> w = show_memory(zoo.causal_decoder(), inputs=torch.zeros(2, 16, dtype=torch.long),
+    ...                 device="cpu", checkpoint_policy=1)
+    >>> w.checkpoint, w.estimate.levers.describe()
+    ('auto', 'checkpointing 2 module(s) (every 1st block)')
     """
     from .._profiling.profiler import profile_model
 
@@ -792,6 +772,7 @@ def show_memory(
     if "gpu" in initial_settings:
         _gpu_settings(initial_settings["gpu"])
     _check_optimizer_settings(initial_settings)
+    _check_lever_forms(initial_settings)
     profile = profile_model(
         model,
         input_size=input_size,
@@ -813,6 +794,20 @@ def show_memory(
             **initial_settings,
         )
     except traitlets.TraitError as exc:  # a control's own check of its starting value
+        raise ValueError(f"invalid setting: {exc}") from None
+
+
+def _check_lever_forms(settings: Mapping[str, Any]) -> None:
+    """The forms of ``checkpoint_policy`` and ``loss_chunks``, checked before the model is
+    run (their bounds are the model's: the widget checks those)."""
+    try:
+        if "checkpoint_policy" in settings:
+            _check_policy_value(settings["checkpoint_policy"])
+        if "loss_chunks" in settings:
+            check_loss_chunks(settings["loss_chunks"])
+    except TypeError as exc:
+        raise TypeError(f"invalid setting: {exc}") from None
+    except ValueError as exc:
         raise ValueError(f"invalid setting: {exc}") from None
 
 

@@ -2,7 +2,8 @@
 
 A tab per question: **Step** (what one step is: batch, sequence length, precision, mode, a
 generation's new tokens), **Optimizer** (:mod:`.optimizer_control`), **Memory levers** (what
-trades compute for memory: checkpointing, the parameters that train, micro-batches, LoRA) and
+trades compute for memory: checkpointing and its policy, the parameters that train,
+micro-batches, LoRA, the chunked output and loss) and
 **GPUs** (the card, its allocator's ``expandable_segments`` setting, and data parallelism);
 how the figure groups modules is a display setting, in a small "Display" section apart from
 the questions. Every control has a visible label and a tooltip saying what it changes.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
+from .._estimating.checkpoint_policy import CheckpointPolicyName
 from .._estimating.gpus import CUSTOM_GPU, GPUS
 from .._estimating.options import Device, Mode
 from .._estimating.profile import DEFAULT_MAX_SEQ_LEN
@@ -30,8 +32,11 @@ if TYPE_CHECKING:
 __all__ = [
     "BATCH_SLIDER_MAX",
     "CHECKPOINT_OFF",
+    "EVERY_K",
     "GPUS_MAX",
     "GROUP_TITLES",
+    "LOSS_CHUNK_CHOICES",
+    "POLICY_NAMES",
     "SEQ_SLIDER_MAX",
     "TOOLTIPS",
     "ControlsMixin",
@@ -43,6 +48,14 @@ SEQ_SLIDER_MAX = DEFAULT_MAX_SEQ_LEN
 # the GPUs slider's top (log scale, like the batch's)
 GPUS_MAX = 1024
 CHECKPOINT_OFF = "off"
+# the checkpoint_policy trait's named values: "off" (no checkpointing) and the named policies
+# of estimate()'s checkpoint_policy (CheckpointPolicyName); an int k is the other form
+POLICY_NAMES: tuple[str, ...] = (CHECKPOINT_OFF, *(p.value for p in CheckpointPolicyName))
+# the checkpoint policy dropdown's choice that shows the k box (the trait holds k itself)
+EVERY_K = "every k"
+# the loss chunks dropdown's counts (torchtune's recipes use 8: num_output_chunks in
+# recipes/configs/llama3_2/3B_full_single_device.yaml, torchtune 0.6.1); 0 is "off"
+LOSS_CHUNK_CHOICES: tuple[int, ...] = (2, 4, 8, 16)
 
 GROUP_TITLES: tuple[str, ...] = ("Step", "Optimizer", "Memory levers", "GPUs")
 """The control tabs, in order: each answers one question about the step."""
@@ -58,6 +71,14 @@ TOOLTIPS: dict[str, str] = {
     "new_tokens": "tokens a generation adds after the prompt (its KV cache grows with them)",
     "checkpoint": "activation checkpointing (torch.utils.checkpoint, non-reentrant): auto "
     "wraps the repeated blocks, or name a block class; recomputes their forward",
+    "checkpoint_policy": "how the checkpointed blocks are recomputed: full (each whole "
+    "block), op (torchtitan's op-level selective policy: matmul and attention outputs "
+    "saved), every k (every k-th block, torchtitan's selective_ac_option); off: no "
+    "checkpointing. With checkpointing off, a policy checkpoints the auto blocks",
+    "checkpoint_policy_k": "k of the every-k policy: every k-th block is checkpointed (1: all)",
+    "loss_chunks": "the output projection and cross-entropy over this many chunks of the "
+    "sequence (torchtune's CEWithChunkedOutputLoss): one chunk of fp32 logits at a time; "
+    "off: the model's own output and loss",
     "trainable": "glob patterns of the parameters that train, comma-separated (head.*, "
     "*.bias); empty: as the model is. Frozen parameters keep no gradient or state",
     "grad_accumulation": "micro-batches per optimizer step: each is one batch; gradients "
@@ -195,6 +216,7 @@ class ControlsMixin:
         if self.checkpoint not in options:
             options.append(self.checkpoint)
         self._checkpoint_dropdown = widgets.Dropdown(options=options, layout={"width": "260px"})
+        self._build_lever_choices()
         trainable = widgets.Text(
             placeholder="all (or patterns: head.*, *.bias)",
             continuous_update=False,
@@ -247,6 +269,72 @@ class ControlsMixin:
             "strategy": strategy,
         }
 
+    def _build_lever_choices(self: MemoryWidget) -> None:  # type: ignore[misc]
+        """The checkpoint policy (a dropdown, and a k box shown for "every k") and the loss
+        chunks (off where the model cannot be chunked, its tooltip saying why): views of
+        their traits, which a refused value leaves as they were (``_set_from_control``)."""
+        style = {"description_width": "initial"}
+        self._policy_dropdown = widgets.Dropdown(
+            options=[*POLICY_NAMES, EVERY_K],
+            description="checkpoint policy",
+            tooltip=TOOLTIPS["checkpoint_policy"],
+            style=style,
+            layout={"width": "230px"},
+        )
+        self._policy_k_box = widgets.BoundedIntText(
+            value=2,
+            min=1,
+            max=1 << 20,
+            description="k",
+            tooltip=TOOLTIPS["checkpoint_policy_k"],
+            style=style,
+            layout={"width": "110px"},
+        )
+        refusal = self._profile.loss_chunks_refusal
+        self._chunks_dropdown = widgets.Dropdown(
+            options=[("off", 0), *((str(k), k) for k in LOSS_CHUNK_CHOICES)],
+            description="loss chunks",
+            tooltip=(
+                TOOLTIPS["loss_chunks"]
+                if not refusal
+                else f"loss chunks: not available for this model: {refusal}"
+            ),
+            disabled=bool(refusal),
+            style=style,
+            layout={"width": "170px"},
+        )
+        self._policy_dropdown.observe(self._policy_chosen, "value")
+        self._policy_k_box.observe(self._policy_chosen, "value")
+        self._chunks_dropdown.observe(
+            lambda change: self._set_from_control("loss_chunks", change["new"] or None), "value"
+        )
+        self._sync_lever_choices()
+
+    def _policy_chosen(self: MemoryWidget, _change: dict[str, Any]) -> None:  # type: ignore[misc]
+        """The policy dropdown or its k box moved: the trait is the name, or k."""
+        choice = self._policy_dropdown.value
+        if choice == EVERY_K:
+            self._set_from_control("checkpoint_policy", int(self._policy_k_box.value))
+        elif not self._syncing:
+            self._set_from_control("checkpoint_policy", choice)
+        self._policy_k_box.layout.display = None if choice == EVERY_K else "none"
+
+    def _sync_lever_choices(self: MemoryWidget) -> None:  # type: ignore[misc]
+        """Show the policy and the loss chunks on their controls (no feedback: the caller
+        holds ``_syncing``, or nothing observes yet)."""
+        policy = self.checkpoint_policy
+        every_k = isinstance(policy, int)
+        if every_k:
+            self._policy_k_box.value = policy
+        self._policy_dropdown.value = EVERY_K if every_k else policy
+        self._policy_k_box.layout.display = None if every_k else "none"
+        chunks = self.loss_chunks or 0
+        if chunks not in dict(self._chunks_dropdown.options).values():
+            self._chunks_dropdown.options = sorted(
+                {*self._chunks_dropdown.options, (str(chunks), chunks)}, key=lambda o: o[1]
+            )
+        self._chunks_dropdown.value = chunks
+
     def _group_controls(self: MemoryWidget, c: dict[str, widgets.DOMWidget]) -> None:  # type: ignore[misc]
         """The controls in one tab per question, and the display settings apart."""
         opt = self._optimizer_controls
@@ -262,9 +350,12 @@ class ControlsMixin:
             self._custom_box,
             self._depth_slider,
             self._checkpoint_dropdown,
+            self._policy_dropdown,
+            self._policy_k_box,
             c["trainable"],
             c["accumulation"],
             c["lora"],
+            self._chunks_dropdown,
             c["expandable"],
             self._gpus_slider,
             self._gpus_box,
@@ -285,7 +376,13 @@ class ControlsMixin:
             [_row(opt.optimizer, opt.implementation), _row(opt.in_backward, opt.keep_grads)]
         )
         self._levers_row = _row(
-            self._checkpoint_dropdown, c["trainable"], c["accumulation"], c["lora"]
+            self._checkpoint_dropdown,
+            self._policy_dropdown,
+            self._policy_k_box,
+            c["trainable"],
+            c["accumulation"],
+            c["lora"],
+            self._chunks_dropdown,
         )
         self._parallel_row = _row(
             self._gpus_slider, self._gpus_box, c["strategy"], self._per_node_box
@@ -330,6 +427,7 @@ class ControlsMixin:
         if not busy:
             self._custom_box.disabled = self.gpu != CUSTOM_GPU
             self._optimizer_controls.enable()
+            self._chunks_dropdown.disabled = bool(self._profile.loss_chunks_refusal)
 
     def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the integer settings on their sliders and boxes without feeding back."""
@@ -350,6 +448,7 @@ class ControlsMixin:
             self._generation_row.layout.display = None if self._generating else "none"
             self._per_node_box.layout.display = None if self.strategy == "hsdp" else "none"
             self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
+            self._sync_lever_choices()
         finally:
             self._syncing = False
         self._custom_box.disabled = self.gpu != CUSTOM_GPU

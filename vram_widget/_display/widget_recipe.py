@@ -13,23 +13,20 @@ from .._estimating.options import CustomOptimizer
 from .._estimating.recipe import Recipe
 from .._estimating.recipe.recipe import KEYWORD_FIELDS
 
-__all__ = ["RecipeSettings", "recipe_settings"]
+__all__ = ["CONTROLLED", "RecipeSettings", "recipe_settings"]
 
-# Settings with no control: held as the Recipe gives them, for every estimate of the widget.
+# The Recipe's settings that have a control in the widget (a trait of the same name). Every
+# other setting is held as the Recipe gives it, for every estimate of the widget (a setting
+# the Recipe gains before the widget has a control for it is held too), but those in
+# _NO_CONTROL, which the widget cannot hold.
+CONTROLLED: tuple[str, ...] = (
+    "batch_size", "seq_len", "precision", "mode", "optimizer", "optimizer_in_backward",
+    "set_to_none", "expandable_segments", "checkpoint", "checkpoint_policy", "trainable",
+    "grad_accumulation", "lora_rank", "loss_chunks", "gpus", "strategy", "gpus_per_node",
+    "new_tokens",
+)  # fmt: skip
 # (compute_capability is the chosen GPU's, which the "GPU" control sets.)
-_FIXED = (
-    "lora_targets",
-    "lora_dtype",
-    "context_bytes",
-    "lazy_loading",
-    "fsdp_units",
-    "outputs",
-    "loss_scaled",
-    "carried_scalars",
-    "clip_grad_norm",
-    "param_groups",
-    "loss_chunks",
-)
+_NO_CONTROL = ("rank", "base_quantization", "compute_capability")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,19 +43,19 @@ def recipe_settings(recipe: object) -> RecipeSettings:
     """Split ``recipe`` into the widget's starting settings.
 
     Every setting that differs from a default Recipe's is kept: a control's value where the
-    widget has one, else held fixed (``lora_targets``, ``lora_dtype``, ``context_bytes``,
-    ``lazy_loading``, ``fsdp_units``, and the training loop's ``outputs``, ``loss_scaled``,
-    ``carried_scalars``, ``clip_grad_norm``, ``param_groups`` and ``loss_chunks``). What the
-    widget cannot hold is a ValueError naming it: a user's optimizer callable, a ``rank``
-    (the widget shows the worst rank), 4-bit base weights and a compute capability (the GPU
-    control sets it).
+    widget has one (:data:`CONTROLLED`), else held fixed (``lora_targets``, ``lora_dtype``,
+    ``context_bytes``, ``lazy_loading``, ``fsdp_units``, the training loop's ``outputs``,
+    ``loss_scaled``, ``carried_scalars``, ``clip_grad_norm``, ``param_groups``, and any
+    other setting with no control). What the widget cannot hold is a ValueError naming it:
+    a user's optimizer or checkpoint policy callable, a ``rank`` (the widget shows the
+    worst rank), 4-bit base weights and a compute capability (the GPU control sets it).
 
     Examples
     --------
     >>> s = recipe_settings(Recipe().with_(batch_size=8, optimizer="adamw-fused",
-    ...                                    lora_rank=8, lora_dtype="bf16"))
+    ...                                    lora_rank=8, lora_dtype="bf16", loss_chunks=8))
     >>> dict(s.controls)
-    {'batch_size': 8, 'optimizer': 'adamw-fused', 'lora_rank': 8}
+    {'batch_size': 8, 'optimizer': 'adamw-fused', 'lora_rank': 8, 'loss_chunks': 8}
     >>> dict(s.fixed)
     {'lora_dtype': 'bf16'}
     """
@@ -71,9 +68,9 @@ def recipe_settings(recipe: object) -> RecipeSettings:
         value = recipe.get(key)
         if value == default.get(key):
             continue
-        if key in _FIXED:
+        if key not in CONTROLLED and key not in _NO_CONTROL:
             fixed[key] = value
-        elif key in ("rank", "base_quantization", "compute_capability"):
+        elif key in _NO_CONTROL:
             raise ValueError(
                 f"the recipe's {key}={value!r} has no control in the widget (the GPU control "
                 "sets the compute capability; the widget shows the worst rank); estimate it "
@@ -97,6 +94,13 @@ def _control_value(key: str, value: Any) -> Any:
             )
         suffix = "" if value.implementation is None else f"-{value.implementation.value}"
         return f"{value.name.value}{suffix}"
+    if key == "checkpoint_policy" and callable(value):
+        name = getattr(value, "__qualname__", type(value).__name__)
+        raise ValueError(
+            f"the recipe's checkpoint_policy {name} is a callable, which the widget's "
+            "checkpoint policy control cannot hold ('full', 'op' or every k-th block); "
+            "estimate it with profile.estimate(recipe=...)"
+        )
     if key in ("checkpoint", "trainable") and isinstance(value, tuple):
         return ",".join(value)  # the text boxes take comma-separated patterns
     return getattr(value, "value", value)  # an option's text

@@ -9,6 +9,7 @@ from typing import Any
 
 import traitlets
 
+from .._estimating.checkpoint_policy import CheckpointPolicyName
 from .._estimating.gpus import CUSTOM_GPU, GPUS, resolve_gpu
 from .._estimating.levers import Levers
 from .._estimating.options import Mode, optimizer_names
@@ -16,13 +17,16 @@ from .._estimating.recipe import Optimizer
 from .._estimating.sharding import DEFAULT_GPUS_PER_NODE, resolve_parallel
 from .._estimating.stepping import stepping_levers
 from .optimizer_control import NO_OPTIMIZER
-from .widget_controls import CHECKPOINT_OFF
+from .widget_controls import CHECKPOINT_OFF, POLICY_NAMES
 
 __all__ = [
     "OptimizerTrait",
     "check_optimizer_settings",
+    "check_policy_value",
     "checkpoint_arg",
     "gpu_settings",
+    "paired_checkpoint",
+    "policy_arg",
     "trainable_arg",
 ]
 
@@ -49,6 +53,66 @@ class OptimizerTrait(traitlets.Unicode):
 def checkpoint_arg(value: str) -> str | None:
     """The ``checkpoint`` trait as ``estimate`` takes it ("off": None)."""
     return None if value in (CHECKPOINT_OFF, "") else value
+
+
+def check_policy_value(value: object) -> None:
+    """The ``checkpoint_policy`` trait's forms: "off", "full", "op" or an int k >= 1 (a
+    TypeError / ValueError naming them; k's bound is the model's, which ``levers`` checks).
+
+    Examples
+    --------
+    >>> check_policy_value("op"), check_policy_value(2)
+    (None, None)
+    >>> check_policy_value("sometimes")
+    Traceback (most recent call last):
+    ...
+    ValueError: checkpoint_policy='sometimes': the widget takes 'off', 'full', 'op' or an int ...
+    """
+    forms = (
+        "the widget takes 'off', 'full', 'op' or an int k >= 1 (every k-th block); a "
+        "callable policy is estimated with profile.estimate(checkpoint_policy=...)"
+    )
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise TypeError(f"checkpoint_policy={value!r} ({type(value).__name__}): {forms}")
+    if isinstance(value, str) and value not in POLICY_NAMES:
+        raise ValueError(f"checkpoint_policy={value!r}: {forms}")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"checkpoint_policy={value}: {forms}")
+
+
+def policy_arg(value: str | int) -> str | int | None:
+    """The ``checkpoint_policy`` trait as ``estimate`` takes it ("off": None)."""
+    return None if value == CHECKPOINT_OFF else value
+
+
+def paired_checkpoint(
+    checkpoint: str, policy: str | int, moved: str | None
+) -> tuple[str, str | int]:
+    """The ``checkpoint`` and ``checkpoint_policy`` traits after ``moved`` (one of them, or
+    None at the start): they are "off" together. A policy with checkpointing off
+    checkpoints the "auto" blocks (as ``estimate(checkpoint_policy=...)`` alone does);
+    checkpointing turned on with the policy off is "full" (``torch.utils.checkpoint`` on
+    each block, the default); either turned off turns the other off.
+
+    Examples
+    --------
+    >>> paired_checkpoint("off", "op", "checkpoint_policy")
+    ('auto', 'op')
+    >>> paired_checkpoint("off", "op", "checkpoint")
+    ('off', 'off')
+    >>> paired_checkpoint("auto", "off", None), paired_checkpoint("Block", 2, "checkpoint")
+    (('auto', 'full'), ('Block', 2))
+    """
+    off = CHECKPOINT_OFF
+    if moved == "checkpoint_policy" and policy == off:
+        return off, off
+    if moved == "checkpoint" and checkpoint_arg(checkpoint) is None:
+        return checkpoint, off
+    if policy != off and checkpoint_arg(checkpoint) is None:
+        return "auto", policy
+    if policy == off and checkpoint_arg(checkpoint) is not None:
+        return checkpoint, CheckpointPolicyName.FULL.value
+    return checkpoint, policy
 
 
 def trainable_arg(value: str) -> list[str] | None:

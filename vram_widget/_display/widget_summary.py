@@ -355,6 +355,6 @@ class SummaryMixin:
 
     def _without_levers(self: MemoryWidget) -> MemoryEstimate:  # type: ignore[misc]
         """The same step without the levers (what the levers row compares with)."""
-        plain = {*self._lever_settings(), *_STEPPING_SETTINGS}
+        plain = {*self._lever_settings(), *_STEPPING_SETTINGS, "loss_chunks"}
         settings = {k: v for k, v in self._settings().items() if k not in plain}
         return self._profile.estimate(self.batch_size, **settings)

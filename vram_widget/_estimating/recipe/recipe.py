@@ -203,6 +203,45 @@ class Recipe:
 
         return read_torchtune(config, gpus=gpus)
 
+    @classmethod
+    def from_torchtitan(cls, config: object, gpus: int | None = None) -> Recipe:
+        """The Recipe of a torchtitan job config (its TOML file, or the dict it parses to):
+        see :mod:`~vram_widget._estimating.recipe.torchtitan`.
+
+        Parameters
+        ----------
+        config : dict, str or path
+            The sections of torchtitan's ``JobConfig`` (``[training]``, ``[optimizer]``,
+            ``[activation_checkpoint]``, ``[parallelism]``...), as torchtitan 0.2's
+            ``--job.config_file`` takes them.
+        gpus : int, optional
+            The world size (not in the config). None: the product of the parallelism
+            degrees, ``data_parallel_shard_degree = -1`` counting as 1.
+
+        Notes
+        -----
+        Read: the micro-batch, sequence length and accumulation (``global_batch_size``),
+        the dtype and mixed precision, the optimizer and its implementation, activation
+        checkpointing and its selective option (``checkpoint_policy``), and the
+        data-parallel degrees (``gpus``, ``strategy``). Other degrees (tensor, pipeline,
+        context, expert), the model's name, its converters, ``compile`` and unknown
+        sections or keys are listed in :attr:`ignored`; ``enable_cpu_offload`` and the
+        ``memory_budget`` mode are refused by name.
+
+        Examples
+        --------
+        >>> r = Recipe.from_torchtitan({
+        ...     "training": {"local_batch_size": 4, "seq_len": 1024},
+        ...     "activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}})
+        >>> r.step.batch_size, r.step.seq_len, r.step.precision.value
+        (4, 1024, 'amp-bf16')
+        >>> r.levers.checkpoint, r.levers.checkpoint_policy, r.optimizer.implementation.value
+        ('auto', 'op', 'fused')
+        """
+        from .torchtitan import read_torchtitan
+
+        return read_torchtitan(config, gpus=gpus)
+
     def with_(self, **settings: Any) -> Recipe:
         """A copy with these flat settings changed (the keywords of
         ``ModelProfile.estimate``: ``batch_size``, ``precision``, ``optimizer``, ``gpus``...),

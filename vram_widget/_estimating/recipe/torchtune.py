@@ -11,7 +11,11 @@ keys as in torchtune's ``recipes/configs/llama3_2/3B_full_single_device.yaml`` a
   (``optimizer_in_backward``).
 - ``enable_activation_checkpointing``: each transformer layer checkpointed
   (``training.set_activation_checkpointing`` on ``TransformerSelfAttentionLayer``): our
-  ``checkpoint="auto"``.
+  ``checkpoint="auto"``, each layer recomputed whole (``checkpoint_policy`` left as None,
+  "full").
+- ``enable_activation_offloading``: the saved activations moved to the host
+  (``training.get_act_offloading_ctx_manager``): ``offload_activations=True`` where the
+  Recipe has that setting, else listed as ignored.
 - ``model``: a LoRA builder (``lora_llama3_2_3b`` ...) gives ``lora_rank`` and the targets;
   torchtune's module names map onto Hugging Face Llama's, which the estimate's PEFT copy
   uses: ``q_proj``, ``k_proj``, ``v_proj`` stay, ``output_proj`` -> ``o_proj``; the MLP's
@@ -97,11 +101,12 @@ _MODELLED = frozenset({
 
 def read_torchtune(config: object, gpus: int = 1) -> Recipe:
     """See :meth:`Recipe.from_torchtune`."""
-    from .recipe import Recipe
+    from .recipe import KEYWORD_FIELDS, Recipe
 
     values = _as_dict(config)
     ignored: list[str] = []
-    _refuse_and_ignore(values, ignored)
+    offloading = "offload_activations" in KEYWORD_FIELDS  # a Recipe setting of its own
+    _refuse_and_ignore(values, ignored, offloading)
     dtype = str(values.get("dtype", "fp32")).lower()
     if dtype not in DTYPES:
         raise ValueError(f"{SOURCE}: unknown dtype {dtype!r}; torchtune's are bf16 and fp32")
@@ -115,6 +120,8 @@ def read_torchtune(config: object, gpus: int = 1) -> Recipe:
         "gpus": gpus,
         "outputs": "freed",  # del logits before the backward (module docstring)
     }
+    if offloading and values.get("enable_activation_offloading"):
+        settings["offload_activations"] = True
     loss = values.get("loss")
     if _component(loss).rsplit(".", 1)[-1] == _CHUNKED_LOSS:
         assert isinstance(loss, Mapping)
@@ -169,7 +176,7 @@ def _component(value: object) -> str:
     return str(value.get("_component_", "")) if isinstance(value, Mapping) else ""
 
 
-def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str]) -> None:
+def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str], offloading: bool) -> None:
     mixed = values.get("mixed_precision")
     if isinstance(mixed, Mapping) and mixed.get("enabled"):
         raise refuse(SOURCE, "mixed_precision.enabled", "int8 mixed-precision training")
@@ -184,7 +191,7 @@ def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str]) -> None:
                        "is the model's own over the whole logits)")  # fmt: skip
     if values.get("compile"):
         ignored.append("compile=True (torch.compile fuses the forward and changes what is saved)")
-    if values.get("enable_activation_offloading"):
+    if values.get("enable_activation_offloading") and not offloading:
         ignored.append("enable_activation_offloading=True (saved activations moved to the host)")
     profiler = values.get("profiler")
     if isinstance(profiler, Mapping) and profiler.get("enabled") and profiler.get("profile_memory"):
