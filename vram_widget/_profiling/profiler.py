@@ -482,7 +482,7 @@ class Profiler:
                 rec.pack_hook,
                 rec.paused,
                 frozenset(id(p) for p in params.values()),
-                self._offload_plans.setdefault((precision, levers, self.seq_len), []),
+                self._offload_plan(precision, levers, mode),
             )
 
         marks: dict[str, int] = {}
@@ -625,6 +625,21 @@ class Profiler:
             step_flops=step_flops,
             host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
         )
+
+    def _offload_plan(self, precision: Precision, levers: Levers, mode: Mode) -> list[bool]:
+        """Which saved tensors of this step torchtune offloads, by the order they are
+        saved: decided once, by a run at ``OFFLOAD_PLAN_BATCH`` (its trace discarded), and
+        held at every batch size, so that each run is the same step and the fit holds.
+        torchtune offloads a tensor of at least 1024 bytes: what grows with the batch is
+        over that at any batch the decision is for, and at smaller batches a tensor is
+        taken as offloaded that would be under 1024 bytes there (module docstring of
+        ``offloading.py``). The real fallback decides at its own batch size."""
+        key = (precision, levers, self.seq_len)
+        if key not in self._offload_plans:
+            self._offload_plans[key] = []
+            if not self.real:
+                self.run(precision, OFFLOAD_PLAN_BATCH, mode, flops=False)
+        return self._offload_plans[key]
 
     def check_runs(self) -> bool:
         """Whether one unrecorded training step (forward, loss, backward) and one inference
@@ -930,6 +945,9 @@ FIT_BATCH_SIZES = (2, 3, 5)
 CHECK_BATCH_SIZE = 4
 # Where memory is quadratic in the batch, the three fit it and this one checks it.
 QUADRATIC_CHECK_BATCH = 8
+# Activation offloading: the batch size at which torchtune's 1024-byte threshold picks the
+# saved tensors offloaded at every batch size (Profiler._offload_plan)
+OFFLOAD_PLAN_BATCH = 256
 # CPU kernel workspaces are not affine in the batch (oneDNN picks its algorithm per shape):
 # they are measured on this grid too and interpolated (device="cpu" only).
 WORKSPACE_BATCH_SIZES = (1, 8, 32)
