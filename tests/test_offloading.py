@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -52,9 +52,9 @@ def test_forms_resolve() -> None:
     assert resolve_offload(True) is Offload.TORCHTUNE
     assert resolve_offload("torchtune") is Offload.TORCHTUNE
     assert resolve_offload("save_on_cpu") is Offload.SAVE_ON_CPU
-    with pytest.raises(ValueError, match="'nvme'.*'torchtune'.*'save_on_cpu'"):
+    with pytest.raises(ValueError, match=r"'nvme'.*'torchtune'.*'save_on_cpu'"):
         resolve_offload("nvme")
-    with pytest.raises(TypeError, match="offload_activations=1 \\(int\\)"):
+    with pytest.raises(TypeError, match=r"offload_activations=1 \(int\)"):
         resolve_offload(1)
     r = Recipe.from_keywords(offload_activations=True)
     assert r.levers.offload_activations is True
@@ -63,12 +63,12 @@ def test_forms_resolve() -> None:
 def test_refusals_name_the_problem(profile: Any) -> None:
     with pytest.raises(ValueError, match="offload_activations='nvme'"):
         profile.estimate(B, offload_activations="nvme")
-    with pytest.raises(ValueError, match="mode='inference'.*saves none"):
+    with pytest.raises(ValueError, match=r"mode='inference'.*saves none"):
         profile.estimate(B, mode="inference", offload_activations=True)
     with pytest.raises(ValueError, match="gpus=1"):
         profile.estimate(B, gpus=2, offload_activations="save_on_cpu")
     cpu = profile_model(mlp(1), input_size=(D,), loss_fn=_sum, device="cpu")
-    with pytest.raises(ValueError, match="device='cpu'.*in host memory already.*device='cuda'"):
+    with pytest.raises(ValueError, match=r"device='cpu'.*in host memory already.*device='cuda'"):
         cpu.estimate(B, offload_activations="save_on_cpu")
     with pytest.raises(ValueError, match="mode='inference'"):
         measure(mlp(1), torch.randn(2, D), mode="inference", offload_activations="torchtune")
@@ -151,7 +151,7 @@ class _Stream:
 class _Host(torch.Tensor):
     """A host copy made by torchtune's pack hook; its ``.to("cuda")`` is logged."""
 
-    brought: list[int] = []
+    brought: ClassVar[list[int]] = []
 
     def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         if args and args[0] == "cuda":
