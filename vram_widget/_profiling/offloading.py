@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.autograd.variable import Variable
 
 from .._estimating.offloading import Offload, resolve_offload
 
@@ -328,9 +329,8 @@ class OffloadEmulation:
     def _unpack_torchtune(self, tensor_id: int) -> torch.Tensor:
         if self.is_first_backward_call:  # unpack_tensor_with_streams
             self.curr_graph_id = torch._C._current_graph_task_id()
-            torch.autograd.variable.Variable._execution_engine.queue_callback(
-                self.bwd_tensor_stash.clear  # wait_and_del_remaining_references
-            )
+            # wait_and_del_remaining_references, at the end of the backward
+            Variable._execution_engine.queue_callback(self.bwd_tensor_stash.clear)
             self.is_first_backward_call = False
             self.is_first_forward_call = True
         held, modified = self.tracker.pop(tensor_id)
