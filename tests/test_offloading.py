@@ -262,3 +262,27 @@ def test_measure_save_on_cpu_on_the_cpu_is_the_plain_step() -> None:
     assert off.peak_bytes == plain.peak_bytes and off.resident_bytes == plain.resident_bytes
     with pytest.raises(ValueError, match="needs CUDA"):
         measure(model, x, loss_fn=_sum, offload_activations="torchtune")
+
+
+class _Decoder(nn.Module):
+    """A torchtune-style decoder: its output projection is ``self.output``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D, D, bias=False), nn.ReLU())
+        self.output = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.output(self.body(x))
+        return out
+
+
+def test_output_projection_stays_on_the_device_under_torchtune() -> None:
+    profile = profile_model(_Decoder(), input_size=(D,), loss_fn=_sum)
+    tt = profile.estimate(B, optimizer=None, offload_activations="torchtune")
+    everything = profile.estimate(B, optimizer=None, offload_activations="save_on_cpu")
+    # saves: the body's mm keeps x, its ReLU r; the output's mm W_out.t() and r. torchtune
+    # runs the output under NoOpManager: its two saves stay, x and r go (2 x 65,536);
+    # save_on_cpu takes all four: 3 x 65,536 + 16,384
+    assert tt.host_bytes == 2 * ACT == 131_072
+    assert everything.host_bytes == 3 * ACT + WEIGHT == 212_992
