@@ -220,6 +220,7 @@ def _training_keywords(args: argparse.Namespace) -> dict[str, Any]:
     for name in (
         "optimizer_in_backward", "set_to_none", "lora_dtype", "outputs", "loss_scaled",
         "carried_scalars", "clip_grad_norm", "param_groups", "loss_chunks",
+        "offload_activations",
     ):  # fmt: skip
         if getattr(args, name) is not None:
             keywords[name] = getattr(args, name)
@@ -295,6 +296,7 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "nccl_buffer_bytes": None if est.nccl is None else est.nccl.nbytes,
         "rank": est.rank,
         "communication_bytes": est.communication_bytes,
+        "host_bytes": est.host_bytes,
     }
 
 
@@ -312,6 +314,11 @@ def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[
     first = settings[0].estimate
     if first.levers.active:
         print(f"levers: {first.levers.describe()}")
+    if first.host_bytes:
+        print(
+            f"not in any figure: host memory of the offloaded activations, "
+            f"{first.host_bytes / 2**20:,.1f} MiB at batch {first.batch_size:,}"
+        )
     if first.gpus > 1:
         which = f"rank {first.rank}, the worst" if first.rank is not None else "each rank"
         print(

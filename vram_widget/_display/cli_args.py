@@ -90,6 +90,7 @@ _TRAIN_ONLY = (
     ("trainable", "--trainable"),
     ("grad_accumulation", "--grad-accumulation"),
     ("loss_chunks", "--loss-chunks"),
+    ("offload_activations", "--offload-activations"),
     ("lora_rank", "--lora-rank"),
     ("lora_targets", "--lora-targets"),
     ("base_quantization", "--base-quantization"),
@@ -507,6 +508,13 @@ def _lever_flags(levers: argparse._ArgumentGroup) -> None:
         metavar="K",
         help="a Hugging Face causal LM's output projection and cross-entropy on K chunks of "
         "the sequence, torchtune's CEWithChunkedOutputLoss (needs labels; torchtune uses 8)",
+    )
+    levers.add_argument(
+        "--offload-activations",
+        choices=("torchtune", "save_on_cpu"),
+        help="the forward's saved activations offloaded to host memory: 'torchtune' "
+        "(torchtune's OffloadActivations, the output projection kept on the device) or "
+        "'save_on_cpu' (torch.autograd.graph.save_on_cpu); --device cuda only",
     )
     levers.add_argument(
         "--lora-rank",

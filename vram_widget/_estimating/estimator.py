@@ -183,6 +183,10 @@ class MemoryEstimate:
     # between host and device on demand; so it is in no total here (not in
     # max_memory_allocated), and is what the device may hold besides them
     paged_bytes: int = 0
+    # activation offloading (``offload_activations``, ``offloading.py``): the host memory
+    # the offloaded copies of saved tensors take at their peak (pinned by torchtune's
+    # OffloadActivations); in no device total here
+    host_bytes: int = 0
 
     @property
     def new_tokens(self) -> int | None:
@@ -712,6 +716,11 @@ def estimate(
             optimizer_implementation if train and optimizer is not None else None
         ),
         paged_bytes=opt.paged_bytes if train and opt is not None else 0,
+        host_bytes=(
+            0
+            if timeline.host_bytes is None or not train
+            else _as_int(timeline.host_bytes.at(batch_size, length)[0])
+        ),
         mode=mode,
         device=device,
         seq_len=seq_len,

@@ -92,6 +92,10 @@ class Levers:
         The output projection and the cross-entropy run on this many chunks of the
         sequence, torchtune's ``CEWithChunkedOutputLoss`` (the Recipe's
         ``levers.loss_chunks``, ``chunked_loss.py``); None: the model's own output and loss.
+    offload_activations : str or None
+        The forward's saved tensors offloaded to host memory (``offloading.py``):
+        ``"torchtune"`` (torchtune's ``OffloadActivations``) or ``"save_on_cpu"`` (torch's
+        ``save_on_cpu``); None: kept on the device.
     """
 
     checkpoint: tuple[str, ...] = ()
@@ -110,6 +114,7 @@ class Levers:
     clip_grad_norm: bool = False
     decay_groups: bool = False
     loss_chunks: int | None = None
+    offload_activations: str | None = None
 
     @property
     def active(self) -> bool:
@@ -126,6 +131,7 @@ class Levers:
             or self.clip_grad_norm
             or self.decay_groups
             or self.loss_chunks is not None
+            or self.offload_activations is not None
         )
 
     @property
@@ -171,6 +177,10 @@ class Levers:
             parts.append("decay / no-decay parameter groups")
         if self.loss_chunks is not None:
             parts.append(f"output and loss in {self.loss_chunks} chunks")
+        if self.offload_activations is not None:
+            how = {"torchtune": "torchtune's OffloadActivations"}
+            label = how.get(self.offload_activations, self.offload_activations)
+            parts.append(f"saved activations offloaded to the host ({label})")
         return ", ".join(parts) or "no levers"
 
 

@@ -26,6 +26,7 @@ from .decoding import (
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .gpus import Gpu, resolve_gpu
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
+from .offloading import offload_levers
 from .options import (
     CATEGORY_CODE,
     PHASE_CODE,
@@ -273,6 +274,7 @@ class ModelProfile:
             "checkpoint_policy": policy,
             "grad_accumulation": levers.grad_accumulation,
             "loss_chunks": levers.loss_chunks,
+            "offload_activations": levers.offload_activations,
         }
 
     def _made_lora(self, levers: Levers) -> tuple[ModelProfile, Levers] | None:
@@ -282,7 +284,10 @@ class ModelProfile:
             return None
         sub, kwargs = self._lora(levers)
         chunks = kwargs.pop("loss_chunks")
-        return sub, dataclasses.replace(sub.levers(**kwargs), loss_chunks=chunks)
+        offload = kwargs.pop("offload_activations")
+        return sub, dataclasses.replace(
+            sub.levers(**kwargs), loss_chunks=chunks, offload_activations=offload
+        )
 
     def is_cached(
         self,
@@ -715,6 +720,8 @@ class ModelProfile:
             lv.lora_targets,
             lv.checkpoint_policy,
         )
+        # refused by name on the CPU, in inference and across GPUs (offloading.py)
+        levers = offload_levers(levers, lv.offload_activations, run_mode, self.device, parallel)
         lora_dtype = _lora_dtype_of(lv)
         if run_mode is not Mode.TRAIN:
             levers = NO_LEVERS

@@ -324,6 +324,9 @@ class Timeline:
     step_starts: tuple[int, ...] = ()
     # ... and the FLOPs per row counted before each of them (steps x rows)
     step_flops: Poly | None = None
+    # activation offloading: the host bytes the offloaded copies take at their peak, one
+    # value (None: nothing offloaded)
+    host_bytes: Poly | None = None
 
     @property
     def seq_degree(self) -> int:
@@ -513,8 +516,13 @@ def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...
         else np.zeros((0, len(aligned)), np.int64)
     )
     ws_bytes = _fill_unknown(ws_grid, ws_bytes)
+    host = None
+    if any(_host_peak(t)[0] for t in fit):
+        host = Poly.fit(batches, tuple(_host_peak(t) for t in fit))
     exact, bad_row, check_peaks = True, None, None
     b3 = check.batch_size
+    if host is not None and not np.array_equal(host.at(b3), _host_peak(check)):
+        exact = False
     if len(check.event_bytes) != len(t1.event_bytes):
         exact = False
         bad_row = _first_difference_row(t1, check)
@@ -563,7 +571,14 @@ def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...
         step_flops=(
             Poly.fit(batches, tuple(t.step_flops for t in fit)) if t1.step_flops.size else None
         ),
+        host_bytes=host,
     )
+
+
+def _host_peak(trace: _Trace) -> np.ndarray:
+    """The host bytes a trace's offloaded copies took at their peak, as a 1-array (0 for a
+    trace that offloads nothing, or that does not say)."""
+    return np.asarray([getattr(trace, "host_peak_bytes", 0)], np.int64)
 
 
 def across_lengths(
@@ -613,6 +628,13 @@ def across_lengths(
                 return None
     if storage is None or dims is None or forward is None or backward is None:
         return None
+    host = None
+    if first.host_bytes is not None:
+        hosts = tuple(tl.host_bytes for tl in timelines)
+        host = None if any(h is None for h in hosts) else fit(hosts)  # type: ignore[arg-type]
+        check_host = host.at(check.batch_size, check_seq) if host is not None else None
+        if check_host is None or not np.array_equal(check_host, _host_peak(check)):
+            return None
     return dataclasses.replace(
         first,
         event_bytes=events,
@@ -621,6 +643,7 @@ def across_lengths(
         flops_forward=forward,
         flops_backward=backward,
         step_flops=steps,
+        host_bytes=host,
         batch_one=None,  # the caller fits batch 1 across the lengths apart, where it differs
     )
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._estimating.levers import NO_LEVERS, Levers, parse_lora_dtype
+from .._estimating.offloading import Offload, resolve_offload
 from .._estimating.options import (
     Mode,
     OptimizerChoice,
@@ -64,6 +65,7 @@ from .._estimating.decoding import check_generation
 from .carried import CarriedScalars
 from .chunked_loss import checked_loss_chunks, chunked_step
 from .generation import generation_limit, prompt_inputs
+from .offloading import offloaded_forward, real_offloading
 from .optimizers import state_tensors
 from .param_groups import decay_parameter_names, trainer_groups
 from .step import (
@@ -199,6 +201,7 @@ def measure(
     param_groups: str | ParamGroups = default("one"),
     carried_scalars: bool = default(False),
     loss_chunks: int | None = default(None),
+    offload_activations: object = default(None),
     recipe: Recipe | None = None,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
@@ -305,6 +308,12 @@ def measure(
         labels shifted as torchtune's recipes shift them and torchtune's own
         ``CEWithChunkedOutputLoss`` (``chunked_loss.py``). Needs labels in ``inputs`` and
         no ``loss_fn``; one process only.
+    offload_activations : None, bool or str
+        The forward run inside the real offloading hooks: True or ``"torchtune"``,
+        torchtune's own ``OffloadActivations()`` (one for the loop, its defaults) with its
+        ``NoOpManager`` on the output projection (needs CUDA); ``"save_on_cpu"``,
+        ``torch.autograd.graph.save_on_cpu()``. On a CPU model ``save_on_cpu`` is the plain
+        step (a CPU tensor's ``.cpu()`` is itself). Training, one process only.
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
@@ -366,6 +375,7 @@ def measure(
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
             "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
             "carried_scalars": carried_scalars, "loss_chunks": loss_chunks,
+            "offload_activations": offload_activations,
         },
     )  # fmt: skip
     optimizer_in_backward, set_to_none = settings["optimizer_in_backward"], settings["set_to_none"]
@@ -412,11 +422,12 @@ def measure(
             or decay_split
             or carry
             or settings["loss_chunks"] is not None
+            or resolve_offload(settings["offload_activations"]) is not None
         ):
             raise ValueError(
                 "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled, "
                 "carried_scalars, clip_grad_norm, param_groups='decay-split' and "
-                "loss_chunks are measured "
+                "loss_chunks and offload_activations are measured "
                 "on one process "
                 "(gpus=1) only for now"
             )
@@ -439,6 +450,7 @@ def measure(
         decay_split=decay_split,
         carried_scalars=carry,
         loss_chunks=settings["loss_chunks"],
+        offload_activations=settings["offload_activations"],
         **levers,
     )[0]
 
@@ -544,6 +556,7 @@ def _measure(
     decay_split: bool = False,
     carried_scalars: bool = False,
     loss_chunks: int | None = None,
+    offload_activations: object = None,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -565,12 +578,19 @@ def _measure(
     batch_size = user_inputs.batch_size()
     check_forward_accepts(model, user_inputs)
     chunks = checked_loss_chunks(model, user_inputs, loss_fn, loss_chunks)
+    offload = resolve_offload(offload_activations)
+    if offload is not None and run_mode is not Mode.TRAIN:
+        raise ValueError(
+            f"offload_activations={offload.value!r} with mode={run_mode.value!r}: offloading "
+            "moves the tensors autograd saves for the backward, and a step without a "
+            "backward saves none; use mode='train', or leave offload_activations=None"
+        )
 
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
             parallel, new_tokens, implementation, stepping, protocol, decay_split,
-            carried_scalars, lora_dtype, chunks if run_mode is Mode.TRAIN else None,
+            carried_scalars, lora_dtype, chunks if run_mode is Mode.TRAIN else None, offload,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -634,6 +654,7 @@ class _Session:
         carried_scalars: bool = False,
         lora_dtype: str | None = None,
         loss_chunks: int | None = None,
+        offload: Offload | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
@@ -685,6 +706,9 @@ class _Session:
         self.forward: Callable[..., Any] = self.model
         if loss_chunks is not None:  # torchtune's chunked output and loss
             self.forward, self.loss_fn = chunked_step(self.model, loss_chunks)
+        if offload is not None:  # the forward inside the real hooks (offloading.py)
+            hooks, self._no_op_hooks = real_offloading(self.model, offload)
+            self.forward = offloaded_forward(self.forward, hooks)
         self.precision = precision
         self.mode = mode
         self.device_type = device.type

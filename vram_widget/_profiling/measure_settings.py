@@ -34,6 +34,7 @@ MEASURED_SETTINGS = (
     "param_groups",
     "carried_scalars",
     "loss_chunks",
+    "offload_activations",
 )
 """The Recipe settings a measured step runs with, by their flat names (``measure``'s
 keywords)."""

@@ -21,6 +21,7 @@ from torch.func import functional_call
 from .._estimating.decoding import DECODE_STEPS_PROFILED
 from .._estimating.estimator import module_label
 from .._estimating.levers import NO_LEVERS, Levers
+from .._estimating.offloading import Offload
 from .._estimating.options import (
     PHASE_CODE,
     Category,
@@ -65,6 +66,7 @@ from .fake import (
 )
 from .generation import generation_limit, prompt_inputs, recorded_generation
 from .hub import model_or_name
+from .offloading import OffloadEmulation, emulated_offloading, offloaded_forward
 from .optimizers import (
     OpWatch,
     cpu_kernels,
@@ -139,6 +141,8 @@ class RawTrace:
     step_starts: tuple[int, ...] = ()
     # generation: the FLOPs per row counted before each of those points (steps x rows)
     step_flops: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    # activation offloading: the host bytes its copies took at their peak (0: none)
+    host_peak_bytes: int = 0
 
 
 @dataclass
@@ -381,6 +385,9 @@ class Profiler:
         # sized by them)
         self.decode_steps = DECODE_STEPS_PROFILED
         self.generation_tokens: int | None = None
+        # activation offloading: which saved tensors a step offloads, decided at its first
+        # run and held for every batch size (offloading.OffloadEmulation's plan)
+        self._offload_plans: dict[tuple[Precision, Levers, int | None], list[bool]] = {}
         # One fake mode, and one set of fake parameters and buffers, per precision, shared by
         # every run of that precision (each batch size, training and inference): building
         # them costs as much as a small model's whole step, and the fake mode's dispatch cache
@@ -468,6 +475,15 @@ class Profiler:
         loss_fn = subject.loss_fn
         if levers.loss_chunks is not None:  # torchtune's chunked output and loss
             model_fn, loss_fn = chunked_step(subject.model, levers.loss_chunks)
+        offload = None
+        if levers.offload_activations is not None:  # the forward's saved tensors to the host
+            offload = OffloadEmulation(
+                Offload(levers.offload_activations),
+                rec.pack_hook,
+                rec.paused,
+                frozenset(id(p) for p in params.values()),
+                self._offload_plan(precision, levers, mode),
+            )
 
         marks: dict[str, int] = {}
         frozen = [params[n] for n in frozen_by(levers, params) if params[n].requires_grad]
@@ -526,6 +542,9 @@ class Profiler:
                 stack.enter_context(
                     torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, rec.unpack_hook)
                 )
+                if offload is not None:  # inside the recorder's hooks: these run instead
+                    hooks = stack.enter_context(emulated_offloading(subject.model, offload))
+                    model_fn = offloaded_forward(model_fn, hooks)
                 if in_backward is not None:
                     stack.enter_context(in_backward.hooked())
             else:
@@ -604,7 +623,23 @@ class Profiler:
             uses_matmul=rec.uses_matmul,
             step_starts=step_starts,
             step_flops=step_flops,
+            host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
         )
+
+    def _offload_plan(self, precision: Precision, levers: Levers, mode: Mode) -> list[bool]:
+        """Which saved tensors of this step torchtune offloads, by the order they are
+        saved: decided once, by a run at ``OFFLOAD_PLAN_BATCH`` (its trace discarded), and
+        held at every batch size, so that each run is the same step and the fit holds.
+        torchtune offloads a tensor of at least 1024 bytes: what grows with the batch is
+        over that at any batch the decision is for, and at smaller batches a tensor is
+        taken as offloaded that would be under 1024 bytes there (module docstring of
+        ``offloading.py``). The real fallback decides at its own batch size."""
+        key = (precision, levers, self.seq_len)
+        if key not in self._offload_plans:
+            self._offload_plans[key] = []
+            if not self.real:
+                self.run(precision, OFFLOAD_PLAN_BATCH, mode, flops=False)
+        return self._offload_plans[key]
 
     def check_runs(self) -> bool:
         """Whether one unrecorded training step (forward, loss, backward) and one inference
@@ -910,6 +945,9 @@ FIT_BATCH_SIZES = (2, 3, 5)
 CHECK_BATCH_SIZE = 4
 # Where memory is quadratic in the batch, the three fit it and this one checks it.
 QUADRATIC_CHECK_BATCH = 8
+# Activation offloading: the batch size at which torchtune's 1024-byte threshold picks the
+# saved tensors offloaded at every batch size (Profiler._offload_plan)
+OFFLOAD_PLAN_BATCH = 256
 # CPU kernel workspaces are not affine in the batch (oneDNN picks its algorithm per shape):
 # they are measured on this grid too and interpolated (device="cpu" only).
 WORKSPACE_BATCH_SIZES = (1, 8, 32)

@@ -312,6 +312,16 @@ class Recorder(TorchDispatchMode):
             self._close_retained()  # the forward's autocast region has ended
         self.phase = PHASE_CODE[phase]
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing inside: tensors made here are no device memory (the host copies
+        of activation offloading), and their storages are never tracked."""
+        recording, self._recording = self._recording, False
+        try:
+            yield
+        finally:
+            self._recording = recording
+
     def stop(self) -> None:
         self._settle_pending_sum()
         if self._recording:

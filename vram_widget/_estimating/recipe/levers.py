@@ -41,6 +41,10 @@ class LeverSettings:
         The output projection and cross-entropy over this many chunks of the sequence,
         torchtune's ``num_output_chunks`` with its ``CEWithChunkedOutputLoss``: one chunk of
         logits upcast to fp32 at a time. None: the model's own output and loss.
+    offload_activations : None, bool or str
+        The forward's saved activations offloaded to host memory: None or False (off), True
+        or ``"torchtune"`` (torchtune's ``OffloadActivations``, the output projection kept
+        on the device), or ``"save_on_cpu"`` (``torch.autograd.graph.save_on_cpu``).
 
     Examples
     --------
@@ -57,6 +61,7 @@ class LeverSettings:
     lora_dtype: str | None = None
     loss_chunks: int | None = None
     checkpoint_policy: object = None
+    offload_activations: object = None
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "trainable", "lora_targets"):

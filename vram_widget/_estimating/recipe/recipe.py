@@ -88,6 +88,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "lora_dtype": ("levers", "lora_dtype"),
     "base_quantization": ("levers", "base_quantization"),
     "loss_chunks": ("levers", "loss_chunks"),
+    "offload_activations": ("levers", "offload_activations"),
     "gpus": ("parallel", "gpus"),
     "strategy": ("parallel", "strategy"),
     "rank": ("parallel", "rank"),
