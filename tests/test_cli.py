@@ -717,6 +717,14 @@ def test_optimizer_flag_takes_every_name() -> None:
         assert parser.parse_args(["mlp", "--optimizer", name]).optimizer == name
 
 
+def test_table_names_the_optimizer_given_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from vram_widget._display.cli import main
+
+    assert main(["mlp", "--optimizer", "sgd", "--precision", "fp32"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if " train " in line)
+    assert row.split()[1:4] == ["fp32", "sgd", "train"]
+
+
 def test_torchtitan_config_file_fills_the_flags(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -369,7 +369,7 @@ def _print_table(args: argparse.Namespace, settings: list[_Setting], cuda: bool)
     for s in settings:
         est = s.estimate
         row = [f"{est.batch_size:,}", s.precision.value,
-               "-" if est.mode is not Mode.TRAIN else (_name(args.optimizer) or "none"),
+               "-" if est.mode is not Mode.TRAIN else (_name(est.optimizer) or "none"),
                est.mode.value, _bytes(est.peak_bytes)]  # fmt: skip
         if cuda:
             row += [_maybe_bytes(est.reserved_bytes), _maybe_bytes(est.device_bytes)]

@@ -614,7 +614,7 @@ _FILE_SETTINGS = (
     "batch_size", "seq_len", "optimizer", "grad_accumulation", "checkpoint",
     "checkpoint_policy", "lora_rank", "lora_targets", "lora_dtype", "optimizer_in_backward",
     "gpus", "strategy", "gpus_per_node", "fsdp_units", "outputs", "loss_scaled",
-    "carried_scalars", "clip_grad_norm", "param_groups", "loss_chunks",
+    "carried_scalars", "clip_grad_norm", "param_groups", "loss_chunks", "offload_activations",
 )  # fmt: skip
 # each recipe file's flag, and the Recipe reader that reads it (its gpus: the --gpus flag;
 # None for torchtitan: the product of the file's parallelism degrees)

@@ -101,12 +101,11 @@ _MODELLED = frozenset({
 
 def read_torchtune(config: object, gpus: int = 1) -> Recipe:
     """See :meth:`Recipe.from_torchtune`."""
-    from .recipe import KEYWORD_FIELDS, Recipe
+    from .recipe import Recipe
 
     values = _as_dict(config)
     ignored: list[str] = []
-    offloading = "offload_activations" in KEYWORD_FIELDS  # a Recipe setting of its own
-    _refuse_and_ignore(values, ignored, offloading)
+    _refuse_and_ignore(values, ignored)
     dtype = str(values.get("dtype", "fp32")).lower()
     if dtype not in DTYPES:
         raise ValueError(f"{SOURCE}: unknown dtype {dtype!r}; torchtune's are bf16 and fp32")
@@ -120,7 +119,7 @@ def read_torchtune(config: object, gpus: int = 1) -> Recipe:
         "gpus": gpus,
         "outputs": "freed",  # del logits before the backward (module docstring)
     }
-    if offloading and values.get("enable_activation_offloading"):
+    if values.get("enable_activation_offloading"):
         settings["offload_activations"] = True
     loss = values.get("loss")
     if _component(loss).rsplit(".", 1)[-1] == _CHUNKED_LOSS:
@@ -176,7 +175,7 @@ def _component(value: object) -> str:
     return str(value.get("_component_", "")) if isinstance(value, Mapping) else ""
 
 
-def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str], offloading: bool) -> None:
+def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str]) -> None:
     mixed = values.get("mixed_precision")
     if isinstance(mixed, Mapping) and mixed.get("enabled"):
         raise refuse(SOURCE, "mixed_precision.enabled", "int8 mixed-precision training")
@@ -191,8 +190,6 @@ def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str], offloading
                        "is the model's own over the whole logits)")  # fmt: skip
     if values.get("compile"):
         ignored.append("compile=True (torch.compile fuses the forward and changes what is saved)")
-    if values.get("enable_activation_offloading") and not offloading:
-        ignored.append("enable_activation_offloading=True (saved activations moved to the host)")
     profiler = values.get("profiler")
     if isinstance(profiler, Mapping) and profiler.get("enabled") and profiler.get("profile_memory"):
         ignored.append("profiler.profile_memory (the profiler's own records)")
