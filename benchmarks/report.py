@@ -316,7 +316,7 @@ def _speed() -> str:
         lines.append(
             f"| browser: batch-slider key press -> redrawn figure, JupyterLab in headless "
             f"Chromium, median / p90 of {b['moves']} moves ({b['notebook']}) "
-            f"| {b['median_ms']:.0f} / {b['p90_ms']:.0f} ms | <= 150 ms median |"
+            f"| {b['median_ms']:.0f} / {b['p90_ms']:.0f} ms | <= 100 ms median |"
         )
     return "\n".join(lines)
 
