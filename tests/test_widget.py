@@ -1222,8 +1222,14 @@ def test_answer_first_then_bar_controls_figure_and_details(profile: ModelProfile
     w = MemoryWidget(profile)
     assert w.children[:5] == (w._headline, w._status, w._bar, w._controls, w.figure)
     assert w._details_panel in w.children and w._details_panel.selected_index is None
-    # as wide as the notebook, the plot resizing with it (no fixed width, a fixed height)
-    assert w.layout.width == "100%" and w._tabs.layout.width == "100%"
+    # as wide as the notebook, the plot resizing with it (no fixed width, a fixed height);
+    # the boxes inside stretch across it with no width of their own (a "100%" plus each
+    # widget's 2 px margin drew the tabs past the output's right edge in JupyterLab)
+    assert w.layout.width == "100%"
+    assert w._controls.layout.width is None and w._tabs.layout.width is None
+    assert w._display_menu.layout.width is None
+    # the mode buttons beside their label (ToggleButtons is a block: they went under it)
+    assert w._mode_buttons.layout.display == "flex"
     assert w.figure.layout.autosize is True and w.figure.layout.width is None
     assert w.figure.layout.height is not None
 
