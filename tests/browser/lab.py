@@ -271,10 +271,16 @@ class CellReport:
     display_errors: int
 
 
-def open_and_run_all(page: Any, server: LabServer, notebook: str, timeout_s: float) -> CellReport:
-    """Open ``notebook`` in Lab, wait for its kernel, Run All, wait for every cell."""
+def open_and_run_all(
+    page: Any, server: LabServer, notebook: str, timeout_s: float, collapse_left: bool = False
+) -> CellReport:
+    """Open ``notebook`` in Lab, wait for its kernel, Run All, wait for every cell. With
+    ``collapse_left``, Lab's left sidebar (the file browser) is collapsed before the run, so
+    the outputs are drawn at the page's width."""
     page.goto(server.notebook_url(notebook), wait_until="domcontentloaded")
     page.wait_for_function(JS_KERNEL_IDLE, timeout=timeout_s * 1000)
+    if collapse_left:
+        page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
     # The command's promise settles when the run ends: every cell done, or the first error.
     page.evaluate(
         "() => { window.__vramRunAll = undefined; window.jupyterapp.commands"
