@@ -6,7 +6,7 @@ Starts JupyterLab on loopback, opens ``notebooks/quickstart.ipynb`` in headless 
 (Debian's ``/usr/bin/chromium``), runs every cell, then presses the arrow keys on the widget's
 batch-size slider. Each latency is the time from the keydown to the first animation frame in
 which the figure's data had changed (the kernel's recompute, the comm round trip and plotly's
-redraw, all included). The target is <= 150 ms median. The harness is the browser test's
+redraw, all included). The target is <= 100 ms median. The harness is the browser test's
 (``tests/browser/lab.py``). Results go to ``benchmarks/results/browser_latency.json``.
 """
 

@@ -289,34 +289,37 @@ def _speed() -> str:
     widget = RESULTS / "widget_latency.json"
     if widget.exists():
         w = json.loads(widget.read_text())
-        lines.append(
-            f"| widget: trait change -> estimate -> figure, ResNet-50 (3x64x64), median "
-            f"| {w['resnet50_3x64x64']['median_ms']:.1f} ms | <= 20 ms |"
-        )
-        if "device_line_median_ms" in w["resnet50_3x64x64"]:
+        labels = {
+            "resnet50_3x64x64": "ResNet-50 (3x64x64)",
+            "gpt2_small_batch": "GPT-2 small (12 layers, 128 tokens)",
+            "gpt2_small_seq_frontier": "GPT-2 small, frontier panel open",
+        }
+        for key, label in labels.items():
+            if key not in w:
+                continue
+            r = w[key]
             lines.append(
-                "| widget: same, the lines filled in by the kernel's event loop once the "
-                "controls rest 0.15 s (`device_bytes`; the fewest GPUs that fit), median "
-                f"| {w['resnet50_3x64x64']['device_line_median_ms']:.1f} ms | |"
+                f"| widget: batch-size move -> estimate -> figure, headline and bar, {label}, "
+                '`device="cuda"`, median of the batch moves in an event loop: wall / the '
+                f"process's CPU time | {r['batch_only_median_ms']:.1f} / "
+                f"{r['batch_only_cpu_median_ms']:.1f} ms | <= 5 ms |"
+            )
+            lines.append(
+                "| ... what waits for the controls to rest 0.15 s (`device_bytes`, a new "
+                "setting's largest batch, the longest sequence, the GPUs needed, the details, "
+                f"the layers table), median | {r['at_rest_median_ms']:.0f} ms | |"
             )
         lines.append(
-            f"| widget: same, 1,000-module model, median "
+            f"| widget: any move of a 1,000-module model, median "
             f"| {w['sequential_1000_modules']['median_ms']:.1f} ms | <= 50 ms |"
         )
-        if "gpt2_small_seq_frontier" in w:
-            g = w["gpt2_small_seq_frontier"]
-            lines.append(
-                "| widget: GPT-2 small, frontier panel open, sequence-length / batch moves, "
-                f"median | {g['seq_only_median_ms']:.1f} / {g['batch_only_median_ms']:.1f} ms "
-                "| <= 20 ms |"
-            )
     browser = RESULTS / "browser_latency.json"
     if browser.exists():
         b = json.loads(browser.read_text())
         lines.append(
             f"| browser: batch-slider key press -> redrawn figure, JupyterLab in headless "
             f"Chromium, median / p90 of {b['moves']} moves ({b['notebook']}) "
-            f"| {b['median_ms']:.0f} / {b['p90_ms']:.0f} ms | <= 150 ms median |"
+            f"| {b['median_ms']:.0f} / {b['p90_ms']:.0f} ms | <= 100 ms median |"
         )
     return "\n".join(lines)
 
@@ -424,6 +427,35 @@ def _fresh_speed() -> str:
     return "\n".join(lines)
 
 
+def _levers_cuda() -> str:
+    """The activation levers on a real GPU (benchmarks/levers_cuda.py)."""
+    path = RESULTS / "levers_cuda.json"
+    if not path.exists():
+        return "No real-GPU results are recorded."
+    data = json.loads(path.read_text())
+    mib = 1 << 20
+    lines = [
+        f"{data['gpu']}, torch {data['torch']}; bf16, AdamW, batch 4 x 512 tokens; allocated "
+        "peak (`max_memory_allocated`), estimate / measured.",
+        "",
+        "| model | lever | estimated | measured | ratio | host (estimated) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        host = f"{r['host_bytes'] / mib:,.0f} MiB" if r.get("host_bytes") else ""
+        if "error" in r:
+            lines.append(
+                f"| {r['model']} | {r['lever']} | {r['estimated_bytes'] / mib:,.0f} MiB | "
+                f"not measured ({r['error'].split(':')[0]}) | | {host} |"
+            )
+            continue
+        lines.append(
+            f"| {r['model']} | {r['lever']} | {r['estimated_bytes'] / mib:,.0f} MiB | "
+            f"{r['measured_bytes'] / mib:,.0f} MiB | {r['ratio']:.3f} | {host} |"
+        )
+    return "\n".join(lines)
+
+
 # Which page of docs/ holds each marked section.
 PAGES = {
     "accuracy": "docs/accuracy.md",
@@ -432,6 +464,7 @@ PAGES = {
     "optimizers": "docs/accuracy.md",
     "accuracy-distributed": "docs/accuracy.md",
     "accuracy-cuda": "docs/accuracy.md",
+    "levers-cuda": "docs/accuracy.md",
     "isa": "docs/accuracy.md",
     "deepspeed-states": "docs/guides/multi-gpu.md",
     "speed": "docs/speed.md",
@@ -447,6 +480,7 @@ def main() -> None:
         "optimizers": _optimizers(),
         "accuracy-distributed": _accuracy_distributed(),
         "accuracy-cuda": _accuracy_cuda(),
+        "levers-cuda": _levers_cuda(),
         "deepspeed-states": _deepspeed_states(),
         "isa": _isa(),
         "speed": _speed(),

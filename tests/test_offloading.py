@@ -286,3 +286,19 @@ def test_output_projection_stays_on_the_device_under_torchtune() -> None:
     # save_on_cpu takes all four: 3 x 65,536 + 16,384
     assert tt.host_bytes == 2 * ACT == 131_072
     assert everything.host_bytes == 3 * ACT + WEIGHT == 212_992
+
+
+def test_torchtune_file_loads_without_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
+    # where torchao is not installed at all (a None entry in sys.modules makes its import
+    # fail), the loader stubs the packages above NF4Tensor too, and restores sys.modules
+    import sys
+
+    from vram_widget._profiling.offloading import _offloading_file, torchtune_offloading
+
+    if _offloading_file() is None:
+        pytest.skip("torchtune is not installed")
+    for name in ("torchao", "torchao.dtypes", "torchao.dtypes.nf4tensor"):
+        monkeypatch.setitem(sys.modules, name, None)
+    module = torchtune_offloading()
+    assert hasattr(module, "OffloadActivations")
+    assert "torchao" not in sys.modules or sys.modules["torchao"] is None

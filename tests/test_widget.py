@@ -695,6 +695,40 @@ def test_device_line_waits_for_the_controls_to_rest(monkeypatch: pytest.MonkeyPa
     assert f"<b>{format_bytes(device)}</b> device" in w.headline_html
 
 
+def test_reading_the_summary_fills_a_pending_rest_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cell that moves a control and reads the words in the same kernel turn (the
+    # quickstart's "HTML(w.summary_html)" under Run All) gets the new setting's numbers: the
+    # pending rest is filled on the read, once, and its timer cancelled (no second search).
+    from vram_widget._display import widget_summary
+
+    profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
+    w = MemoryWidget(profile, batch_size=16)
+    searched: list[int] = []
+    device_text = widget_summary.device_text
+
+    def counted(est: MemoryEstimate, gpu_name: str, capacity_bytes: int) -> str:
+        searched.append(est.batch_size)
+        return device_text(est, gpu_name, capacity_bytes)
+
+    monkeypatch.setattr(widget_summary, "device_text", counted)
+
+    async def move() -> tuple[str, str]:
+        w.batch_size = 32
+        pending = w.headline_html
+        summary = w.summary_html  # fills the rest now
+        await asyncio.sleep(3 * AT_REST_DELAY_S)  # the cancelled timer does not run
+        return pending, summary
+
+    pending, summary = asyncio.run(move())
+    assert "…" in pending and "…" not in summary
+    assert searched == [32]
+    # the details are batch 32's (16 before the move)
+    assert "train, batch 32 (inputs:" in summary
+    device = profile.estimate(32).device_bytes
+    assert device is not None and f"<b>{format_bytes(device)}</b> device" in summary
+    assert w._details_panel.get_title(0) == "Details"
+
+
 def test_data_parallel_group() -> None:
     # GPUs and strategy are traits like the rest: the estimate is one rank's, the summary
     # gives the global batch, and the "GPUs needed" line is ModelProfile.min_gpus.
@@ -1190,8 +1224,14 @@ def test_answer_first_then_bar_controls_figure_and_details(profile: ModelProfile
     w = MemoryWidget(profile)
     assert w.children[:5] == (w._headline, w._status, w._bar, w._controls, w.figure)
     assert w._details_panel in w.children and w._details_panel.selected_index is None
-    # as wide as the notebook, the plot resizing with it (no fixed width, a fixed height)
-    assert w.layout.width == "100%" and w._tabs.layout.width == "100%"
+    # as wide as the notebook, the plot resizing with it (no fixed width, a fixed height);
+    # the boxes inside stretch across it with no width of their own (a "100%" plus each
+    # widget's 2 px margin drew the tabs past the output's right edge in JupyterLab)
+    assert w.layout.width == "100%"
+    assert w._controls.layout.width is None and w._tabs.layout.width is None
+    assert w._display_menu.layout.width is None
+    # the mode buttons beside their label (ToggleButtons is a block: they went under it)
+    assert w._mode_buttons.layout.display == "flex"
     assert w.figure.layout.autosize is True and w.figure.layout.width is None
     assert w.figure.layout.height is not None
 

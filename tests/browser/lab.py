@@ -136,6 +136,10 @@ def lab_server(
     env["JUPYTER_PATH"] = os.pathsep.join(
         [*data_dirs, *filter(None, [os.environ.get("JUPYTER_PATH")])]
     )
+    # The kernel imports this checkout's vram_widget (the one under test), whatever an
+    # installed copy (editable or not) points at: the kernel runs in the temporary notebook
+    # directory, where the current directory is not the repository.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     port, token = _free_port(), secrets.token_hex(16)
     log_path = workdir / "jupyterlab.log"
     log = log_path.open("wb")
@@ -267,10 +271,16 @@ class CellReport:
     display_errors: int
 
 
-def open_and_run_all(page: Any, server: LabServer, notebook: str, timeout_s: float) -> CellReport:
-    """Open ``notebook`` in Lab, wait for its kernel, Run All, wait for every cell."""
+def open_and_run_all(
+    page: Any, server: LabServer, notebook: str, timeout_s: float, collapse_left: bool = False
+) -> CellReport:
+    """Open ``notebook`` in Lab, wait for its kernel, Run All, wait for every cell. With
+    ``collapse_left``, Lab's left sidebar (the file browser) is collapsed before the run, so
+    the outputs are drawn at the page's width."""
     page.goto(server.notebook_url(notebook), wait_until="domcontentloaded")
     page.wait_for_function(JS_KERNEL_IDLE, timeout=timeout_s * 1000)
+    if collapse_left:
+        page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
     # The command's promise settles when the run ends: every cell done, or the first error.
     page.evaluate(
         "() => { window.__vramRunAll = undefined; window.jupyterapp.commands"
@@ -337,8 +347,18 @@ def _js_widget(label: str) -> str:
     return f"""
 const labels = Array.from(document.querySelectorAll('.widget-slider .widget-label'))
   .filter(l => l.textContent.trim() === {json.dumps(label)});
-// a visible one first (a widget whose row shows it); else one in a tab not selected now
-const label = labels.find(l => l.offsetParent !== null) || labels[0];
+// The first widget that shows this slider: no box between it and the output hides it with
+// display: none (a row a widget leaves out, e.g. a model without a sequence axis). A tab
+// not selected now, or a collapsed section, hides it too, by Lumino's lm-mod-hidden class:
+// those count as shown, so selecting another tab of a widget never makes these helpers
+// read the next widget on the page.
+const shown = l => {{
+  for (let e = l; e && !e.classList.contains('jp-OutputArea-output'); e = e.parentElement) {{
+    if (e.style && e.style.display === 'none') return false;
+  }}
+  return true;
+}};
+const label = labels.find(shown) || labels[0];
 const root = label && label.closest('.jp-OutputArea-output');
 const gd = root && root.querySelector('.js-plotly-plot');
 // everything the widget says in words: the headline, the bar and the (collapsed) details
@@ -348,15 +368,21 @@ const deviceRow = root && Array.from(root.querySelectorAll('.vw-details tr'))
   .find(r => r.querySelector('th') && r.querySelector('th').textContent === 'On the device');
 const device = deviceRow && ('On the device: ' + deviceRow.querySelector('td').textContent);
 const headline = root && root.querySelector('.vw-headline');
+const details = root && root.querySelector('.vw-details');
+// the Details section's title says "(updating…)" until the controls' rest fills it
+const detailsTitle = root && Array.from(root.querySelectorAll('.jupyter-widget-Collapse-header'))
+  .map(h => h.textContent.trim()).find(t => t.startsWith('Details'));
 const tabs = root ? Array.from(root.querySelectorAll('.lm-TabBar-tabLabel'))
   .map(t => t.textContent.trim()) : [];
+const current = root && root.querySelector('.lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel');
 const handle = label && label.closest('.widget-slider').querySelector('.noUi-handle');
 """
 
 
 def js_widget_state(label: str = "batch size") -> str:
-    """JS returning the figure fingerprint, summary, trace count, figure title and slider
-    position of the first widget with a visible ``label`` slider (null where there is none)."""
+    """JS returning the figure fingerprint, summary, headline, device row, tab titles and
+    the selected tab, trace count, figure title and slider position of the first widget
+    that shows a ``label`` slider (null where there is none)."""
     return f"""() => {{
   {_js_widget(label)}
   if (!gd) return null;
@@ -365,7 +391,10 @@ def js_widget_state(label: str = "batch size") -> str:
     summary: summary || '',
     device: device || '',
     headline: headline ? headline.textContent : '',
+    details: details ? details.textContent : '',
+    details_title: detailsTitle || '',
     tabs: tabs,
+    tab: current ? current.textContent.trim() : '',
     traces: gd.data.length,
     title: (gd.layout && gd.layout.title && gd.layout.title.text) || '',
     slider: handle ? handle.getAttribute('aria-valuenow') : null,
@@ -400,15 +429,27 @@ def _js_arm(label: str) -> str:
 def press_slider_key(
     page: Any, key: str, timeout_s: float = 30.0, label: str = "batch size"
 ) -> float:
-    """Press ``key`` on the handle of the first visible slider labelled ``label``; the ms
-    from the keydown to the frame in which its widget's figure's data had changed."""
-    handle = page.locator(
-        f".widget-slider:has(.widget-label:text-is('{label}')):visible .noUi-handle"
+    """Press ``key`` on the handle of the slider labelled ``label`` of the first widget that
+    shows one (its tab must be selected); the ms from the keydown to the frame in which that
+    widget's figure's data had changed."""
+    # the handle the watcher watches, marked so the key goes to that same handle
+    found = page.evaluate(
+        f"""() => {{
+  {_js_widget(label)}
+  for (const e of document.querySelectorAll('[data-vram-handle]'))
+    e.removeAttribute('data-vram-handle');
+  if (!handle) return false;
+  handle.setAttribute('data-vram-handle', '1');
+  return true;
+}}"""
     )
-    handle.first.scroll_into_view_if_needed()
-    handle.first.focus()
+    if not found:
+        raise LookupError(f"no widget shows a slider labelled {label!r}")
+    handle = page.locator("[data-vram-handle='1']")
+    handle.scroll_into_view_if_needed()
+    handle.focus()
     page.evaluate(_js_arm(label))
-    handle.first.press(key)
+    handle.press(key)
     page.wait_for_function(
         "() => window.__vramProbe && window.__vramProbe.t1 !== null",
         timeout=timeout_s * 1000,
@@ -444,11 +485,42 @@ def move_batch_slider(page: Any, moves: int) -> SliderRun:
     return move_slider(page, moves, "batch size")
 
 
-def open_tab(page: Any, title: str) -> None:
-    """Select the first widget's control tab titled ``title`` (a click on its tab)."""
+def open_tab(page: Any, title: str, timeout_s: float = 10.0) -> None:
+    """Select the first widget's control tab titled ``title`` (a click on its tab) and wait
+    until it is the selected one. A tab's controls are hidden (Lumino's ``lm-mod-hidden``)
+    until it is selected: a test selects it before it reads or moves them."""
     tab = page.locator(".lm-TabBar-tab:has(.lm-TabBar-tabLabel:text-is('" + title + "'))")
     tab.first.scroll_into_view_if_needed()
     tab.first.click()
+    page.wait_for_function(
+        f"(title) => {{ const s = ({JS_WIDGET_STATE})(); return s && s.tab === title; }}",
+        arg=title,
+        timeout=timeout_s * 1000,
+        polling=100,
+    )
+
+
+def open_display(page: Any) -> None:
+    """Open the first widget's "Display" section (a collapsed accordion under the tabs)."""
+    header = page.locator(".jupyter-widget-Collapse-header:has-text('Display')").first
+    header.scroll_into_view_if_needed()
+    header.click()
+    page.locator(".widget-slider:has(.widget-label:text-is('group depth')):visible").first.wait_for(
+        timeout=10_000
+    )
+
+
+def set_optimizer(page: Any, name: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Choose ``name`` in the first widget's optimizer dropdown (its "Optimizer" tab) and wait
+    until its figure and its summary changed (a first use profiles the optimizer once)."""
+    open_tab(page, "Optimizer")
+    before = page.evaluate(JS_WIDGET_STATE)
+    select = page.locator(
+        ".widget-dropdown:has(.widget-label:text-is('optimizer')) select:visible"
+    ).first
+    select.scroll_into_view_if_needed()
+    select.select_option(name)
+    return _wait_changed(page, before, JS_WIDGET_STATE, timeout_s)
 
 
 def set_micro_batches(page: Any, value: int, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -489,20 +561,43 @@ def _set_box(
     box.scroll_into_view_if_needed()
     box.fill(str(value))
     box.press("Enter")
-    # the figure and the summary are separate messages from the kernel: wait for both
+    return _wait_changed(page, before, state, timeout_s)
+
+
+def _wait_changed(
+    page: Any, before: dict[str, Any], state: str, timeout_s: float
+) -> dict[str, Any]:
+    """Wait until the widget's figure and its details differ from ``before`` and the
+    controls' rest has landed; returns the state after.
+
+    The figure, the bar, the headline and the details are separate messages from the kernel,
+    and the details are filled last, once the controls rest: a state whose figure changed but
+    whose details are still the last setting's is not the answer."""
     changed = (
         f"(before) => {{ const s = ({state})(); "
-        "return s && s.fingerprint !== before[0] && s.summary !== before[1]; }"
+        f"return s && s.fingerprint !== before[0] && s.details !== before[1] && {_JS_AT_REST}; }}"
     )
     page.wait_for_function(
         changed,
-        arg=[before["fingerprint"], before["summary"]],
+        arg=[before["fingerprint"], before["details"]],
         timeout=timeout_s * 1000,
         polling=100,
     )
-    # and for the controls' rest: the searches landed in the headline, the details filled
+    return dict(page.evaluate(state))
+
+
+# The controls' rest has landed: no number of the headline pending ("…") and the details
+# section no longer "(updating…)" (``s`` is a :func:`js_widget_state` result).
+_JS_AT_REST = "!s.headline.includes('…') && !s.details_title.includes('…')"
+
+
+def wait_at_rest(
+    page: Any, state: str = JS_WIDGET_STATE, timeout_s: float = 60.0
+) -> dict[str, Any]:
+    """Wait for the controls' rest: the searches landed in the headline (no pending "…"),
+    the details filled; returns the widget's state then."""
     page.wait_for_function(
-        f"() => {{ const s = ({state})(); return s && !s.headline.includes('…'); }}",
+        f"() => {{ const s = ({state})(); return s && {_JS_AT_REST}; }}",
         timeout=timeout_s * 1000,
         polling=100,
     )

@@ -1,9 +1,11 @@
 """The quickstart notebook in a real JupyterLab, in headless Chromium: Run All, the widget
 renders, a batch-size slider move redraws the figure and the summary; on the widget of a
 model with a sequence axis (the quickstart's BERT), a sequence-length move does too, and the
-batch x sequence-length panel opens onto its frontier, whose marker follows the length; the
-memory levers, data-parallel and (on the GPT-2 widget in generate mode) generation rows each
-redraw their widget.
+batch x sequence-length panel opens onto its frontier, whose marker follows the length. Each
+control tab is selected in turn (its controls are hidden until then) and a control in it moved:
+the optimizer (Optimizer), the micro-batches (Memory levers) and the GPUs (GPUs) each redraw the
+figure and change the summary; the Display section's group depth redraws the figure; and on
+the GPT-2 widget in generate mode, the new tokens redraw that widget.
 
 Run alone with ``python -m pytest -m browser``. Needs ``/usr/bin/chromium`` (Debian's package,
 installed by ``scripts/install.sh``), ``playwright`` and ``jupyterlab``. Where they are absent
@@ -14,6 +16,7 @@ hide a browser test that never ran. Artifacts (screenshot, latencies, server log
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -37,12 +40,16 @@ from .lab import (
     move_batch_slider,
     move_slider,
     open_and_run_all,
+    open_display,
     open_frontier,
+    press_slider_key,
     require,
     screenshot_widget,
     set_gpus,
     set_micro_batches,
     set_new_tokens,
+    set_optimizer,
+    wait_at_rest,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
@@ -67,10 +74,16 @@ class Session:
     frontier: dict[str, Any] | None
     frontier_after_move: dict[str, Any] | None
     seq_error: str | None
+    optimizer_before: dict[str, Any] | None
+    optimizer_after: dict[str, Any] | None
+    optimizer_error: str | None
     levers_after: dict[str, Any] | None
     levers_error: str | None
     gpus_after: dict[str, Any] | None
     gpus_error: str | None
+    display_before: dict[str, Any] | None
+    display_after: dict[str, Any] | None
+    display_error: str | None
     generation_before: dict[str, Any] | None
     generation_after: dict[str, Any] | None
     generation_error: str | None
@@ -85,6 +98,8 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
         try:
             report = open_and_run_all(page, server, NOTEBOOK, timeout_s=300)
             plots = page.evaluate(JS_PLOTS)
+            with contextlib.suppress(Exception):  # a missing widget: the tests say so
+                wait_at_rest(page)
             before = page.evaluate(JS_WIDGET_STATE)
             slider, slider_error = None, None
             try:
@@ -93,7 +108,8 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
                 slider.latencies_ms.extend(move_batch_slider(page, 1).latencies_ms)
             except Exception as exc:  # reported by the slider test, not here
                 slider_error = f"{type(exc).__name__}: {exc}"
-            page.wait_for_timeout(500)
+            with contextlib.suppress(Exception):  # the slider test says why
+                wait_at_rest(page)
             after = page.evaluate(JS_WIDGET_STATE)
             seq_state = js_widget_state("sequence length")
             seq_before = page.evaluate(seq_state)
@@ -104,13 +120,20 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
                 # a longer wait than a batch move.
                 frontier = open_frontier(page)
                 seq_slider = move_slider(page, 1, "sequence length", timeout_s=120)
-                page.wait_for_timeout(500)
-                seq_after = page.evaluate(seq_state)
+                seq_after = wait_at_rest(page, seq_state, timeout_s=120)
                 frontier_after_move = page.evaluate(JS_FRONTIER_STATE)
             except Exception as exc:  # reported by the sequence test, not here
                 seq_error = f"{type(exc).__name__}: {exc}"
+            # Each tab of the first widget in turn (a tab's controls are hidden until it is
+            # selected): the Optimizer tab, SGD in place of Adam (one more profiling run)
+            optimizer_before = page.evaluate(JS_WIDGET_STATE)
+            optimizer_after, optimizer_error = None, None
+            try:
+                optimizer_after = set_optimizer(page, "sgd")
+            except Exception as exc:  # reported by the optimizer test, not here
+                optimizer_error = f"{type(exc).__name__}: {exc}"
             levers_after, levers_error = None, None
-            try:  # the memory levers row: 4 micro-batches (one more profiling run)
+            try:  # the memory levers tab: 4 micro-batches (one more profiling run)
                 levers_after = set_micro_batches(page, 4)
             except Exception as exc:  # reported by the levers test, not here
                 levers_error = f"{type(exc).__name__}: {exc}"
@@ -119,6 +142,15 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
                 gpus_after = set_gpus(page, 8)
             except Exception as exc:  # reported by the data-parallel test, not here
                 gpus_error = f"{type(exc).__name__}: {exc}"
+            # the Display section: one step deeper module grouping (no profiling)
+            display_before = page.evaluate(JS_WIDGET_STATE)
+            display_after, display_error = None, None
+            try:
+                open_display(page)
+                press_slider_key(page, "ArrowRight", label="group depth")
+                display_after = wait_at_rest(page)
+            except Exception as exc:  # reported by the display test, not here
+                display_error = f"{type(exc).__name__}: {exc}"
             # the generation row of the GPT-2 widget (mode "generate"): 64 new tokens
             generation_before = page.evaluate(js_widget_state("new tokens"))
             generation_after, generation_error = None, None
@@ -153,10 +185,16 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
             frontier,
             frontier_after_move,
             seq_error,
+            optimizer_before,
+            optimizer_after,
+            optimizer_error,
             levers_after,
             levers_error,
             gpus_after,
             gpus_error,
+            display_before,
+            display_after,
+            display_error,
             generation_before,
             generation_after,
             generation_error,
@@ -203,6 +241,7 @@ def test_answer_first_and_controls_in_groups(session: Session) -> None:
     # the headline strip (a verdict on the card, the largest batch) and the control tabs
     assert session.before is not None and session.after is not None
     assert session.before["tabs"] == ["Step", "Optimizer", "Memory levers", "GPUs"]
+    assert session.before["tab"] == "Step"  # what a step is: shown first
     headline = session.after["headline"]
     assert "fit" in headline and "largest batch" in headline, headline
     assert "…" not in headline  # at rest: every number landed
@@ -234,22 +273,48 @@ def test_sequence_slider_and_frontier_panel(session: Session) -> None:
     assert session.frontier_after_move["marker"] != session.frontier["marker"]
 
 
-def test_memory_levers_row_redraws(session: Session) -> None:
-    # 4 micro-batches typed into the levers row: a new profiling run, then the figure and
-    # the summary show the accumulated step ("effective batch 4 x ...")
+def test_optimizer_tab_redraws(session: Session) -> None:
+    # SGD chosen in the Optimizer tab (selected first: its controls are hidden until then): a
+    # profiling run of the new optimizer, then a figure without Adam's two moments and a
+    # summary that names SGD, on the same widget
+    assert session.optimizer_error is None, session.optimizer_error
+    before, after = session.optimizer_before, session.optimizer_after
+    assert before is not None and after is not None
+    assert after["tab"] == "Optimizer" and before["tab"] == "Step"
+    assert "optimizer adam" in before["summary"], before["summary"]
+    assert "optimizer sgd" in after["summary"], after["summary"]
+    assert after["fingerprint"] != before["fingerprint"]
+
+
+def test_memory_levers_tab_redraws(session: Session) -> None:
+    # 4 micro-batches typed into the Memory levers tab: a new profiling run, then the figure
+    # and the summary show the accumulated step ("effective batch 4 x ...")
     assert session.levers_error is None, session.levers_error
-    assert session.levers_after is not None and session.after is not None
-    assert session.levers_after["fingerprint"] != session.after["fingerprint"]
+    assert session.levers_after is not None and session.optimizer_after is not None
+    assert session.levers_after["tab"] == "Memory levers"
+    assert session.levers_after["fingerprint"] != session.optimizer_after["fingerprint"]
     assert "effective batch 4 x" in session.levers_after["summary"]
 
 
-def test_data_parallel_row_redraws(session: Session) -> None:
-    # Typing 8 in the GPUs box (the data-parallel row) redraws the figure (one rank's step,
-    # with DDP's buckets) and the summary gives the global batch.
+def test_gpus_tab_redraws(session: Session) -> None:
+    # Typing 8 in the GPUs box of the GPUs tab redraws the figure (one rank's step, with
+    # DDP's buckets) and the summary gives the global batch.
     assert session.gpus_error is None, session.gpus_error
-    assert session.gpus_after is not None
+    assert session.gpus_after is not None and session.levers_after is not None
+    assert session.gpus_after["tab"] == "GPUs"
+    assert session.gpus_after["fingerprint"] != session.levers_after["fingerprint"]
     assert "Data parallel" in session.gpus_after["summary"]
     assert "global batch 8 x" in session.gpus_after["summary"]
+
+
+def test_display_section_regroups_the_figure(session: Session) -> None:
+    # The Display section's group depth, one step deeper: more, smaller module groups in the
+    # same step (no profiling), so the figure's data changes and the headline does not
+    assert session.display_error is None, session.display_error
+    before, after = session.display_before, session.display_after
+    assert before is not None and after is not None
+    assert after["fingerprint"] != before["fingerprint"]
+    assert after["headline"] == before["headline"]
 
 
 def test_generation_row_redraws(session: Session) -> None:

@@ -300,19 +300,24 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
 
     @property
     def details_html(self) -> str:
-        """The details' HTML (a table of labelled rows; filled once the controls rest)."""
+        """The details' HTML (a table of labelled rows; in a kernel the view fills them once
+        the controls rest, and reading them fills them now)."""
+        self._rest_now()
         return str(self._details.value)
 
     @property
     def summary_html(self) -> str:
         """Everything the widget says in words: the headline, the bar of what fills the
-        peak, and the details."""
+        peak, and the details (the current setting's: what waits for the controls' rest is
+        filled now)."""
+        self._rest_now()
         return f"{self._headline.value}{self._bar.value}{self._details.value}"
 
     @property
     def device_html(self) -> str:
         """The device row's HTML (CUDA): allocated -> reserved -> what the device needs;
-        empty until the controls rest (and on CPU)."""
+        filled now where the controls' rest is pending (empty on CPU)."""
+        self._rest_now()
         return self._device_text
 
     def to_dataframe(self) -> pd.DataFrame:
@@ -596,8 +601,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
         """The headline, the bar, the figure (plotly.js from the CDN) and the details as one
         HTML fragment (the details as at rest)."""
         est = self._estimate
-        if self._at_rest_pending is not None:
-            self._fill_at_rest(est)
+        self._rest_now()
         fig = go.Figure(self._figure)
         return (
             f"<div>{self._headline.value}</div><div>{self._bar.value}</div>"

@@ -203,7 +203,12 @@ class ControlsMixin:
         precision = widgets.Dropdown(
             options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
         )
-        mode = widgets.ToggleButtons(options=modes, style={"button_width": "90px"})
+        # a flex row: ipywidgets' ToggleButtons is a block whose buttons go under its label
+        mode = widgets.ToggleButtons(
+            options=modes,
+            style={"button_width": "90px"},
+            layout={"display": "flex", "align_items": "center"},
+        )
         self._mode_buttons = mode
         # the optimizer, its implementation, and how it steps (two checkboxes)
         self._optimizer_controls = OptimizerControls(self, self._profile.device)
@@ -388,18 +393,18 @@ class ControlsMixin:
             self._gpus_slider, self._gpus_box, c["strategy"], self._per_node_box
         )
         gpus = widgets.VBox([_row(c["gpu"], self._custom_box, c["expandable"]), self._parallel_row])
+        # No width: a box's children stretch across it; "100%" plus each widget's margin
+        # drew the tabs past the output's right edge.
         self._tabs = widgets.Tab(
             children=[step, optimizer, widgets.VBox([self._levers_row]), gpus],
             titles=GROUP_TITLES,
-            layout={"width": "100%"},
         )
         self._display_menu = widgets.Accordion(
             children=[widgets.VBox([self._depth_slider])],
             titles=("Display",),
             selected_index=None,
-            layout={"width": "100%"},
         )
-        self._controls = widgets.VBox([self._tabs, self._display_menu], layout={"width": "100%"})
+        self._controls = widgets.VBox([self._tabs, self._display_menu])
 
     @property
     def control_groups(self: MemoryWidget) -> dict[str, tuple[widgets.DOMWidget, ...]]:  # type: ignore[misc]

@@ -111,6 +111,14 @@ class SummaryMixin:
         self._details_panel.set_title(0, f"{DETAILS_TITLE} (updating…)")
         self._at_rest_pending = loop.call_later(AT_REST_DELAY_S, self._fill_at_rest, est)
 
+    def _rest_now(self: MemoryWidget) -> None:  # type: ignore[misc]
+        """Fill what waits for the controls' rest now, where it is pending: code that reads
+        the words (``summary_html`` in a cell run while the kernel is busy, as "Run All"
+        does) gets the current setting's numbers, never "…" or the last setting's details."""
+        if self._at_rest_pending is not None:
+            self._at_rest_pending.cancel()
+            self._fill_at_rest(self._estimate)
+
     def _fill_at_rest(self: MemoryWidget, est: MemoryEstimate) -> None:  # type: ignore[misc]
         """What waits for the controls to rest: the headline's searches, the device and
         GPUs-needed rows, the details and the layers table."""
@@ -246,6 +254,7 @@ class SummaryMixin:
     def parallel_html(self: MemoryWidget) -> str:  # type: ignore[misc]
         """The "GPUs needed" row's HTML (training): the fewest GPUs of the chosen card on
         which the current setting fits, per rank, with the chosen strategy."""
+        self._rest_now()
         return self._parallel_text
 
     def min_gpus(self: MemoryWidget) -> int | None:  # type: ignore[misc]

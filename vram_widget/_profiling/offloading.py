@@ -97,7 +97,13 @@ def torchtune_offloading() -> types.ModuleType:
     stubs: dict[str, types.ModuleType] = {}
     try:
         import torchao.dtypes.nf4tensor  # noqa: F401
-    except ImportError:
+    except ImportError:  # moved, or no torchao at all: the packages above it too
+        for name in ("torchao", "torchao.dtypes"):
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                parent = stubs[name] = types.ModuleType(name)
+                parent.__path__ = []
         nf4 = stubs["torchao.dtypes.nf4tensor"] = types.ModuleType("torchao.dtypes.nf4tensor")
         nf4.NF4Tensor = type("NF4Tensor", (torch.Tensor,), {})  # type: ignore[attr-defined]
     try:
