@@ -55,6 +55,7 @@ from .plotly_widget import FigureWidget
 from .widget_controls import CHECKPOINT_OFF, GPUS_MAX, OFFLOAD_OFF, ControlsMixin
 from .widget_levers import LeversMixin
 from .widget_recipe import recipe_settings
+from .widget_settings import OffloadTrait as _OffloadTrait
 from .widget_settings import OptimizerTrait as _OptimizerTrait
 from .widget_settings import check_optimizer_settings as _check_optimizer_settings
 from .widget_settings import check_policy_value as _check_policy_value
@@ -130,9 +131,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
     # the forward's saved activations offloaded to host memory: "off", "torchtune"
     # (torchtune's OffloadActivations) or "save_on_cpu" (torch.autograd.graph.save_on_cpu);
     # estimate's True, None and False are read as "torchtune", "off" and "off"
-    offload_activations = traitlets.Union(
-        [traitlets.Unicode(), traitlets.Bool()], default_value=OFFLOAD_OFF, allow_none=True
-    )
+    offload_activations = _OffloadTrait(OFFLOAD_OFF)
     # the caching allocator replayed with expandable_segments:True (CUDA estimates)
     expandable_segments = traitlets.Bool(False)
     # data parallelism: ranks (1: one device) and how they share the step (sharding)

@@ -27,7 +27,7 @@ from .._estimating.sharding import SINGLE_DEVICE, resolve_parallel
 from .._estimating.stepping import stepping_levers
 from .widget_settings import check_policy_value as _check_policy_value
 from .widget_settings import checkpoint_arg as _checkpoint_arg
-from .widget_settings import offload_arg, offload_choice
+from .widget_settings import offload_arg
 from .widget_settings import paired_checkpoint as _paired_checkpoint
 from .widget_settings import policy_arg as _policy_arg
 from .widget_settings import trainable_arg as _trainable_arg
@@ -79,11 +79,11 @@ class LeversMixin:
 
     @traitlets.validate("offload_activations")
     def _valid_offload(self: MemoryWidget, proposal: dict[str, Any]) -> str:
-        """A form of ``offload_activations`` (True reads "torchtune", None and False "off");
+        """``offload_activations`` (in the trait's form: :class:`~.widget_settings.OffloadTrait`),
         refused on a profile of the CPU, whose saved tensors are in host memory already (a
         mode or a data parallelism it is refused with: the estimate says why)."""
+        choice = str(proposal["value"])  # in its form already (OffloadTrait)
         try:
-            choice = offload_choice(proposal["value"])
             if offload_arg(choice) is not None and self._profile.device is not Device.CUDA:
                 offload_levers(Levers(), choice, Mode.TRAIN, self._profile.device, SINGLE_DEVICE)
         except (TypeError, ValueError) as exc:

@@ -21,6 +21,7 @@ from .optimizer_control import NO_OPTIMIZER
 from .widget_controls import CHECKPOINT_OFF, OFFLOAD_OFF, POLICY_NAMES
 
 __all__ = [
+    "OffloadTrait",
     "OptimizerTrait",
     "check_optimizer_settings",
     "check_policy_value",
@@ -161,6 +162,19 @@ def gpu_settings(value: Any) -> dict[str, Any]:
     if target.name in GPUS:
         return {"gpu": target.name}
     return {"gpu": CUSTOM_GPU, "custom_gib": target.memory_bytes / 2**30}
+
+
+class OffloadTrait(traitlets.Unicode):
+    """``offload_activations`` as the control holds it: "off", "torchtune" or
+    "save_on_cpu"; estimate's None and False are stored as "off", True as "torchtune"."""
+
+    info_text = "'off', 'torchtune' or 'save_on_cpu' (or None, False, True)"
+
+    def validate(self, obj: Any, value: Any) -> Any:
+        try:
+            return offload_choice(value)
+        except (TypeError, ValueError) as exc:
+            raise traitlets.TraitError(str(exc)) from None
 
 
 def offload_choice(value: object) -> str:
