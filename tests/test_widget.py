@@ -1257,6 +1257,7 @@ def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelPro
             "micro-batches",
             "LoRA rank",
             "loss chunks",
+            "offload activations",
         ],
         "GPUs": ["GPU", "custom GiB", "expandable_segments", "GPUs", "strategy", "per node"],
         "Display": ["group depth"],
@@ -1637,7 +1638,10 @@ def test_a_recipe_starts_the_offload_control(cuda_profile: ModelProfile) -> None
     settings = recipe_settings(recipe)
     assert dict(settings.controls) == {"batch_size": 1024, "offload_activations": "torchtune"}
     assert dict(settings.fixed) == {}  # a control now, not a held setting
-    w = show_memory(zoo.mlp(), input_size=(784,), recipe=recipe)
+    # given here too in another of estimate's forms, it agrees; off does not
+    w = show_memory(zoo.mlp(), input_size=(784,), recipe=recipe, offload_activations=True)
+    with pytest.raises(ValueError, match="offload_activations=None conflicts with the recipe"):
+        show_memory(_Broken(), input_size=(4,), recipe=recipe, offload_activations=None)
     expected = cuda_profile.estimate(recipe=recipe)
     assert w.offload_activations == "torchtune" and w._offload_dropdown.value == "torchtune"
     assert (w.estimate.peak_bytes, w.estimate.host_bytes) == (

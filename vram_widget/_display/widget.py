@@ -777,7 +777,7 @@ def show_memory(
     from_recipe = recipe_settings(recipe) if recipe is not None else None
     if from_recipe is not None:
         for name, value in from_recipe.controls.items():
-            if name in initial_settings and initial_settings[name] != value:
+            if name in initial_settings and not _agrees(name, initial_settings[name], value):
                 raise ValueError(
                     f"{name}={initial_settings[name]!r} conflicts with the recipe's "
                     f"{value!r}: give the setting in one place"
@@ -813,6 +813,17 @@ def show_memory(
         )
     except traitlets.TraitError as exc:  # a control's own check of its starting value
         raise ValueError(f"invalid setting: {exc}") from None
+
+
+def _agrees(name: str, given: object, control_value: object) -> bool:
+    """Whether a setting given to :func:`show_memory` is a recipe's control value (any
+    form of ``offload_activations`` estimate takes: True is "torchtune")."""
+    if name == "offload_activations":
+        try:
+            given = offload_choice(given)
+        except (TypeError, ValueError):
+            return False
+    return given == control_value
 
 
 def _check_lever_forms(settings: Mapping[str, Any], device: object = Device.CUDA.value) -> None:
