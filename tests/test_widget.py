@@ -242,15 +242,16 @@ class _Spy:
 def _usable(w: MemoryWidget) -> bool:
     """Every control enabled (the custom-GiB box only while the custom GPU is chosen, the
     optimizer's implementation only for an optimizer that has several, the loss chunks only
-    for a model that can be chunked)."""
+    for a model that can be chunked, the offloading only on a CUDA profile)."""
     implementation = w._optimizer_controls.implementation
-    conditional = (w._custom_box, implementation, w._chunks_dropdown)
+    conditional = (w._custom_box, implementation, w._chunks_dropdown, w._offload_dropdown)
     implementations = w._optimizer_controls.groups.get(split_choice(w.optimizer)[0])
     return (
         all(not c.disabled for c in w._control_widgets if c not in conditional)
         and w._custom_box.disabled == (w.gpu != "custom")
         and implementation.disabled == (not implementations)
         and w._chunks_dropdown.disabled == bool(w.profile.loss_chunks_refusal)
+        and w._offload_dropdown.disabled == (w.profile.device.value != "cuda")
     )
 
 
@@ -1256,6 +1257,7 @@ def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelPro
             "micro-batches",
             "LoRA rank",
             "loss chunks",
+            "offload activations",
         ],
         "GPUs": ["GPU", "custom GiB", "expandable_segments", "GPUs", "strategy", "per node"],
         "Display": ["group depth"],
@@ -1555,3 +1557,98 @@ def test_a_recipe_starts_the_activation_lever_controls(gpt2_profile: ModelProfil
 
     with pytest.raises(ValueError, match=r"checkpoint_policy .*policy is a callable"):
         recipe_settings(Recipe().with_(checkpoint="auto", checkpoint_policy=policy))
+
+
+@pytest.fixture(scope="module")
+def cuda_profile() -> ModelProfile:
+    return profile_model(zoo.mlp(), input_size=(784,))  # device="cuda": offloading applies
+
+
+def test_offload_control_drives_the_estimate(cuda_profile: ModelProfile) -> None:
+    from vram_widget._display.widget_controls import TOOLTIPS
+
+    profile = cuda_profile
+    w = MemoryWidget(profile, batch_size=1024)  # the activations make the peak
+    dropdown = w._offload_dropdown
+    assert (dropdown.description, dropdown.tooltip) == (
+        "offload activations",
+        TOOLTIPS["offload_activations"],
+    )
+    assert list(dropdown.options) == ["off", "torchtune", "save_on_cpu"]
+    assert dropdown in w.control_groups["Memory levers"]
+    assert not dropdown.disabled and w.offload_activations == "off"
+    plain = profile.estimate(1024)
+    assert plain.host_bytes == 0 and "Host" not in w.details_html
+    for choice, label in (("save_on_cpu", "Host memory"), ("torchtune", "Host (pinned) memory")):
+        dropdown.value = choice  # its own profiling run, behind the label
+        assert w.offload_activations == choice and "profiled" in w._status.value
+        expected = profile.estimate(1024, offload_activations=choice)
+        assert w.estimate.peak_bytes == expected.peak_bytes < plain.peak_bytes
+        assert w.estimate.host_bytes == expected.host_bytes > 0
+        assert w.estimate.levers.offload_activations == choice and _usable(w)
+        rows = dict(w._detail_rows(w.estimate))
+        assert f"({expected.host_bytes:,} B)" in rows[label]
+    # estimate's forms read as the control's: True is torchtune's, None and False off
+    w.offload_activations = True
+    assert w.offload_activations == "torchtune" and dropdown.value == "torchtune"
+    with pytest.raises(traitlets.TraitError, match="offload_activations='nvme'"):
+        w.offload_activations = "nvme"
+    # a mode without a backward, and data parallelism: kept, and the headline says why
+    w.mode = "inference"
+    assert w.mode == "train" and "offload_activations='torchtune' with mode='inference'" in (
+        w.headline.error
+    )
+    w.gpus = 2
+    assert w.gpus == 1 and "on 2 GPUs: not estimated yet" in w.headline.error
+    assert w.estimate.peak_bytes == profile.estimate(1024, offload_activations=True).peak_bytes
+    for off in (None, False, "off"):
+        w.offload_activations = "save_on_cpu"
+        w.offload_activations = off
+        assert w.offload_activations == "off" and dropdown.value == "off"
+        assert w.estimate.peak_bytes == plain.peak_bytes and w.estimate.host_bytes == 0
+
+
+def test_offload_control_off_on_a_cpu_profile(profile: ModelProfile) -> None:
+    w = MemoryWidget(profile)  # device="cpu": the saved tensors are in host memory already
+    dropdown = w._offload_dropdown
+    assert dropdown.disabled and "not available on a CPU profile" in dropdown.tooltip
+    with pytest.raises(traitlets.TraitError, match="on a device='cpu' profile"):
+        w.offload_activations = "torchtune"
+    before = w.estimate
+    w._set_from_control("offload_activations", "save_on_cpu")  # a control's move: kept
+    assert w.offload_activations == "off" and w.estimate is before
+    assert "offload_activations = 'save_on_cpu' refused" in w.headline.error
+    w._set_busy(True)
+    w._set_busy(False)  # a profiling run's end leaves it off
+    assert dropdown.disabled
+    # refused before any profiling, as are forms no estimate takes
+    with pytest.raises(ValueError, match="invalid setting: offload_activations='torchtune' on"):
+        show_memory(_Broken(), input_size=(4,), device="cpu", offload_activations=True)
+    with pytest.raises(ValueError, match="with mode='inference'"):
+        show_memory(_Broken(), input_size=(4,), mode="inference", offload_activations=True)
+    with pytest.raises(TypeError, match=r"invalid setting: offload_activations=2 \(int\)"):
+        show_memory(_Broken(), input_size=(4,), offload_activations=2)
+
+
+def test_a_recipe_starts_the_offload_control(cuda_profile: ModelProfile) -> None:
+    from vram_widget import Recipe
+    from vram_widget._display.widget_recipe import recipe_settings
+
+    recipe = Recipe().with_(batch_size=1024, offload_activations=True)
+    settings = recipe_settings(recipe)
+    assert dict(settings.controls) == {"batch_size": 1024, "offload_activations": "torchtune"}
+    assert dict(settings.fixed) == {}  # a control now, not a held setting
+    # given here too in another of estimate's forms, it agrees; off does not
+    w = show_memory(zoo.mlp(), input_size=(784,), recipe=recipe, offload_activations=True)
+    with pytest.raises(ValueError, match="offload_activations=None conflicts with the recipe"):
+        show_memory(_Broken(), input_size=(4,), recipe=recipe, offload_activations=None)
+    expected = cuda_profile.estimate(recipe=recipe)
+    assert w.offload_activations == "torchtune" and w._offload_dropdown.value == "torchtune"
+    assert (w.estimate.peak_bytes, w.estimate.host_bytes) == (
+        expected.peak_bytes,
+        expected.host_bytes,
+    )
+    w._offload_dropdown.value = "save_on_cpu"
+    moved = cuda_profile.estimate(recipe=recipe.with_(offload_activations="save_on_cpu"))
+    assert (w.estimate.peak_bytes, w.estimate.host_bytes) == (moved.peak_bytes, moved.host_bytes)
+    assert moved.peak_bytes != expected.peak_bytes  # save_on_cpu offloads the output's too

@@ -33,6 +33,8 @@ import traitlets
 from .._estimating.chunked_loss import check_loss_chunks
 from .._estimating.estimator import MemoryEstimate
 from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu
+from .._estimating.levers import NO_LEVERS
+from .._estimating.offloading import offload_levers
 from .._estimating.options import Device, Mode, Precision
 from .._estimating.recipe import Recipe
 from .._estimating.sharding import (
@@ -50,13 +52,15 @@ from .figures import (
 )
 from .optimizer_control import NO_OPTIMIZER
 from .plotly_widget import FigureWidget
-from .widget_controls import CHECKPOINT_OFF, GPUS_MAX, ControlsMixin
+from .widget_controls import CHECKPOINT_OFF, GPUS_MAX, OFFLOAD_OFF, ControlsMixin
 from .widget_levers import LeversMixin
 from .widget_recipe import recipe_settings
+from .widget_settings import OffloadTrait as _OffloadTrait
 from .widget_settings import OptimizerTrait as _OptimizerTrait
 from .widget_settings import check_optimizer_settings as _check_optimizer_settings
 from .widget_settings import check_policy_value as _check_policy_value
 from .widget_settings import gpu_settings as _gpu_settings
+from .widget_settings import offload_arg, offload_choice
 from .widget_summary import DETAILS_TITLE, SummaryMixin
 from .widget_text import (
     Headline,
@@ -124,6 +128,10 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
     # the output projection and cross-entropy over this many chunks of the sequence
     # (torchtune's CEWithChunkedOutputLoss); None: the model's own output and loss
     loss_chunks = traitlets.Int(None, allow_none=True)
+    # the forward's saved activations offloaded to host memory: "off", "torchtune"
+    # (torchtune's OffloadActivations) or "save_on_cpu" (torch.autograd.graph.save_on_cpu);
+    # estimate's True, None and False are read as "torchtune", "off" and "off"
+    offload_activations = _OffloadTrait(OFFLOAD_OFF)
     # the caching allocator replayed with expandable_segments:True (CUDA estimates)
     expandable_segments = traitlets.Bool(False)
     # data parallelism: ranks (1: one device) and how they share the step (sharding)
@@ -396,6 +404,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
             "compute_capability": self.target.compute_capability,
             **self._lever_settings(),
             "loss_chunks": self.loss_chunks,
+            "offload_activations": offload_arg(self.offload_activations),
             **({"expandable_segments": self.expandable_segments} if self._cuda else {}),
             "gpus": self.gpus,
             "strategy": self.strategy,
@@ -633,6 +642,7 @@ _SETTINGS: tuple[str, ...] = (
     "grad_accumulation",
     "lora_rank",
     "loss_chunks",
+    "offload_activations",
     "expandable_segments",
     "gpus",
     "strategy",
@@ -705,10 +715,13 @@ def show_memory(
         checkpoints the "auto" blocks), ``trainable`` (comma-separated parameter-name
         patterns, "" for all), ``grad_accumulation`` (int >= 1), ``lora_rank`` (0 for
         none) and ``loss_chunks`` (None, or k >= 1: the output and cross-entropy in k
-        chunks, for a Hugging Face causal LM with labels), ``expandable_segments`` (bool,
-        CUDA profiles), and the data-parallel ``gpus`` (int >= 1), ``strategy`` ({"ddp",
-        "zero1", "zero2", "zero3", "hsdp"}) and ``gpus_per_node`` (int >= 1: hsdp shards
-        within a node; its box shows with that strategy).
+        chunks, for a Hugging Face causal LM with labels), ``offload_activations`` ("off",
+        "torchtune" or "save_on_cpu", or estimate's None, False or True: the saved
+        activations offloaded to host memory; training on one GPU of a CUDA profile),
+        ``expandable_segments`` (bool, CUDA profiles), and the data-parallel ``gpus``
+        (int >= 1), ``strategy`` ({"ddp", "zero1", "zero2", "zero3", "hsdp"}) and
+        ``gpus_per_node`` (int >= 1: hsdp shards within a node; its box shows with that
+        strategy).
 
     Returns
     -------
@@ -720,7 +733,8 @@ def show_memory(
     ------
     TypeError
         For a setting name that is not one of the controls (before profiling), for a
-        ``checkpoint_policy`` or ``loss_chunks`` of no valid type (before profiling), and for
+        ``checkpoint_policy``, ``loss_chunks`` or ``offload_activations`` of no valid type
+        (before profiling), and for
         inputs :func:`vram_widget.profile_model` refuses with a TypeError, and for an
         ``optimizer_in_backward`` or ``set_to_none`` that is not a bool (before profiling).
     ValueError
@@ -763,7 +777,7 @@ def show_memory(
     from_recipe = recipe_settings(recipe) if recipe is not None else None
     if from_recipe is not None:
         for name, value in from_recipe.controls.items():
-            if name in initial_settings and initial_settings[name] != value:
+            if name in initial_settings and not _agrees(name, initial_settings[name], value):
                 raise ValueError(
                     f"{name}={initial_settings[name]!r} conflicts with the recipe's "
                     f"{value!r}: give the setting in one place"
@@ -776,7 +790,7 @@ def show_memory(
     if "gpu" in initial_settings:
         _gpu_settings(initial_settings["gpu"])
     _check_optimizer_settings(initial_settings)
-    _check_lever_forms(initial_settings)
+    _check_lever_forms(initial_settings, device)
     profile = profile_model(
         model,
         input_size=input_size,
@@ -801,18 +815,47 @@ def show_memory(
         raise ValueError(f"invalid setting: {exc}") from None
 
 
-def _check_lever_forms(settings: Mapping[str, Any]) -> None:
-    """The forms of ``checkpoint_policy`` and ``loss_chunks``, checked before the model is
-    run (their bounds are the model's: the widget checks those)."""
+def _agrees(name: str, given: object, control_value: object) -> bool:
+    """Whether a setting given to :func:`show_memory` is a recipe's control value (any
+    form of ``offload_activations`` estimate takes: True is "torchtune")."""
+    if name == "offload_activations":
+        try:
+            given = offload_choice(given)
+        except (TypeError, ValueError):
+            return False
+    return given == control_value
+
+
+def _check_lever_forms(settings: Mapping[str, Any], device: object = Device.CUDA.value) -> None:
+    """The forms of ``checkpoint_policy``, ``loss_chunks`` and ``offload_activations``,
+    checked before the model is run (their bounds are the model's: the widget checks
+    those), and offloading where the device or the mode refuses it."""
     try:
         if "checkpoint_policy" in settings:
             _check_policy_value(settings["checkpoint_policy"])
         if "loss_chunks" in settings:
             check_loss_chunks(settings["loss_chunks"])
+        if "offload_activations" in settings:
+            _check_offload(settings["offload_activations"], settings.get("mode"), device)
     except TypeError as exc:
         raise TypeError(f"invalid setting: {exc}") from None
     except ValueError as exc:
         raise ValueError(f"invalid setting: {exc}") from None
+
+
+def _check_offload(value: object, mode: object, device: object) -> None:
+    """``offload_activations`` in a form the control holds, and not on a CPU profile or in
+    a mode without a backward (``offload_levers`` says why); an unknown device or mode is
+    left to the profiler's and the control's own checks."""
+    choice = offload_choice(value)
+    if choice == OFFLOAD_OFF:
+        return
+    modes = {m.value: m for m in Mode}
+    devices = {d.value: d for d in Device}
+    run_mode = modes.get(str(mode if mode is not None else Mode.TRAIN.value))
+    target = devices.get(str(getattr(device, "value", device)))
+    if run_mode is not None and target is not None:
+        offload_levers(NO_LEVERS, choice, run_mode, target, SINGLE_DEVICE)
 
 
 def _named_model_keywords(

@@ -3,7 +3,7 @@
 A tab per question: **Step** (what one step is: batch, sequence length, precision, mode, a
 generation's new tokens), **Optimizer** (:mod:`.optimizer_control`), **Memory levers** (what
 trades compute for memory: checkpointing and its policy, the parameters that train,
-micro-batches, LoRA, the chunked output and loss) and
+micro-batches, LoRA, the chunked output and loss, activation offloading) and
 **GPUs** (the card, its allocator's ``expandable_segments`` setting, and data parallelism);
 how the figure groups modules is a display setting, in a small "Display" section apart from
 the questions. Every control has a visible label and a tooltip saying what it changes.
@@ -36,6 +36,8 @@ __all__ = [
     "GPUS_MAX",
     "GROUP_TITLES",
     "LOSS_CHUNK_CHOICES",
+    "OFFLOAD_CHOICES",
+    "OFFLOAD_OFF",
     "POLICY_NAMES",
     "SEQ_SLIDER_MAX",
     "TOOLTIPS",
@@ -56,6 +58,9 @@ EVERY_K = "every k"
 # the loss chunks dropdown's counts (torchtune's recipes use 8: num_output_chunks in
 # recipes/configs/llama3_2/3B_full_single_device.yaml, torchtune 0.6.1); 0 is "off"
 LOSS_CHUNK_CHOICES: tuple[int, ...] = (2, 4, 8, 16)
+# the offload_activations trait's values: off, and estimate's two ways of offloading
+OFFLOAD_OFF = "off"
+OFFLOAD_CHOICES: tuple[str, ...] = (OFFLOAD_OFF, "torchtune", "save_on_cpu")
 
 GROUP_TITLES: tuple[str, ...] = ("Step", "Optimizer", "Memory levers", "GPUs")
 """The control tabs, in order: each answers one question about the step."""
@@ -79,6 +84,11 @@ TOOLTIPS: dict[str, str] = {
     "loss_chunks": "the output projection and cross-entropy over this many chunks of the "
     "sequence (torchtune's CEWithChunkedOutputLoss): one chunk of fp32 logits at a time; "
     "off: the model's own output and loss",
+    "offload_activations": "the forward's saved activations copied to host memory and back "
+    "in the backward: torchtune (torchtune's OffloadActivations: tensors of at least 1 KiB, "
+    "pinned, the output projection's kept on the GPU) or save_on_cpu "
+    "(torch.autograd.graph.save_on_cpu: every saved tensor); the host memory they take is "
+    "in the details; off: kept on the GPU",
     "trainable": "glob patterns of the parameters that train, comma-separated (head.*, "
     "*.bias); empty: as the model is. Frozen parameters keep no gradient or state",
     "grad_accumulation": "micro-batches per optimizer step: each is one batch; gradients "
@@ -275,9 +285,10 @@ class ControlsMixin:
         }
 
     def _build_lever_choices(self: MemoryWidget) -> None:  # type: ignore[misc]
-        """The checkpoint policy (a dropdown, and a k box shown for "every k") and the loss
-        chunks (off where the model cannot be chunked, its tooltip saying why): views of
-        their traits, which a refused value leaves as they were (``_set_from_control``)."""
+        """The checkpoint policy (a dropdown, and a k box shown for "every k"), the loss
+        chunks (off where the model cannot be chunked, its tooltip saying why) and the
+        activation offloading (off on a CPU profile, likewise): views of their traits,
+        which a refused value leaves as they were (``_set_from_control``)."""
         style = {"description_width": "initial"}
         self._policy_dropdown = widgets.Dropdown(
             options=[*POLICY_NAMES, EVERY_K],
@@ -308,10 +319,26 @@ class ControlsMixin:
             style=style,
             layout={"width": "170px"},
         )
+        self._offload_dropdown = widgets.Dropdown(
+            options=list(OFFLOAD_CHOICES),
+            description="offload activations",
+            tooltip=(
+                TOOLTIPS["offload_activations"]
+                if self._cuda
+                else "offload activations: not available on a CPU profile, whose saved "
+                "activations are in host memory already; profile with device='cuda'"
+            ),
+            disabled=not self._cuda,
+            style=style,
+            layout={"width": "270px"},
+        )
         self._policy_dropdown.observe(self._policy_chosen, "value")
         self._policy_k_box.observe(self._policy_chosen, "value")
         self._chunks_dropdown.observe(
             lambda change: self._set_from_control("loss_chunks", change["new"] or None), "value"
+        )
+        self._offload_dropdown.observe(
+            lambda change: self._set_from_control("offload_activations", change["new"]), "value"
         )
         self._sync_lever_choices()
 
@@ -325,8 +352,8 @@ class ControlsMixin:
         self._policy_k_box.layout.display = None if choice == EVERY_K else "none"
 
     def _sync_lever_choices(self: MemoryWidget) -> None:  # type: ignore[misc]
-        """Show the policy and the loss chunks on their controls (no feedback: the caller
-        holds ``_syncing``, or nothing observes yet)."""
+        """Show the policy, the loss chunks and the offloading on their controls (no
+        feedback: the caller holds ``_syncing``, or nothing observes yet)."""
         policy = self.checkpoint_policy
         every_k = isinstance(policy, int)
         if every_k:
@@ -339,6 +366,7 @@ class ControlsMixin:
                 {*self._chunks_dropdown.options, (str(chunks), chunks)}, key=lambda o: o[1]
             )
         self._chunks_dropdown.value = chunks
+        self._offload_dropdown.value = self.offload_activations
 
     def _group_controls(self: MemoryWidget, c: dict[str, widgets.DOMWidget]) -> None:  # type: ignore[misc]
         """The controls in one tab per question, and the display settings apart."""
@@ -361,6 +389,7 @@ class ControlsMixin:
             c["accumulation"],
             c["lora"],
             self._chunks_dropdown,
+            self._offload_dropdown,
             c["expandable"],
             self._gpus_slider,
             self._gpus_box,
@@ -388,6 +417,7 @@ class ControlsMixin:
             c["accumulation"],
             c["lora"],
             self._chunks_dropdown,
+            self._offload_dropdown,
         )
         self._parallel_row = _row(
             self._gpus_slider, self._gpus_box, c["strategy"], self._per_node_box
@@ -433,6 +463,7 @@ class ControlsMixin:
             self._custom_box.disabled = self.gpu != CUSTOM_GPU
             self._optimizer_controls.enable()
             self._chunks_dropdown.disabled = bool(self._profile.loss_chunks_refusal)
+            self._offload_dropdown.disabled = not self._cuda
 
     def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the integer settings on their sliders and boxes without feeding back."""

@@ -1,6 +1,8 @@
 """The widget's memory levers as ``estimate`` takes them: the lever traits' checks, their
 arguments, the levers a step runs with (how the optimizer steps, the chunked loss), and the
-checkpoint / policy pair that moves together.
+checkpoint / policy pair that moves together, and activation offloading (the
+``offload_activations`` trait's "off", "torchtune" and "save_on_cpu", estimate's None,
+"torchtune" and "save_on_cpu").
 
 The checkpoint and its policy are two traits and one setting: a policy with checkpointing off
 checkpoints the "auto" blocks (as ``estimate(checkpoint_policy=...)`` alone does) and the
@@ -18,12 +20,14 @@ import traitlets
 
 from .._estimating.chunked_loss import check_chunkable, check_loss_chunks, chunked_loss_levers
 from .._estimating.levers import Levers
-from .._estimating.options import Mode
+from .._estimating.offloading import offload_levers
+from .._estimating.options import Device, Mode
 from .._estimating.recipe import Optimizer
-from .._estimating.sharding import resolve_parallel
+from .._estimating.sharding import SINGLE_DEVICE, resolve_parallel
 from .._estimating.stepping import stepping_levers
 from .widget_settings import check_policy_value as _check_policy_value
 from .widget_settings import checkpoint_arg as _checkpoint_arg
+from .widget_settings import offload_arg
 from .widget_settings import paired_checkpoint as _paired_checkpoint
 from .widget_settings import policy_arg as _policy_arg
 from .widget_settings import trainable_arg as _trainable_arg
@@ -31,7 +35,12 @@ from .widget_settings import trainable_arg as _trainable_arg
 if TYPE_CHECKING:
     from .widget import MemoryWidget
 
-__all__ = ["CHECKPOINT_PAIR", "LEVER_TRAITS", "STEPPING_SETTINGS", "LeversMixin"]
+__all__ = [
+    "CHECKPOINT_PAIR",
+    "LEVER_TRAITS",
+    "STEPPING_SETTINGS",
+    "LeversMixin",
+]
 
 LEVER_TRAITS = ("checkpoint", "checkpoint_policy", "trainable", "grad_accumulation", "lora_rank")
 """The traits ``ModelProfile.levers`` takes (``_lever_settings``)."""
@@ -68,6 +77,19 @@ class LeversMixin:
             raise traitlets.TraitError(str(exc)) from None
         return chunks
 
+    @traitlets.validate("offload_activations")
+    def _valid_offload(self: MemoryWidget, proposal: dict[str, Any]) -> str:
+        """``offload_activations`` (in the trait's form: :class:`~.widget_settings.OffloadTrait`),
+        refused on a profile of the CPU, whose saved tensors are in host memory already (a
+        mode or a data parallelism it is refused with: the estimate says why)."""
+        choice = str(proposal["value"])  # in its form already (OffloadTrait)
+        try:
+            if offload_arg(choice) is not None and self._profile.device is not Device.CUDA:
+                offload_levers(Levers(), choice, Mode.TRAIN, self._profile.device, SINGLE_DEVICE)
+        except (TypeError, ValueError) as exc:
+            raise traitlets.TraitError(str(exc)) from None
+        return choice
+
     def _lever_settings(self: MemoryWidget, **proposed: Any) -> dict[str, Any]:  # type: ignore[misc]
         """The lever traits (or ``proposed`` values for some) as ``estimate`` takes them;
         a proposed checkpoint or policy with its partner as the pair will move it."""
@@ -96,10 +118,21 @@ class LeversMixin:
         return self._profile.levers(**self._lever_settings())
 
     def _step_levers(self: MemoryWidget) -> Levers | None:  # type: ignore[misc]
-        """The levers with how the optimizer steps (in the backward, gradients kept) and
-        the chunked loss, as the estimate runs them; None for a combination the estimate
-        refuses (it says why, before any profiling)."""
+        """The levers with activation offloading, how the optimizer steps (in the
+        backward, gradients kept) and the chunked loss, as the estimate runs them; None for
+        a combination the estimate refuses (it says why, before any profiling)."""
         levers = self._levers()
+        offload = offload_arg(self.offload_activations)
+        if offload is not None:  # refused on the CPU, in inference and across GPUs
+            try:
+                parallel = resolve_parallel(
+                    self.gpus, self.strategy, gpus_per_node=self.gpus_per_node
+                )
+                levers = offload_levers(
+                    levers, offload, Mode(self.mode), self._profile.device, parallel
+                )
+            except ValueError:
+                return None
         if self.mode != Mode.TRAIN.value:
             return levers
         try:

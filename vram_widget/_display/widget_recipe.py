@@ -12,6 +12,7 @@ from typing import Any
 from .._estimating.options import CustomOptimizer
 from .._estimating.recipe import Recipe
 from .._estimating.recipe.recipe import KEYWORD_FIELDS
+from .widget_settings import offload_choice
 
 __all__ = ["CONTROLLED", "RecipeSettings", "recipe_settings"]
 
@@ -22,8 +23,8 @@ __all__ = ["CONTROLLED", "RecipeSettings", "recipe_settings"]
 CONTROLLED: tuple[str, ...] = (
     "batch_size", "seq_len", "precision", "mode", "optimizer", "optimizer_in_backward",
     "set_to_none", "expandable_segments", "checkpoint", "checkpoint_policy", "trainable",
-    "grad_accumulation", "lora_rank", "loss_chunks", "gpus", "strategy", "gpus_per_node",
-    "new_tokens",
+    "grad_accumulation", "lora_rank", "loss_chunks", "offload_activations", "gpus", "strategy",
+    "gpus_per_node", "new_tokens",
 )  # fmt: skip
 # (compute_capability is the chosen GPU's, which the "GPU" control sets.)
 _NO_CONTROL = ("rank", "base_quantization", "compute_capability")
@@ -101,6 +102,8 @@ def _control_value(key: str, value: Any) -> Any:
             "checkpoint policy control cannot hold ('full', 'op' or every k-th block); "
             "estimate it with profile.estimate(recipe=...)"
         )
+    if key == "offload_activations":
+        return offload_choice(value)  # True: "torchtune", as estimate reads it
     if key in ("checkpoint", "trainable") and isinstance(value, tuple):
         return ",".join(value)  # the text boxes take comma-separated patterns
     return getattr(value, "value", value)  # an option's text

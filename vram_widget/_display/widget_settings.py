@@ -1,6 +1,6 @@
 """The widget's settings as the estimate takes them, and their checks before any profiling:
-the optimizer trait, the lever traits' arguments, the optimizer's stepping settings and a
-``gpu=`` setting in any capacity form."""
+the optimizer trait, the lever traits' arguments (activation offloading's included), the
+optimizer's stepping settings and a ``gpu=`` setting in any capacity form."""
 
 from __future__ import annotations
 
@@ -12,19 +12,23 @@ import traitlets
 from .._estimating.checkpoint_policy import CheckpointPolicyName
 from .._estimating.gpus import CUSTOM_GPU, GPUS, resolve_gpu
 from .._estimating.levers import Levers
+from .._estimating.offloading import resolve_offload
 from .._estimating.options import Mode, optimizer_names
 from .._estimating.recipe import Optimizer
 from .._estimating.sharding import DEFAULT_GPUS_PER_NODE, resolve_parallel
 from .._estimating.stepping import stepping_levers
 from .optimizer_control import NO_OPTIMIZER
-from .widget_controls import CHECKPOINT_OFF, POLICY_NAMES
+from .widget_controls import CHECKPOINT_OFF, OFFLOAD_OFF, POLICY_NAMES
 
 __all__ = [
+    "OffloadTrait",
     "OptimizerTrait",
     "check_optimizer_settings",
     "check_policy_value",
     "checkpoint_arg",
     "gpu_settings",
+    "offload_arg",
+    "offload_choice",
     "paired_checkpoint",
     "policy_arg",
     "trainable_arg",
@@ -158,3 +162,46 @@ def gpu_settings(value: Any) -> dict[str, Any]:
     if target.name in GPUS:
         return {"gpu": target.name}
     return {"gpu": CUSTOM_GPU, "custom_gib": target.memory_bytes / 2**30}
+
+
+class OffloadTrait(traitlets.Unicode):
+    """``offload_activations`` as the control holds it: "off", "torchtune" or
+    "save_on_cpu"; estimate's None and False are stored as "off", True as "torchtune"."""
+
+    info_text = "'off', 'torchtune' or 'save_on_cpu' (or None, False, True)"
+
+    def validate(self, obj: Any, value: Any) -> Any:
+        try:
+            return offload_choice(value)
+        except (TypeError, ValueError) as exc:
+            raise traitlets.TraitError(str(exc)) from None
+
+
+def offload_choice(value: object) -> str:
+    """Any form ``estimate``'s ``offload_activations`` takes, or "off", as the trait holds
+    it (a TypeError / ValueError naming the valid forms).
+
+    Examples
+    --------
+    >>> offload_choice(True), offload_choice(None), offload_choice("off")
+    ('torchtune', 'off', 'off')
+    >>> offload_choice("nvme")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: offload_activations='nvme': offload_activations takes None or False (off), ...
+    """
+    if value == OFFLOAD_OFF and isinstance(value, str):
+        return OFFLOAD_OFF
+    offload = resolve_offload(value)
+    return OFFLOAD_OFF if offload is None else offload.value
+
+
+def offload_arg(choice: str) -> str | None:
+    """The trait's value as ``estimate`` takes it (None: off).
+
+    Examples
+    --------
+    >>> offload_arg("off"), offload_arg("save_on_cpu")
+    (None, 'save_on_cpu')
+    """
+    return None if choice == OFFLOAD_OFF else choice

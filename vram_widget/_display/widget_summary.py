@@ -27,6 +27,7 @@ from .widget_text import (
     format_bytes,
     generation_text,
     headline_html,
+    host_row,
     levers_text,
     optimizer_text,
     rows_html,
@@ -328,6 +329,9 @@ class SummaryMixin:
             )
         if est.levers.active:
             rows.append(("Levers", levers_text(est, self._without_levers())))
+        host = host_row(est)
+        if host is not None:  # activation offloading: host memory, apart from the device's
+            rows.append(host)
         if est.gpus > 1:
             rows.append(("Data parallel", data_parallel_text(est)))
         rows.append(("Extras (reserve)", extras_text(est)))
@@ -364,6 +368,11 @@ class SummaryMixin:
 
     def _without_levers(self: MemoryWidget) -> MemoryEstimate:  # type: ignore[misc]
         """The same step without the levers (what the levers row compares with)."""
-        plain = {*self._lever_settings(), *_STEPPING_SETTINGS, "loss_chunks"}
+        plain = {
+            *self._lever_settings(),
+            *_STEPPING_SETTINGS,
+            "loss_chunks",
+            "offload_activations",
+        }
         settings = {k: v for k, v in self._settings().items() if k not in plain}
         return self._profile.estimate(self.batch_size, **settings)

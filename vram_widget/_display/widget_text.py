@@ -393,6 +393,39 @@ def levers_text(est: MemoryEstimate, base: MemoryEstimate) -> str:
     return line
 
 
+def host_row(est: MemoryEstimate) -> tuple[str, str] | None:
+    """The details' row of the host memory offloaded activations take at their peak
+    (``est.host_bytes``; None where nothing is offloaded). torchtune's OffloadActivations
+    pins it (``use_pin_memory=True``, torchtune 0.6.1
+    ``training/_activation_offloading.py``); ``save_on_cpu`` does not (``pin_memory=False``,
+    torch's default, ``torch/autograd/graph.py``).
+
+    Examples
+    --------
+    >>> import dataclasses
+    >>> from vram_widget import profile_model, zoo
+    >>> est = profile_model(zoo.mlp(), input_size=(784,)).estimate(
+    ...     64, offload_activations="torchtune")
+    >>> host_row(est)[0]
+    'Host (pinned) memory'
+    >>> host_row(dataclasses.replace(est, host_bytes=0)) is None
+    True
+    """
+    if not est.host_bytes:
+        return None
+    pinned = est.levers.offload_activations == "torchtune"
+    how = (
+        "pinned by torchtune's OffloadActivations"
+        if pinned
+        else "pageable: torch.autograd.graph.save_on_cpu(pin_memory=False)"
+    )
+    text = (
+        f"{format_bytes(est.host_bytes)} ({est.host_bytes:,} B) of offloaded saved "
+        f"activations at their peak, {html.escape(how)}; in no device total"
+    )
+    return ("Host (pinned) memory" if pinned else "Host memory", text)
+
+
 def data_parallel_text(est: MemoryEstimate) -> str:
     """One rank of a data-parallel step: ranks, strategy, buffers, global batch."""
     which = f"rank {est.rank}" if est.rank is not None else "each rank"
