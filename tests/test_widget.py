@@ -661,10 +661,11 @@ def test_device_line_gives_the_third_number() -> None:
     assert MemoryWidget(profile_model(zoo.mlp(), input_size=(784,), device="cpu")).device_html == ""
 
 
-def test_device_line_waits_for_the_controls_to_rest(monkeypatch: pytest.MonkeyPatch) -> None:
-    # In a kernel (a running event loop) the allocator search runs once the moves stop:
-    # two quick moves give one search, for the setting the controls rest on; until then the
-    # headline shows "…" for the device figure and the verdict, then the exact numbers.
+def _counted_device_searches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[ModelProfile, MemoryWidget, list[int]]:
+    """A ResNet-18 widget at batch 16 whose device-line searches are counted (the batch of
+    each search, in order)."""
     from vram_widget._display import widget_summary
 
     profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
@@ -677,6 +678,14 @@ def test_device_line_waits_for_the_controls_to_rest(monkeypatch: pytest.MonkeyPa
         return device_text(est, gpu_name, capacity_bytes)
 
     monkeypatch.setattr(widget_summary, "device_text", counted)
+    return profile, w, searched
+
+
+def test_device_line_waits_for_the_controls_to_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In a kernel (a running event loop) the allocator search runs once the moves stop:
+    # two quick moves give one search, for the setting the controls rest on; until then the
+    # headline shows "…" for the device figure and the verdict, then the exact numbers.
+    profile, w, searched = _counted_device_searches(monkeypatch)
 
     async def move() -> tuple[str, Any, str, Any]:
         w.batch_size = 8
@@ -700,18 +709,7 @@ def test_reading_the_summary_fills_a_pending_rest_now(monkeypatch: pytest.Monkey
     # A cell that moves a control and reads the words in the same kernel turn (the
     # quickstart's "HTML(w.summary_html)" under Run All) gets the new setting's numbers: the
     # pending rest is filled on the read, once, and its timer cancelled (no second search).
-    from vram_widget._display import widget_summary
-
-    profile = profile_model(zoo.resnet18(), input_size=(3, 64, 64))
-    w = MemoryWidget(profile, batch_size=16)
-    searched: list[int] = []
-    device_text = widget_summary.device_text
-
-    def counted(est: MemoryEstimate, gpu_name: str, capacity_bytes: int) -> str:
-        searched.append(est.batch_size)
-        return device_text(est, gpu_name, capacity_bytes)
-
-    monkeypatch.setattr(widget_summary, "device_text", counted)
+    profile, w, searched = _counted_device_searches(monkeypatch)
 
     async def move() -> tuple[str, str]:
         w.batch_size = 32

@@ -1202,31 +1202,31 @@ class _Source:
         inputs = self.profiler.subject.inputs
         return ((), {}) if inputs is None else (inputs.args, inputs.kwargs)
 
+    @contextlib.contextmanager
+    def _as_every_run(self) -> Iterator[None]:
+        """What wraps every run, the lazy ones a later estimate() asks for and the check
+        included: the model's training flags and the RNG left as they were, the worst-case
+        graph, the example's mask values, and a backward recorded even when the caller sits
+        inside torch.no_grad() or torch.inference_mode()."""
+        model = self.profiler.subject.model
+        with (
+            _preserved_model_state(model),
+            worst_case_graph(graph_randomness(model)),
+            example_mask_values(model, *self._example()),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
+            yield
+
     def _run(
         self, precision: Precision, batch_size: int, mode: Mode, flops: bool = True
     ) -> RawTrace:
-        # Every run, the lazy ones a later estimate() asks for included, leaves the model's
-        # training flags and the RNG as they were, and records a backward even when the
-        # caller sits inside torch.no_grad() or torch.inference_mode().
-        with (
-            _preserved_model_state(self.profiler.subject.model),
-            worst_case_graph(graph_randomness(self.profiler.subject.model)),
-            example_mask_values(self.profiler.subject.model, *self._example()),
-            torch.inference_mode(False),
-            torch.enable_grad(),
-        ):
+        with self._as_every_run():
             return self._run_once(precision, batch_size, mode, flops)
 
     def check_runs(self) -> bool:
-        """:meth:`Profiler.check_runs` inside the wrappers of every run (the model's
-        flags and the RNG kept, the worst-case graph, the example's mask values)."""
-        with (
-            _preserved_model_state(self.profiler.subject.model),
-            worst_case_graph(graph_randomness(self.profiler.subject.model)),
-            example_mask_values(self.profiler.subject.model, *self._example()),
-            torch.inference_mode(False),
-            torch.enable_grad(),
-        ):
+        """:meth:`Profiler.check_runs` inside the wrappers of every run."""
+        with self._as_every_run():
             return self.profiler.check_runs()
 
     def _run_once(self, precision: Precision, batch_size: int, mode: Mode, flops: bool) -> RawTrace:
