@@ -256,3 +256,15 @@ def test_command_line_flag(capsys: pytest.CaptureFixture[str]) -> None:
     profile = profile_model(model, inputs={"input_ids": ids, "labels": ids}, device="cpu")
     chunked = profile.estimate(4, "bf16", loss_chunks=4)
     assert setting["peak_bytes"] == chunked.peak_bytes != profile.estimate(4, "bf16").peak_bytes
+
+
+def test_frontier_profiles_the_chunked_step_it_searches() -> None:
+    # the batch x length frontier with loss_chunks pre-profiles its first other length with
+    # the levers its estimates run (the chunked step), not the plain step's
+    torch.manual_seed(0)
+    profile = profile_model(hf_gpt2(), inputs=hf_tokens(2, 16), device="cpu")
+    frontier = profile.frontier("1 GiB", optimizer="adamw", seq_lens=[16, 32], loss_chunks=4)
+    assert frontier.max_batch_at(32) > 0
+    assert not profile.is_cached("fp32", "train", "adamw", 32)  # no plain run made
+    assert profile.estimate(frontier.max_batch_at(32), optimizer="adamw", seq_len=32,
+                            loss_chunks=4).fits("1 GiB")  # fmt: skip

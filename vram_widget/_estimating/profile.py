@@ -690,6 +690,38 @@ class ModelProfile:
             warn_ignored("the step", ignored[len(asked.ignored) :])
         return dataclasses.replace(est, ignored=ignored) if ignored else est
 
+    def _parallel_of(self, recipe: Recipe) -> Parallel:
+        """The data parallelism a Recipe asks for, its FSDP units resolved to this model."""
+        par = recipe.parallel
+        parallel = resolve_parallel(par.gpus, par.strategy, gpus_per_node=par.gpus_per_node)
+        if par.fsdp_units is None:
+            return parallel
+        return dataclasses.replace(parallel, fsdp_units=self._fsdp_units(par.fsdp_units))
+
+    def _step_levers_of(self, recipe: Recipe, parallel: Parallel, length: int | None) -> Levers:
+        """The levers of the step a Recipe runs, resolved against this model: the memory
+        levers, offloading (refused by name on the CPU, in inference and across GPUs:
+        offloading.py), and in training how the optimizer steps, the loop's protocol and the
+        chunked loss at ``length`` (None: the example's); NO_LEVERS outside training."""
+        lv, run_mode = recipe.levers, recipe.step.mode
+        levers = self.levers(
+            lv.checkpoint,
+            lv.trainable,
+            lv.grad_accumulation,
+            lv.lora_rank,
+            lv.lora_targets,
+            lv.checkpoint_policy,
+        )
+        levers = offload_levers(levers, lv.offload_activations, run_mode, self.device, parallel)
+        if run_mode is not Mode.TRAIN:
+            return NO_LEVERS
+        implementation = recipe.optimizer.resolved_implementation(self.device)
+        levers = stepping_levers(levers, recipe.optimizer, implementation, parallel)
+        levers = protocol_levers(levers, recipe.step, recipe.optimizer, parallel)
+        return chunked_loss_levers(
+            levers, lv.loss_chunks, self.loss_chunks_refusal, length or self.seq_len, parallel
+        )
+
     def _estimate(self, recipe: Recipe) -> MemoryEstimate:
         """:meth:`estimate` of one resolved Recipe."""
         step, lv, par, acc = recipe.step, recipe.levers, recipe.parallel, recipe.accelerator
@@ -708,29 +740,10 @@ class ModelProfile:
             )
         if lv.base_quantization is not None:
             self._refuse_quantization(lv.base_quantization)
-        parallel = resolve_parallel(par.gpus, par.strategy, gpus_per_node=par.gpus_per_node)
-        if par.fsdp_units is not None:
-            parallel = dataclasses.replace(parallel, fsdp_units=self._fsdp_units(par.fsdp_units))
+        parallel = self._parallel_of(recipe)
         asked_rank = check_rank(par.rank, parallel.gpus)
-        levers = self.levers(
-            lv.checkpoint,
-            lv.trainable,
-            lv.grad_accumulation,
-            lv.lora_rank,
-            lv.lora_targets,
-            lv.checkpoint_policy,
-        )
-        # refused by name on the CPU, in inference and across GPUs (offloading.py)
-        levers = offload_levers(levers, lv.offload_activations, run_mode, self.device, parallel)
+        levers = self._step_levers_of(recipe, parallel, length)
         lora_dtype = _lora_dtype_of(lv)
-        if run_mode is not Mode.TRAIN:
-            levers = NO_LEVERS
-        else:
-            levers = stepping_levers(levers, recipe.optimizer, implementation, parallel)
-            levers = protocol_levers(levers, step, recipe.optimizer, parallel)
-            levers = chunked_loss_levers(
-                levers, lv.loss_chunks, self.loss_chunks_refusal, length or self.seq_len, parallel
-            )
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers, lora_dtype)
             plain = dataclasses.replace(recipe, levers=LeverSettings())
@@ -1357,16 +1370,9 @@ class ModelProfile:
         # the example's length, the optimizer
         _check_above_context(self.estimate(recipe=base), capacity)
         lv = base.levers
-        resolved = NO_LEVERS
-        if run_mode is Mode.TRAIN:
-            resolved = self.levers(
-                lv.checkpoint,
-                lv.trainable,
-                lv.grad_accumulation,
-                lv.lora_rank,
-                lv.lora_targets,
-                lv.checkpoint_policy,
-            )
+        # the levers the estimates at each length run (the same resolution as estimate's)
+        parallel = self._parallel_of(base)
+        resolved = self._step_levers_of(base, parallel, None)
         lora_dtype = _lora_dtype_of(lv)
         if resolved.lora_rank is not None:
             sub, kwargs = self._lora(resolved, lora_dtype)
@@ -1380,13 +1386,15 @@ class ModelProfile:
         opt = _optimizer_choice(base)
 
         def answerable(length: int) -> bool:
-            return profile_lengths or self.is_cached(prec, run_mode, opt, length, resolved)
+            return profile_lengths or self.is_cached(
+                prec, run_mode, opt, length, resolved, parallel
+            )
 
         # the first other length makes the fit in the length (runs once), so that
         # ``answerable`` can tell which lengths are numpy from here on
         other = next((n for n in lengths if n != self.seq_len), None)
-        if other is not None and not self.is_cached(prec, run_mode, opt, other, resolved):
-            self.timeline(prec, run_mode, other, resolved)
+        if other is not None and not self.is_cached(prec, run_mode, opt, other, resolved, parallel):
+            self.timeline(prec, run_mode, other, _step_levers(resolved, run_mode, parallel, prec))
         return batch_seq_frontier(
             lambda length: self.max_batch_size(
                 capacity, basis=basis, recipe=base.with_(seq_len=length)
