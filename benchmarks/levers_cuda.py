@@ -66,6 +66,12 @@ def main() -> None:
     parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "levers_cuda.json")
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(LEVERS),
+        help="measure only this lever (repeatable); its rows replace those in --out",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -80,6 +86,8 @@ def main() -> None:
         profile = profile_model(meta, inputs=_tokens(2, 128), device="cuda", precisions=())
         model.to(device)
         for lever, settings in LEVERS.items():
+            if args.only and lever not in args.only:
+                continue
             row: dict[str, Any] = {"model": name, "lever": lever}
             try:
                 est = profile.estimate(
@@ -103,7 +111,12 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
             torch.cuda.empty_cache()
         model.cpu()
-    Path(args.out).write_text(json.dumps({**info, "rows": rows}, indent=1))
+    out = Path(args.out)
+    if args.only and out.exists():  # keep the other levers' rows, measured before
+        kept = [r for r in json.loads(out.read_text())["rows"] if r["lever"] not in args.only]
+        order = list(LEVERS)
+        rows = sorted(kept + rows, key=lambda r: (r["model"], order.index(r["lever"])))
+    out.write_text(json.dumps({**info, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
