@@ -52,6 +52,14 @@ case "$what" in
         # with older versions: the tests load one module of it from its file (its chunked
         # cross-entropy), since `import torchtune` fails next to torchao 0.18.
         pip_install --no-deps "torchtune>=0.6.1,<0.7"
+        # torchtitan 0.3.0's Llama (tests/models.py builds it from its model config) without
+        # its declared dependencies: datasets, wandb and tensorboard would replace
+        # huggingface_hub and fsspec with older versions, and the model needs none of them.
+        # What importing torchtitan.models.llama3 does need: spmd_types (its model files) and
+        # tyro (torchtitan/config/manager.py, on the package's import chain), with tyro's own
+        # dependencies (docstring_parser, typeguard), which replace nothing installed.
+        pip_install --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3"
+        pip_install "tyro>=1.0,<2"
         # The browser test drives Debian's Chromium (never `playwright install`, which
         # downloads a browser of its own and fails offline). Installed once, when missing and
         # we may install it.

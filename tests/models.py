@@ -568,3 +568,113 @@ def assert_optimizers_match_cpu_step(case: str, precision: str, names: Any) -> N
         est = profile.estimate(batch, precision=precision, optimizer=name)
         real = measure(model, inputs, optimizer=name, precision=precision)
         assert est.peak_bytes == real.peak_bytes, name
+
+
+# torchtitan 0.3.0's own Llama 3 (torchtitan/models/llama3), tiny dims. Where triton is not
+# installed (a CPU build of torch brings none), its one module that imports triton on the
+# way to the model, the expert-parallel kernels (distributed/minimal_async_ep/kernels.py,
+# imported by models/common/token_dispatcher.py for mixture-of-experts layers, never run by a
+# dense Llama), is loaded with a stand-in for triton in that module's own namespace: triton
+# never enters sys.modules, where torch would take it for the real package.
+
+
+class _TritonStandIn:
+    """What ``triton.language`` gives to that module's definitions (type annotations and
+    constants, never run): anything called or looked up is this object again."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _TritonStandIn:
+        return self
+
+    def __getattr__(self, name: str) -> _TritonStandIn:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+
+def _load_torchtitan_kernels_without_triton() -> None:
+    import builtins
+    import importlib.util
+    import sys
+    import types
+
+    name = "torchtitan.distributed.minimal_async_ep.kernels"
+    package = importlib.util.find_spec("torchtitan")
+    if name in sys.modules or package is None or not package.submodule_search_locations:
+        return
+    root = package.submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location(
+        name, f"{root}/distributed/minimal_async_ep/kernels.py"
+    )
+    if spec is None or spec.loader is None:
+        return
+    triton = types.ModuleType("triton")
+    # @triton.jit and @triton.jit(do_not_specialize=[...]): the function itself, unrun
+    triton.jit = lambda fn=None, **_: fn if fn is not None else (lambda f: f)  # type: ignore[attr-defined]
+    triton.language = _TritonStandIn()  # type: ignore[attr-defined]
+    real_import = builtins.__import__
+
+    def import_(module: str, *args: Any, **kwargs: Any) -> Any:
+        if module == "triton" or module.startswith("triton."):
+            return triton
+        return real_import(module, *args, **kwargs)
+
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__["__builtins__"] = {**vars(builtins), "__import__": import_}
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+
+
+def torchtitan_llama3(
+    dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2
+) -> nn.Module:
+    """torchtitan 0.3.0's ``Llama3Model`` from its model config, built as its own
+    ``llama3_configs`` entries build theirs (``_build_llama3_layers``: fused QKV, grouped
+    key/value heads, depth-scaled inits; ``ComplexRoPE`` with Llama 3's scaling), vocabulary
+    :data:`HF_VOCAB`, weights from ``init_states()``. The inner attention is torchtitan's
+    ``ScaledDotProductAttention`` (causal): its language-model backends are FlexAttention,
+    always run through ``torch.compile``, and varlen attention, a CUDA kernel. Raises
+    ImportError where torchtitan is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        _load_torchtitan_kernels_without_triton()
+    from torchtitan.models import llama3
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+        compute_ffn_hidden_dim,
+    )
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    layers = llama3._build_llama3_layers(
+        n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
+        rope=ComplexRoPE.Config(
+            dim=dim // n_heads, max_seq_len=256, theta=500000, scaling="llama"
+        ),
+        attn_backend="flex",
+    )  # fmt: skip
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = llama3.Llama3Model.Config(
+        dim=dim, vocab_size=HF_VOCAB,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=HF_VOCAB, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=dim, out_features=HF_VOCAB,
+            param_init=llama3._output_linear_init(dim),
+        ),
+        layers=layers,
+    )  # fmt: skip
+    model: nn.Module = config.build()
+    model.init_states()  # type: ignore[operator]
+    return model
+
+
+def titan_tokens(batch: int, seq: int = 32) -> torch.Tensor:
+    """Token ids for :func:`torchtitan_llama3` (its forward takes ``tokens`` alone)."""
+    return torch.randint(0, HF_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(batch))

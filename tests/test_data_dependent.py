@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -57,6 +58,27 @@ def test_layerdrop_knobs_are_zeroed_and_restored() -> None:
         assert net.layerdrop == config.layerdrop == config.encoder_layerdrop == 0.0
         raise RuntimeError("a failing run")
     assert (net.layerdrop, config.layerdrop, config.encoder_layerdrop) == (0.2, 0.1, 0.3)
+
+
+@dataclasses.dataclass(slots=True)
+class _SlotsConfig:
+    """A config without ``__dict__``, as torchtitan's ``@dataclass(slots=True)`` configs."""
+
+    layerdrop: float = 0.25
+    dim: int = 64
+
+
+def test_layerdrop_knobs_on_a_slots_config_are_found() -> None:
+    net = _Net()
+    net.fc.config = _SlotsConfig()  # type: ignore[assignment]
+    knobs = graph_randomness(net)
+    assert sorted((type(o).__name__, name, v) for o, name, v, _off in knobs) == [
+        ("_Net", "layerdrop", 0.2),
+        ("_SlotsConfig", "layerdrop", 0.25),
+    ]
+    with worst_case_graph(knobs):
+        assert net.fc.config.layerdrop == 0.0
+    assert net.fc.config.layerdrop == 0.25
 
 
 def _skip(padding_mask: Any, q_offset: Any = 0) -> bool:

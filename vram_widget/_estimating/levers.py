@@ -404,19 +404,25 @@ def resolve_levers(
 
 
 def repeated_blocks(module_names: Sequence[str], module_types: Sequence[str]) -> tuple[str, ...]:
-    """The children of the largest ``ModuleList`` whose children are all of one class (at
-    least two of them): the per-layer blocks that Hugging Face's checkpointing and
-    torchtune's per-layer checkpointing wrap. Ties go to the first in module order.
+    """The children of the largest ``ModuleList`` or ``ModuleDict`` whose children are all
+    of one class (at least two of them): the per-layer blocks that Hugging Face's
+    checkpointing and torchtune's per-layer checkpointing wrap, and torchtitan's
+    ``model.layers`` (a ``ModuleDict`` keyed by layer index, torchtitan 0.3.0
+    ``models/common/decoder.py``, whose children ``ActivationCheckpointing.apply`` wraps
+    one by one, ``distributed/activation_checkpoint.py``). Ties go to the first in module
+    order.
 
     Examples
     --------
     >>> repeated_blocks(("", "h", "h.0", "h.1", "h.0.fc"), ("M", "ModuleList", "B", "B", "L"))
     ('h.0', 'h.1')
+    >>> repeated_blocks(("", "layers", "layers.0", "layers.1"), ("M", "ModuleDict", "B", "B"))
+    ('layers.0', 'layers.1')
     """
     best: tuple[str, ...] = ()
     types = dict(zip(module_names, module_types, strict=True))
     for name, kind in types.items():
-        if kind != "ModuleList":
+        if kind not in ("ModuleList", "ModuleDict"):
             continue
         prefix = name + "." if name else ""
         children = [

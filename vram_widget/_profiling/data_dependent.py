@@ -52,6 +52,24 @@ _WORST_CASE_KNOBS: dict[str, float] = {"layerdrop": 0.0}
 Knob = tuple[Any, str, float, float]  # (owner, attribute, value, the value that runs all)
 
 
+def _attributes(owner: object) -> dict[str, Any]:
+    """An object's attributes: its ``__dict__`` and the slots of its classes. A
+    ``@dataclass(slots=True)`` has no ``__dict__`` (torchtitan 0.3.0's model configs, e.g.
+    ``Decoder.Config`` in ``models/common/decoder.py``, are such dataclasses); a slot never
+    set is left out."""
+    found = dict(getattr(owner, "__dict__", {}))
+    for cls in type(owner).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in found or name in ("__dict__", "__weakref__"):
+                continue
+            try:
+                found[name] = getattr(owner, name)
+            except AttributeError:
+                continue
+    return found
+
+
 def graph_randomness(model: torch.nn.Module) -> list[Knob]:
     """Every knob set to randomize the graph: module attributes and those of each module's
     ``config`` (once per config object)."""
@@ -62,7 +80,7 @@ def graph_randomness(model: torch.nn.Module) -> list[Knob]:
             if owner is None or id(owner) in seen:
                 continue
             seen.add(id(owner))
-            for name, value in list(vars(owner).items()):
+            for name, value in _attributes(owner).items():
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue
                 for suffix, off in _WORST_CASE_KNOBS.items():

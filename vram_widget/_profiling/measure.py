@@ -958,7 +958,10 @@ def _copy_model(model: torch.nn.Module, dtype: torch.dtype, mode: Mode) -> torch
         ) from exc
     for p in clone.parameters():
         p.grad = None
-    clone.to(dtype)  # floating parameters and buffers only; a no-op where already in dtype
+    # floating parameters and buffers only, as the profile casts them: Module.to(dtype) would
+    # cast complex ones too, and to a real dtype that drops their imaginary part (torchtitan's
+    # RoPE keeps complex64 frequencies in a buffer, freqs_cis)
+    clone._apply(functools.partial(cast_floating, dtype=dtype))
     clone.train(mode is Mode.TRAIN)
     return clone
 
