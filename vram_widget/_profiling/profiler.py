@@ -80,6 +80,17 @@ from .optimizers import (
 from .param_groups import decay_parameter_names, trainer_groups
 from .probe import KernelProbe
 from .recorder import Recorder, describe_args, module_hooks, tracked_rng_states
+from .repeated import (
+    FEW_BLOCKS,
+    BlockStack,
+    NotRepeated,
+    derive,
+    find_stack,
+    full_param_names,
+    layout,
+    reduced_copy,
+    reduced_levers,
+)
 from .step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -956,9 +967,17 @@ WORKSPACE_BATCH_SIZES = (1, 8, 32)
 class _Source:
     """Profiles one precision and mode (or one optimizer) when the table first asks."""
 
+    # Whether a stack of identical blocks is recorded with 3 and 4 of them and the run
+    # with all of them derived, where exact (repeated.py); False runs every step in full.
+    use_repeated = True
+
     def __init__(self, profiler: Profiler, cache: object = True) -> None:
         self.profiler = profiler
         self.cache = cache  # profile_model's cache=, which a LoRA profile inherits
+        self._stack: BlockStack | bool | None = False  # False: not looked for yet
+        self._reduced: dict[int, _Source] = {}
+        # (precision, mode, levers, length) whose runs the few-block copies do not give
+        self._not_repeated: set[tuple[Any, ...]] = set()
 
     def timeline(
         self,
@@ -1221,8 +1240,84 @@ class _Source:
     def _run(
         self, precision: Precision, batch_size: int, mode: Mode, flops: bool = True
     ) -> RawTrace:
+        derived = self._derived_run(precision, batch_size, mode, flops)
+        if derived is not None:
+            return derived
         with self._as_every_run():
             return self._run_once(precision, batch_size, mode, flops)
+
+    def _derived_run(
+        self, precision: Precision, batch_size: int, mode: Mode, flops: bool
+    ) -> RawTrace | None:
+        """The run from copies of the model with 3 and 4 of its repeated blocks
+        (``repeated.py``), where that is exact; None where not (the full run is made)."""
+        profiler = self.profiler
+        subject = profiler.subject
+        if not self.use_repeated or profiler.real or profiler.probe is not None:
+            return None
+        if mode not in (Mode.TRAIN, Mode.INFERENCE) or subject.fixed_dtypes:
+            return None
+        if self._stack is False:
+            self._stack = find_stack(subject.model)
+        stack = self._stack
+        if not isinstance(stack, BlockStack):
+            return None
+        levers = profiler.levers if mode is Mode.TRAIN else NO_LEVERS
+        key = (precision, mode, levers, profiler.seq_len)
+        if key in self._not_repeated:
+            return None
+        traces, reduced = [], []
+        for n in FEW_BLOCKS:
+            few = reduced_levers(levers, stack, n)
+            if few is None:
+                self._not_repeated.add(key)
+                return None
+            source = self._reduced_source(stack, n)
+            source.profiler.seq_len, source.profiler.levers = profiler.seq_len, few
+            try:
+                traces.append(source._run(precision, batch_size, mode, flops))
+            except Exception:
+                self._not_repeated.add(key)
+                return None
+            finally:
+                source.profiler.seq_len, source.profiler.levers = None, NO_LEVERS
+            reduced.append((source.profiler.subject, few))
+        (sub3, few3), (sub4, _few4) = reduced
+        try:
+            trace = derive(
+                traces[0],
+                traces[1],
+                layout(sub3.rows.names, stack, FEW_BLOCKS[0]),
+                layout(sub4.rows.names, stack, FEW_BLOCKS[1]),
+                layout(subject.rows.names, stack, stack.count),
+                len(subject.rows.names),
+            )
+        except NotRepeated:
+            self._not_repeated.add(key)
+            return None
+        if few3 in sub3.params_with_grad:
+            subject.params_with_grad[levers] = full_param_names(
+                sub3.params_with_grad[few3], stack, [n for n, _p, _r in subject._params]
+            )
+        assert isinstance(trace, RawTrace)
+        return trace
+
+    def _reduced_source(self, stack: BlockStack, n: int) -> _Source:
+        """The source of a meta copy of the model with ``n`` blocks of its stack."""
+        if n not in self._reduced:
+            subject = self.profiler.subject
+            few = Subject(
+                reduced_copy(subject.model, stack, n),
+                subject.inputs,
+                subject.input_size,
+                subject.loss_fn,
+                subject.device,
+            )
+            few.seq_axes = dict(subject.seq_axes)
+            source = _Source(Profiler(few), cache=False)
+            source.use_repeated = False
+            self._reduced[n] = source
+        return self._reduced[n]
 
     def check_runs(self) -> bool:
         """:meth:`Profiler.check_runs` inside the wrappers of every run."""
