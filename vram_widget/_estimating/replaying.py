@@ -553,10 +553,19 @@ def _caching(
                     bsize += size_before
                 if end in free_start:  # and with the one after it, whose end stays
                     after = free_start.pop(end)
-                    del pool[bisect_left(pool, after << shift | end)]
+                    i = bisect_left(pool, after << shift | end)
                     bsize += after
                     end += after
-                insort(pool, bsize << shift | addr)
+                    key = bsize << shift | addr
+                    # the merged block, larger, takes the place of the one after where
+                    # no key lies between them (the end key follows every block)
+                    if pool[i + 1] > key:
+                        pool[i] = key
+                    else:
+                        del pool[i]
+                        insort(pool, key, i)
+                else:
+                    insort(pool, bsize << shift | addr)
                 free_start[addr] = bsize
                 free_end[end] = addr
         if run == 0:  # the residents, in use to the end
