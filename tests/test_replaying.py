@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -407,6 +408,37 @@ def test_flat_replay_equals_the_reference_on_real_steps(which: str) -> None:
     # bounds under which the step runs (at the upper bound, the free reserved peak, it does)
     steps = range(low, high + K_SMALL_BUFFER, K_SMALL_BUFFER)
     assert est.device_bytes == next(cap for cap in steps if runs[cap]) + context
+
+
+def test_flat_replay_equals_the_reference_on_a_llama_7b_shaped_step() -> None:
+    # Two decoder layers of Llama-2-7B's shape on the meta device (4,096 wide, 11,008 FFN,
+    # 32 heads, 32,000-word vocabulary), 128 tokens, batch 8, bf16, AdamW: the sizes of
+    # the full model's step, with its repeated layers. The same numbers as the reference,
+    # plain and expandable, and under caps on either side of device_bytes, replayed from
+    # one plan (so from the checkpoints the free replay and the earlier caps leave).
+    config = dataclasses.replace(zoo.LLAMA_7B, n_layer=2)
+    with torch.device("meta"):
+        model = zoo.llama_decoder(config)
+    profile = profile_model(model, inputs=torch.zeros(1, 128, dtype=torch.long))
+    est = profile.estimate(8, "bf16", "adamw")
+    stream = est._replay_stream
+    assert stream is not None and est.device_bytes is not None
+    residents = stream.resident_bytes.tolist()
+    events = list(zip(stream.storage.tolist(), stream.nbytes.tolist(), strict=True))
+    for expandable in (False, True):
+        reference, flat = _both(residents, events, expandable_segments=expandable)
+        assert flat == reference
+    least = est.device_bytes - est.extras.cuda_context_bytes  # the least cap that runs
+    caps = [least + k * K_SMALL_BUFFER for k in (-2, -1, 0, 1, 3)]
+    step = plan(residents, stream.storage, stream.nbytes)
+    fast_replay(step, checkpoint_above=caps[0])
+    outcomes = []
+    for cap in caps:
+        reference = _outcome(lambda c=cap: replay(residents, events, capacity_bytes=c))
+        assert _outcome(lambda c=cap: fast_replay(step, capacity_bytes=c)) == reference, cap
+        outcomes.append(reference[0])
+    assert outcomes == ["oom", "oom", "ok", "ok", "ok"]
+    assert step.checkpoints
 
 
 def _fresh_setting() -> tuple[Any, int]:
