@@ -13,7 +13,10 @@ The state, and why it is the reference's:
   ``size << shift | address``, sorted, so ``bisect`` finds the reference's best fit: the
   smallest size of at least the request, the lowest address among equal sizes. Two dicts
   index them by start and by end, which is how a freed block finds its free neighbours
-  (``try_merge_blocks``).
+  (``try_merge_blocks``). A block split keeps its end, so the rest it leaves takes over
+  the block's end entry, and its place in the pool where the rest is at least the request
+  (every key before it is below the request's); a block merged with the free one after it
+  takes that one's place where no key lies between them.
 * Sizes and addresses are counted in 512-byte units (``kMinBlockSize``), which keeps them
   small ints.
 * Segments are laid out in creation order, as ``cudaMalloc`` addresses are in the reference,
@@ -33,6 +36,16 @@ the reference's ``live`` dict pairs them by storage (a free of a storage not liv
 skipped; an allocation over a live storage leaves the earlier block in use to the end).
 Allocated bytes are not counted in the loop: an iteration's peak is summed afterwards, in
 numpy, from the blocks its slots were given.
+
+The loop costs about 0.55 us an op (Llama-7B shape, batch 8 x 128, bf16, AdamW: 875
+residents and 6,744 ops an iteration, about 8 ms for two iterations), nearly all of it the
+interpreter's work on each op: dispatch and slot bookkeeping alone are about 0.3 ms an
+iteration. The step's repeated layers (a period of 55 ops over its forward, of 126 over its
+backward) do not make a layer's replay repeat the previous one's from an equal state: at
+every period boundary of both iterations the free blocks differ from the previous
+boundary's (a layer's saved activations take blocks and leave remainders, so the cache
+shrinks or grows by the same few blocks each layer), as they do on GPT-2's step; so no
+layer is skipped.
 
 A replay under a cap is the free replay until the first new segment that would pass the cap
 (only then does the allocator release cached segments), and the free replay's reserved bytes
