@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -177,6 +178,97 @@ def test_capped_replays_from_checkpoints_equal_the_reference(
         assert flat == reference, cap
 
 
+def _periodic_stream(
+    prefix: list[tuple[str, int, int]], period: list[tuple[str, int, int]], repeats: int
+) -> list[tuple[int, int]]:
+    """``prefix``'s events, then ``period``'s ``repeats`` times: the same sizes in the same
+    order each time, on fresh storages, as the layers of a deep model make them. In a
+    repetition, "keep" allocates a storage left live to the next one (as a layer's output
+    or its activations saved for the backward), which that one frees by "free" where it
+    holds none of its own to free; what stays live at the end is freed last."""
+    events = _stream(prefix)
+    fresh = 1 + max((s for s, _ in events if s < 10**6), default=-1)
+    kept: list[tuple[int, int]] = []  # the previous repetition's storages left live
+    for _ in range(repeats):
+        live: dict[int, int] = {}
+        carried, kept = kept, []
+        for kind, size, pick in period:
+            if kind in ("alloc", "keep", "over", "stray", "zero") or not (live or carried):
+                events.append((fresh, size))
+                (kept.append((fresh, size)) if kind == "keep" else live.update({fresh: size}))
+                fresh += 1
+            elif live:
+                storage = list(live)[pick % len(live)]
+                events.append((storage, -live.pop(storage)))
+            else:
+                storage, size = carried.pop(pick % len(carried))
+                events.append((storage, -size))
+        kept += carried  # not freed: left live for the next repetitions
+    return events
+
+
+_period = st.lists(
+    st.tuples(st.sampled_from(["alloc", "alloc", "keep", "free", "free", "free"]), _sizes,
+              st.integers(0, 2**16)),
+    min_size=1, max_size=12,
+)  # fmt: skip
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    residents=st.lists(_sizes, max_size=4),
+    prefix=st.lists(st.tuples(st.sampled_from(["alloc", "free"]), _sizes, st.integers(0, 99)),
+                    max_size=6),
+    period=_period,
+    repeats=st.integers(2, 8),
+    iterations=st.integers(1, 2),
+    shortfalls=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+)  # fmt: skip
+def test_flat_replay_equals_the_reference_on_periodic_streams(
+    residents: list[int], prefix: list[tuple[str, int, int]],
+    period: list[tuple[str, int, int]], repeats: int, iterations: int, shortfalls: list[int],
+) -> None:  # fmt: skip
+    # A period of events repeated (the same sizes in the same order), where what each
+    # repetition leaves live shifts the state the next one starts from, as a deep model's
+    # layers do: blocks split and merged in every order, the same numbers as the reference,
+    # plain, expandable and under caps.
+    events = _periodic_stream(prefix, period, repeats)
+    for expandable in (False, True):
+        reference, flat = _both(
+            residents, events, iterations=iterations, expandable_segments=expandable
+        )
+        assert flat == reference
+    free_peak = _outcome(lambda: replay(residents, events, iterations=iterations))[1]
+    for shortfall in shortfalls:
+        cap = max(0, free_peak - shortfall * K_SMALL_BUFFER)
+        reference, flat = _both(residents, events, iterations=iterations, capacity_bytes=cap)
+        assert flat == reference, cap
+
+
+def test_a_split_rest_and_a_merged_block_keep_the_best_fit_order() -> None:
+    # Large-pool blocks whose place in the sorted pool must move, one iteration (MiB):
+    #  1. s0 = 18: 10 MiB and up, a segment of its own, 18 (2 MiB steps), unsplit.
+    #  2. p = 5 opens a 20 MiB segment; 3. q = 12 from its 15 left, 3 left.
+    #  4. s0 freed: pool [3, 18].
+    #  5. 16 from the 18: 2 left, smaller than 3, so ahead of it: pool [2, 3].
+    #  6. 2 takes the 2 exactly (a 3 taken instead would be charged whole: 1 MiB left is
+    #     not split off in the large pool).
+    #  7. the 16 freed (the 2 after it in use), then p: pool [3, 5, 16].
+    #  8. q freed merges with p before it and the 3 after it: 20, past the 16: pool
+    #     [16, 20]. 9. 16 takes the 16; 10. 20 takes the 20: no third segment.
+    # Allocated: 18, 23, 35, 17, 33, 35, 19, 14, 2, 18, 38: peak 38; reserved 18 + 20 = 38
+    # throughout, two segments.
+    events = [
+        (0, 18 * MiB), (1, 5 * MiB), (2, 12 * MiB), (0, -18 * MiB), (3, 16 * MiB),
+        (4, 2 * MiB), (3, -16 * MiB), (1, -5 * MiB), (2, -12 * MiB), (5, 16 * MiB),
+        (6, 20 * MiB),
+    ]  # fmt: skip
+    reference, flat = _both([], events, iterations=1)
+    assert flat == reference == ("ok", 38 * MiB, 38 * MiB, 38 * MiB, 2)
+    reference, flat = _both([], events, iterations=1, expandable_segments=True)
+    assert flat == reference
+
+
 def test_a_capped_replay_starts_where_the_free_one_would_pass_its_cap() -> None:
     # Two 30 MiB storages (10 MiB and up: a segment of their own each), then both freed.
     # The free replay, marked at 40 MiB: the first segment takes reserved to 30 MiB, the
@@ -316,6 +408,37 @@ def test_flat_replay_equals_the_reference_on_real_steps(which: str) -> None:
     # bounds under which the step runs (at the upper bound, the free reserved peak, it does)
     steps = range(low, high + K_SMALL_BUFFER, K_SMALL_BUFFER)
     assert est.device_bytes == next(cap for cap in steps if runs[cap]) + context
+
+
+def test_flat_replay_equals_the_reference_on_a_llama_7b_shaped_step() -> None:
+    # Two decoder layers of Llama-2-7B's shape on the meta device (4,096 wide, 11,008 FFN,
+    # 32 heads, 32,000-word vocabulary), 128 tokens, batch 8, bf16, AdamW: the sizes of
+    # the full model's step, with its repeated layers. The same numbers as the reference,
+    # plain and expandable, and under caps on either side of device_bytes, replayed from
+    # one plan (so from the checkpoints the free replay and the earlier caps leave).
+    config = dataclasses.replace(zoo.LLAMA_7B, n_layer=2)
+    with torch.device("meta"):
+        model = zoo.llama_decoder(config)
+    profile = profile_model(model, inputs=torch.zeros(1, 128, dtype=torch.long))
+    est = profile.estimate(8, "bf16", "adamw")
+    stream = est._replay_stream
+    assert stream is not None and est.device_bytes is not None
+    residents = stream.resident_bytes.tolist()
+    events = list(zip(stream.storage.tolist(), stream.nbytes.tolist(), strict=True))
+    for expandable in (False, True):
+        reference, flat = _both(residents, events, expandable_segments=expandable)
+        assert flat == reference
+    least = est.device_bytes - est.extras.cuda_context_bytes  # the least cap that runs
+    caps = [least + k * K_SMALL_BUFFER for k in (-2, -1, 0, 1, 3)]
+    step = plan(residents, stream.storage, stream.nbytes)
+    fast_replay(step, checkpoint_above=caps[0])
+    outcomes = []
+    for cap in caps:
+        reference = _outcome(lambda c=cap: replay(residents, events, capacity_bytes=c))
+        assert _outcome(lambda c=cap: fast_replay(step, capacity_bytes=c)) == reference, cap
+        outcomes.append(reference[0])
+    assert outcomes == ["oom", "oom", "ok", "ok", "ok"]
+    assert step.checkpoints
 
 
 def _fresh_setting() -> tuple[Any, int]:
