@@ -3,7 +3,8 @@
 A GPT-2 small (SDPA) and a small grouped-query Llama, bf16, AdamW, at batch 4 x 512 tokens:
 plain, the chunked output and loss (``loss_chunks=8``, torchtune's loss), the checkpoint
 policies (``"full"``, torchtitan's ``"op"``, every 2nd block) and activation offloading
-(``save_on_cpu`` and torchtune's ``OffloadActivations``). The estimate comes from one
+(``save_on_cpu`` and torchtune's ``OffloadActivations``), and offloading paired with the
+chunked loss and with checkpointing. The estimate comes from one
 ``profile_model(device="cuda")`` of the plain model at the GPU's compute capability; the
 measured figure is ``torch.cuda.max_memory_allocated()`` over the second of two steps.
 
@@ -34,6 +35,17 @@ LEVERS: dict[str, dict[str, Any]] = {
     "checkpoint every 2": {"checkpoint": "auto", "checkpoint_policy": 2},
     "offload save_on_cpu": {"offload_activations": "save_on_cpu"},
     "offload torchtune": {"offload_activations": "torchtune"},
+    # pairs: offloading with the other activation levers, checked only where CUDA runs it
+    "offload torchtune + loss_chunks=8": {"offload_activations": "torchtune", "loss_chunks": 8},
+    "offload torchtune + checkpoint op": {
+        "offload_activations": "torchtune",
+        "checkpoint": "auto",
+        "checkpoint_policy": "op",
+    },
+    "offload save_on_cpu + checkpoint full": {
+        "offload_activations": "save_on_cpu",
+        "checkpoint": "auto",
+    },
 }
 
 
