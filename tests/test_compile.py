@@ -26,6 +26,7 @@ from vram_widget._estimating.compiled import (
     parse_compile,
 )
 from vram_widget._profiling.compiled import storage_bytes_of
+from vram_widget._profiling.compiled_fake import fake_saved_set, graph_breaks
 from vram_widget._profiling.compiled_graphs import captured_graphs
 from vram_widget._profiling.measure import measure
 
@@ -174,3 +175,42 @@ def test_storage_bytes_of_counts_each_storage_once() -> None:
     t = torch.zeros(4, 4)  # 64 B
     # a view and the tensor itself share one storage; the dict holds a second, 3 x 4 B
     assert storage_bytes_of((t, t[1:], {"x": torch.zeros(3)}, [None, 2])) == 64 + 12
+
+
+class Broken(nn.Module):
+    """SinCos with an explicit graph break between its two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = SinCos(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        torch._dynamo.graph_break()
+        return self.out(torch.sin(h))
+
+
+def test_fake_saved_set_matches_measured(batch: torch.Tensor) -> None:
+    """The saved set from the partitioned graphs on fake tensors is the measured one."""
+    model = SinCos()
+    fake = fake_saved_set(model, batch)
+    assert fake.saved_bytes == measure(model, batch, compile=True).saved_bytes
+    assert fake.saved_bytes == 2 * HIDDEN_BYTES and fake.region_count == 1
+    assert fake_saved_set(model, batch, activation_memory_budget=0.0).saved_bytes == 0
+    # the model is left as it was: real parameters, no gradients
+    assert all(type(p) is nn.Parameter and not p.is_meta for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert model.a.weight.data_ptr() != 0
+
+
+def test_fake_saved_set_across_a_graph_break(batch: torch.Tensor) -> None:
+    model = Broken()
+    fake = fake_saved_set(model, batch)
+    assert fake.region_count == 2
+    # region 1 as SinCos (8 -> 16 -> 16): a's and cos's outputs, 2 x 128 B; region 2 keeps
+    # its input h (sin's input, 2 x 16 x 4 B) and sin(h) (out's input, 2 x 16 x 4 B)
+    assert fake.saved_bytes == 2 * HIDDEN_BYTES + 2 * HIDDEN_BYTES
+    assert fake.saved_bytes == measure(model, batch, compile=True).saved_bytes
+    breaks = graph_breaks(model, batch)
+    assert len(breaks) == 1 and "test_compile.py" in breaks[0]

@@ -143,11 +143,18 @@ class GraphCapture:
         self.model_outputs: set[Any] = set()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
         # _EagerGraph follows OutputCode's protocol without subclassing it
         inner: Any = self._inner
-        return compile_fx(gm, example_inputs, inner_compile=inner)
+        # AOTAutograd's and Inductor's caches off: a hit would skip inner_compile
+        with (
+            functorch_config.patch(enable_autograd_cache=False),
+            inductor_config.patch(fx_graph_cache=False),
+        ):
+            return compile_fx(gm, example_inputs, inner_compile=inner)
 
     def _inner(
         self, gm: torch.fx.GraphModule, _example_inputs: Sequence[Any], **kwargs: Any
@@ -188,18 +195,10 @@ class GraphCapture:
 
 @contextlib.contextmanager
 def captured_graphs() -> Iterator[GraphCapture]:
-    """``measure(compile=...)`` inside runs its copy with a ``GraphCapture`` backend (AOT
-    caches off, so that every graph reaches it)."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-
+    """``measure(compile=...)`` inside runs its copy with a ``GraphCapture`` backend."""
     capture = GraphCapture()
     token = BACKEND.set(capture)
     try:
-        with (
-            functorch_config.patch(enable_autograd_cache=False),
-            inductor_config.patch(fx_graph_cache=False),
-        ):
-            yield capture
+        yield capture
     finally:
         BACKEND.reset(token)
