@@ -9,10 +9,11 @@ For each model, precision and ``activation_memory_budget``, three measured AdamW
   (``_profiling/compiled_graphs.py``: Inductor's passes and partitioner, eager ATen kernels).
 
 and the saved bytes of each: measured (bytes left by the forward less its outputs) and, for
-the graphs, the partitioner's saved set read from the graphs. The saved set is the
-partitioner's decision, so ``graph saved`` should equal ``compiled saved`` to the byte; the
-peak differs by the temporaries inside each compiled region (Inductor fuses pointwise ops
-and reuses buffers; eager kernels materialize each intermediate).
+the graphs, the partitioner's saved set read from the graphs, in the measured step and on
+fake tensors (``_profiling/compiled_fake.py``: no real memory, no kernel compiled). The
+saved set is the partitioner's decision, so ``graph saved`` should equal ``compiled saved``
+to the byte; the peak differs by the temporaries inside each compiled region (Inductor
+fuses pointwise ops and reuses buffers; eager kernels materialize each intermediate).
 
     python benchmarks/accuracy_compile.py                        # about 5 minutes on 2 cores
     python benchmarks/accuracy_compile.py --models mlp --budgets 1.0
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from vram_widget import zoo
+from vram_widget._profiling.compiled_fake import fake_saved_set
 from vram_widget._profiling.compiled_graphs import captured_graphs
 from vram_widget._profiling.measure import measure
 
@@ -62,9 +64,10 @@ def main() -> None:
     budgets = [float(b) for b in args.budgets.split(",")]
     print(
         "| model | precision | budget | eager peak | compiled peak | graphs peak "
-        "| eager saved | compiled saved | graph saved (partitioner) | graphs measured saved |"
+        "| eager saved | compiled saved | graph saved (partitioner) | graphs measured saved "
+        "| fake graph saved |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
         build, batch = models[name]
         torch.manual_seed(0)
@@ -82,11 +85,15 @@ def main() -> None:
                         model, inputs, optimizer="adamw", precision=precision, compile=True,
                         activation_memory_budget=budget,
                     )  # fmt: skip
+                fake = fake_saved_set(
+                    model, inputs, precision=precision, activation_memory_budget=budget
+                )
                 print(
                     f"| {name} | {precision} | {budget} | {eager.peak_bytes:,} "
                     f"| {compiled.peak_bytes:,} | {graphs.peak_bytes:,} "
                     f"| {eager.saved_bytes:,} | {compiled.saved_bytes:,} "
-                    f"| {capture.saved_bytes():,} | {graphs.saved_bytes:,} |  <!-- "
+                    f"| {capture.saved_bytes():,} | {graphs.saved_bytes:,} "
+                    f"| {fake.saved_bytes:,} |  <!-- "
                     f"{len(capture.regions)} regions, {time.perf_counter() - start:.0f} s -->",
                     flush=True,
                 )
