@@ -214,3 +214,22 @@ def test_fake_saved_set_across_a_graph_break(batch: torch.Tensor) -> None:
     assert fake.saved_bytes == measure(model, batch, compile=True).saved_bytes
     breaks = graph_breaks(model, batch)
     assert len(breaks) == 1 and "test_compile.py" in breaks[0]
+
+
+class FourBlocks(TwoBlocks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SinCos(8) for _ in range(4)])
+
+
+def test_one_graph_serving_several_blocks(batch: torch.Tensor) -> None:
+    """Blocks whose guards pass share one compiled graph: each call's saved values count."""
+    # per block 2 x 128 B (as SinCos compiled); blocks 2-4 keep their input, the block
+    # before's output, 2 x 8 x 4 B each (saved by the block's first Linear)
+    expected = 4 * (2 * HIDDEN_BYTES) + 3 * (2 * 8 * 4)
+    with captured_graphs() as capture:
+        measured = measure(FourBlocks(), batch, optimizer="sgd", compile="blocks")
+    assert measured.saved_bytes == capture.saved_bytes() == expected
+    assert len(capture.regions) < 4  # fewer graphs than block calls
+    fake = fake_saved_set(FourBlocks(), batch, compile="blocks")
+    assert fake.saved_bytes == expected

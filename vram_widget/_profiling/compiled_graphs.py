@@ -16,11 +16,11 @@ The saved set of a compiled region: the forward graph's outputs that its backwar
 as inputs (every backward placeholder but the ``tangents_*``), which AOTAutograd places at the
 end of the forward's outputs (torch/_functorch/partitioners.py: ``_extract_fwd_bwd_outputs``
 and ``_extract_graph_with_inputs_outputs``: ``fwd_outputs + saved_values + saved_sym_nodes``).
-``GraphCapture.saved_bytes`` counts the unique storages of every region's saved values in the
-model's last forward, less the regions' parameters and buffers (their ``static_input_idxs``),
-the model's inputs and its outputs: the same quantity ``measure``'s ``saved_bytes`` reads from
-the allocator. A region's input saved by it (an activation from the region before a graph
-break) counts.
+``GraphCapture.saved_bytes`` counts the unique storages of the saved values of every region
+call in the model's last forward, less the regions' parameters and buffers (their
+``static_input_idxs``), the model's inputs and its outputs: the same quantity ``measure``'s
+``saved_bytes`` reads from the allocator. A region's input saved by it (an activation from
+the region before a graph break) counts.
 
 Use (``measure`` runs its copy with this backend instead of Inductor)::
 
@@ -51,16 +51,14 @@ BACKEND: contextvars.ContextVar[Any] = contextvars.ContextVar("vram_widget_backe
 
 @dataclasses.dataclass
 class Region:
-    """One compiled region's partitioned graphs and its last forward call's outputs."""
+    """One compiled region's partitioned graphs. One region's graphs may serve several
+    calls in one forward (repeated blocks whose guards pass share the compiled code)."""
 
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule | None = None
     inference: bool = False
     # the forward's inputs that are parameters and buffers (Inductor's static_input_idxs)
     static_inputs: tuple[int, ...] = ()
-    # of the last forward call: each output's storage and bytes, the static inputs' storages
-    outputs: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
-    statics: set[Any] = dataclasses.field(default_factory=set)
 
     @property
     def saved_count(self) -> int:
@@ -72,11 +70,20 @@ class Region:
             if n.op == "placeholder" and not n.name.startswith("tangents")
         )
 
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One call of a region's forward graph: each output's storage and bytes, and the
+    storages of its inputs that are parameters and buffers."""
+
+    region: Region
+    outputs: tuple[tuple[Any, int], ...]
+    statics: frozenset[Any]
+
     def saved(self) -> dict[Any, int]:
-        """The saved values' storages (of the last forward call) and their bytes, less the
-        parameters' and buffers'."""
-        count = self.saved_count
-        if not count or not self.outputs:
+        """The saved values' storages and their bytes, less the parameters' and buffers'."""
+        count = self.region.saved_count
+        if not count:
             return {}
         return {
             key: nbytes
@@ -89,25 +96,29 @@ class _EagerGraph:
     """A partitioned graph as Inductor's ``OutputCode`` is called: boxed (the inputs list is
     taken over and cleared), run node by node by ``torch.fx.Interpreter``."""
 
-    def __init__(self, gm: torch.fx.GraphModule, region: Region | None) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, region: Region | None, calls: list[_Call]) -> None:
         # an instance attribute, as Inductor's OutputCode sets it: the torch._dynamo.disable
         # wrapper AOTAutograd puts around a backward copies the instance's __dict__
         # (functools.wraps), and call_func_at_runtime_with_args reads it there
         self._boxed_call = True
         self.gm = gm
-        self.region = region  # a forward's region, to note its outputs
+        self.region = region  # a forward's region, to note each call in ``calls``
+        self.calls = calls
 
     def __call__(self, *args: Any) -> Any:
         # boxed (one list) as AOTAutograd calls a forward; unboxed where it wraps the
         # backward in ``torch._dynamo.disable`` (which drops ``_boxed_call``)
         inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
         del args
-        if self.region is not None:
-            static = self.region.static_inputs
-            self.region.statics = {_storage(inputs[i])[0] for i in static if i < len(inputs)}
+        region = self.region
+        statics: frozenset[Any] = frozenset()
+        if region is not None:
+            statics = frozenset(
+                _storage(inputs[i])[0] for i in region.static_inputs if i < len(inputs)
+            )
         out = torch.fx.Interpreter(self.gm, garbage_collect_values=True).boxed_run(inputs)
-        if self.region is not None:
-            self.region.outputs = [_storage(t) for t in out]
+        if region is not None and not region.inference:
+            self.calls.append(_Call(region, tuple(_storage(t) for t in out), statics))
         return out
 
     # the rest of Inductor's OutputCode protocol (torch/_inductor/output_code.py)
@@ -137,8 +148,11 @@ class GraphCapture:
         self.regions: list[Region] = []
         # forwards whose backward is not compiled yet, by dynamo's compile id
         self._pending: dict[str, Region] = {}
-        # the storages of the model's last forward call's inputs and outputs
-        # (compiled.WatchedForward tells them)
+        # the training forward graphs' calls since the model's last forward call ended,
+        # and those of that call (with the storages of its inputs and outputs), which
+        # compiled.WatchedForward tells
+        self._calls: list[_Call] = []
+        self.forward_calls: list[_Call] = []
         self.model_inputs: set[Any] = set()
         self.model_outputs: set[Any] = set()
 
@@ -166,7 +180,7 @@ class GraphCapture:
         compile_id = str(torch._guards.CompileContext.current_compile_id())
         if kwargs.get("is_backward"):
             self._pending.pop(compile_id).backward = gm
-            return _EagerGraph(gm, None)
+            return _EagerGraph(gm, None, self._calls)
         region = Region(
             forward=gm,
             inference=bool(kwargs.get("is_inference")),
@@ -175,20 +189,21 @@ class GraphCapture:
         self.regions.append(region)
         if not region.inference:
             self._pending[compile_id] = region
-        return _EagerGraph(gm, region)
+        return _EagerGraph(gm, region, self._calls)
 
     def saved_bytes(self) -> int:
-        """The saved set's bytes over every training region's last forward (module
+        """The saved set's bytes over every region call of the model's last forward (module
         docstring)."""
         unique: dict[Any, int] = {}
-        for region in self.regions:
-            if not region.inference:
-                unique.update(region.saved())
+        for call in self.forward_calls:
+            unique.update(call.saved())
         excluded = self.model_inputs | self.model_outputs
         return sum(nbytes for key, nbytes in unique.items() if key not in excluded)
 
     def note_forward(self, args: Any, out: Any) -> None:
-        """The model's forward call: its inputs' and outputs' storages."""
+        """The model's forward call has ended: its region calls, and its inputs' and
+        outputs' storages."""
+        self.forward_calls, self._calls[:] = list(self._calls), []
         self.model_inputs = {key for key, _ in map(_storage, output_tensors(args))}
         self.model_outputs = {key for key, _ in map(_storage, output_tensors(out))}
 
