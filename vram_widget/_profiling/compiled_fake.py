@@ -42,7 +42,10 @@ class FakeSavedSet:
     ----------
     saved_bytes
         The unique storages of every region's saved values, less the parameters, buffers,
-        inputs and outputs (as ``Measurement.saved_bytes`` counts them).
+        inputs and outputs (as ``Measurement.saved_bytes`` counts them). Compiled regions
+        only: with ``compile="blocks"`` (or graph breaks around eager code) what the eager
+        rest of the model saves is autograd's, not counted here (for GPT-2 and Llama tiny
+        configs, the embeddings, final norm, output projection and loss).
     region_count
         The compiled regions (graphs) of the forward: one more per graph break.
     """
