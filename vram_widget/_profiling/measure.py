@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._estimating.compiled import CompileScope, parse_activation_memory_budget, parse_compile
 from .._estimating.levers import NO_LEVERS, Levers, parse_lora_dtype
 from .._estimating.offloading import Offload, resolve_offload
 from .._estimating.options import (
@@ -48,7 +49,7 @@ from .._estimating.options import (
     parse_option,
 )
 from .._estimating.recipe import Optimizer, Recipe, Step
-from .._estimating.recipe.recipe import default
+from .._estimating.recipe.recipe import default, given
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     Parallel,
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
 from .._estimating.decoding import check_generation
 from .carried import CarriedScalars
 from .chunked_loss import checked_loss_chunks, chunked_step
+from .compiled import FORWARD_MARKER, WatchedForward, compiled_forward, compiled_run
 from .generation import generation_limit, prompt_inputs
 from .offloading import offloaded_forward, real_offloading
 from .optimizers import state_tensors
@@ -136,6 +138,14 @@ class Measurement:
     # with snapshot=True on CUDA: torch.cuda.memory._snapshot() recorded over the measured
     # iteration (compare with MemoryEstimate.compare_snapshot)
     snapshot: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    # the step as torch.compile runs it (None: eager), and the partitioner's budget
+    compile: CompileScope | None = None
+    activation_memory_budget: float | None = None
+    # mode="train", one process, CPU: the bytes alive when the model's (first) forward of the
+    # measured iteration returns less those alive when it was called, less its outputs'
+    # storages: what the forward leaves for the backward (autograd's saved tensors; under
+    # torch.compile the forward graph's saved values)
+    saved_bytes: int | None = None
 
     @property
     def transient_bytes(self) -> int:
@@ -161,6 +171,8 @@ class _CpuTrace:
     after: tuple[_AllocEvent, ...]  # the teardown of the copies
     # every measured iteration's events (``during`` is the first), where several ran
     repeats: tuple[tuple[_AllocEvent, ...], ...] = ()
+    # the first model forward's events within the measured iteration
+    forward: tuple[_AllocEvent, ...] = ()
 
     def peak_above_start(self) -> int:
         """The largest prefix sum of the iteration's events (0 if it never rises); where
@@ -203,6 +215,8 @@ def measure(
     loss_chunks: int | None = default(None),
     offload_activations: object = default(None),
     recipe: Recipe | None = None,
+    compile: object = False,
+    activation_memory_budget: float | None = None,
 ) -> Measurement:
     """Measure the peak memory of one real training step (or inference pass) of ``model``.
 
@@ -317,6 +331,17 @@ def measure(
     timeout_s : float
         With ``gpus > 1``: how long the ranks may take; past it, or when one fails (its own
         error is raised, as a ``DistributedError``), every rank is killed by its PID.
+    compile : bool or str
+        The step as ``torch.compile`` (default Inductor backend) runs it, on the copy:
+        True or ``"model"``, ``torch.compile(copy)``; ``"blocks"``, each repeated block
+        compiled on its own with ``fullgraph=True`` (torchtitan's and torchtune's per-block
+        compile). Compiled in the warm-up iteration, dynamo's caches reset before and after.
+        A model dynamo or Inductor cannot compile is a ValueError giving their reason.
+        Training and inference, one process, without ``loss_chunks`` or offloading.
+    activation_memory_budget : float, optional
+        With ``compile``: ``torch._functorch.config.activation_memory_budget`` (in [0, 1])
+        for the run, the fraction of the default partition's saved activations the
+        partitioner may keep (``_estimating/compiled.py``).
     recipe : Recipe, optional
         The setup as one value (``vram_widget.Recipe``): its optimizer (and
         implementation), precision, mode, levers, data parallelism and new tokens drive the
@@ -362,6 +387,8 @@ def measure(
     >>> model.weight.grad is None  # the model passed in is untouched
     True
     """
+    scope = parse_compile(compile)
+    budget = parse_activation_memory_budget(activation_memory_budget, scope)
     batch = ModelInputs.from_user(inputs).batch_size() if recipe is not None else 1
     settings = measure_settings(
         recipe, batch, {
@@ -389,6 +416,7 @@ def measure(
     )  # fmt: skip
     gpus_per_node, fsdp_units = settings["gpus_per_node"], settings["fsdp_units"]
     new_tokens = settings["new_tokens"]
+    _check_compiled(scope, settings)
     levers: dict[str, Any] = {
         "checkpoint": settings["checkpoint"],
         "checkpoint_policy": settings["checkpoint_policy"],
@@ -451,8 +479,28 @@ def measure(
         carried_scalars=carry,
         loss_chunks=settings["loss_chunks"],
         offload_activations=settings["offload_activations"],
+        compiled=(scope, budget),
         **levers,
     )[0]
+
+
+def _check_compiled(scope: CompileScope | None, settings: dict[str, Any]) -> None:
+    """``compile`` with the settings it is measured with (one process, no generation, no
+    chunked loss, no offloading), a ValueError naming the conflict."""
+    if scope is None:
+        return
+    conflicts = {
+        "gpus > 1": settings["gpus"] != 1,
+        "mode='generate'": str(given(settings["mode"])) == "generate",
+        "loss_chunks": settings["loss_chunks"] is not None,
+        "offload_activations": resolve_offload(settings["offload_activations"]) is not None,
+    }
+    asked = [name for name, on in conflicts.items() if on]
+    if asked:
+        raise ValueError(
+            f"compile={scope.value!r} with {', '.join(asked)}: a compiled step is measured "
+            "for one process's training step or inference pass only; leave compile=False"
+        )
 
 
 def _check_protocol(
@@ -557,6 +605,7 @@ def _measure(
     carried_scalars: bool = False,
     loss_chunks: int | None = None,
     offload_activations: object = None,
+    compiled: tuple[CompileScope | None, float | None] = (None, None),
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -586,11 +635,14 @@ def _measure(
             "backward saves none; use mode='train', or leave offload_activations=None"
         )
 
+    output_bytes: list[int] = []  # each forward call's outputs (compiled.WatchedForward)
+
     def session() -> _Session:
         return _Session(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
             parallel, new_tokens, implementation, stepping, protocol, decay_split,
             carried_scalars, lora_dtype, chunks if run_mode is Mode.TRAIN else None, offload,
+            compiled[0], output_bytes,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -599,7 +651,13 @@ def _measure(
             f"(torch.cuda.memory._record_memory_history); the model is on {device.type!r}"
         )
     recorded: dict[str, Any] | None = None
-    with _preserved_global_state(device), paused_gc(), _grad_mode(run_mode):
+    saved: int | None = None
+    with (
+        _preserved_global_state(device),
+        paused_gc(),
+        _grad_mode(run_mode),
+        compiled_run(*compiled),
+    ):
         if device.type == "cuda":
             resident, peak, reserved, recorded = _run_cuda(session, device, snapshot)
             trace = None
@@ -613,6 +671,8 @@ def _measure(
             )
             peak = resident + trace.peak_above_start()
             reserved = None
+            if run_mode is Mode.TRAIN and setup is None:
+                saved = sum(e.nbytes for e in trace.forward) - output_bytes[-1]
     trains = _has_trainable(model) if levers.trainable is None else bool(levers.trainable)
     trains = trains or levers.lora_rank is not None
     has_optimizer = run_mode is Mode.TRAIN and opt_name is not None and trains
@@ -627,6 +687,9 @@ def _measure(
         max_reserved_bytes=reserved,
         snapshot=recorded,
         new_tokens=new_tokens if run_mode is Mode.GENERATE else None,
+        compile=compiled[0],
+        activation_memory_budget=compiled[1],
+        saved_bytes=saved,
     )
     return result, trace
 
@@ -655,6 +718,8 @@ class _Session:
         lora_dtype: str | None = None,
         loss_chunks: int | None = None,
         offload: Offload | None = None,
+        compile_scope: CompileScope | None = None,
+        output_bytes: list[int] | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
@@ -704,11 +769,15 @@ class _Session:
         )
         self.loss_fn = loss_fn
         self.forward: Callable[..., Any] = self.model
+        if compile_scope is not None:  # the copy compiled (compiled.py)
+            self.forward = compiled_forward(self.model, compile_scope)
         if loss_chunks is not None:  # torchtune's chunked output and loss
             self.forward, self.loss_fn = chunked_step(self.model, loss_chunks)
         if offload is not None:  # the forward inside the real hooks (offloading.py)
             hooks, self._no_op_hooks = real_offloading(self.model, offload)
             self.forward = offloaded_forward(self.forward, hooks)
+        if output_bytes is not None:  # the forward's range, for the saved bytes
+            self.forward = WatchedForward(self.forward, output_bytes)
         self.precision = precision
         self.mode = mode
         self.device_type = device.type
@@ -738,7 +807,7 @@ class _Session:
                 self.model, self.inputs, self.precision, self.device_type, self.new_tokens
             )
         else:
-            inference_pass(self.model, self.inputs, self.precision, self.device_type)
+            inference_pass(self.forward, self.inputs, self.precision, self.device_type)
 
     def wrapper_bytes(self) -> int:
         """What a data-parallel wrapper of the copy holds beside the tensors below (0 for a
@@ -861,6 +930,7 @@ def _cpu_trace(prof: Any) -> _CpuTrace:
     roots = prof.profiler.kineto_results.experimental_event_tree()
     allocations: list[_AllocEvent] = []
     markers: list[Any] = []
+    forwards: list[tuple[int, int]] = []
     stack = list(reversed(roots))
     while stack:
         node = stack.pop()
@@ -875,6 +945,8 @@ def _cpu_trace(prof: Any) -> _CpuTrace:
                 )
         elif tag == "TorchOp" and node.name == _MARKER:
             markers.append(node)
+        elif tag == "TorchOp" and node.name == FORWARD_MARKER:
+            forwards.append((int(node.start_time_ns), int(node.end_time_ns)))
         stack.extend(reversed(node.children))
     if not markers:  # pragma: no cover - the profiler always records record_function
         raise RuntimeError("the profiler recorded no measured iteration")
@@ -884,11 +956,16 @@ def _cpu_trace(prof: Any) -> _CpuTrace:
         tuple(e for e in allocations if start <= e.time_ns <= end) for start, end in spans
     )
     first, last = spans[0][0], spans[-1][1]
+    inside = sorted(f for f in forwards if spans[0][0] <= f[0] and f[1] <= spans[0][1])
+    forward = (
+        tuple(e for e in allocations if inside[0][0] <= e.time_ns <= inside[0][1]) if inside else ()
+    )
     return _CpuTrace(
         before=tuple(e for e in allocations if e.time_ns < first),
         during=repeats[0],
         after=tuple(e for e in allocations if e.time_ns > last),
         repeats=repeats if len(repeats) > 1 else (),
+        forward=forward,
     )
 
 

@@ -1,0 +1,235 @@
+"""Tests for the ``torch.compile`` step: ``measure(compile=...)`` (Inductor on the CPU) and
+the partitioner's saved set read from the graphs (``_profiling/compiled_graphs.py``).
+
+The hand-worked model is ``SinCos``: ``b(cos(sin(a(x))))`` with ``a = Linear(8, 16)``,
+``b = Linear(16, 4)`` and a batch of 2, fp32, so each hidden tensor is 2 x 16 x 4 B = 128 B.
+What each step leaves for the backward, beyond the parameters and the batch (resident):
+
+* eager: ``a``'s output (saved by ``sin``), ``sin``'s output (saved by ``cos``) and
+  ``cos``'s output (saved by ``b`` for its weight's gradient): 3 x 128 = 384 B;
+* compiled (min-cut partition, budget 1.0): ``a``'s output and ``cos``'s output, the inputs
+  of the backward's matmul and of the recomputation; ``sin`` is recomputed in the backward
+  from ``a``'s output: 2 x 128 = 256 B;
+* compiled with ``activation_memory_budget=0.0``: the whole forward recomputed in the
+  backward from the parameters and the batch, which are resident: 0 B.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vram_widget._estimating.compiled import (
+    CompileScope,
+    parse_activation_memory_budget,
+    parse_compile,
+)
+from vram_widget._profiling.compiled import storage_bytes_of
+from vram_widget._profiling.compiled_fake import fake_saved_set, graph_breaks
+from vram_widget._profiling.compiled_graphs import captured_graphs
+from vram_widget._profiling.measure import measure
+
+HIDDEN_BYTES = 2 * 16 * 4  # batch 2 x 16 features x 4 B (fp32)
+
+
+class SinCos(nn.Module):
+    def __init__(self, out_features: int = 4) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.cos(torch.sin(self.a(x))))
+
+
+class TwoBlocks(nn.Module):
+    """Two ``SinCos`` blocks (8 -> 16 -> 8) in a ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SinCos(8), SinCos(8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class DataDependent(nn.Module):
+    """A block whose Python control flow reads a tensor's value (a graph break)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 1e9:
+            return x
+        return torch.relu(self.a(x))
+
+
+@pytest.fixture
+def batch() -> torch.Tensor:
+    return torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_eager_saved_bytes(batch: torch.Tensor) -> None:
+    m = measure(SinCos(), batch, optimizer="sgd")
+    assert m.saved_bytes == 3 * HIDDEN_BYTES  # a's, sin's and cos's outputs
+    assert m.compile is None
+
+
+def test_compiled_saved_bytes_recompute_sin(batch: torch.Tensor) -> None:
+    m = measure(SinCos(), batch, optimizer="sgd", compile=True)
+    assert m.compile is CompileScope.MODEL
+    assert m.saved_bytes == 2 * HIDDEN_BYTES  # a's and cos's outputs; sin recomputed
+    # the same resident bytes as the eager step: the compiled module holds no copy
+    assert m.resident_bytes == measure(SinCos(), batch, optimizer="sgd").resident_bytes
+
+
+def test_budget_zero_recomputes_everything(batch: torch.Tensor) -> None:
+    before = torch._functorch.config.activation_memory_budget
+    m = measure(SinCos(), batch, optimizer="sgd", compile=True, activation_memory_budget=0.0)
+    assert m.saved_bytes == 0  # the forward recomputed from the resident parameters and batch
+    assert m.activation_memory_budget == 0.0
+    assert torch._functorch.config.activation_memory_budget == before  # restored
+
+
+def test_blocks_compiles_each_block_of_a_copy(batch: torch.Tensor) -> None:
+    model = TwoBlocks()
+    m = measure(model, batch, optimizer="sgd", compile="blocks")
+    # per block 2 x 128 B (as SinCos compiled), and the second block's first Linear keeps
+    # its input, the first block's output (eager, between the blocks): 2 x 8 x 4 B
+    assert m.saved_bytes == 2 * (2 * HIDDEN_BYTES) + 2 * 8 * 4
+    assert m.compile is CompileScope.BLOCKS
+    # the user's blocks are not compiled (Module.compile sets _compiled_call_impl)
+    assert all(block._compiled_call_impl is None for block in model.blocks)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_graph_capture_saved_set_matches_measured(batch: torch.Tensor) -> None:
+    """The partitioner's saved set, read from the captured graphs, is what the compiled
+    step leaves for the backward (exact)."""
+    compiled = measure(SinCos(), batch, optimizer="sgd", compile=True)
+    with captured_graphs() as capture:
+        graphs = measure(SinCos(), batch, optimizer="sgd", compile=True)
+    assert len(capture.regions) == 1
+    assert capture.regions[0].backward is not None
+    assert capture.saved_bytes() == compiled.saved_bytes == 2 * HIDDEN_BYTES
+    assert graphs.saved_bytes == compiled.saved_bytes  # the graphs run eagerly save the same
+
+
+def test_inference_has_no_saved_bytes(batch: torch.Tensor) -> None:
+    m = measure(SinCos(), batch, mode="inference", compile=True)
+    assert m.saved_bytes is None
+    assert m.peak_bytes >= m.resident_bytes + 2 * 4 * 4  # the output, 2 x 4 x 4 B
+
+
+def test_dynamo_refusal_gives_its_reason(batch: torch.Tensor) -> None:
+    model = TwoBlocks()
+    model.blocks = nn.ModuleList([DataDependent(), DataDependent()])
+    with pytest.raises(ValueError, match=r"could not compile this model: .*data-dependent") as info:
+        measure(model, batch, optimizer="sgd", compile="blocks")  # fullgraph=True
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_blocks_needs_repeated_blocks(batch: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="no such list; use compile=True"):
+        measure(SinCos(), batch, compile="blocks")
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (1.5, ValueError, r"outside \[0, 1\]"),
+        (-0.1, ValueError, r"outside \[0, 1\]"),
+        (float("nan"), ValueError, r"outside \[0, 1\]"),
+        ("0.5", TypeError, "a number in"),
+        (True, TypeError, "a number in"),
+    ],
+)
+def test_bad_budget(value: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        parse_activation_memory_budget(value, CompileScope.MODEL)
+
+
+def test_budget_needs_compile(batch: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="give compile=True"):
+        measure(SinCos(), batch, activation_memory_budget=0.5)
+
+
+def test_bad_compile_values(batch: torch.Tensor) -> None:
+    assert parse_compile(None) is None and parse_compile(False) is None
+    assert parse_compile(" Blocks ") is CompileScope.BLOCKS
+    for bad in ("max-autotune", 1, "inductor"):
+        with pytest.raises(ValueError, match="valid values are False or None"):
+            parse_compile(bad)
+    with pytest.raises(ValueError, match="gpus > 1"):
+        measure(SinCos(), batch, compile=True, gpus=2)
+    with pytest.raises(ValueError, match="loss_chunks"):
+        measure(SinCos(), batch, compile=True, loss_chunks=2)
+
+
+def test_storage_bytes_of_counts_each_storage_once() -> None:
+    t = torch.zeros(4, 4)  # 64 B
+    # a view and the tensor itself share one storage; the dict holds a second, 3 x 4 B
+    assert storage_bytes_of((t, t[1:], {"x": torch.zeros(3)}, [None, 2])) == 64 + 12
+
+
+class Broken(nn.Module):
+    """SinCos with an explicit graph break between its two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = SinCos(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        torch._dynamo.graph_break()
+        return self.out(torch.sin(h))
+
+
+def test_fake_saved_set_matches_measured(batch: torch.Tensor) -> None:
+    """The saved set from the partitioned graphs on fake tensors is the measured one."""
+    model = SinCos()
+    fake = fake_saved_set(model, batch)
+    assert fake.saved_bytes == measure(model, batch, compile=True).saved_bytes
+    assert fake.saved_bytes == 2 * HIDDEN_BYTES and fake.region_count == 1
+    assert fake_saved_set(model, batch, activation_memory_budget=0.0).saved_bytes == 0
+    # the model is left as it was: real parameters, no gradients
+    assert all(type(p) is nn.Parameter and not p.is_meta for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert model.a.weight.data_ptr() != 0
+
+
+def test_fake_saved_set_across_a_graph_break(batch: torch.Tensor) -> None:
+    model = Broken()
+    fake = fake_saved_set(model, batch)
+    assert fake.region_count == 2
+    # region 1 as SinCos (8 -> 16 -> 16): a's and cos's outputs, 2 x 128 B; region 2 keeps
+    # its input h (sin's input, 2 x 16 x 4 B) and sin(h) (out's input, 2 x 16 x 4 B)
+    assert fake.saved_bytes == 2 * HIDDEN_BYTES + 2 * HIDDEN_BYTES
+    assert fake.saved_bytes == measure(model, batch, compile=True).saved_bytes
+    breaks = graph_breaks(model, batch)
+    assert len(breaks) == 1 and "test_compile.py" in breaks[0]
+
+
+class FourBlocks(TwoBlocks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SinCos(8) for _ in range(4)])
+
+
+def test_one_graph_serving_several_blocks(batch: torch.Tensor) -> None:
+    """Blocks whose guards pass share one compiled graph: each call's saved values count."""
+    # per block 2 x 128 B (as SinCos compiled); blocks 2-4 keep their input, the block
+    # before's output, 2 x 8 x 4 B each (saved by the block's first Linear)
+    expected = 4 * (2 * HIDDEN_BYTES) + 3 * (2 * 8 * 4)
+    with captured_graphs() as capture:
+        measured = measure(FourBlocks(), batch, optimizer="sgd", compile="blocks")
+    assert measured.saved_bytes == capture.saved_bytes() == expected
+    assert len(capture.regions) < 4  # fewer graphs than block calls
+    fake = fake_saved_set(FourBlocks(), batch, compile="blocks")
+    assert fake.saved_bytes == expected

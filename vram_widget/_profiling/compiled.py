@@ -1,0 +1,172 @@
+"""The real ``torch.compile`` step (default Inductor backend), for ``measure``.
+
+``measure(compile=...)`` compiles its own copy of the model, never the model passed in:
+``torch.compile(copy)`` (an ``OptimizedModule`` around the copy) for the whole model, or
+``block.compile(fullgraph=True)`` on each repeated block of the copy (``CompileScope``).
+Dynamo's caches are reset before and after, so that each measurement compiles afresh and
+leaves nothing behind, and ``torch._functorch.config.activation_memory_budget`` is patched
+for the run (``config.patch`` restores it). The warm-up iteration compiles (forward and, at
+its first backward, the backward graph), so compilation's own allocations precede the
+measured iteration.
+
+The saved activations of a step are read around the model's forward (``WatchedForward``):
+the bytes alive when it returns less those alive when it was called, less the storages of
+its outputs. On the CPU the allocator's events inside the forward's
+``record_function`` range give the first; Inductor's buffers (``empty_strided_cpu`` in the
+generated code) go through the same CPU allocator and are among them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .._estimating.compiled import CompileScope
+from .._estimating.levers import repeated_blocks
+
+__all__ = [
+    "FORWARD_MARKER",
+    "WatchedForward",
+    "compiled_forward",
+    "compiled_run",
+    "output_tensors",
+    "storage_bytes_of",
+]
+
+# The name of the record_function range around each forward call of the model (CPU).
+FORWARD_MARKER = "vram_widget.measure:forward"
+
+
+def compiled_forward(model: torch.nn.Module, scope: CompileScope) -> Callable[..., Any]:
+    """The forward of ``model`` (measure's copy) compiled as ``scope`` asks.
+
+    ``MODEL``: ``torch.compile(model)``, which wraps the module and leaves it as it was.
+    ``BLOCKS``: each of the copy's repeated blocks (``levers.repeated_blocks``: the
+    children of its largest ``ModuleList`` of one class) compiled in place with
+    ``Module.compile(fullgraph=True)`` (torch/nn/modules/module.py: it sets the module's
+    ``_compiled_call_impl``), the rest of the model eager.
+    """
+    from .compiled_graphs import BACKEND
+
+    backend = BACKEND.get("inductor")  # a GraphCapture inside compiled_graphs.captured_graphs
+    if scope is CompileScope.MODEL:
+        return torch.compile(model, backend=backend)
+    modules = dict(model.named_modules())
+    names = repeated_blocks(tuple(modules), tuple(type(m).__name__ for m in modules.values()))
+    if not names:
+        raise ValueError(
+            f"compile='blocks' compiles each repeated block (the children of a ModuleList "
+            f"of one class) on its own, and {type(model).__name__} has no such list; use "
+            "compile=True to compile the whole model"
+        )
+    for name in names:
+        modules[name].compile(backend=backend, fullgraph=True)
+    return model
+
+
+@contextlib.contextmanager
+def compiled_run(scope: CompileScope | None, budget: float | None) -> Iterator[None]:
+    """Fresh dynamo caches, the partitioner's budget patched, and dynamo's and Inductor's
+    failures turned into a ValueError that gives their reason (no compiler traceback)."""
+    if scope is None:
+        yield
+        return
+    from torch._functorch import config as functorch_config
+
+    patch = (
+        functorch_config.patch(activation_memory_budget=budget)
+        if budget is not None
+        else contextlib.nullcontext()
+    )
+    torch._dynamo.reset()
+    try:
+        with patch:
+            yield
+    except Exception as exc:
+        reason = _compiler_reason(exc)
+        if reason is None:
+            raise
+        raise ValueError(
+            f"torch.compile (compile={scope.value!r}) could not compile this model: {reason}"
+        ) from None
+    finally:
+        torch._dynamo.reset()
+
+
+def _compiler_reason(exc: BaseException) -> str | None:
+    """Dynamo's (or Inductor's) own message for a compile failure, up to its first blank
+    line (where its developer context and links start); None for any other exception."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    failures: tuple[type[BaseException], ...] = (TorchDynamoException,)
+    with contextlib.suppress(ImportError, AttributeError):
+        from torch._inductor.exc import InductorError
+
+        failures = (*failures, InductorError)
+    if not isinstance(exc, failures):
+        return None
+    text = str(exc).strip()
+    head = text.split("\n\n", 1)[0].strip()
+    return (
+        " ".join(line.strip() for line in head.splitlines() if line.strip()) or type(exc).__name__
+    )
+
+
+def output_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors a forward's output holds: in tuples, lists and dicts (Hugging Face's
+    ``ModelOutput`` is a dict), and in the attributes of other objects (its KV cache, e.g.
+    ``DynamicCache``'s layers), each object visited once; modules are not entered."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif id(item) in seen or isinstance(item, (torch.nn.Module, str, bytes, type)):
+            continue
+        elif isinstance(item, dict):
+            seen.add(id(item))
+            stack.extend(item.values())
+        elif isinstance(item, (tuple, list, set)):
+            seen.add(id(item))
+            stack.extend(item)
+        elif hasattr(item, "__dict__"):
+            seen.add(id(item))
+            stack.extend(vars(item).values())
+    return found
+
+
+def storage_bytes_of(value: Any) -> int:
+    """The bytes of the unique storages of the (strided) tensors a forward's output holds
+    (``output_tensors``)."""
+    seen: dict[int, int] = {}
+    for t in output_tensors(value):
+        if t.layout is torch.strided:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+class WatchedForward:
+    """The model's forward, inside a ``record_function`` range (``FORWARD_MARKER``),
+    appending the bytes of each call's output storages to ``output_bytes`` (a list the
+    caller keeps, so that it outlives the model copy)."""
+
+    def __init__(self, forward: Callable[..., Any], output_bytes: list[int]) -> None:
+        self.forward = forward
+        self.output_bytes = output_bytes
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function(FORWARD_MARKER):
+            out = self.forward(*args, **kwargs)
+        self.output_bytes.append(storage_bytes_of(out))
+        from .compiled_graphs import BACKEND, GraphCapture
+
+        capture = BACKEND.get(None)
+        if isinstance(capture, GraphCapture):
+            capture.note_forward((args, kwargs), out)
+        return out
