@@ -456,6 +456,40 @@ def _levers_cuda() -> str:
     return "\n".join(lines)
 
 
+def _compile_cuda() -> str:
+    """torch.compile's step on a real GPU, measured (benchmarks/compile_cuda.py)."""
+    path = RESULTS / "compile_cuda.json"
+    if not path.exists():
+        return "No real-GPU results are recorded."
+    data = json.loads(path.read_text())
+    mib = 1 << 20
+    lines = [
+        f"{data['gpu']}, torch {data['torch']}; bf16, AdamW, batch 4 x 512 tokens; allocated "
+        "peak (`max_memory_allocated`) measured by `measure()`; the eager step's estimate "
+        "beside it.",
+        "",
+        "| model | step | measured | partitioned graphs run node by node | partitioner's "
+        "saved set | eager estimate |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        if "error" in r:
+            measured = f"not run ({r['error'].split(':')[0]})"
+        else:
+            measured = f"{r['measured_bytes'] / mib:,.0f} MiB"
+        graphs = (
+            f"{r['graphs_measured_bytes'] / mib:,.0f} MiB" if "graphs_measured_bytes" in r else ""
+        )
+        saved = (
+            f"{r['partitioner_saved_bytes'] / mib:,.0f} MiB"
+            if "partitioner_saved_bytes" in r
+            else ""
+        )
+        est = f"{r['estimated_bytes'] / mib:,.0f} MiB" if "estimated_bytes" in r else ""
+        lines.append(f"| {r['model']} | {r['setting']} | {measured} | {graphs} | {saved} | {est} |")
+    return "\n".join(lines)
+
+
 # Which page of docs/ holds each marked section.
 PAGES = {
     "accuracy": "docs/accuracy.md",
@@ -465,6 +499,7 @@ PAGES = {
     "accuracy-distributed": "docs/accuracy.md",
     "accuracy-cuda": "docs/accuracy.md",
     "levers-cuda": "docs/accuracy.md",
+    "compile-cuda": "docs/accuracy.md",
     "isa": "docs/accuracy.md",
     "deepspeed-states": "docs/guides/multi-gpu.md",
     "speed": "docs/speed.md",
@@ -481,6 +516,7 @@ def main() -> None:
         "accuracy-distributed": _accuracy_distributed(),
         "accuracy-cuda": _accuracy_cuda(),
         "levers-cuda": _levers_cuda(),
+        "compile-cuda": _compile_cuda(),
         "deepspeed-states": _deepspeed_states(),
         "isa": _isa(),
         "speed": _speed(),
