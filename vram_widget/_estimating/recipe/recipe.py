@@ -113,7 +113,8 @@ class Recipe:
     precision, mode), :class:`Optimizer` (name and implementation), :class:`LeverSettings`
     (checkpointing, trainable subsets, LoRA, gradient accumulation), :class:`Weights`
     (bitsandbytes' quantized base weights), :class:`ParallelSettings` (data-parallel ranks
-    and strategy), :class:`Generation` (new tokens) and :class:`Accelerator` (compute capability, allocator settings).
+    and strategy), :class:`Generation` (new tokens) and :class:`Accelerator` (compute
+    capability, allocator settings).
     ``ModelProfile.estimate(recipe=...)``, its searches and ``measure(recipe=...)`` take
     one; their flat keywords build one with :meth:`from_keywords`.
 
