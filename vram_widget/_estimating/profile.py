@@ -613,8 +613,10 @@ class ModelProfile:
             sets them (``Weights("nf4", double_quant=True, compute_dtype="bf16")``, QLoRA's).
             In training, the quantized weights are frozen: ``lora_rank`` is needed (QLoRA:
             PEFT's ``prepare_model_for_kbit_training``, which casts the other half-precision
-            parameters to fp32, then ``get_peft_model``). ``"int8"`` (``Linear8bitLt``) is
-            refused for now. Needs ``pip install bitsandbytes transformers``.
+            parameters to fp32, then ``get_peft_model``). ``"int8"`` (``Linear8bitLt``): refused for
+            now, its outlier split depends on the activations' values (``measure`` takes
+            it). On ``device="cuda"``, ``gemm_4bit``'s temporaries are taken to be those of
+            its CPU kernel (the dequantized weight, UNCONFIRMED on a GPU). Needs ``pip install bitsandbytes transformers``.
         expandable_segments : bool
             The caching allocator's ``expandable_segments:True`` for ``reserved_bytes``,
             ``device_bytes``, ``fits_device`` and ``memory_snapshot`` (``device="cuda"``

@@ -91,10 +91,12 @@ def quantized_bytes(shape: tuple[int, ...], weights: Weights) -> QuantizedBytes:
     return QuantizedBytes(codes, blocks, state)
 
 
-def check_quantized(weights: Weights, mode: Mode, lora_rank: int | None, gpus: int) -> None:
+def check_quantized(
+    weights: Weights, mode: Mode, lora_rank: int | None, gpus: int, *, estimating: bool = True
+) -> None:
     """Refuse, before any profiling, the steps with quantized weights that are not
-    estimated: int8 training, a 4-bit training step without LoRA adapters, and more than
-    one GPU.
+    estimated (``estimating``) or measured: int8 training, a 4-bit training step without
+    LoRA adapters, generation, more than one GPU; and int8 inference in an estimate.
 
     Examples
     --------
@@ -112,6 +114,14 @@ def check_quantized(weights: Weights, mode: Mode, lora_rank: int | None, gpus: i
             "training with them is through LoRA adapters only (PEFT's lora.Linear8bitLt), "
             "which is not estimated yet; use mode='inference', or weights='nf4' with "
             "lora_rank=... (QLoRA)"
+        )
+    if fmt is WeightFormat.INT8 and estimating:
+        raise ValueError(
+            "weights='int8' is not estimated yet: LLM.int8's forward splits out the input "
+            "columns above its outlier threshold (llm_int8_threshold, 6.0), so its "
+            "temporaries depend on the activations' values, which fake tensors do not have; "
+            "measure(model, inputs, mode='inference', weights='int8') measures it, and "
+            "weights='nf4' / 'fp4' are estimated"
         )
     if mode is Mode.TRAIN and lora_rank is None:
         raise ValueError(

@@ -437,7 +437,8 @@ def measure(
     _check_compiled(scope, settings)
     quantized = parse_weights(settings["weights"])
     if quantized.quantized:  # refused before the copy is made, as the estimate refuses
-        check_quantized(quantized, parse_option(Mode, mode, "mode"), settings["lora_rank"], gpus)
+        run_mode = parse_option(Mode, mode, "mode")
+        check_quantized(quantized, run_mode, settings["lora_rank"], gpus, estimating=False)
         require_bitsandbytes()
         quantized_modules(model, quantized)
     levers: dict[str, Any] = {
