@@ -615,8 +615,12 @@ class ModelProfile:
             PEFT's ``prepare_model_for_kbit_training``, which casts the other half-precision
             parameters to fp32, then ``get_peft_model``). ``"int8"`` (``Linear8bitLt``): refused for
             now, its outlier split depends on the activations' values (``measure`` takes
-            it). On ``device="cuda"``, ``gemm_4bit``'s temporaries are taken to be those of
-            its CPU kernel (the dequantized weight, UNCONFIRMED on a GPU). Needs ``pip install bitsandbytes transformers``.
+            it). On ``device="cuda"``, ``gemm_4bit`` runs as its unfused fallback does
+            (the weight dequantized, then ``F.linear``: bitsandbytes/backends/cuda/ops.py,
+            ``_dequant_linear_fallback``); for up to 1,536 rows of input it may pick a fused
+            kernel by the GPU's architecture (``_gemm_4bit_use_custom_cuda``) that makes
+            only the output, so the estimate is an upper bound there (UNCONFIRMED on a GPU).
+            Needs ``pip install bitsandbytes transformers``.
         expandable_segments : bool
             The caching allocator's ``expandable_segments:True`` for ``reserved_bytes``,
             ``device_bytes``, ``fits_device`` and ``memory_snapshot`` (``device="cuda"``
