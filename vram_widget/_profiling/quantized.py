@@ -213,6 +213,13 @@ def module_state_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
         weight = getattr(m, "weight", None)
         if isinstance(weight, torch.Tensor):
             yield from state_tensors(weight)
+        # Linear8bitLt moves the codes and scales from the weight to its MatmulLtState on
+        # its first forward (init_8bit_state, bitsandbytes/nn/modules.py)
+        state = getattr(m, "state", None)
+        for name in ("CB", "SCB"):
+            value = getattr(state, name, None)
+            if isinstance(value, torch.Tensor):
+                yield value
 
 
 class DequantizingKernels(TorchDispatchMode):
