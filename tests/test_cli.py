@@ -553,7 +553,9 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--lora-rank", "2", "--trainable", "0.*"], "give one"),
         (["--device", "cpu", "--expandable-segments"], "--device cpu has none"),
         (["--rank", "-1"], "not a whole number >= 0"),
-        (["--base-quantization", "nf8"], "invalid choice: 'nf8' (choose from 'nf4')"),
+        (["--weights", "nf8"], "invalid choice: 'nf8' (choose from 'nf4', 'fp4', 'int8')"),
+        (["--double-quant"], "give --weights nf4 or --weights fp4 too"),
+        (["--weights", "int8", "--compute-dtype", "bf16"], "--weights nf4 or --weights fp4"),
     ],
 )
 def test_bad_combinations_refused_before_profiling(
