@@ -236,3 +236,16 @@ def test_bad_input_is_refused_before_profiling(monkeypatch: pytest.MonkeyPatch) 
     _refused(profile, "pip install bitsandbytes", weights="nf4", mode="inference")
     with pytest.raises(ImportError, match="pip install bitsandbytes"):
         measure(zoo.mlp(), torch.randn(1, 784), mode="inference", weights="nf4")
+
+
+def test_widget_weights_dropdown_is_the_estimate(mlp: tuple[torch.nn.Module, ModelProfile]) -> None:
+    # the Step tab's weights control: nf4-dq in bf16 is QLoRA's Weights (bf16 compute)
+    from vram_widget._display.widget import MemoryWidget
+
+    _model, profile = mlp
+    widget = MemoryWidget(profile, precision="bf16", mode="inference", batch_size=4)
+    widget.weights = "nf4-dq"
+    expected = profile.estimate(4, "bf16", mode="inference", weights=QLORA)
+    assert widget._estimate.peak_bytes == expected.peak_bytes
+    widget.weights = "off"
+    assert widget._estimate.peak_bytes == profile.estimate(4, "bf16", mode="inference").peak_bytes
