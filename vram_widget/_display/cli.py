@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._estimating.options import Device, Mode, OptimizerChoice
-from .._estimating.recipe.weights import Weights
+from .._estimating.recipe.weights import Weights, weight_format
 from .cli_args import DEFAULT_GPU, LAYER_ROWS, PROG, build_parser, validate
 from .cli_models import (
     DEFAULT_MODEL,
@@ -181,7 +181,9 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["new_tokens"] = args.new_tokens
     if args.weights is not None:
         keywords["weights"] = Weights(
-            args.weights, compute_dtype=args.compute_dtype or "fp32", double_quant=args.double_quant
+            weight_format(args.weights),
+            compute_dtype=args.compute_dtype or "fp32",
+            double_quant=args.double_quant,
         )
     if args.expandable_segments:
         keywords["expandable_segments"] = True

@@ -15,7 +15,7 @@ from .._estimating.levers import Levers
 from .._estimating.offloading import resolve_offload
 from .._estimating.options import Mode, optimizer_names
 from .._estimating.recipe import Optimizer
-from .._estimating.recipe.weights import Weights
+from .._estimating.recipe.weights import Weights, weight_format
 from .._estimating.sharding import DEFAULT_GPUS_PER_NODE, resolve_parallel
 from .._estimating.stepping import stepping_levers
 from .optimizer_control import NO_OPTIMIZER
@@ -225,4 +225,4 @@ def weights_arg(choice: str, precision: str) -> Weights | None:
         return None
     compute = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
     fmt = choice.removesuffix("-dq")
-    return Weights(fmt, compute_dtype=compute, double_quant=choice != fmt)
+    return Weights(weight_format(fmt), compute_dtype=compute, double_quant=choice != fmt)

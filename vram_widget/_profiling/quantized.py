@@ -90,7 +90,7 @@ def modules_kept(model: torch.nn.Module, weights: Weights) -> list[str]:
     skip = None if weights.skip_modules is None else list(weights.skip_modules)
     if hasattr(model, "all_tied_weights_keys") and hasattr(model, "get_output_embeddings"):
         keep_fp32 = getattr(model, "_keep_in_fp32_modules", None)
-        return list(HfQuantizer.get_modules_to_not_convert(model, skip, keep_fp32))
+        return list(HfQuantizer.get_modules_to_not_convert(model, skip, keep_fp32))  # type: ignore[arg-type]
     if skip is not None:
         return skip
     # get_keys_to_not_convert's "remove last module" rule, for a model it cannot read
@@ -170,7 +170,7 @@ def fake_quantized(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return packed
     # Int8Params._quantize: the weight in fp16, then int8_vectorwise_quant
     codes, scales, _ = F.int8_vectorwise_quant(source.to(torch.float16))
-    codes.CB, codes.SCB = codes, scales  # type: ignore[attr-defined]
+    codes.CB, codes.SCB = codes, scales
     return codes
 
 
@@ -315,7 +315,7 @@ def _no_cpu_repacking(module: torch.nn.Module) -> None:
     layout on its first call (``Linear4bit.forward``, ``_convert_weight_packed_for_cpu``,
     bitsandbytes/nn/modules.py): turned off, so that the CPU step is the one a GPU runs."""
     if hasattr(module, "support_avx512bf16_for_cpu"):
-        module.support_avx512bf16_for_cpu = False
+        setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010
 
 
 def qlora_wrapped(

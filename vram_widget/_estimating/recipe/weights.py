@@ -42,6 +42,27 @@ def _dtype_name(value: object, what: str, valid: tuple[str, ...]) -> str:
     return text
 
 
+def weight_format(value: object) -> WeightFormat | None:
+    """A format as given (``"nf4"``, ``WeightFormat.NF4``; None or ``"none"``: not
+    quantized), or a ValueError listing the valid ones.
+
+    Examples
+    --------
+    >>> weight_format("NF4"), weight_format("off")
+    (<WeightFormat.NF4: 'nf4'>, None)
+    """
+    if value is None or (isinstance(value, str) and value.strip().lower() in UNQUANTIZED):
+        return None
+    try:
+        return parse_option(WeightFormat, value, "weights format")
+    except ValueError:
+        valid = ", ".join(repr(m.value) for m in WeightFormat)
+        raise ValueError(
+            f"unknown weights format {value!r}; valid values are {valid} (or None for the "
+            "precision's own dtype)"
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Weights:
     """The base weights' quantization.
@@ -93,19 +114,7 @@ class Weights:
     skip_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        fmt = self.format
-        if isinstance(fmt, str) and fmt.strip().lower() in UNQUANTIZED:
-            fmt = None
-        if fmt is not None:
-            try:
-                fmt = parse_option(WeightFormat, fmt, "weights format")
-            except ValueError:
-                valid = ", ".join(repr(m.value) for m in WeightFormat)
-                raise ValueError(
-                    f"unknown weights format {self.format!r}; valid values are {valid} (or "
-                    "None for the precision's own dtype)"
-                ) from None
-        object.__setattr__(self, "format", fmt)
+        object.__setattr__(self, "format", weight_format(self.format))
         object.__setattr__(
             self, "compute_dtype", _dtype_name(self.compute_dtype, "compute_dtype", COMPUTE_DTYPES)
         )
@@ -148,7 +157,7 @@ class Weights:
         skip = get("llm_int8_skip_modules", None)
         if get("load_in_4bit", False):
             return cls(
-                get("bnb_4bit_quant_type", "fp4") or "fp4",
+                weight_format(get("bnb_4bit_quant_type", "fp4") or "fp4"),
                 compute_dtype=get("bnb_4bit_compute_dtype", None) or "float32",
                 double_quant=bool(get("bnb_4bit_use_double_quant", False)),
                 quant_storage=get("bnb_4bit_quant_storage", None) or "uint8",
@@ -173,7 +182,7 @@ def parse_weights(value: object) -> Weights:
     if isinstance(value, Weights):
         return value
     if value is None or isinstance(value, str | WeightFormat):
-        return Weights(value)
+        return Weights(weight_format(value))
     if type(value).__name__ == "BitsAndBytesConfig" or isinstance(value, dict):
         return Weights.from_bnb_config(value)
     raise TypeError(
