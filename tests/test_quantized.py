@@ -249,3 +249,22 @@ def test_widget_weights_dropdown_is_the_estimate(mlp: tuple[torch.nn.Module, Mod
     assert widget._estimate.peak_bytes == expected.peak_bytes
     widget.weights = "off"
     assert widget._estimate.peak_bytes == profile.estimate(4, "bf16", mode="inference").peak_bytes
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [{"checkpoint": "auto"}, {"grad_accumulation": 2}, {"lora_targets": "all-linear"}],
+    ids=["checkpoint", "accumulation", "all-linear"],
+)
+def test_qlora_composes_with_the_levers(levers: dict[str, object]) -> None:
+    # Hugging Face's checkpointing of the decoder layers inside PEFT's wrapper, two
+    # micro-batches, and adapters on every quantized Linear: the real step to the byte
+    torch.manual_seed(0)
+    model = hf_llama()
+    profile = profile_model(model, inputs=hf_tokens(2), device="cpu")
+    est = profile.estimate(4, "bf16", "adamw", weights=QLORA, lora_rank=4, **levers)
+    real = measure(
+        model, hf_tokens(4), optimizer="adamw", precision="bf16", weights=QLORA, lora_rank=4,
+        **levers,
+    )  # fmt: skip
+    assert est.peak_bytes == real.peak_bytes
