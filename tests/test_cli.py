@@ -481,6 +481,23 @@ def test_new_tokens_flag_is_estimate_generate(capsys: pytest.CaptureFixture[str]
     assert setting["kv_cache_bytes"] == est.kv_cache_bytes == 3 * 20 * 256
 
 
+def test_weights_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("transformers")
+    from vram_widget import Weights
+
+    argv = ["mlp", "--device", "cpu", "--batch-size", "8", "--precision", "bf16"]
+    flags = ["--weights", "nf4", "--double-quant", "--compute-dtype", "bf16"]
+    out = _run_json([*argv, *flags, "--mode", "inference"], capsys)
+    weights = Weights("nf4", double_quant=True, compute_dtype="bf16")
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    expected = profile.estimate(8, "bf16", mode="inference", weights=weights)
+    (setting,) = out["settings"]
+    assert setting["peak_bytes"] == expected.peak_bytes
+    assert setting["weights"] == weights.describe() == expected.weights
+    assert setting["weights"].startswith("nf4 (bitsandbytes Linear4bit, double quantization")
+
+
 def test_lora_targets_and_rank_flags(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("peft")
     argv = ["mlp", "--device", "cpu", "--batch-size", "8", "--precision", "fp32"]

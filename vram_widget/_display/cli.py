@@ -296,6 +296,7 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "kv_cache_bytes": est.kv_cache_bytes,
         "flops": est.flops,
         "levers": est.levers.describe(),
+        "weights": est.weights or None,
         "gpus": est.gpus,
         "strategy": None if est.strategy is None else est.strategy.value,
         "nccl_buffer_bytes": None if est.nccl is None else est.nccl.nbytes,
@@ -317,6 +318,8 @@ def _layer_frame(est: MemoryEstimate) -> Any:
 def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[_Setting]) -> None:
     print(profile)
     first = settings[0].estimate
+    if first.weights:
+        print(f"weights: {first.weights}")
     if first.levers.active:
         print(f"levers: {first.levers.describe()}")
     if first.host_bytes:

@@ -796,7 +796,7 @@ class ModelProfile:
             sub, kwargs = self._quantized(recipe.weights, levers, lora_dtype)
             plain = dataclasses.replace(recipe, levers=LeverSettings(), weights=Weights())
             est = sub._estimate(plain.with_(**kwargs))
-            return dataclasses.replace(est, levers=levers)
+            return dataclasses.replace(est, levers=levers, weights=recipe.weights.describe())
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers, lora_dtype)
             plain = dataclasses.replace(recipe, levers=LeverSettings())

@@ -143,6 +143,25 @@ class Weights:
         """Whether the weights are ``Linear4bit``'s (nf4 or fp4)."""
         return self.format in (WeightFormat.NF4, WeightFormat.FP4)
 
+    def describe(self) -> str:
+        """The setting as one line ("" when not quantized).
+
+        Examples
+        --------
+        >>> Weights("nf4", double_quant=True, compute_dtype="bf16").describe()
+        'nf4 (bitsandbytes Linear4bit, double quantization, blocks of 64, computed in bfloat16)'
+        """
+        if self.format is None:
+            return ""
+        if self.format is WeightFormat.INT8:
+            return f"int8 (bitsandbytes Linear8bitLt, outlier threshold {self.int8_threshold})"
+        dq = ", double quantization" if self.double_quant else ""
+        storage = "" if self.quant_storage == "uint8" else f", stored as {self.quant_storage}"
+        return (
+            f"{self.format.value} (bitsandbytes Linear4bit{dq}, blocks of {self.blocksize}"
+            f"{storage}, computed in {self.compute_dtype})"
+        )
+
     @classmethod
     def from_bnb_config(cls, config: object) -> Weights:
         """The weights a ``transformers.BitsAndBytesConfig`` (or its ``to_dict()``) asks for.
