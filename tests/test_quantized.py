@@ -268,3 +268,22 @@ def test_qlora_composes_with_the_levers(levers: dict[str, object]) -> None:
         **levers,
     )  # fmt: skip
     assert est.peak_bytes == real.peak_bytes
+
+
+def test_searches_follow_the_quantized_weights() -> None:
+    # max_batch_size and the batch x length frontier search the quantized model's step:
+    # each answer fits, and one more sample does not
+    torch.manual_seed(0)
+    profile = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+    capacity = 8 * 2**20
+    best = profile.max_batch_size(capacity, "bf16", mode="inference", weights=QLORA)
+    at = lambda b, **kw: profile.estimate(b, "bf16", mode="inference", weights=QLORA, **kw)  # noqa: E731
+    assert at(best).fits(capacity) and not at(best + 1).fits(capacity)
+    plain = profile.max_batch_size(capacity, "bf16", mode="inference")
+    assert best > plain  # the 4-bit weights leave room for more samples
+    frontier = profile.frontier(
+        capacity, "bf16", mode="inference", seq_lens=[16, 32], weights=QLORA
+    )
+    for length, batch in zip(frontier.seq_lens, frontier.max_batch_sizes, strict=True):
+        assert at(int(batch), seq_len=int(length)).fits(capacity)
+        assert not at(int(batch) + 1, seq_len=int(length)).fits(capacity)

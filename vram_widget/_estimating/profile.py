@@ -1383,6 +1383,17 @@ class ModelProfile:
         parallel = self._parallel_of(base)
         resolved = self._step_levers_of(base, parallel, None)
         lora_dtype = _lora_dtype_of(lv)
+        if base.weights.quantized:  # the quantized copy's own frontier
+            check_quantized(base.weights, run_mode, lv.lora_rank, parallel.gpus)
+            sub, kwargs = self._quantized(base.weights, resolved, lora_dtype)
+            plain = dataclasses.replace(base, levers=LeverSettings(), weights=Weights())
+            return sub.frontier(
+                capacity,
+                seq_lens=lengths,
+                profile_lengths=profile_lengths,
+                basis=basis,
+                recipe=plain.with_(**kwargs),
+            )
         if resolved.lora_rank is not None:
             sub, kwargs = self._lora(resolved, lora_dtype)
             return sub.frontier(
