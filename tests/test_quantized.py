@@ -176,6 +176,26 @@ def test_qlora_step_equals_peft_on_bitsandbytes(build, weights: Weights) -> None
     assert_model_unchanged(model, before)
 
 
+INT8 = Weights("int8", int8_threshold=0.0)  # LLM.int8 without its outlier split
+
+
+@pytest.mark.parametrize("build", [hf_gpt2, hf_llama, None], ids=["gpt2", "llama", "mlp"])
+def test_int8_inference_equals_bitsandbytes(build) -> None:
+    # Linear8bitLt at threshold 0: the input quantized row-wise to int8, torch._int_mm,
+    # the int32 result dequantized; the CPU step to the byte at two batches, two precisions
+    torch.manual_seed(0)
+    if build is None:
+        model = zoo.mlp()
+        _check_inference(
+            model, profile_model(model, input_size=(784,), device="cpu"), _mlp_input, INT8
+        )
+    else:
+        model = build()
+        _check_inference(
+            model, profile_model(model, inputs=hf_tokens(2), device="cpu"), hf_tokens, INT8
+        )
+
+
 def test_int8_measured_storage_is_bitsandbytes_own() -> None:
     # measure(weights="int8") quantizes its copy with Int8Params: each Linear weight becomes
     # out x in int8 codes and out float32 row scales (SCB), counted as resident. zoo.mlp's
@@ -222,7 +242,7 @@ def test_bad_input_is_refused_before_profiling(monkeypatch: pytest.MonkeyPatch) 
         weights="int4",
     )
     _refused(profile, "weights='int8' is for inference", weights="int8", mode="train")
-    _refused(profile, "weights='int8' is not estimated yet", weights="int8", mode="inference")
+    _refused(profile, "outlier threshold 6.0 is not estimated", weights="int8", mode="inference")
     _refused(profile, "needs lora_rank", weights="nf4", mode="train")
     _refused(profile, "base_quantization was replaced by weights", base_quantization="nf4")
     with pytest.raises(ValueError, match="blocksize must be one of 32, 64, 128"):

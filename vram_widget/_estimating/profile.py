@@ -613,9 +613,11 @@ class ModelProfile:
             sets them (``Weights("nf4", double_quant=True, compute_dtype="bf16")``, QLoRA's).
             In training, the quantized weights are frozen: ``lora_rank`` is needed (QLoRA:
             PEFT's ``prepare_model_for_kbit_training``, which casts the other half-precision
-            parameters to fp32, then ``get_peft_model``). ``"int8"`` (``Linear8bitLt``): refused for
-            now, its outlier split depends on the activations' values (``measure`` takes
-            it). On ``device="cuda"``, ``gemm_4bit`` runs as its unfused fallback does
+            parameters to fp32, then ``get_peft_model``). ``"int8"`` (``Linear8bitLt``,
+            inference): with ``Weights("int8", int8_threshold=0.0)``; at
+            ``BitsAndBytesConfig``'s threshold 6.0 its outlier split depends on the
+            activations' values, refused (``measure`` takes it). On ``device="cuda"``,
+            ``gemm_4bit`` runs as its unfused fallback does
             (the weight dequantized, then ``F.linear``: bitsandbytes/backends/cuda/ops.py,
             ``_dequant_linear_fallback``); for up to 1,536 rows of input it may pick a fused
             kernel by the GPU's architecture (``_gemm_4bit_use_custom_cuda``) that makes

@@ -115,13 +115,14 @@ def check_quantized(
             "which is not estimated yet; use mode='inference', or weights='nf4' with "
             "lora_rank=... (QLoRA)"
         )
-    if fmt is WeightFormat.INT8 and estimating:
+    if fmt is WeightFormat.INT8 and estimating and weights.int8_threshold > 0:
         raise ValueError(
-            "weights='int8' is not estimated yet: LLM.int8's forward splits out the input "
-            "columns above its outlier threshold (llm_int8_threshold, 6.0), so its "
-            "temporaries depend on the activations' values, which fake tensors do not have; "
-            "measure(model, inputs, mode='inference', weights='int8') measures it, and "
-            "weights='nf4' / 'fp4' are estimated"
+            f"weights='int8' with its outlier threshold {weights.int8_threshold} is not "
+            "estimated: LLM.int8's forward splits out the input columns above the threshold "
+            "(llm_int8_threshold, BitsAndBytesConfig's default 6.0), so its temporaries "
+            "depend on the activations' values, which fake tensors do not have. "
+            "Weights('int8', int8_threshold=0.0) (no outlier split) is estimated; "
+            "measure(model, inputs, mode='inference', weights='int8') measures the default"
         )
     if mode is Mode.TRAIN and lora_rank is None:
         raise ValueError(

@@ -83,6 +83,7 @@ from .probe import KernelProbe
 from .quantized import (
     DequantizingKernels,
     fake_quantized,
+    fresh_int8_state,
     is_quantized_param,
     kept_dtypes,
     qlora_wrapped,
@@ -497,6 +498,7 @@ class Profiler:
             rec.register_resident(
                 [t for t, _r in quant_states], Category.PARAMETER, [r for _t, r in quant_states]
             )
+            fresh_int8_state(subject.model, params)
         rec.register_resident(
             buffers.values(), Category.BUFFER, [row for _n, _b, row in subject._buffers]
         )
@@ -559,7 +561,7 @@ class Profiler:
                 stack.enter_context(fake_mode)
             stack.enter_context(rec)
             if quant_states:  # bitsandbytes' kernels as their CPU code runs them
-                stack.enter_context(DequantizingKernels())
+                stack.enter_context(DequantizingKernels(cpu=subject.device is Device.CPU))
             stack.enter_context(module_hooks(rec))
             stack.enter_context(real_run_composites())
             # the fake parameters stay swapped in through the backward, where a checkpointed

@@ -171,7 +171,23 @@ def fake_quantized(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Int8Params._quantize: the weight in fp16, then int8_vectorwise_quant
     codes, scales, _ = F.int8_vectorwise_quant(source.to(torch.float16))
     codes.CB, codes.SCB = codes, scales
+    codes.row_scales = scales
     return codes
+
+
+def fresh_int8_state(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Each profiling run starts as the first forward of a loaded model: ``Linear8bitLt``
+    moves its weight's codes and scales into its ``MatmulLtState`` on its first call
+    (``init_8bit_state``, bitsandbytes/nn/modules.py), so the state is emptied and the fake
+    weights given their codes and scales back."""
+    for t in params.values():
+        scales = getattr(t, "row_scales", None)
+        if scales is not None:
+            t.CB, t.SCB = t, scales  # type: ignore[attr-defined]
+    for m in model.modules():
+        state = getattr(m, "state", None)
+        if type(state).__name__ == "MatmulLtState":
+            state.CB = state.SCB = None  # type: ignore[union-attr]
 
 
 def _prime_dynamic_map() -> None:
@@ -202,7 +218,7 @@ def state_tensors(weight: torch.Tensor) -> list[torch.Tensor]:
         if state.nested:
             found += [state.offset, state.state2.absmax, state.state2.code]
         return [t for t in found if isinstance(t, torch.Tensor)]
-    scales = getattr(weight, "SCB", None)
+    scales = getattr(weight, "row_scales", getattr(weight, "SCB", None))
     return [scales] if isinstance(scales, torch.Tensor) else []
 
 
@@ -226,7 +242,15 @@ class DequantizingKernels(TorchDispatchMode):
     """During a profiling run, ``bitsandbytes::gemm_4bit`` as its CPU kernel computes it
     (``_gemm_4bit_default_impl``, bitsandbytes/backends/default/ops.py): the nested maxima
     dequantized and offset, the weight dequantized to the input's dtype, ``F.linear``; each
-    op then reaches the recorder below this mode. Every other op passes through."""
+    op then reaches the recorder below this mode. LLM.int8's ops run as their kernels
+    run them (:func:`_int8_kernels`): on the CPU each in torch ops; on CUDA, where
+    ``int8_vectorwise_quant``, ``int8_linear_matmul`` and ``int8_mm_dequant`` have kernels of
+    their own (bitsandbytes/backends/cuda/ops.py) that make their outputs (UNCONFIRMED on
+    a GPU), only ``int8_scaled_mm``'s composition of them. Every other op passes through."""
+
+    def __init__(self, cpu: bool = True) -> None:
+        super().__init__()
+        self._kernels = _int8_kernels(cpu)
 
     def __torch_dispatch__(
         self,
@@ -238,7 +262,33 @@ class DequantizingKernels(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.bitsandbytes.gemm_4bit.default:
             return _gemm_4bit_cpu(*args, **kwargs)
+        key = self._kernels.get(func)
+        if key is not None:  # the kernel the CPU runs, in torch ops (recorded one by one)
+            with self:  # the bitsandbytes ops it calls are run as their kernels too
+                return func._op_dk(key, *args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _int8_kernels(cpu: bool) -> dict[Any, Any]:
+    """LLM.int8's ops (no outlier split: threshold 0) and the dispatch key of the kernel
+    each runs on the CPU, all written in torch ops: bitsandbytes/backends/default/ops.py
+    (``int8_vectorwise_quant``, ``int8_scaled_mm``, ``int8_mm_dequant``) and
+    backends/cpu/ops.py (``int8_linear_matmul``: ``torch._int_mm`` on AVX-512)."""
+    try:
+        ops = torch.ops.bitsandbytes
+        default = torch._C.DispatchKey.CompositeExplicitAutograd
+        matmul = ops.int8_linear_matmul.default
+        has_cpu = torch._C._dispatch_has_kernel_for_dispatch_key(matmul.name(), "CPU")
+        if not cpu:
+            return {ops.int8_scaled_mm.default: default}
+        return {
+            ops.int8_vectorwise_quant.default: default,
+            ops.int8_scaled_mm.default: default,
+            ops.int8_mm_dequant.default: default,
+            matmul: torch._C.DispatchKey.CPU if has_cpu else default,
+        }
+    except (AttributeError, RuntimeError):  # bitsandbytes' ops not registered
+        return {}
 
 
 def _gemm_4bit_cpu(
