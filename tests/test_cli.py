@@ -572,6 +572,7 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--rank", "-1"], "not a whole number >= 0"),
         (["--weights", "nf8"], "invalid choice: 'nf8' (choose from 'nf4', 'fp4', 'int8')"),
         (["--double-quant"], "give --weights nf4 or --weights fp4 too"),
+        (["--int8-threshold", "0"], "--int8-threshold is a setting of --weights int8"),
         (["--weights", "int8", "--compute-dtype", "bf16"], "--weights nf4 or --weights fp4"),
     ],
 )

@@ -307,3 +307,16 @@ def test_searches_follow_the_quantized_weights() -> None:
     for length, batch in zip(frontier.seq_lens, frontier.max_batch_sizes, strict=True):
         assert at(int(batch), seq_len=int(length)).fits(capacity)
         assert not at(int(batch) + 1, seq_len=int(length)).fits(capacity)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_quantized_matmuls_count_the_same_flops(device: str) -> None:
+    # the dequantized weight's matmul (4-bit) and torch._int_mm / bitsandbytes'
+    # int8_linear_matmul (int8) multiply the same shapes as the Linear layers do:
+    # zoo.mlp at batch 32, 2 x 32 x (784 x 512 + 512 x 512 + 512 x 10) = 42,795,008 FLOPs
+    torch.manual_seed(0)
+    profile = profile_model(zoo.mlp(), input_size=(784,), device=device)
+    plain = profile.estimate(32, "bf16", mode="inference")
+    assert plain.flops == 2 * 32 * (784 * 512 + 512 * 512 + 512 * 10) == 42_795_008
+    for weights in (QLORA, INT8):
+        assert profile.estimate(32, "bf16", mode="inference", weights=weights).flops == plain.flops

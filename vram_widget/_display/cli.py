@@ -184,6 +184,7 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
             weight_format(args.weights),
             compute_dtype=args.compute_dtype or "fp32",
             double_quant=args.double_quant,
+            int8_threshold=6.0 if args.int8_threshold is None else args.int8_threshold,
         )
     if args.expandable_segments:
         keywords["expandable_segments"] = True

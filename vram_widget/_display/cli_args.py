@@ -382,8 +382,15 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         choices=("nf4", "fp4", "int8"),
         help="the Linear weights stored by bitsandbytes as from_pretrained's "
         "BitsAndBytesConfig stores them: nf4 / fp4 (Linear4bit; training needs --lora-rank: "
-        "QLoRA) or int8 (Linear8bitLt, measured, not estimated yet) (default: the precision's "
-        "dtype; needs `pip install bitsandbytes transformers`)",
+        "QLoRA) or int8 (Linear8bitLt, inference, with --int8-threshold 0) (default: the "
+        "precision's dtype; needs `pip install bitsandbytes transformers`)",
+    )
+    settings.add_argument(
+        "--int8-threshold",
+        type=float,
+        metavar="T",
+        help="with --weights int8: LLM.int8's outlier threshold (llm_int8_threshold); only 0 "
+        "(no outlier split) is estimated, the default 6.0 depends on the activations' values",
     )
     settings.add_argument(
         "--double-quant",
@@ -709,6 +716,8 @@ def _flag_value(key: str, value: Any) -> Any:
 def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     mode: Mode = args.mode
     four_bit = args.weights in ("nf4", "fp4")
+    if args.int8_threshold is not None and args.weights != "int8":
+        parser.error("--int8-threshold is a setting of --weights int8: give it too")
     if (args.double_quant or args.compute_dtype is not None) and not four_bit:
         parser.error(
             "--double-quant and --compute-dtype are settings of 4-bit weights: give "

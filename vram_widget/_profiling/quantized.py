@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._estimating.recipe.weights import WeightFormat, Weights
+from .flops import count_bitsandbytes_matmuls
 
 
 def require_bitsandbytes() -> ModuleType:
@@ -251,6 +252,7 @@ class DequantizingKernels(TorchDispatchMode):
     def __init__(self, cpu: bool = True) -> None:
         super().__init__()
         self._kernels = _int8_kernels(cpu)
+        count_bitsandbytes_matmuls()
 
     def __torch_dispatch__(
         self,
