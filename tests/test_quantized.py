@@ -267,6 +267,9 @@ def test_widget_weights_dropdown_is_the_estimate(mlp: tuple[torch.nn.Module, Mod
     widget.weights = "nf4-dq"
     expected = profile.estimate(4, "bf16", mode="inference", weights=QLORA)
     assert widget._estimate.peak_bytes == expected.peak_bytes
+    widget.weights = "int8"
+    expected = profile.estimate(4, "bf16", mode="inference", weights=INT8)
+    assert widget._estimate.peak_bytes == expected.peak_bytes
     widget.weights = "off"
     assert widget._estimate.peak_bytes == profile.estimate(4, "bf16", mode="inference").peak_bytes
 

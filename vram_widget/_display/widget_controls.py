@@ -64,10 +64,11 @@ LOSS_CHUNK_CHOICES: tuple[int, ...] = (2, 4, 8, 16)
 OFFLOAD_OFF = "off"
 OFFLOAD_CHOICES: tuple[str, ...] = (OFFLOAD_OFF, "torchtune", "save_on_cpu")
 
-# the weights trait's values: the precision's own dtype, or bitsandbytes' 4-bit formats
-# (nf4 with QLoRA's double quantization too); int8 is not estimated yet (measure takes it)
+# the weights trait's values: the precision's own dtype, bitsandbytes' 4-bit formats (nf4
+# with QLoRA's double quantization too), or LLM.int8 without its outlier split (threshold 0:
+# the default threshold's split depends on the activations' values)
 WEIGHTS_OFF = "off"
-WEIGHT_CHOICES: tuple[str, ...] = (WEIGHTS_OFF, "nf4", "nf4-dq", "fp4")
+WEIGHT_CHOICES: tuple[str, ...] = (WEIGHTS_OFF, "nf4", "nf4-dq", "fp4", "int8")
 
 GROUP_TITLES: tuple[str, ...] = ("Step", "Optimizer", "Memory levers", "GPUs")
 """The control tabs, in order: each answers one question about the step."""
@@ -78,9 +79,10 @@ TOOLTIPS: dict[str, str] = {
     "seq_len": "tokens per sample (the prompt's length in a generation)",
     "precision": "the dtype of weights and activations: fp32, bf16/fp16 (all half), or "
     "amp-* (fp32 weights, autocast activations)",
-    "weights": "the Linear weights stored by bitsandbytes (Linear4bit): nf4, nf4-dq (QLoRA's "
-    "double quantization) or fp4, computed in the precision's dtype; training needs a "
-    "LoRA rank (QLoRA); off: the precision's dtype",
+    "weights": "the Linear weights stored by bitsandbytes: nf4, nf4-dq (QLoRA's double "
+    "quantization) or fp4 (Linear4bit, computed in the precision's dtype; training needs a "
+    "LoRA rank: QLoRA), or int8 (Linear8bitLt, inference, without the outlier split: "
+    "threshold 0); off: the precision's dtype",
     "mode": "train: forward, backward, optimizer step; inference: one forward under "
     "no_grad; generate: prefill and decode steps with the KV cache",
     "new_tokens": "tokens a generation adds after the prompt (its KV cache grows with them)",

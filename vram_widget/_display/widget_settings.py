@@ -212,7 +212,7 @@ def offload_arg(choice: str) -> str | None:
 def weights_arg(choice: str, precision: str) -> Weights | None:
     """The ``weights`` trait's choice as ``estimate``'s keyword: None for ``"off"``, else
     ``Linear4bit`` computing in the precision's dtype (bf16 / fp16; fp32 otherwise), with
-    double quantization for ``"nf4-dq"``.
+    double quantization for ``"nf4-dq"``; ``"int8"``: ``Linear8bitLt`` at threshold 0.
 
     Examples
     --------
@@ -223,6 +223,8 @@ def weights_arg(choice: str, precision: str) -> Weights | None:
     """
     if choice == WEIGHTS_OFF:
         return None
+    if choice == "int8":  # without the outlier split, whose memory depends on values
+        return Weights(weight_format(choice), int8_threshold=0.0)
     compute = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
     fmt = choice.removesuffix("-dq")
     return Weights(weight_format(fmt), compute_dtype=compute, double_quant=choice != fmt)
