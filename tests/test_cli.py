@@ -481,6 +481,23 @@ def test_new_tokens_flag_is_estimate_generate(capsys: pytest.CaptureFixture[str]
     assert setting["kv_cache_bytes"] == est.kv_cache_bytes == 3 * 20 * 256
 
 
+def test_weights_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("transformers")
+    from vram_widget import Weights
+
+    argv = ["mlp", "--device", "cpu", "--batch-size", "8", "--precision", "bf16"]
+    flags = ["--weights", "nf4", "--double-quant", "--compute-dtype", "bf16"]
+    out = _run_json([*argv, *flags, "--mode", "inference"], capsys)
+    weights = Weights("nf4", double_quant=True, compute_dtype="bf16")
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    expected = profile.estimate(8, "bf16", mode="inference", weights=weights)
+    (setting,) = out["settings"]
+    assert setting["peak_bytes"] == expected.peak_bytes
+    assert setting["weights"] == weights.describe() == expected.weights
+    assert setting["weights"].startswith("nf4 (bitsandbytes Linear4bit, double quantization")
+
+
 def test_lora_targets_and_rank_flags(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("peft")
     argv = ["mlp", "--device", "cpu", "--batch-size", "8", "--precision", "fp32"]
@@ -553,7 +570,10 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--lora-rank", "2", "--trainable", "0.*"], "give one"),
         (["--device", "cpu", "--expandable-segments"], "--device cpu has none"),
         (["--rank", "-1"], "not a whole number >= 0"),
-        (["--base-quantization", "nf8"], "invalid choice: 'nf8' (choose from 'nf4')"),
+        (["--weights", "nf8"], "invalid choice: 'nf8' (choose from 'nf4', 'fp4', 'int8')"),
+        (["--double-quant"], "give --weights nf4 or --weights fp4 too"),
+        (["--int8-threshold", "0"], "--int8-threshold is a setting of --weights int8"),
+        (["--weights", "int8", "--compute-dtype", "bf16"], "--weights nf4 or --weights fp4"),
     ],
 )
 def test_bad_combinations_refused_before_profiling(

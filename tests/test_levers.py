@@ -242,17 +242,3 @@ def test_bad_lora_names_the_problem(kwargs: dict[str, Any], error: type, message
     profile = profile_model(_block_mlp(), input_size=(4,))
     with pytest.raises(error, match=message):
         profile.estimate(2, **kwargs)
-
-
-def test_qlora_is_refused_with_the_nf4_bytes_as_a_separate_figure() -> None:
-    # Two Linear(256, 256) weights (65,536 each) and a 10-way head that is not an lm_head:
-    # nf4 per tensor: 65,536 / 2 = 32,768 B of codes, 1,024 blocks of 64 -> 1,024 B of 8-bit
-    # scales and ceil(1,024 / 256) = 4 fp32 second-level scales (16 B): 33,808 B; the head's
-    # 2,560 weights: 1,280 + 40 + 4 = 1,324 B. bf16: 2 B per weight.
-    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 10))
-    profile = profile_model(model, input_size=(256,))
-    nf4, bf16 = profile.nf4_weight_bytes()
-    assert nf4 == 2 * 33_808 + 1_324 and bf16 == 2 * (2 * 65_536 + 2_560)
-    refused = r"bitsandbytes' CUDA kernels.*68,940 bytes instead of 267,264"
-    with pytest.raises(ValueError, match=refused):
-        profile.estimate(4, "bf16", lora_rank=8, lora_targets="all-linear", base_quantization="nf4")

@@ -1245,7 +1245,7 @@ def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelPro
         for title, controls in groups.items()
     }
     assert labels == {
-        "Step": ["batch size", "sequence length", "precision", "mode", "new tokens"],
+        "Step": ["batch size", "sequence length", "precision", "weights", "mode", "new tokens"],
         "Optimizer": ["optimizer", "implementation", "in backward", "keep grads"],
         "Memory levers": [
             "checkpointing",

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         Recipe,
         RecipeSettingIgnored,
         Step,
+        Weights,
     )
     from ._estimating.tradeoff import Frontier
     from ._profiling.disk_cache import CacheWarning
@@ -68,6 +69,7 @@ _LAZY = {
     "ParallelSettings": "._estimating.recipe",
     "Generation": "._estimating.recipe",
     "Accelerator": "._estimating.recipe",
+    "Weights": "._estimating.recipe",
     "profile_model": "._profiling.profiler",
     "MemoryWidget": "._display.widget",
     "show_memory": "._display.widget",
@@ -102,6 +104,7 @@ __all__ = [
     "Recipe",
     "RecipeSettingIgnored",
     "Step",
+    "Weights",
     "measure",
     "profile_model",
     "show_memory",

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._estimating.options import Device, Mode, OptimizerChoice
+from .._estimating.recipe.weights import Weights, weight_format
 from .cli_args import DEFAULT_GPU, LAYER_ROWS, PROG, build_parser, validate
 from .cli_models import (
     DEFAULT_MODEL,
@@ -178,6 +179,13 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["seq_len"] = args.seq_len  # a --transformers model is profiled at its length
     if args.new_tokens is not None:
         keywords["new_tokens"] = args.new_tokens
+    if args.weights is not None:
+        keywords["weights"] = Weights(
+            weight_format(args.weights),
+            compute_dtype=args.compute_dtype or "fp32",
+            double_quant=args.double_quant,
+            int8_threshold=6.0 if args.int8_threshold is None else args.int8_threshold,
+        )
     if args.expandable_segments:
         keywords["expandable_segments"] = True
     if args.context_bytes is not None:
@@ -215,8 +223,6 @@ def _training_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["lora_targets"] = (
             targets if targets in ("auto", "all-linear") else (_patterns(targets))
         )
-    if args.base_quantization is not None:
-        keywords["base_quantization"] = args.base_quantization
     for name in (
         "optimizer_in_backward", "set_to_none", "lora_dtype", "outputs", "loss_scaled",
         "carried_scalars", "clip_grad_norm", "param_groups", "loss_chunks",
@@ -291,6 +297,7 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "kv_cache_bytes": est.kv_cache_bytes,
         "flops": est.flops,
         "levers": est.levers.describe(),
+        "weights": est.weights or None,
         "gpus": est.gpus,
         "strategy": None if est.strategy is None else est.strategy.value,
         "nccl_buffer_bytes": None if est.nccl is None else est.nccl.nbytes,
@@ -312,6 +319,8 @@ def _layer_frame(est: MemoryEstimate) -> Any:
 def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[_Setting]) -> None:
     print(profile)
     first = settings[0].estimate
+    if first.weights:
+        print(f"weights: {first.weights}")
     if first.levers.active:
         print(f"levers: {first.levers.describe()}")
     if first.host_bytes:

@@ -93,7 +93,6 @@ _TRAIN_ONLY = (
     ("offload_activations", "--offload-activations"),
     ("lora_rank", "--lora-rank"),
     ("lora_targets", "--lora-targets"),
-    ("base_quantization", "--base-quantization"),
     ("gpus", "--gpus"),
     ("strategy", "--strategy"),
     ("gpus_per_node", "--gpus-per-node"),
@@ -379,6 +378,33 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         "with it); its compute capability sizes the cuBLAS workspace",
     )
     settings.add_argument(
+        "--weights",
+        choices=("nf4", "fp4", "int8"),
+        help="the Linear weights stored by bitsandbytes as from_pretrained's "
+        "BitsAndBytesConfig stores them: nf4 / fp4 (Linear4bit; training needs --lora-rank: "
+        "QLoRA) or int8 (Linear8bitLt, inference, with --int8-threshold 0) (default: the "
+        "precision's dtype; needs `pip install bitsandbytes transformers`)",
+    )
+    settings.add_argument(
+        "--int8-threshold",
+        type=float,
+        metavar="T",
+        help="with --weights int8: LLM.int8's outlier threshold (llm_int8_threshold); only 0 "
+        "(no outlier split) is estimated, the default 6.0 depends on the activations' values",
+    )
+    settings.add_argument(
+        "--double-quant",
+        action="store_true",
+        help="with --weights nf4 / fp4: the block maxima quantized too (QLoRA's double "
+        "quantization, bnb_4bit_use_double_quant)",
+    )
+    settings.add_argument(
+        "--compute-dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="with --weights nf4 / fp4: Linear4bit's compute dtype (bnb_4bit_compute_dtype; "
+        "default: fp32, BitsAndBytesConfig's)",
+    )
+    settings.add_argument(
         "--expandable-segments",
         action="store_true",
         help="the CUDA caching allocator with expandable_segments:True "
@@ -529,13 +555,6 @@ def _lever_flags(levers: argparse._ArgumentGroup) -> None:
         help="with --lora-rank: PEFT's target_modules, 'auto' (PEFT's defaults for a Hugging "
         "Face architecture), 'all-linear', or comma-separated module names (e.g. "
         "conv1,conv2); other models must name theirs (default: auto)",
-    )
-    levers.add_argument(
-        "--base-quantization",
-        choices=("nf4",),
-        metavar="nf4",
-        help="4-bit base weights (QLoRA): not estimated (bitsandbytes' CUDA kernels cannot run "
-        "on fake tensors); prints the nf4 storage of the Linear weights and exits 1",
     )
 
 
@@ -696,6 +715,14 @@ def _flag_value(key: str, value: Any) -> Any:
 
 def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     mode: Mode = args.mode
+    four_bit = args.weights in ("nf4", "fp4")
+    if args.int8_threshold is not None and args.weights != "int8":
+        parser.error("--int8-threshold is a setting of --weights int8: give it too")
+    if (args.double_quant or args.compute_dtype is not None) and not four_bit:
+        parser.error(
+            "--double-quant and --compute-dtype are settings of 4-bit weights: give "
+            "--weights nf4 or --weights fp4 too"
+        )
     if mode is Mode.GENERATE and args.new_tokens is None:
         parser.error(
             "--mode generate needs --new-tokens T (the tokens generated after the prompt of "

@@ -52,7 +52,14 @@ from .figures import (
 )
 from .optimizer_control import NO_OPTIMIZER
 from .plotly_widget import FigureWidget
-from .widget_controls import CHECKPOINT_OFF, GPUS_MAX, OFFLOAD_OFF, ControlsMixin
+from .widget_controls import (
+    CHECKPOINT_OFF,
+    GPUS_MAX,
+    OFFLOAD_OFF,
+    WEIGHT_CHOICES,
+    WEIGHTS_OFF,
+    ControlsMixin,
+)
 from .widget_levers import LeversMixin
 from .widget_recipe import recipe_settings
 from .widget_settings import OffloadTrait as _OffloadTrait
@@ -60,7 +67,7 @@ from .widget_settings import OptimizerTrait as _OptimizerTrait
 from .widget_settings import check_optimizer_settings as _check_optimizer_settings
 from .widget_settings import check_policy_value as _check_policy_value
 from .widget_settings import gpu_settings as _gpu_settings
-from .widget_settings import offload_arg, offload_choice
+from .widget_settings import offload_arg, offload_choice, weights_arg
 from .widget_summary import DETAILS_TITLE, SummaryMixin
 from .widget_text import (
     Headline,
@@ -111,6 +118,10 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
     # the batch x sequence-length frontier panel is open (where the profile has a sequence
     # axis): its figure is computed while open, and first opening it may profile lengths
     show_frontier = traitlets.Bool(False)
+    # the Linear weights stored by bitsandbytes: "off" (the precision's dtype), "nf4",
+    # "nf4-dq" (double quantization) or "fp4", computed in the precision's dtype, or "int8"
+    # (LLM.int8 at threshold 0)
+    weights = traitlets.Enum(list(WEIGHT_CHOICES), default_value=WEIGHTS_OFF)
     # memory levers: "off", "auto" or a class name of repeated blocks; glob patterns of the
     # parameters that train, comma-separated ("" = as the model is); micro-batches per step
     checkpoint = traitlets.Unicode(_CHECKPOINT_OFF)
@@ -405,6 +416,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
             **self._lever_settings(),
             "loss_chunks": self.loss_chunks,
             "offload_activations": offload_arg(self.offload_activations),
+            "weights": weights_arg(self.weights, self.precision),
             **({"expandable_segments": self.expandable_segments} if self._cuda else {}),
             "gpus": self.gpus,
             "strategy": self.strategy,
@@ -643,6 +655,7 @@ _SETTINGS: tuple[str, ...] = (
     "lora_rank",
     "loss_chunks",
     "offload_activations",
+    "weights",
     "expandable_segments",
     "gpus",
     "strategy",

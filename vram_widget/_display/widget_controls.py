@@ -41,6 +41,8 @@ __all__ = [
     "POLICY_NAMES",
     "SEQ_SLIDER_MAX",
     "TOOLTIPS",
+    "WEIGHTS_OFF",
+    "WEIGHT_CHOICES",
     "ControlsMixin",
 ]
 
@@ -62,6 +64,12 @@ LOSS_CHUNK_CHOICES: tuple[int, ...] = (2, 4, 8, 16)
 OFFLOAD_OFF = "off"
 OFFLOAD_CHOICES: tuple[str, ...] = (OFFLOAD_OFF, "torchtune", "save_on_cpu")
 
+# the weights trait's values: the precision's own dtype, bitsandbytes' 4-bit formats (nf4
+# with QLoRA's double quantization too), or LLM.int8 without its outlier split (threshold 0:
+# the default threshold's split depends on the activations' values)
+WEIGHTS_OFF = "off"
+WEIGHT_CHOICES: tuple[str, ...] = (WEIGHTS_OFF, "nf4", "nf4-dq", "fp4", "int8")
+
 GROUP_TITLES: tuple[str, ...] = ("Step", "Optimizer", "Memory levers", "GPUs")
 """The control tabs, in order: each answers one question about the step."""
 
@@ -71,6 +79,10 @@ TOOLTIPS: dict[str, str] = {
     "seq_len": "tokens per sample (the prompt's length in a generation)",
     "precision": "the dtype of weights and activations: fp32, bf16/fp16 (all half), or "
     "amp-* (fp32 weights, autocast activations)",
+    "weights": "the Linear weights stored by bitsandbytes: nf4, nf4-dq (QLoRA's double "
+    "quantization) or fp4 (Linear4bit, computed in the precision's dtype; training needs a "
+    "LoRA rank: QLoRA), or int8 (Linear8bitLt, inference, without the outlier split: "
+    "threshold 0); off: the precision's dtype",
     "mode": "train: forward, backward, optimizer step; inference: one forward under "
     "no_grad; generate: prefill and decode steps with the KV cache",
     "new_tokens": "tokens a generation adds after the prompt (its KV cache grows with them)",
@@ -213,6 +225,9 @@ class ControlsMixin:
         precision = widgets.Dropdown(
             options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
         )
+        weights = widgets.Dropdown(options=list(WEIGHT_CHOICES), layout={"width": "180px"})
+        if "weights" in self._fixed:  # a Recipe's own Weights, held as it gives them
+            weights.disabled = True
         # a flex row: ipywidgets' ToggleButtons is a block whose buttons go under its label
         mode = widgets.ToggleButtons(
             options=modes,
@@ -256,6 +271,7 @@ class ControlsMixin:
         self._depth_slider = widgets.IntSlider(min=0, max=max(max_depth, 1))
         for control, name, label in (
             (precision, "precision", "precision"),
+            (weights, "weights", "weights"),
             (mode, "mode", "mode"),
             (gpu, "gpu", "GPU"),
             (self._custom_box, "custom_gib", "custom GiB"),
@@ -275,6 +291,7 @@ class ControlsMixin:
             widgets.link((self, name), (control, "value"))
         return {
             "precision": precision,
+            "weights": weights,
             "mode": mode,
             "gpu": gpu,
             "trainable": trainable,
@@ -377,6 +394,7 @@ class ControlsMixin:
             self._seq_slider,
             self._seq_box,
             c["precision"],
+            c["weights"],
             *opt.widgets,
             c["mode"],
             c["gpu"],
@@ -402,7 +420,7 @@ class ControlsMixin:
             [
                 _row(self._batch_slider, self._batch_box),
                 self._seq_row,
-                _row(c["precision"], c["mode"]),
+                _row(c["precision"], c["weights"], c["mode"]),
                 self._generation_row,
             ]
         )

@@ -15,10 +15,11 @@ from .._estimating.levers import Levers
 from .._estimating.offloading import resolve_offload
 from .._estimating.options import Mode, optimizer_names
 from .._estimating.recipe import Optimizer
+from .._estimating.recipe.weights import Weights, weight_format
 from .._estimating.sharding import DEFAULT_GPUS_PER_NODE, resolve_parallel
 from .._estimating.stepping import stepping_levers
 from .optimizer_control import NO_OPTIMIZER
-from .widget_controls import CHECKPOINT_OFF, OFFLOAD_OFF, POLICY_NAMES
+from .widget_controls import CHECKPOINT_OFF, OFFLOAD_OFF, POLICY_NAMES, WEIGHTS_OFF
 
 __all__ = [
     "OffloadTrait",
@@ -32,6 +33,7 @@ __all__ = [
     "paired_checkpoint",
     "policy_arg",
     "trainable_arg",
+    "weights_arg",
 ]
 
 
@@ -205,3 +207,24 @@ def offload_arg(choice: str) -> str | None:
     (None, 'save_on_cpu')
     """
     return None if choice == OFFLOAD_OFF else choice
+
+
+def weights_arg(choice: str, precision: str) -> Weights | None:
+    """The ``weights`` trait's choice as ``estimate``'s keyword: None for ``"off"``, else
+    ``Linear4bit`` computing in the precision's dtype (bf16 / fp16; fp32 otherwise), with
+    double quantization for ``"nf4-dq"``; ``"int8"``: ``Linear8bitLt`` at threshold 0.
+
+    Examples
+    --------
+    >>> weights_arg("nf4-dq", "bf16")
+    Weights(format=<WeightFormat.NF4: 'nf4'>, compute_dtype='bfloat16', double_quant=True, ...)
+    >>> weights_arg("off", "bf16") is None
+    True
+    """
+    if choice == WEIGHTS_OFF:
+        return None
+    if choice == "int8":  # without the outlier split, whose memory depends on values
+        return Weights(weight_format(choice), int8_threshold=0.0)
+    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+    fmt = choice.removesuffix("-dq")
+    return Weights(weight_format(fmt), compute_dtype=compute, double_quant=choice != fmt)

@@ -187,6 +187,9 @@ class MemoryEstimate:
     # the offloaded copies of saved tensors take at their peak (pinned by torchtune's
     # OffloadActivations); in no device total here
     host_bytes: int = 0
+    # how the base weights are stored where bitsandbytes quantized them
+    # (``Weights.describe()``); "" in the precision's dtype
+    weights: str = ""
 
     @property
     def new_tokens(self) -> int | None:

@@ -44,9 +44,11 @@ from .options import (
     parse_optimizer_choice,
     parse_option,
 )
+from .quantized import check_quantized
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.ignored import warn_ignored
 from .recipe.recipe import default
+from .recipe.weights import Weights
 from .sharding import (
     DEFAULT_GPUS_PER_NODE,
     ITEMSIZE,
@@ -95,6 +97,14 @@ class ProfileSource(Protocol):
 
     def lora_profile(
         self, rank: int, targets: tuple[str, ...] | None, dtype: str | None = None
+    ) -> ModelProfile: ...
+
+    def quantized_profile(
+        self,
+        weights: Weights,
+        rank: int | None = None,
+        targets: tuple[str, ...] | None = None,
+        dtype: str | None = None,
     ) -> ModelProfile: ...
 
     def generation(
@@ -194,6 +204,11 @@ class ModelProfile:
         # LoRA: the profile of a meta copy that PEFT's get_peft_model wrapped, per (rank,
         # targets); its module names carry PEFT's prefix
         self._lora_profiles: dict[tuple[int, tuple[str, ...] | None, str | None], ModelProfile] = {}
+        # quantized weights: the profile of bitsandbytes' quantized meta copy, per (weights,
+        # LoRA rank, targets, adapters' dtype)
+        self._quantized_profiles: dict[
+            tuple[Weights, int | None, tuple[str, ...] | None, str | None], ModelProfile
+        ] = {}
         # data parallelism: (precision, levers, ranks, rank) -> buffers, optimizer shards
         self._rank_layouts: dict[
             tuple[Precision, Levers, Parallel, int | None],
@@ -262,20 +277,38 @@ class ModelProfile:
         key = (levers.lora_rank, levers.lora_targets, dtype)
         if key not in self._lora_profiles:
             self._lora_profiles[key] = self._source.lora_profile(*key)
-        sub = self._lora_profiles[key]
+        return self._lora_profiles[key], self._lora_levers(levers)
+
+    def _lora_levers(self, levers: Levers) -> dict[str, Any]:
+        """The levers to ask a LoRA sub-profile for: checkpointing by the same names inside
+        PEFT's wrapper, accumulation as it is."""
         checkpoint: object = None
         if levers.checkpoint_hf:
             checkpoint = "auto"
         elif levers.checkpoint:
             checkpoint = list(levers.checkpoint)  # prefixed by the sub-profile's levers()
         policy = levers.checkpoint_policy if checkpoint is not None else None
-        return sub, {
+        return {
             "checkpoint": checkpoint,
             "checkpoint_policy": policy,
             "grad_accumulation": levers.grad_accumulation,
             "loss_chunks": levers.loss_chunks,
             "offload_activations": levers.offload_activations,
         }
+
+    def _quantized(
+        self, weights: Weights, levers: Levers, lora_dtype: str | None
+    ) -> tuple[ModelProfile, dict[str, Any]]:
+        """The profile of the model with its weights quantized by bitsandbytes (and, with
+        ``levers.lora_rank``, QLoRA's adapters), made on first use and cached, and the
+        levers to ask it for (as :meth:`_lora` gives them)."""
+        rank = levers.lora_rank
+        targets = levers.lora_targets if rank is not None else None
+        key = (weights, rank, targets, lora_dtype)
+        if key not in self._quantized_profiles:
+            self._quantized_profiles[key] = self._source.quantized_profile(*key)
+        sub = self._quantized_profiles[key]
+        return sub, {} if rank is None else self._lora_levers(levers)
 
     def _made_lora(self, levers: Levers) -> tuple[ModelProfile, Levers] | None:
         """The LoRA profile of ``levers`` and the levers to ask it for, where it was made
@@ -498,7 +531,7 @@ class ModelProfile:
         grad_accumulation: int = default(1),
         lora_rank: int | None = default(None),
         lora_targets: object = default("auto"),
-        base_quantization: str | None = default(None),
+        weights: object = default(None),
         expandable_segments: bool = default(False),
         gpus: int = default(1),
         strategy: str | Strategy = default("ddp"),
@@ -568,11 +601,28 @@ class ModelProfile:
         lora_targets : "auto", "all-linear" or list of str
             PEFT's ``target_modules``; ``"auto"``: PEFT's defaults for the architecture
             (Hugging Face models; other models must name their modules).
-        base_quantization : None
-            4-bit base weights (QLoRA's ``"nf4"``) run bitsandbytes' CUDA kernels, which
-            fake tensors cannot run: not estimated. Asking for it raises a ValueError that
-            gives what the nf4 storage of the weights alone would be
-            (:meth:`nf4_weight_bytes`), as a separate figure, not folded into a step.
+        weights : None, "nf4", "fp4", "int8" or Weights
+            The base weights stored by bitsandbytes, as transformers'
+            ``from_pretrained(quantization_config=BitsAndBytesConfig(...))`` stores them:
+            its ``replace_with_bnb_linear`` on a meta copy of the model (``nn.Linear`` and
+            ``Conv1D`` layers, the output embeddings and last module kept), each weight
+            quantized by bitsandbytes' own ``quantize_4bit`` on fake tensors, the step run
+            through ``Linear4bit``'s kernels. ``"nf4"`` / ``"fp4"``: ``Linear4bit`` at
+            ``BitsAndBytesConfig``'s defaults (compute in float32, no double quantization,
+            blocks of 64); a :class:`~vram_widget.Weights` (or a ``BitsAndBytesConfig``)
+            sets them (``Weights("nf4", double_quant=True, compute_dtype="bf16")``, QLoRA's).
+            In training, the quantized weights are frozen: ``lora_rank`` is needed (QLoRA:
+            PEFT's ``prepare_model_for_kbit_training``, which casts the other half-precision
+            parameters to fp32, then ``get_peft_model``). ``"int8"`` (``Linear8bitLt``,
+            inference): with ``Weights("int8", int8_threshold=0.0)``; at
+            ``BitsAndBytesConfig``'s threshold 6.0 its outlier split depends on the
+            activations' values, refused (``measure`` takes it). On ``device="cuda"``,
+            ``gemm_4bit`` runs as its unfused fallback does
+            (the weight dequantized, then ``F.linear``: bitsandbytes/backends/cuda/ops.py,
+            ``_dequant_linear_fallback``); for up to 1,536 rows of input it may pick a fused
+            kernel by the GPU's architecture (``_gemm_4bit_use_custom_cuda``) that makes
+            only the output, so the estimate is an upper bound there (UNCONFIRMED on a GPU).
+            Needs ``pip install bitsandbytes transformers``.
         expandable_segments : bool
             The caching allocator's ``expandable_segments:True`` for ``reserved_bytes``,
             ``device_bytes``, ``fits_device`` and ``memory_snapshot`` (``device="cuda"``
@@ -672,7 +722,7 @@ class ModelProfile:
             grad_accumulation=grad_accumulation,
             lora_rank=lora_rank,
             lora_targets=lora_targets,
-            base_quantization=base_quantization,
+            weights=weights,
             expandable_segments=expandable_segments,
             gpus=gpus,
             strategy=strategy,
@@ -738,12 +788,17 @@ class ModelProfile:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
-        if lv.base_quantization is not None:
-            self._refuse_quantization(lv.base_quantization)
         parallel = self._parallel_of(recipe)
         asked_rank = check_rank(par.rank, parallel.gpus)
+        if recipe.weights.quantized:
+            check_quantized(recipe.weights, run_mode, lv.lora_rank, parallel.gpus)
         levers = self._step_levers_of(recipe, parallel, length)
         lora_dtype = _lora_dtype_of(lv)
+        if recipe.weights.quantized:
+            sub, kwargs = self._quantized(recipe.weights, levers, lora_dtype)
+            plain = dataclasses.replace(recipe, levers=LeverSettings(), weights=Weights())
+            est = sub._estimate(plain.with_(**kwargs))
+            return dataclasses.replace(est, levers=levers, weights=recipe.weights.describe())
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers, lora_dtype)
             plain = dataclasses.replace(recipe, levers=LeverSettings())
@@ -1027,50 +1082,6 @@ class ModelProfile:
             )
             if trains and (keep is None or name in keep)
         ]
-
-    def nf4_weight_bytes(self) -> tuple[int, int]:
-        """What QLoRA's 4-bit NF4 storage of the model's ``nn.Linear`` weights would take,
-        and what those weights take in bf16: ``(nf4_bytes, bf16_bytes)``.
-
-        bitsandbytes stores 4 bits per weight in blocks of 64, each with an absmax scale;
-        QLoRA's double quantization stores those scales in 8 bits per block plus one fp32
-        scale per 256 blocks: 4 + 8 / 64 + 32 / (64 * 256) bits per weight (Dettmers et al.,
-        "QLoRA", 2023, section 3, Double Quantization: "0.127 bits per parameter"), rounded
-        up per tensor. The output layer is left out (transformers keeps ``lm_head`` in its
-        dtype: ``get_keys_to_not_convert``). Biases, norms and embeddings are not quantized.
-
-        Examples
-        --------
-        >>> import torch
-        >>> from vram_widget import profile_model
-        >>> profile = profile_model(torch.nn.Linear(4096, 4096), input_size=(4096,))
-        >>> # 16,777,216 weights: 8,388,608 B of 4-bit codes + 262,144 8-bit block scales
-        >>> # + 1,024 fp32 second-level scales (4,096 B); bf16: 2 B per weight
-        >>> profile.nf4_weight_bytes()
-        (8654848, 33554432)
-        """
-        types = dict(zip(self.rows.names[:-2], self.rows.types[:-2], strict=True))
-        nf4 = bf16 = 0
-        for name, shape in zip(self.param_names, self.param_shapes, strict=True):
-            module, _, leaf = name.rpartition(".")
-            if leaf != "weight" or types.get(module) != "Linear" or module.endswith("lm_head"):
-                continue
-            numel = int(np.prod(shape))
-            blocks = -(-numel // 64)
-            nf4 += -(-numel // 2) + blocks + 4 * -(-blocks // 256)
-            bf16 += 2 * numel
-        return nf4, bf16
-
-    def _refuse_quantization(self, value: str) -> None:
-        nf4, bf16 = self.nf4_weight_bytes()
-        raise ValueError(
-            f"base_quantization={value!r}: 4-bit base weights (QLoRA) run bitsandbytes' CUDA "
-            "kernels, which fake tensors cannot run, so the step is not estimated. For "
-            f"reference, the nf4 storage of this model's Linear weights alone would be "
-            f"{nf4:,} bytes instead of {bf16:,} in bf16 (profile.nf4_weight_bytes(); "
-            "4.127 bits per weight with QLoRA's double quantization). Estimate LoRA on a "
-            "bf16 base with lora_rank=... and precision='bf16'"
-        )
 
     def max_batch_size(
         self,
@@ -1374,6 +1385,17 @@ class ModelProfile:
         parallel = self._parallel_of(base)
         resolved = self._step_levers_of(base, parallel, None)
         lora_dtype = _lora_dtype_of(lv)
+        if base.weights.quantized:  # the quantized copy's own frontier
+            check_quantized(base.weights, run_mode, lv.lora_rank, parallel.gpus)
+            sub, kwargs = self._quantized(base.weights, resolved, lora_dtype)
+            plain = dataclasses.replace(base, levers=LeverSettings(), weights=Weights())
+            return sub.frontier(
+                capacity,
+                seq_lens=lengths,
+                profile_lengths=profile_lengths,
+                basis=basis,
+                recipe=plain.with_(**kwargs),
+            )
         if resolved.lora_rank is not None:
             sub, kwargs = self._lora(resolved, lora_dtype)
             return sub.frontier(

@@ -580,6 +580,10 @@ class DiskCachedSource:
         # wrapped structure holds the rank, the targets and the adapters' dtypes)
         return self.inner.lora_profile(rank, targets, *args)
 
+    def quantized_profile(self, *args: Any) -> Any:
+        # a profile of bitsandbytes' quantized meta copy, made by the wrapped source
+        return self.inner.quantized_profile(*args)
+
     def generation(
         self,
         precision: Precision,

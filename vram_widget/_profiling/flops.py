@@ -356,7 +356,28 @@ def _build_formulas() -> dict[Any, _Formula]:
         packet = _packet(name)
         if packet is not None:
             formulas[packet] = formula
+    # LLM.int8's matmul (weights="int8"): torch._int_mm on the CPU, bitsandbytes' own
+    # int8_linear_matmul on CUDA (backends/cuda/ops.py); stock counts neither
+    packet = _packet("_int_mm")
+    if packet is not None:
+        formulas[packet] = _int8_matmul_flop
     return formulas
+
+
+def count_bitsandbytes_matmuls() -> None:
+    """Count bitsandbytes' ``int8_linear_matmul`` (its ops exist once it is imported)."""
+    _FORMULAS[torch.ops.bitsandbytes.int8_linear_matmul] = _int8_matmul_flop
+
+
+@shape_wrapper
+def _int8_matmul_flop(
+    a_shape: Sequence[int], b_shape: Sequence[int], *args: Any, **kwargs: Any
+) -> int:
+    """``A @ B.t()`` for ``int8_linear_matmul(A (..., K), B (N, K))``, or ``A @ B`` for
+    ``_int_mm(A (M, K), B (K, N))``: 2 per multiply-add."""
+    k = a_shape[-1]
+    n = b_shape[0] if b_shape[-1] == k and b_shape[0] != k else b_shape[-1]
+    return 2 * prod(a_shape[:-1]) * k * n
 
 
 _FORMULAS: dict[Any, _Formula] = _build_formulas()

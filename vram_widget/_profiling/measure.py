@@ -48,8 +48,10 @@ from .._estimating.options import (
     parse_optimizer_choice,
     parse_option,
 )
+from .._estimating.quantized import check_quantized
 from .._estimating.recipe import Optimizer, Recipe, Step
 from .._estimating.recipe.recipe import default, given
+from .._estimating.recipe.weights import Weights, parse_weights
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     Parallel,
@@ -70,6 +72,13 @@ from .generation import generation_limit, prompt_inputs
 from .offloading import offloaded_forward, real_offloading
 from .optimizers import state_tensors
 from .param_groups import decay_parameter_names, trainer_groups
+from .quantized import (
+    module_state_tensors,
+    qlora_wrapped,
+    quantized_modules,
+    real_quantized,
+    require_bitsandbytes,
+)
 from .step import (
     PEFT_PREFIX,
     ModelInputs,
@@ -198,6 +207,7 @@ def measure(
     lora_rank: int | None = default(None),
     lora_targets: object = default("auto"),
     lora_dtype: str | None = default(None),
+    weights: object = default(None),
     snapshot: bool = False,
     gpus: int = default(1),
     strategy: str | Strategy = default("ddp"),
@@ -261,6 +271,13 @@ def measure(
         torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
         module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
         and ``grad_accumulation`` forward and backward passes before the optimizer step.
+    weights : None, "nf4", "fp4", "int8" or Weights
+        The copy's Linear layers quantized by bitsandbytes as ``from_pretrained(...,
+        quantization_config=BitsAndBytesConfig(...))`` quantizes them (``quantized.py``:
+        transformers' ``replace_with_bnb_linear``, each weight loaded into a ``Params4bit`` /
+        ``Int8Params`` moved to the CPU); with ``lora_rank``, QLoRA (PEFT's
+        ``prepare_model_for_kbit_training``, then ``get_peft_model``). The quant state
+        (scales, codes) counts as resident. As ``ModelProfile.estimate`` takes it.
     checkpoint_policy : None, "full", "op", int or callable
         How each checkpointed block is checkpointed, as ``ModelProfile.estimate`` takes it:
         ``"op"`` is torchtitan's op-level policy around each block
@@ -396,7 +413,8 @@ def measure(
             "checkpoint": checkpoint, "checkpoint_policy": checkpoint_policy,
             "trainable": trainable,
             "grad_accumulation": grad_accumulation, "lora_rank": lora_rank,
-            "lora_targets": lora_targets, "lora_dtype": lora_dtype, "gpus": gpus,
+            "lora_targets": lora_targets, "lora_dtype": lora_dtype, "weights": weights,
+            "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
             "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
@@ -417,6 +435,12 @@ def measure(
     gpus_per_node, fsdp_units = settings["gpus_per_node"], settings["fsdp_units"]
     new_tokens = settings["new_tokens"]
     _check_compiled(scope, settings)
+    quantized = parse_weights(settings["weights"])
+    if quantized.quantized:  # refused before the copy is made, as the estimate refuses
+        run_mode = parse_option(Mode, mode, "mode")
+        check_quantized(quantized, run_mode, settings["lora_rank"], gpus, estimating=False)
+        require_bitsandbytes()
+        quantized_modules(model, quantized)
     levers: dict[str, Any] = {
         "checkpoint": settings["checkpoint"],
         "checkpoint_policy": settings["checkpoint_policy"],
@@ -480,6 +504,7 @@ def measure(
         loss_chunks=settings["loss_chunks"],
         offload_activations=settings["offload_activations"],
         compiled=(scope, budget),
+        weights=quantized,
         **levers,
     )[0]
 
@@ -606,6 +631,7 @@ def _measure(
     loss_chunks: int | None = None,
     offload_activations: object = None,
     compiled: tuple[CompileScope | None, float | None] = (None, None),
+    weights: Weights | None = None,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -642,7 +668,7 @@ def _measure(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
             parallel, new_tokens, implementation, stepping, protocol, decay_split,
             carried_scalars, lora_dtype, chunks if run_mode is Mode.TRAIN else None, offload,
-            compiled[0], output_bytes,
+            compiled[0], output_bytes, weights,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -720,11 +746,24 @@ class _Session:
         offload: Offload | None = None,
         compile_scope: CompileScope | None = None,
         output_bytes: list[int] | None = None,
+        weights: Weights | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
         self.model = _copy_model(model, dtype, mode)
-        if levers.lora_rank is not None:  # PEFT wraps the copy; names gain its prefix
+        qlora = False
+        if weights is not None and weights.quantized:  # bitsandbytes quantizes the copy
+            self.model = real_quantized(self.model, weights)
+            self.model.train(mode is Mode.TRAIN)
+            qlora = levers.lora_rank is not None
+        if qlora:  # QLoRA: PEFT's prepare_model_for_kbit_training, then get_peft_model
+            assert levers.lora_rank is not None
+            self.model = qlora_wrapped(
+                self.model, levers.lora_rank, levers.lora_targets, lora_dtype
+            )
+            names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
+            levers = dataclasses.replace(levers, checkpoint=names)
+        elif levers.lora_rank is not None:  # PEFT wraps the copy; names gain its prefix
             self.model = lora_wrapped(self.model, levers.lora_rank, levers.lora_targets, lora_dtype)
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
@@ -820,6 +859,7 @@ class _Session:
         """Parameters, buffers, optimizer state and inputs (repeats and views included)."""
         yield from self.model.parameters()
         yield from self.model.buffers()
+        yield from module_state_tensors(self.model)  # bitsandbytes' quant state
         if self.optimizer is not None:
             # a ZeroRedundancyOptimizer keeps its shard's state in its local optimizer
             local = getattr(self.optimizer, "optim", self.optimizer)

@@ -21,6 +21,7 @@ MEASURED_SETTINGS = (
     "lora_rank",
     "lora_targets",
     "lora_dtype",
+    "weights",
     "gpus",
     "strategy",
     "gpus_per_node",
@@ -50,7 +51,7 @@ def measure_settings(
     a ValueError naming both (as for ``ModelProfile.estimate``). A recipe setting that a
     measured step cannot follow is refused by name: a batch size other than the inputs'
     (and than the default 1), a sequence length (the inputs give it), a rank (every rank is
-    measured), ``expandable_segments`` and ``base_quantization``. The target GPU's settings
+    measured) and ``expandable_segments``. The target GPU's settings
     (``compute_capability``, ``context_bytes``, ``lazy_loading``) size the estimate's extras
     only and are not read.
 
@@ -80,7 +81,7 @@ def measure_settings(
 
 
 def _refuse_unmeasured(recipe: Recipe, batch_size: int) -> None:
-    step, lv = recipe.step, recipe.levers
+    step = recipe.step
     if step.batch_size not in (1, batch_size):
         raise ValueError(
             f"the recipe's batch_size={step.batch_size} is not the inputs' batch of "
@@ -91,7 +92,6 @@ def _refuse_unmeasured(recipe: Recipe, batch_size: int) -> None:
         "seq_len": step.seq_len is not None,
         "rank": recipe.parallel.rank is not None,
         "expandable_segments": recipe.accelerator.expandable_segments,
-        "base_quantization": lv.base_quantization is not None,
     }
     asked = [name for name, on in refused.items() if on]
     if asked:

@@ -36,6 +36,7 @@ from .._estimating.options import (
     parse_option,
 )
 from .._estimating.profile import ModelProfile, ProfilingError
+from .._estimating.recipe.weights import Weights
 from .._estimating.sharding import local_shard_shape
 from .._estimating.table import (
     PADDED_TERMS,
@@ -79,6 +80,16 @@ from .optimizers import (
 )
 from .param_groups import decay_parameter_names, trainer_groups
 from .probe import KernelProbe
+from .quantized import (
+    DequantizingKernels,
+    fake_quantized,
+    fresh_int8_state,
+    is_quantized_param,
+    kept_dtypes,
+    qlora_wrapped,
+    quantized_copy,
+    state_tensors,
+)
 from .recorder import Recorder, describe_args, module_hooks, tracked_rng_states
 from .repeated import (
     FEW_BLOCKS,
@@ -250,6 +261,9 @@ class Subject:
             dtype = p.dtype if name in self.fixed_dtypes else self._dtype(p, precision)
             if param_dtype is not None and name not in self.fixed_dtypes and p.is_floating_point():
                 dtype = param_dtype
+            if is_quantized_param(p):  # bitsandbytes' stored form (quantized.py)
+                params[name] = fake_quantized(p, dtype)
+                continue
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
             else:
@@ -476,6 +490,15 @@ class Profiler:
         rec.register_resident(
             params.values(), Category.PARAMETER, [row for _n, _p, row in subject._params]
         )
+        quant_states = [  # quantized weights' scales and codes (quantized.py), with them
+            (t, row) for (_n, _p, row), p in zip(subject._params, params.values(), strict=True)
+            for t in state_tensors(p)
+        ]  # fmt: skip
+        if quant_states:
+            rec.register_resident(
+                [t for t, _r in quant_states], Category.PARAMETER, [r for _t, r in quant_states]
+            )
+            fresh_int8_state(subject.model, params)
         rec.register_resident(
             buffers.values(), Category.BUFFER, [row for _n, _b, row in subject._buffers]
         )
@@ -537,6 +560,8 @@ class Profiler:
             if fake_mode is not None:
                 stack.enter_context(fake_mode)
             stack.enter_context(rec)
+            if quant_states:  # bitsandbytes' kernels as their CPU code runs them
+                stack.enter_context(DequantizingKernels(cpu=subject.device is Device.CPU))
             stack.enter_context(module_hooks(rec))
             stack.enter_context(real_run_composites())
             # the fake parameters stay swapped in through the backward, where a checkpointed
@@ -1388,6 +1413,44 @@ class _Source:
         assert isinstance(source, _Source)
         source.profiler.subject.fixed_dtypes = frozenset(adapters)
         sub.fixed_param_dtypes = adapters  # their gradients too: DDP buckets them apart
+        return sub
+
+    def quantized_profile(
+        self,
+        weights: Weights,
+        rank: int | None = None,
+        targets: tuple[str, ...] | None = None,
+        dtype: str | None = None,
+    ) -> ModelProfile:
+        """The profile of a meta copy of the model with its Linear layers quantized by
+        bitsandbytes (``quantized.quantized_copy``; the model itself untouched) and, with
+        ``rank``, QLoRA's PEFT wrapping (``quantized.qlora_wrapped``)."""
+        subject = self.profiler.subject
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"(peft|transformers|bitsandbytes)(\.|$)")
+            copy_ = quantized_copy(subject.model, weights)
+            base_ids = {id(p) for p in copy_.parameters()}
+            if rank is not None:
+                copy_ = qlora_wrapped(copy_, rank, targets, dtype)
+            sub = profile_model(
+                copy_,
+                input_size=subject.input_size,
+                inputs=subject.inputs,
+                loss_fn=subject.loss_fn,
+                device=subject.device.value,
+                seq_axis=dict(subject.seq_axes) or False,
+                precisions=(),
+                # the profile key does not read the weights' quantization settings
+                cache=False,
+            )
+        if rank is not None:
+            sub.name_prefix = PEFT_PREFIX
+        fixed = kept_dtypes(copy_, base_ids, rank is not None, dtype)
+        source = getattr(sub._source, "inner", sub._source)
+        assert isinstance(source, _Source)
+        source.profiler.subject.fixed_dtypes = frozenset(fixed)
+        sub.fixed_param_dtypes = fixed
         return sub
 
     def optimizer_trace(

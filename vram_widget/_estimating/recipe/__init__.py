@@ -10,6 +10,7 @@ from .optimizer import Optimizer
 from .parallel import ParallelSettings
 from .recipe import KEYWORD_FIELDS, Recipe
 from .step import Accelerator, Step
+from .weights import WeightFormat, Weights
 
 __all__ = [
     "KEYWORD_FIELDS",
@@ -21,4 +22,6 @@ __all__ = [
     "Recipe",
     "RecipeSettingIgnored",
     "Step",
+    "WeightFormat",
+    "Weights",
 ]

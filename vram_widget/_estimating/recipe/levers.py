@@ -32,8 +32,6 @@ class LeverSettings:
         Micro-batches per optimizer step.
     lora_rank : int, optional
     lora_targets : "auto", "all-linear" or tuple of str
-    base_quantization : None
-        Refused when set (4-bit base weights are not estimated).
     lora_dtype : None or str
         The LoRA adapters' dtype (``"fp32"``, ``"bf16"``, ``"fp16"``, or ``"base"`` for the
         base weights' own). None: PEFT's default.
@@ -57,7 +55,6 @@ class LeverSettings:
     grad_accumulation: int = 1
     lora_rank: int | None = None
     lora_targets: object = "auto"
-    base_quantization: str | None = None
     lora_dtype: str | None = None
     loss_chunks: int | None = None
     checkpoint_policy: object = None

@@ -10,6 +10,7 @@ from .levers import LeverSettings
 from .optimizer import Optimizer
 from .parallel import ParallelSettings
 from .step import Accelerator, Step
+from .weights import Weights, parse_weights
 
 _T = TypeVar("_T")
 
@@ -86,7 +87,6 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "lora_rank": ("levers", "lora_rank"),
     "lora_targets": ("levers", "lora_targets"),
     "lora_dtype": ("levers", "lora_dtype"),
-    "base_quantization": ("levers", "base_quantization"),
     "loss_chunks": ("levers", "loss_chunks"),
     "offload_activations": ("levers", "offload_activations"),
     "gpus": ("parallel", "gpus"),
@@ -95,6 +95,13 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "gpus_per_node": ("parallel", "gpus_per_node"),
     "fsdp_units": ("parallel", "fsdp_units"),
     "new_tokens": ("generation", "new_tokens"),
+    "weights": ("weights", ""),
+}
+
+# Settings that were replaced, and what replaces them: a clear error names the new form.
+REPLACED_SETTINGS = {
+    "base_quantization": "weights (weights='nf4', 'fp4' or 'int8': bitsandbytes' storage of "
+    "the Linear weights)",
 }
 
 
@@ -104,9 +111,10 @@ class Recipe:
 
     Each concern is a small record of its own: :class:`Step` (batch, sequence length,
     precision, mode), :class:`Optimizer` (name and implementation), :class:`LeverSettings`
-    (checkpointing, trainable subsets, LoRA, gradient accumulation),
-    :class:`ParallelSettings` (data-parallel ranks and strategy), :class:`Generation`
-    (new tokens) and :class:`Accelerator` (compute capability, allocator settings).
+    (checkpointing, trainable subsets, LoRA, gradient accumulation), :class:`Weights`
+    (bitsandbytes' quantized base weights), :class:`ParallelSettings` (data-parallel ranks
+    and strategy), :class:`Generation` (new tokens) and :class:`Accelerator` (compute
+    capability, allocator settings).
     ``ModelProfile.estimate(recipe=...)``, its searches and ``measure(recipe=...)`` take
     one; their flat keywords build one with :meth:`from_keywords`.
 
@@ -128,6 +136,7 @@ class Recipe:
     levers: LeverSettings = dataclasses.field(default_factory=LeverSettings)
     parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
     generation: Generation = dataclasses.field(default_factory=Generation)
+    weights: Weights = dataclasses.field(default_factory=Weights)
     accelerator: Accelerator = dataclasses.field(default_factory=Accelerator)
     # settings of the config this Recipe was read from that change memory but are not
     # estimated (``from_training_arguments``, ``from_torchtune``), each with what it changes;
@@ -255,6 +264,8 @@ class Recipe:
         """
         groups: dict[str, dict[str, Any]] = {}
         for key, value in settings.items():
+            if key in REPLACED_SETTINGS:
+                raise TypeError(f"{key} was replaced by {REPLACED_SETTINGS[key]}")
             if key not in KEYWORD_FIELDS:
                 valid = ", ".join(KEYWORD_FIELDS)
                 raise TypeError(f"unknown recipe setting {key!r}; valid settings are {valid}")
@@ -265,6 +276,9 @@ class Recipe:
             record = getattr(self, group)
             if group == "optimizer" and "" in fields:
                 record = record.named(fields.pop(""))
+            if group == "weights":  # the whole record, from any form parse_weights reads
+                changes[group] = parse_weights(fields.pop(""))
+                continue
             changes[group] = dataclasses.replace(record, **fields)
         return dataclasses.replace(self, **changes)
 
@@ -326,5 +340,7 @@ def _show(value: object) -> str:
             return "None"
         suffix = "" if value.implementation is None else f"-{value.implementation.value}"
         return repr(f"{value.name.value}{suffix}")
+    if isinstance(value, Weights) and value == Weights(value.format):
+        return _show(value.format)
     inner = getattr(value, "value", value)
     return repr(inner)

@@ -231,7 +231,15 @@ def _lora(model: object, ignored: list[str]) -> dict[str, Any]:
     if model.get("use_dora"):
         raise refuse(SOURCE, "model.use_dora", "DoRA's magnitude vectors and norms")
     if model.get("quantize_base"):
-        raise refuse(SOURCE, "model.quantize_base", "QLoRA's 4-bit NF4 base weights")
+        # torchtune's QLoRA stores its base weights as torchao's NF4Tensor (torchtune/
+        # modules/peft/lora.py, LoRALinear: to_nf4), whose layout and kernels are not
+        # bitsandbytes' that weights='nf4' estimates
+        raise refuse(
+            SOURCE,
+            "model.quantize_base",
+            "QLoRA's 4-bit base weights as torchao's NF4Tensor; weights='nf4' estimates "
+            "bitsandbytes' Linear4bit, as Hugging Face's from_pretrained stores them",
+        )
     if float(model.get("lora_dropout", 0) or 0) > 0:
         ignored.append(f"model.lora_dropout={model['lora_dropout']} (the adapters' dropout "
                        "masks)")  # fmt: skip
