@@ -27,6 +27,7 @@ from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .gpus import Gpu, resolve_gpu
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
 from .offloading import offload_levers
+from .compiled import compile_levers
 from .options import (
     CATEGORY_CODE,
     PHASE_CODE,
@@ -628,6 +629,11 @@ class ModelProfile:
             ``accelerator.cuda_context``'s table, which ``compute_capability`` and
             ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;
             ``est.extras.cuda_context_source`` says which figure was used and its source.
+            ``compile=True`` / ``"model"`` / ``"blocks"`` with ``activation_memory_budget``
+            estimates the ``torch.compile`` training step (``est.levers.compile``): Inductor's
+            partitioner on fake tensors decides what is saved for the backward, and the
+            partitioned graphs run node by node, so each region's temporaries are the eager
+            ops' (an upper bound on Inductor's fused kernels; the guide on torch.compile).
 
         Notes
         -----
@@ -714,13 +720,15 @@ class ModelProfile:
         )
         levers = offload_levers(levers, lv.offload_activations, run_mode, self.device, parallel)
         if run_mode is not Mode.TRAIN:
+            compile_levers(levers, lv.compile, lv.activation_memory_budget, run_mode, parallel)
             return NO_LEVERS
         implementation = recipe.optimizer.resolved_implementation(self.device)
         levers = stepping_levers(levers, recipe.optimizer, implementation, parallel)
         levers = protocol_levers(levers, recipe.step, recipe.optimizer, parallel)
-        return chunked_loss_levers(
+        levers = chunked_loss_levers(
             levers, lv.loss_chunks, self.loss_chunks_refusal, length or self.seq_len, parallel
         )
+        return compile_levers(levers, lv.compile, lv.activation_memory_budget, run_mode, parallel)
 
     def _estimate(self, recipe: Recipe) -> MemoryEstimate:
         """:meth:`estimate` of one resolved Recipe."""
