@@ -464,7 +464,13 @@ class Profiler:
             inputs = subject.make_inputs(batch_size, precision, self.real, self.seq_len)
         if mode is Mode.GENERATE:
             inputs = ModelInputs(inputs.args, prompt_inputs(inputs.kwargs))
-        rec = Recorder(
+        compiled = self.levers.compile if train else None
+        recorder: type[Recorder] = Recorder
+        if compiled is not None:  # the torch.compile step (compiled_profile.py)
+            from .compiled_profile import CompiledRecorder
+
+            recorder = CompiledRecorder
+        rec = recorder(
             subject._row_of,
             subject.loss_row,
             subject.optimizer_row,
@@ -536,6 +542,12 @@ class Profiler:
             stack.enter_context(quiet_third_party())
             if fake_mode is not None:
                 stack.enter_context(fake_mode)
+            if compiled is not None:  # compiled by an unrecorded iteration, before recording
+                model_fn = stack.enter_context(
+                    self._compiled_step(
+                        model_fn, loss_fn, inputs, state, trainable, rec, precision
+                    )
+                )
             stack.enter_context(rec)
             stack.enter_context(module_hooks(rec))
             stack.enter_context(real_run_composites())
@@ -635,6 +647,40 @@ class Profiler:
             step_starts=step_starts,
             step_flops=step_flops,
             host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
+        )
+
+    def _compiled_step(
+        self,
+        model_fn: Callable[..., Any],
+        loss_fn: Callable[[Any], Any] | None,
+        inputs: ModelInputs,
+        state: dict[str, torch.Tensor],
+        trainable: list[torch.Tensor],
+        rec: Recorder,
+        precision: Precision,
+    ) -> contextlib.AbstractContextManager[Callable[..., Any]]:
+        """The model's forward as ``torch.compile`` runs it (``compiled_profile.py``),
+        compiled by one unrecorded iteration on the run's fake parameters and inputs."""
+        from .compiled_profile import compiled_step
+
+        model = self.subject.model
+        context = self._context(precision)
+
+        def warm_up(forward: Callable[..., Any]) -> None:
+            with reparametrized(model, state):
+                training_iteration(
+                    forward, inputs, loss_fn, None, precision, "cpu", params=trainable,
+                    context=context,
+                )
+
+        levers = self.levers
+        assert levers.compile is not None and model_fn is model
+        return compiled_step(
+            model,
+            levers.compile,
+            levers.activation_memory_budget,
+            warm_up,
+            (rec.enter_module, rec.exit_module),
         )
 
     def _offload_plan(self, precision: Precision, levers: Levers, mode: Mode) -> list[bool]:
