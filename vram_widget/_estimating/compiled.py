@@ -16,6 +16,7 @@ from .sharding import Parallel
 __all__ = [
     "CompileScope",
     "compile_levers",
+    "decided_at",
     "parse_activation_memory_budget",
     "parse_compile",
 ]
@@ -153,3 +154,22 @@ def compile_levers(
             "compile=None for the eager step)"
         )
     return dataclasses.replace(levers, compile=scope.value, activation_memory_budget=fraction)
+
+
+def decided_at(levers: Levers, batch_size: int) -> Levers:
+    """``levers`` with the batch size the partitioner decides at, where it matters: with an
+    ``activation_memory_budget`` below 1, ``choose_saved_values_set`` solves a knapsack
+    over the candidates' sizes (torch/_functorch/partitioners.py), which need not pick the
+    same set at every batch size; ``measure`` compiles statically at its batch.
+
+    Examples
+    --------
+    >>> decided_at(Levers(compile="model", activation_memory_budget=0.5), 8).compile_batch
+    8
+    >>> decided_at(Levers(compile="model"), 8).compile_batch is None
+    True
+    """
+    budget = levers.activation_memory_budget
+    if levers.compile is None or budget is None or budget >= 1.0:
+        return levers
+    return dataclasses.replace(levers, compile_batch=batch_size)

@@ -102,6 +102,11 @@ class Levers:
     activation_memory_budget : float or None
         With ``compile``: the partitioner's ``activation_memory_budget`` (None: its
         default, 1.0).
+    compile_batch : int or None
+        With a budget below 1: the batch size whose static compile decides what is saved
+        (the partitioner's knapsack weighs tensors by their sizes, so its choice changes
+        with the batch); each profiling run uses those graphs, with the batch dimension
+        symbolic. Set by ``estimate`` (the asked batch size), not a user lever.
     """
 
     checkpoint: tuple[str, ...] = ()
@@ -123,6 +128,7 @@ class Levers:
     offload_activations: str | None = None
     compile: str | None = None
     activation_memory_budget: float | None = None
+    compile_batch: int | None = None
 
     @property
     def active(self) -> bool:

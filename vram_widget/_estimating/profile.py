@@ -27,7 +27,7 @@ from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .gpus import Gpu, resolve_gpu
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
 from .offloading import offload_levers
-from .compiled import compile_levers
+from .compiled import compile_levers, decided_at
 from .options import (
     CATEGORY_CODE,
     PHASE_CODE,
@@ -750,7 +750,7 @@ class ModelProfile:
             self._refuse_quantization(lv.base_quantization)
         parallel = self._parallel_of(recipe)
         asked_rank = check_rank(par.rank, parallel.gpus)
-        levers = self._step_levers_of(recipe, parallel, length)
+        levers = decided_at(self._step_levers_of(recipe, parallel, length), batch)
         lora_dtype = _lora_dtype_of(lv)
         if levers.lora_rank is not None:
             sub, kwargs = self._lora(levers, lora_dtype)

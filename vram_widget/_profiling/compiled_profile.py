@@ -43,8 +43,9 @@ from .._estimating.levers import repeated_blocks
 from .compiled import _compiler_reason
 from .compiled_graphs import BACKEND, captured_graphs
 from .recorder import Recorder
+from .step import ModelInputs
 
-__all__ = ["COMPILE_BOUND", "CompiledRecorder", "compiled_step"]
+__all__ = ["COMPILE_BOUND", "CompiledRecorder", "compiled_step", "dynamic_batch"]
 
 # What ``est.notes`` says of a compiled step's estimate (module docstring).
 COMPILE_BOUND = (
@@ -115,6 +116,18 @@ def compiled_step(
         ) from None
     finally:
         torch._dynamo.reset()
+
+
+def dynamic_batch(inputs: ModelInputs) -> ModelInputs:
+    """``inputs`` with dim 0 of each tensor of the batch's size marked dynamic
+    (``torch._dynamo.mark_dynamic``): the graphs dynamo compiles for them serve every batch
+    size above 1, with the partition decided at this one (the partitioner reads a symbolic
+    size's hint, ``torch/_functorch/partitioners.py``: ``_size_of``)."""
+    batch = inputs.batch_size()
+    for t in inputs.tensors():
+        if t.dim() > 0 and t.shape[0] == batch:
+            torch._dynamo.mark_dynamic(t, 0)
+    return inputs
 
 
 @contextlib.contextmanager

@@ -550,7 +550,8 @@ class Profiler:
                 )
             stack.enter_context(rec)
             stack.enter_context(module_hooks(rec))
-            stack.enter_context(real_run_composites())
+            if compiled is None:  # compiled: Inductor's decompositions decide (compiled_profile)
+                stack.enter_context(real_run_composites())
             # the fake parameters stay swapped in through the backward, where a checkpointed
             # forward is re-run, and that re-run gets the forward's CUDA emulation
             stack.enter_context(reparametrized(subject.model, state))
@@ -661,10 +662,24 @@ class Profiler:
     ) -> contextlib.AbstractContextManager[Callable[..., Any]]:
         """The model's forward as ``torch.compile`` runs it (``compiled_profile.py``),
         compiled by one unrecorded iteration on the run's fake parameters and inputs."""
-        from .compiled_profile import compiled_step
+        from .compiled_profile import compiled_step, dynamic_batch
 
         model = self.subject.model
         context = self._context(precision)
+        levers = self.levers
+        assert levers.compile is not None and model_fn is model
+        decided = levers.compile_batch
+        batch = inputs.batch_size()
+        if decided is not None and decided != batch:
+            if 1 in (decided, batch):  # dynamo specializes a dimension of size 1
+                raise ProfilingError(
+                    f"the compiled step decided at batch {decided} is not run at batch "
+                    f"{batch}: dynamo specializes a batch of 1"
+                )
+            # the graphs of a compile at ``decided``, the batch dimension symbolic
+            inputs = dynamic_batch(
+                self.subject.make_inputs(decided, precision, self.real, self.seq_len)
+            )
 
         def warm_up(forward: Callable[..., Any]) -> None:
             with reparametrized(model, state):
@@ -673,8 +688,6 @@ class Profiler:
                     context=context,
                 )
 
-        levers = self.levers
-        assert levers.compile is not None and model_fn is model
         return compiled_step(
             model,
             levers.compile,
