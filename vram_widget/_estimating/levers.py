@@ -103,10 +103,11 @@ class Levers:
         With ``compile``: the partitioner's ``activation_memory_budget`` (None: its
         default, 1.0).
     compile_batch : int or None
-        With a budget below 1: the batch size whose static compile decides what is saved
-        (the partitioner's knapsack weighs tensors by their sizes, so its choice changes
-        with the batch); each profiling run uses those graphs, with the batch dimension
-        symbolic. Set by ``estimate`` (the asked batch size), not a user lever.
+        With ``compile``: the batch size whose compile decides what is saved (the
+        partitioner weighs tensors by their sizes, so its choice may change with the
+        batch); each profiling run uses those graphs, with the batch dimension symbolic.
+        Set by ``estimate`` (the asked batch size), not a user lever; None: each run
+        compiles at its own batch.
     """
 
     checkpoint: tuple[str, ...] = ()

@@ -140,20 +140,24 @@ def _compiled(
     ``_compiled_call_impl``, which ``_wrapped_call_impl`` calls instead of ``_call_impl``)."""
     backend = BACKEND.get("inductor")
     if scope is CompileScope.MODEL:
-        yield _hooked(torch.compile(model, backend=backend), model, live)
-        return
-    modules = dict(model.named_modules())
-    names = repeated_blocks(tuple(modules), tuple(type(m).__name__ for m in modules.values()))
-    if not names:
-        raise ValueError(
-            f"compile='blocks' compiles each repeated block (the children of a ModuleList "
-            f"of one class) on its own, and {type(model).__name__} has no such list; use "
-            "compile=True to compile the whole model"
-        )
-    blocks = [modules[n] for n in names]
+        # ``model.compile()`` rather than ``torch.compile(model)``: the same frame compiled,
+        # without an ``OptimizedModule`` for the recorder's global hooks to fire on
+        # (torch/_dynamo/eval_frame.py warns of that)
+        blocks, fullgraph = [model], False
+    else:
+        modules = dict(model.named_modules())
+        types = tuple(type(m).__name__ for m in modules.values())
+        names = repeated_blocks(tuple(modules), types)
+        if not names:
+            raise ValueError(
+                f"compile='blocks' compiles each repeated block (the children of a "
+                f"ModuleList of one class) on its own, and {type(model).__name__} has no "
+                "such list; use compile=True to compile the whole model"
+            )
+        blocks, fullgraph = [modules[n] for n in names], True
     try:
         for block in blocks:
-            compiled = torch.compile(block._call_impl, backend=backend, fullgraph=True)
+            compiled = torch.compile(block._call_impl, backend=backend, fullgraph=fullgraph)
             block._compiled_call_impl = _hooked(compiled, block, live)
         yield model
     finally:

@@ -670,7 +670,7 @@ class Profiler:
         assert levers.compile is not None and model_fn is model
         decided = levers.compile_batch
         batch = inputs.batch_size()
-        if decided is not None and decided != batch:
+        if decided is not None:  # every run with the same (symbolic) graphs, so they fit
             if 1 in (decided, batch):  # dynamo specializes a dimension of size 1
                 raise ProfilingError(
                     f"the compiled step decided at batch {decided} is not run at batch "
