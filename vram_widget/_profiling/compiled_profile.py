@@ -19,9 +19,17 @@ runs those graphs under the package's recorder (``CompiledRecorder``), so the ti
   region temporaries here are an upper bound (``COMPILE_BOUND``). Measured on the CPU,
   AdamW, batch 4, budget 1.0 (compiled peak vs these graphs node by node): a
   TransformerEncoder 9.70M vs 9.70M, GPT-2 fp32 3.54M vs 3.76M, GPT-2 bf16 1.99M vs 2.36M.
-  For ``device="cuda"`` the graphs are those of the CPU emulation (the partition decided
-  on CPU fake tensors, with the CUDA kernel-choice rules applied around the regions):
-  UNCONFIRMED against Triton's generated code.
+  For ``device="cuda"`` the compiled step is recorded with the CPU's semantics: dynamo
+  cannot trace the CUDA emulation's ``TorchFunctionMode`` (``cuda_rules.CudaEmulation``;
+  on torch 2.13 it stops with "cls_source must not be None for MRO walk"), so the graphs
+  are Inductor's decompositions and partition on CPU fake tensors (attention as
+  ``_scaled_dot_product_flash_attention_for_cpu``, which keeps the output and the
+  log-sum-exp as CUDA's flash kernel does; dropout as Inductor's decomposition, a boolean
+  mask on either device), and the eager code between graph breaks runs the CPU kernels,
+  autocast by the CPU's lists. The allocator's 512-byte rounding and the accelerator
+  extras are applied as for any CUDA estimate. The saved set and the region temporaries
+  are UNCONFIRMED against Triton's generated code (compare ``benchmarks/results/
+  compile_cuda.json``, the guide on torch.compile).
 
 The module hooks that tell the recorder which module runs are not traced (they are not
 registered while dynamo traces, and dynamo does not guard on them:

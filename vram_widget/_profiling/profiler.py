@@ -533,7 +533,9 @@ class Profiler:
                 }
                 rec.set_phase(Phase.ZERO_GRAD)
 
-        context = self._context(precision)
+        # compiled: the partitioned graphs are Inductor's decompositions on CPU fake tensors
+        # (dynamo cannot trace the CUDA emulation's function mode: compiled_profile.py)
+        context = self._context(precision) if compiled is None else None
         rules_hold()  # before any mode: it probes real tensors
         subject.model.train(train)
         with contextlib.ExitStack() as stack:
@@ -665,7 +667,7 @@ class Profiler:
         from .compiled_profile import compiled_step, dynamic_batch
 
         model = self.subject.model
-        context = self._context(precision)
+        context = None  # as the recorded run's (``run``)
         levers = self.levers
         assert levers.compile is not None and model_fn is model
         decided = levers.compile_batch
