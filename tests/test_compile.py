@@ -288,7 +288,7 @@ def test_estimate_leaves_the_model_as_it_was(batch: torch.Tensor) -> None:
     _profile(model, batch).estimate(2, optimizer="sgd", compile="blocks")
     assert all(block._compiled_call_impl is None for block in model.blocks)
     assert all(p.grad is None and type(p) is nn.Parameter for p in model.parameters())
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 class Indexed(nn.Module):
@@ -360,7 +360,8 @@ def test_estimate_gpt2_saved_set_is_measured(budget: float | None) -> None:
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
     gen = torch.Generator().manual_seed(0)
-    inputs = {name: torch.randint(0, 1000, (4, 16), generator=gen) for name in ("input_ids", "labels")}
+    names = ("input_ids", "labels")
+    inputs = {name: torch.randint(0, 1000, (4, 16), generator=gen) for name in names}
     profile = profile_model(model, inputs=inputs, device="cpu", cache=False)
     est = profile.estimate(4, optimizer="adamw", compile=True, activation_memory_budget=budget)
     measured = measure(

@@ -15,6 +15,7 @@ import numpy as np
 
 from .accelerator import CudaContext, cuda_context, given_cuda_context
 from .chunked_loss import CHUNKING_UNKNOWN, chunked_loss_levers
+from .compiled import compile_levers, decided_at
 from .decoding import (
     DECODE_STEPS_ACROSS_WINDOW,
     PROMPT_BEFORE_WINDOW,
@@ -27,7 +28,6 @@ from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .gpus import Gpu, resolve_gpu
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
 from .offloading import offload_levers
-from .compiled import compile_levers, decided_at
 from .options import (
     CATEGORY_CODE,
     PHASE_CODE,

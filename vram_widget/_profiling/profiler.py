@@ -546,9 +546,7 @@ class Profiler:
                 stack.enter_context(fake_mode)
             if compiled is not None:  # compiled by an unrecorded iteration, before recording
                 model_fn = stack.enter_context(
-                    self._compiled_step(
-                        model_fn, loss_fn, inputs, state, trainable, rec, precision
-                    )
+                    self._compiled_step(model_fn, loss_fn, inputs, state, trainable, rec, precision)
                 )
             stack.enter_context(rec)
             stack.enter_context(module_hooks(rec))
@@ -686,7 +684,13 @@ class Profiler:
         def warm_up(forward: Callable[..., Any]) -> None:
             with reparametrized(model, state):
                 training_iteration(
-                    forward, inputs, loss_fn, None, precision, "cpu", params=trainable,
+                    forward,
+                    inputs,
+                    loss_fn,
+                    None,
+                    precision,
+                    "cpu",
+                    params=trainable,
                     context=context,
                 )
 
