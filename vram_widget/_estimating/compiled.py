@@ -157,21 +157,21 @@ def compile_levers(
 
 
 def decided_at(levers: Levers, batch_size: int) -> Levers:
-    """``levers`` with the batch size the partitioner decides at: ``measure`` compiles
-    statically at its batch, and the partitioner weighs tensors by their sizes
-    (torch/_functorch/partitioners.py: the min-cut's capacities are ``_size_of`` each
-    node, and below a budget of 1 ``choose_saved_values_set`` solves a knapsack over them),
-    so its choice may change with the batch (measured on a tiny GPT-2: the loss's saved
-    set at batches 2, 3 and 5). A batch of 1, which dynamo specializes, is left to each
-    run's own static compile.
+    """``levers`` with the batch size the compiled step is profiled at: ``measure``
+    compiles statically at its batch, and the partitioner weighs tensors by their sizes
+    (torch/_functorch/partitioners.py: the min-cut's capacities are each node's
+    ``_size_of``, and below a budget of 1 ``choose_saved_values_set`` solves a knapsack
+    over them), so its choice may change with the batch (measured on a tiny GPT-2 at budget
+    0.5: a different step at batches 2, 3 and 5). The compiled step is therefore profiled
+    at the asked batch itself, not fitted across batch sizes (one run per batch, cached).
 
     Examples
     --------
     >>> decided_at(Levers(compile="model", activation_memory_budget=0.5), 8).compile_batch
     8
-    >>> decided_at(Levers(compile="model"), 1).compile_batch is None
+    >>> decided_at(Levers(), 8).compile_batch is None
     True
     """
-    if levers.compile is None or batch_size == 1:
+    if levers.compile is None:
         return levers
     return dataclasses.replace(levers, compile_batch=batch_size)

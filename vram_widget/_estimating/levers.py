@@ -103,11 +103,9 @@ class Levers:
         With ``compile``: the partitioner's ``activation_memory_budget`` (None: its
         default, 1.0).
     compile_batch : int or None
-        With ``compile``: the batch size whose compile decides what is saved (the
-        partitioner weighs tensors by their sizes, so its choice may change with the
-        batch); each profiling run uses those graphs, with the batch dimension symbolic.
-        Set by ``estimate`` (the asked batch size), not a user lever; None: each run
-        compiles at its own batch.
+        With ``compile``: the batch size the compiled step is profiled at (the partition
+        may change with the batch: ``compiled.decided_at``). Set by ``estimate`` (the asked
+        batch size), not a user lever.
     """
 
     checkpoint: tuple[str, ...] = ()

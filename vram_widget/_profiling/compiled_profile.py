@@ -41,6 +41,7 @@ module's that called it (the model's own row for ``compile="model"``, each block
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,9 +52,14 @@ from .._estimating.levers import repeated_blocks
 from .compiled import _compiler_reason
 from .compiled_graphs import BACKEND, captured_graphs
 from .recorder import Recorder
-from .step import ModelInputs
 
-__all__ = ["COMPILE_BOUND", "CompiledRecorder", "compiled_step", "dynamic_batch"]
+__all__ = [
+    "COMPILE_BOUND",
+    "CompiledRecorder",
+    "compiled_module_hooks",
+    "compiled_step",
+    "uncompiled_saved_tensor_hooks",
+]
 
 # What ``est.notes`` says of a compiled step's estimate (module docstring).
 COMPILE_BOUND = (
@@ -75,6 +81,52 @@ class CompiledRecorder(Recorder):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # the dispatch below wrapped in torch._disable_dynamo (TorchDispatchMode.
+        # __init_subclass__, torch/utils/_python_dispatch.py): where eager code runs between
+        # graph breaks, dynamo would otherwise compile the recorder's own frames
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def compiled_module_hooks(recorder: Recorder) -> Iterator[None]:
+    """``recorder.module_hooks`` with each hook in ``torch._disable_dynamo``: eager code
+    between graph breaks runs under dynamo's frame callback, which would otherwise compile
+    the hooks' own frames."""
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    enter = torch._disable_dynamo(lambda m, args: recorder.enter_module(m, args))
+    leave = torch._disable_dynamo(lambda m, args, out: recorder.exit_module(m, out))
+    pre = register_module_forward_pre_hook(enter)
+    post = register_module_forward_hook(leave, always_call=True)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+
+
+def uncompiled_saved_tensor_hooks(
+    recorder: Recorder,
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    """The recorder's ``saved_tensors_hooks`` pair, each in ``torch._disable_dynamo``
+    (as ``compiled_module_hooks``)."""
+
+    def pack(t: torch.Tensor) -> Any:
+        return recorder.pack_hook(t)
+
+    def unpack(t: Any) -> torch.Tensor:
+        return recorder.unpack_hook(t)
+
+    return torch._disable_dynamo(pack), torch._disable_dynamo(unpack)
 
 
 # The recorder's module attribution around a compiled call: ``enter(module, args)`` and
@@ -114,7 +166,10 @@ def compiled_step(
             warm_up(forward)
             if hooks is not None:
                 live.append(hooks)
-            yield forward
+            # the recorded run only runs what the warm-up compiled: a compile there would
+            # trace the recorder's hooks (torch.compiler.set_stance, torch >= 2.6)
+            with torch.compiler.set_stance("fail_on_recompile"):
+                yield forward
     except Exception as exc:
         reason = _compiler_reason(exc)
         if reason is None:
@@ -124,18 +179,6 @@ def compiled_step(
         ) from None
     finally:
         torch._dynamo.reset()
-
-
-def dynamic_batch(inputs: ModelInputs) -> ModelInputs:
-    """``inputs`` with dim 0 of each tensor of the batch's size marked dynamic
-    (``torch._dynamo.mark_dynamic``): the graphs dynamo compiles for them serve every batch
-    size above 1, with the partition decided at this one (the partitioner reads a symbolic
-    size's hint, ``torch/_functorch/partitioners.py``: ``_size_of``)."""
-    batch = inputs.batch_size()
-    for t in inputs.tensors():
-        if t.dim() > 0 and t.shape[0] == batch:
-            torch._dynamo.mark_dynamic(t, 0)
-    return inputs
 
 
 @contextlib.contextmanager
@@ -148,29 +191,40 @@ def _compiled(
     ``_compiled_call_impl``, which ``_wrapped_call_impl`` calls instead of ``_call_impl``)."""
     backend = BACKEND.get("inductor")
     if scope is CompileScope.MODEL:
-        # ``model.compile()`` rather than ``torch.compile(model)``: the same frame compiled,
-        # without an ``OptimizedModule`` for the recorder's global hooks to fire on
-        # (torch/_dynamo/eval_frame.py warns of that)
-        blocks, fullgraph = [model], False
-    else:
-        modules = dict(model.named_modules())
-        types = tuple(type(m).__name__ for m in modules.values())
-        names = repeated_blocks(tuple(modules), types)
-        if not names:
-            raise ValueError(
-                f"compile='blocks' compiles each repeated block (the children of a "
-                f"ModuleList of one class) on its own, and {type(model).__name__} has no "
-                "such list; use compile=True to compile the whole model"
-            )
-        blocks, fullgraph = [modules[n] for n in names], True
+        # torch.compile(model), as measure compiles it (compiling ``model._call_impl``
+        # instead leaves an nn.Sequential uncompiled: its frames are torch's own)
+        yield _hooked(_quiet(torch.compile(model, backend=backend)), model, live)
+        return
+    modules = dict(model.named_modules())
+    names = repeated_blocks(tuple(modules), tuple(type(m).__name__ for m in modules.values()))
+    if not names:
+        raise ValueError(
+            f"compile='blocks' compiles each repeated block (the children of a ModuleList "
+            f"of one class) on its own, and {type(model).__name__} has no such list; use "
+            "compile=True to compile the whole model"
+        )
+    blocks = [modules[n] for n in names]
     try:
         for block in blocks:
-            compiled = torch.compile(block._call_impl, backend=backend, fullgraph=fullgraph)
+            compiled = torch.compile(block._call_impl, backend=backend, fullgraph=True)
             block._compiled_call_impl = _hooked(compiled, block, live)
         yield model
     finally:
         for block in blocks:
             block._compiled_call_impl = None
+
+
+def _quiet(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` (an ``OptimizedModule``) called without torch's warning that global
+    module hooks fire once more for it (torch/_dynamo/eval_frame.py): the recorder's hooks
+    are global, and the wrapper's own call is attributed to the model's row."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)`")
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _hooked(

@@ -403,10 +403,10 @@ class Profiler:
         # every run of that precision (each batch size, training and inference): building
         # them costs as much as a small model's whole step, and the fake mode's dispatch cache
         # then also sees the same tensors' metadata run after run.
-        # (precision, parameter dtype cast) -> (fake mode, parameters, buffers, their
+        # (precision, parameter dtype cast, stock mode) -> (fake mode, parameters, buffers, their
         # metadata when made)
         self._fake_state: dict[
-            tuple[Precision, str | None],
+            tuple[Precision, str | None, bool],
             tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[Any, ...]]],
         ] = {}
 
@@ -424,10 +424,11 @@ class Profiler:
         if self.real:
             params, buffers = self.subject.make_state(precision, real=True, param_dtype=param_dtype)
             return None, params, buffers
-        key = (precision, cast)
+        stock = self.levers.compile is not None  # dynamo traces on them (fake.new_fake_mode)
+        key = (precision, cast, stock)
         cached = self._fake_state.get(key)
         if cached is None or _changed_by_run([*cached[1].values(), *cached[2].values()], cached[3]):
-            fake_mode = new_fake_mode()
+            fake_mode = new_fake_mode(stock)
             with fake_mode:
                 params, buffers = self.subject.make_state(
                     precision, real=False, param_dtype=param_dtype
@@ -549,7 +550,12 @@ class Profiler:
                     self._compiled_step(model_fn, loss_fn, inputs, state, trainable, rec, precision)
                 )
             stack.enter_context(rec)
-            stack.enter_context(module_hooks(rec))
+            if compiled is None:
+                stack.enter_context(module_hooks(rec))
+            else:
+                from .compiled_profile import compiled_module_hooks
+
+                stack.enter_context(compiled_module_hooks(rec))
             if compiled is None:  # compiled: Inductor's decompositions decide (compiled_profile)
                 stack.enter_context(real_run_composites())
             # the fake parameters stay swapped in through the backward, where a checkpointed
@@ -563,9 +569,14 @@ class Profiler:
             if subject.device is Device.CPU:  # the RNG states checkpoint keeps are CPU memory
                 stack.enter_context(tracked_rng_states(rec))
             if train:
-                stack.enter_context(
-                    torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, rec.unpack_hook)
-                )
+                saved_hooks: tuple[Callable[[Any], Any], Callable[[Any], Any]]
+                if compiled is None:
+                    saved_hooks = (rec.pack_hook, rec.unpack_hook)
+                else:  # not compiled between graph breaks (compiled_profile.py)
+                    from .compiled_profile import uncompiled_saved_tensor_hooks
+
+                    saved_hooks = uncompiled_saved_tensor_hooks(rec)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*saved_hooks))
                 if offload is not None:  # inside the recorder's hooks: these run instead
                     hooks = stack.enter_context(emulated_offloading(subject.model, offload))
                     model_fn = offloaded_forward(model_fn, hooks)
@@ -662,23 +673,16 @@ class Profiler:
     ) -> contextlib.AbstractContextManager[Callable[..., Any]]:
         """The model's forward as ``torch.compile`` runs it (``compiled_profile.py``),
         compiled by one unrecorded iteration on the run's fake parameters and inputs."""
-        from .compiled_profile import compiled_step, dynamic_batch
+        from .compiled_profile import compiled_step
 
         model = self.subject.model
         context = None  # as the recorded run's (``run``)
         levers = self.levers
         assert levers.compile is not None and model_fn is model
-        decided = levers.compile_batch
-        batch = inputs.batch_size()
-        if decided is not None:  # every run with the same (symbolic) graphs, so they fit
-            if 1 in (decided, batch):  # dynamo specializes a dimension of size 1
-                raise ProfilingError(
-                    f"the compiled step decided at batch {decided} is not run at batch "
-                    f"{batch}: dynamo specializes a batch of 1"
-                )
-            # the graphs of a compile at ``decided``, the batch dimension symbolic
-            inputs = dynamic_batch(
-                self.subject.make_inputs(decided, precision, self.real, self.seq_len)
+        if levers.compile_batch not in (None, inputs.batch_size()):
+            raise ProfilingError(
+                f"the compiled step is profiled at batch {levers.compile_batch} only, "
+                f"not {inputs.batch_size()}"
             )
 
         def warm_up(forward: Callable[..., Any]) -> None:
@@ -1062,6 +1066,11 @@ class _Source:
                     self.profiler.levers = freeing
                     self._run(precision, FIT_BATCH_SIZES[0], mode, flops=False)
             self.profiler.levers = levers
+            if levers.compile_batch is not None:
+                # the compiled step at the asked batch, as it is there (no slope): the
+                # partition may change with the batch (compiled.decided_at)
+                trace = self._run(precision, levers.compile_batch, mode)
+                return fit_timeline((trace,), trace)
             return self._timeline(precision, mode)
         finally:
             self.profiler.seq_len = None
