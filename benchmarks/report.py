@@ -490,6 +490,24 @@ def _compile_cuda() -> str:
     return "\n".join(lines)
 
 
+def _accuracy_compile() -> str:
+    """The compiled step's estimate against the measured one on the CPU
+    (benchmarks/accuracy_compile.py)."""
+    path = RESULTS / "accuracy_compile.json"
+    if not path.exists():
+        return (
+            "Not run yet: `python benchmarks/accuracy_compile.py`, then "
+            "`python benchmarks/report.py`."
+        )
+    data = json.loads(path.read_text())
+    head = (
+        f"torch {data['torch']}, {data['cpus']} CPUs, {data['seconds'] / 60:.0f} minutes; "
+        "peaks in bytes (allocated, CPU); saved: what the forward leaves for the backward, "
+        "less its outputs."
+    )
+    return head + "\n\n" + data["summary"]
+
+
 # Which page of docs/ holds each marked section.
 PAGES = {
     "accuracy": "docs/accuracy.md",
@@ -500,6 +518,7 @@ PAGES = {
     "accuracy-cuda": "docs/accuracy.md",
     "levers-cuda": "docs/accuracy.md",
     "compile-cuda": "docs/accuracy.md",
+    "accuracy-compile": "docs/accuracy.md",
     "isa": "docs/accuracy.md",
     "deepspeed-states": "docs/guides/multi-gpu.md",
     "speed": "docs/speed.md",
@@ -517,6 +536,7 @@ def main() -> None:
         "accuracy-cuda": _accuracy_cuda(),
         "levers-cuda": _levers_cuda(),
         "compile-cuda": _compile_cuda(),
+        "accuracy-compile": _accuracy_compile(),
         "deepspeed-states": _deepspeed_states(),
         "isa": _isa(),
         "speed": _speed(),

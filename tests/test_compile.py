@@ -16,10 +16,13 @@ What each step leaves for the backward, beyond the parameters and the batch (res
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
+from vram_widget import Recipe, profile_model
 from vram_widget._estimating.compiled import (
     CompileScope,
     parse_activation_memory_budget,
@@ -233,3 +236,136 @@ def test_one_graph_serving_several_blocks(batch: torch.Tensor) -> None:
     assert len(capture.regions) < 4  # fewer graphs than block calls
     fake = fake_saved_set(FourBlocks(), batch, compile="blocks")
     assert fake.saved_bytes == expected
+
+
+# -- the estimate: profile_model(...).estimate(compile=...) -----------------------------------
+
+
+def _profile(model: nn.Module, batch: torch.Tensor) -> Any:
+    return profile_model(model, inputs=batch, device="cpu", cache=False)
+
+
+def test_estimate_saved_set_hand_worked(batch: torch.Tensor) -> None:
+    """SinCos (module docstring): eager 3 x 128 B saved; compiled 2 x 128 B (sin recomputed
+    from a's output); budget 0.0: nothing (the forward recomputed from the resident
+    parameters and batch). Each is the measured compiled step's, to the byte."""
+    model = SinCos()
+    profile = _profile(model, batch)
+    eager = profile.estimate(2, optimizer="sgd")
+    compiled = profile.estimate(2, optimizer="sgd", compile=True)
+    nothing = profile.estimate(2, optimizer="sgd", compile=True, activation_memory_budget=0.0)
+    assert eager.saved_bytes == 3 * HIDDEN_BYTES and not eager.compile_bound
+    assert compiled.saved_bytes == 2 * HIDDEN_BYTES and compiled.compile_bound
+    assert nothing.saved_bytes == 0
+    assert compiled.levers.compile == "model" and nothing.levers.activation_memory_budget == 0.0
+    for est, budget in ((compiled, None), (nothing, 0.0)):
+        measured = measure(
+            model, batch, optimizer="sgd", compile=True, activation_memory_budget=budget
+        )
+        assert est.saved_bytes == measured.saved_bytes
+        # the region temporaries are the eager ops': an upper bound on Inductor's kernels
+        assert est.peak_bytes >= measured.peak_bytes
+    # the same resident bytes as the eager estimate: parameters (8 x 16 + 16 + 16 x 4 + 4)
+    # x 4 B = 848 B and the batch, 2 x 8 x 4 B = 64 B
+    assert compiled.parameter_bytes == eager.parameter_bytes == 848
+    assert compiled.input_bytes == 64
+
+
+def test_estimate_blocks_and_graph_breaks(batch: torch.Tensor) -> None:
+    """compile='blocks': each block's partition, the eager code between blocks as it runs;
+    a graph break: two regions, each partitioned on its own (the fake_saved_set tests above
+    work both by hand)."""
+    blocks = _profile(TwoBlocks(), batch).estimate(2, optimizer="sgd", compile="blocks")
+    assert blocks.saved_bytes == 2 * (2 * HIDDEN_BYTES) + 2 * 8 * 4
+    broken = _profile(Broken(), batch).estimate(2, optimizer="sgd", compile=True)
+    assert broken.saved_bytes == 2 * HIDDEN_BYTES + 2 * HIDDEN_BYTES
+    assert broken.saved_bytes == measure(Broken(), batch, optimizer="sgd", compile=True).saved_bytes
+
+
+def test_estimate_leaves_the_model_as_it_was(batch: torch.Tensor) -> None:
+    model = TwoBlocks()
+    before = [p.detach().clone() for p in model.parameters()]
+    _profile(model, batch).estimate(2, optimizer="sgd", compile="blocks")
+    assert all(block._compiled_call_impl is None for block in model.blocks)
+    assert all(p.grad is None and type(p) is nn.Parameter for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+class Indexed(nn.Module):
+    """A block whose forward reads its own index (as transformers' ``layer_idx``)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(self.a(x)) * (self.index + 1)
+
+
+def test_blocks_past_the_recompile_limit_say_why(batch: torch.Tensor) -> None:
+    model = TwoBlocks()
+    limit = torch._dynamo.config.recompile_limit  # 8 by default
+    model.blocks = nn.ModuleList([Indexed(i) for i in range(limit + 2)])
+    with pytest.raises(ValueError, match=r"a graph of its own .* \(FailOnRecompileLimitHit\)"):
+        _profile(model, batch).estimate(2, optimizer="sgd", compile="blocks")
+
+
+def test_estimate_refusals(batch: torch.Tensor) -> None:
+    profile = _profile(SinCos(), batch)
+    with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
+        profile.estimate(2, compile=True, activation_memory_budget=1.5)
+    with pytest.raises(ValueError, match="give compile=True"):
+        profile.estimate(2, activation_memory_budget=0.5)
+    with pytest.raises(ValueError, match="valid values are False or None"):
+        profile.estimate(2, compile="max-autotune")
+    with pytest.raises(ValueError, match="mode='inference': the compiled step is estimated"):
+        profile.estimate(2, mode="inference", compile=True)
+    with pytest.raises(ValueError, match="compile='model' with checkpoint: not estimated yet"):
+        profile.estimate(2, compile=True, checkpoint=["a"])
+    with pytest.raises(ValueError, match="strategy='ddp'"):
+        profile.estimate(2, compile=True, gpus=2)
+    with pytest.raises(ValueError, match="no such list; use compile=True"):
+        profile.estimate(2, compile="blocks")
+
+
+def test_estimate_dynamo_refusal_gives_its_reason(batch: torch.Tensor) -> None:
+    model = TwoBlocks()
+    model.blocks = nn.ModuleList([DataDependent(), DataDependent()])
+    with pytest.warns(UserWarning, match="fake tensors cannot run this model"):
+        profile = _profile(model, batch)  # .item(): profiled on real CPU tensors
+    with pytest.raises(ValueError, match=r"could not compile this model: .*data-dependent"):
+        profile.estimate(2, optimizer="sgd", compile="blocks")
+
+
+def test_recipe_carries_compile() -> None:
+    recipe = Recipe.from_keywords(compile="blocks", activation_memory_budget=0.5)
+    assert recipe.levers.compile == "blocks" and recipe.get("activation_memory_budget") == 0.5
+    with pytest.raises(ValueError, match="conflicts with the recipe"):
+        Recipe.from_keywords(recipe, compile=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, 0.1])
+def test_estimate_gpt2_saved_set_is_measured(budget: float | None) -> None:
+    """A tiny Hugging Face GPT-2 (2 layers, 64 wide, vocabulary 1000), batch 4 x 16 tokens,
+    fp32, AdamW: the estimate's saved bytes are the measured compiled step's plus the
+    logits, which the loss saves and measure counts as the forward's output
+    (4 x 16 x 1000 x 4 B = 256,000 B); its peak bounds the measured one from above."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    gen = torch.Generator().manual_seed(0)
+    names = ("input_ids", "labels")
+    inputs = {name: torch.randint(0, 1000, (4, 16), generator=gen) for name in names}
+    profile = profile_model(model, inputs=inputs, device="cpu", cache=False)
+    est = profile.estimate(4, optimizer="adamw", compile=True, activation_memory_budget=budget)
+    measured = measure(
+        model, inputs, optimizer="adamw", compile=True, activation_memory_budget=budget
+    )
+    assert est.saved_bytes == measured.saved_bytes + 4 * 16 * 1000 * 4
+    assert measured.peak_bytes <= est.peak_bytes <= 1.15 * measured.peak_bytes

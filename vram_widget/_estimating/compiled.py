@@ -6,11 +6,20 @@ that runs the compiled step (``_profiling/compiled.py``) and by whatever estimat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from .options import StrEnum
+from .levers import Levers
+from .options import Mode, StrEnum
+from .sharding import Parallel
 
-__all__ = ["CompileScope", "parse_activation_memory_budget", "parse_compile"]
+__all__ = [
+    "CompileScope",
+    "compile_levers",
+    "decided_at",
+    "parse_activation_memory_budget",
+    "parse_compile",
+]
 
 
 class CompileScope(StrEnum):
@@ -96,3 +105,73 @@ def parse_activation_memory_budget(value: object, scope: CompileScope | None) ->
             "give compile=True or 'blocks' too, or leave activation_memory_budget=None"
         )
     return budget
+
+
+def compile_levers(
+    levers: Levers, value: object, budget: object, mode: Mode, parallel: Parallel
+) -> Levers:
+    """``levers`` with ``compile`` and ``activation_memory_budget`` applied, or a ValueError
+    naming why not: a bad setting (``parse_compile``, ``parse_activation_memory_budget``),
+    a mode other than training, or a lever the compiled step is not estimated with yet.
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.sharding import SINGLE_DEVICE
+    >>> compile_levers(Levers(), True, 0.5, Mode.TRAIN, SINGLE_DEVICE).describe()
+    'torch.compile (model), activation_memory_budget 0.5'
+    >>> compile_levers(Levers(), "blocks", None, Mode.GENERATE, SINGLE_DEVICE)
+    Traceback (most recent call last):
+    ...
+    ValueError: compile='blocks' with mode='generate': the compiled step is estimated ...
+    >>> compile_levers(Levers(loss_chunks=4), True, None, Mode.TRAIN, SINGLE_DEVICE)
+    Traceback (most recent call last):
+    ...
+    ValueError: compile='model' with loss_chunks: not estimated yet; ...
+    """
+    scope = parse_compile(value)
+    fraction = parse_activation_memory_budget(budget, scope)
+    if scope is None:
+        return levers
+    if mode is not Mode.TRAIN:
+        raise ValueError(
+            f"compile={scope.value!r} with mode={mode.value!r}: the compiled step is "
+            "estimated for mode='train' only (measure(compile=..., mode='inference') "
+            "measures a compiled inference pass); leave compile=None"
+        )
+    blocking = {
+        "checkpoint": bool(levers.checkpoint),
+        "lora_rank": levers.lora_rank is not None,
+        "loss_chunks": levers.loss_chunks is not None,
+        "offload_activations": levers.offload_activations is not None,
+        f"strategy={parallel.strategy.value!r}": parallel.distributed,
+    }
+    asked = [name for name, on in blocking.items() if on]
+    if asked:
+        raise ValueError(
+            f"compile={scope.value!r} with {', '.join(asked)}: not estimated yet; the "
+            "compiled step is estimated on one device with trainable subsets, gradient "
+            "accumulation and the optimizer settings (leave the others unset, or "
+            "compile=None for the eager step)"
+        )
+    return dataclasses.replace(levers, compile=scope.value, activation_memory_budget=fraction)
+
+
+def decided_at(levers: Levers, batch_size: int) -> Levers:
+    """``levers`` with the batch size the compiled step is profiled at: ``measure``
+    compiles statically at its batch, and the partitioner weighs tensors by their sizes
+    (torch/_functorch/partitioners.py: the min-cut's capacities are each node's
+    ``_size_of``, and below a budget of 1 ``choose_saved_values_set`` solves a knapsack
+    over them), so its choice may change with the batch (measured on a tiny GPT-2 at budget
+    0.5: a different step at batches 2, 3 and 5). The compiled step is therefore profiled
+    at the asked batch itself, not fitted across batch sizes (one run per batch, cached).
+
+    Examples
+    --------
+    >>> decided_at(Levers(compile="model", activation_memory_budget=0.5), 8).compile_batch
+    8
+    >>> decided_at(Levers(), 8).compile_batch is None
+    True
+    """
+    if levers.compile is None:
+        return levers
+    return dataclasses.replace(levers, compile_batch=batch_size)

@@ -192,6 +192,47 @@ class MemoryEstimate:
     weights: str = ""
 
     @property
+    def compile_bound(self) -> bool:
+        """True for a ``torch.compile`` step (``levers.compile``): its saved set is the
+        partitioner's, exactly, but each compiled region's temporaries are those of its
+        graph's ATen ops run one at a time, so ``peak_bytes`` is an upper bound on what
+        Inductor's fused kernels and reused buffers allocate (the guide on torch.compile).
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+        >>> profile.estimate(4, optimizer="sgd").compile_bound
+        False
+        """
+        return self.levers.compile is not None
+
+    @property
+    def saved_bytes(self) -> int | None:
+        """The bytes saved for the backward that are alive when the (first micro-batch's)
+        forward and loss end: the activations autograd keeps (eager), or the
+        partitioner's saved set (``compile``), outputs of the model that are also saved
+        included. None outside training or where the estimate has no per-event categories.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(16, 4))
+        >>> profile = profile_model(model, input_size=(8,), device="cpu", cache=False)
+        >>> profile.estimate(2, optimizer="sgd").saved_bytes  # tanh's output: 2 x 16 x 4 B
+        128
+        """
+        cats, deltas = self.event_category, self.event_bytes
+        if self.mode is not Mode.TRAIN or cats is None or deltas is None:
+            return None
+        later = np.flatnonzero(self.event_phase != PHASE_CODE[Phase.FORWARD])
+        end = int(later[0]) if len(later) else len(self.event_phase)
+        saved = np.asarray(cats[:end]) == CATEGORY_CODE[Category.ACTIVATION]
+        return int(sum(int(b) for b in np.asarray(deltas[:end], dtype=object)[saved]))
+
+    @property
     def new_tokens(self) -> int | None:
         """The tokens generated after the prompt (``mode="generate"``; else None)."""
         return None if self.generation is None else self.generation.new_tokens

@@ -96,6 +96,16 @@ class Levers:
         The forward's saved tensors offloaded to host memory (``offloading.py``):
         ``"torchtune"`` (torchtune's ``OffloadActivations``) or ``"save_on_cpu"`` (torch's
         ``save_on_cpu``); None: kept on the device.
+    compile : str or None
+        The step as ``torch.compile`` runs it (``compiled.py``): ``"model"`` (the whole
+        model) or ``"blocks"`` (each repeated block); None: eager.
+    activation_memory_budget : float or None
+        With ``compile``: the partitioner's ``activation_memory_budget`` (None: its
+        default, 1.0).
+    compile_batch : int or None
+        With ``compile``: the batch size the compiled step is profiled at (the partition
+        may change with the batch: ``compiled.decided_at``). Set by ``estimate`` (the asked
+        batch size), not a user lever.
     """
 
     checkpoint: tuple[str, ...] = ()
@@ -115,6 +125,9 @@ class Levers:
     decay_groups: bool = False
     loss_chunks: int | None = None
     offload_activations: str | None = None
+    compile: str | None = None
+    activation_memory_budget: float | None = None
+    compile_batch: int | None = None
 
     @property
     def active(self) -> bool:
@@ -132,6 +145,7 @@ class Levers:
             or self.decay_groups
             or self.loss_chunks is not None
             or self.offload_activations is not None
+            or self.compile is not None
         )
 
     @property
@@ -181,6 +195,10 @@ class Levers:
             how = {"torchtune": "torchtune's OffloadActivations"}
             label = how.get(self.offload_activations, self.offload_activations)
             parts.append(f"saved activations offloaded to the host ({label})")
+        if self.compile is not None:
+            parts.append(f"torch.compile ({self.compile})")
+            if self.activation_memory_budget is not None:
+                parts[-1] += f", activation_memory_budget {self.activation_memory_budget:g}"
         return ", ".join(parts) or "no levers"
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from .accelerator import CudaContext, cuda_context, given_cuda_context
 from .chunked_loss import CHUNKING_UNKNOWN, chunked_loss_levers
+from .compiled import compile_levers, decided_at
 from .decoding import (
     DECODE_STEPS_ACROSS_WINDOW,
     PROMPT_BEFORE_WINDOW,
@@ -678,6 +679,11 @@ class ModelProfile:
             ``accelerator.cuda_context``'s table, which ``compute_capability`` and
             ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;
             ``est.extras.cuda_context_source`` says which figure was used and its source.
+            ``compile=True`` / ``"model"`` / ``"blocks"`` with ``activation_memory_budget``
+            estimates the ``torch.compile`` training step (``est.levers.compile``): Inductor's
+            partitioner on fake tensors decides what is saved for the backward, and the
+            partitioned graphs run node by node, so each region's temporaries are the eager
+            ops' (an upper bound on Inductor's fused kernels; the guide on torch.compile).
 
         Notes
         -----
@@ -764,13 +770,15 @@ class ModelProfile:
         )
         levers = offload_levers(levers, lv.offload_activations, run_mode, self.device, parallel)
         if run_mode is not Mode.TRAIN:
+            compile_levers(levers, lv.compile, lv.activation_memory_budget, run_mode, parallel)
             return NO_LEVERS
         implementation = recipe.optimizer.resolved_implementation(self.device)
         levers = stepping_levers(levers, recipe.optimizer, implementation, parallel)
         levers = protocol_levers(levers, recipe.step, recipe.optimizer, parallel)
-        return chunked_loss_levers(
+        levers = chunked_loss_levers(
             levers, lv.loss_chunks, self.loss_chunks_refusal, length or self.seq_len, parallel
         )
+        return compile_levers(levers, lv.compile, lv.activation_memory_budget, run_mode, parallel)
 
     def _estimate(self, recipe: Recipe) -> MemoryEstimate:
         """:meth:`estimate` of one resolved Recipe."""
@@ -792,7 +800,7 @@ class ModelProfile:
         asked_rank = check_rank(par.rank, parallel.gpus)
         if recipe.weights.quantized:
             check_quantized(recipe.weights, run_mode, lv.lora_rank, parallel.gpus)
-        levers = self._step_levers_of(recipe, parallel, length)
+        levers = decided_at(self._step_levers_of(recipe, parallel, length), batch)
         lora_dtype = _lora_dtype_of(lv)
         if recipe.weights.quantized:
             sub, kwargs = self._quantized(recipe.weights, levers, lora_dtype)

@@ -96,6 +96,22 @@ def compiled_run(scope: CompileScope | None, budget: float | None) -> Iterator[N
         torch._dynamo.reset()
 
 
+# Why a per-block compile stops (torch/_dynamo/convert_frame.py raises
+# FailOnRecompileLimitHit where a frame compiled with fullgraph=True needs more graphs than
+# torch._dynamo.config.recompile_limit, default 8). Dynamo guards on the int attributes a
+# block's forward reads (Hugging Face's ``layer_idx``: transformers' GPT2Attention reads
+# ``self.layer_idx``), so each block of one class needs a graph of its own. torchtitan's
+# ``apply_compile`` compiles each block with ``fullgraph=compile_config.fullgraph`` and
+# fails the same way; torchtune's ``compile_model`` (``m.compile(backend=backend)``, no
+# fullgraph) runs the blocks past the limit eagerly instead.
+_RECOMPILE_LIMIT = (
+    "each repeated block needs a graph of its own (dynamo guards on attributes its forward "
+    "reads, such as a layer index), and past torch._dynamo.config.recompile_limit "
+    "({limit}) fullgraph=True stops (FailOnRecompileLimitHit), as torchtitan's per-block "
+    "compile does; compile=True compiles the whole model once"
+)
+
+
 def _compiler_reason(exc: BaseException) -> str | None:
     """Dynamo's (or Inductor's) own message for a compile failure, up to its first blank
     line (where its developer context and links start); None for any other exception."""
@@ -106,6 +122,9 @@ def _compiler_reason(exc: BaseException) -> str | None:
         from torch._inductor.exc import InductorError
 
         failures = (*failures, InductorError)
+    # FailOnRecompileLimitHit derives from Exception, not TorchDynamoException
+    if type(exc).__name__ == "FailOnRecompileLimitHit":
+        return _RECOMPILE_LIMIT.format(limit=torch._dynamo.config.recompile_limit)
     if not isinstance(exc, failures):
         return None
     text = str(exc).strip()

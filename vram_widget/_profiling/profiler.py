@@ -417,10 +417,10 @@ class Profiler:
         # every run of that precision (each batch size, training and inference): building
         # them costs as much as a small model's whole step, and the fake mode's dispatch cache
         # then also sees the same tensors' metadata run after run.
-        # (precision, parameter dtype cast) -> (fake mode, parameters, buffers, their
+        # (precision, parameter dtype cast, stock mode) -> (fake mode, parameters, buffers, their
         # metadata when made)
         self._fake_state: dict[
-            tuple[Precision, str | None],
+            tuple[Precision, str | None, bool],
             tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[Any, ...]]],
         ] = {}
 
@@ -438,10 +438,11 @@ class Profiler:
         if self.real:
             params, buffers = self.subject.make_state(precision, real=True, param_dtype=param_dtype)
             return None, params, buffers
-        key = (precision, cast)
+        stock = self.levers.compile is not None  # dynamo traces on them (fake.new_fake_mode)
+        key = (precision, cast, stock)
         cached = self._fake_state.get(key)
         if cached is None or _changed_by_run([*cached[1].values(), *cached[2].values()], cached[3]):
-            fake_mode = new_fake_mode()
+            fake_mode = new_fake_mode(stock)
             with fake_mode:
                 params, buffers = self.subject.make_state(
                     precision, real=False, param_dtype=param_dtype
@@ -478,7 +479,13 @@ class Profiler:
             inputs = subject.make_inputs(batch_size, precision, self.real, self.seq_len)
         if mode is Mode.GENERATE:
             inputs = ModelInputs(inputs.args, prompt_inputs(inputs.kwargs))
-        rec = Recorder(
+        compiled = self.levers.compile if train else None
+        recorder: type[Recorder] = Recorder
+        if compiled is not None:  # the torch.compile step (compiled_profile.py)
+            from .compiled_profile import CompiledRecorder
+
+            recorder = CompiledRecorder
+        rec = recorder(
             subject._row_of,
             subject.loss_row,
             subject.optimizer_row,
@@ -550,7 +557,9 @@ class Profiler:
                 }
                 rec.set_phase(Phase.ZERO_GRAD)
 
-        context = self._context(precision)
+        # compiled: the partitioned graphs are Inductor's decompositions on CPU fake tensors
+        # (dynamo cannot trace the CUDA emulation's function mode: compiled_profile.py)
+        context = self._context(precision) if compiled is None else None
         rules_hold()  # before any mode: it probes real tensors
         subject.model.train(train)
         with contextlib.ExitStack() as stack:
@@ -559,11 +568,21 @@ class Profiler:
             stack.enter_context(quiet_third_party())
             if fake_mode is not None:
                 stack.enter_context(fake_mode)
+            if compiled is not None:  # compiled by an unrecorded iteration, before recording
+                model_fn = stack.enter_context(
+                    self._compiled_step(model_fn, loss_fn, inputs, state, trainable, rec, precision)
+                )
             stack.enter_context(rec)
             if quant_states:  # bitsandbytes' kernels as their CPU code runs them
                 stack.enter_context(DequantizingKernels(cpu=subject.device is Device.CPU))
-            stack.enter_context(module_hooks(rec))
-            stack.enter_context(real_run_composites())
+            if compiled is None:
+                stack.enter_context(module_hooks(rec))
+            else:
+                from .compiled_profile import compiled_module_hooks
+
+                stack.enter_context(compiled_module_hooks(rec))
+            if compiled is None:  # compiled: Inductor's decompositions decide (compiled_profile)
+                stack.enter_context(real_run_composites())
             # the fake parameters stay swapped in through the backward, where a checkpointed
             # forward is re-run, and that re-run gets the forward's CUDA emulation
             stack.enter_context(reparametrized(subject.model, state))
@@ -575,9 +594,14 @@ class Profiler:
             if subject.device is Device.CPU:  # the RNG states checkpoint keeps are CPU memory
                 stack.enter_context(tracked_rng_states(rec))
             if train:
-                stack.enter_context(
-                    torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, rec.unpack_hook)
-                )
+                saved_hooks: tuple[Callable[[Any], Any], Callable[[Any], Any]]
+                if compiled is None:
+                    saved_hooks = (rec.pack_hook, rec.unpack_hook)
+                else:  # not compiled between graph breaks (compiled_profile.py)
+                    from .compiled_profile import uncompiled_saved_tensor_hooks
+
+                    saved_hooks = uncompiled_saved_tensor_hooks(rec)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*saved_hooks))
                 if offload is not None:  # inside the recorder's hooks: these run instead
                     hooks = stack.enter_context(emulated_offloading(subject.model, offload))
                     model_fn = offloaded_forward(model_fn, hooks)
@@ -660,6 +684,51 @@ class Profiler:
             step_starts=step_starts,
             step_flops=step_flops,
             host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
+        )
+
+    def _compiled_step(
+        self,
+        model_fn: Callable[..., Any],
+        loss_fn: Callable[[Any], Any] | None,
+        inputs: ModelInputs,
+        state: dict[str, torch.Tensor],
+        trainable: list[torch.Tensor],
+        rec: Recorder,
+        precision: Precision,
+    ) -> contextlib.AbstractContextManager[Callable[..., Any]]:
+        """The model's forward as ``torch.compile`` runs it (``compiled_profile.py``),
+        compiled by one unrecorded iteration on the run's fake parameters and inputs."""
+        from .compiled_profile import compiled_step
+
+        model = self.subject.model
+        context = None  # as the recorded run's (``run``)
+        levers = self.levers
+        assert levers.compile is not None and model_fn is model
+        if levers.compile_batch not in (None, inputs.batch_size()):
+            raise ProfilingError(
+                f"the compiled step is profiled at batch {levers.compile_batch} only, "
+                f"not {inputs.batch_size()}"
+            )
+
+        def warm_up(forward: Callable[..., Any]) -> None:
+            with reparametrized(model, state):
+                training_iteration(
+                    forward,
+                    inputs,
+                    loss_fn,
+                    None,
+                    precision,
+                    "cpu",
+                    params=trainable,
+                    context=context,
+                )
+
+        return compiled_step(
+            model,
+            levers.compile,
+            levers.activation_memory_budget,
+            warm_up,
+            (rec.enter_module, rec.exit_module),
         )
 
     def _offload_plan(self, precision: Precision, levers: Levers, mode: Mode) -> list[bool]:
@@ -1022,6 +1091,11 @@ class _Source:
                     self.profiler.levers = freeing
                     self._run(precision, FIT_BATCH_SIZES[0], mode, flops=False)
             self.profiler.levers = levers
+            if levers.compile_batch is not None:
+                # the compiled step at the asked batch, as it is there (no slope): the
+                # partition may change with the batch (compiled.decided_at)
+                trace = self._run(precision, levers.compile_batch, mode)
+                return fit_timeline((trace,), trace)
             return self._timeline(precision, mode)
         finally:
             self.profiler.seq_len = None

@@ -43,6 +43,14 @@ class LeverSettings:
         The forward's saved activations offloaded to host memory: None or False (off), True
         or ``"torchtune"`` (torchtune's ``OffloadActivations``, the output projection kept
         on the device), or ``"save_on_cpu"`` (``torch.autograd.graph.save_on_cpu``).
+    compile : None, bool or str
+        The step as ``torch.compile`` (the default Inductor backend) runs it: None or False
+        (eager), True or ``"model"`` (the whole model), ``"blocks"`` (each repeated block
+        compiled on its own with ``fullgraph=True``, as torchtitan and torchtune do).
+    activation_memory_budget : float, optional
+        With ``compile``: ``torch._functorch.config.activation_memory_budget`` in [0, 1],
+        the fraction of the default partition's saved activations the partitioner may
+        keep. None: its default (1.0).
 
     Examples
     --------
@@ -59,6 +67,8 @@ class LeverSettings:
     loss_chunks: int | None = None
     checkpoint_policy: object = None
     offload_activations: object = None
+    compile: object = None
+    activation_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "trainable", "lora_targets"):

@@ -89,6 +89,8 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "lora_dtype": ("levers", "lora_dtype"),
     "loss_chunks": ("levers", "loss_chunks"),
     "offload_activations": ("levers", "offload_activations"),
+    "compile": ("levers", "compile"),
+    "activation_memory_budget": ("levers", "activation_memory_budget"),
     "gpus": ("parallel", "gpus"),
     "strategy": ("parallel", "strategy"),
     "rank": ("parallel", "rank"),
