@@ -226,7 +226,7 @@ def _training_keywords(args: argparse.Namespace) -> dict[str, Any]:
     for name in (
         "optimizer_in_backward", "set_to_none", "lora_dtype", "outputs", "loss_scaled",
         "carried_scalars", "clip_grad_norm", "param_groups", "loss_chunks",
-        "offload_activations",
+        "offload_activations", "compile", "activation_memory_budget",
     ):  # fmt: skip
         if getattr(args, name) is not None:
             keywords[name] = getattr(args, name)

@@ -91,6 +91,8 @@ _TRAIN_ONLY = (
     ("grad_accumulation", "--grad-accumulation"),
     ("loss_chunks", "--loss-chunks"),
     ("offload_activations", "--offload-activations"),
+    ("compile", "--compile"),
+    ("activation_memory_budget", "--activation-memory-budget"),
     ("lora_rank", "--lora-rank"),
     ("lora_targets", "--lora-targets"),
     ("gpus", "--gpus"),
@@ -122,6 +124,17 @@ def checkpoint_policy(value: str) -> str | int:
         raise argparse.ArgumentTypeError(
             f"{value!r}: give 'full', 'op' or an integer K >= 1 (every K-th block)"
         ) from None
+
+
+def _unit_fraction(value: str) -> float:
+    """A number in [0, 1], or argparse's usage error naming the valid range."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number in [0, 1]") from None
+    if not 0.0 <= number <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value!r} is outside [0, 1]")
+    return number
 
 
 def positive_int(value: str) -> int:
@@ -534,6 +547,21 @@ def _lever_flags(levers: argparse._ArgumentGroup) -> None:
         metavar="K",
         help="a Hugging Face causal LM's output projection and cross-entropy on K chunks of "
         "the sequence, torchtune's CEWithChunkedOutputLoss (needs labels; torchtune uses 8)",
+    )
+    levers.add_argument(
+        "--compile",
+        choices=("model", "blocks"),
+        help="the step as torch.compile (default Inductor backend) runs it: 'model', the "
+        "whole model compiled; 'blocks', each repeated block compiled on its own "
+        "(torchtitan's and torchtune's per-block compile). The saved activations are the "
+        "partitioner's; each compiled region's temporaries an upper bound (training only)",
+    )
+    levers.add_argument(
+        "--activation-memory-budget",
+        type=_unit_fraction,
+        metavar="F",
+        help="with --compile: torch._functorch.config.activation_memory_budget in [0, 1], the "
+        "share of the activations the partitioner may keep (1: its default)",
     )
     levers.add_argument(
         "--offload-activations",
