@@ -312,7 +312,18 @@ def test_searches_follow_the_quantized_weights() -> None:
         assert not at(int(batch) + 1, seq_len=int(length)).fits(capacity)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+# bitsandbytes registers its CPU int8_linear_matmul (torch._int_mm) only where
+# torch.backends.cpu.get_cpu_capability() == "AVX512" (bitsandbytes/backends/cpu/ops.py);
+# elsewhere its default kernel (an fp32 matmul) runs, whose multiply-adds the profile does not
+# count yet (docs/known-gaps.md)
+_INT8_MATMUL_UNCOUNTED = pytest.mark.xfail(
+    torch.backends.cpu.get_cpu_capability() != "AVX512",
+    reason="docs/known-gaps.md: int8 weights on a CPU without AVX-512 count 0 FLOPs",
+    strict=True,
+)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_INT8_MATMUL_UNCOUNTED), "cuda"])
 def test_quantized_matmuls_count_the_same_flops(device: str) -> None:
     # the dequantized weight's matmul (4-bit) and torch._int_mm / bitsandbytes'
     # int8_linear_matmul (int8) multiply the same shapes as the Linear layers do:
