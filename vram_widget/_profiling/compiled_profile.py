@@ -49,7 +49,7 @@ import torch
 
 from .._estimating.compiled import CompileScope
 from .._estimating.levers import repeated_blocks
-from .compiled import _compiler_reason
+from .compiled import compiled_run
 from .compiled_graphs import BACKEND, captured_graphs
 from .recorder import Recorder
 
@@ -152,33 +152,16 @@ def compiled_step(
     runs (the global module hooks inside are not traced: module docstring).
     """
     scope = CompileScope(scope_name)
-    from torch._functorch import config as functorch_config
-
-    patch = (
-        functorch_config.patch(activation_memory_budget=budget)
-        if budget is not None
-        else contextlib.nullcontext()
-    )
     live: list[ModuleHooks] = []  # the hooks, once the warm-up has compiled
-    torch._dynamo.reset()
-    try:
-        with patch, captured_graphs(), _compiled(model, scope, live) as forward:
-            warm_up(forward)
-            if hooks is not None:
-                live.append(hooks)
-            # the recorded run only runs what the warm-up compiled: a compile there would
-            # trace the recorder's hooks (torch.compiler.set_stance, torch >= 2.6)
-            with torch.compiler.set_stance("fail_on_recompile"):
-                yield forward
-    except Exception as exc:
-        reason = _compiler_reason(exc)
-        if reason is None:
-            raise
-        raise ValueError(
-            f"torch.compile (compile={scope.value!r}) could not compile this model: {reason}"
-        ) from None
-    finally:
-        torch._dynamo.reset()
+    # compiled_run: the caches reset, the budget patched, the compiler's failures explained
+    with compiled_run(scope, budget), captured_graphs(), _compiled(model, scope, live) as forward:
+        warm_up(forward)
+        if hooks is not None:
+            live.append(hooks)
+        # the recorded run only runs what the warm-up compiled: a compile there would
+        # trace the recorder's hooks (torch.compiler.set_stance, torch >= 2.6)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            yield forward
 
 
 @contextlib.contextmanager

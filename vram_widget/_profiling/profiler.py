@@ -1459,18 +1459,8 @@ class _Source:
             base = meta_copy(subject.model)
             base_ids = {id(p) for p in base.parameters()}
             wrapped = lora_wrapped(base, rank, targets, dtype)
-            sub = profile_model(
-                wrapped,
-                input_size=subject.input_size,
-                inputs=subject.inputs,
-                loss_fn=subject.loss_fn,
-                device=subject.device.value,
-                seq_axis=dict(subject.seq_axes) or False,
-                # the parent profile ran the model already; the adapters' dtypes are set
-                # below, before any run (and so before any cache entry is made)
-                precisions=(),
-                cache=self.cache,
-            )
+            # the adapters' dtypes are set below, before any run (and any cache entry)
+            sub = self._sub_profile(wrapped, self.cache)
         sub.name_prefix = PEFT_PREFIX
         # PEFT keeps the adapters in fp32 on an fp16 / bf16 base (get_peft_model's
         # autocast_adapter_dtype=True, peft/tuners/tuners_utils.py, _cast_adapter_dtype):
@@ -1483,11 +1473,7 @@ class _Source:
             for n, p in wrapped.named_parameters()
             if id(p) not in base_ids
         }
-        source = getattr(sub._source, "inner", sub._source)  # under a DiskCachedSource
-        assert isinstance(source, _Source)
-        source.profiler.subject.fixed_dtypes = frozenset(adapters)
-        sub.fixed_param_dtypes = adapters  # their gradients too: DDP buckets them apart
-        return sub
+        return _with_fixed_dtypes(sub, adapters)
 
     def quantized_profile(
         self,
@@ -1507,25 +1493,27 @@ class _Source:
             base_ids = {id(p) for p in copy_.parameters()}
             if rank is not None:
                 copy_ = qlora_wrapped(copy_, rank, targets, dtype)
-            sub = profile_model(
-                copy_,
-                input_size=subject.input_size,
-                inputs=subject.inputs,
-                loss_fn=subject.loss_fn,
-                device=subject.device.value,
-                seq_axis=dict(subject.seq_axes) or False,
-                precisions=(),
-                # the profile key does not read the weights' quantization settings
-                cache=False,
-            )
+            # not cached: the profile key does not read the weights' quantization settings
+            sub = self._sub_profile(copy_, cache=False)
         if rank is not None:
             sub.name_prefix = PEFT_PREFIX
-        fixed = kept_dtypes(copy_, base_ids, rank is not None, dtype)
-        source = getattr(sub._source, "inner", sub._source)
-        assert isinstance(source, _Source)
-        source.profiler.subject.fixed_dtypes = frozenset(fixed)
-        sub.fixed_param_dtypes = fixed
-        return sub
+        return _with_fixed_dtypes(sub, kept_dtypes(copy_, base_ids, rank is not None, dtype))
+
+    def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:
+        """A deferred profile of a meta copy of the model (LoRA's, the quantized one) with
+        the same inputs, loss, device and sequence axis; the parent profile ran the model
+        already, so no run is made here."""
+        subject = self.profiler.subject
+        return profile_model(
+            model,
+            input_size=subject.input_size,
+            inputs=subject.inputs,
+            loss_fn=subject.loss_fn,
+            device=subject.device.value,
+            seq_axis=dict(subject.seq_axes) or False,
+            precisions=(),
+            cache=cache,
+        )
 
     def optimizer_trace(
         self,
@@ -2054,3 +2042,14 @@ __all__ = [
     "Subject",
     "profile_model",
 ]
+
+
+def _with_fixed_dtypes(sub: ModelProfile, fixed: dict[str, str]) -> ModelProfile:
+    """``sub`` with the parameters whose dtype no precision changes (adapters kept in fp32,
+    bitsandbytes' packed storage): in its runs, and for their gradients (DDP buckets them
+    apart)."""
+    source = getattr(sub._source, "inner", sub._source)  # under a DiskCachedSource
+    assert isinstance(source, _Source)
+    source.profiler.subject.fixed_dtypes = frozenset(fixed)
+    sub.fixed_param_dtypes = fixed
+    return sub
