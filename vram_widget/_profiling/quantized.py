@@ -322,12 +322,12 @@ def _gemm_4bit_cpu(
 
 
 def real_quantized(model: torch.nn.Module, weights: Weights) -> torch.nn.Module:
-    """``model`` (a real CPU copy, changed in place) with its Linear layers quantized by
+    """``model`` (a real copy, changed in place) with its Linear layers quantized by
     bitsandbytes as ``from_pretrained`` quantizes them: the modules replaced by
     ``replace_with_bnb_linear``, then each weight loaded into a new ``Params4bit`` /
-    ``Int8Params`` with the meta one's settings and moved to the CPU, which quantizes it
-    (transformers/integrations/bitsandbytes.py, ``Bnb4bitQuantize.convert`` /
-    ``Bnb8bitQuantize.convert``)."""
+    ``Int8Params`` with the meta one's settings and moved to the device the weight was on
+    (the CPU or a GPU), which quantizes it (transformers/integrations/bitsandbytes.py,
+    ``Bnb4bitQuantize.convert`` / ``Bnb8bitQuantize.convert``)."""
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.pytorch_utils import Conv1D
 
@@ -344,6 +344,7 @@ def real_quantized(model: torch.nn.Module, weights: Weights) -> torch.nn.Module:
             continue
         old = originals[name]
         value = old.weight.detach()
+        device = value.device
         if isinstance(old, Conv1D):
             value = value.T
         meta = module.weight
@@ -352,8 +353,8 @@ def real_quantized(model: torch.nn.Module, weights: Weights) -> torch.nn.Module:
         else:
             kwargs = dict(meta.__dict__)
             kwargs.pop("SCB", None)
-            new = bnb.nn.Int8Params(value.to("cpu"), requires_grad=False, **kwargs)
-        module.weight = new.to("cpu")
+            new = bnb.nn.Int8Params(value.cpu(), requires_grad=False, **kwargs)
+        module.weight = new.to(device)
         if old.bias is not None:
             module.bias = torch.nn.Parameter(old.bias.detach().clone(), requires_grad=False)
         # the AVX512-BF16 CPU repacking of inference weights is a CPU-only layout

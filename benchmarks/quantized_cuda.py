@@ -1,0 +1,165 @@
+"""Quantized weights and float8 training on a real CUDA GPU: ``measure()`` beside the estimate.
+
+The GPT-2 small (SDPA) and the small grouped-query Llama of ``levers_cuda.py``, bf16:
+
+* bitsandbytes' weights, applied as ``from_pretrained(quantization_config=
+  BitsAndBytesConfig(...))`` applies them (``weights=``): inference of 4 x 512 and of
+  1 x 512 tokens with nf4 and double quantization (QLoRA's settings), fp4, and int8 at
+  outlier threshold 0; greedy generation of 32 tokens after a 4 x 128 prompt, nf4 (each
+  decoding step's matmul has one row per sequence); QLoRA training (PEFT, rank 16, AdamW
+  over the adapters) of 4 x 512 tokens;
+* torchao's float8 training (``convert_to_float8_training``: tensorwise scaling, its
+  default, and rowwise), AdamW, 4 x 512 tokens, eager.
+
+Two halves, so that the GPU only measures:
+
+* ``--measure`` (needs a GPU): the allocated peak, ``torch.cuda.max_memory_allocated()``
+  over the second of two steps (for generation, over the whole ``generate`` call);
+* ``--estimate`` (any machine): the estimate of each measured row from one
+  ``profile_model(device="cuda")`` of the plain model built on the meta device, at the
+  measured GPU's compute capability, written beside it with the ratio.
+
+    python3 benchmarks/quantized_cuda.py --measure    # on the GPU
+    python3 benchmarks/quantized_cuda.py --estimate   # anywhere, after
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from levers_cuda import _models, _tokens
+
+from vram_widget import Weights, profile_model
+from vram_widget._profiling.measure import measure
+
+NF4 = Weights("nf4", double_quant=True, compute_dtype="bf16")  # QLoRA's settings
+FP4 = Weights("fp4", compute_dtype="bf16")
+INT8 = Weights("int8", int8_threshold=0.0)
+
+# name: (the keywords of estimate and measure, batch, tokens)
+SETTINGS: dict[str, tuple[dict[str, Any], int, int]] = {
+    "nf4 inference 4x512": ({"mode": "inference", "weights": NF4}, 4, 512),
+    "nf4 inference 1x512": ({"mode": "inference", "weights": NF4}, 1, 512),
+    "fp4 inference 4x512": ({"mode": "inference", "weights": FP4}, 4, 512),
+    "int8 inference 4x512": ({"mode": "inference", "weights": INT8}, 4, 512),
+    "nf4 generate 4x128+32": ({"mode": "generate", "weights": NF4, "new_tokens": 32}, 4, 128),
+    "qlora train 4x512": ({"optimizer": "adamw", "weights": NF4, "lora_rank": 16}, 4, 512),
+    "float8 tensorwise train 4x512": ({"optimizer": "adamw", "float8": "tensorwise"}, 4, 512),
+    "float8 rowwise train 4x512": ({"optimizer": "adamw", "float8": "rowwise"}, 4, 512),
+}
+
+
+def _inputs(kwargs: dict[str, Any], batch: int, tokens: int) -> dict[str, torch.Tensor]:
+    inputs = _tokens(batch, tokens)
+    if kwargs.get("mode") in ("inference", "generate"):
+        return {"input_ids": inputs["input_ids"]}
+    return inputs
+
+
+def _float8_copy(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
+    """A copy converted by torchao's own ``convert_to_float8_training`` with its default
+    module filter (every ``nn.Linear`` whose dimensions it can scale)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return convert_to_float8_training(copy.deepcopy(model), config=config)
+
+
+def _measure(out: Path) -> None:
+    device = torch.device("cuda", 0)
+    import bitsandbytes
+
+    info: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(device),
+        "compute_capability": list(torch.cuda.get_device_capability(device)),
+        "torch": torch.__version__,
+        "bitsandbytes": bitsandbytes.__version__,
+    }
+    try:
+        import torchao
+
+        info["torchao"] = torchao.__version__
+    except ImportError as exc:
+        info["torchao"] = f"not importable: {exc}"
+    rows: list[dict[str, Any]] = []
+    for name, model in _models().items():
+        model.to(device)
+        for setting, (kwargs, batch, tokens) in SETTINGS.items():
+            row: dict[str, Any] = {"model": name, "setting": setting}
+            inputs = {k: v.to(device) for k, v in _inputs(kwargs, batch, tokens).items()}
+            try:
+                kw = dict(kwargs)
+                subject = model
+                if "float8" in kw:  # torchao converts a copy; measure runs its step
+                    subject = _float8_copy(model, kw.pop("float8"))
+                real = measure(subject, inputs, precision="bf16", **kw)
+                del subject
+                row["measured_bytes"] = real.peak_bytes
+            except Exception as exc:  # one setting's failure is recorded, the rest go on
+                row["error"] = f"{type(exc).__name__}: {exc}"[:600]
+                row["traceback"] = traceback.format_exc()[-1500:]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            out.write_text(json.dumps({**info, "rows": rows}, indent=1))  # kept as it goes
+            torch.cuda.empty_cache()
+        model.cpu()
+
+
+def _estimate(out: Path) -> None:
+    data = json.loads(out.read_text())
+    capability = tuple(data["compute_capability"])
+    for name, model in _models().items():
+        with torch.device("meta"):
+            meta = type(model)(model.config)
+        profile = profile_model(meta, inputs=_tokens(2, 128), device="cuda", precisions=())
+        for row in data["rows"]:
+            if row["model"] != name or "measured_bytes" not in row:
+                continue
+            kwargs, batch, tokens = SETTINGS[row["setting"]]
+            for key in ("estimated_bytes", "ratio", "estimate_error"):
+                row.pop(key, None)
+            try:
+                est = profile.estimate(
+                    batch, "bf16", seq_len=tokens, compute_capability=capability, **kwargs
+                )
+                row["estimated_bytes"] = est.peak_bytes
+                row["ratio"] = est.peak_bytes / row["measured_bytes"]
+            except Exception as exc:  # not estimated (yet): said in the row
+                row["estimate_error"] = f"{type(exc).__name__}: {exc}"[:600]
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    out.write_text(json.dumps(data, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", default=str(Path(__file__).parent / "results" / "quantized_cuda.json")
+    )
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--measure", action="store_true", help="measure on the GPU")
+    which.add_argument("--estimate", action="store_true", help="estimate the measured rows")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.measure:
+        if not torch.cuda.is_available():
+            parser.error("--measure needs a CUDA device")
+        _measure(out)
+    else:
+        if not out.exists():
+            parser.error(f"--estimate reads the measured rows of {out}: run --measure first")
+        _estimate(out)
+
+
+if __name__ == "__main__":
+    main()
