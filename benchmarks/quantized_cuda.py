@@ -54,10 +54,25 @@ SETTINGS: dict[str, tuple[dict[str, Any], int, int]] = {
     "fp4 inference 4x512": ({"mode": "inference", "weights": FP4}, 4, 512),
     "int8 inference 4x512": ({"mode": "inference", "weights": INT8}, 4, 512),
     "nf4 generate 4x128+32": ({"mode": "generate", "weights": NF4, "new_tokens": 32}, 4, 128),
+    "nf4 generate 1x128+32": ({"mode": "generate", "weights": NF4, "new_tokens": 32}, 1, 128),
+    "int8 threshold 6.0 inference 4x512": (
+        {"mode": "inference", "weights": Weights("int8", int8_threshold=6.0)},
+        4,
+        512,
+    ),
     "qlora train 4x512": ({"optimizer": "adamw", "weights": NF4, "lora_rank": 16}, 4, 512),
     "float8 tensorwise train 4x512": ({"optimizer": "adamw", "float8": "tensorwise"}, 4, 512),
     "float8 rowwise train 4x512": ({"optimizer": "adamw", "float8": "rowwise"}, 4, 512),
+    "float8 tensorwise, dims of 16, train 4x512": (
+        {"optimizer": "adamw", "float8": "tensorwise"},
+        4,
+        512,
+    ),
 }
+# float8 settings whose copy skips the Linear layers with a dimension not divisible by 16, as
+# torchtitan's float8 converter filters them (torchao's default filter converts every
+# nn.Linear, and torch._scaled_mm refuses such a layer on the GPU)
+DIMS_OF_16 = {"float8 tensorwise, dims of 16, train 4x512"}
 
 
 def _inputs(kwargs: dict[str, Any], batch: int, tokens: int) -> dict[str, torch.Tensor]:
@@ -67,16 +82,22 @@ def _inputs(kwargs: dict[str, Any], batch: int, tokens: int) -> dict[str, torch.
     return inputs
 
 
-def _float8_copy(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
-    """A copy converted by torchao's own ``convert_to_float8_training`` with its default
-    module filter (every ``nn.Linear`` whose dimensions it can scale)."""
+def _float8_copy(model: torch.nn.Module, recipe: str, dims_of_16: bool) -> torch.nn.Module:
+    """A copy converted by torchao's own ``convert_to_float8_training``, with its default
+    module filter (every ``nn.Linear``) or only the layers whose dimensions are multiples
+    of 16."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    def divisible(module: torch.nn.Module, _name: str) -> bool:
+        return all(d % 16 == 0 for d in getattr(module, "weight", torch.empty(0)).shape)
+
     config = Float8LinearConfig.from_recipe_name(recipe)
-    return convert_to_float8_training(copy.deepcopy(model), config=config)
+    return convert_to_float8_training(
+        copy.deepcopy(model), config=config, module_filter_fn=divisible if dims_of_16 else None
+    )
 
 
-def _measure(out: Path) -> None:
+def _measure(out: Path, only: list[str] | None) -> None:
     device = torch.device("cuda", 0)
     import bitsandbytes
 
@@ -93,16 +114,20 @@ def _measure(out: Path) -> None:
     except ImportError as exc:
         info["torchao"] = f"not importable: {exc}"
     rows: list[dict[str, Any]] = []
+    if only and out.exists():  # the other settings' rows, measured before, are kept
+        rows = [r for r in json.loads(out.read_text())["rows"] if r["setting"] not in only]
     for name, model in _models().items():
         model.to(device)
         for setting, (kwargs, batch, tokens) in SETTINGS.items():
+            if only and setting not in only:
+                continue
             row: dict[str, Any] = {"model": name, "setting": setting}
             inputs = {k: v.to(device) for k, v in _inputs(kwargs, batch, tokens).items()}
             try:
                 kw = dict(kwargs)
                 subject = model
                 if "float8" in kw:  # torchao converts a copy; measure runs its step
-                    subject = _float8_copy(model, kw.pop("float8"))
+                    subject = _float8_copy(model, kw.pop("float8"), setting in DIMS_OF_16)
                 real = measure(subject, inputs, precision="bf16", **kw)
                 del subject
                 row["measured_bytes"] = real.peak_bytes
@@ -111,6 +136,8 @@ def _measure(out: Path) -> None:
                 row["traceback"] = traceback.format_exc()[-1500:]
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            order = list(SETTINGS)
+            rows.sort(key=lambda r: (r["model"], order.index(r["setting"])))
             out.write_text(json.dumps({**info, "rows": rows}, indent=1))  # kept as it goes
             torch.cuda.empty_cache()
         model.cpu()
@@ -122,11 +149,20 @@ def _estimate(out: Path) -> None:
     for name, model in _models().items():
         with torch.device("meta"):
             meta = type(model)(model.config)
-        profile = profile_model(meta, inputs=_tokens(2, 128), device="cuda", precisions=())
+        # profiled with the inputs the measured step had: the prompt alone for inference
+        # and generation, with labels (the model's own loss) for training
+        profiles = {
+            labels: profile_model(
+                meta, inputs=_inputs({} if labels else {"mode": "inference"}, 2, 128),
+                device="cuda", precisions=(),
+            )
+            for labels in (False, True)
+        }  # fmt: skip
         for row in data["rows"]:
             if row["model"] != name or "measured_bytes" not in row:
                 continue
             kwargs, batch, tokens = SETTINGS[row["setting"]]
+            profile = profiles[kwargs.get("mode") not in ("inference", "generate")]
             for key in ("estimated_bytes", "ratio", "estimate_error"):
                 row.pop(key, None)
             try:
@@ -149,12 +185,18 @@ def main() -> None:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--measure", action="store_true", help="measure on the GPU")
     which.add_argument("--estimate", action="store_true", help="estimate the measured rows")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(SETTINGS),
+        help="measure only this setting (repeatable); its rows replace those in --out",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     if args.measure:
         if not torch.cuda.is_available():
             parser.error("--measure needs a CUDA device")
-        _measure(out)
+        _measure(out, args.only)
     else:
         if not out.exists():
             parser.error(f"--estimate reads the measured rows of {out}: run --measure first")
