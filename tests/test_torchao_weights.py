@@ -16,10 +16,10 @@ from vram_widget._estimating.quantized import quantized_bytes
 pytest.importorskip("torchao")
 pytest.importorskip("transformers")
 
-from torchao.quantization import quantize_  # noqa: E402
+from torchao.quantization import quantize_
 
-from vram_widget._profiling.fake import new_fake_mode  # noqa: E402
-from vram_widget._profiling.torchao_weights import (  # noqa: E402
+from vram_widget._profiling.fake import new_fake_mode
+from vram_widget._profiling.torchao_weights import (
     fake_torchao_weight,
     require_torchao,
     torchao_config,

@@ -72,7 +72,6 @@ from .generation import generation_limit, prompt_inputs
 from .offloading import offloaded_forward, real_offloading
 from .optimizers import state_tensors
 from .param_groups import decay_parameter_names, trainer_groups
-from .torchao_weights import real_torchao, torchao_inner, torchao_modules
 from .quantized import (
     module_state_tensors,
     qlora_wrapped,
@@ -97,6 +96,7 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward
+from .torchao_weights import real_torchao, torchao_inner, torchao_modules
 
 __all__ = ["Measurement", "measure"]
 

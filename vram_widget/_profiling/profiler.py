@@ -91,7 +91,6 @@ from .quantized import (
     state_tensors,
 )
 from .recorder import Recorder, describe_args, module_hooks, tracked_rng_states
-from .torchao_weights import fake_torchao_weight, is_torchao_weight, torchao_copy, torchao_inner
 from .repeated import (
     FEW_BLOCKS,
     BlockStack,
@@ -122,6 +121,7 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward, zero_grads_in_place
+from .torchao_weights import fake_torchao_weight, is_torchao_weight, torchao_copy, torchao_inner
 
 LOSS_ROW_NAME = "(loss)"
 OPTIMIZER_ROW_NAME = "(optimizer)"

@@ -48,7 +48,7 @@ def require_torchao() -> ModuleType:
     """torchao, or an ImportError naming the ``pip install`` that provides it."""
     try:
         import torchao
-        import torchao.quantization  # noqa: F401
+        import torchao.quantization
     except ImportError:
         raise ImportError(
             "weights='int8-torchao' and 'int4-torchao' are applied by torchao's quantize_ "
@@ -66,9 +66,7 @@ def torchao_config(weights: Weights) -> Any:
         return Int8WeightOnlyConfig(set_inductor_config=False)
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
-    return PrototypeInt4WeightOnlyConfig(
-        group_size=weights.group_size, set_inductor_config=False
-    )
+    return PrototypeInt4WeightOnlyConfig(group_size=weights.group_size, set_inductor_config=False)
 
 
 def _kept(model: torch.nn.Module, weights: Weights) -> list[str]:
@@ -100,14 +98,16 @@ def torchao_modules(model: torch.nn.Module, weights: Weights) -> list[str]:
             return True
 
     int4 = weights.format is WeightFormat.INT4_TORCHAO
-    names, left = [], []
+    names, left, outs = [], [], {}
     for name, m in model.named_modules():
         if not (_is_linear(m) and convert(name)):
             continue
-        if int4 and m.weight.shape[-1] % weights.group_size:
+        assert isinstance(m, torch.nn.Linear)
+        if int4 and m.in_features % weights.group_size:
             left.append(name)
             continue
         names.append(name)
+        outs[name] = m.out_features
     fmt = weights.format.value if weights.format else None
     if not names:
         why = (
@@ -124,11 +124,7 @@ def torchao_modules(model: torch.nn.Module, weights: Weights) -> list[str]:
             "nn.Linear. Leave weights=None"
         )
     if int4:
-        odd = [
-            f"{n} ({model.get_submodule(n).weight.shape[0]})"
-            for n in names
-            if model.get_submodule(n).weight.shape[0] % _INT4_CPU_N_MULTIPLE
-        ]
+        odd = [f"{n} ({outs[n]})" for n in names if outs[n] % _INT4_CPU_N_MULTIPLE]
         if odd:
             raise ValueError(
                 "weights='int4-torchao' on the CPU packs each weight with torch's "
@@ -156,6 +152,7 @@ def torchao_copy(model: torch.nn.Module, weights: Weights) -> torch.nn.Module:
     copy_ = meta_copy(model)
     for name in names:
         module = copy_.get_submodule(name)
+        assert isinstance(module, torch.nn.Linear)
         weight = torch.nn.Parameter(module.weight.detach(), requires_grad=False)
         setattr(weight, _MARK, weights)
         module.weight = weight
