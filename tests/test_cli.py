@@ -498,6 +498,19 @@ def test_weights_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert setting["weights"].startswith("nf4 (bitsandbytes Linear4bit, double quantization")
 
 
+def test_torchao_weights_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchao")
+    from vram_widget import Weights
+
+    argv = ["mlp", "--device", "cpu", "--batch-size", "8", "--precision", "bf16"]
+    out = _run_json([*argv, "--weights", "int8-torchao", "--mode", "inference"], capsys)
+    profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+    expected = profile.estimate(8, "bf16", mode="inference", weights="int8-torchao")
+    (setting,) = out["settings"]
+    assert setting["peak_bytes"] == expected.peak_bytes
+    assert setting["weights"] == Weights("int8-torchao").describe() == expected.weights
+
+
 def test_lora_targets_and_rank_flags(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("peft")
     argv = ["mlp", "--device", "cpu", "--batch-size", "8", "--precision", "fp32"]
@@ -570,7 +583,11 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--lora-rank", "2", "--trainable", "0.*"], "give one"),
         (["--device", "cpu", "--expandable-segments"], "--device cpu has none"),
         (["--rank", "-1"], "not a whole number >= 0"),
-        (["--weights", "nf8"], "invalid choice: 'nf8' (choose from 'nf4', 'fp4', 'int8')"),
+        (
+            ["--weights", "nf8"],
+            "invalid choice: 'nf8' (choose from 'nf4', 'fp4', 'int8', 'int8-torchao', "
+            "'int4-torchao')",
+        ),
         (["--double-quant"], "give --weights nf4 or --weights fp4 too"),
         (["--int8-threshold", "0"], "--int8-threshold is a setting of --weights int8"),
         (["--weights", "int8", "--compute-dtype", "bf16"], "--weights nf4 or --weights fp4"),

@@ -392,11 +392,13 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
     )
     settings.add_argument(
         "--weights",
-        choices=("nf4", "fp4", "int8"),
+        choices=("nf4", "fp4", "int8", "int8-torchao", "int4-torchao"),
         help="the Linear weights stored by bitsandbytes as from_pretrained's "
         "BitsAndBytesConfig stores them: nf4 / fp4 (Linear4bit; training needs --lora-rank: "
-        "QLoRA) or int8 (Linear8bitLt, inference, with --int8-threshold 0) (default: the "
-        "precision's dtype; needs `pip install bitsandbytes transformers`)",
+        "QLoRA) or int8 (Linear8bitLt, inference, with --int8-threshold 0); or by torchao's "
+        "quantize_, inference: int8-torchao (Int8WeightOnlyConfig) or int4-torchao "
+        "(Int4OpaqueTensor, --device cpu only) (default: the precision's dtype; needs `pip "
+        "install bitsandbytes transformers` or `pip install torchao`)",
     )
     settings.add_argument(
         "--int8-threshold",

@@ -212,7 +212,8 @@ def offload_arg(choice: str) -> str | None:
 def weights_arg(choice: str, precision: str) -> Weights | None:
     """The ``weights`` trait's choice as ``estimate``'s keyword: None for ``"off"``, else
     ``Linear4bit`` computing in the precision's dtype (bf16 / fp16; fp32 otherwise), with
-    double quantization for ``"nf4-dq"``; ``"int8"``: ``Linear8bitLt`` at threshold 0.
+    double quantization for ``"nf4-dq"``; ``"int8"``: ``Linear8bitLt`` at threshold 0;
+    ``"int8-torchao"`` / ``"int4-torchao"``: torchao's formats at their defaults.
 
     Examples
     --------
@@ -220,11 +221,15 @@ def weights_arg(choice: str, precision: str) -> Weights | None:
     Weights(format=<WeightFormat.NF4: 'nf4'>, compute_dtype='bfloat16', double_quant=True, ...)
     >>> weights_arg("off", "bf16") is None
     True
+    >>> weights_arg("int4-torchao", "bf16").describe()
+    'int4-torchao (torchao int4 weight-only, groups of 128: Int4OpaqueTensor on the CPU)'
     """
     if choice == WEIGHTS_OFF:
         return None
     if choice == "int8":  # without the outlier split, whose memory depends on values
         return Weights(weight_format(choice), int8_threshold=0.0)
+    if choice.endswith("-torchao"):  # torchao's defaults: no compute dtype of its own
+        return Weights(weight_format(choice))
     compute = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
     fmt = choice.removesuffix("-dq")
     return Weights(weight_format(fmt), compute_dtype=compute, double_quant=choice != fmt)

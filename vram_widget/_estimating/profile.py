@@ -45,7 +45,7 @@ from .options import (
     parse_optimizer_choice,
     parse_option,
 )
-from .quantized import check_quantized
+from .quantized import check_quantized, check_weights_device
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.ignored import warn_ignored
 from .recipe.recipe import default
@@ -602,7 +602,7 @@ class ModelProfile:
         lora_targets : "auto", "all-linear" or list of str
             PEFT's ``target_modules``; ``"auto"``: PEFT's defaults for the architecture
             (Hugging Face models; other models must name their modules).
-        weights : None, "nf4", "fp4", "int8" or Weights
+        weights : None, "nf4", "fp4", "int8", "int8-torchao", "int4-torchao" or Weights
             The base weights stored by bitsandbytes, as transformers'
             ``from_pretrained(quantization_config=BitsAndBytesConfig(...))`` stores them:
             its ``replace_with_bnb_linear`` on a meta copy of the model (``nn.Linear`` and
@@ -623,7 +623,12 @@ class ModelProfile:
             ``_dequant_linear_fallback``); for up to 1,536 rows of input it may pick a fused
             kernel by the GPU's architecture (``_gemm_4bit_use_custom_cuda``) that makes
             only the output, so the estimate is an upper bound there (UNCONFIRMED on a GPU).
-            Needs ``pip install bitsandbytes transformers``.
+            Needs ``pip install bitsandbytes transformers``. ``"int8-torchao"`` /
+            ``"int4-torchao"``: torchao's ``quantize_`` (``Int8WeightOnlyConfig``; int4 on
+            ``device="cpu"`` only, ``PrototypeInt4WeightOnlyConfig``'s
+            ``Int4OpaqueTensor``), inference only, on the ``nn.Linear`` layers (on a
+            transformers model, not the output embeddings, as ``TorchAoConfig``); needs
+            ``pip install torchao``.
         expandable_segments : bool
             The caching allocator's ``expandable_segments:True`` for ``reserved_bytes``,
             ``device_bytes``, ``fits_device`` and ``memory_snapshot`` (``device="cuda"``
@@ -800,6 +805,7 @@ class ModelProfile:
         asked_rank = check_rank(par.rank, parallel.gpus)
         if recipe.weights.quantized:
             check_quantized(recipe.weights, run_mode, lv.lora_rank, parallel.gpus)
+            check_weights_device(recipe.weights, self.device)
         levers = decided_at(self._step_levers_of(recipe, parallel, length), batch)
         lora_dtype = _lora_dtype_of(lv)
         if recipe.weights.quantized:
@@ -1395,6 +1401,7 @@ class ModelProfile:
         lora_dtype = _lora_dtype_of(lv)
         if base.weights.quantized:  # the quantized copy's own frontier
             check_quantized(base.weights, run_mode, lv.lora_rank, parallel.gpus)
+            check_weights_device(base.weights, self.device)
             sub, kwargs = self._quantized(base.weights, resolved, lora_dtype)
             plain = dataclasses.replace(base, levers=LeverSettings(), weights=Weights())
             return sub.frontier(

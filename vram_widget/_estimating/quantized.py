@@ -12,13 +12,25 @@ bitsandbytes/nn/modules.py, ``Params4bit`` and ``Int8Params``):
   8-bit map in blocks of 256, with ceil(b / 256) float32 nested maxima, the map's own 256
   float32 values (a copy per weight: ``code.to(A.device, copy=True)``) and one float32 offset.
 - int8 (LLM.int8): the n int8 codes and one float32 scale per output row (``SCB``).
+
+torchao's weight-only tensor subclasses, as ``quantize_`` makes them:
+
+- ``int8-torchao`` (``Int8Tensor.from_hp`` with ``PerRow()``,
+  torchao/quantization/quantize_/workflows/int8/int8_tensor.py): ``qdata``, the n int8
+  values; ``scale``, one float32 per output row (``scale_dtype=torch.float32``); and
+  ``zero_point``, one int8 per row (symmetric: zeros, kept all the same).
+- ``int4-torchao`` on the CPU (``Int4OpaqueTensor.from_hp``,
+  torchao/prototype/quantization/int4/int4_opaque_tensor.py): ``qdata``, torch's
+  ``_convert_weight_to_int4pack_for_cpu`` packing, two values a byte, ``out x in / 2``
+  uint8; ``scale_and_zero``, ``in / group_size x out x 2`` in the weight's own dtype
+  (``pack_tinygemm_scales_and_zeros``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .options import Mode
+from .options import Device, Mode
 from .recipe.weights import WeightFormat, Weights
 
 # float32 item size; the 4-bit formats' 16-value code; the dynamic 8-bit map's 256 values
@@ -54,9 +66,12 @@ class QuantizedBytes:
         return self.codes_bytes + self.scales_bytes + self.state_bytes
 
 
-def quantized_bytes(shape: tuple[int, ...], weights: Weights) -> QuantizedBytes:
-    """What bitsandbytes stores for a weight of ``shape`` (``(out, in)``) in ``weights``'
-    format.
+def quantized_bytes(
+    shape: tuple[int, ...], weights: Weights, itemsize: int = _F32
+) -> QuantizedBytes:
+    """What bitsandbytes (or torchao) stores for a weight of ``shape`` (``(out, in)``) in
+    ``weights``' format; ``itemsize``: the bytes of one value of the weight's own dtype
+    (torchao's int4 keeps its scales and zeros in it).
 
     Examples
     --------
@@ -72,10 +87,26 @@ def quantized_bytes(shape: tuple[int, ...], weights: Weights) -> QuantizedBytes:
 
     >>> quantized_bytes((4096, 4096), Weights("int8")).total_bytes
     16793600
+
+    torchao's int8: the values, a float32 scale and an int8 zero point per row (4,096 x 5 B);
+    its int4 in bf16, groups of 128: half a byte a value, and 32 x 4,096 (scale, zero) pairs
+    of 2 B each:
+
+    >>> quantized_bytes((4096, 4096), Weights("int8-torchao")).total_bytes
+    16797696
+    >>> b = quantized_bytes((4096, 4096), Weights("int4-torchao"), itemsize=2)
+    >>> b.codes_bytes, b.scales_bytes
+    (8388608, 524288)
     """
     n = 1
     for d in shape:
         n *= int(d)
+    out = int(shape[0])
+    if weights.format is WeightFormat.INT8_TORCHAO:
+        return QuantizedBytes(n, _F32 * out, out)  # qdata, scale (f32), zero_point (int8)
+    if weights.format is WeightFormat.INT4_TORCHAO:
+        groups = int(shape[-1]) // weights.group_size
+        return QuantizedBytes(n // 2, groups * out * 2 * itemsize, 0)
     if weights.format is WeightFormat.INT8:
         return QuantizedBytes(n, _F32 * int(shape[0]), 0)
     if weights.format is None:
@@ -107,6 +138,15 @@ def check_quantized(
     """
     fmt = weights.format
     assert fmt is not None
+    if weights.torchao and mode is Mode.TRAIN:
+        raise ValueError(
+            f"weights={fmt.value!r} is for inference: torchao's weight-only configs "
+            "(Int8WeightOnlyConfig, Int4WeightOnlyConfig) are post-training quantization; "
+            "quantize_ makes each weight a frozen tensor subclass (nn.Parameter(..., "
+            "requires_grad=False), torchao/quantization/quant_api.py) whose linear has no "
+            "weight gradient, and torchao trains through QAT or float8 training instead. "
+            "Use mode='inference', or weights='nf4' with lora_rank=... (QLoRA)"
+        )
     if fmt is WeightFormat.INT8 and mode is Mode.TRAIN:
         raise ValueError(
             "weights='int8' is for inference: LLM.int8 weights are frozen int8 codes "
@@ -138,3 +178,32 @@ def check_quantized(
         )
     if gpus > 1:
         raise ValueError(f"weights={fmt.value!r} is estimated on one GPU (gpus=1) for now")
+
+
+def check_weights_device(weights: Weights, device: Device | str) -> None:
+    """Refuse, before any profiling, a torchao format on a device it is not estimated on:
+    ``int4-torchao`` is torchao's CPU format (``Int4OpaqueTensor``, whose ``from_hp``
+    asserts a CPU tensor). torchao 0.18's ``Int4WeightOnlyConfig`` packs for CUDA through
+    mslk's kernels (``"plain"``, ``"preshuffled"``) or tinygemm (``"tile_packed_to_4d"``,
+    compute capability 8.0+), and for XPU / NPU (``"plain_int32"``)
+    (torchao/quantization/quantize_/workflows/int4/): none of them runs on the CPU, and
+    their layouts are built by GPU kernels, which the CPU profile cannot run.
+
+    Examples
+    --------
+    >>> check_weights_device(Weights("int4-torchao"), "cpu")
+    >>> check_weights_device(Weights("int4-torchao"), "cuda")
+    Traceback (most recent call last):
+    ...
+    ValueError: weights='int4-torchao' is estimated on device='cpu' only: ...
+    """
+    if weights.format is WeightFormat.INT4_TORCHAO and str(device) != Device.CPU.value:
+        raise ValueError(
+            "weights='int4-torchao' is estimated on device='cpu' only: there torchao packs "
+            "int4 as Int4OpaqueTensor (PrototypeInt4WeightOnlyConfig, torch's "
+            "_weight_int4pack_mm_for_cpu). On CUDA, torchao 0.18's Int4WeightOnlyConfig "
+            "packs with int4_packing_format 'plain' or 'preshuffled' (mslk kernels) or "
+            "'tile_packed_to_4d' (tinygemm, compute capability 8.0+), layouts made by GPU "
+            f"kernels that a profile cannot build (device={str(device)!r}). Use "
+            "device='cpu', or weights='int8-torchao', estimated on both"
+        )

@@ -48,7 +48,7 @@ from .._estimating.options import (
     parse_optimizer_choice,
     parse_option,
 )
-from .._estimating.quantized import check_quantized
+from .._estimating.quantized import check_quantized, check_weights_device
 from .._estimating.recipe import Optimizer, Recipe, Step
 from .._estimating.recipe.recipe import default, given
 from .._estimating.recipe.weights import Weights, parse_weights
@@ -96,6 +96,7 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward
+from .torchao_weights import real_torchao, torchao_inner, torchao_modules
 
 __all__ = ["Measurement", "measure"]
 
@@ -271,13 +272,15 @@ def measure(
         torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
         module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
         and ``grad_accumulation`` forward and backward passes before the optimizer step.
-    weights : None, "nf4", "fp4", "int8" or Weights
+    weights : None, "nf4", "fp4", "int8", "int8-torchao", "int4-torchao" or Weights
         The copy's Linear layers quantized by bitsandbytes as ``from_pretrained(...,
         quantization_config=BitsAndBytesConfig(...))`` quantizes them (``quantized.py``:
         transformers' ``replace_with_bnb_linear``, each weight loaded into a ``Params4bit`` /
         ``Int8Params`` moved to the CPU); with ``lora_rank``, QLoRA (PEFT's
         ``prepare_model_for_kbit_training``, then ``get_peft_model``). The quant state
-        (scales, codes) counts as resident. As ``ModelProfile.estimate`` takes it.
+        (scales, codes) counts as resident. ``"int8-torchao"`` / ``"int4-torchao"``:
+        torchao's own ``quantize_`` on the copy (``torchao_weights.py``), its tensor
+        subclasses' inner tensors resident. As ``ModelProfile.estimate`` takes it.
     checkpoint_policy : None, "full", "op", int or callable
         How each checkpointed block is checkpointed, as ``ModelProfile.estimate`` takes it:
         ``"op"`` is torchtitan's op-level policy around each block
@@ -439,8 +442,12 @@ def measure(
     if quantized.quantized:  # refused before the copy is made, as the estimate refuses
         run_mode = parse_option(Mode, mode, "mode")
         check_quantized(quantized, run_mode, settings["lora_rank"], gpus, estimating=False)
-        require_bitsandbytes()
-        quantized_modules(model, quantized)
+        if quantized.torchao:  # torchao's quantize_ (torchao_weights.py)
+            check_weights_device(quantized, _model_device(model).type)
+            torchao_modules(model, quantized)
+        else:
+            require_bitsandbytes()
+            quantized_modules(model, quantized)
     levers: dict[str, Any] = {
         "checkpoint": settings["checkpoint"],
         "checkpoint_policy": settings["checkpoint_policy"],
@@ -752,7 +759,9 @@ class _Session:
         self.new_tokens = new_tokens
         self.model = _copy_model(model, dtype, mode)
         qlora = False
-        if weights is not None and weights.quantized:  # bitsandbytes quantizes the copy
+        if weights is not None and weights.torchao:  # torchao's quantize_ on the copy
+            self.model = real_torchao(self.model, weights)
+        elif weights is not None and weights.quantized:  # bitsandbytes quantizes the copy
             self.model = real_quantized(self.model, weights)
             self.model.train(mode is Mode.TRAIN)
             qlora = levers.lora_rank is not None
@@ -857,7 +866,8 @@ class _Session:
 
     def resident_tensors(self) -> Iterator[torch.Tensor]:
         """Parameters, buffers, optimizer state and inputs (repeats and views included)."""
-        yield from self.model.parameters()
+        for p in self.model.parameters():  # a torchao weight: its inner tensors
+            yield from torchao_inner(p) or [p]
         yield from self.model.buffers()
         yield from module_state_tensors(self.model)  # bitsandbytes' quant state
         if self.optimizer is not None:

@@ -121,6 +121,7 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward, zero_grads_in_place
+from .torchao_weights import fake_torchao_weight, is_torchao_weight, torchao_copy, torchao_inner
 
 LOSS_ROW_NAME = "(loss)"
 OPTIMIZER_ROW_NAME = "(optimizer)"
@@ -263,6 +264,9 @@ class Subject:
                 dtype = param_dtype
             if is_quantized_param(p):  # bitsandbytes' stored form (quantized.py)
                 params[name] = fake_quantized(p, dtype)
+                continue
+            if is_torchao_weight(p):  # torchao's tensor subclass (torchao_weights.py)
+                params[name] = fake_torchao_weight(p, dtype)
                 continue
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
@@ -494,17 +498,23 @@ class Profiler:
             cpu_semantics=subject.device is Device.CPU,
             count_flops=flops,
         )
-        rec.register_resident(
-            params.values(), Category.PARAMETER, [row for _n, _p, row in subject._params]
-        )
-        quant_states = [  # quantized weights' scales and codes (quantized.py), with them
-            (t, row) for (_n, _p, row), p in zip(subject._params, params.values(), strict=True)
-            for t in state_tensors(p)
+        # a torchao weight is a size-only wrapper: its inner tensors are the memory
+        inner = {n: torchao_inner(p) for n, p in params.items()}
+        plain = [
+            (p, row) for (n, _p, row), p in zip(subject._params, params.values(), strict=True)
+            if inner[n] is None
         ]  # fmt: skip
+        rec.register_resident([p for p, _r in plain], Category.PARAMETER, [r for _p, r in plain])
+        quant_states = [  # quantized weights' scales and codes (quantized.py), with them
+            (t, row) for (n, _p, row), p in zip(subject._params, params.values(), strict=True)
+            for t in (state_tensors(p) if inner[n] is None else inner[n] or [])
+        ]  # fmt: skip
+        bnb_states = any(state_tensors(p) for p in params.values() if torchao_inner(p) is None)
         if quant_states:
             rec.register_resident(
                 [t for t, _r in quant_states], Category.PARAMETER, [r for _t, r in quant_states]
             )
+        if bnb_states:
             fresh_int8_state(subject.model, params)
         rec.register_resident(
             buffers.values(), Category.BUFFER, [row for _n, _b, row in subject._buffers]
@@ -573,7 +583,7 @@ class Profiler:
                     self._compiled_step(model_fn, loss_fn, inputs, state, trainable, rec, precision)
                 )
             stack.enter_context(rec)
-            if quant_states:  # bitsandbytes' kernels as their CPU code runs them
+            if bnb_states:  # bitsandbytes' kernels as their CPU code runs them
                 stack.enter_context(DequantizingKernels(cpu=subject.device is Device.CPU))
             if compiled is None:
                 stack.enter_context(module_hooks(rec))
@@ -1483,13 +1493,19 @@ class _Source:
         dtype: str | None = None,
     ) -> ModelProfile:
         """The profile of a meta copy of the model with its Linear layers quantized by
-        bitsandbytes (``quantized.quantized_copy``; the model itself untouched) and, with
-        ``rank``, QLoRA's PEFT wrapping (``quantized.qlora_wrapped``)."""
+        bitsandbytes (``quantized.quantized_copy``; the model itself untouched) or torchao
+        (``torchao_weights.torchao_copy``) and, with ``rank``, QLoRA's PEFT wrapping
+        (``quantized.qlora_wrapped``)."""
         subject = self.profiler.subject
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore", InputShapeWarning)
-            warnings.filterwarnings("ignore", module=r"(peft|transformers|bitsandbytes)(\.|$)")
-            copy_ = quantized_copy(subject.model, weights)
+            warnings.filterwarnings(
+                "ignore", module=r"(peft|transformers|bitsandbytes|torchao)(\.|$)"
+            )
+            if weights.torchao:  # torchao's quantize_ (torchao_weights.py)
+                copy_ = torchao_copy(subject.model, weights)
+            else:
+                copy_ = quantized_copy(subject.model, weights)
             base_ids = {id(p) for p in copy_.parameters()}
             if rank is not None:
                 copy_ = qlora_wrapped(copy_, rank, targets, dtype)
@@ -1497,6 +1513,8 @@ class _Source:
             sub = self._sub_profile(copy_, cache=False)
         if rank is not None:
             sub.name_prefix = PEFT_PREFIX
+        if weights.torchao:  # quantize_ keeps every other parameter's dtype
+            return sub
         return _with_fixed_dtypes(sub, kept_dtypes(copy_, base_ids, rank is not None, dtype))
 
     def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:

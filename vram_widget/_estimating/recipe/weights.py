@@ -1,6 +1,7 @@
-"""How the base weights are stored: as the precision says, or quantized by bitsandbytes
+"""How the base weights are stored: as the precision says, quantized by bitsandbytes
 (``Linear4bit`` nf4 / fp4, ``Linear8bitLt`` int8), as Hugging Face's ``from_pretrained(...,
-quantization_config=BitsAndBytesConfig(...))`` applies it."""
+quantization_config=BitsAndBytesConfig(...))`` applies it, or by torchao's ``quantize_``
+(int8 / int4 weight-only tensor subclasses)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,27 @@ from ..options import StrEnum, parse_option
 
 
 class WeightFormat(StrEnum):
-    """A bitsandbytes storage of the ``nn.Linear`` weights: 4-bit NormalFloat (``nf4``,
-    QLoRA's), 4-bit float (``fp4``), both ``bitsandbytes.nn.Linear4bit``; or LLM.int8
-    (``int8``, ``bitsandbytes.nn.Linear8bitLt``)."""
+    """A quantized storage of the ``nn.Linear`` weights. bitsandbytes': 4-bit NormalFloat
+    (``nf4``, QLoRA's), 4-bit float (``fp4``), both ``bitsandbytes.nn.Linear4bit``; or
+    LLM.int8 (``int8``, ``bitsandbytes.nn.Linear8bitLt``). torchao's, applied by its
+    ``quantize_``: ``int8-torchao`` (``Int8WeightOnlyConfig``: ``Int8Tensor``, int8 per
+    output row) and ``int4-torchao`` (int4 in groups along the input: on the CPU
+    ``PrototypeInt4WeightOnlyConfig``'s ``Int4OpaqueTensor``)."""
 
     NF4 = "nf4"
     FP4 = "fp4"
     INT8 = "int8"
+    INT8_TORCHAO = "int8-torchao"
+    INT4_TORCHAO = "int4-torchao"
+
+
+# The formats torchao applies (the rest are bitsandbytes')
+TORCHAO_FORMATS = (WeightFormat.INT8_TORCHAO, WeightFormat.INT4_TORCHAO)
+
+# int4 group sizes: Int4WeightOnlyConfig's docstring ("choices are [256, 128, 64, 32]",
+# torchao/quantization/quant_api.py); the CPU's Int4OpaqueTensor.from_hp asserts 32, 64 or
+# 128 (torchao/prototype/quantization/int4/int4_opaque_tensor.py). Default 128, both configs'
+GROUP_SIZES = (32, 64, 128, 256)
 
 
 # Names that mean "not quantized": the weights in the precision's own dtype.
@@ -91,7 +106,13 @@ class Weights:
     skip_modules : tuple of str, optional
         ``llm_int8_skip_modules``: modules kept unquantized. None: transformers' default
         (``get_keys_to_not_convert``: the output embeddings, tied weights and the module of
-        the last parameter).
+        the last parameter). For torchao's formats, ``TorchAoConfig``'s
+        ``modules_to_not_convert`` alike (None: the same default on a transformers model,
+        nothing kept on any other module, as ``quantize_`` keeps nothing).
+    group_size : int
+        ``int4-torchao``: weights per int4 group along the input (``group_size``, default
+        128, as ``Int4WeightOnlyConfig``'s); a Linear whose input size it does not divide
+        stays unquantized, as torchao leaves it.
 
     Examples
     --------
@@ -102,7 +123,7 @@ class Weights:
     >>> Weights("int4")
     Traceback (most recent call last):
     ...
-    ValueError: unknown weights format 'int4'; valid values are 'nf4', 'fp4', 'int8' (or None ...
+    ValueError: unknown weights format 'int4'; valid values are 'nf4', 'fp4', 'int8', ...
     """
 
     format: WeightFormat | None = None
@@ -112,6 +133,7 @@ class Weights:
     quant_storage: str = "uint8"
     int8_threshold: float = 6.0
     skip_modules: tuple[str, ...] | None = None
+    group_size: int = 128
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", weight_format(self.format))
@@ -128,6 +150,12 @@ class Weights:
             raise ValueError(
                 f"blocksize must be one of {valid} (bitsandbytes'), got {self.blocksize!r}"
             )
+        if self.group_size not in GROUP_SIZES:
+            valid = ", ".join(map(str, GROUP_SIZES))
+            raise ValueError(
+                f"group_size must be one of {valid} (torchao's int4 groups), got "
+                f"{self.group_size!r}"
+            )
         if isinstance(self.skip_modules, str):
             object.__setattr__(self, "skip_modules", (self.skip_modules,))
         elif isinstance(self.skip_modules, list):
@@ -137,6 +165,11 @@ class Weights:
     def quantized(self) -> bool:
         """Whether any weight is quantized."""
         return self.format is not None
+
+    @property
+    def torchao(self) -> bool:
+        """Whether torchao (not bitsandbytes) quantizes the weights."""
+        return self.format in TORCHAO_FORMATS
 
     @property
     def four_bit(self) -> bool:
@@ -153,6 +186,13 @@ class Weights:
         """
         if self.format is None:
             return ""
+        if self.format is WeightFormat.INT8_TORCHAO:
+            return "int8-torchao (torchao Int8WeightOnlyConfig: Int8Tensor, per output row)"
+        if self.format is WeightFormat.INT4_TORCHAO:
+            return (
+                f"int4-torchao (torchao int4 weight-only, groups of {self.group_size}: "
+                "Int4OpaqueTensor on the CPU)"
+            )
         if self.format is WeightFormat.INT8:
             return f"int8 (bitsandbytes Linear8bitLt, outlier threshold {self.int8_threshold})"
         dq = ", double quantization" if self.double_quant else ""
@@ -190,8 +230,9 @@ class Weights:
 
 def parse_weights(value: object) -> Weights:
     """``weights=`` as given: None or ``"none"`` (not quantized), a format name (``"nf4"``,
-    ``"fp4"``, ``"int8"``, each at ``BitsAndBytesConfig``'s defaults), a :class:`Weights`,
-    or a ``transformers.BitsAndBytesConfig``.
+    ``"fp4"``, ``"int8"``, each at ``BitsAndBytesConfig``'s defaults; ``"int8-torchao"``,
+    ``"int4-torchao"`` at torchao's), a :class:`Weights`, or a
+    ``transformers.BitsAndBytesConfig``.
 
     Examples
     --------
@@ -205,6 +246,7 @@ def parse_weights(value: object) -> Weights:
     if type(value).__name__ == "BitsAndBytesConfig" or isinstance(value, dict):
         return Weights.from_bnb_config(value)
     raise TypeError(
-        f"weights must be None, 'nf4', 'fp4', 'int8', a vram_widget Weights or a "
+        f"weights must be None, 'nf4', 'fp4', 'int8', 'int8-torchao', 'int4-torchao', a "
+        "vram_widget Weights or a "
         f"transformers BitsAndBytesConfig; got {type(value).__name__}"
     )
