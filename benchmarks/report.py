@@ -490,6 +490,36 @@ def _compile_cuda() -> str:
     return "\n".join(lines)
 
 
+def _quantized_cuda() -> str:
+    """Quantized weights and float8 training on a real GPU (benchmarks/quantized_cuda.py)."""
+    path = RESULTS / "quantized_cuda.json"
+    if not path.exists():
+        return "No real-GPU results are recorded."
+    data = json.loads(path.read_text())
+    mib = 1 << 20
+    versions = ", ".join(
+        f"{k} {data[k]}" for k in ("torch", "bitsandbytes", "torchao") if k in data
+    )
+    lines = [
+        f"{data['gpu']}, {versions}; bf16; allocated peak (`max_memory_allocated`) measured "
+        "by `measure()`, estimate / measured.",
+        "",
+        "| model | setting | estimated | measured | ratio |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        if "error" in r:
+            measured = f"not run ({r['error'].split(':')[0]})"
+        else:
+            measured = f"{r['measured_bytes'] / mib:,.0f} MiB"
+        if "estimated_bytes" in r:
+            est, ratio = f"{r['estimated_bytes'] / mib:,.0f} MiB", f"{r['ratio']:.3f}"
+        else:
+            est, ratio = "not estimated", ""
+        lines.append(f"| {r['model']} | {r['setting']} | {est} | {measured} | {ratio} |")
+    return "\n".join(lines)
+
+
 def _accuracy_compile() -> str:
     """The compiled step's estimate against the measured one on the CPU
     (benchmarks/accuracy_compile.py)."""
@@ -518,6 +548,7 @@ PAGES = {
     "accuracy-cuda": "docs/accuracy.md",
     "levers-cuda": "docs/accuracy.md",
     "compile-cuda": "docs/accuracy.md",
+    "quantized-cuda": "docs/accuracy.md",
     "accuracy-compile": "docs/accuracy.md",
     "isa": "docs/accuracy.md",
     "deepspeed-states": "docs/guides/multi-gpu.md",
@@ -536,6 +567,7 @@ def main() -> None:
         "accuracy-cuda": _accuracy_cuda(),
         "levers-cuda": _levers_cuda(),
         "compile-cuda": _compile_cuda(),
+        "quantized-cuda": _quantized_cuda(),
         "accuracy-compile": _accuracy_compile(),
         "deepspeed-states": _deepspeed_states(),
         "isa": _isa(),
