@@ -45,10 +45,12 @@ from .options import (
     parse_optimizer_choice,
     parse_option,
 )
+from .float8 import check_float8
 from .quantized import check_quantized
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.ignored import warn_ignored
 from .recipe.recipe import default
+from .recipe.float8 import Float8
 from .recipe.weights import Weights
 from .sharding import (
     DEFAULT_GPUS_PER_NODE,
@@ -107,6 +109,8 @@ class ProfileSource(Protocol):
         targets: tuple[str, ...] | None = None,
         dtype: str | None = None,
     ) -> ModelProfile: ...
+
+    def float8_profile(self, float8: Float8) -> ModelProfile: ...
 
     def generation(
         self,
@@ -210,6 +214,8 @@ class ModelProfile:
         self._quantized_profiles: dict[
             tuple[Weights, int | None, tuple[str, ...] | None, str | None], ModelProfile
         ] = {}
+        # float8 training: the profile of torchao's float8 conversion of a meta copy
+        self._float8_profiles: dict[Float8, ModelProfile] = {}
         # data parallelism: (precision, levers, ranks, rank) -> buffers, optimizer shards
         self._rank_layouts: dict[
             tuple[Precision, Levers, Parallel, int | None],
@@ -310,6 +316,25 @@ class ModelProfile:
             self._quantized_profiles[key] = self._source.quantized_profile(*key)
         sub = self._quantized_profiles[key]
         return sub, {} if rank is None else self._lora_levers(levers)
+
+    def _float8(self, recipe: Recipe) -> tuple[ModelProfile, Recipe]:
+        """The profile of the model converted to float8 training by torchao (made on first
+        use, cached per setting; refused by name before any profiling where the step is not
+        estimated) and the recipe to ask it: the same, float8 off (the copy has the same
+        module names, so the levers apply as they are)."""
+        float8 = recipe.float8
+        check_float8(
+            float8,
+            recipe.step.mode,
+            recipe.step.precision,
+            recipe.weights,
+            recipe.levers.lora_rank,
+            recipe.parallel.gpus,
+            recipe.levers.compile,
+        )
+        if float8 not in self._float8_profiles:
+            self._float8_profiles[float8] = self._source.float8_profile(float8)
+        return self._float8_profiles[float8], dataclasses.replace(recipe, float8=Float8())
 
     def _made_lora(self, levers: Levers) -> tuple[ModelProfile, Levers] | None:
         """The LoRA profile of ``levers`` and the levers to ask it for, where it was made
@@ -533,6 +558,7 @@ class ModelProfile:
         lora_rank: int | None = default(None),
         lora_targets: object = default("auto"),
         weights: object = default(None),
+        float8: object = default(None),
         expandable_segments: bool = default(False),
         gpus: int = default(1),
         strategy: str | Strategy = default("ddp"),
@@ -623,6 +649,17 @@ class ModelProfile:
             ``_dequant_linear_fallback``); for up to 1,536 rows of input it may pick a fused
             kernel by the GPU's architecture (``_gemm_4bit_use_custom_cuda``) that makes
             only the output, so the estimate is an upper bound there (UNCONFIRMED on a GPU).
+        float8 : None, True, "tensorwise", "rowwise" or Float8
+            Float8 training by torchao: ``convert_to_float8_training`` on a meta copy (every
+            ``nn.Linear``, torchao's default; ``Float8(recipe, filter_fqns=...)`` keeps
+            layers in high precision, as torchtitan's ``filter_fqns`` does), with
+            ``Float8LinearConfig.from_recipe_name(recipe)``; True is torchao's default,
+            ``"tensorwise"``. The weights, their gradients and the optimizer state stay in
+            the precision's dtype; the casts to float8 are added. Training only, in fp32,
+            bf16 or fp16, on one GPU; a Linear whose dims are not multiples of 16 is refused
+            by name. ``device="cpu"`` runs torchao's ``emulate=True`` (what ``measure``
+            runs on a CPU); ``device="cuda"`` its ``torch._scaled_mm`` path (the kernel's
+            workspace UNCONFIRMED). Needs ``pip install torchao``.
             Needs ``pip install bitsandbytes transformers``.
         expandable_segments : bool
             The caching allocator's ``expandable_segments:True`` for ``reserved_bytes``,
@@ -729,6 +766,7 @@ class ModelProfile:
             lora_rank=lora_rank,
             lora_targets=lora_targets,
             weights=weights,
+            float8=float8,
             expandable_segments=expandable_segments,
             gpus=gpus,
             strategy=strategy,
@@ -796,6 +834,10 @@ class ModelProfile:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
+        if recipe.float8.enabled:  # torchao's float8 copy answers
+            sub, plain = self._float8(recipe)
+            est = sub._estimate(plain)
+            return dataclasses.replace(est, float8=recipe.float8.describe())
         parallel = self._parallel_of(recipe)
         asked_rank = check_rank(par.rank, parallel.gpus)
         if recipe.weights.quantized:
@@ -1393,6 +1435,15 @@ class ModelProfile:
         parallel = self._parallel_of(base)
         resolved = self._step_levers_of(base, parallel, None)
         lora_dtype = _lora_dtype_of(lv)
+        if base.float8.enabled:  # the float8 copy's own frontier
+            sub, plain = self._float8(base)
+            return sub.frontier(
+                capacity,
+                seq_lens=lengths,
+                profile_lengths=profile_lengths,
+                basis=basis,
+                recipe=plain,
+            )
         if base.weights.quantized:  # the quantized copy's own frontier
             check_quantized(base.weights, run_mode, lv.lora_rank, parallel.gpus)
             sub, kwargs = self._quantized(base.weights, resolved, lora_dtype)

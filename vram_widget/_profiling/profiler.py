@@ -36,6 +36,7 @@ from .._estimating.options import (
     parse_option,
 )
 from .._estimating.profile import ModelProfile, ProfilingError
+from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.weights import Weights
 from .._estimating.sharding import local_shard_shape
 from .._estimating.table import (
@@ -80,6 +81,7 @@ from .optimizers import (
 )
 from .param_groups import decay_parameter_names, trainer_groups
 from .probe import KernelProbe
+from .float8 import float8_copy, float8_kernels
 from .quantized import (
     DequantizingKernels,
     fake_quantized,
@@ -575,6 +577,8 @@ class Profiler:
             stack.enter_context(rec)
             if quant_states:  # bitsandbytes' kernels as their CPU code runs them
                 stack.enter_context(DequantizingKernels(cpu=subject.device is Device.CPU))
+            # torchao's float8 tensors' ops, their inner tensors recorded (float8.py)
+            stack.enter_context(float8_kernels(subject.model))
             if compiled is None:
                 stack.enter_context(module_hooks(rec))
             else:
@@ -1498,6 +1502,18 @@ class _Source:
         if rank is not None:
             sub.name_prefix = PEFT_PREFIX
         return _with_fixed_dtypes(sub, kept_dtypes(copy_, base_ids, rank is not None, dtype))
+
+    def float8_profile(self, float8: Float8) -> ModelProfile:
+        """The profile of a meta copy of the model converted to float8 training by torchao
+        (``float8.float8_copy``; the model itself untouched): ``emulate=True`` on
+        ``device="cpu"``, torchao's ``_scaled_mm`` path on ``device="cuda"``."""
+        subject = self.profiler.subject
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"torchao(\.|$)")
+            copy_ = float8_copy(subject.model, float8, emulate=subject.device is Device.CPU)
+            # not cached: the profile key does not read the float8 setting
+            return self._sub_profile(copy_, cache=False)
 
     def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:
         """A deferred profile of a meta copy of the model (LoRA's, the quantized one) with
