@@ -820,6 +820,10 @@ class ModelProfile:
 
     def _estimate(self, recipe: Recipe) -> MemoryEstimate:
         """:meth:`estimate` of one resolved Recipe."""
+        if recipe.float8.enabled:  # torchao's float8 copy answers
+            sub, plain = self._float8(recipe)
+            est = sub._estimate(plain)
+            return dataclasses.replace(est, float8=recipe.float8.describe())
         step, lv, par, acc = recipe.step, recipe.levers, recipe.parallel, recipe.accelerator
         batch, prec, run_mode = step.batch_size, step.precision, step.mode
         opt_name = recipe.optimizer.name
@@ -834,10 +838,6 @@ class ModelProfile:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
-        if recipe.float8.enabled:  # torchao's float8 copy answers
-            sub, plain = self._float8(recipe)
-            est = sub._estimate(plain)
-            return dataclasses.replace(est, float8=recipe.float8.describe())
         parallel = self._parallel_of(recipe)
         asked_rank = check_rank(par.rank, parallel.gpus)
         if recipe.weights.quantized:
