@@ -171,7 +171,7 @@ def test_measure_refuses_inference() -> None:
 
 
 def test_unknown_recipe() -> None:
-    with pytest.raises(ValueError, match="'tensorwise'.*'rowwise'"):
+    with pytest.raises(ValueError, match=r"'tensorwise'.*'rowwise'"):
         Recipe().with_(float8="blockwise")
 
 
@@ -184,7 +184,7 @@ def test_torchao_missing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_recipe_conflict_names_both() -> None:
     recipe = Recipe().with_(float8="rowwise")
-    with pytest.raises(ValueError, match="float8='tensorwise' conflicts.*'rowwise'"):
+    with pytest.raises(ValueError, match=r"float8='tensorwise' conflicts.*'rowwise'"):
         profile_model(_mlp(), input_size=(64,), device="cpu").estimate(
             recipe=recipe, float8="tensorwise"
         )

@@ -33,6 +33,7 @@ __all__ = [
     "BATCH_SLIDER_MAX",
     "CHECKPOINT_OFF",
     "EVERY_K",
+    "FLOAT8_CHOICES",
     "GPUS_MAX",
     "GROUP_TITLES",
     "LOSS_CHUNK_CHOICES",
@@ -68,7 +69,9 @@ OFFLOAD_CHOICES: tuple[str, ...] = (OFFLOAD_OFF, "torchtune", "save_on_cpu")
 # with QLoRA's double quantization too), or LLM.int8 without its outlier split (threshold 0:
 # the default threshold's split depends on the activations' values)
 WEIGHTS_OFF = "off"
-WEIGHT_CHOICES: tuple[str, ...] = (WEIGHTS_OFF, "nf4", "nf4-dq", "fp4", "int8")
+# and torchao's float8 training of the Linear layers (float8=, its two recipes)
+FLOAT8_CHOICES: tuple[str, ...] = ("float8-tensorwise", "float8-rowwise")
+WEIGHT_CHOICES: tuple[str, ...] = (WEIGHTS_OFF, "nf4", "nf4-dq", "fp4", "int8", *FLOAT8_CHOICES)
 
 GROUP_TITLES: tuple[str, ...] = ("Step", "Optimizer", "Memory levers", "GPUs")
 """The control tabs, in order: each answers one question about the step."""
@@ -82,7 +85,9 @@ TOOLTIPS: dict[str, str] = {
     "weights": "the Linear weights stored by bitsandbytes: nf4, nf4-dq (QLoRA's double "
     "quantization) or fp4 (Linear4bit, computed in the precision's dtype; training needs a "
     "LoRA rank: QLoRA), or int8 (Linear8bitLt, inference, without the outlier split: "
-    "threshold 0); off: the precision's dtype",
+    "threshold 0); float8-tensorwise / float8-rowwise: float8 training by torchao "
+    "(Float8Linear, training only; the weights stay in the precision's dtype); off: the "
+    "precision's dtype",
     "mode": "train: forward, backward, optimizer step; inference: one forward under "
     "no_grad; generate: prefill and decode steps with the KV cache",
     "new_tokens": "tokens a generation adds after the prompt (its KV cache grows with them)",

@@ -41,9 +41,7 @@ def indivisible(shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]
     {'fc2': (10, 512)}
     """
     return {
-        name: shape
-        for name, shape in shapes.items()
-        if any(int(d) % DIM_MULTIPLE for d in shape)
+        name: shape for name, shape in shapes.items() if any(int(d) % DIM_MULTIPLE for d in shape)
     }
 
 

@@ -25,6 +25,7 @@ from .decoding import (
     crosses_window,
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
+from .float8 import check_float8
 from .gpus import Gpu, resolve_gpu
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
 from .offloading import offload_levers
@@ -45,12 +46,11 @@ from .options import (
     parse_optimizer_choice,
     parse_option,
 )
-from .float8 import check_float8
 from .quantized import check_quantized
 from .recipe import Accelerator, LeverSettings, Recipe
+from .recipe.float8 import Float8
 from .recipe.ignored import warn_ignored
 from .recipe.recipe import default
-from .recipe.float8 import Float8
 from .recipe.weights import Weights
 from .sharding import (
     DEFAULT_GPUS_PER_NODE,

@@ -66,6 +66,7 @@ from .fake import (
     quiet_third_party,
     reparametrized,
 )
+from .float8 import float8_copy, float8_kernels
 from .generation import generation_limit, prompt_inputs, recorded_generation
 from .hub import model_or_name
 from .offloading import OffloadEmulation, emulated_offloading, offloaded_forward
@@ -81,7 +82,6 @@ from .optimizers import (
 )
 from .param_groups import decay_parameter_names, trainer_groups
 from .probe import KernelProbe
-from .float8 import float8_copy, float8_kernels
 from .quantized import (
     DequantizingKernels,
     fake_quantized,
