@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ._estimating.profile import ModelProfile, ProfilingError
     from ._estimating.recipe import (
         Accelerator,
+        Float8,
         Generation,
         LeverSettings,
         Optimizer,
@@ -70,6 +71,7 @@ _LAZY = {
     "Generation": "._estimating.recipe",
     "Accelerator": "._estimating.recipe",
     "Weights": "._estimating.recipe",
+    "Float8": "._estimating.recipe",
     "profile_model": "._profiling.profiler",
     "MemoryWidget": "._display.widget",
     "show_memory": "._display.widget",
@@ -82,6 +84,7 @@ __all__ = [
     "CacheWarning",
     "Category",
     "Device",
+    "Float8",
     "Frontier",
     "Generation",
     "Gpu",

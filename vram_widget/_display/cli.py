@@ -186,6 +186,8 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
             double_quant=args.double_quant,
             int8_threshold=6.0 if args.int8_threshold is None else args.int8_threshold,
         )
+    if args.float8 is not None:
+        keywords["float8"] = args.float8
     if args.expandable_segments:
         keywords["expandable_segments"] = True
     if args.context_bytes is not None:
@@ -298,6 +300,7 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "flops": est.flops,
         "levers": est.levers.describe(),
         "weights": est.weights or None,
+        "float8": est.float8 or None,
         "gpus": est.gpus,
         "strategy": None if est.strategy is None else est.strategy.value,
         "nccl_buffer_bytes": None if est.nccl is None else est.nccl.nbytes,
@@ -321,6 +324,8 @@ def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[
     first = settings[0].estimate
     if first.weights:
         print(f"weights: {first.weights}")
+    if first.float8:
+        print(f"float8: {first.float8}")
     if first.levers.active:
         print(f"levers: {first.levers.describe()}")
     if first.host_bytes:

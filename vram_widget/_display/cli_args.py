@@ -401,6 +401,12 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         "install bitsandbytes transformers` or `pip install torchao`)",
     )
     settings.add_argument(
+        "--float8",
+        choices=("tensorwise", "rowwise"),
+        help="float8 training of the Linear layers by torchao's convert_to_float8_training "
+        "with that recipe (training only; needs `pip install torchao`)",
+    )
+    settings.add_argument(
         "--int8-threshold",
         type=float,
         metavar="T",

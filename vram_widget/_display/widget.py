@@ -66,8 +66,8 @@ from .widget_settings import OffloadTrait as _OffloadTrait
 from .widget_settings import OptimizerTrait as _OptimizerTrait
 from .widget_settings import check_optimizer_settings as _check_optimizer_settings
 from .widget_settings import check_policy_value as _check_policy_value
+from .widget_settings import float8_arg, offload_arg, offload_choice, weights_arg
 from .widget_settings import gpu_settings as _gpu_settings
-from .widget_settings import offload_arg, offload_choice, weights_arg
 from .widget_summary import DETAILS_TITLE, SummaryMixin
 from .widget_text import (
     Headline,
@@ -120,7 +120,9 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
     show_frontier = traitlets.Bool(False)
     # the Linear weights stored by bitsandbytes: "off" (the precision's dtype), "nf4",
     # "nf4-dq" (double quantization) or "fp4", computed in the precision's dtype, or "int8"
-    # (LLM.int8 at threshold 0); torchao's "int8-torchao" / "int4-torchao"
+    # (LLM.int8 at threshold 0); torchao's "int8-torchao" / "int4-torchao"; or
+    # "float8-tensorwise" / "float8-rowwise": torchao's float8 training of the Linear layers
+    # (estimate's float8=)
     weights = traitlets.Enum(list(WEIGHT_CHOICES), default_value=WEIGHTS_OFF)
     # memory levers: "off", "auto" or a class name of repeated blocks; glob patterns of the
     # parameters that train, comma-separated ("" = as the model is); micro-batches per step
@@ -417,6 +419,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
             "loss_chunks": self.loss_chunks,
             "offload_activations": offload_arg(self.offload_activations),
             "weights": weights_arg(self.weights, self.precision),
+            "float8": float8_arg(self.weights),
             **({"expandable_segments": self.expandable_segments} if self._cuda else {}),
             "gpus": self.gpus,
             "strategy": self.strategy,

@@ -33,6 +33,7 @@ __all__ = [
     "BATCH_SLIDER_MAX",
     "CHECKPOINT_OFF",
     "EVERY_K",
+    "FLOAT8_CHOICES",
     "GPUS_MAX",
     "GROUP_TITLES",
     "LOSS_CHUNK_CHOICES",
@@ -69,8 +70,11 @@ OFFLOAD_CHOICES: tuple[str, ...] = (OFFLOAD_OFF, "torchtune", "save_on_cpu")
 # the default threshold's split depends on the activations' values); torchao's int8 and
 # int4 weight-only formats (quantize_)
 WEIGHTS_OFF = "off"
+# and torchao's float8 training of the Linear layers (float8=, its two recipes)
+FLOAT8_CHOICES: tuple[str, ...] = ("float8-tensorwise", "float8-rowwise")
 WEIGHT_CHOICES: tuple[str, ...] = (
-    WEIGHTS_OFF, "nf4", "nf4-dq", "fp4", "int8", "int8-torchao", "int4-torchao"
+    WEIGHTS_OFF, "nf4", "nf4-dq", "fp4", "int8", "int8-torchao", "int4-torchao",
+    *FLOAT8_CHOICES,
 )  # fmt: skip
 
 GROUP_TITLES: tuple[str, ...] = ("Step", "Optimizer", "Memory levers", "GPUs")
@@ -86,7 +90,9 @@ TOOLTIPS: dict[str, str] = {
     "quantization) or fp4 (Linear4bit, computed in the precision's dtype; training needs a "
     "LoRA rank: QLoRA), or int8 (Linear8bitLt, inference, without the outlier split: "
     "threshold 0); int8-torchao / int4-torchao: torchao's quantize_ (inference; int4 on "
-    "the CPU only); off: the precision's dtype",
+    "the CPU only); float8-tensorwise / float8-rowwise: float8 training by torchao "
+    "(Float8Linear, training only; the weights stay in the precision's dtype); off: the "
+    "precision's dtype",
     "mode": "train: forward, backward, optimizer step; inference: one forward under "
     "no_grad; generate: prefill and decode steps with the KV cache",
     "new_tokens": "tokens a generation adds after the prompt (its KV cache grows with them)",

@@ -27,6 +27,7 @@ __all__ = [
     "check_optimizer_settings",
     "check_policy_value",
     "checkpoint_arg",
+    "float8_arg",
     "gpu_settings",
     "offload_arg",
     "offload_choice",
@@ -209,6 +210,22 @@ def offload_arg(choice: str) -> str | None:
     return None if choice == OFFLOAD_OFF else choice
 
 
+# the weights choices that are float8 training (``float8=``), not a storage of the weights
+FLOAT8_PREFIX = "float8-"
+
+
+def float8_arg(choice: str) -> str | None:
+    """The ``weights`` trait's float8 training choice as ``estimate``'s ``float8`` keyword
+    (its recipe), None for the other choices.
+
+    Examples
+    --------
+    >>> float8_arg("float8-rowwise"), float8_arg("nf4")
+    ('rowwise', None)
+    """
+    return choice.removeprefix(FLOAT8_PREFIX) if choice.startswith(FLOAT8_PREFIX) else None
+
+
 def weights_arg(choice: str, precision: str) -> Weights | None:
     """The ``weights`` trait's choice as ``estimate``'s keyword: None for ``"off"``, else
     ``Linear4bit`` computing in the precision's dtype (bf16 / fp16; fp32 otherwise), with
@@ -224,7 +241,7 @@ def weights_arg(choice: str, precision: str) -> Weights | None:
     >>> weights_arg("int4-torchao", "bf16").describe()
     'int4-torchao (torchao int4 weight-only, groups of 128: Int4OpaqueTensor on the CPU)'
     """
-    if choice == WEIGHTS_OFF:
+    if choice == WEIGHTS_OFF or choice.startswith(FLOAT8_PREFIX):
         return None
     if choice == "int8":  # without the outlier split, whose memory depends on values
         return Weights(weight_format(choice), int8_threshold=0.0)

@@ -190,6 +190,8 @@ class MemoryEstimate:
     # how the base weights are stored where bitsandbytes quantized them
     # (``Weights.describe()``); "" in the precision's dtype
     weights: str = ""
+    # torchao's float8 training of the Linear layers (``Float8.describe()``); "" off
+    float8: str = ""
 
     @property
     def compile_bound(self) -> bool:

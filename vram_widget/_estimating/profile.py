@@ -25,6 +25,7 @@ from .decoding import (
     crosses_window,
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
+from .float8 import check_float8
 from .gpus import Gpu, resolve_gpu
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
 from .offloading import offload_levers
@@ -47,6 +48,7 @@ from .options import (
 )
 from .quantized import check_quantized, check_weights_device
 from .recipe import Accelerator, LeverSettings, Recipe
+from .recipe.float8 import Float8
 from .recipe.ignored import warn_ignored
 from .recipe.recipe import default
 from .recipe.weights import Weights
@@ -107,6 +109,8 @@ class ProfileSource(Protocol):
         targets: tuple[str, ...] | None = None,
         dtype: str | None = None,
     ) -> ModelProfile: ...
+
+    def float8_profile(self, float8: Float8) -> ModelProfile: ...
 
     def generation(
         self,
@@ -210,6 +214,8 @@ class ModelProfile:
         self._quantized_profiles: dict[
             tuple[Weights, int | None, tuple[str, ...] | None, str | None], ModelProfile
         ] = {}
+        # float8 training: the profile of torchao's float8 conversion of a meta copy
+        self._float8_profiles: dict[Float8, ModelProfile] = {}
         # data parallelism: (precision, levers, ranks, rank) -> buffers, optimizer shards
         self._rank_layouts: dict[
             tuple[Precision, Levers, Parallel, int | None],
@@ -310,6 +316,25 @@ class ModelProfile:
             self._quantized_profiles[key] = self._source.quantized_profile(*key)
         sub = self._quantized_profiles[key]
         return sub, {} if rank is None else self._lora_levers(levers)
+
+    def _float8(self, recipe: Recipe) -> tuple[ModelProfile, Recipe]:
+        """The profile of the model converted to float8 training by torchao (made on first
+        use, cached per setting; refused by name before any profiling where the step is not
+        estimated) and the recipe to ask it: the same, float8 off (the copy has the same
+        module names, so the levers apply as they are)."""
+        float8 = recipe.float8
+        check_float8(
+            float8,
+            recipe.step.mode,
+            recipe.step.precision,
+            recipe.weights,
+            recipe.levers.lora_rank,
+            recipe.parallel.gpus,
+            recipe.levers.compile,
+        )
+        if float8 not in self._float8_profiles:
+            self._float8_profiles[float8] = self._source.float8_profile(float8)
+        return self._float8_profiles[float8], dataclasses.replace(recipe, float8=Float8())
 
     def _made_lora(self, levers: Levers) -> tuple[ModelProfile, Levers] | None:
         """The LoRA profile of ``levers`` and the levers to ask it for, where it was made
@@ -533,6 +558,7 @@ class ModelProfile:
         lora_rank: int | None = default(None),
         lora_targets: object = default("auto"),
         weights: object = default(None),
+        float8: object = default(None),
         expandable_segments: bool = default(False),
         gpus: int = default(1),
         strategy: str | Strategy = default("ddp"),
@@ -629,6 +655,17 @@ class ModelProfile:
             ``Int4OpaqueTensor``), inference only, on the ``nn.Linear`` layers (on a
             transformers model, not the output embeddings, as ``TorchAoConfig``); needs
             ``pip install torchao``.
+        float8 : None, True, "tensorwise", "rowwise" or Float8
+            Float8 training by torchao: ``convert_to_float8_training`` on a meta copy (every
+            ``nn.Linear``, torchao's default; ``Float8(recipe, filter_fqns=...)`` keeps
+            layers in high precision, as torchtitan's ``filter_fqns`` does), with
+            ``Float8LinearConfig.from_recipe_name(recipe)``; True is torchao's default,
+            ``"tensorwise"``. The weights, their gradients and the optimizer state stay in
+            the precision's dtype; the casts to float8 are added. Training only, in fp32,
+            bf16 or fp16, on one GPU; a Linear whose dims are not multiples of 16 is refused
+            by name. ``device="cpu"`` runs torchao's ``emulate=True`` (what ``measure``
+            runs on a CPU); ``device="cuda"`` its ``torch._scaled_mm`` path (the kernel's
+            workspace UNCONFIRMED). Needs ``pip install torchao``.
         expandable_segments : bool
             The caching allocator's ``expandable_segments:True`` for ``reserved_bytes``,
             ``device_bytes``, ``fits_device`` and ``memory_snapshot`` (``device="cuda"``
@@ -734,6 +771,7 @@ class ModelProfile:
             lora_rank=lora_rank,
             lora_targets=lora_targets,
             weights=weights,
+            float8=float8,
             expandable_segments=expandable_segments,
             gpus=gpus,
             strategy=strategy,
@@ -787,6 +825,10 @@ class ModelProfile:
 
     def _estimate(self, recipe: Recipe) -> MemoryEstimate:
         """:meth:`estimate` of one resolved Recipe."""
+        if recipe.float8.enabled:  # torchao's float8 copy answers
+            sub, plain = self._float8(recipe)
+            est = sub._estimate(plain)
+            return dataclasses.replace(est, float8=recipe.float8.describe())
         step, lv, par, acc = recipe.step, recipe.levers, recipe.parallel, recipe.accelerator
         batch, prec, run_mode = step.batch_size, step.precision, step.mode
         opt_name = recipe.optimizer.name
@@ -1399,6 +1441,15 @@ class ModelProfile:
         parallel = self._parallel_of(base)
         resolved = self._step_levers_of(base, parallel, None)
         lora_dtype = _lora_dtype_of(lv)
+        if base.float8.enabled:  # the float8 copy's own frontier
+            sub, plain = self._float8(base)
+            return sub.frontier(
+                capacity,
+                seq_lens=lengths,
+                profile_lengths=profile_lengths,
+                basis=basis,
+                recipe=plain,
+            )
         if base.weights.quantized:  # the quantized copy's own frontier
             check_quantized(base.weights, run_mode, lv.lora_rank, parallel.gpus)
             check_weights_device(base.weights, self.device)

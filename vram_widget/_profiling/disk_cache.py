@@ -584,6 +584,10 @@ class DiskCachedSource:
         # a profile of bitsandbytes' quantized meta copy, made by the wrapped source
         return self.inner.quantized_profile(*args)
 
+    def float8_profile(self, *args: Any) -> Any:
+        # a profile of torchao's float8 conversion of a meta copy, made by the wrapped source
+        return self.inner.float8_profile(*args)
+
     def generation(
         self,
         precision: Precision,

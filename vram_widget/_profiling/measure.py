@@ -50,6 +50,7 @@ from .._estimating.options import (
 )
 from .._estimating.quantized import check_quantized, check_weights_device
 from .._estimating.recipe import Optimizer, Recipe, Step
+from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.recipe import default, given
 from .._estimating.recipe.weights import Weights, parse_weights
 from .._estimating.sharding import (
@@ -68,6 +69,7 @@ from .._estimating.decoding import check_generation
 from .carried import CarriedScalars
 from .chunked_loss import checked_loss_chunks, chunked_step
 from .compiled import FORWARD_MARKER, WatchedForward, compiled_forward, compiled_run
+from .float8 import checked_float8, converted
 from .generation import generation_limit, prompt_inputs
 from .offloading import offloaded_forward, real_offloading
 from .optimizers import state_tensors
@@ -209,6 +211,7 @@ def measure(
     lora_targets: object = default("auto"),
     lora_dtype: str | None = default(None),
     weights: object = default(None),
+    float8: object = default(None),
     snapshot: bool = False,
     gpus: int = default(1),
     strategy: str | Strategy = default("ddp"),
@@ -281,6 +284,11 @@ def measure(
         (scales, codes) counts as resident. ``"int8-torchao"`` / ``"int4-torchao"``:
         torchao's own ``quantize_`` on the copy (``torchao_weights.py``), its tensor
         subclasses' inner tensors resident. As ``ModelProfile.estimate`` takes it.
+    float8 : None, True, "tensorwise", "rowwise" or Float8
+        The copy's Linear layers swapped for torchao's ``Float8Linear`` by
+        ``convert_to_float8_training`` (``float8.py``), with ``emulate=True`` on a CPU (its
+        float8 matmul in float32 ops) and torchao's ``torch._scaled_mm`` on CUDA. Training
+        only. As ``ModelProfile.estimate`` takes it.
     checkpoint_policy : None, "full", "op", int or callable
         How each checkpointed block is checkpointed, as ``ModelProfile.estimate`` takes it:
         ``"op"`` is torchtitan's op-level policy around each block
@@ -417,6 +425,7 @@ def measure(
             "trainable": trainable,
             "grad_accumulation": grad_accumulation, "lora_rank": lora_rank,
             "lora_targets": lora_targets, "lora_dtype": lora_dtype, "weights": weights,
+            "float8": float8,
             "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
             "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
@@ -448,6 +457,7 @@ def measure(
         else:
             require_bitsandbytes()
             quantized_modules(model, quantized)
+    float8_setting = checked_float8(model, settings, quantized, scope)
     levers: dict[str, Any] = {
         "checkpoint": settings["checkpoint"],
         "checkpoint_policy": settings["checkpoint_policy"],
@@ -512,6 +522,7 @@ def measure(
         offload_activations=settings["offload_activations"],
         compiled=(scope, budget),
         weights=quantized,
+        float8=float8_setting,
         **levers,
     )[0]
 
@@ -639,6 +650,7 @@ def _measure(
     offload_activations: object = None,
     compiled: tuple[CompileScope | None, float | None] = (None, None),
     weights: Weights | None = None,
+    float8: Float8 | None = None,
 ) -> tuple[Measurement, _CpuTrace | None]:
     """``measure``, also returning the CPU allocator trace (None on CUDA) for the tests.
     ``setup`` wraps the model copy as a data-parallel library does (a rank of
@@ -675,7 +687,7 @@ def _measure(
             model, user_inputs, loss_fn, opt_name, prec, run_mode, device, levers, setup,
             parallel, new_tokens, implementation, stepping, protocol, decay_split,
             carried_scalars, lora_dtype, chunks if run_mode is Mode.TRAIN else None, offload,
-            compiled[0], output_bytes, weights,
+            compiled[0], output_bytes, weights, float8,
         )  # fmt: skip
 
     if snapshot and device.type != "cuda":
@@ -754,10 +766,13 @@ class _Session:
         compile_scope: CompileScope | None = None,
         output_bytes: list[int] | None = None,
         weights: Weights | None = None,
+        float8: Float8 | None = None,
     ) -> None:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
         self.model = _copy_model(model, dtype, mode)
+        if float8 is not None and float8.enabled:  # torchao converts the copy (float8.py)
+            self.model = converted(self.model, float8, emulate=device.type == "cpu")
         qlora = False
         if weights is not None and weights.torchao:  # torchao's quantize_ on the copy
             self.model = real_torchao(self.model, weights)

@@ -22,6 +22,7 @@ MEASURED_SETTINGS = (
     "lora_targets",
     "lora_dtype",
     "weights",
+    "float8",
     "gpus",
     "strategy",
     "gpus_per_node",

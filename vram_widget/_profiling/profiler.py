@@ -36,6 +36,7 @@ from .._estimating.options import (
     parse_option,
 )
 from .._estimating.profile import ModelProfile, ProfilingError
+from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.weights import Weights
 from .._estimating.sharding import local_shard_shape
 from .._estimating.table import (
@@ -65,6 +66,7 @@ from .fake import (
     quiet_third_party,
     reparametrized,
 )
+from .float8 import float8_copy, float8_kernels
 from .generation import generation_limit, prompt_inputs, recorded_generation
 from .hub import model_or_name
 from .offloading import OffloadEmulation, emulated_offloading, offloaded_forward
@@ -585,6 +587,8 @@ class Profiler:
             stack.enter_context(rec)
             if bnb_states:  # bitsandbytes' kernels as their CPU code runs them
                 stack.enter_context(DequantizingKernels(cpu=subject.device is Device.CPU))
+            # torchao's float8 tensors' ops, their inner tensors recorded (float8.py)
+            stack.enter_context(float8_kernels(subject.model))
             if compiled is None:
                 stack.enter_context(module_hooks(rec))
             else:
@@ -1516,6 +1520,18 @@ class _Source:
         if weights.torchao:  # quantize_ keeps every other parameter's dtype
             return sub
         return _with_fixed_dtypes(sub, kept_dtypes(copy_, base_ids, rank is not None, dtype))
+
+    def float8_profile(self, float8: Float8) -> ModelProfile:
+        """The profile of a meta copy of the model converted to float8 training by torchao
+        (``float8.float8_copy``; the model itself untouched): ``emulate=True`` on
+        ``device="cpu"``, torchao's ``_scaled_mm`` path on ``device="cuda"``."""
+        subject = self.profiler.subject
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"torchao(\.|$)")
+            copy_ = float8_copy(subject.model, float8, emulate=subject.device is Device.CPU)
+            # not cached: the profile key does not read the float8 setting
+            return self._sub_profile(copy_, cache=False)
 
     def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:
         """A deferred profile of a meta copy of the model (LoRA's, the quantized one) with

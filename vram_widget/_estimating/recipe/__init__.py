@@ -3,6 +3,7 @@
 No torch here: a Recipe is plain data that every stage reads.
 """
 
+from .float8 import Float8, Float8Recipe
 from .generation import Generation
 from .ignored import RecipeSettingIgnored
 from .levers import LeverSettings
@@ -15,6 +16,8 @@ from .weights import WeightFormat, Weights
 __all__ = [
     "KEYWORD_FIELDS",
     "Accelerator",
+    "Float8",
+    "Float8Recipe",
     "Generation",
     "LeverSettings",
     "Optimizer",

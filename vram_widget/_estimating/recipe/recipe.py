@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar, cast
 
+from .float8 import Float8, parse_float8
 from .generation import Generation
 from .levers import LeverSettings
 from .optimizer import Optimizer
@@ -98,6 +99,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "fsdp_units": ("parallel", "fsdp_units"),
     "new_tokens": ("generation", "new_tokens"),
     "weights": ("weights", ""),
+    "float8": ("float8", ""),
 }
 
 # Settings that were replaced, and what replaces them: a clear error names the new form.
@@ -114,7 +116,8 @@ class Recipe:
     Each concern is a small record of its own: :class:`Step` (batch, sequence length,
     precision, mode), :class:`Optimizer` (name and implementation), :class:`LeverSettings`
     (checkpointing, trainable subsets, LoRA, gradient accumulation), :class:`Weights`
-    (bitsandbytes' quantized base weights), :class:`ParallelSettings` (data-parallel ranks
+    (bitsandbytes' quantized base weights), :class:`Float8` (torchao's float8 training of
+    the Linear layers), :class:`ParallelSettings` (data-parallel ranks
     and strategy), :class:`Generation` (new tokens) and :class:`Accelerator` (compute
     capability, allocator settings).
     ``ModelProfile.estimate(recipe=...)``, its searches and ``measure(recipe=...)`` take
@@ -139,6 +142,7 @@ class Recipe:
     parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
     generation: Generation = dataclasses.field(default_factory=Generation)
     weights: Weights = dataclasses.field(default_factory=Weights)
+    float8: Float8 = dataclasses.field(default_factory=Float8)
     accelerator: Accelerator = dataclasses.field(default_factory=Accelerator)
     # settings of the config this Recipe was read from that change memory but are not
     # estimated (``from_training_arguments``, ``from_torchtune``), each with what it changes;
@@ -281,6 +285,9 @@ class Recipe:
             if group == "weights":  # the whole record, from any form parse_weights reads
                 changes[group] = parse_weights(fields.pop(""))
                 continue
+            if group == "float8":  # the whole record: True, a recipe name or a Float8
+                changes[group] = parse_float8(fields.pop(""))
+                continue
             changes[group] = dataclasses.replace(record, **fields)
         return dataclasses.replace(self, **changes)
 
@@ -344,5 +351,7 @@ def _show(value: object) -> str:
         return repr(f"{value.name.value}{suffix}")
     if isinstance(value, Weights) and value == Weights(value.format):
         return _show(value.format)
+    if isinstance(value, Float8) and value == Float8(value.recipe):
+        return _show(value.recipe)
     inner = getattr(value, "value", value)
     return repr(inner)

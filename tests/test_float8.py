@@ -1,0 +1,190 @@
+"""Float8 training (``float8=True | "tensorwise" | "rowwise"``): the estimate from the plain
+model's profile against torchao's real converted model (``convert_to_float8_training``,
+``emulate=True``) stepped on the CPU, to the byte; and the settings refused before any
+profiling."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from models import assert_model_unchanged, hf_llama, hf_tokens, snapshot_model
+
+from vram_widget import Float8, Recipe, measure, profile_model, zoo
+
+pytest.importorskip("torchao")
+pytest.importorskip("transformers")
+
+RECIPES = ("tensorwise", "rowwise")
+PRECISIONS = ("fp32", "bf16")
+
+
+def _mlp() -> torch.nn.Module:
+    """The zoo MLP with every Linear dim a multiple of 16 (64 -> 128 -> 128 -> 32)."""
+    torch.manual_seed(0)
+    return zoo.mlp(in_features=64, hidden=(128, 128), num_classes=32)
+
+
+def _mlp_input(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 64, generator=torch.Generator().manual_seed(0))
+
+
+def _gpt2() -> torch.nn.Module:
+    """GPT-2 of 2 layers of 64 with a vocabulary of 1,024 (its one nn.Linear, the output
+    layer, is 1024 x 64; the others are transformers' Conv1D, which torchao leaves)."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=1024, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _gpt2_tokens(batch: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 1024, (batch, 16), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_one_linear_by_hand() -> None:
+    # nn.Linear(64, 32, bias=False), fp32, SGD (no state), batch 4, tensorwise on the CPU.
+    # Resident: the weight 32 x 64 x 4 B = 8,192 and the input 4 x 64 x 4 B = 1,024.
+    # Float8Linear keeps the weight as the parameter, so its gradient is 8,192 B as for a
+    # plain Linear, and autograd saves the input and a view of the weight (no new bytes).
+    # The peak is in the backward's grad_input matmul (torchao's emulated float8 mm,
+    # float8_ops.py: torch.mm(a._data.float() / a._scale, b._data.float() / b._scale)):
+    #   the weight cast to e4m3 again                      32 x 64 x 1 =  2,048
+    #   its column-major copy (preprocess_addmm)           32 x 64 x 1 =  2,048
+    #   the weight's float32 copy and that divided by its scale  2 x 8,192 = 16,384
+    #   the output gradient (float32) and its e5m2 cast     512 + 128   =    640
+    #   the output gradient divided by its scale            4 x 32 x 4  =    512
+    #   the model's output, kept                            4 x 32 x 4  =    512
+    #   four float32 scalars (the loss, its gradient, the two scales)   =     16
+    # = 22,160 above the resident 9,216: 31,376. A plain Linear's step peaks at 18,440.
+    model = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(4, 64)
+    profile = profile_model(model, input_size=(64,), device="cpu")
+    plain = profile.estimate(4, optimizer="sgd")
+    est = profile.estimate(4, optimizer="sgd", float8=True)
+    assert (est.parameter_bytes, est.gradient_bytes, est.activation_bytes) == (8192, 8192, 0)
+    assert est.peak_bytes == 9216 + 22160 == 31376
+    assert plain.peak_bytes == 18440
+    assert measure(model, x, optimizer="sgd", float8=True).peak_bytes == est.peak_bytes
+    assert est.float8 == "float8 tensorwise (torchao Float8Linear)"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_mlp_matches_torchao(recipe: str, precision: str) -> None:
+    model = _mlp()
+    before = snapshot_model(model)
+    profile = profile_model(model, input_size=(64,), device="cpu")
+    for batch in (1, 4):
+        est = profile.estimate(batch, precision=precision, optimizer="adamw", float8=recipe)
+        real = measure(
+            model, _mlp_input(batch), optimizer="adamw", precision=precision, float8=recipe
+        )
+        assert est.peak_bytes == real.peak_bytes, (batch, est.peak_bytes, real.peak_bytes)
+    assert_model_unchanged(model, before)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hf_matches_torchao(name: str, precision: str, recipe: str) -> None:
+    if name == "llama":  # a vocabulary of 1,000: its output layer kept, as torchtitan does
+        model, tokens, float8 = hf_llama(), hf_tokens, Float8(recipe, filter_fqns="lm_head")
+    else:
+        model, tokens, float8 = _gpt2(), _gpt2_tokens, Float8(recipe)
+    profile = profile_model(model, inputs=tokens(2), device="cpu")
+    recipe_ = Recipe().with_(precision=precision, optimizer="adamw", float8=float8)
+    for batch in (1, 4):
+        est = profile.estimate(recipe=recipe_.with_(batch_size=batch))
+        real = measure(model, tokens(batch), recipe=recipe_)
+        assert est.peak_bytes == real.peak_bytes, (batch, est.peak_bytes, real.peak_bytes)
+        plain = profile.estimate(recipe=recipe_.with_(batch_size=batch, float8=None))
+        # the parameters, gradients and optimizer state are the precision's either way
+        assert est.parameter_bytes == plain.parameter_bytes
+        assert est.gradient_bytes == plain.gradient_bytes
+        assert est.optimizer_state_bytes == plain.optimizer_state_bytes
+
+
+def test_float8_costs_memory_at_batch_4() -> None:
+    # torchao issues #1102 / #2262: the casts come on top of what a plain step keeps
+    profile = profile_model(_mlp(), input_size=(64,), device="cpu")
+    plain = profile.estimate(4, precision="bf16", optimizer="adamw")
+    assert profile.estimate(4, precision="bf16", optimizer="adamw", float8=True).peak_bytes > (
+        plain.peak_bytes
+    )
+
+
+def test_cuda_profile_takes_scaled_mm_path() -> None:
+    # device="cuda": torchao's _scaled_mm writes the output in its dtype, without the
+    # emulation's float32 copies; it runs on fake tensors and gives its own number
+    profile = profile_model(_mlp(), input_size=(64,), device="cuda")
+    est = profile.estimate(4, precision="bf16", optimizer="adamw", float8="rowwise")
+    assert est.peak_bytes > profile.estimate(4, precision="bf16", optimizer="adamw").peak_bytes
+    assert est.float8.startswith("float8 rowwise")
+
+
+def test_indivisible_layers_are_named_before_profiling() -> None:
+    model = zoo.mlp()  # 784 -> 512 -> 512 -> 10: the last layer's 10 is no multiple of 16
+    profile = profile_model(model, input_size=(784,), device="cpu")
+    with pytest.raises(ValueError, match=r"6 \(10 x 512\).*filter_fqns=\('6',\)"):
+        profile.estimate(4, float8=True)
+    assert not profile._float8_profiles  # nothing profiled
+    with pytest.raises(ValueError, match=r"6 \(10 x 512\)"):
+        measure(model, torch.randn(2, 784), float8=True)
+    kept = profile.estimate(4, float8=Float8(True, filter_fqns="6"))
+    assert kept.peak_bytes > 0
+
+
+def test_llama_output_layer_is_refused_by_name() -> None:
+    profile = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+    with pytest.raises(ValueError, match=r"lm_head \(1000 x 64\)"):
+        profile.estimate(1, float8="rowwise")
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"mode": "inference"}, "Float8DynamicActivationFloat8WeightConfig"),
+        ({"mode": "generate"}, "has no backward"),
+        ({"weights": "nf4"}, "choose one of the two"),
+        ({"precision": "amp-bf16"}, "autocast"),
+        ({"lora_rank": 8, "lora_targets": ["0"]}, "LoRA"),
+        ({"gpus": 2}, "one GPU"),
+    ],
+)
+def test_refused_steps(settings: dict[str, object], message: str) -> None:
+    profile = profile_model(_mlp(), input_size=(64,), device="cpu")
+    with pytest.raises(ValueError, match=message):
+        profile.estimate(1, float8=True, **settings)
+    assert not profile._float8_profiles
+
+
+def test_measure_refuses_inference() -> None:
+    with pytest.raises(ValueError, match="float8 training"):
+        measure(_mlp(), _mlp_input(2), mode="inference", float8=True)
+
+
+def test_unknown_recipe() -> None:
+    with pytest.raises(ValueError, match=r"'tensorwise'.*'rowwise'"):
+        Recipe().with_(float8="blockwise")
+
+
+def test_torchao_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    profile = profile_model(_mlp(), input_size=(64,), device="cpu")
+    with pytest.raises(ImportError, match="pip install torchao"):
+        profile.estimate(1, float8=True)
+
+
+def test_recipe_conflict_names_both() -> None:
+    recipe = Recipe().with_(float8="rowwise")
+    with pytest.raises(ValueError, match=r"float8='tensorwise' conflicts.*'rowwise'"):
+        profile_model(_mlp(), input_size=(64,), device="cpu").estimate(
+            recipe=recipe, float8="tensorwise"
+        )
