@@ -8,8 +8,9 @@ The GPT-2 small (SDPA) and the small grouped-query Llama of ``levers_cuda.py``, 
   outlier threshold 0; greedy generation of 32 tokens after a 4 x 128 prompt, nf4 (each
   decoding step's matmul has one row per sequence); QLoRA training (PEFT, rank 16, AdamW
   over the adapters) of 4 x 512 tokens;
-* torchao's float8 training (``convert_to_float8_training``: tensorwise scaling, its
-  default, and rowwise), AdamW, 4 x 512 tokens, eager.
+* torchao's float8 training (``measure(float8=...)``: ``convert_to_float8_training``,
+  tensorwise scaling, its default, and rowwise; every ``nn.Linear``, or only those whose
+  dimensions are multiples of 16), AdamW, 4 x 512 tokens, eager.
 
 Two halves, so that the GPU only measures:
 
@@ -26,7 +27,6 @@ Two halves, so that the GPU only measures:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import traceback
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from levers_cuda import _models, _tokens
 
-from vram_widget import Weights, profile_model
+from vram_widget import Float8, Weights, profile_model
 from vram_widget._profiling.measure import measure
 
 NF4 = Weights("nf4", double_quant=True, compute_dtype="bf16")  # QLoRA's settings
@@ -82,19 +82,19 @@ def _inputs(kwargs: dict[str, Any], batch: int, tokens: int) -> dict[str, torch.
     return inputs
 
 
-def _float8_copy(model: torch.nn.Module, recipe: str, dims_of_16: bool) -> torch.nn.Module:
-    """A copy converted by torchao's own ``convert_to_float8_training``, with its default
-    module filter (every ``nn.Linear``) or only the layers whose dimensions are multiples
-    of 16."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    def divisible(module: torch.nn.Module, _name: str) -> bool:
-        return all(d % 16 == 0 for d in getattr(module, "weight", torch.empty(0)).shape)
-
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    return convert_to_float8_training(
-        copy.deepcopy(model), config=config, module_filter_fn=divisible if dims_of_16 else None
-    )
+def _settings(setting: str, model: torch.nn.Module) -> dict[str, Any]:
+    """The keywords of ``estimate`` and ``measure`` for ``setting`` on ``model``: the
+    float8 settings in :data:`DIMS_OF_16` keep in high precision the ``nn.Linear`` layers
+    with a dimension that is not a multiple of 16 (by name: ``Float8.filter_fqns``)."""
+    kwargs = dict(SETTINGS[setting][0])
+    if setting in DIMS_OF_16:
+        kept = tuple(
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and any(d % 16 for d in module.weight.shape)
+        )
+        kwargs["float8"] = Float8(kwargs["float8"], filter_fqns=kept)
+    return kwargs
 
 
 def _measure(out: Path, only: list[str] | None) -> None:
@@ -124,12 +124,7 @@ def _measure(out: Path, only: list[str] | None) -> None:
             row: dict[str, Any] = {"model": name, "setting": setting}
             inputs = {k: v.to(device) for k, v in _inputs(kwargs, batch, tokens).items()}
             try:
-                kw = dict(kwargs)
-                subject = model
-                if "float8" in kw:  # torchao converts a copy; measure runs its step
-                    subject = _float8_copy(model, kw.pop("float8"), setting in DIMS_OF_16)
-                real = measure(subject, inputs, precision="bf16", **kw)
-                del subject
+                real = measure(model, inputs, precision="bf16", **_settings(setting, model))
                 row["measured_bytes"] = real.peak_bytes
             except Exception as exc:  # one setting's failure is recorded, the rest go on
                 row["error"] = f"{type(exc).__name__}: {exc}"[:600]
@@ -162,6 +157,7 @@ def _estimate(out: Path) -> None:
             if row["model"] != name or "measured_bytes" not in row:
                 continue
             kwargs, batch, tokens = SETTINGS[row["setting"]]
+            kwargs = _settings(row["setting"], meta)
             profile = profiles[kwargs.get("mode") not in ("inference", "generate")]
             for key in ("estimated_bytes", "ratio", "estimate_error"):
                 row.pop(key, None)
