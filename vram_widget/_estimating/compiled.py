@@ -139,8 +139,6 @@ def compile_levers(
             "measures a compiled inference pass); leave compile=None"
         )
     blocking = {
-        "checkpoint": bool(levers.checkpoint),
-        "lora_rank": levers.lora_rank is not None,
         "loss_chunks": levers.loss_chunks is not None,
         "offload_activations": levers.offload_activations is not None,
         f"strategy={parallel.strategy.value!r}": parallel.distributed,

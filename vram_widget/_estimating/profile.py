@@ -282,7 +282,12 @@ class ModelProfile:
 
     def _lora_levers(self, levers: Levers) -> dict[str, Any]:
         """The levers to ask a LoRA sub-profile for: checkpointing by the same names inside
-        PEFT's wrapper, accumulation as it is."""
+        PEFT's wrapper, accumulation and ``torch.compile`` as they are: PEFT wraps the
+        model, then it is compiled, as with Hugging Face's ``Trainer`` (``get_peft_model``
+        before the ``Trainer`` is made; transformers 5.24's ``Trainer`` enables
+        checkpointing, then ``self.accelerator.prepare(self.model)``, where accelerate
+        1.15's ``prepare_model`` calls ``torch.compile(model, **dynamo_plugin.to_kwargs())``
+        for ``torch_compile=True``)."""
         checkpoint: object = None
         if levers.checkpoint_hf:
             checkpoint = "auto"
@@ -295,6 +300,8 @@ class ModelProfile:
             "grad_accumulation": levers.grad_accumulation,
             "loss_chunks": levers.loss_chunks,
             "offload_activations": levers.offload_activations,
+            "compile": levers.compile,
+            "activation_memory_budget": levers.activation_memory_budget,
         }
 
     def _quantized(
@@ -319,8 +326,13 @@ class ModelProfile:
         sub, kwargs = self._lora(levers)
         chunks = kwargs.pop("loss_chunks")
         offload = kwargs.pop("offload_activations")
+        compiled = {name: kwargs.pop(name) for name in ("compile", "activation_memory_budget")}
         return sub, dataclasses.replace(
-            sub.levers(**kwargs), loss_chunks=chunks, offload_activations=offload
+            sub.levers(**kwargs),
+            loss_chunks=chunks,
+            offload_activations=offload,
+            compile_batch=levers.compile_batch,
+            **compiled,
         )
 
     def is_cached(

@@ -93,6 +93,34 @@ class CompiledRecorder(Recorder):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+def _rng_rules() -> None:
+    """The recorder's rules for the RNG higher-order ops of a partitioned graph
+    (torch/_prims/rng_prims.py): where a checkpointed region inside a compiled region runs
+    a random op, the forward graph runs it in ``run_and_save_rng_state`` and the backward's
+    recompute in ``run_with_rng_state`` with that state. A higher-order op has no rule for a
+    dispatch mode it was not told of ("There was no rule registered for HigherOrderOperator
+    run_and_save_rng_state and mode ..."), so the op inside each runs under the recorder as
+    the fake tensor rules run it: ``run_and_save_rng_state`` returns the generator's state
+    (``torch.get_rng_state()``: the CPU impl's, which ``recorder.tracked_rng_states``
+    counts for the CPU) beside the op's output; ``run_with_rng_state`` runs the op without
+    setting the state, as its fake tensor rule does (the values change no memory)."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    def save(mode: CompiledRecorder, op: Any, *args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return torch.get_rng_state(), op(*args, **kwargs)
+
+    def replay(mode: CompiledRecorder, _state: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return op(*args, **kwargs)
+
+    run_and_save_rng_state.py_impl(CompiledRecorder)(save)
+    run_with_rng_state.py_impl(CompiledRecorder)(replay)
+
+
+_rng_rules()
+
+
 @contextlib.contextmanager
 def compiled_module_hooks(recorder: Recorder) -> Iterator[None]:
     """``recorder.module_hooks`` with each hook in ``torch._disable_dynamo``: eager code
