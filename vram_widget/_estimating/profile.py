@@ -344,13 +344,21 @@ class ModelProfile:
         levers: Levers = NO_LEVERS,
         parallel: Parallel = SINGLE_DEVICE,
         new_tokens: int | None = None,
+        batch_size: int | None = None,
     ) -> bool:
         """Whether an estimate at this precision, mode (in training, optimizer), sequence
         length, levers and data parallelism needs no further profiling run (FSDP2 under
         autocast steps on half-precision parameters: a run of its own; a generation of
-        ``new_tokens`` across a sliding window, one recorded across it)."""
+        ``new_tokens`` across a sliding window, one recorded across it). A compiled step
+        (``levers.compile``) is profiled at its batch size (``compiled.decided_at``):
+        ``batch_size``, where ``levers.compile_batch`` does not say it; without either, a
+        compiled step is not known to be cached (False)."""
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
+        if run_mode is Mode.TRAIN and levers.compile is not None and levers.compile_batch is None:
+            if batch_size is None:
+                return False
+            levers = decided_at(levers, batch_size)
         if levers.lora_rank is not None and run_mode is Mode.TRAIN:
             made = self._made_lora(levers)
             return made is not None and made[0].is_cached(

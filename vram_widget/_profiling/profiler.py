@@ -583,7 +583,7 @@ class Profiler:
             else:
                 from .compiled_profile import compiled_module_hooks
 
-                stack.enter_context(compiled_module_hooks(rec))
+                stack.enter_context(compiled_module_hooks(rec, subject.model))
             if compiled is None:  # compiled: Inductor's decompositions decide (compiled_profile)
                 stack.enter_context(real_run_composites())
             if compiled is None:
