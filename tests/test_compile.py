@@ -16,6 +16,7 @@ What each step leaves for the backward, beyond the parameters and the batch (res
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -321,9 +322,7 @@ def test_estimate_refusals(batch: torch.Tensor) -> None:
         profile.estimate(2, compile="max-autotune")
     with pytest.raises(ValueError, match="mode='inference': the compiled step is estimated"):
         profile.estimate(2, mode="inference", compile=True)
-    with pytest.raises(ValueError, match="compile='model' with checkpoint: not estimated yet"):
-        profile.estimate(2, compile=True, checkpoint=["a"])
-    with pytest.raises(ValueError, match="strategy='ddp'"):
+    with pytest.raises(ValueError, match=r"strategy='ddp': not estimated yet \(the pairs not "):
         profile.estimate(2, compile=True, gpus=2)
     with pytest.raises(ValueError, match="no such list; use compile=True"):
         profile.estimate(2, compile="blocks")
@@ -369,3 +368,103 @@ def test_estimate_gpt2_saved_set_is_measured(budget: float | None) -> None:
     )
     assert est.saved_bytes == measured.saved_bytes + 4 * 16 * 1000 * 4
     assert measured.peak_bytes <= est.peak_bytes <= 1.15 * measured.peak_bytes
+
+
+# -- compile composed with checkpointing and LoRA ----------------------------------------------
+
+
+@pytest.mark.parametrize("scope", [True, "blocks"])
+def test_checkpointed_blocks_compiled(batch: torch.Tensor, scope: object) -> None:
+    """FourBlocks, each block in torch's checkpoint_wrapper, then compiled (torchtitan's
+    apply_ac, then apply_compile). Each checkpointed block keeps only its input for the
+    backward: the batch for the first (resident, not counted) and the block before's output,
+    2 x 8 x 4 B = 64 B, for the other three: 3 x 64 = 192 B, against 4 x 256 + 3 x 64 B
+    compiled without checkpointing (test_one_graph_serving_several_blocks)."""
+    model = FourBlocks()
+    profile = _profile(model, batch)
+    est = profile.estimate(2, optimizer="sgd", compile=scope, checkpoint="auto")
+    measured = measure(model, batch, optimizer="sgd", compile=scope, checkpoint="auto")
+    assert est.saved_bytes == measured.saved_bytes == 3 * (2 * 8 * 4)
+    assert est.peak_bytes >= measured.peak_bytes  # the region temporaries bound Inductor's
+    assert est.levers.checkpoint and est.levers.compile == parse_compile(scope)
+    # the model is left as it was: no wrapper, no compiled block
+    blocks = list(model.blocks)
+    assert all(type(b) is SinCos and b._compiled_call_impl is None for b in blocks)
+
+
+def test_checkpoint_policy_op_compiled(batch: torch.Tensor) -> None:
+    """torchtitan's op-level policy inside the compiled region: the partitioner keeps what
+    the policy saves, as the real compiled step does; more than full checkpointing keeps
+    (every block's input, 192 B: above)."""
+    model = FourBlocks()
+    settings: dict[str, Any] = {"checkpoint": "auto", "checkpoint_policy": "op"}
+    est = _profile(model, batch).estimate(2, optimizer="sgd", compile=True, **settings)
+    measured = measure(model, batch, optimizer="sgd", compile=True, **settings)
+    assert est.saved_bytes == measured.saved_bytes
+    assert est.saved_bytes > 3 * (2 * 8 * 4)
+
+
+class Dropped(nn.Module):
+    """SinCos with a dropout after its first Linear: a random op inside the checkpointed
+    region, which the compiled graphs run in torch's RNG higher-order ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.5)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.sin(self.drop(self.a(x))))
+
+
+def test_checkpointed_dropout_compiled(batch: torch.Tensor) -> None:
+    model = TwoBlocks()
+    model.blocks = nn.ModuleList([Dropped(), Dropped()])
+    est = _profile(model, batch).estimate(2, optimizer="sgd", compile=True, checkpoint="auto")
+    measured = measure(model, batch, optimizer="sgd", compile=True, checkpoint="auto")
+    # the second block's input (2 x 8 x 4 B) and the RNG state its dropout is replayed
+    # with (the CPU generator's, which a compiled CPU step keeps too)
+    assert est.saved_bytes == measured.saved_bytes
+    assert est.saved_bytes >= 2 * 8 * 4
+
+
+def test_lora_compiled(batch: torch.Tensor) -> None:
+    """PEFT wraps the model, then it is compiled (Hugging Face's Trainer): the LoRA
+    sub-profile's compiled step keeps what the real one keeps."""
+    pytest.importorskip("peft")
+    model = SinCos()
+    lora: dict[str, Any] = {"lora_rank": 2, "lora_targets": ["a", "b"]}
+    profile = _profile(model, batch)
+    est = profile.estimate(2, optimizer="adamw", compile=True, **lora)
+    measured = measure(model, batch, optimizer="adamw", compile=True, **lora)
+    assert est.saved_bytes == measured.saved_bytes
+    assert est.peak_bytes >= measured.peak_bytes
+    assert est.levers.lora_rank == 2 and est.levers.compile == "model"
+    eager = profile.estimate(2, optimizer="adamw", **lora)
+    assert est.saved_bytes != eager.saved_bytes  # the partitioner's set, not the eager one
+
+
+def test_compiled_estimate_is_cached(batch: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled step is profiled once per setting and batch: a second estimate runs
+    nothing, and is_cached says so (at the batch it was profiled at only)."""
+    from vram_widget._profiling.profiler import _Source
+
+    runs: list[str] = []
+    original = _Source.timeline
+
+    def counted(source: _Source, *args: Any, **kwargs: Any) -> Any:
+        runs.append("timeline")
+        return original(source, *args, **kwargs)
+
+    monkeypatch.setattr(_Source, "timeline", counted)
+    profile = _profile(FourBlocks(), batch)
+    levers = dataclasses.replace(profile.levers(checkpoint="auto"), compile="model")
+    assert not profile.is_cached("fp32", "train", None, levers=levers, batch_size=2)
+    first = profile.estimate(2, optimizer=None, compile=True, checkpoint="auto")
+    assert runs == ["timeline"]
+    assert profile.is_cached("fp32", "train", None, levers=levers, batch_size=2)
+    assert not profile.is_cached("fp32", "train", None, levers=levers, batch_size=3)
+    assert not profile.is_cached("fp32", "train", None, levers=levers)  # which batch?
+    again = profile.estimate(2, optimizer=None, compile=True, checkpoint="auto")
+    assert runs == ["timeline"] and again.peak_bytes == first.peak_bytes

@@ -139,8 +139,6 @@ def compile_levers(
             "measures a compiled inference pass); leave compile=None"
         )
     blocking = {
-        "checkpoint": bool(levers.checkpoint),
-        "lora_rank": levers.lora_rank is not None,
         "loss_chunks": levers.loss_chunks is not None,
         "offload_activations": levers.offload_activations is not None,
         f"strategy={parallel.strategy.value!r}": parallel.distributed,
@@ -148,10 +146,12 @@ def compile_levers(
     asked = [name for name, on in blocking.items() if on]
     if asked:
         raise ValueError(
-            f"compile={scope.value!r} with {', '.join(asked)}: not estimated yet; the "
-            "compiled step is estimated on one device with trainable subsets, gradient "
-            "accumulation and the optimizer settings (leave the others unset, or "
-            "compile=None for the eager step)"
+            f"compile={scope.value!r} with {', '.join(asked)}: not estimated yet (the pairs "
+            "not estimated are compile with loss_chunks, with offload_activations and with "
+            "more than one GPU); the compiled step is estimated on one device with "
+            "checkpointing and its policies, LoRA, trainable subsets, gradient accumulation "
+            "and the optimizer settings (leave those unset, or compile=None for the eager "
+            "step)"
         )
     return dataclasses.replace(levers, compile=scope.value, activation_memory_budget=fraction)
 

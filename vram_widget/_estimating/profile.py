@@ -288,7 +288,12 @@ class ModelProfile:
 
     def _lora_levers(self, levers: Levers) -> dict[str, Any]:
         """The levers to ask a LoRA sub-profile for: checkpointing by the same names inside
-        PEFT's wrapper, accumulation as it is."""
+        PEFT's wrapper, accumulation and ``torch.compile`` as they are: PEFT wraps the
+        model, then it is compiled, as with Hugging Face's ``Trainer`` (``get_peft_model``
+        before the ``Trainer`` is made; transformers 5.24's ``Trainer`` enables
+        checkpointing, then ``self.accelerator.prepare(self.model)``, where accelerate
+        1.15's ``prepare_model`` calls ``torch.compile(model, **dynamo_plugin.to_kwargs())``
+        for ``torch_compile=True``)."""
         checkpoint: object = None
         if levers.checkpoint_hf:
             checkpoint = "auto"
@@ -301,6 +306,8 @@ class ModelProfile:
             "grad_accumulation": levers.grad_accumulation,
             "loss_chunks": levers.loss_chunks,
             "offload_activations": levers.offload_activations,
+            "compile": levers.compile,
+            "activation_memory_budget": levers.activation_memory_budget,
         }
 
     def _quantized(
@@ -344,8 +351,13 @@ class ModelProfile:
         sub, kwargs = self._lora(levers)
         chunks = kwargs.pop("loss_chunks")
         offload = kwargs.pop("offload_activations")
+        compiled = {name: kwargs.pop(name) for name in ("compile", "activation_memory_budget")}
         return sub, dataclasses.replace(
-            sub.levers(**kwargs), loss_chunks=chunks, offload_activations=offload
+            sub.levers(**kwargs),
+            loss_chunks=chunks,
+            offload_activations=offload,
+            compile_batch=levers.compile_batch,
+            **compiled,
         )
 
     def is_cached(
@@ -357,13 +369,21 @@ class ModelProfile:
         levers: Levers = NO_LEVERS,
         parallel: Parallel = SINGLE_DEVICE,
         new_tokens: int | None = None,
+        batch_size: int | None = None,
     ) -> bool:
         """Whether an estimate at this precision, mode (in training, optimizer), sequence
         length, levers and data parallelism needs no further profiling run (FSDP2 under
         autocast steps on half-precision parameters: a run of its own; a generation of
-        ``new_tokens`` across a sliding window, one recorded across it)."""
+        ``new_tokens`` across a sliding window, one recorded across it). A compiled step
+        (``levers.compile``) is profiled at its batch size (``compiled.decided_at``):
+        ``batch_size``, where ``levers.compile_batch`` does not say it; without either, a
+        compiled step is not known to be cached (False)."""
         prec = parse_option(Precision, precision, "precision")
         run_mode = parse_option(Mode, mode, "mode")
+        if run_mode is Mode.TRAIN and levers.compile is not None and levers.compile_batch is None:
+            if batch_size is None:
+                return False
+            levers = decided_at(levers, batch_size)
         if levers.lora_rank is not None and run_mode is Mode.TRAIN:
             made = self._made_lora(levers)
             return made is not None and made[0].is_cached(

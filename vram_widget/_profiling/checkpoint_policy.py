@@ -215,13 +215,22 @@ class _Applied:
     """What one application of a policy to a model tells its blocks: which policy, and
     whether a callable's empty forward was warned about already."""
 
-    def __init__(self, policy: object) -> None:
+    def __init__(self, policy: object, compiled: bool = False) -> None:
         self.policy = policy
         self.warned = False
+        self.compiled = compiled
 
     def context_fn(
         self, block_name: str, block: torch.nn.Module, make_policy: Callable[[], Any]
     ) -> Callable[[], tuple[Any, Any]]:
+        if self.compiled:
+            # inside a compiled region dynamo traces the checkpoint, and its context_fn must
+            # give the two TorchDispatchModes themselves (torch/utils/checkpoint.py,
+            # _checkpoint_without_reentrant_generator: "In torch.compile mode, `context_fn`
+            # ... must generate a tuple of two `TorchDispatchMode`s"):
+            # the policy as torchtitan passes it, without the check that it saved anything
+            return lambda: create_selective_checkpoint_contexts(make_policy())
+
         def contexts() -> tuple[Any, Any]:
             tally = _Tally(make_policy())
             forward, recompute = create_selective_checkpoint_contexts(tally)
@@ -292,7 +301,7 @@ def apply_checkpoint_policy(
     blocks = levers.checkpoint
     chosen = set(every_kth_block(blocks, policy) if isinstance(policy, int) else blocks)
     modules = dict(model.named_modules())
-    applied = _Applied(policy)
+    applied = _Applied(policy, compiled=levers.compile is not None)
     if levers.checkpoint_hf:
         enable_hf(model)
         for name in blocks:

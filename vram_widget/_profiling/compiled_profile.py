@@ -93,25 +93,61 @@ class CompiledRecorder(Recorder):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-@contextlib.contextmanager
-def compiled_module_hooks(recorder: Recorder) -> Iterator[None]:
-    """``recorder.module_hooks`` with each hook in ``torch._disable_dynamo``: eager code
-    between graph breaks runs under dynamo's frame callback, which would otherwise compile
-    the hooks' own frames."""
-    from torch.nn.modules.module import (
-        register_module_forward_hook,
-        register_module_forward_pre_hook,
-    )
+def _rng_rules() -> None:
+    """The recorder's rules for the RNG higher-order ops of a partitioned graph
+    (torch/_prims/rng_prims.py): where a checkpointed region inside a compiled region runs
+    a random op, the forward graph runs it in ``run_and_save_rng_state`` and the backward's
+    recompute in ``run_with_rng_state`` with that state. A higher-order op has no rule for a
+    dispatch mode it was not told of ("There was no rule registered for HigherOrderOperator
+    run_and_save_rng_state and mode ..."), so the op inside each runs under the recorder as
+    the fake tensor rules run it: ``run_and_save_rng_state`` returns the generator's state
+    (``torch.get_rng_state()``: the CPU impl's, which ``recorder.tracked_rng_states``
+    counts for the CPU) beside the op's output; ``run_with_rng_state`` runs the op without
+    setting the state, as its fake tensor rule does (the values change no memory)."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
+    def save(mode: CompiledRecorder, op: Any, *args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return torch.get_rng_state(), op(*args, **kwargs)
+
+    def replay(mode: CompiledRecorder, _state: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return op(*args, **kwargs)
+
+    run_and_save_rng_state.py_impl(CompiledRecorder)(save)
+    run_with_rng_state.py_impl(CompiledRecorder)(replay)
+
+
+_rng_rules()
+
+
+@contextlib.contextmanager
+def compiled_module_hooks(recorder: Recorder, model: torch.nn.Module) -> Iterator[None]:
+    """``recorder.module_hooks`` as hooks of each module of ``model`` (not global ones), each
+    in ``torch._disable_dynamo``: eager code between graph breaks runs under dynamo's frame
+    callback, which would otherwise compile the hooks' own frames. Per module, because
+    dynamo guards on the global hooks where it inlines ``Module._call_impl`` (a module with a
+    ``__call__`` of its own, as transformers' ``GradientCheckpointingLayer``: the guard
+    ``len(...module._global_forward_hooks) != 0``), so hooks added after the warm-up would
+    recompile the recorded run, and does not guard on a module's own where they were empty
+    when it traced (torch/_dynamo/guards.py, ``EMPTY_NN_MODULE_HOOKS_DICT``, skipped where
+    ``torch._dynamo.config.skip_nnmodule_hook_guards``, True by default). A module that has
+    forward hooks already (transformers' ``enable_input_require_grads`` puts one on the
+    input embeddings) is guarded on their number, so it gets none: where it runs eagerly,
+    its events are its parent's."""
     enter = torch._disable_dynamo(lambda m, args: recorder.enter_module(m, args))
     leave = torch._disable_dynamo(lambda m, args, out: recorder.exit_module(m, out))
-    pre = register_module_forward_pre_hook(enter)
-    post = register_module_forward_hook(leave, always_call=True)
+    handles = []
     try:
+        for module in model.modules():
+            if module._forward_pre_hooks or module._forward_hooks:
+                continue
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
         yield
     finally:
-        pre.remove()
-        post.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def uncompiled_saved_tensor_hooks(

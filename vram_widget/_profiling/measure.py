@@ -791,7 +791,9 @@ class _Session:
             self.model = lora_wrapped(self.model, levers.lora_rank, levers.lora_targets, lora_dtype)
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
-        apply_levers(self.model, levers)  # the copy, as the libraries apply them
+        if compile_scope is not None:  # checkpointing inside compiled regions (compiled.py)
+            levers = dataclasses.replace(levers, compile=compile_scope.value)
+        apply_levers(self.model, levers)  # the copy, as the libraries apply them, then compiled
         if setup is not None:  # a data-parallel rank: DistributedDataParallel(copy), ...
             self.model = setup.wrap_model(
                 self.model, parallel or Parallel(2, Strategy.DDP), precision

@@ -580,9 +580,12 @@ class Profiler:
             stack.enter_context(quiet_third_party())
             if fake_mode is not None:
                 stack.enter_context(fake_mode)
-            if compiled is not None:  # compiled by an unrecorded iteration, before recording
+            if compiled is not None:
+                # checkpointing applied, then the model compiled, as the libraries compose
+                # them (compiled_profile.py): by an unrecorded iteration, before recording
+                self._structured(stack, state, levers)
                 model_fn = stack.enter_context(
-                    self._compiled_step(model_fn, loss_fn, inputs, state, trainable, rec, precision)
+                    self._compiled_step(model_fn, loss_fn, inputs, trainable, rec, precision)
                 )
             stack.enter_context(rec)
             if bnb_states:  # bitsandbytes' kernels as their CPU code runs them
@@ -594,16 +597,11 @@ class Profiler:
             else:
                 from .compiled_profile import compiled_module_hooks
 
-                stack.enter_context(compiled_module_hooks(rec))
+                stack.enter_context(compiled_module_hooks(rec, subject.model))
             if compiled is None:  # compiled: Inductor's decompositions decide (compiled_profile)
                 stack.enter_context(real_run_composites())
-            # the fake parameters stay swapped in through the backward, where a checkpointed
-            # forward is re-run, and that re-run gets the forward's CUDA emulation
-            stack.enter_context(reparametrized(subject.model, state))
-            if levers.checkpoint:
-                # the model as the libraries leave it with checkpointing on, for this run only
-                stack.enter_context(restored_modules(subject.model))
-                apply_levers(subject.model, dataclasses.replace(levers, trainable=None))
+            if compiled is None:
+                self._structured(stack, state, levers)
             stack.enter_context(checkpoint_recompute_context(_recompute_context(context, rec)))
             if subject.device is Device.CPU:  # the RNG states checkpoint keeps are CPU memory
                 stack.enter_context(tracked_rng_states(rec))
@@ -700,18 +698,32 @@ class Profiler:
             host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
         )
 
+    def _structured(
+        self, stack: contextlib.ExitStack, state: dict[str, torch.Tensor], levers: Levers
+    ) -> None:
+        """The run's fake parameters swapped into the model, and checkpointing applied as
+        the libraries apply it, for the length of ``stack``. The fake parameters stay
+        swapped in through the backward, where a checkpointed forward is re-run, and that
+        re-run gets the forward's CUDA emulation."""
+        model = self.subject.model
+        stack.enter_context(reparametrized(model, state))
+        if levers.checkpoint:
+            # the model as the libraries leave it with checkpointing on, for this run only
+            stack.enter_context(restored_modules(model))
+            apply_levers(model, dataclasses.replace(levers, trainable=None))
+
     def _compiled_step(
         self,
         model_fn: Callable[..., Any],
         loss_fn: Callable[[Any], Any] | None,
         inputs: ModelInputs,
-        state: dict[str, torch.Tensor],
         trainable: list[torch.Tensor],
         rec: Recorder,
         precision: Precision,
     ) -> contextlib.AbstractContextManager[Callable[..., Any]]:
         """The model's forward as ``torch.compile`` runs it (``compiled_profile.py``),
-        compiled by one unrecorded iteration on the run's fake parameters and inputs."""
+        compiled by one unrecorded iteration on the run's fake parameters and inputs (swapped
+        in, and checkpointing applied, by ``_structured`` before)."""
         from .compiled_profile import compiled_step
 
         model = self.subject.model
@@ -725,17 +737,9 @@ class Profiler:
             )
 
         def warm_up(forward: Callable[..., Any]) -> None:
-            with reparametrized(model, state):
-                training_iteration(
-                    forward,
-                    inputs,
-                    loss_fn,
-                    None,
-                    precision,
-                    "cpu",
-                    params=trainable,
-                    context=context,
-                )
+            training_iteration(
+                forward, inputs, loss_fn, None, precision, "cpu", params=trainable, context=context
+            )
 
         return compiled_step(
             model,
