@@ -27,6 +27,7 @@ from .decoding import (
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .gpus import Gpu, resolve_gpu
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
+from .loading import LOAD_DTYPES, LoadEstimate, LoadLayout, load_estimate
 from .offloading import offload_levers
 from .options import (
     CATEGORY_CODE,
@@ -116,6 +117,8 @@ class ProfileSource(Protocol):
         decode_steps: int = ...,
         new_tokens: int | None = ...,
     ) -> Timeline: ...
+
+    def load_layout(self, dtype: str, weights: Weights) -> LoadLayout: ...
 
 
 class ModelProfile:
@@ -222,6 +225,8 @@ class ModelProfile:
         # generation with a StaticCache: runs at STATIC_CACHE_TOKENS, per precision and prompt
         self._static_caches: dict[tuple[Precision, int | None], tuple[Timeline, ...]] = {}
         self.name_prefix = ""
+        # the tensors a loader leaves, per (dtype, weights): load_bytes
+        self._load_layouts: dict[tuple[str, Weights], LoadLayout] = {}
 
     def __repr__(self) -> str:
         return (
@@ -745,6 +750,52 @@ class ModelProfile:
         if len(ignored) > len(asked.ignored):
             warn_ignored("the step", ignored[len(asked.ignored) :])
         return dataclasses.replace(est, ignored=ignored) if ignored else est
+
+    def load_bytes(
+        self,
+        recipe: Recipe | None = None,
+        *,
+        precision: str | Precision = default("fp32"),
+        weights: object = default(None),
+    ) -> LoadEstimate:
+        """The device memory once the model is loaded, before any step: its parameters and
+        buffers at the precision's dtype, the Linear weights in ``weights``' quantized
+        layout, as the real loaders leave them (``from_pretrained`` for a Hugging Face
+        model, ``model.to(dtype)`` for any other: :mod:`~vram_widget._estimating.loading`).
+
+        Parameters
+        ----------
+        recipe : Recipe, optional
+            Its ``precision`` and ``weights`` are read; the rest of it is the step's.
+        precision : str
+            ``"bf16"`` / ``"fp16"`` load the weights in that dtype, ``"fp32"`` and the
+            ``"amp-*"`` precisions in float32 (autocast keeps float32 weights).
+        weights : str, Weights or transformers.BitsAndBytesConfig, optional
+            bitsandbytes' quantization of the Linear weights (as ``estimate`` takes it).
+
+        Returns
+        -------
+        LoadEstimate
+            ``allocated_bytes`` and ``reserved_bytes`` (on CUDA with the caching
+            allocator's rules), and what they are made of.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> p = profile_model(model, input_size=(8,), device="cpu")
+        >>> p.load_bytes(precision="bf16").allocated_bytes  # (128 + 16 + 64 + 4) x 2 B
+        424
+        """
+        asked = Recipe.from_keywords(recipe, precision=precision, weights=weights)
+        dtype = LOAD_DTYPES[asked.step.precision]
+        key = (dtype, asked.weights)
+        if key not in self._load_layouts:
+            self._load_layouts[key] = self._source.load_layout(dtype, asked.weights)
+        return load_estimate(
+            self._load_layouts[key], asked.step.precision, asked.weights, self.device
+        )
 
     def _parallel_of(self, recipe: Recipe) -> Parallel:
         """The data parallelism a Recipe asks for, its FSDP units resolved to this model."""

@@ -91,6 +91,32 @@ def quantized_bytes(shape: tuple[int, ...], weights: Weights) -> QuantizedBytes:
     return QuantizedBytes(codes, blocks, state)
 
 
+def quantized_tensor_bytes(shape: tuple[int, ...], weights: Weights) -> tuple[int, ...]:
+    """The bytes of each tensor bitsandbytes stores for a weight of ``shape``, codes first:
+    each its own storage (one allocation; the 4-bit code table and the nested 8-bit map are
+    copies per weight, ``quantize_4bit``: ``code.to(A.device)``, ``quantize_blockwise``:
+    ``code.to(A.device, copy=True)``). Their sum is :func:`quantized_bytes`' total.
+
+    Examples
+    --------
+    nf4 with double quantization, 40 x 96: 1,920 B of codes, 60 uint8 maxima, the 16-value
+    float32 code, the float32 offset, one nested float32 maximum and the 256-value map:
+
+    >>> quantized_tensor_bytes((40, 96), Weights("nf4", double_quant=True))
+    (1920, 60, 64, 4, 4, 1024)
+    >>> quantized_tensor_bytes((40, 96), Weights("int8"))  # codes, one float32 scale a row
+    (3840, 160)
+    """
+    b = quantized_bytes(shape, weights)
+    if weights.format is WeightFormat.INT8:
+        return (b.codes_bytes, b.scales_bytes)
+    code = _F32 * _CODE_4BIT
+    if not weights.double_quant:
+        return (b.codes_bytes, b.scales_bytes, code)
+    nested = b.state_bytes - _F32 * (_CODE_4BIT + _DYNAMIC_MAP + 1)
+    return (b.codes_bytes, b.scales_bytes, code, _F32, nested, _F32 * _DYNAMIC_MAP)
+
+
 def check_quantized(
     weights: Weights, mode: Mode, lora_rank: int | None, gpus: int, *, estimating: bool = True
 ) -> None:
