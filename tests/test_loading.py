@@ -180,3 +180,25 @@ def test_bad_input_is_refused() -> None:
         profile.load_bytes(weights="int4")
     with pytest.raises(ValueError, match="precision"):
         profile.load_bytes(precision="fp8")
+
+
+def test_shown_in_the_cli_and_the_widget(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from vram_widget._display.cli import main
+    from vram_widget._display.widget import MemoryWidget
+
+    # the command line: a line of text, and load_bytes in the JSON; zoo.mlp on the CPU in
+    # bf16: (784 x 512 + 512 + 512 x 512 + 512 + 512 x 10 + 10) = 669,706 values x 2 B
+    assert main(["mlp", "--device", "cpu", "--precision", "bf16", "--json"]) == 0
+    setting = json.loads(capsys.readouterr().out)["settings"][0]
+    assert setting["load_bytes"] == setting["load_reserved_bytes"] == 1_339_412
+    assert main(["mlp", "--device", "cpu", "--precision", "bf16"]) == 0
+    assert "loaded (bf16 weights, model.to): 1.3 MiB allocated" in capsys.readouterr().out
+    # the widget's details: the same estimate as load_bytes for its precision and weights
+    torch.manual_seed(0)
+    profile = profile_model(_stack(), input_size=(256,), device="cpu")
+    widget = MemoryWidget(profile, precision="bf16", mode="inference", batch_size=4)
+    widget.weights = "nf4-dq"
+    rows = dict(widget._detail_rows(widget._estimate))
+    assert rows["Loaded"] == profile.load_bytes(precision="bf16", weights=QLORA).summary()
