@@ -46,7 +46,7 @@ from .options import (
     parse_optimizer_choice,
     parse_option,
 )
-from .quantized import check_quantized
+from .quantized import check_quantized, int8_outlier_note
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.ignored import warn_ignored
 from .recipe.recipe import default
@@ -1643,6 +1643,9 @@ _COMPILED_OPTIMIZERS = ("adamw8bit-torchao", "adamw4bit-torchao")
 
 def _unmodelled_step(recipe: Recipe) -> tuple[str, ...]:
     """What the asked step runs that the estimate does not model, by name."""
+    outliers = int8_outlier_note(recipe.weights)
+    if outliers:
+        return (outliers,)
     name = recipe.optimizer.name
     if recipe.step.mode is Mode.TRAIN and name is not None and name.value in _COMPILED_OPTIMIZERS:
         return (
