@@ -119,6 +119,15 @@ class LoadEstimate:
         (``Weights.describe()``, "" when none), the device and the loader followed.
     notes : tuple of str
         What the figure assumes.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from vram_widget import profile_model
+    >>> p = profile_model(torch.nn.Linear(64, 32), input_size=(64,), device="cuda")
+    >>> e = p.load_bytes(precision="fp16")
+    >>> e.parameter_bytes, e.allocated_bytes  # (64 x 32 + 32) x 2 B; two 512-B blocks
+    (4160, 4608)
     """
 
     parameter_bytes: int
