@@ -395,15 +395,16 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         choices=("nf4", "fp4", "int8"),
         help="the Linear weights stored by bitsandbytes as from_pretrained's "
         "BitsAndBytesConfig stores them: nf4 / fp4 (Linear4bit; training needs --lora-rank: "
-        "QLoRA) or int8 (Linear8bitLt, inference, with --int8-threshold 0) (default: the "
+        "QLoRA) or int8 (Linear8bitLt, inference) (default: the "
         "precision's dtype; needs `pip install bitsandbytes transformers`)",
     )
     settings.add_argument(
         "--int8-threshold",
         type=float,
         metavar="T",
-        help="with --weights int8: LLM.int8's outlier threshold (llm_int8_threshold); only 0 "
-        "(no outlier split) is estimated, the default 6.0 depends on the activations' values",
+        help="with --weights int8: LLM.int8's outlier threshold (llm_int8_threshold, "
+        "default 6.0); above 0 the estimate is for inputs with no value at or above it (an "
+        "outlier column's split depends on the activations' values), 0: no outlier split",
     )
     settings.add_argument(
         "--double-quant",
