@@ -260,3 +260,94 @@ def test_trainer_step_against_the_estimate(
     est = llama_profile.estimate(recipe=recipe)
     assert est.levers.carried_scalars and est.levers.decay_groups and est.levers.outputs_freed
     assert measured == est.peak_bytes
+
+
+# --- the quantized setups: the model's BitsAndBytesConfig, torchtune's QLoRA builders -------
+
+
+def test_training_arguments_read_the_models_quantization(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from models import hf_llama
+
+    from vram_widget import Weights
+
+    torch.manual_seed(0)
+    hf_llama().save_pretrained(tmp_path)
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )  # fmt: skip
+    # the real load: from_pretrained sets model.config.quantization_config
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16, quantization_config=config, device_map="cpu"
+    )
+    args = {"per_device_train_batch_size": 2, "bf16": True, "optim": "adamw_torch"}
+    r = Recipe.from_training_arguments(args, model=model)
+    assert r.weights == Weights("nf4", double_quant=True, compute_dtype="bf16")
+    # its weights are held in bf16 (dtype=torch.bfloat16): a bf16 step, not autocast
+    assert r.step.precision.value == "bf16"
+    # QLoRA as the Trainer gets it: PEFT's kbit preparation (the unquantized weights to fp32)
+    # and LoRA adapters of rank 8 on q_proj and v_proj
+    prepared = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    wrapped = peft.get_peft_model(
+        prepared, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["v_proj", "q_proj"])
+    )
+    q = Recipe.from_training_arguments(args, model=wrapped)
+    assert (q.levers.lora_rank, q.levers.lora_targets) == (8, ("q_proj", "v_proj"))
+    assert q.weights.format.value == "nf4" and q.step.precision.value == "amp-bf16"
+    # int8 with its options, from the config's own to_dict (a saved config.json holds it)
+    model.config.quantization_config = transformers.BitsAndBytesConfig(
+        load_in_8bit=True, llm_int8_threshold=4.0, llm_int8_skip_modules=["lm_head"]
+    ).to_dict()
+    i8 = Recipe.from_training_arguments(args, model=model)
+    assert i8.weights == Weights("int8", int8_threshold=4.0, skip_modules=("lm_head",))
+
+
+def test_training_arguments_refuse_other_quantizations() -> None:
+    pytest.importorskip("transformers")
+    from models import hf_llama
+
+    model = hf_llama()
+    args = {"optim": "adamw_torch"}
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    with pytest.raises(ValueError, match="quant_method='gptq'"):
+        Recipe.from_training_arguments(args, model=model)
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True,
+                                        "llm_int8_has_fp16_weight": True}  # fmt: skip
+    with pytest.raises(ValueError, match="llm_int8_has_fp16_weight"):
+        Recipe.from_training_arguments(args, model=model)
+    # a float32 model without quantization changes nothing the arguments say
+    del model.config.quantization_config
+    assert Recipe.from_training_arguments(args, model=model) == Recipe.from_training_arguments(args)
+
+
+def test_torchtune_qlora_builder_is_read() -> None:
+    from vram_widget._estimating.recipe.torchtune import qlora_settings
+    from vram_widget._estimating.recipe.weights import WeightFormat
+
+    path = DATA / "torchtune_3B_qlora_single_device.yaml"
+    # torchao's NF4 base, rank 64 over q_proj, v_proj, output_proj -> o_proj and the MLP
+    settings = qlora_settings(path)
+    assert settings == {
+        "lora_rank": 64,
+        "lora_targets": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"],
+        "lora_dtype": "base",
+        "weights": "nf4-torchao",
+    }
+    # the builders' default rank (lora_llama3_2_3b: lora_rank=8); quantize_base: True on a
+    # LoRA builder is the same model
+    bare = {"model": {"_component_": "torchtune.models.llama3_2.qlora_llama3_2_3b",
+                      "lora_attn_modules": ["q_proj"]}}  # fmt: skip
+    assert qlora_settings(bare)["lora_rank"] == 8
+    flag = {"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_3b",
+                      "lora_attn_modules": ["q_proj"], "quantize_base": True}}  # fmt: skip
+    assert qlora_settings(flag)["weights"] == "nf4-torchao"
+    if "nf4-torchao" in {f.value for f in WeightFormat}:
+        with pytest.warns(RecipeSettingIgnored):
+            r = Recipe.from_torchtune(path)
+        assert r.weights.format.value == "nf4-torchao" and r.levers.lora_rank == 64
+    else:  # the format is refused by name until the Recipe has it
+        with pytest.raises(ValueError, match=r"weights='nf4-torchao'.*does not estimate"):
+            Recipe.from_torchtune(path)

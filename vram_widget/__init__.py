@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ._estimating.estimator import LayerTable, MemoryEstimate
     from ._estimating.gpus import GPUS, Gpu
     from ._estimating.levers import Levers
+    from ._estimating.loading import LoadEstimate
     from ._estimating.profile import ModelProfile, ProfilingError
     from ._estimating.recipe import (
         Accelerator,
@@ -56,6 +57,7 @@ _LAZY = {
     "Frontier": "._estimating.tradeoff",
     "Levers": "._estimating.levers",
     "LayerTable": "._estimating.estimator",
+    "LoadEstimate": "._estimating.loading",
     "MemoryEstimate": "._estimating.estimator",
     "InputShapeWarning": "._profiling.profiler",
     "Measurement": "._profiling.measure",
@@ -92,6 +94,7 @@ __all__ = [
     "LayerTable",
     "LeverSettings",
     "Levers",
+    "LoadEstimate",
     "Measurement",
     "MemoryEstimate",
     "MemoryWidget",

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .._estimating.loading import LoadEstimate
 from .._estimating.options import Device, Mode, OptimizerChoice
 from .._estimating.recipe.weights import Weights, weight_format
 from .cli_args import DEFAULT_GPU, LAYER_ROWS, PROG, build_parser, validate
@@ -65,6 +66,8 @@ class _Setting:
     precision: Any
     estimate: MemoryEstimate
     max_batch_size: int | None
+    # the weights and buffers once loaded, before any step (ModelProfile.load_bytes)
+    loaded: LoadEstimate | None = None
 
     @property
     def fit_bytes(self) -> int:
@@ -162,7 +165,8 @@ def _profile(
         largest = None
         if gpu is not None:
             largest = profile.max_batch_size(gpu.memory_bytes, precision=precision, **keywords)
-        settings.append(_Setting(precision, est, largest))
+        loaded = profile.load_bytes(precision=precision, weights=keywords.get("weights"))
+        settings.append(_Setting(precision, est, largest, loaded))
     return profile, settings
 
 
@@ -268,6 +272,9 @@ def _as_json(
         "fit_bytes_means": FIT_MEANS[device],
         "fits_means": "fit_bytes <= gpu.memory_bytes (null without a gpu); max_batch_size: "
         "the largest batch for which it holds",
+        "load_bytes_means": "allocated once the model is loaded at the precision's dtype "
+        "(and --weights), before any step (ModelProfile.load_bytes); load_reserved_bytes: "
+        "its reserved bytes on cuda",
         "settings": [_setting_json(s, gpu) for s in settings],
     }
     if args.layers:
@@ -307,6 +314,8 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "rank": est.rank,
         "communication_bytes": est.communication_bytes,
         "host_bytes": est.host_bytes,
+        "load_bytes": None if s.loaded is None else s.loaded.allocated_bytes,
+        "load_reserved_bytes": None if s.loaded is None else s.loaded.reserved_bytes,
     }
 
 
@@ -361,6 +370,9 @@ def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[
         print("            (--device cpu: no caching allocator, no CUDA context; the figure")
         print("            compared with a --gpu capacity, when one is given)")
     _print_table(args, settings, cuda)
+    for s in settings:
+        if s.loaded is not None:
+            print(s.loaded.summary())
     print()
     gpu: Gpu | None = args.gpu
     if gpu is None:

@@ -395,7 +395,7 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         choices=("nf4", "fp4", "int8", "int8-torchao", "int4-torchao"),
         help="the Linear weights stored by bitsandbytes as from_pretrained's "
         "BitsAndBytesConfig stores them: nf4 / fp4 (Linear4bit; training needs --lora-rank: "
-        "QLoRA) or int8 (Linear8bitLt, inference, with --int8-threshold 0); or by torchao's "
+        "QLoRA) or int8 (Linear8bitLt, inference); or by torchao's "
         "quantize_, inference: int8-torchao (Int8WeightOnlyConfig) or int4-torchao "
         "(Int4OpaqueTensor, --device cpu only) (default: the precision's dtype; needs `pip "
         "install bitsandbytes transformers` or `pip install torchao`)",
@@ -410,8 +410,9 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         "--int8-threshold",
         type=float,
         metavar="T",
-        help="with --weights int8: LLM.int8's outlier threshold (llm_int8_threshold); only 0 "
-        "(no outlier split) is estimated, the default 6.0 depends on the activations' values",
+        help="with --weights int8: LLM.int8's outlier threshold (llm_int8_threshold, "
+        "default 6.0); above 0 the estimate is for inputs with no value at or above it (an "
+        "outlier column's split depends on the activations' values), 0: no outlier split",
     )
     settings.add_argument(
         "--double-quant",

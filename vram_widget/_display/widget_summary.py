@@ -15,6 +15,7 @@ from .._estimating.options import Mode
 from .._estimating.sharding import resolve_parallel
 from .optimizer_control import split_choice
 from .widget_controls import GPUS_MAX, SEQ_SLIDER_MAX
+from .widget_settings import weights_arg
 from .widget_text import (
     Headline,
     allocator_text,
@@ -318,6 +319,13 @@ class SummaryMixin:
                 f"{html.escape(est.peak_location)}",
             ),
         ]
+        try:  # the weights and buffers once loaded, before any step (load_bytes)
+            loaded = profile.load_bytes(
+                precision=est.precision, weights=weights_arg(self.weights, self.precision)
+            )
+            rows.append(("Loaded", html.escape(loaded.summary())))
+        except (ValueError, TypeError, ImportError) as exc:  # the step's own row says why
+            rows.append(("Loaded", html.escape(str(exc))))
         if est.generation is not None:
             rows.append(("Generation", generation_text(est)))
         elif est.seq_len is not None:

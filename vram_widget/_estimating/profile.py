@@ -28,6 +28,7 @@ from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .float8 import check_float8
 from .gpus import Gpu, resolve_gpu
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks, resolve_levers
+from .loading import LOAD_DTYPES, LoadEstimate, LoadLayout, load_estimate
 from .offloading import offload_levers
 from .options import (
     CATEGORY_CODE,
@@ -46,7 +47,7 @@ from .options import (
     parse_optimizer_choice,
     parse_option,
 )
-from .quantized import check_quantized, check_weights_device
+from .quantized import check_quantized, check_weights_device, int8_outlier_note
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.float8 import Float8
 from .recipe.ignored import warn_ignored
@@ -120,6 +121,8 @@ class ProfileSource(Protocol):
         decode_steps: int = ...,
         new_tokens: int | None = ...,
     ) -> Timeline: ...
+
+    def load_layout(self, dtype: str, weights: Weights) -> LoadLayout: ...
 
 
 class ModelProfile:
@@ -228,6 +231,8 @@ class ModelProfile:
         # generation with a StaticCache: runs at STATIC_CACHE_TOKENS, per precision and prompt
         self._static_caches: dict[tuple[Precision, int | None], tuple[Timeline, ...]] = {}
         self.name_prefix = ""
+        # the tensors a loader leaves, per (dtype, weights): load_bytes
+        self._load_layouts: dict[tuple[str, Weights], LoadLayout] = {}
 
     def __repr__(self) -> str:
         return (
@@ -808,6 +813,59 @@ class ModelProfile:
         if len(ignored) > len(asked.ignored):
             warn_ignored("the step", ignored[len(asked.ignored) :])
         return dataclasses.replace(est, ignored=ignored) if ignored else est
+
+    def load_bytes(
+        self,
+        recipe: Recipe | None = None,
+        *,
+        precision: str | Precision = default("fp32"),
+        weights: object = default(None),
+    ) -> LoadEstimate:
+        """The device memory once the model is loaded, before any step: its parameters and
+        buffers at the precision's dtype, the Linear weights in ``weights``' quantized
+        layout, as the real loaders leave them (``from_pretrained`` for a Hugging Face
+        model, ``model.to(dtype)`` for any other: :mod:`~vram_widget._estimating.loading`).
+
+        Parameters
+        ----------
+        recipe : Recipe, optional
+            Its ``precision`` and ``weights`` are read; the rest of it is the step's.
+        precision : str
+            ``"bf16"`` / ``"fp16"`` load the weights in that dtype, ``"fp32"`` and the
+            ``"amp-*"`` precisions in float32 (autocast keeps float32 weights).
+        weights : str, Weights or transformers.BitsAndBytesConfig, optional
+            bitsandbytes' quantization of the Linear weights (as ``estimate`` takes it).
+
+        Returns
+        -------
+        LoadEstimate
+            ``allocated_bytes`` and ``reserved_bytes`` (on CUDA with the caching
+            allocator's rules), and what they are made of.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> p = profile_model(model, input_size=(8,), device="cpu")
+        >>> p.load_bytes(precision="bf16").allocated_bytes  # (128 + 16 + 64 + 4) x 2 B
+        424
+        """
+        asked = Recipe.from_keywords(recipe, precision=precision, weights=weights)
+        if asked.weights.torchao:
+            raise ValueError(
+                f"load_bytes with weights={asked.weights.format.value!r} is not estimated yet: "
+                "it follows from_pretrained's bitsandbytes loading (weights='nf4', 'fp4' or "
+                "'int8') or no quantization; estimate(..., weights=...) gives torchao's "
+                "stored bytes as parameter_bytes"
+            )
+        dtype = LOAD_DTYPES[asked.step.precision]
+        key = (dtype, asked.weights)
+        if key not in self._load_layouts:
+            self._load_layouts[key] = self._source.load_layout(dtype, asked.weights)
+        return load_estimate(
+            self._load_layouts[key], asked.step.precision, asked.weights, self.device
+        )
 
     def _parallel_of(self, recipe: Recipe) -> Parallel:
         """The data parallelism a Recipe asks for, its FSDP units resolved to this model."""
@@ -1670,6 +1728,9 @@ _COMPILED_OPTIMIZERS = ("adamw8bit-torchao", "adamw4bit-torchao")
 
 def _unmodelled_step(recipe: Recipe) -> tuple[str, ...]:
     """What the asked step runs that the estimate does not model, by name."""
+    outliers = int8_outlier_note(recipe.weights)
+    if outliers:
+        return (outliers,)
     name = recipe.optimizer.name
     if recipe.step.mode is Mode.TRAIN and name is not None and name.value in _COMPILED_OPTIMIZERS:
         return (

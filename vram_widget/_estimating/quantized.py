@@ -122,12 +122,38 @@ def quantized_bytes(
     return QuantizedBytes(codes, blocks, state)
 
 
+def quantized_tensor_bytes(shape: tuple[int, ...], weights: Weights) -> tuple[int, ...]:
+    """The bytes of each tensor bitsandbytes stores for a weight of ``shape``, codes first:
+    each its own storage (one allocation; the 4-bit code table and the nested 8-bit map are
+    copies per weight, ``quantize_4bit``: ``code.to(A.device)``, ``quantize_blockwise``:
+    ``code.to(A.device, copy=True)``). Their sum is :func:`quantized_bytes`' total.
+
+    Examples
+    --------
+    nf4 with double quantization, 40 x 96: 1,920 B of codes, 60 uint8 maxima, the 16-value
+    float32 code, the float32 offset, one nested float32 maximum and the 256-value map:
+
+    >>> quantized_tensor_bytes((40, 96), Weights("nf4", double_quant=True))
+    (1920, 60, 64, 4, 4, 1024)
+    >>> quantized_tensor_bytes((40, 96), Weights("int8"))  # codes, one float32 scale a row
+    (3840, 160)
+    """
+    b = quantized_bytes(shape, weights)
+    if weights.format is WeightFormat.INT8:
+        return (b.codes_bytes, b.scales_bytes)
+    code = _F32 * _CODE_4BIT
+    if not weights.double_quant:
+        return (b.codes_bytes, b.scales_bytes, code)
+    nested = b.state_bytes - _F32 * (_CODE_4BIT + _DYNAMIC_MAP + 1)
+    return (b.codes_bytes, b.scales_bytes, code, _F32, nested, _F32 * _DYNAMIC_MAP)
+
+
 def check_quantized(
     weights: Weights, mode: Mode, lora_rank: int | None, gpus: int, *, estimating: bool = True
 ) -> None:
     """Refuse, before any profiling, the steps with quantized weights that are not
     estimated (``estimating``) or measured: int8 training, a 4-bit training step without
-    LoRA adapters, generation, more than one GPU; and int8 inference in an estimate.
+    LoRA adapters, generation, more than one GPU.
 
     Examples
     --------
@@ -154,15 +180,6 @@ def check_quantized(
             "training with them is through LoRA adapters only (PEFT's lora.Linear8bitLt), "
             "which is not estimated yet; use mode='inference', or weights='nf4' with "
             "lora_rank=... (QLoRA)"
-        )
-    if fmt is WeightFormat.INT8 and estimating and weights.int8_threshold > 0:
-        raise ValueError(
-            f"weights='int8' with its outlier threshold {weights.int8_threshold} is not "
-            "estimated: LLM.int8's forward splits out the input columns above the threshold "
-            "(llm_int8_threshold, BitsAndBytesConfig's default 6.0), so its temporaries "
-            "depend on the activations' values, which fake tensors do not have. "
-            "Weights('int8', int8_threshold=0.0) (no outlier split) is estimated; "
-            "measure(model, inputs, mode='inference', weights='int8') measures the default"
         )
     if mode is Mode.TRAIN and lora_rank is None:
         raise ValueError(
@@ -207,3 +224,58 @@ def check_weights_device(weights: Weights, device: Device | str) -> None:
             f"kernels that a profile cannot build (device={str(device)!r}). Use "
             "device='cpu', or weights='int8-torchao', estimated on both"
         )
+
+
+def int8_outlier_note(weights: Weights) -> str:
+    """What an int8 estimate with an outlier threshold assumes ("" without one).
+
+    LLM.int8's forward (``MatMul8bitLt``, bitsandbytes/autograd/_functions.py) quantizes its
+    fp16 input row-wise; with ``threshold > 0`` the kernel first takes the mask of the values
+    at or above it (``int8_vectorwise_quant``: ``outliers = A.abs() >= threshold``, held
+    through the quantization) and, where ``outliers.any()``, the columns holding one
+    (``outlier_cols``) are zeroed in the codes and multiplied apart in fp16
+    (``int8_mixed_scaled_mm``: ``subA = A[:, outlier_cols]``, the weight's columns
+    dequantized, ``output.addmm(subA, subB)``). The mask is estimated exactly; the split
+    depends on the activations' values, which fake tensors do not have.
+
+    Examples
+    --------
+    >>> int8_outlier_note(Weights("int8", int8_threshold=0.0))
+    ''
+    """
+    if weights.format is not WeightFormat.INT8 or weights.int8_threshold <= 0:
+        return ""
+    return (
+        f"weights='int8' with llm_int8_threshold={weights.int8_threshold}: estimated for "
+        "inputs with no value at or above the threshold (no outlier column; the threshold's "
+        "mask is counted). Each outlier column adds LLM.int8's fp16 split of it "
+        "(int8_mixed_scaled_mm: the input's and the weight's columns in fp16 and a second "
+        "output), which depends on the activations' values: where every column is one, "
+        "at most the sum over the int8 layers of int8_outlier_bound_bytes(rows, in, out) "
+        "more (vram_widget._estimating.quantized)"
+    )
+
+
+def int8_outlier_bound_bytes(rows: int, in_features: int, out_features: int) -> int:
+    """The most one ``Linear8bitLt`` forward with an outlier threshold adds to the
+    no-outlier step where every input column holds an outlier, for an input of ``rows``
+    rows: the sum of every allocation the split makes (each freed within the forward but
+    ``outlier_cols``, which the layer's state keeps as ``state.idx``), n = rows x in:
+
+    - ``int8_vectorwise_quant`` (bitsandbytes/backends/default/ops.py): the columns'
+      ``any`` (in bytes) and ``argwhere`` (8 x in), ``A[outliers]`` (its int64 indices,
+      16 n, and fp16 values, 2 n) and their clone (2 n), the zeroing and the restore
+      through the mask (16 n of indices each), the codes' columns zeroed (``out_row[:,
+      outlier_cols] = 0``: at most 16 n of indices);
+    - ``int8_mixed_scaled_mm``: ``A[:, outlier_cols]`` (2 n), the weight's int8 columns
+      (out x in), dequantized in float32 (``A * stats * (1 / 127)``: two of 4 x out x in)
+      and cast to fp16 (2 x out x in), and the output's ``addmm`` (2 x rows x out).
+
+    Examples
+    --------
+    >>> int8_outlier_bound_bytes(1, 784, 512)  # 9 x 784 + 70 x 784 + 11 x 512 x 784 + 1,024
+    4478448
+    """
+    n = rows * in_features
+    weight = out_features * in_features
+    return 9 * in_features + (16 * 4 + 2 * 3) * n + 11 * weight + 2 * rows * out_features

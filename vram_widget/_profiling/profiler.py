@@ -21,6 +21,7 @@ from torch.func import functional_call
 from .._estimating.decoding import DECODE_STEPS_PROFILED
 from .._estimating.estimator import module_label
 from .._estimating.levers import NO_LEVERS, Levers
+from .._estimating.loading import LoadLayout
 from .._estimating.offloading import Offload
 from .._estimating.options import (
     PHASE_CODE,
@@ -69,6 +70,7 @@ from .fake import (
 from .float8 import float8_copy, float8_kernels
 from .generation import generation_limit, prompt_inputs, recorded_generation
 from .hub import model_or_name
+from .loading import load_layout
 from .offloading import OffloadEmulation, emulated_offloading, offloaded_forward
 from .optimizers import (
     OpWatch,
@@ -90,6 +92,7 @@ from .quantized import (
     kept_dtypes,
     qlora_wrapped,
     quantized_copy,
+    quantized_modules,
     state_tensors,
 )
 from .recorder import Recorder, describe_args, module_hooks, tracked_rng_states
@@ -1536,6 +1539,15 @@ class _Source:
             copy_ = float8_copy(subject.model, float8, emulate=subject.device is Device.CPU)
             # not cached: the profile key does not read the float8 setting
             return self._sub_profile(copy_, cache=False)
+
+    def load_layout(self, dtype: str, weights: Weights) -> LoadLayout:
+        """The tensors the model holds once loaded in ``dtype`` with ``weights``
+        (``loading.load_layout``; the model itself untouched), the quantized modules
+        checked first (a ValueError where there are none)."""
+        model = self.profiler.subject.model
+        if weights.quantized:
+            quantized_modules(model, weights)
+        return load_layout(model, dtype, weights)
 
     def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:
         """A deferred profile of a meta copy of the model (LoRA's, the quantized one) with

@@ -251,6 +251,7 @@ class DequantizingKernels(TorchDispatchMode):
 
     def __init__(self, cpu: bool = True) -> None:
         super().__init__()
+        self._cpu = cpu
         self._kernels = _int8_kernels(cpu)
         count_bitsandbytes_matmuls()
 
@@ -264,11 +265,51 @@ class DequantizingKernels(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.bitsandbytes.gemm_4bit.default:
             return _gemm_4bit_cpu(*args, **kwargs)
+        if func is _vectorwise_quant() and _threshold(args, kwargs) > 0:
+            with self:  # the kernel's torch ops, recorded one by one
+                return _int8_quant_no_outliers(args[0], _threshold(args, kwargs), self._cpu)
         key = self._kernels.get(func)
         if key is not None:  # the kernel the CPU runs, in torch ops (recorded one by one)
             with self:  # the bitsandbytes ops it calls are run as their kernels too
                 return func._op_dk(key, *args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _vectorwise_quant() -> Any:
+    try:
+        return torch.ops.bitsandbytes.int8_vectorwise_quant.default
+    except (AttributeError, RuntimeError):  # bitsandbytes' ops not registered
+        return None
+
+
+def _threshold(args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    return float(kwargs.get("threshold", args[1] if len(args) > 1 else 0.0))
+
+
+def _int8_quant_no_outliers(
+    A: torch.Tensor, threshold: float, cpu: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``int8_vectorwise_quant`` with an outlier threshold, op for op, where no value of
+    ``A`` reaches it (``outliers.any()`` False): the mask of the values at or above the
+    threshold, held to the end as the kernel holds it, and an empty ``outlier_cols``.
+    The CPU's kernel (bitsandbytes/backends/default/ops.py) computes the row maxima and
+    codes in torch ops; CUDA's (backends/cuda/ops.py) makes them with
+    ``cint8_vector_quant`` into ``torch.empty`` outputs. With ``outlier_cols`` empty,
+    ``int8_mixed_scaled_mm`` is ``int8_scaled_mm`` and an empty ``subA``."""
+    rows = A.numel() // A.shape[-1]
+    if not cpu:
+        row_stats = torch.empty(rows, device=A.device, dtype=torch.float32)
+        out_row = torch.empty(A.shape, device=A.device, dtype=torch.int8)
+    outliers = A.abs() >= threshold
+    outliers.any()  # False where there are no outliers (the data-dependent branch)
+    outlier_cols = torch.empty(0, device=A.device, dtype=torch.int64)
+    if cpu:
+        row_stats = torch.max(A.abs(), dim=1).values.float()
+        out_row = torch.round(A * (127.0 / row_stats.unsqueeze(-1))).to(torch.int8)
+    if rows > 1:
+        out_row[:, outlier_cols] = 0
+    del outliers
+    return out_row, row_stats, outlier_cols
 
 
 def _int8_kernels(cpu: bool) -> dict[Any, Any]:
@@ -281,11 +322,14 @@ def _int8_kernels(cpu: bool) -> dict[Any, Any]:
         default = torch._C.DispatchKey.CompositeExplicitAutograd
         matmul = ops.int8_linear_matmul.default
         has_cpu = torch._C._dispatch_has_kernel_for_dispatch_key(matmul.name(), "CPU")
+        # int8_mixed_scaled_mm (an outlier threshold) has only its default kernel
+        # (backends/default/ops.py), on CUDA too
         if not cpu:
-            return {ops.int8_scaled_mm.default: default}
+            return {ops.int8_scaled_mm.default: default, ops.int8_mixed_scaled_mm.default: default}
         return {
             ops.int8_vectorwise_quant.default: default,
             ops.int8_scaled_mm.default: default,
+            ops.int8_mixed_scaled_mm.default: default,
             ops.int8_mm_dequant.default: default,
             matmul: torch._C.DispatchKey.CPU if has_cpu else default,
         }

@@ -154,7 +154,7 @@ class Recipe:
             object.__setattr__(self, "ignored", tuple(self.ignored))
 
     @classmethod
-    def from_training_arguments(cls, args: object, gpus: int = 1) -> Recipe:
+    def from_training_arguments(cls, args: object, gpus: int = 1, model: object = None) -> Recipe:
         """The Recipe of Hugging Face ``Trainer``'s step with these ``TrainingArguments``.
 
         Parameters
@@ -165,6 +165,14 @@ class Recipe:
         gpus : int
             Data-parallel ranks (the world size is not in the arguments); needed > 1 with
             ``fsdp``.
+        model : transformers.PreTrainedModel or peft.PeftModel, optional
+            The model handed to the Trainer, which the arguments do not describe: its
+            ``config.quantization_config`` (a ``BitsAndBytesConfig``: ``load_in_4bit`` /
+            ``load_in_8bit``, ``bnb_4bit_quant_type``, ``bnb_4bit_use_double_quant``,
+            ``bnb_4bit_compute_dtype``, ``bnb_4bit_quant_storage``, ``llm_int8_threshold``,
+            ``llm_int8_skip_modules``) gives ``weights``; PEFT's ``LoraConfig`` ``r`` and
+            ``target_modules`` give ``lora_rank`` and ``lora_targets``; weights held in
+            bf16 / fp16 give that precision. Other quantization methods are refused by name.
 
         Notes
         -----
@@ -194,7 +202,7 @@ class Recipe:
         """
         from .training_arguments import read_training_arguments
 
-        return read_training_arguments(args, gpus=gpus)
+        return read_training_arguments(args, gpus=gpus, model=model)
 
     @classmethod
     def from_torchtune(cls, config: object, gpus: int = 1) -> Recipe:

@@ -23,6 +23,11 @@ keys as in torchtune's ``recipes/configs/llama3_2/3B_full_single_device.yaml`` a
   ``down_proj`` (torchtune's ``FeedForward``: ``w2(silu(w1(x)) * w3(x))``); the output
   projection (``apply_lora_to_output``) -> ``lm_head``. The adapters are in the base dtype
   (torchtune builds them with the model, under its dtype): ``lora_dtype="base"``.
+  A QLoRA builder (``qlora_llama3_2_3b`` ..., ``functools.partial(lora_..., quantize_base=
+  True)``; or ``quantize_base: True``) is the same LoRA over base weights that torchtune
+  stores as torchao's ``NF4Tensor`` (``LoRALinear``: ``to_nf4``): ``weights="nf4-torchao"``
+  (refused by name where this version does not estimate that format); its rank defaults to
+  the builders' 8.
 - The step: the recipes drop the logits once the loss is computed, before the backward
   (``_loss_step``: ``# free logits otherwise it peaks backward memory`` / ``del logits``,
   ``recipes/full_finetune_single_device.py`` and ``lora_finetune_single_device.py``,
@@ -72,6 +77,13 @@ OPTIMIZERS: dict[str, str] = {
     "torchao.prototype.low_bit_optim.AdamW8bit": "torchao-adamw8bit",
     "torchao.prototype.low_bit_optim.AdamW4bit": "torchao-adamw4bit",
 }
+
+# torchtune's QLoRA builders (torchtune/models/*/_model_builders.py: qlora_llama3_2_3b =
+# partial(lora_llama3_2_3b, quantize_base=True)), the builders' default rank, and the format
+# of their base weights: torchao's NF4Tensor (LoRALinear: to_nf4(self.weight))
+_QLORA_BUILDER = "qlora_"
+_QLORA_RANK = 8
+TORCHAO_NF4 = "nf4-torchao"
 
 # torchtune's LoRA module names -> Hugging Face Llama's (see the module docstring).
 LORA_ATTN_NAMES: dict[str, str] = {
@@ -181,9 +193,6 @@ def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str]) -> None:
         raise refuse(SOURCE, "mixed_precision.enabled", "int8 mixed-precision training")
     if values.get("fsdp_cpu_offload"):
         raise refuse(SOURCE, "fsdp_cpu_offload", "parameters and gradients held on the host")
-    model = _component(values.get("model"))
-    if "qlora" in model.rsplit(".", 1)[-1]:
-        raise refuse(SOURCE, f"model {model}", "QLoRA's 4-bit NF4 base weights")
     loss = _component(values.get("loss"))
     if loss and loss.rsplit(".", 1)[-1] not in ("CrossEntropyLoss", _CHUNKED_LOSS):
         ignored.append(f"loss {loss} (a chunked or fused cross-entropy: the estimate's loss "
@@ -216,8 +225,28 @@ def _optimizer(value: object) -> str:
 
 
 def _lora(model: object, ignored: list[str]) -> dict[str, Any]:
-    if not isinstance(model, Mapping) or "lora_rank" not in model:
-        return {}
+    """The LoRA settings of the ``model`` section and, for QLoRA, its weights' format
+    (refused by name where the Recipe does not know it: :func:`_torchao_nf4`)."""
+    settings, qlora = _lora_reading(model, ignored)
+    if qlora:
+        settings["weights"] = _torchao_nf4(_component(model) or "model.quantize_base")
+    return settings
+
+
+def _lora_reading(model: object, ignored: list[str]) -> tuple[dict[str, Any], bool]:
+    """The LoRA settings of the ``model`` section, and whether its base is quantized: a
+    ``qlora_`` builder, or a LoRA builder with ``quantize_base: True`` (the same model)."""
+    if not isinstance(model, Mapping):
+        return {}, False
+    qlora = _QLORA_BUILDER in _component(model).rsplit(".", 1)[-1]
+    qlora = qlora or bool(model.get("quantize_base"))
+    if qlora:
+        # the builders' default rank (torchtune/models/*/_model_builders.py, e.g.
+        # lora_llama3_2_3b: lora_rank=8; the qlora_ builders are
+        # functools.partial(lora_..., quantize_base=True))
+        model = {"lora_rank": _QLORA_RANK, **model}
+    elif "lora_rank" not in model:
+        return {}, False
     attn = list(model.get("lora_attn_modules", []))
     unknown = [m for m in attn if m not in LORA_ATTN_NAMES]
     if unknown:
@@ -230,17 +259,42 @@ def _lora(model: object, ignored: list[str]) -> dict[str, Any]:
         targets.append("lm_head")
     if model.get("use_dora"):
         raise refuse(SOURCE, "model.use_dora", "DoRA's magnitude vectors and norms")
-    if model.get("quantize_base"):
-        # torchtune's QLoRA stores its base weights as torchao's NF4Tensor (torchtune/
-        # modules/peft/lora.py, LoRALinear: to_nf4), whose layout and kernels are not
-        # bitsandbytes' that weights='nf4' estimates
-        raise refuse(
-            SOURCE,
-            "model.quantize_base",
-            "QLoRA's 4-bit base weights as torchao's NF4Tensor; weights='nf4' estimates "
-            "bitsandbytes' Linear4bit, as Hugging Face's from_pretrained stores them",
-        )
     if float(model.get("lora_dropout", 0) or 0) > 0:
         ignored.append(f"model.lora_dropout={model['lora_dropout']} (the adapters' dropout "
                        "masks)")  # fmt: skip
-    return {"lora_rank": int(model["lora_rank"]), "lora_targets": targets, "lora_dtype": "base"}
+    settings = {"lora_rank": int(model["lora_rank"]), "lora_targets": targets, "lora_dtype": "base"}
+    return settings, qlora
+
+
+def qlora_settings(config: object) -> dict[str, Any]:
+    """The LoRA settings a torchtune config's ``model`` section gives, with the weights'
+    format where its base is quantized: read whether or not the Recipe estimates that
+    format (``from_torchtune`` refuses one it does not, by name).
+
+    Examples
+    --------
+    >>> s = qlora_settings({"model": {"lora_attn_modules": ["q_proj", "output_proj"],
+    ...     "_component_": "torchtune.models.llama3_2.qlora_llama3_2_3b", "lora_rank": 16}})
+    >>> s["lora_rank"], s["lora_targets"], s["weights"]
+    (16, ['q_proj', 'o_proj'], 'nf4-torchao')
+    """
+    settings, qlora = _lora_reading(_as_dict(config).get("model"), [])
+    if qlora:
+        settings["weights"] = TORCHAO_NF4
+    return settings
+
+
+def _torchao_nf4(component: str) -> str:
+    """``"nf4-torchao"`` where the Recipe knows that format; else a refusal naming it."""
+    from .weights import WeightFormat
+
+    if TORCHAO_NF4 in {f.value for f in WeightFormat}:
+        return TORCHAO_NF4
+    raise refuse(
+        SOURCE,
+        f"model {component}",
+        f"QLoRA's base weights as torchao's NF4Tensor (weights={TORCHAO_NF4!r}: "
+        "torchtune/modules/peft/lora.py, LoRALinear with quantize_base=True, to_nf4), which "
+        "this version does not estimate; weights='nf4' is bitsandbytes' Linear4bit, another "
+        "layout and kernel",
+    )

@@ -181,7 +181,7 @@ _IGNORED: dict[str, tuple[Any, str]] = {
 }
 
 
-def read_training_arguments(args: object, gpus: int = 1) -> Recipe:
+def read_training_arguments(args: object, gpus: int = 1, model: object = None) -> Recipe:
     """See :meth:`Recipe.from_training_arguments`."""
     from .recipe import Recipe
 
@@ -210,6 +210,8 @@ def read_training_arguments(args: object, gpus: int = 1) -> Recipe:
         "param_groups": "decay-split",  # Trainer.create_optimizer (module docstring)
     }
     settings.update(_fsdp(values.get("fsdp"), values.get("fsdp_config"), gpus, ignored))
+    if model is not None:
+        settings.update(read_model(model, settings["precision"], ignored))
     if gpus > 1:
         # the loop's own settings are estimated on one device only (a rank's step with them
         # is refused): across ranks, the step is the plain loop's, and they are named here
@@ -347,3 +349,102 @@ def _fsdp(fsdp: object, config: object, gpus: int, ignored: list[str]) -> dict[s
     if units:
         settings["fsdp_units"] = [units] if isinstance(units, str) else list(units)
     return settings
+
+
+# The keywords of transformers' BitsAndBytesConfig (transformers/utils/quantization_config.py,
+# BitsAndBytesConfig.__init__: load_in_8bit, load_in_4bit, llm_int8_threshold,
+# llm_int8_skip_modules, llm_int8_enable_fp32_cpu_offload, llm_int8_has_fp16_weight,
+# bnb_4bit_compute_dtype, bnb_4bit_quant_type, bnb_4bit_use_double_quant,
+# bnb_4bit_quant_storage), as Weights.from_bnb_config reads them; quant_method names the
+# library (QuantizationMethod.BITS_AND_BYTES = "bitsandbytes")
+_BNB_METHOD = "bitsandbytes"
+_HALF = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def read_model(model: object, precision: str, ignored: list[str]) -> dict[str, Any]:
+    """The settings the model handed to the Trainer gives: its weights' quantization
+    (``model.config.quantization_config``, set by ``from_pretrained(...,
+    quantization_config=BitsAndBytesConfig(...))``), its PEFT LoRA adapters
+    (``model.peft_config``) and, where its weights are bf16 / fp16, that precision (the
+    Trainer's autocast over half weights is a step in that half precision)."""
+    settings: dict[str, Any] = {}
+    config = getattr(model, "config", None)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        settings.update(_bnb_weights(quantization))
+    settings.update(_peft_lora(model, ignored))
+    half = _half_dtype(model)
+    if half is not None:
+        if precision.startswith("amp-") and precision != f"amp-{half}":
+            ignored.append(f"{precision.removeprefix('amp-')}=True on a model whose weights "
+                           f"are {half} (estimated in {half})")  # fmt: skip
+        settings["precision"] = half
+    return settings
+
+
+def _bnb_weights(quantization: object) -> dict[str, Any]:
+    from .weights import Weights
+
+    get = (
+        quantization.get
+        if isinstance(quantization, Mapping)
+        else lambda k, d=None: getattr(quantization, k, d)
+    )
+    method = get("quant_method", _BNB_METHOD)
+    method = str(getattr(method, "value", method))
+    if method != _BNB_METHOD:
+        raise refuse(
+            SOURCE, f"the model's quantization_config (quant_method={method!r})",
+            "only bitsandbytes' weights (BitsAndBytesConfig: 4-bit nf4 / fp4, LLM.int8) are "
+            "estimated",
+        )  # fmt: skip
+    if get("llm_int8_has_fp16_weight", False):
+        raise refuse(
+            SOURCE, "the model's llm_int8_has_fp16_weight=True",
+            "LLM.int8 with fp16 master weights (Int8Params has_fp16_weights=True) keeps and "
+            "trains the fp16 weights",
+        )  # fmt: skip
+    if get("llm_int8_enable_fp32_cpu_offload", False):
+        raise refuse(SOURCE, "the model's llm_int8_enable_fp32_cpu_offload=True",
+                     "modules offloaded to the host in fp32")  # fmt: skip
+    weights = Weights.from_bnb_config(quantization)
+    return {"weights": weights} if weights.quantized else {}
+
+
+def _peft_lora(model: object, ignored: list[str]) -> dict[str, Any]:
+    """PEFT's ``LoraConfig`` of the active adapter (``r``, ``target_modules``)."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, Mapping) or not configs:
+        return {}
+    active = getattr(model, "active_adapter", None)
+    config = configs.get(active) if isinstance(active, str) else None
+    config = config if config is not None else next(iter(configs.values()))
+    kind = str(getattr(getattr(config, "peft_type", ""), "value", ""))
+    if kind != "LORA":
+        raise refuse(SOURCE, f"the model's PEFT adapter ({kind})", "only LoRA is estimated")
+    if getattr(config, "use_dora", False):
+        raise refuse(SOURCE, "the model's LoraConfig use_dora=True",
+                     "DoRA's magnitude vectors and norms")  # fmt: skip
+    targets = getattr(config, "target_modules", None)
+    if isinstance(targets, set | frozenset | list | tuple):
+        targets = sorted(targets)
+    if float(getattr(config, "lora_dropout", 0) or 0) > 0:
+        ignored.append(f"the model's lora_dropout={config.lora_dropout} (the adapters' "
+                       "dropout masks)")  # fmt: skip
+    return {"lora_rank": int(config.r), "lora_targets": targets or "auto"}
+
+
+def _half_dtype(model: object) -> str | None:
+    """bf16 / fp16 where most of the model's unquantized floating weights are in it."""
+    parameters = getattr(model, "parameters", None)
+    if not callable(parameters):
+        return None
+    counts: dict[str, int] = {}
+    for p in parameters():
+        if type(p).__name__ in ("Params4bit", "Int8Params") or not p.is_floating_point():
+            continue
+        key = str(p.dtype)
+        counts[key] = counts.get(key, 0) + int(p.numel())
+    if not counts:
+        return None
+    return _HALF.get(max(counts, key=lambda k: counts[k]))
