@@ -116,10 +116,13 @@ class _EagerGraph:
             statics = frozenset(
                 _storage(inputs[i])[0] for i in region.static_inputs if i < len(inputs)
             )
-        out = torch.fx.Interpreter(self.gm, garbage_collect_values=True).boxed_run(inputs)
+        out = self._run(inputs)
         if region is not None and not region.inference:
             self.calls.append(_Call(region, tuple(_storage(t) for t in out), statics))
         return out
+
+    def _run(self, inputs: list[Any]) -> Any:
+        return torch.fx.Interpreter(self.gm, garbage_collect_values=True).boxed_run(inputs)
 
     # the rest of Inductor's OutputCode protocol (torch/_inductor/output_code.py)
     def post_compile(self, *_args: Any, **_kwargs: Any) -> None:
@@ -130,6 +133,47 @@ class _EagerGraph:
 
     def set_triton_bundle(self, _bundle: Any) -> None:
         return None
+
+
+class _GeneratedGraph(_EagerGraph):
+    """A partitioned graph run as Inductor's generated code on fake tensors
+    (``compiled_inductor.inductor_graph``), boxed as ``_EagerGraph``. Where its first call
+    (the unrecorded warm-up's) raises, the graph runs node by node from then on, and
+    ``failures`` gets the reason."""
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        region: Region | None,
+        calls: list[_Call],
+        generated: Any,
+        failures: list[str],
+    ) -> None:
+        super().__init__(gm, region, calls)
+        self.generated: Any = generated
+        self.failures = failures
+        self.proven = False
+
+    def _run(self, inputs: list[Any]) -> Any:
+        if self.generated is None:
+            return super()._run(inputs)
+        if self.proven:
+            return self.generated(inputs)
+        kept = list(inputs)  # the generated code clears the list it is given
+        try:
+            out = self.generated(inputs)
+        except Exception as exc:  # noqa: BLE001 - any failure: the graph node by node
+            self.failures.append(_reason("running", exc))
+            self.generated = None
+            return super()._run(kept)
+        self.proven = True
+        return out
+
+
+def _reason(stage: str, exc: BaseException) -> str:
+    """One line: why a graph runs node by node instead of as Inductor's code."""
+    head = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{stage} Inductor's code: {type(exc).__name__}: {head}"[:300]
 
 
 def _storage(t: Any) -> tuple[Any, int]:
@@ -144,7 +188,11 @@ class GraphCapture:
     """A ``torch.compile`` backend: Inductor's passes and partition, the graphs run eagerly
     (module docstring). ``regions`` in the order their forwards were compiled."""
 
-    def __init__(self) -> None:
+    def __init__(self, generated: bool = False) -> None:
+        # True: each graph runs as Inductor's generated code (compiled_inductor.py) where
+        # it can, else node by node; ``fallbacks`` says why a graph runs node by node
+        self.generated = generated
+        self.fallbacks: list[str] = []
         self.regions: list[Region] = []
         # forwards whose backward is not compiled yet, by dynamo's compile id
         self._pending: dict[str, Region] = {}
@@ -171,25 +219,35 @@ class GraphCapture:
             return compile_fx(gm, example_inputs, inner_compile=inner)
 
     def _inner(
-        self, gm: torch.fx.GraphModule, _example_inputs: Sequence[Any], **kwargs: Any
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
     ) -> _EagerGraph:
         # A region's backward is compiled at its first backward call (regions in reverse
         # order), under the compile context its forward was compiled in
         # (torch/_functorch/_aot_autograd/runtime_wrappers.py: the lazy backward runs in
         # ``compile_context(saved_compile_context)``): its compile id pairs them.
         compile_id = str(torch._guards.CompileContext.current_compile_id())
+        region = None
         if kwargs.get("is_backward"):
             self._pending.pop(compile_id).backward = gm
-            return _EagerGraph(gm, None, self._calls)
-        region = Region(
-            forward=gm,
-            inference=bool(kwargs.get("is_inference")),
-            static_inputs=tuple(kwargs.get("static_input_idxs") or ()),
-        )
-        self.regions.append(region)
-        if not region.inference:
-            self._pending[compile_id] = region
-        return _EagerGraph(gm, region, self._calls)
+        else:
+            region = Region(
+                forward=gm,
+                inference=bool(kwargs.get("is_inference")),
+                static_inputs=tuple(kwargs.get("static_input_idxs") or ()),
+            )
+            self.regions.append(region)
+            if not region.inference:
+                self._pending[compile_id] = region
+        if not self.generated:
+            return _EagerGraph(gm, region, self._calls)
+        from .compiled_inductor import inductor_graph
+
+        generated = None
+        try:  # Inductor lowers a copy: the graph itself stays for the node-by-node run
+            generated = inductor_graph(copy_graph(gm), example_inputs, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure: the graph node by node
+            self.fallbacks.append(_reason("compiling", exc))
+        return _GeneratedGraph(gm, region, self._calls, generated, self.fallbacks)
 
     def saved_bytes(self) -> int:
         """The saved set's bytes over every region call of the model's last forward (module
@@ -208,10 +266,22 @@ class GraphCapture:
         self.model_outputs = {key for key, _ in map(_storage, output_tensors(out))}
 
 
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that shares its attributes (Inductor's passes rewrite the graph
+    they lower in place)."""
+    import copy
+
+    # Graph.__deepcopy__ copies the nodes and their meta (graph_copy), the output's too
+    out = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    out.meta.update(gm.meta)
+    return out
+
+
 @contextlib.contextmanager
-def captured_graphs() -> Iterator[GraphCapture]:
-    """``measure(compile=...)`` inside runs its copy with a ``GraphCapture`` backend."""
-    capture = GraphCapture()
+def captured_graphs(generated: bool = False) -> Iterator[GraphCapture]:
+    """``measure(compile=...)`` inside runs its copy with a ``GraphCapture`` backend
+    (``generated``: its graphs as Inductor's generated code, ``GraphCapture``)."""
+    capture = GraphCapture(generated)
     token = BACKEND.set(capture)
     try:
         yield capture
