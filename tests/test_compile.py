@@ -255,7 +255,7 @@ def test_estimate_saved_set_hand_worked(batch: torch.Tensor) -> None:
     compiled = profile.estimate(2, optimizer="sgd", compile=True)
     nothing = profile.estimate(2, optimizer="sgd", compile=True, activation_memory_budget=0.0)
     assert eager.saved_bytes == 3 * HIDDEN_BYTES and not eager.compile_bound
-    assert compiled.saved_bytes == 2 * HIDDEN_BYTES and compiled.compile_bound
+    assert compiled.saved_bytes == 2 * HIDDEN_BYTES
     assert nothing.saved_bytes == 0
     assert compiled.levers.compile == "model" and nothing.levers.activation_memory_budget == 0.0
     for est, budget in ((compiled, None), (nothing, 0.0)):
@@ -263,8 +263,9 @@ def test_estimate_saved_set_hand_worked(batch: torch.Tensor) -> None:
             model, batch, optimizer="sgd", compile=True, activation_memory_budget=budget
         )
         assert est.saved_bytes == measured.saved_bytes
-        # the region temporaries are the eager ops': an upper bound on Inductor's kernels
-        assert est.peak_bytes >= measured.peak_bytes
+        # the region temporaries are Inductor's generated code's, run on fake tensors
+        assert not est.compile_bound and est.compile_fallbacks == ()
+        assert est.peak_bytes == measured.peak_bytes
     # the same resident bytes as the eager estimate: parameters (8 x 16 + 16 + 16 x 4 + 4)
     # x 4 B = 848 B and the batch, 2 x 8 x 4 B = 64 B
     assert compiled.parameter_bytes == eager.parameter_bytes == 848

@@ -42,11 +42,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .compiled import output_tensors
 
-__all__ = ["BACKEND", "GraphCapture", "Region", "captured_graphs"]
+__all__ = ["BACKEND", "GraphCapture", "Region", "captured_graphs", "graph_running"]
 
 # The backend ``compiled.compiled_forward`` gives torch.compile ("inductor" outside
 # ``captured_graphs``).
 BACKEND: contextvars.ContextVar[Any] = contextvars.ContextVar("vram_widget_backend")
+
+# True while a partitioned graph runs (``_EagerGraph.__call__``)
+_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("vram_widget_graph", default=False)
+
+
+def graph_running() -> bool:
+    """Whether a compiled region's graph is running (its ops, not the autograd engine's)."""
+    return _RUNNING.get()
 
 
 @dataclasses.dataclass
@@ -116,7 +124,11 @@ class _EagerGraph:
             statics = frozenset(
                 _storage(inputs[i])[0] for i in region.static_inputs if i < len(inputs)
             )
-        out = self._run(inputs)
+        token = _RUNNING.set(True)
+        try:
+            out = self._run(inputs)
+        finally:
+            _RUNNING.reset(token)
         if region is not None and not region.inference:
             self.calls.append(_Call(region, tuple(_storage(t) for t in out), statics))
         return out
@@ -188,11 +200,11 @@ class GraphCapture:
     """A ``torch.compile`` backend: Inductor's passes and partition, the graphs run eagerly
     (module docstring). ``regions`` in the order their forwards were compiled."""
 
-    def __init__(self, generated: bool = False) -> None:
+    def __init__(self, generated: bool = False, fallbacks: list[str] | None = None) -> None:
         # True: each graph runs as Inductor's generated code (compiled_inductor.py) where
         # it can, else node by node; ``fallbacks`` says why a graph runs node by node
         self.generated = generated
-        self.fallbacks: list[str] = []
+        self.fallbacks: list[str] = [] if fallbacks is None else fallbacks
         self.regions: list[Region] = []
         # forwards whose backward is not compiled yet, by dynamo's compile id
         self._pending: dict[str, Region] = {}
@@ -278,10 +290,12 @@ def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 @contextlib.contextmanager
-def captured_graphs(generated: bool = False) -> Iterator[GraphCapture]:
+def captured_graphs(
+    generated: bool = False, fallbacks: list[str] | None = None
+) -> Iterator[GraphCapture]:
     """``measure(compile=...)`` inside runs its copy with a ``GraphCapture`` backend
-    (``generated``: its graphs as Inductor's generated code, ``GraphCapture``)."""
-    capture = GraphCapture(generated)
+    (``generated``, ``fallbacks``: ``GraphCapture``'s)."""
+    capture = GraphCapture(generated, fallbacks)
     token = BACKEND.set(capture)
     try:
         yield capture

@@ -141,6 +141,7 @@ def compiled_step(
     budget: float | None,
     warm_up: Callable[[Callable[..., Any]], None],
     hooks: ModuleHooks | None = None,
+    fallbacks: list[str] | None = None,
 ) -> Iterator[Callable[..., Any]]:
     """``model``'s forward compiled as ``scope_name`` asks with the ``GraphCapture`` backend,
     for the length of the block; ``warm_up(forward)`` runs one unrecorded iteration (the
@@ -154,7 +155,9 @@ def compiled_step(
     scope = CompileScope(scope_name)
     live: list[ModuleHooks] = []  # the hooks, once the warm-up has compiled
     # compiled_run: the caches reset, the budget patched, the compiler's failures explained
-    with compiled_run(scope, budget), captured_graphs(True), _compiled(model, scope, live) as forward:
+    with compiled_run(scope, budget), captured_graphs(True, fallbacks), _compiled(
+        model, scope, live
+    ) as forward:
         warm_up(forward)
         if hooks is not None:
             live.append(hooks)

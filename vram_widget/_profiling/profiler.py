@@ -165,6 +165,9 @@ class RawTrace:
     step_flops: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     # activation offloading: the host bytes its copies took at their peak (0: none)
     host_peak_bytes: int = 0
+    # torch.compile: why a compiled graph ran node by node instead of as Inductor's
+    # generated code (compiled_inductor.py), one line each; () where none did
+    compile_fallbacks: tuple[str, ...] = ()
 
 
 @dataclass
@@ -560,6 +563,7 @@ class Profiler:
         # compiled: the partitioned graphs are Inductor's decompositions on CPU fake tensors
         # (dynamo cannot trace the CUDA emulation's function mode: compiled_profile.py)
         context = self._context(precision) if compiled is None else None
+        compile_fallbacks: list[str] = []  # compiled_graphs.GraphCapture.fallbacks
         rules_hold()  # before any mode: it probes real tensors
         subject.model.train(train)
         with contextlib.ExitStack() as stack:
@@ -570,7 +574,10 @@ class Profiler:
                 stack.enter_context(fake_mode)
             if compiled is not None:  # compiled by an unrecorded iteration, before recording
                 model_fn = stack.enter_context(
-                    self._compiled_step(model_fn, loss_fn, inputs, state, trainable, rec, precision)
+                    self._compiled_step(
+                        model_fn, loss_fn, inputs, state, trainable, rec, precision,
+                        compile_fallbacks,
+                    )  # fmt: skip
                 )
             stack.enter_context(rec)
             if quant_states:  # bitsandbytes' kernels as their CPU code runs them
@@ -684,6 +691,7 @@ class Profiler:
             step_starts=step_starts,
             step_flops=step_flops,
             host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
+            compile_fallbacks=tuple(compile_fallbacks),
         )
 
     def _compiled_step(
@@ -695,9 +703,11 @@ class Profiler:
         trainable: list[torch.Tensor],
         rec: Recorder,
         precision: Precision,
+        fallbacks: list[str],
     ) -> contextlib.AbstractContextManager[Callable[..., Any]]:
         """The model's forward as ``torch.compile`` runs it (``compiled_profile.py``),
-        compiled by one unrecorded iteration on the run's fake parameters and inputs."""
+        compiled by one unrecorded iteration on the run's fake parameters and inputs;
+        ``fallbacks`` gets why a graph runs node by node, if one does."""
         from .compiled_profile import compiled_step
 
         model = self.subject.model
@@ -729,6 +739,7 @@ class Profiler:
             levers.activation_memory_budget,
             warm_up,
             (rec.enter_module, rec.exit_module),
+            fallbacks,
         )
 
     def _offload_plan(self, precision: Precision, levers: Levers, mode: Mode) -> list[bool]:
