@@ -7,10 +7,13 @@ graph goes through Inductor's own pre-grad passes, decompositions
 (``min_cut_rematerialization_partition``, under
 ``torch._functorch.config.activation_memory_budget``), so the forward and backward graphs it
 receives (torch/_inductor/compile_fx.py: ``compile_fx_forward`` / ``compile_fx_backward``
-call ``inner_compile``) are the ones Inductor would generate kernels for. Instead, each
+call ``inner_compile``) are the ones Inductor would generate kernels for. By default each
 graph is run node by node (``torch.fx.Interpreter.boxed_run``: its inputs list is cleared,
 each value dropped after its last use), so the saved set is Inductor's and the temporaries
-are eager ATen's.
+are eager ATen's. ``GraphCapture(generated=True)`` (the profile's) runs Inductor's generated
+code for each graph instead (``compiled_inductor.py``), on fake tensors, so the temporaries
+are Inductor's too; a graph whose code cannot be generated or run there runs node by node,
+and ``fallbacks`` says why.
 
 The saved set of a compiled region: the forward graph's outputs that its backward graph takes
 as inputs (every backward placeholder but the ``tangents_*``), which AOTAutograd places at the
