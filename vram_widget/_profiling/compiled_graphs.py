@@ -177,7 +177,7 @@ class _GeneratedGraph(_EagerGraph):
         kept = list(inputs)  # the generated code clears the list it is given
         try:
             out = self.generated(inputs)
-        except Exception as exc:  # noqa: BLE001 - any failure: the graph node by node
+        except Exception as exc:  # any failure: the graph node by node
             self.failures.append(_reason("running", exc))
             self.generated = None
             return super()._run(kept)
@@ -260,7 +260,7 @@ class GraphCapture:
         generated = None
         try:  # Inductor lowers a copy: the graph itself stays for the node-by-node run
             generated = inductor_graph(copy_graph(gm), example_inputs, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - any failure: the graph node by node
+        except Exception as exc:  # any failure: the graph node by node
             self.fallbacks.append(_reason("compiling", exc))
         return _GeneratedGraph(gm, region, self._calls, generated, self.fallbacks)
 

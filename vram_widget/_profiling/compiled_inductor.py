@@ -82,13 +82,14 @@ def _kernels_not_compiled() -> Iterator[None]:
     """``AsyncCompile.cpp_pybinding`` / ``cpp`` return a no-op instead of compiling."""
     from torch._inductor.async_compile import AsyncCompile
 
-    saved = AsyncCompile.cpp_pybinding, AsyncCompile.cpp
-    AsyncCompile.cpp_pybinding = lambda _self, _argtypes, _source: _no_op_kernel  # type: ignore[method-assign]
-    AsyncCompile.cpp = lambda _self, _source: _no_op_kernel  # type: ignore[method-assign]
+    cls: Any = AsyncCompile
+    saved = cls.cpp_pybinding, cls.cpp
+    cls.cpp_pybinding = lambda _self, _argtypes, _source: _no_op_kernel
+    cls.cpp = lambda _self, _source: _no_op_kernel
     try:
         yield
     finally:
-        AsyncCompile.cpp_pybinding, AsyncCompile.cpp = saved  # type: ignore[method-assign]
+        cls.cpp_pybinding, cls.cpp = saved
 
 
 def inductor_graph(
@@ -122,4 +123,4 @@ def inductor_graph(
             "Inductor's generated code here is not the CPU backend's Python wrapper"
         )
     scope.update(GENERATED_GLOBALS)
-    return compiled  # type: ignore[no-any-return]
+    return compiled

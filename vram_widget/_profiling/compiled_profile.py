@@ -154,9 +154,11 @@ def compiled_step(
     scope = CompileScope(scope_name)
     live: list[ModuleHooks] = []  # the hooks, once the warm-up has compiled
     # compiled_run: the caches reset, the budget patched, the compiler's failures explained
-    with compiled_run(scope, budget), captured_graphs(True, fallbacks), _compiled(
-        model, scope, live
-    ) as forward:
+    with (
+        compiled_run(scope, budget),
+        captured_graphs(True, fallbacks),
+        _compiled(model, scope, live) as forward,
+    ):
         warm_up(forward)
         if hooks is not None:
             live.append(hooks)

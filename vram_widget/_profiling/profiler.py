@@ -575,9 +575,15 @@ class Profiler:
             if compiled is not None:  # compiled by an unrecorded iteration, before recording
                 model_fn = stack.enter_context(
                     self._compiled_step(
-                        model_fn, loss_fn, inputs, state, trainable, rec, precision,
+                        model_fn,
+                        loss_fn,
+                        inputs,
+                        state,
+                        trainable,
+                        rec,
+                        precision,
                         compile_fallbacks,
-                    )  # fmt: skip
+                    )
                 )
             stack.enter_context(rec)
             if quant_states:  # bitsandbytes' kernels as their CPU code runs them
