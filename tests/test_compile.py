@@ -395,12 +395,12 @@ def _truth(model: nn.Module, inputs: Any, runs: list[tuple[str, float, object]])
 
 
 def test_mlp_compiled_peak_is_inductors() -> None:
-    """The zoo MLP (784 -> 512 -> 512 -> 10, dropout 0.1), fp32 and bf16, budgets 1.0 and
+    """The zoo MLP (784 -> 512 -> 512 -> 10, dropout 0.1), fp32 at budget 1.0 and bf16 at
     0.5: the estimated peak and saved set are the real compiled step's, to the byte (the
     region temporaries are Inductor's buffer plan, run on fake tensors)."""
     torch.manual_seed(0)
     inputs = torch.randn(4, 784, generator=torch.Generator().manual_seed(0))
-    runs = [(p, b, True) for p in ("fp32", "bf16") for b in (1.0, 0.5)]
+    runs: list[tuple[str, float, object]] = [("fp32", 1.0, True), ("bf16", 0.5, True)]
     assert _truth(zoo.mlp(), inputs, runs) == []
 
 
@@ -448,3 +448,24 @@ def test_hf_compiled_peak_is_inductors(name: str) -> None:
         measured = measure(model, inputs, optimizer="adamw", precision="bf16", **settings)
         assert not est.compile_bound
         assert est.peak_bytes == measured.peak_bytes
+
+
+def test_a_graph_inductor_cannot_run_falls_back_node_by_node(
+    batch: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where Inductor's code for a graph cannot be generated, the graph runs node by node:
+    the estimate says so (``compile_bound``, with Inductor's reason) and its peak bounds
+    the compiled step's from above; the saved set is the partitioner's still."""
+    from vram_widget._profiling import compiled_inductor
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise NotImplementedError("no code for this graph")
+
+    monkeypatch.setattr(compiled_inductor, "inductor_graph", refuse)
+    est = _profile(SinCos(), batch).estimate(2, optimizer="sgd", compile=True)
+    measured = measure(SinCos(), batch, optimizer="sgd", compile=True)
+    assert est.compile_bound
+    assert len(est.compile_fallbacks) == 2  # the forward and the backward graph
+    assert "NotImplementedError: no code for this graph" in est.compile_fallbacks[0]
+    assert est.saved_bytes == measured.saved_bytes == 2 * HIDDEN_BYTES
+    assert est.peak_bytes >= measured.peak_bytes
