@@ -419,7 +419,7 @@ def test_transformer_encoder_compiled_peak_is_inductors() -> None:
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_hf_compiled_peak_is_inductors(name: str) -> None:
     """Tiny Hugging Face GPT-2 and Llama (2 layers, 64 wide, vocabulary 1000, 4 x 16
-    tokens), bf16, budget 0.5 with the whole model compiled and 1.0 per block: the
+    tokens), bf16, budget 0.5, the whole model compiled and each block on its own: the
     estimated peak is the real compiled step's, to the byte. (The saved set, which counts
     the loss's own saved logits apart, is checked by the GPT-2 test above.)"""
     transformers = pytest.importorskip("transformers")
@@ -442,7 +442,7 @@ def test_hf_compiled_peak_is_inductors(name: str) -> None:
     gen = torch.Generator().manual_seed(0)
     inputs = {k: torch.randint(0, 1000, (4, 16), generator=gen) for k in ("input_ids", "labels")}
     profile = profile_model(model, inputs=inputs, device="cpu", cache=False)
-    for budget, scope in ((0.5, "model"), (1.0, "blocks")):
+    for budget, scope in ((0.5, "model"), (0.5, "blocks")):
         settings: dict[str, Any] = {"compile": scope, "activation_memory_budget": budget}
         est = profile.estimate(4, "bf16", "adamw", **settings)
         measured = measure(model, inputs, optimizer="adamw", precision="bf16", **settings)
