@@ -7,15 +7,15 @@ For each model, precision and ``activation_memory_budget``, AdamW, batch 4:
 * graphs: the same partitioned forward and backward graphs run node by node
   (``_profiling/compiled_graphs.py``: Inductor's passes and partitioner, eager ATen kernels);
 * estimate: ``profile_model(...).estimate(compile=True, activation_memory_budget=...)``
-  (``_profiling/compiled_profile.py``: the graphs recorded on fake tensors).
+  (``_profiling/compiled_profile.py``: Inductor's generated code for the graphs, recorded on
+  fake tensors).
 
 and the saved bytes: measured (bytes left by the forward less its outputs), the partitioner's
 saved set read from the graphs (in the measured step and on fake tensors), and the
 estimate's ``saved_bytes`` less the saved outputs (a causal LM's logits, which its loss
 saves and ``measure`` counts as output). The saved set is the partitioner's decision, so
-they should agree to the byte; the estimated peak is the graphs' (each region's temporaries
-the eager ops'), an upper bound on the compiled peak (Inductor fuses pointwise ops and
-reuses buffers).
+they should agree to the byte; the estimated peak is Inductor's buffer plan run on fake
+tensors (``estimate_bound`` says where a graph ran node by node instead: an upper bound).
 
     python benchmarks/accuracy_compile.py                        # about 10 minutes on 2 cores
     python benchmarks/accuracy_compile.py --models mlp --budgets 1.0
@@ -91,6 +91,7 @@ def _row(name: str, model: nn.Module, inputs: Any, precision: str, budget: float
         "graphs_peak_bytes": graphs.peak_bytes,
         "estimated_peak_bytes": est.peak_bytes,
         "peak_ratio": est.peak_bytes / compiled.peak_bytes,
+        "estimate_bound": est.compile_bound,
         "compiled_saved_bytes": compiled.saved_bytes,
         "partitioner_saved_bytes": capture.saved_bytes(),
         "fake_saved_bytes": fake.saved_bytes,

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from vram_widget import Recipe, profile_model
+from vram_widget import Recipe, profile_model, zoo
 from vram_widget._estimating.compiled import (
     CompileScope,
     parse_activation_memory_budget,
@@ -256,7 +256,7 @@ def test_estimate_saved_set_hand_worked(batch: torch.Tensor) -> None:
     compiled = profile.estimate(2, optimizer="sgd", compile=True)
     nothing = profile.estimate(2, optimizer="sgd", compile=True, activation_memory_budget=0.0)
     assert eager.saved_bytes == 3 * HIDDEN_BYTES and not eager.compile_bound
-    assert compiled.saved_bytes == 2 * HIDDEN_BYTES and compiled.compile_bound
+    assert compiled.saved_bytes == 2 * HIDDEN_BYTES
     assert nothing.saved_bytes == 0
     assert compiled.levers.compile == "model" and nothing.levers.activation_memory_budget == 0.0
     for est, budget in ((compiled, None), (nothing, 0.0)):
@@ -264,8 +264,9 @@ def test_estimate_saved_set_hand_worked(batch: torch.Tensor) -> None:
             model, batch, optimizer="sgd", compile=True, activation_memory_budget=budget
         )
         assert est.saved_bytes == measured.saved_bytes
-        # the region temporaries are the eager ops': an upper bound on Inductor's kernels
-        assert est.peak_bytes >= measured.peak_bytes
+        # the region temporaries are Inductor's generated code's, run on fake tensors
+        assert not est.compile_bound and est.compile_fallbacks == ()
+        assert est.peak_bytes == measured.peak_bytes
     # the same resident bytes as the eager estimate: parameters (8 x 16 + 16 + 16 x 4 + 4)
     # x 4 B = 848 B and the batch, 2 x 8 x 4 B = 64 B
     assert compiled.parameter_bytes == eager.parameter_bytes == 848
@@ -468,3 +469,102 @@ def test_compiled_estimate_is_cached(batch: torch.Tensor, monkeypatch: pytest.Mo
     assert not profile.is_cached("fp32", "train", None, levers=levers)  # which batch?
     again = profile.estimate(2, optimizer=None, compile=True, checkpoint="auto")
     assert runs == ["timeline"] and again.peak_bytes == first.peak_bytes
+
+
+# -- the compiled step's peak against the real Inductor step -----------------------------------
+
+
+def _truth(model: nn.Module, inputs: Any, runs: list[tuple[str, float, object]]) -> list[str]:
+    """Each (precision, budget, compile) estimated from the plain model's profile and
+    measured (``measure(compile=...)``: Inductor's real step on the CPU), AdamW, batch 4;
+    the configurations whose peak or saved set differs, with both numbers."""
+    profile = profile_model(model, inputs=inputs, device="cpu", cache=False)
+    wrong = []
+    for precision, budget, scope in runs:
+        settings: dict[str, Any] = {"compile": scope, "activation_memory_budget": budget}
+        est = profile.estimate(4, precision, "adamw", **settings)
+        measured = measure(model, inputs, optimizer="adamw", precision=precision, **settings)
+        assert not est.compile_bound and est.compile_fallbacks == ()  # Inductor's code ran
+        if (est.peak_bytes, est.saved_bytes) != (measured.peak_bytes, measured.saved_bytes):
+            wrong.append(
+                f"{precision} {budget} {scope}: peak {est.peak_bytes} vs {measured.peak_bytes}, "
+                f"saved {est.saved_bytes} vs {measured.saved_bytes}"
+            )
+    return wrong
+
+
+def test_mlp_compiled_peak_is_inductors() -> None:
+    """The zoo MLP (784 -> 512 -> 512 -> 10, dropout 0.1), fp32 at budget 1.0 and bf16 at
+    0.5: the estimated peak and saved set are the real compiled step's, to the byte (the
+    region temporaries are Inductor's buffer plan, run on fake tensors)."""
+    torch.manual_seed(0)
+    inputs = torch.randn(4, 784, generator=torch.Generator().manual_seed(0))
+    runs: list[tuple[str, float, object]] = [("fp32", 1.0, True), ("bf16", 0.5, True)]
+    assert _truth(zoo.mlp(), inputs, runs) == []
+
+
+@pytest.mark.slow
+def test_transformer_encoder_compiled_peak_is_inductors() -> None:
+    """The zoo TransformerEncoder (2 post-norm layers, d_model 128, 4 x 32 tokens), fp32
+    and bf16, budgets 1.0 and 0.5: peak and saved set to the byte (bf16 includes oneDNN's
+    packing scratch of the out= matmuls Inductor's code calls, measured by the probe)."""
+    torch.manual_seed(0)
+    inputs = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
+    runs = [(p, b, True) for p in ("fp32", "bf16") for b in (1.0, 0.5)]
+    assert _truth(zoo.transformer_encoder(), inputs, runs) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_compiled_peak_is_inductors(name: str) -> None:
+    """Tiny Hugging Face GPT-2 and Llama (2 layers, 64 wide, vocabulary 1000, 4 x 16
+    tokens), bf16, budget 0.5, the whole model compiled and each block on its own: the
+    estimated peak is the real compiled step's, to the byte. (The saved set, which counts
+    the loss's own saved logits apart, is checked by the GPT-2 test above.)"""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model: nn.Module = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64,
+                bos_token_id=0, eos_token_id=0,
+            )
+        )  # fmt: skip
+    else:
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=128, vocab_size=1000,
+                bos_token_id=0, eos_token_id=0,
+            )
+        )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    inputs = {k: torch.randint(0, 1000, (4, 16), generator=gen) for k in ("input_ids", "labels")}
+    profile = profile_model(model, inputs=inputs, device="cpu", cache=False)
+    for budget, scope in ((0.5, "model"), (0.5, "blocks")):
+        settings: dict[str, Any] = {"compile": scope, "activation_memory_budget": budget}
+        est = profile.estimate(4, "bf16", "adamw", **settings)
+        measured = measure(model, inputs, optimizer="adamw", precision="bf16", **settings)
+        assert not est.compile_bound
+        assert est.peak_bytes == measured.peak_bytes
+
+
+def test_a_graph_inductor_cannot_run_falls_back_node_by_node(
+    batch: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where Inductor's code for a graph cannot be generated, the graph runs node by node:
+    the estimate says so (``compile_bound``, with Inductor's reason) and its peak bounds
+    the compiled step's from above; the saved set is the partitioner's still."""
+    from vram_widget._profiling import compiled_inductor
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise NotImplementedError("no code for this graph")
+
+    monkeypatch.setattr(compiled_inductor, "inductor_graph", refuse)
+    est = _profile(SinCos(), batch).estimate(2, optimizer="sgd", compile=True)
+    measured = measure(SinCos(), batch, optimizer="sgd", compile=True)
+    assert est.compile_bound
+    assert len(est.compile_fallbacks) == 2  # the forward and the backward graph
+    assert "NotImplementedError: no code for this graph" in est.compile_fallbacks[0]
+    assert est.saved_bytes == measured.saved_bytes == 2 * HIDDEN_BYTES
+    assert est.peak_bytes >= measured.peak_bytes

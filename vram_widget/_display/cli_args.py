@@ -563,7 +563,7 @@ def _lever_flags(levers: argparse._ArgumentGroup) -> None:
         help="the step as torch.compile (default Inductor backend) runs it: 'model', the "
         "whole model compiled; 'blocks', each repeated block compiled on its own "
         "(torchtitan's and torchtune's per-block compile). The saved activations are the "
-        "partitioner's; each compiled region's temporaries an upper bound (training only)",
+        "partitioner's; each compiled region's temporaries Inductor's CPU code's (training only)",
     )
     levers.add_argument(
         "--activation-memory-budget",

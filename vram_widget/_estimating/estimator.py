@@ -192,13 +192,21 @@ class MemoryEstimate:
     weights: str = ""
     # torchao's float8 training of the Linear layers (``Float8.describe()``); "" off
     float8: str = ""
+    # torch.compile: why a compiled graph's temporaries are its ATen ops run one at a time
+    # instead of Inductor's generated code, one line each (``compile_bound``); () where
+    # every graph ran as Inductor's code
+    compile_fallbacks: tuple[str, ...] = ()
 
     @property
     def compile_bound(self) -> bool:
-        """True for a ``torch.compile`` step (``levers.compile``): its saved set is the
-        partitioner's, exactly, but each compiled region's temporaries are those of its
-        graph's ATen ops run one at a time, so ``peak_bytes`` is an upper bound on what
-        Inductor's fused kernels and reused buffers allocate (the guide on torch.compile).
+        """True for a ``torch.compile`` step (``levers.compile``) where a compiled graph
+        could not run as Inductor's generated code (``compile_fallbacks`` says why): its
+        temporaries are then those of its ATen ops run one at a time, an upper bound on
+        what Inductor's fused kernels and reused buffers allocate. False where every graph
+        ran as Inductor's code for the CPU (its allocations, frees and buffer reuse on fake
+        tensors): the saved set and the region temporaries are the compiled CPU step's
+        (the guide on torch.compile; on ``device="cuda"`` that plan is unconfirmed against
+        Triton's code).
 
         Examples
         --------
@@ -207,7 +215,7 @@ class MemoryEstimate:
         >>> profile.estimate(4, optimizer="sgd").compile_bound
         False
         """
-        return self.levers.compile is not None
+        return self.levers.compile is not None and bool(self.compile_fallbacks)
 
     @property
     def saved_bytes(self) -> int | None:
@@ -762,6 +770,7 @@ def estimate(
             optimizer_implementation if train and optimizer is not None else None
         ),
         paged_bytes=opt.paged_bytes if train and opt is not None else 0,
+        compile_fallbacks=timeline.compile_fallbacks if train else (),
         host_bytes=(
             0
             if timeline.host_bytes is None or not train

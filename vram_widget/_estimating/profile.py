@@ -853,8 +853,10 @@ class ModelProfile:
         """
         asked = Recipe.from_keywords(recipe, precision=precision, weights=weights)
         if asked.weights.torchao:
+            fmt = asked.weights.format
+            assert fmt is not None
             raise ValueError(
-                f"load_bytes with weights={asked.weights.format.value!r} is not estimated yet: "
+                f"load_bytes with weights={fmt.value!r} is not estimated yet: "
                 "it follows from_pretrained's bitsandbytes loading (weights='nf4', 'fp4' or "
                 "'int8') or no quantization; estimate(..., weights=...) gives torchao's "
                 "stored bytes as parameter_bytes"

@@ -327,6 +327,8 @@ class Timeline:
     # activation offloading: the host bytes the offloaded copies take at their peak, one
     # value (None: nothing offloaded)
     host_bytes: Poly | None = None
+    # torch.compile: why a compiled graph ran node by node (the profile's RawTrace)
+    compile_fallbacks: tuple[str, ...] = ()
 
     @property
     def seq_degree(self) -> int:
@@ -572,6 +574,7 @@ def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...
             Poly.fit(batches, tuple(t.step_flops for t in fit)) if t1.step_flops.size else None
         ),
         host_bytes=host,
+        compile_fallbacks=tuple(getattr(t1, "compile_fallbacks", ())),
     )
 
 

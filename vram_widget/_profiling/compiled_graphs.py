@@ -7,10 +7,13 @@ graph goes through Inductor's own pre-grad passes, decompositions
 (``min_cut_rematerialization_partition``, under
 ``torch._functorch.config.activation_memory_budget``), so the forward and backward graphs it
 receives (torch/_inductor/compile_fx.py: ``compile_fx_forward`` / ``compile_fx_backward``
-call ``inner_compile``) are the ones Inductor would generate kernels for. Instead, each
+call ``inner_compile``) are the ones Inductor would generate kernels for. By default each
 graph is run node by node (``torch.fx.Interpreter.boxed_run``: its inputs list is cleared,
 each value dropped after its last use), so the saved set is Inductor's and the temporaries
-are eager ATen's.
+are eager ATen's. ``GraphCapture(generated=True)`` (the profile's) runs Inductor's generated
+code for each graph instead (``compiled_inductor.py``), on fake tensors, so the temporaries
+are Inductor's too; a graph whose code cannot be generated or run there runs node by node,
+and ``fallbacks`` says why.
 
 The saved set of a compiled region: the forward graph's outputs that its backward graph takes
 as inputs (every backward placeholder but the ``tangents_*``), which AOTAutograd places at the
@@ -42,11 +45,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .compiled import output_tensors
 
-__all__ = ["BACKEND", "GraphCapture", "Region", "captured_graphs"]
+__all__ = ["BACKEND", "GraphCapture", "Region", "captured_graphs", "graph_running"]
 
 # The backend ``compiled.compiled_forward`` gives torch.compile ("inductor" outside
 # ``captured_graphs``).
 BACKEND: contextvars.ContextVar[Any] = contextvars.ContextVar("vram_widget_backend")
+
+# True while a partitioned graph runs (``_EagerGraph.__call__``)
+_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("vram_widget_graph", default=False)
+
+
+def graph_running() -> bool:
+    """Whether a compiled region's graph is running (its ops, not the autograd engine's)."""
+    return _RUNNING.get()
 
 
 @dataclasses.dataclass
@@ -116,10 +127,17 @@ class _EagerGraph:
             statics = frozenset(
                 _storage(inputs[i])[0] for i in region.static_inputs if i < len(inputs)
             )
-        out = torch.fx.Interpreter(self.gm, garbage_collect_values=True).boxed_run(inputs)
+        token = _RUNNING.set(True)
+        try:
+            out = self._run(inputs)
+        finally:
+            _RUNNING.reset(token)
         if region is not None and not region.inference:
             self.calls.append(_Call(region, tuple(_storage(t) for t in out), statics))
         return out
+
+    def _run(self, inputs: list[Any]) -> Any:
+        return torch.fx.Interpreter(self.gm, garbage_collect_values=True).boxed_run(inputs)
 
     # the rest of Inductor's OutputCode protocol (torch/_inductor/output_code.py)
     def post_compile(self, *_args: Any, **_kwargs: Any) -> None:
@@ -130,6 +148,47 @@ class _EagerGraph:
 
     def set_triton_bundle(self, _bundle: Any) -> None:
         return None
+
+
+class _GeneratedGraph(_EagerGraph):
+    """A partitioned graph run as Inductor's generated code on fake tensors
+    (``compiled_inductor.inductor_graph``), boxed as ``_EagerGraph``. Where its first call
+    (the unrecorded warm-up's) raises, the graph runs node by node from then on, and
+    ``failures`` gets the reason."""
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        region: Region | None,
+        calls: list[_Call],
+        generated: Any,
+        failures: list[str],
+    ) -> None:
+        super().__init__(gm, region, calls)
+        self.generated: Any = generated
+        self.failures = failures
+        self.proven = False
+
+    def _run(self, inputs: list[Any]) -> Any:
+        if self.generated is None:
+            return super()._run(inputs)
+        if self.proven:
+            return self.generated(inputs)
+        kept = list(inputs)  # the generated code clears the list it is given
+        try:
+            out = self.generated(inputs)
+        except Exception as exc:  # any failure: the graph node by node
+            self.failures.append(_reason("running", exc))
+            self.generated = None
+            return super()._run(kept)
+        self.proven = True
+        return out
+
+
+def _reason(stage: str, exc: BaseException) -> str:
+    """One line: why a graph runs node by node instead of as Inductor's code."""
+    head = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{stage} Inductor's code: {type(exc).__name__}: {head}"[:300]
 
 
 def _storage(t: Any) -> tuple[Any, int]:
@@ -144,7 +203,11 @@ class GraphCapture:
     """A ``torch.compile`` backend: Inductor's passes and partition, the graphs run eagerly
     (module docstring). ``regions`` in the order their forwards were compiled."""
 
-    def __init__(self) -> None:
+    def __init__(self, generated: bool = False, fallbacks: list[str] | None = None) -> None:
+        # True: each graph runs as Inductor's generated code (compiled_inductor.py) where
+        # it can, else node by node; ``fallbacks`` says why a graph runs node by node
+        self.generated = generated
+        self.fallbacks: list[str] = [] if fallbacks is None else fallbacks
         self.regions: list[Region] = []
         # forwards whose backward is not compiled yet, by dynamo's compile id
         self._pending: dict[str, Region] = {}
@@ -171,25 +234,35 @@ class GraphCapture:
             return compile_fx(gm, example_inputs, inner_compile=inner)
 
     def _inner(
-        self, gm: torch.fx.GraphModule, _example_inputs: Sequence[Any], **kwargs: Any
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
     ) -> _EagerGraph:
         # A region's backward is compiled at its first backward call (regions in reverse
         # order), under the compile context its forward was compiled in
         # (torch/_functorch/_aot_autograd/runtime_wrappers.py: the lazy backward runs in
         # ``compile_context(saved_compile_context)``): its compile id pairs them.
         compile_id = str(torch._guards.CompileContext.current_compile_id())
+        region = None
         if kwargs.get("is_backward"):
             self._pending.pop(compile_id).backward = gm
-            return _EagerGraph(gm, None, self._calls)
-        region = Region(
-            forward=gm,
-            inference=bool(kwargs.get("is_inference")),
-            static_inputs=tuple(kwargs.get("static_input_idxs") or ()),
-        )
-        self.regions.append(region)
-        if not region.inference:
-            self._pending[compile_id] = region
-        return _EagerGraph(gm, region, self._calls)
+        else:
+            region = Region(
+                forward=gm,
+                inference=bool(kwargs.get("is_inference")),
+                static_inputs=tuple(kwargs.get("static_input_idxs") or ()),
+            )
+            self.regions.append(region)
+            if not region.inference:
+                self._pending[compile_id] = region
+        if not self.generated:
+            return _EagerGraph(gm, region, self._calls)
+        from .compiled_inductor import inductor_graph
+
+        generated = None
+        try:  # Inductor lowers a copy: the graph itself stays for the node-by-node run
+            generated = inductor_graph(copy_graph(gm), example_inputs, **kwargs)
+        except Exception as exc:  # any failure: the graph node by node
+            self.fallbacks.append(_reason("compiling", exc))
+        return _GeneratedGraph(gm, region, self._calls, generated, self.fallbacks)
 
     def saved_bytes(self) -> int:
         """The saved set's bytes over every region call of the model's last forward (module
@@ -208,10 +281,24 @@ class GraphCapture:
         self.model_outputs = {key for key, _ in map(_storage, output_tensors(out))}
 
 
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that shares its attributes (Inductor's passes rewrite the graph
+    they lower in place)."""
+    import copy
+
+    # Graph.__deepcopy__ copies the nodes and their meta (graph_copy), the output's too
+    out = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    out.meta.update(gm.meta)
+    return out
+
+
 @contextlib.contextmanager
-def captured_graphs() -> Iterator[GraphCapture]:
-    """``measure(compile=...)`` inside runs its copy with a ``GraphCapture`` backend."""
-    capture = GraphCapture()
+def captured_graphs(
+    generated: bool = False, fallbacks: list[str] | None = None
+) -> Iterator[GraphCapture]:
+    """``measure(compile=...)`` inside runs its copy with a ``GraphCapture`` backend
+    (``generated``, ``fallbacks``: ``GraphCapture``'s)."""
+    capture = GraphCapture(generated, fallbacks)
     token = BACKEND.set(capture)
     try:
         yield capture

@@ -11,14 +11,13 @@ runs those graphs under the package's recorder (``CompiledRecorder``), so the ti
 * the partitioner's saved set, exactly (what each region's forward returns for its
   backward, saved by AOTAutograd's ``CompiledFunction`` through ``saved_tensors_hooks``);
 * the eager code between graph breaks as it runs;
-* each compiled region's temporaries as the ATen ops of its graph allocate them, one node
-  at a time, each value freed after its last use (``torch.fx.Interpreter`` with
-  ``garbage_collect_values``). Inductor fuses pointwise chains into one kernel and reuses
-  buffers (its wrapper's ``AllocateLine`` / ``FreeIfNotReusedLine`` / ``ReuseLine`` in
-  torch/_inductor/codegen/wrapper.py), so its generated code allocates at most this: the
-  region temporaries here are an upper bound (``COMPILE_BOUND``). Measured on the CPU,
-  AdamW, batch 4, budget 1.0 (compiled peak vs these graphs node by node): a
-  TransformerEncoder 9.70M vs 9.70M, GPT-2 fp32 3.54M vs 3.76M, GPT-2 bf16 1.99M vs 2.36M.
+* each compiled region's temporaries as Inductor's generated code for the CPU allocates
+  them (``compiled_inductor.py``: its buffers, frees, reuse and order, its C++ kernels
+  no-ops), exact against the real compiled CPU step (tests/test_compile.py). Where
+  Inductor cannot generate or run a graph's code on fake tensors, that graph runs node by
+  node (``torch.fx.Interpreter`` with ``garbage_collect_values``), an upper bound on
+  Inductor's fused kernels and reused buffers (``COMPILE_BOUND``; the estimate's
+  ``compile_fallbacks`` says why).
   For ``device="cuda"`` the compiled step is recorded with the CPU's semantics: dynamo
   cannot trace the CUDA emulation's ``TorchFunctionMode`` (``cuda_rules.CudaEmulation``;
   on torch 2.13 it stops with "cls_source must not be None for MRO walk"), so the graphs
@@ -63,9 +62,9 @@ __all__ = [
 
 # What ``est.notes`` says of a compiled step's estimate (module docstring).
 COMPILE_BOUND = (
-    "torch.compile: the saved set is the partitioner's (exact); each compiled region's "
-    "temporaries are its graph's ATen ops run one at a time, an upper bound on Inductor's "
-    "fused kernels and reused buffers"
+    "torch.compile: the saved set is the partitioner's (exact); the temporaries of a "
+    "compiled graph Inductor's code could not run for are its ATen ops run one at a time, "
+    "an upper bound on Inductor's fused kernels and reused buffers"
 )
 
 
@@ -177,6 +176,7 @@ def compiled_step(
     budget: float | None,
     warm_up: Callable[[Callable[..., Any]], None],
     hooks: ModuleHooks | None = None,
+    fallbacks: list[str] | None = None,
 ) -> Iterator[Callable[..., Any]]:
     """``model``'s forward compiled as ``scope_name`` asks with the ``GraphCapture`` backend,
     for the length of the block; ``warm_up(forward)`` runs one unrecorded iteration (the
@@ -190,7 +190,11 @@ def compiled_step(
     scope = CompileScope(scope_name)
     live: list[ModuleHooks] = []  # the hooks, once the warm-up has compiled
     # compiled_run: the caches reset, the budget patched, the compiler's failures explained
-    with compiled_run(scope, budget), captured_graphs(), _compiled(model, scope, live) as forward:
+    with (
+        compiled_run(scope, budget),
+        captured_graphs(True, fallbacks),
+        _compiled(model, scope, live) as forward,
+    ):
         warm_up(forward)
         if hooks is not None:
             live.append(hooks)

@@ -45,6 +45,13 @@ _HALF_ONLY_OPS: frozenset[Any] = frozenset(
         aten.baddbmm.default,
         aten._addmm_activation.default,
         aten.mean.dim,
+        # the out= forms Inductor's generated code calls (``extern_kernels.mm(a, b,
+        # out=buf0)``, torch/_inductor/select_algorithm.py: ``extern_kernels`` holds
+        # torch.mm / addmm / bmm / baddbmm), which pack bf16 as the plain ops do
+        aten.mm.out,
+        aten.addmm.out,
+        aten.bmm.out,
+        aten.baddbmm.out,
     }
 )
 PROBED_OPS: frozenset[Any] = _HALF_ONLY_OPS | {
@@ -301,6 +308,12 @@ def _measure_workspaces(
             prepare = _PREPARE.get(func)
             if prepare is not None:  # outside the marker: its allocations are not the op's
                 real_args, real_kwargs = prepare(real_args, real_kwargs)
+            # an out= form returns a buffer made before the range: not its output bytes
+            given = {
+                t.untyped_storage().data_ptr()
+                for t in tree_flatten((real_args, real_kwargs))[0]
+                if isinstance(t, torch.Tensor)
+            }
             with grad_mode, autocast, record_function(f"vram_widget_probe_{i}"):
                 out = func(*real_args, **real_kwargs)
                 # by position in the op's returned tuple; None (no output) is 0 bytes
@@ -311,7 +324,7 @@ def _measure_workspaces(
                 storages = {
                     t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in outs
-                    if isinstance(t, torch.Tensor)
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given
                 }
                 out_bytes.append(sum(storages.values()))
                 out_sizes.append(sizes)

@@ -171,6 +171,9 @@ class RawTrace:
     step_flops: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     # activation offloading: the host bytes its copies took at their peak (0: none)
     host_peak_bytes: int = 0
+    # torch.compile: why a compiled graph ran node by node instead of as Inductor's
+    # generated code (compiled_inductor.py), one line each; () where none did
+    compile_fallbacks: tuple[str, ...] = ()
 
 
 @dataclass
@@ -575,6 +578,7 @@ class Profiler:
         # compiled: the partitioned graphs are Inductor's decompositions on CPU fake tensors
         # (dynamo cannot trace the CUDA emulation's function mode: compiled_profile.py)
         context = self._context(precision) if compiled is None else None
+        compile_fallbacks: list[str] = []  # compiled_graphs.GraphCapture.fallbacks
         rules_hold()  # before any mode: it probes real tensors
         subject.model.train(train)
         with contextlib.ExitStack() as stack:
@@ -588,7 +592,9 @@ class Profiler:
                 # them (compiled_profile.py): by an unrecorded iteration, before recording
                 self._structured(stack, state, levers)
                 model_fn = stack.enter_context(
-                    self._compiled_step(model_fn, loss_fn, inputs, trainable, rec, precision)
+                    self._compiled_step(
+                        model_fn, loss_fn, inputs, trainable, rec, precision, compile_fallbacks
+                    )
                 )
             stack.enter_context(rec)
             if bnb_states:  # bitsandbytes' kernels as their CPU code runs them
@@ -699,6 +705,7 @@ class Profiler:
             step_starts=step_starts,
             step_flops=step_flops,
             host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
+            compile_fallbacks=tuple(compile_fallbacks),
         )
 
     def _structured(
@@ -723,10 +730,12 @@ class Profiler:
         trainable: list[torch.Tensor],
         rec: Recorder,
         precision: Precision,
+        fallbacks: list[str],
     ) -> contextlib.AbstractContextManager[Callable[..., Any]]:
         """The model's forward as ``torch.compile`` runs it (``compiled_profile.py``),
         compiled by one unrecorded iteration on the run's fake parameters and inputs (swapped
-        in, and checkpointing applied, by ``_structured`` before)."""
+        in, and checkpointing applied, by ``_structured`` before); ``fallbacks`` gets why a
+        graph runs node by node, if one does."""
         from .compiled_profile import compiled_step
 
         model = self.subject.model
@@ -750,6 +759,7 @@ class Profiler:
             levers.activation_memory_budget,
             warm_up,
             (rec.enter_module, rec.exit_module),
+            fallbacks,
         )
 
     def _offload_plan(self, precision: Precision, levers: Levers, mode: Mode) -> list[bool]:

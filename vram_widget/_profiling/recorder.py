@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .._estimating.options import CATEGORY_CODE, PHASE_CODE, Category, Phase
+from .compiled_graphs import graph_running
 from .cpu_rules import batch_norm_scratch_bytes, unallocated_outputs
 from .fake import (
     TorchDispatchMode,
@@ -66,6 +67,11 @@ class Events:
     module: np.ndarray  # int32 row of the module running
     phase: np.ndarray  # int8 phase code
     op: np.ndarray  # int32 index into Recorder.op_names of the op running (-1: none)
+
+
+# The autograd node of a compiled region's backward (AOTAutograd's ``CompiledFunction``,
+# torch/_functorch/_aot_autograd/runtime_wrappers.py).
+_COMPILED_NODE = "CompiledFunctionBackward"
 
 
 class Recorder(TorchDispatchMode):
@@ -364,13 +370,25 @@ class Recorder(TorchDispatchMode):
             node = stack.pop()
             # A leaf's AccumulateGrad has no outputs (nothing is summed after it), and it
             # can outlive the graph on a parameter shared by later runs: no hook there.
-            if type(node).__name__ != "AccumulateGrad":
+            name = type(node).__name__
+            if name == _COMPILED_NODE:
+                # a post-hook makes the engine keep the node's incoming gradients until the
+                # hook has run (Engine call_function, torch/csrc/autograd/engine.cpp: with
+                # post-hooks it calls ``fn(inputs_copy)``), where the compiled backward frees
+                # its tangents as it goes (``del tangents_1`` in Inductor's code): marked
+                # before it runs instead, its own sums told apart by ``graph_running``
+                seq = int(node._sequence_nr())
+                node.register_prehook(functools.partial(self._compiled_node_runs, seq))
+            elif name != "AccumulateGrad":
                 seq = int(node._sequence_nr())
                 node.register_hook(functools.partial(self._node_ran, seq))
             for next_node, _input_nr in node.next_functions:
                 if next_node is not None and id(next_node) not in seen:
                     seen.add(id(next_node))
                     stack.append(next_node)
+
+    def _compiled_node_runs(self, seq: int, _grad_outputs: Any) -> None:
+        self._node_ran(seq, None, _grad_outputs)
 
     def _node_ran(self, seq: int, _grad_inputs: Any, _grad_outputs: Any) -> None:
         self._settle_pending_sum()
@@ -405,6 +423,8 @@ class Recorder(TorchDispatchMode):
         if func is not _ADD or kwargs or self._accumulating_after is None:
             return False
         if current_autograd_sequence_nr() != self._accumulating_after:
+            return False
+        if graph_running():  # a sum inside a compiled backward, not the engine's
             return False
         old, new = args
         return (
