@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -457,36 +458,43 @@ def _levers_cuda() -> str:
 
 
 def _compile_cuda() -> str:
-    """torch.compile's step on a real GPU, measured (benchmarks/compile_cuda.py)."""
+    """torch.compile's step on a real GPU, measured (benchmarks/compile_cuda.py), with the
+    estimate of each setting (``--estimate``) where it was made."""
     path = RESULTS / "compile_cuda.json"
     if not path.exists():
         return "No real-GPU results are recorded."
     data = json.loads(path.read_text())
     mib = 1 << 20
+
+    def size(r: dict[str, Any], key: str) -> str:
+        return f"{r[key] / mib:,.0f} MiB" if key in r else ""
+
     lines = [
         f"{data['gpu']}, torch {data['torch']}; bf16, AdamW, batch 4 x 512 tokens; allocated "
-        "peak (`max_memory_allocated`) measured by `measure()`; the eager step's estimate "
-        "beside it.",
+        "peak (`max_memory_allocated`) measured by `measure()`, and the estimate from "
+        '`profile_model(device="cuda")` of the plain model (compiled settings: Inductor\'s '
+        "CPU buffer plan, UNCONFIRMED against Triton's).",
         "",
-        "| model | step | measured | partitioned graphs run node by node | partitioner's "
-        "saved set | eager estimate |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | step | measured | estimated | ratio | partitioned graphs run node by node "
+        "| partitioner's saved set | estimated saved set |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data["rows"]:
         if "error" in r:
             measured = f"not run ({r['error'].split(':')[0]})"
         else:
-            measured = f"{r['measured_bytes'] / mib:,.0f} MiB"
-        graphs = (
-            f"{r['graphs_measured_bytes'] / mib:,.0f} MiB" if "graphs_measured_bytes" in r else ""
+            measured = size(r, "measured_bytes")
+        ratio = ""
+        if "measured_bytes" in r and "estimated_bytes" in r:
+            ratio = f"{r['estimated_bytes'] / r['measured_bytes']:.3f}"
+        est = size(r, "estimated_bytes")
+        if "estimate_error" in r:
+            est = f"not estimated ({r['estimate_error'].split(':')[0]})"
+        lines.append(
+            f"| {r['model']} | {r['setting']} | {measured} | {est} | {ratio} | "
+            f"{size(r, 'graphs_measured_bytes')} | {size(r, 'partitioner_saved_bytes')} | "
+            f"{size(r, 'estimated_saved_bytes')} |"
         )
-        saved = (
-            f"{r['partitioner_saved_bytes'] / mib:,.0f} MiB"
-            if "partitioner_saved_bytes" in r
-            else ""
-        )
-        est = f"{r['estimated_bytes'] / mib:,.0f} MiB" if "estimated_bytes" in r else ""
-        lines.append(f"| {r['model']} | {r['setting']} | {measured} | {graphs} | {saved} | {est} |")
     return "\n".join(lines)
 
 
