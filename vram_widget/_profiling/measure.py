@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._estimating.compiled import CompileScope, parse_activation_memory_budget, parse_compile
-from .._estimating.levers import NO_LEVERS, Levers, parse_lora_dtype
+from .._estimating.levers import NO_LEVERS, Levers, parse_lora_dtype, resolve_lora
 from .._estimating.offloading import Offload, resolve_offload
 from .._estimating.options import (
     Mode,
@@ -51,7 +51,7 @@ from .._estimating.options import (
 from .._estimating.quantized import check_quantized, check_weights_device
 from .._estimating.recipe import Optimizer, Recipe, Step
 from .._estimating.recipe.recipe import default, given
-from .._estimating.recipe.weights import Weights, parse_weights
+from .._estimating.recipe.weights import WeightFormat, Weights, parse_weights
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     Parallel,
@@ -96,6 +96,7 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward
+from .nf4_torchao import nf4_layers, real_nf4
 from .torchao_weights import real_torchao, torchao_inner, torchao_modules
 
 __all__ = ["Measurement", "measure"]
@@ -442,7 +443,10 @@ def measure(
     if quantized.quantized:  # refused before the copy is made, as the estimate refuses
         run_mode = parse_option(Mode, mode, "mode")
         check_quantized(quantized, run_mode, settings["lora_rank"], gpus, estimating=False)
-        if quantized.torchao:  # torchao's quantize_ (torchao_weights.py)
+        if quantized.format is WeightFormat.NF4_TORCHAO:  # torchtune's QLoRA (nf4_torchao.py)
+            rank, targets = resolve_lora(settings["lora_rank"], settings["lora_targets"])
+            nf4_layers(model, quantized, rank, targets)
+        elif quantized.torchao:  # torchao's quantize_ (torchao_weights.py)
             check_weights_device(quantized, _model_device(model).type)
             torchao_modules(model, quantized)
         else:
@@ -758,8 +762,14 @@ class _Session:
         dtype = storage_dtype(precision)
         self.new_tokens = new_tokens
         self.model = _copy_model(model, dtype, mode)
-        qlora = False
-        if weights is not None and weights.torchao:  # torchao's quantize_ on the copy
+        qlora = torchtune_qlora = False
+        if weights is not None and weights.format is WeightFormat.NF4_TORCHAO:
+            # torchtune's LoRALinear / FrozenNF4Linear on torchao's NF4Tensor (nf4_torchao.py)
+            self.model = real_nf4(
+                self.model, weights, levers.lora_rank, levers.lora_targets, lora_dtype
+            )
+            torchtune_qlora = True
+        elif weights is not None and weights.torchao:  # torchao's quantize_ on the copy
             self.model = real_torchao(self.model, weights)
         elif weights is not None and weights.quantized:  # bitsandbytes quantizes the copy
             self.model = real_quantized(self.model, weights)
@@ -772,7 +782,7 @@ class _Session:
             )
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
-        elif levers.lora_rank is not None:  # PEFT wraps the copy; names gain its prefix
+        elif levers.lora_rank is not None and not torchtune_qlora:  # PEFT wraps the copy
             self.model = lora_wrapped(self.model, levers.lora_rank, levers.lora_targets, lora_dtype)
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)

@@ -36,7 +36,7 @@ from .._estimating.options import (
     parse_option,
 )
 from .._estimating.profile import ModelProfile, ProfilingError
-from .._estimating.recipe.weights import Weights
+from .._estimating.recipe.weights import WeightFormat, Weights
 from .._estimating.sharding import local_shard_shape
 from .._estimating.table import (
     PADDED_TERMS,
@@ -121,6 +121,7 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward, zero_grads_in_place
+from .nf4_torchao import fake_nf4_weight, is_nf4_weight, nf4_copy
 from .torchao_weights import fake_torchao_weight, is_torchao_weight, torchao_copy, torchao_inner
 
 LOSS_ROW_NAME = "(loss)"
@@ -267,6 +268,9 @@ class Subject:
                 continue
             if is_torchao_weight(p):  # torchao's tensor subclass (torchao_weights.py)
                 params[name] = fake_torchao_weight(p, dtype)
+                continue
+            if is_nf4_weight(p):  # torchao's NF4Tensor, as torchtune's QLoRA (nf4_torchao.py)
+                params[name] = fake_nf4_weight(p, dtype)
                 continue
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
@@ -1495,8 +1499,15 @@ class _Source:
         """The profile of a meta copy of the model with its Linear layers quantized by
         bitsandbytes (``quantized.quantized_copy``; the model itself untouched) or torchao
         (``torchao_weights.torchao_copy``) and, with ``rank``, QLoRA's PEFT wrapping
-        (``quantized.qlora_wrapped``)."""
+        (``quantized.qlora_wrapped``); or torchtune's QLoRA modules on torchao's NF4Tensor
+        (``nf4_torchao.nf4_copy``)."""
         subject = self.profiler.subject
+        if weights.format is WeightFormat.NF4_TORCHAO:
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", InputShapeWarning)
+                copy_, fixed = nf4_copy(subject.model, weights, rank, targets, dtype)
+                sub = self._sub_profile(copy_, cache=False)
+            return _with_fixed_dtypes(sub, fixed) if fixed else sub
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore", InputShapeWarning)
             warnings.filterwarnings(
