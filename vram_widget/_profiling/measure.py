@@ -69,6 +69,7 @@ from .carried import CarriedScalars
 from .chunked_loss import checked_loss_chunks, chunked_step
 from .compiled import FORWARD_MARKER, WatchedForward, compiled_forward, compiled_run
 from .generation import generation_limit, prompt_inputs
+from .nf4_torchao import nf4_layers, real_nf4
 from .offloading import offloaded_forward, real_offloading
 from .optimizers import state_tensors
 from .param_groups import decay_parameter_names, trainer_groups
@@ -96,7 +97,6 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward
-from .nf4_torchao import nf4_layers, real_nf4
 from .torchao_weights import real_torchao, torchao_inner, torchao_modules
 
 __all__ = ["Measurement", "measure"]

@@ -46,6 +46,7 @@ import pathlib
 import sys
 import types
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -74,11 +75,16 @@ _MARK = "_vram_widget_nf4_torchao"
 def nf4_module() -> types.ModuleType:
     """torchao's ``nf4_tensor`` module (``to_nf4``, ``NF4Tensor``, ``linear_nf4``), or an
     ImportError naming the ``pip install`` that provides it."""
-    for name in (_NF4_MODULE, _OLD_NF4_MODULE):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        for name in (_NF4_MODULE, _OLD_NF4_MODULE):
+            try:
+                return importlib.import_module(name)
+            except ImportError:
+                continue
     raise ImportError(
         "weights='nf4-torchao' is torchao's NF4Tensor (to_nf4), which is not installed: "
         "pip install torchao"
@@ -237,17 +243,14 @@ def nf4_layers(
             f"{sorted(kept) or 'none'}); leave weights=None"
         )
     per = weights.blocksize * weights.scaler_blocksize
-    odd = [
-        f"{n} ({model.get_submodule(n).weight.numel()})"
-        for n in sorted(quantized)
-        if model.get_submodule(n).weight.numel() % per
-    ]
+    sizes = {n: model.get_submodule(n).get_parameter("weight").numel() for n in quantized}
+    odd = [f"{n} ({sizes[n]})" for n in sorted(quantized) if sizes[n] % per]
     if odd:
         raise ValueError(
             "weights='nf4-torchao': torchao's to_nf4 needs a weight's size to be a multiple "
             f"of block_size x scaler_block_size = {weights.blocksize} x "
             f"{weights.scaler_blocksize} = {per} (NF4Tensor.from_tensor and "
-            "double_quantize_scalers assert it); these Linear layers' are not: "
+            "double_quantize_scalers assert it); these Linear layers' sizes are not: "
             f"{', '.join(odd)}. Keep them unquantized with Weights('nf4-torchao', "
             "skip_modules=(...)), or choose smaller blocks (Weights('nf4-torchao', "
             "blocksize=..., scaler_blocksize=...))"
@@ -261,7 +264,7 @@ def _quantization_kwargs(weights: Weights) -> dict[str, int]:
 
 def _new_module(
     old: torch.nn.Linear, weights: Weights, rank: int | None, lora: bool, quantized: bool
-) -> torch.nn.Module:
+) -> Any:
     """torchtune's module for ``old``, built on the meta device (its weight and bias are set
     by the caller; the adapters, with ``lora``, in ``old``'s dtype)."""
     tt = torchtune_nf4()
@@ -269,7 +272,7 @@ def _new_module(
     with torch.device("meta"):
         if lora:
             assert rank is not None
-            module: torch.nn.Module = tt.LoRALinear(
+            module = tt.LoRALinear(
                 old.in_features,
                 old.out_features,
                 rank=rank,
@@ -371,7 +374,8 @@ def fake_nf4_weight(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ``to_nf4`` itself on an empty tensor of its shape in the active fake mode."""
     weights: Weights = getattr(p, _MARK)
     source = torch.empty(tuple(int(d) for d in p.shape), dtype=dtype)
-    return torchtune_nf4().to_nf4(source, **_quantization_kwargs(weights))  # type: ignore[no-any-return]
+    nf4: torch.Tensor = torchtune_nf4().to_nf4(source, **_quantization_kwargs(weights))
+    return nf4
 
 
 def real_nf4(

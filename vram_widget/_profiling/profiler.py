@@ -67,6 +67,7 @@ from .fake import (
 )
 from .generation import generation_limit, prompt_inputs, recorded_generation
 from .hub import model_or_name
+from .nf4_torchao import fake_nf4_weight, is_nf4_weight, nf4_copy
 from .offloading import OffloadEmulation, emulated_offloading, offloaded_forward
 from .optimizers import (
     OpWatch,
@@ -121,7 +122,6 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward, zero_grads_in_place
-from .nf4_torchao import fake_nf4_weight, is_nf4_weight, nf4_copy
 from .torchao_weights import fake_torchao_weight, is_torchao_weight, torchao_copy, torchao_inner
 
 LOSS_ROW_NAME = "(loss)"
