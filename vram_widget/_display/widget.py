@@ -120,7 +120,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
     show_frontier = traitlets.Bool(False)
     # the Linear weights stored by bitsandbytes: "off" (the precision's dtype), "nf4",
     # "nf4-dq" (double quantization) or "fp4", computed in the precision's dtype, or "int8"
-    # (LLM.int8 at threshold 0); torchao's "int8-torchao" / "int4-torchao"
+    # (LLM.int8 at threshold 0); torchao's "int8-torchao" / "int4-torchao" / "nf4-torchao"
     weights = traitlets.Enum(list(WEIGHT_CHOICES), default_value=WEIGHTS_OFF)
     # memory levers: "off", "auto" or a class name of repeated blocks; glob patterns of the
     # parameters that train, comma-separated ("" = as the model is); micro-batches per step

@@ -22,7 +22,11 @@ keys as in torchtune's ``recipes/configs/llama3_2/3B_full_single_device.yaml`` a
   ``w1`` / ``w3`` / ``w2`` (``apply_lora_to_mlp``) -> ``gate_proj`` / ``up_proj`` /
   ``down_proj`` (torchtune's ``FeedForward``: ``w2(silu(w1(x)) * w3(x))``); the output
   projection (``apply_lora_to_output``) -> ``lm_head``. The adapters are in the base dtype
-  (torchtune builds them with the model, under its dtype): ``lora_dtype="base"``.
+  (torchtune builds them with the model, under its dtype): ``lora_dtype="base"``. A QLoRA
+  builder (``qlora_llama3_2_3b`` ..., ``partial(lora_..., quantize_base=True)``) or
+  ``quantize_base: True`` stores the base weights as torchao's ``NF4Tensor``:
+  ``weights="nf4-torchao"`` (torchtune's own ``LoRALinear`` / ``FrozenNF4Linear`` on the
+  estimate's copy; the output projection unquantized, as torchtune leaves it).
 - The step: the recipes drop the logits once the loss is computed, before the backward
   (``_loss_step``: ``# free logits otherwise it peaks backward memory`` / ``del logits``,
   ``recipes/full_finetune_single_device.py`` and ``lora_finetune_single_device.py``,
@@ -141,7 +145,11 @@ def read_torchtune(config: object, gpus: int = 1) -> Recipe:
             f"the recipe's loop ({', '.join(loop)}) across {gpus} GPUs: each rank's step is "
             "estimated as a plain loop's (outputs kept through the backward, no clipping)"
         )
-    settings.update(_lora(values.get("model"), ignored))
+    model = values.get("model")
+    settings.update(_lora(model, ignored))
+    qlora = "qlora" in _component(model).rsplit(".", 1)[-1]
+    if qlora or (isinstance(model, Mapping) and model.get("quantize_base")):
+        settings["weights"] = "nf4-torchao"  # torchao's NF4Tensor (module docstring)
     warn_ignored(SOURCE, ignored)  # before the optimizer's name is parsed, which may refuse it
     return Recipe(ignored=tuple(ignored)).with_(**settings)
 
@@ -181,9 +189,6 @@ def _refuse_and_ignore(values: Mapping[str, Any], ignored: list[str]) -> None:
         raise refuse(SOURCE, "mixed_precision.enabled", "int8 mixed-precision training")
     if values.get("fsdp_cpu_offload"):
         raise refuse(SOURCE, "fsdp_cpu_offload", "parameters and gradients held on the host")
-    model = _component(values.get("model"))
-    if "qlora" in model.rsplit(".", 1)[-1]:
-        raise refuse(SOURCE, f"model {model}", "QLoRA's 4-bit NF4 base weights")
     loss = _component(values.get("loss"))
     if loss and loss.rsplit(".", 1)[-1] not in ("CrossEntropyLoss", _CHUNKED_LOSS):
         ignored.append(f"loss {loss} (a chunked or fused cross-entropy: the estimate's loss "
@@ -230,16 +235,6 @@ def _lora(model: object, ignored: list[str]) -> dict[str, Any]:
         targets.append("lm_head")
     if model.get("use_dora"):
         raise refuse(SOURCE, "model.use_dora", "DoRA's magnitude vectors and norms")
-    if model.get("quantize_base"):
-        # torchtune's QLoRA stores its base weights as torchao's NF4Tensor (torchtune/
-        # modules/peft/lora.py, LoRALinear: to_nf4), whose layout and kernels are not
-        # bitsandbytes' that weights='nf4' estimates
-        raise refuse(
-            SOURCE,
-            "model.quantize_base",
-            "QLoRA's 4-bit base weights as torchao's NF4Tensor; weights='nf4' estimates "
-            "bitsandbytes' Linear4bit, as Hugging Face's from_pretrained stores them",
-        )
     if float(model.get("lora_dropout", 0) or 0) > 0:
         ignored.append(f"model.lora_dropout={model['lora_dropout']} (the adapters' dropout "
                        "masks)")  # fmt: skip
