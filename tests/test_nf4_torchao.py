@@ -64,9 +64,7 @@ def test_fake_layout_is_to_nf4s_own(
         block_size=weights.blocksize,
         scaler_block_size=weights.scaler_blocksize,
     )
-    copy_, _fixed = nf4_copy(
-        torch.nn.Sequential(torch.nn.Linear(*shape[::-1])), weights, None, None, None
-    )
+    copy_ = nf4_copy(torch.nn.Sequential(torch.nn.Linear(*shape[::-1])), weights, None, None, None)
     with new_fake_mode():
         fake = fake_nf4_weight(copy_[0].weight, dtype)
     assert type(fake) is tt.NF4Tensor
@@ -172,7 +170,7 @@ def test_llama_equals_torchtune(mode: str, llama: tuple[torch.nn.Module, ModelPr
 
 def test_llama_modules_are_torchtunes(llama: tuple[torch.nn.Module, ModelProfile]) -> None:
     model, _profile = llama
-    copy_, fixed = nf4_copy(model, LLAMA, 4, None, None)
+    copy_ = nf4_copy(model, LLAMA, 4, None, None)
     tt = torchtune_nf4()
     kinds = {n: type(m).__name__ for n, m in copy_.named_modules()}
     assert kinds["model.layers.0.self_attn.q_proj"] == "LoRALinear"
@@ -187,7 +185,6 @@ def test_llama_modules_are_torchtunes(llama: tuple[torch.nn.Module, ModelProfile
         for proj in ("q_proj", "v_proj")
         for ab in ("lora_a", "lora_b")
     )
-    assert fixed == {}
     assert isinstance(copy_.get_submodule("model.layers.0.self_attn.q_proj"), tt.LoRALinear)
 
 
@@ -237,6 +234,12 @@ def test_targets_that_are_not_linear_are_refused(
         profile.estimate(1, weights=MLP, lora_rank=4, lora_targets=["1"])
     with pytest.raises(ValueError, match=r"has no default targets.*name them"):
         measure(model, _mlp_input(1), weights=MLP, lora_rank=4)
+    # torchtune's adapters are in the model's dtype; its forward casts nothing
+    fp32 = {**MLP_LORA, "lora_dtype": "fp32"}
+    with pytest.raises(ValueError, match=r"lora_dtype='float32'.*None or 'base'"):
+        profile.estimate(1, "bf16", weights=MLP, **fp32)
+    with pytest.raises(ValueError, match=r"lora_dtype='float32'.*None or 'base'"):
+        measure(model, _mlp_input(1), precision="bf16", weights=MLP, **fp32)
 
 
 def test_missing_torchao_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:

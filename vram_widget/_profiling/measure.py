@@ -273,7 +273,7 @@ def measure(
         torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
         module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
         and ``grad_accumulation`` forward and backward passes before the optimizer step.
-    weights : None, "nf4", "fp4", "int8", "int8-torchao", "int4-torchao" or Weights
+    weights : None, str ("nf4", "int8-torchao", "nf4-torchao", ...) or Weights
         The copy's Linear layers quantized by bitsandbytes as ``from_pretrained(...,
         quantization_config=BitsAndBytesConfig(...))`` quantizes them (``quantized.py``:
         transformers' ``replace_with_bnb_linear``, each weight loaded into a ``Params4bit`` /
@@ -281,7 +281,10 @@ def measure(
         ``prepare_model_for_kbit_training``, then ``get_peft_model``). The quant state
         (scales, codes) counts as resident. ``"int8-torchao"`` / ``"int4-torchao"``:
         torchao's own ``quantize_`` on the copy (``torchao_weights.py``), its tensor
-        subclasses' inner tensors resident. As ``ModelProfile.estimate`` takes it.
+        subclasses' inner tensors resident. ``"nf4-torchao"``: torchtune's ``LoRALinear(...,
+        quantize_base=True)`` on the LoRA targets and ``FrozenNF4Linear`` on the other
+        Linear layers of the copy, each weight torchao's ``to_nf4`` of the copy's
+        (``nf4_torchao.py``). As ``ModelProfile.estimate`` takes it.
     checkpoint_policy : None, "full", "op", int or callable
         How each checkpointed block is checkpointed, as ``ModelProfile.estimate`` takes it:
         ``"op"`` is torchtitan's op-level policy around each block
@@ -445,7 +448,7 @@ def measure(
         check_quantized(quantized, run_mode, settings["lora_rank"], gpus, estimating=False)
         if quantized.format is WeightFormat.NF4_TORCHAO:  # torchtune's QLoRA (nf4_torchao.py)
             rank, targets = resolve_lora(settings["lora_rank"], settings["lora_targets"])
-            nf4_layers(model, quantized, rank, targets)
+            nf4_layers(model, quantized, rank, targets, parse_lora_dtype(settings["lora_dtype"]))
         elif quantized.torchao:  # torchao's quantize_ (torchao_weights.py)
             check_weights_device(quantized, _model_device(model).type)
             torchao_modules(model, quantized)

@@ -208,13 +208,21 @@ def nf4_layers(
     weights: Weights,
     rank: int | None,
     targets: Sequence[str] | None,
+    lora_dtype: str | None = None,
 ) -> dict[str, tuple[bool, bool]]:
     """Each ``nn.Linear`` torchtune's QLoRA changes in ``model``, by name: (whether it takes
     LoRA adapters, whether its weight becomes an ``NF4Tensor``); or a ValueError naming the
     problem (no layer to quantize, a size the blocks do not divide, a target that is no
-    Linear), before any profiling."""
+    Linear, an adapter dtype of its own), before any profiling."""
     nf4_module()
     _torchtune_dir()
+    if lora_dtype not in (None, "base"):
+        raise ValueError(
+            f"weights='nf4-torchao' with lora_dtype={lora_dtype!r}: torchtune's LoRALinear "
+            "builds its adapters in the model's dtype and casts no input to another "
+            "(torchtune/modules/peft/lora.py, forward: self.lora_a(self.dropout(x))); "
+            "leave lora_dtype at None or 'base'"
+        )
     kept = _kept(model, weights)
     linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
     chosen: set[str] = set()
@@ -301,12 +309,10 @@ def _replace(
     targets: Sequence[str] | None,
     lora_dtype: str | None,
     real: bool,
-) -> dict[str, str]:
+) -> None:
     """``model``'s Linear layers replaced in place by torchtune's (see the module's
-    docstring), every parameter but the adapters frozen; the adapters' names and dtypes
-    where ``lora_dtype`` names one."""
-    layers = nf4_layers(model, weights, rank, targets)
-    fixed: dict[str, str] = {}
+    docstring), every parameter but the adapters frozen."""
+    layers = nf4_layers(model, weights, rank, targets, lora_dtype)
     # the adapters' initialization draws from the global RNG: the user's is left as it was
     with torch.random.fork_rng(devices=[]):
         for name, (lora, quantized) in layers.items():
@@ -327,15 +333,9 @@ def _replace(
             new.weight = weight
             if old.bias is not None:
                 new.bias = torch.nn.Parameter(old.bias.detach(), requires_grad=False)
-            if lora:
-                if real:
-                    new.to_empty(device=value.device)  # the adapters only (LoRALinear's)
-                    new.initialize_parameters()
-                if lora_dtype not in (None, "base"):
-                    new.lora_a.to(getattr(torch, str(lora_dtype)))
-                    new.lora_b.to(getattr(torch, str(lora_dtype)))
-                    for leaf in new.adapter_params():
-                        fixed[f"{name}.{leaf}"] = str(lora_dtype)
+            if lora and real:
+                new.to_empty(device=value.device)  # the adapters only (LoRALinear's)
+                new.initialize_parameters()
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
     adapters = {
@@ -344,7 +344,6 @@ def _replace(
     }  # fmt: skip
     for n, p in model.named_parameters():  # set_trainable_params(model, get_adapter_params)
         p.requires_grad_(n in adapters)
-    return fixed
 
 
 def nf4_copy(
@@ -353,15 +352,15 @@ def nf4_copy(
     rank: int | None,
     targets: Sequence[str] | None,
     lora_dtype: str | None,
-) -> tuple[torch.nn.Module, dict[str, str]]:
+) -> torch.nn.Module:
     """A meta copy of ``model`` with torchtune's QLoRA modules, their NF4 weights marked for
-    :func:`fake_nf4_weight`, and the adapters whose dtype is fixed (``lora_dtype``)."""
+    :func:`fake_nf4_weight`."""
     from .step import meta_copy
 
-    nf4_layers(model, weights, rank, targets)  # refused before the copy is made
+    nf4_layers(model, weights, rank, targets, lora_dtype)  # refused before the copy is made
     copy_ = meta_copy(model)
-    fixed = _replace(copy_, weights, rank, targets, lora_dtype, real=False)
-    return copy_, fixed
+    _replace(copy_, weights, rank, targets, lora_dtype, real=False)
+    return copy_
 
 
 def is_nf4_weight(p: torch.Tensor) -> bool:

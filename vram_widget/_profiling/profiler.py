@@ -1505,9 +1505,9 @@ class _Source:
         if weights.format is WeightFormat.NF4_TORCHAO:
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.simplefilter("ignore", InputShapeWarning)
-                copy_, fixed = nf4_copy(subject.model, weights, rank, targets, dtype)
-                sub = self._sub_profile(copy_, cache=False)
-            return _with_fixed_dtypes(sub, fixed) if fixed else sub
+                copy_ = nf4_copy(subject.model, weights, rank, targets, dtype)
+                # every parameter takes the precision's dtype, as torchtune builds them
+                return self._sub_profile(copy_, cache=False)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore", InputShapeWarning)
             warnings.filterwarnings(
