@@ -122,7 +122,9 @@ class Weights:
         (``get_keys_to_not_convert``: the output embeddings, tied weights and the module of
         the last parameter). For torchao's formats, ``TorchAoConfig``'s
         ``modules_to_not_convert`` alike (None: the same default on a transformers model,
-        nothing kept on any other module, as ``quantize_`` keeps nothing).
+        nothing kept on any other module, as ``quantize_`` keeps nothing). For
+        ``nf4-torchao``, None keeps a transformers model's output embeddings (torchtune never
+        quantizes the output projection) and nothing on any other module.
     group_size : int
         ``int4-torchao``: weights per int4 group along the input (``group_size``, default
         128, as ``Int4WeightOnlyConfig``'s); a Linear whose input size it does not divide
