@@ -586,7 +586,7 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
         (
             ["--weights", "nf8"],
             "invalid choice: 'nf8' (choose from 'nf4', 'fp4', 'int8', 'int8-torchao', "
-            "'int4-torchao')",
+            "'int4-torchao', 'nf4-torchao')",
         ),
         (["--double-quant"], "give --weights nf4 or --weights fp4 too"),
         (["--int8-threshold", "0"], "--int8-threshold is a setting of --weights int8"),

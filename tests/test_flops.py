@@ -470,3 +470,18 @@ def test_cpu_lstm_counts_its_gate_matmuls() -> None:
     x.requires_grad_(True)
     # backward: a gradient matmul for each operand of each forward matmul
     assert count_flops(lambda: lstm(x)[0].sum().backward()) == forward + 2 * forward
+
+
+def test_int4_cpu_matmul_counts_the_unpacked_weight() -> None:
+    # torchao's int4 CPU kernel: x (M=5, K=256) times a 48 x 256 int4 weight packed by
+    # torch into 48 x 128 uint8 (two values a byte); 2 * M * N * K = 2 * 5 * 48 * 256
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (48, 256), dtype=torch.int32), 1
+    )
+    assert tuple(packed.shape) == (48, 128)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    scales_and_zeros = torch.randn(256 // 32, 48, 2, dtype=torch.bfloat16)
+    args = (x, packed, 32, scales_and_zeros)
+    out = aten._weight_int4pack_mm_for_cpu.default(*args)
+    assert tuple(out.shape) == (5, 48)
+    assert op_flops(aten._weight_int4pack_mm_for_cpu.default, args, {}, out) == 122880

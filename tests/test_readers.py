@@ -146,10 +146,33 @@ def test_torchtune_lora_single_device() -> None:
     assert r.levers.checkpoint == "auto"
 
 
+def test_torchtune_qlora_reads_nf4_torchao() -> None:
+    # the model section of torchtune's recipes/configs/llama3_1/8B_qlora_single_device.yaml
+    # (torchtune 0.6.1): a qlora_* builder is its lora_* builder with quantize_base=True
+    model = {
+        "_component_": "torchtune.models.llama3_1.qlora_llama3_1_8b",
+        "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
+        "apply_lora_to_mlp": True,
+        "apply_lora_to_output": False,
+        "lora_rank": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+    }
+    base = {"optimizer": {"_component_": "torch.optim.AdamW"}, "dtype": "bf16"}
+    r = Recipe.from_torchtune({**base, "model": model})
+    assert r.weights.format is not None and r.weights.format.value == "nf4-torchao"
+    assert (r.levers.lora_rank, r.levers.lora_dtype) == (8, "base")
+    assert r.levers.lora_targets == ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj",
+                                     "up_proj")  # fmt: skip
+    assert r.step.precision.value == "bf16"
+    plain = {**model, "_component_": "torchtune.models.llama3_2.lora_llama3_2_3b"}
+    assert not Recipe.from_torchtune({**base, "model": plain}).weights.quantized
+    quantized = Recipe.from_torchtune({**base, "model": {**plain, "quantize_base": True}})
+    assert quantized.weights.format == r.weights.format
+
+
 def test_torchtune_refusals() -> None:
     base = {"optimizer": {"_component_": "torch.optim.AdamW"}}
-    with pytest.raises(ValueError, match="qlora_llama3_2_3b"):
-        Recipe.from_torchtune({**base, "model": {"_component_": "m.qlora_llama3_2_3b"}})
     with pytest.raises(ValueError, match=r"torch\.optim\.NAdam"):
         Recipe.from_torchtune({"optimizer": {"_component_": "torch.optim.NAdam"}})
     with pytest.raises(ValueError, match="dtype 'fp16'"):
@@ -344,10 +367,6 @@ def test_torchtune_qlora_builder_is_read() -> None:
     flag = {"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_3b",
                       "lora_attn_modules": ["q_proj"], "quantize_base": True}}  # fmt: skip
     assert qlora_settings(flag)["weights"] == "nf4-torchao"
-    if "nf4-torchao" in {f.value for f in WeightFormat}:
-        with pytest.warns(RecipeSettingIgnored):
-            r = Recipe.from_torchtune(path)
-        assert r.weights.format.value == "nf4-torchao" and r.levers.lora_rank == 64
-    else:  # the format is refused by name until the Recipe has it
-        with pytest.raises(ValueError, match=r"weights='nf4-torchao'.*does not estimate"):
-            Recipe.from_torchtune(path)
+    r = Recipe.from_torchtune(path)  # every setting it has is read: nothing ignored
+    assert r.ignored == ()
+    assert r.weights.format is WeightFormat.NF4_TORCHAO and r.levers.lora_rank == 64

@@ -185,3 +185,13 @@ def test_missing_torchao_names_the_install(monkeypatch: pytest.MonkeyPatch) -> N
 def test_bad_group_size_names_the_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"group_size must be one of 32, 64, 128, 256"):
         Weights("int4-torchao", group_size=100)
+
+
+def test_int4_flops_are_the_plain_matmuls(mlp: tuple[torch.nn.Module, ModelProfile]) -> None:
+    # layer 3 runs torch's _weight_int4pack_mm_for_cpu: the same 2 x 4 x 512 x 512
+    # multiply-adds as the bf16 matmul it replaces, so the forward's FLOPs are unchanged
+    _model, profile = mlp
+    plain = profile.estimate(4, "bf16", mode="inference")
+    int4 = Weights("int4-torchao", skip_modules=("6",))
+    est = profile.estimate(4, "bf16", mode="inference", weights=int4)
+    assert est.flops_forward == plain.flops_forward

@@ -392,13 +392,16 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
     )
     settings.add_argument(
         "--weights",
-        choices=("nf4", "fp4", "int8", "int8-torchao", "int4-torchao"),
+        choices=("nf4", "fp4", "int8", "int8-torchao", "int4-torchao", "nf4-torchao"),
         help="the Linear weights stored by bitsandbytes as from_pretrained's "
         "BitsAndBytesConfig stores them: nf4 / fp4 (Linear4bit; training needs --lora-rank: "
         "QLoRA) or int8 (Linear8bitLt, inference); or by torchao's "
         "quantize_, inference: int8-torchao (Int8WeightOnlyConfig) or int4-torchao "
-        "(Int4OpaqueTensor, --device cpu only) (default: the precision's dtype; needs `pip "
-        "install bitsandbytes transformers` or `pip install torchao`)",
+        "(Int4OpaqueTensor, --device cpu only); or nf4-torchao, torchao's NF4Tensor as "
+        "torchtune's QLoRA applies it (LoRALinear(quantize_base=True) on the --lora-targets, "
+        "FrozenNF4Linear elsewhere; training needs --lora-rank) (default: the precision's "
+        "dtype; needs `pip install bitsandbytes transformers`, `pip install torchao` or "
+        "`pip install torchao torchtune`)",
     )
     settings.add_argument(
         "--float8",

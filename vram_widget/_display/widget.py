@@ -120,7 +120,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
     show_frontier = traitlets.Bool(False)
     # the Linear weights stored by bitsandbytes: "off" (the precision's dtype), "nf4",
     # "nf4-dq" (double quantization) or "fp4", computed in the precision's dtype, or "int8"
-    # (LLM.int8 at threshold 0); torchao's "int8-torchao" / "int4-torchao"; or
+    # (LLM.int8 at threshold 0); torchao's "int8-torchao" / "int4-torchao" / "nf4-torchao"; or
     # "float8-tensorwise" / "float8-rowwise": torchao's float8 training of the Linear layers
     # (estimate's float8=)
     weights = traitlets.Enum(list(WEIGHT_CHOICES), default_value=WEIGHTS_OFF)

@@ -68,12 +68,12 @@ OFFLOAD_CHOICES: tuple[str, ...] = (OFFLOAD_OFF, "torchtune", "save_on_cpu")
 # the weights trait's values: the precision's own dtype, bitsandbytes' 4-bit formats (nf4
 # with QLoRA's double quantization too), or LLM.int8 without its outlier split (threshold 0:
 # the default threshold's split depends on the activations' values); torchao's int8 and
-# int4 weight-only formats (quantize_)
+# int4 weight-only formats (quantize_); torchao's NF4Tensor as torchtune's QLoRA applies it
 WEIGHTS_OFF = "off"
 # and torchao's float8 training of the Linear layers (float8=, its two recipes)
 FLOAT8_CHOICES: tuple[str, ...] = ("float8-tensorwise", "float8-rowwise")
 WEIGHT_CHOICES: tuple[str, ...] = (
-    WEIGHTS_OFF, "nf4", "nf4-dq", "fp4", "int8", "int8-torchao", "int4-torchao",
+    WEIGHTS_OFF, "nf4", "nf4-dq", "fp4", "int8", "int8-torchao", "int4-torchao", "nf4-torchao",
     *FLOAT8_CHOICES,
 )  # fmt: skip
 
@@ -90,9 +90,10 @@ TOOLTIPS: dict[str, str] = {
     "quantization) or fp4 (Linear4bit, computed in the precision's dtype; training needs a "
     "LoRA rank: QLoRA), or int8 (Linear8bitLt, inference, without the outlier split: "
     "threshold 0); int8-torchao / int4-torchao: torchao's quantize_ (inference; int4 on "
-    "the CPU only); float8-tensorwise / float8-rowwise: float8 training by torchao "
-    "(Float8Linear, training only; the weights stay in the precision's dtype); off: the "
-    "precision's dtype",
+    "the CPU only); nf4-torchao: torchao's NF4Tensor as torchtune's QLoRA (its LoRALinear "
+    "and FrozenNF4Linear; training needs a LoRA rank); float8-tensorwise / float8-rowwise: "
+    "float8 training by torchao (Float8Linear, training only; the weights stay in the "
+    "precision's dtype); off: the precision's dtype",
     "mode": "train: forward, backward, optimizer step; inference: one forward under "
     "no_grad; generate: prefill and decode steps with the KV cache",
     "new_tokens": "tokens a generation adds after the prompt (its KV cache grows with them)",

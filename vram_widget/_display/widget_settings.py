@@ -230,7 +230,8 @@ def weights_arg(choice: str, precision: str) -> Weights | None:
     """The ``weights`` trait's choice as ``estimate``'s keyword: None for ``"off"``, else
     ``Linear4bit`` computing in the precision's dtype (bf16 / fp16; fp32 otherwise), with
     double quantization for ``"nf4-dq"``; ``"int8"``: ``Linear8bitLt`` at threshold 0;
-    ``"int8-torchao"`` / ``"int4-torchao"``: torchao's formats at their defaults.
+    ``"int8-torchao"`` / ``"int4-torchao"`` / ``"nf4-torchao"``: torchao's formats at their
+    defaults.
 
     Examples
     --------

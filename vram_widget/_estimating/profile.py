@@ -653,7 +653,7 @@ class ModelProfile:
         lora_targets : "auto", "all-linear" or list of str
             PEFT's ``target_modules``; ``"auto"``: PEFT's defaults for the architecture
             (Hugging Face models; other models must name their modules).
-        weights : None, "nf4", "fp4", "int8", "int8-torchao", "int4-torchao" or Weights
+        weights : None, str ("nf4", "int8-torchao", "nf4-torchao", ...) or Weights
             The base weights stored by bitsandbytes, as transformers'
             ``from_pretrained(quantization_config=BitsAndBytesConfig(...))`` stores them:
             its ``replace_with_bnb_linear`` on a meta copy of the model (``nn.Linear`` and
@@ -691,6 +691,13 @@ class ModelProfile:
             by name. ``device="cpu"`` runs torchao's ``emulate=True`` (what ``measure``
             runs on a CPU); ``device="cuda"`` its ``torch._scaled_mm`` path (the kernel's
             workspace UNCONFIRMED). Needs ``pip install torchao``.
+            ``pip install torchao``. ``"nf4-torchao"``: torchao's ``NF4Tensor`` as
+            torchtune's QLoRA applies it: its ``LoRALinear(..., quantize_base=True)`` on the
+            ``lora_targets``, ``FrozenNF4Linear`` on the other Linear layers (on a
+            transformers model, not the output embeddings; elsewhere ``skip_modules``), only
+            the adapters trained, in the model's dtype (or ``lora_dtype``); each weight's
+            size a multiple of ``blocksize x scaler_blocksize`` (64 x 256); needs ``pip
+            install torchao torchtune``.
         expandable_segments : bool
             The caching allocator's ``expandable_segments:True`` for ``reserved_bytes``,
             ``device_bytes``, ``fits_device`` and ``memory_snapshot`` (``device="cuda"``

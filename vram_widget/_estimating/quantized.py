@@ -24,6 +24,15 @@ torchao's weight-only tensor subclasses, as ``quantize_`` makes them:
   ``_convert_weight_to_int4pack_for_cpu`` packing, two values a byte, ``out x in / 2``
   uint8; ``scale_and_zero``, ``in / group_size x out x 2`` in the weight's own dtype
   (``pack_tinygemm_scales_and_zeros``).
+- ``nf4-torchao`` (``NF4Tensor.from_tensor``,
+  torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py), n values in
+  b = n / block_size blocks, their b scalers in s = b / scaler_block_size blocks:
+  ``quantized_data``, two 4-bit codes a byte, n / 2 uint8; ``quantized_scalers``, b int8;
+  ``quantization_factor``, s values in the weight's dtype, except that for s = 1 the
+  ``quantization_factor[:, 0]`` of the ``(s, scaler_block_size)`` tensor it is cut from
+  is already contiguous (a one-element dimension's stride does not count), so
+  ``.contiguous()`` keeps the whole ``scaler_block_size`` values' storage;
+  ``scaler_mean``, one value; ``nf4``, the 16-value lookup table (both in the weight's dtype).
 """
 
 from __future__ import annotations
@@ -97,6 +106,13 @@ def quantized_bytes(
     >>> b = quantized_bytes((4096, 4096), Weights("int4-torchao"), itemsize=2)
     >>> b.codes_bytes, b.scales_bytes
     (8388608, 524288)
+
+    torchao's NF4Tensor in bf16: 8,388,608 B of codes, 262,144 int8 scalers (blocks of 64),
+    1,024 quantization factors (2,048 B), the mean (2 B) and the 16-value table (32 B):
+
+    >>> b = quantized_bytes((4096, 4096), Weights("nf4-torchao"), itemsize=2)
+    >>> b.codes_bytes, b.scales_bytes, b.state_bytes
+    (8388608, 262144, 2082)
     """
     n = 1
     for d in shape:
@@ -107,6 +123,12 @@ def quantized_bytes(
     if weights.format is WeightFormat.INT4_TORCHAO:
         groups = int(shape[-1]) // weights.group_size
         return QuantizedBytes(n // 2, groups * out * 2 * itemsize, 0)
+    if weights.format is WeightFormat.NF4_TORCHAO:
+        blocks = n // weights.blocksize
+        factors = blocks // weights.scaler_blocksize
+        if factors == 1:  # the (1, scaler_block_size) tensor's storage is kept
+            factors = weights.scaler_blocksize
+        return QuantizedBytes(n // 2, blocks, itemsize * (factors + 1 + _CODE_4BIT))
     if weights.format is WeightFormat.INT8:
         return QuantizedBytes(n, _F32 * int(shape[0]), 0)
     if weights.format is None:
@@ -164,14 +186,16 @@ def check_quantized(
     """
     fmt = weights.format
     assert fmt is not None
-    if weights.torchao and mode is Mode.TRAIN:
+    nf4_torchao = fmt is WeightFormat.NF4_TORCHAO
+    if weights.torchao and not nf4_torchao and mode is Mode.TRAIN:
         raise ValueError(
             f"weights={fmt.value!r} is for inference: torchao's weight-only configs "
             "(Int8WeightOnlyConfig, Int4WeightOnlyConfig) are post-training quantization; "
             "quantize_ makes each weight a frozen tensor subclass (nn.Parameter(..., "
             "requires_grad=False), torchao/quantization/quant_api.py) whose linear has no "
             "weight gradient, and torchao trains through QAT or float8 training instead. "
-            "Use mode='inference', or weights='nf4' with lora_rank=... (QLoRA)"
+            "Use mode='inference', or weights='nf4' or 'nf4-torchao' with lora_rank=... "
+            "(QLoRA)"
         )
     if fmt is WeightFormat.INT8 and mode is Mode.TRAIN:
         raise ValueError(
@@ -180,6 +204,12 @@ def check_quantized(
             "training with them is through LoRA adapters only (PEFT's lora.Linear8bitLt), "
             "which is not estimated yet; use mode='inference', or weights='nf4' with "
             "lora_rank=... (QLoRA)"
+        )
+    if mode is Mode.TRAIN and lora_rank is None and nf4_torchao:
+        raise ValueError(
+            "weights='nf4-torchao' in training needs lora_rank=...: torchtune's QLoRA "
+            "freezes the NF4 base weights (FrozenNF4Linear, LoRALinear(quantize_base=True)) "
+            "and trains LoRA adapters on them (lora_rank=8, ...), or use mode='inference'"
         )
     if mode is Mode.TRAIN and lora_rank is None:
         raise ValueError(

@@ -361,6 +361,11 @@ def _build_formulas() -> dict[Any, _Formula]:
     packet = _packet("_int_mm")
     if packet is not None:
         formulas[packet] = _int8_matmul_flop
+    # torchao's int4 on the CPU (weights="int4-torchao": Int4OpaqueTensor's linear); stock
+    # counts 0 for it
+    packet = _packet("_weight_int4pack_mm_for_cpu")
+    if packet is not None:
+        formulas[packet] = _int4_cpu_matmul_flop
     return formulas
 
 
@@ -378,6 +383,17 @@ def _int8_matmul_flop(
     k = a_shape[-1]
     n = b_shape[0] if b_shape[-1] == k and b_shape[0] != k else b_shape[-1]
     return 2 * prod(a_shape[:-1]) * k * n
+
+
+@shape_wrapper
+def _int4_cpu_matmul_flop(
+    a_shape: Sequence[int], b_shape: Sequence[int], *args: Any, **kwargs: Any
+) -> int:
+    """``_weight_int4pack_mm_for_cpu(A (M, K), B, group_size, scales_and_zeros)``: ``A``
+    times the unpacked ``(N, K)`` weight transposed, B being its ``(N, K / 2)`` uint8
+    packing (two 4-bit values a byte, ``_convert_weight_to_int4pack_for_cpu``): 2 per
+    multiply-add, ``2 * M * N * K``."""
+    return 2 * prod(a_shape[:-1]) * a_shape[-1] * b_shape[0]
 
 
 _FORMULAS: dict[Any, _Formula] = _build_formulas()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._estimating.compiled import CompileScope, parse_activation_memory_budget, parse_compile
-from .._estimating.levers import NO_LEVERS, Levers, parse_lora_dtype
+from .._estimating.levers import NO_LEVERS, Levers, parse_lora_dtype, resolve_lora
 from .._estimating.offloading import Offload, resolve_offload
 from .._estimating.options import (
     Mode,
@@ -52,7 +52,7 @@ from .._estimating.quantized import check_quantized, check_weights_device
 from .._estimating.recipe import Optimizer, Recipe, Step
 from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.recipe import default, given
-from .._estimating.recipe.weights import Weights, parse_weights
+from .._estimating.recipe.weights import WeightFormat, Weights, parse_weights
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
     Parallel,
@@ -71,6 +71,7 @@ from .chunked_loss import checked_loss_chunks, chunked_step
 from .compiled import FORWARD_MARKER, WatchedForward, compiled_forward, compiled_run
 from .float8 import checked_float8, converted
 from .generation import generation_limit, prompt_inputs
+from .nf4_torchao import nf4_layers, real_nf4
 from .offloading import offloaded_forward, real_offloading
 from .optimizers import state_tensors
 from .param_groups import decay_parameter_names, trainer_groups
@@ -275,7 +276,7 @@ def measure(
         torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
         module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
         and ``grad_accumulation`` forward and backward passes before the optimizer step.
-    weights : None, "nf4", "fp4", "int8", "int8-torchao", "int4-torchao" or Weights
+    weights : None, str ("nf4", "int8-torchao", "nf4-torchao", ...) or Weights
         The copy's Linear layers quantized by bitsandbytes as ``from_pretrained(...,
         quantization_config=BitsAndBytesConfig(...))`` quantizes them (``quantized.py``:
         transformers' ``replace_with_bnb_linear``, each weight loaded into a ``Params4bit`` /
@@ -283,7 +284,10 @@ def measure(
         ``prepare_model_for_kbit_training``, then ``get_peft_model``). The quant state
         (scales, codes) counts as resident. ``"int8-torchao"`` / ``"int4-torchao"``:
         torchao's own ``quantize_`` on the copy (``torchao_weights.py``), its tensor
-        subclasses' inner tensors resident. As ``ModelProfile.estimate`` takes it.
+        subclasses' inner tensors resident. ``"nf4-torchao"``: torchtune's ``LoRALinear(...,
+        quantize_base=True)`` on the LoRA targets and ``FrozenNF4Linear`` on the other
+        Linear layers of the copy, each weight torchao's ``to_nf4`` of the copy's
+        (``nf4_torchao.py``). As ``ModelProfile.estimate`` takes it.
     float8 : None, True, "tensorwise", "rowwise" or Float8
         The copy's Linear layers swapped for torchao's ``Float8Linear`` by
         ``convert_to_float8_training`` (``float8.py``), with ``emulate=True`` on a CPU (its
@@ -451,7 +455,10 @@ def measure(
     if quantized.quantized:  # refused before the copy is made, as the estimate refuses
         run_mode = parse_option(Mode, mode, "mode")
         check_quantized(quantized, run_mode, settings["lora_rank"], gpus, estimating=False)
-        if quantized.torchao:  # torchao's quantize_ (torchao_weights.py)
+        if quantized.format is WeightFormat.NF4_TORCHAO:  # torchtune's QLoRA (nf4_torchao.py)
+            rank, targets = resolve_lora(settings["lora_rank"], settings["lora_targets"])
+            nf4_layers(model, quantized, rank, targets, parse_lora_dtype(settings["lora_dtype"]))
+        elif quantized.torchao:  # torchao's quantize_ (torchao_weights.py)
             check_weights_device(quantized, _model_device(model).type)
             torchao_modules(model, quantized)
         else:
@@ -773,8 +780,14 @@ class _Session:
         self.model = _copy_model(model, dtype, mode)
         if float8 is not None and float8.enabled:  # torchao converts the copy (float8.py)
             self.model = converted(self.model, float8, emulate=device.type == "cpu")
-        qlora = False
-        if weights is not None and weights.torchao:  # torchao's quantize_ on the copy
+        qlora = torchtune_qlora = False
+        if weights is not None and weights.format is WeightFormat.NF4_TORCHAO:
+            # torchtune's LoRALinear / FrozenNF4Linear on torchao's NF4Tensor (nf4_torchao.py)
+            self.model = real_nf4(
+                self.model, weights, levers.lora_rank, levers.lora_targets, lora_dtype
+            )
+            torchtune_qlora = True
+        elif weights is not None and weights.torchao:  # torchao's quantize_ on the copy
             self.model = real_torchao(self.model, weights)
         elif weights is not None and weights.quantized:  # bitsandbytes quantizes the copy
             self.model = real_quantized(self.model, weights)
@@ -787,7 +800,7 @@ class _Session:
             )
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
-        elif levers.lora_rank is not None:  # PEFT wraps the copy; names gain its prefix
+        elif levers.lora_rank is not None and not torchtune_qlora:  # PEFT wraps the copy
             self.model = lora_wrapped(self.model, levers.lora_rank, levers.lora_targets, lora_dtype)
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)

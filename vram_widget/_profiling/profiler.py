@@ -38,7 +38,7 @@ from .._estimating.options import (
 )
 from .._estimating.profile import ModelProfile, ProfilingError
 from .._estimating.recipe.float8 import Float8
-from .._estimating.recipe.weights import Weights
+from .._estimating.recipe.weights import WeightFormat, Weights
 from .._estimating.sharding import local_shard_shape
 from .._estimating.table import (
     PADDED_TERMS,
@@ -71,6 +71,7 @@ from .float8 import float8_copy, float8_kernels
 from .generation import generation_limit, prompt_inputs, recorded_generation
 from .hub import model_or_name
 from .loading import load_layout
+from .nf4_torchao import fake_nf4_weight, is_nf4_weight, nf4_copy
 from .offloading import OffloadEmulation, emulated_offloading, offloaded_forward
 from .optimizers import (
     OpWatch,
@@ -275,6 +276,9 @@ class Subject:
                 continue
             if is_torchao_weight(p):  # torchao's tensor subclass (torchao_weights.py)
                 params[name] = fake_torchao_weight(p, dtype)
+                continue
+            if is_nf4_weight(p):  # torchao's NF4Tensor, as torchtune's QLoRA (nf4_torchao.py)
+                params[name] = fake_nf4_weight(p, dtype)
                 continue
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
@@ -1516,8 +1520,15 @@ class _Source:
         """The profile of a meta copy of the model with its Linear layers quantized by
         bitsandbytes (``quantized.quantized_copy``; the model itself untouched) or torchao
         (``torchao_weights.torchao_copy``) and, with ``rank``, QLoRA's PEFT wrapping
-        (``quantized.qlora_wrapped``)."""
+        (``quantized.qlora_wrapped``); or torchtune's QLoRA modules on torchao's NF4Tensor
+        (``nf4_torchao.nf4_copy``)."""
         subject = self.profiler.subject
+        if weights.format is WeightFormat.NF4_TORCHAO:
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", InputShapeWarning)
+                copy_ = nf4_copy(subject.model, weights, rank, targets, dtype)
+                # every parameter takes the precision's dtype, as torchtune builds them
+                return self._sub_profile(copy_, cache=False)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore", InputShapeWarning)
             warnings.filterwarnings(

@@ -22,12 +22,11 @@ keys as in torchtune's ``recipes/configs/llama3_2/3B_full_single_device.yaml`` a
   ``w1`` / ``w3`` / ``w2`` (``apply_lora_to_mlp``) -> ``gate_proj`` / ``up_proj`` /
   ``down_proj`` (torchtune's ``FeedForward``: ``w2(silu(w1(x)) * w3(x))``); the output
   projection (``apply_lora_to_output``) -> ``lm_head``. The adapters are in the base dtype
-  (torchtune builds them with the model, under its dtype): ``lora_dtype="base"``.
-  A QLoRA builder (``qlora_llama3_2_3b`` ..., ``functools.partial(lora_..., quantize_base=
-  True)``; or ``quantize_base: True``) is the same LoRA over base weights that torchtune
-  stores as torchao's ``NF4Tensor`` (``LoRALinear``: ``to_nf4``): ``weights="nf4-torchao"``
-  (refused by name where this version does not estimate that format); its rank defaults to
-  the builders' 8.
+  (torchtune builds them with the model, under its dtype): ``lora_dtype="base"``. A QLoRA
+  builder (``qlora_llama3_2_3b`` ..., ``partial(lora_..., quantize_base=True)``) or
+  ``quantize_base: True`` stores the base weights as torchao's ``NF4Tensor``:
+  ``weights="nf4-torchao"`` (torchtune's own ``LoRALinear`` / ``FrozenNF4Linear`` on the
+  estimate's copy; the output projection unquantized, as torchtune leaves it).
 - The step: the recipes drop the logits once the loss is computed, before the backward
   (``_loss_step``: ``# free logits otherwise it peaks backward memory`` / ``del logits``,
   ``recipes/full_finetune_single_device.py`` and ``lora_finetune_single_device.py``,
@@ -153,7 +152,7 @@ def read_torchtune(config: object, gpus: int = 1) -> Recipe:
             f"the recipe's loop ({', '.join(loop)}) across {gpus} GPUs: each rank's step is "
             "estimated as a plain loop's (outputs kept through the backward, no clipping)"
         )
-    settings.update(_lora(values.get("model"), ignored))
+    settings.update(qlora_settings(values, ignored))
     warn_ignored(SOURCE, ignored)  # before the optimizer's name is parsed, which may refuse it
     return Recipe(ignored=tuple(ignored)).with_(**settings)
 
@@ -224,15 +223,6 @@ def _optimizer(value: object) -> str:
     return name
 
 
-def _lora(model: object, ignored: list[str]) -> dict[str, Any]:
-    """The LoRA settings of the ``model`` section and, for QLoRA, its weights' format
-    (refused by name where the Recipe does not know it: :func:`_torchao_nf4`)."""
-    settings, qlora = _lora_reading(model, ignored)
-    if qlora:
-        settings["weights"] = _torchao_nf4(_component(model) or "model.quantize_base")
-    return settings
-
-
 def _lora_reading(model: object, ignored: list[str]) -> tuple[dict[str, Any], bool]:
     """The LoRA settings of the ``model`` section, and whether its base is quantized: a
     ``qlora_`` builder, or a LoRA builder with ``quantize_base: True`` (the same model)."""
@@ -266,10 +256,10 @@ def _lora_reading(model: object, ignored: list[str]) -> tuple[dict[str, Any], bo
     return settings, qlora
 
 
-def qlora_settings(config: object) -> dict[str, Any]:
+def qlora_settings(config: object, ignored: list[str] | None = None) -> dict[str, Any]:
     """The LoRA settings a torchtune config's ``model`` section gives, with the weights'
-    format where its base is quantized: read whether or not the Recipe estimates that
-    format (``from_torchtune`` refuses one it does not, by name).
+    format where its base is quantized (torchao's ``NF4Tensor``: ``"nf4-torchao"``); what
+    it does not estimate is appended to ``ignored``.
 
     Examples
     --------
@@ -278,23 +268,9 @@ def qlora_settings(config: object) -> dict[str, Any]:
     >>> s["lora_rank"], s["lora_targets"], s["weights"]
     (16, ['q_proj', 'o_proj'], 'nf4-torchao')
     """
-    settings, qlora = _lora_reading(_as_dict(config).get("model"), [])
+    settings, qlora = _lora_reading(
+        _as_dict(config).get("model"), [] if ignored is None else ignored
+    )
     if qlora:
         settings["weights"] = TORCHAO_NF4
     return settings
-
-
-def _torchao_nf4(component: str) -> str:
-    """``"nf4-torchao"`` where the Recipe knows that format; else a refusal naming it."""
-    from .weights import WeightFormat
-
-    if TORCHAO_NF4 in {f.value for f in WeightFormat}:
-        return TORCHAO_NF4
-    raise refuse(
-        SOURCE,
-        f"model {component}",
-        f"QLoRA's base weights as torchao's NF4Tensor (weights={TORCHAO_NF4!r}: "
-        "torchtune/modules/peft/lora.py, LoRALinear with quantize_base=True, to_nf4), which "
-        "this version does not estimate; weights='nf4' is bitsandbytes' Linear4bit, another "
-        "layout and kernel",
-    )

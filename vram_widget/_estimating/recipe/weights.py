@@ -1,7 +1,8 @@
 """How the base weights are stored: as the precision says, quantized by bitsandbytes
 (``Linear4bit`` nf4 / fp4, ``Linear8bitLt`` int8), as Hugging Face's ``from_pretrained(...,
 quantization_config=BitsAndBytesConfig(...))`` applies it, or by torchao's ``quantize_``
-(int8 / int4 weight-only tensor subclasses)."""
+(int8 / int4 weight-only tensor subclasses), or torchao's ``NF4Tensor`` as torchtune's QLoRA
+applies it (``LoRALinear(..., quantize_base=True)`` / ``FrozenNF4Linear``)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,25 @@ class WeightFormat(StrEnum):
     LLM.int8 (``int8``, ``bitsandbytes.nn.Linear8bitLt``). torchao's, applied by its
     ``quantize_``: ``int8-torchao`` (``Int8WeightOnlyConfig``: ``Int8Tensor``, int8 per
     output row) and ``int4-torchao`` (int4 in groups along the input: on the CPU
-    ``PrototypeInt4WeightOnlyConfig``'s ``Int4OpaqueTensor``)."""
+    ``PrototypeInt4WeightOnlyConfig``'s ``Int4OpaqueTensor``). ``nf4-torchao``: torchao's
+    ``NF4Tensor`` (``to_nf4``: 4-bit NormalFloat codes in blocks, their scalers quantized to
+    int8), as torchtune's QLoRA builds it."""
 
     NF4 = "nf4"
     FP4 = "fp4"
     INT8 = "int8"
     INT8_TORCHAO = "int8-torchao"
     INT4_TORCHAO = "int4-torchao"
+    NF4_TORCHAO = "nf4-torchao"
 
 
 # The formats torchao applies (the rest are bitsandbytes')
-TORCHAO_FORMATS = (WeightFormat.INT8_TORCHAO, WeightFormat.INT4_TORCHAO)
+TORCHAO_FORMATS = (WeightFormat.INT8_TORCHAO, WeightFormat.INT4_TORCHAO, WeightFormat.NF4_TORCHAO)
+
+# torchao's to_nf4 defaults: block_size=64, scaler_block_size=256
+# (torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py, ``def to_nf4``), which
+# torchtune's LoRALinear and FrozenNF4Linear keep unless given ``quantization_kwargs``
+NF4_SCALER_BLOCKSIZE = 256
 
 # int4 group sizes: Int4WeightOnlyConfig's docstring ("choices are [256, 128, 64, 32]",
 # torchao/quantization/quant_api.py); the CPU's Int4OpaqueTensor.from_hp asserts 32, 64 or
@@ -97,7 +106,12 @@ class Weights:
         ``bnb_4bit_use_double_quant``, default False.
     blocksize : int
         Weights per 4-bit block: 64, ``Params4bit``'s default (bitsandbytes/nn/modules.py),
-        which ``BitsAndBytesConfig`` does not expose.
+        which ``BitsAndBytesConfig`` does not expose; for ``nf4-torchao``, ``to_nf4``'s
+        ``block_size`` (default 64, torchao's).
+    scaler_blocksize : int
+        ``nf4-torchao``: ``to_nf4``'s ``scaler_block_size``, the block scalers per int8
+        block of the double quantization (default 256, torchao's). A weight is quantized
+        only where ``blocksize * scaler_blocksize`` divides its size (torchao asserts it).
     quant_storage : str
         The dtype the packed 4-bit codes are stored as (``bnb_4bit_quant_storage``, default
         ``"uint8"``; FSDP setups pick the model's float dtype).
@@ -108,7 +122,9 @@ class Weights:
         (``get_keys_to_not_convert``: the output embeddings, tied weights and the module of
         the last parameter). For torchao's formats, ``TorchAoConfig``'s
         ``modules_to_not_convert`` alike (None: the same default on a transformers model,
-        nothing kept on any other module, as ``quantize_`` keeps nothing).
+        nothing kept on any other module, as ``quantize_`` keeps nothing). For
+        ``nf4-torchao``, None keeps a transformers model's output embeddings (torchtune never
+        quantizes the output projection) and nothing on any other module.
     group_size : int
         ``int4-torchao``: weights per int4 group along the input (``group_size``, default
         128, as ``Int4WeightOnlyConfig``'s); a Linear whose input size it does not divide
@@ -134,6 +150,7 @@ class Weights:
     int8_threshold: float = 6.0
     skip_modules: tuple[str, ...] | None = None
     group_size: int = 128
+    scaler_blocksize: int = NF4_SCALER_BLOCKSIZE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", weight_format(self.format))
@@ -155,6 +172,11 @@ class Weights:
             raise ValueError(
                 f"group_size must be one of {valid} (torchao's int4 groups), got "
                 f"{self.group_size!r}"
+            )
+        if not isinstance(self.scaler_blocksize, int) or self.scaler_blocksize < 1:
+            raise ValueError(
+                "scaler_blocksize must be a positive int (to_nf4's scaler_block_size, "
+                f"default {NF4_SCALER_BLOCKSIZE}), got {self.scaler_blocksize!r}"
             )
         if isinstance(self.skip_modules, str):
             object.__setattr__(self, "skip_modules", (self.skip_modules,))
@@ -192,6 +214,11 @@ class Weights:
             return (
                 f"int4-torchao (torchao int4 weight-only, groups of {self.group_size}: "
                 "Int4OpaqueTensor on the CPU)"
+            )
+        if self.format is WeightFormat.NF4_TORCHAO:
+            return (
+                f"nf4-torchao (torchao NF4Tensor, blocks of {self.blocksize}, scalers in "
+                f"int8 blocks of {self.scaler_blocksize}: torchtune's QLoRA)"
             )
         if self.format is WeightFormat.INT8:
             return f"int8 (bitsandbytes Linear8bitLt, outlier threshold {self.int8_threshold})"
@@ -231,7 +258,7 @@ class Weights:
 def parse_weights(value: object) -> Weights:
     """``weights=`` as given: None or ``"none"`` (not quantized), a format name (``"nf4"``,
     ``"fp4"``, ``"int8"``, each at ``BitsAndBytesConfig``'s defaults; ``"int8-torchao"``,
-    ``"int4-torchao"`` at torchao's), a :class:`Weights`, or a
+    ``"int4-torchao"``, ``"nf4-torchao"`` at torchao's), a :class:`Weights`, or a
     ``transformers.BitsAndBytesConfig``.
 
     Examples
@@ -246,7 +273,8 @@ def parse_weights(value: object) -> Weights:
     if type(value).__name__ == "BitsAndBytesConfig" or isinstance(value, dict):
         return Weights.from_bnb_config(value)
     raise TypeError(
-        f"weights must be None, 'nf4', 'fp4', 'int8', 'int8-torchao', 'int4-torchao', a "
+        "weights must be None, 'nf4', 'fp4', 'int8', 'int8-torchao', 'int4-torchao', "
+        "'nf4-torchao', a "
         "vram_widget Weights or a "
         f"transformers BitsAndBytesConfig; got {type(value).__name__}"
     )
