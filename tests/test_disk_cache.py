@@ -518,3 +518,26 @@ def test_lora_profile_from_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     warm = profile_model(model(), input_size=(8,))
     assert [warm.estimate(4, p, "adamw", **lora).peak_bytes for p in ("fp32", "bf16")] == expected
     assert counted.count() == 0
+
+
+def test_compiled_step_from_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch.compile step, profiled at the asked batch (compiled.decided_at), is stored
+    like any run: a fresh profile on the same cache directory runs no model for it at that
+    batch; another batch is a run of its own (is_cached, in memory, says so after)."""
+    import dataclasses
+
+    settings: dict[str, Any] = {"optimizer": "sgd", "compile": True}
+    expected = profile_model(_net(), input_size=(4,), cache=False).estimate(3, **settings)
+    counted = Counted(monkeypatch)
+    cold = profile_model(_net(), input_size=(4,), precisions=())
+    est = cold.estimate(3, **settings)
+    assert counted.count() > 0
+    assert (est.peak_bytes, est.saved_bytes) == (expected.peak_bytes, expected.saved_bytes)
+    warm = profile_model(_net(), input_size=(4,), precisions=())
+    again = warm.estimate(3, **settings)
+    assert counted.count() == 0  # no model run
+    levers = dataclasses.replace(warm.levers(), compile="model")
+    assert warm.is_cached("fp32", "train", "sgd", levers=levers, batch_size=3)
+    assert not warm.is_cached("fp32", "train", "sgd", levers=levers, batch_size=4)
+    assert (again.peak_bytes, again.saved_bytes) == (expected.peak_bytes, expected.saved_bytes)
+    assert again.levers == est.levers and again.compile_bound

@@ -242,9 +242,16 @@ class _Spy:
 def _usable(w: MemoryWidget) -> bool:
     """Every control enabled (the custom-GiB box only while the custom GPU is chosen, the
     optimizer's implementation only for an optimizer that has several, the loss chunks only
-    for a model that can be chunked, the offloading only on a CUDA profile)."""
+    for a model that can be chunked, the offloading only on a CUDA profile, the compile
+    budget only with compile on)."""
     implementation = w._optimizer_controls.implementation
-    conditional = (w._custom_box, implementation, w._chunks_dropdown, w._offload_dropdown)
+    conditional = (
+        w._custom_box,
+        implementation,
+        w._chunks_dropdown,
+        w._offload_dropdown,
+        w._budget_dropdown,
+    )
     implementations = w._optimizer_controls.groups.get(split_choice(w.optimizer)[0])
     return (
         all(not c.disabled for c in w._control_widgets if c not in conditional)
@@ -252,6 +259,7 @@ def _usable(w: MemoryWidget) -> bool:
         and implementation.disabled == (not implementations)
         and w._chunks_dropdown.disabled == bool(w.profile.loss_chunks_refusal)
         and w._offload_dropdown.disabled == (w.profile.device.value != "cuda")
+        and w._budget_dropdown.disabled == (w.compile == "off")
     )
 
 
@@ -1245,7 +1253,16 @@ def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelPro
         for title, controls in groups.items()
     }
     assert labels == {
-        "Step": ["batch size", "sequence length", "precision", "weights", "mode", "new tokens"],
+        "Step": [
+            "batch size",
+            "sequence length",
+            "precision",
+            "weights",
+            "mode",
+            "compile",
+            "memory budget",
+            "new tokens",
+        ],
         "Optimizer": ["optimizer", "implementation", "in backward", "keep grads"],
         "Memory levers": [
             "checkpointing",
@@ -1650,3 +1667,134 @@ def test_a_recipe_starts_the_offload_control(cuda_profile: ModelProfile) -> None
     moved = cuda_profile.estimate(recipe=recipe.with_(offload_activations="save_on_cpu"))
     assert (w.estimate.peak_bytes, w.estimate.host_bytes) == (moved.peak_bytes, moved.host_bytes)
     assert moved.peak_bytes != expected.peak_bytes  # save_on_cpu offloads the output's too
+
+
+# torch.compile: the compile control and the partitioner's budget
+# --------------------------------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.cos(torch.sin(self.a(x))))
+
+
+class _TwoBlocks(nn.Module):
+    """Two repeated blocks in a ModuleList (compile="blocks" compiles each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_compile_control_drives_the_estimate_behind_a_progress_label() -> None:
+    from vram_widget._display.widget_compile import COMPILE_TOOLTIPS, NOT_SEARCHED
+
+    profile = profile_model(_TwoBlocks(), input_size=(8,), device="cpu", cache=False)
+    spy = _Spy(profile._source)
+    profile._source = spy  # type: ignore[assignment]
+    w = MemoryWidget(profile, batch_size=4, optimizer="sgd")
+    spy.widget = w
+    compile_, budget = w._compile_dropdown, w._budget_dropdown
+    assert list(compile_.options) == ["off", "model", "blocks"]
+    assert [v for _label, v in budget.options] == [1.0, 0.5, 0.1]
+    assert (compile_.tooltip, budget.tooltip) == (
+        COMPILE_TOOLTIPS["compile"],
+        COMPILE_TOOLTIPS["activation_memory_budget"],
+    )
+    assert w.compile == "off" and budget.disabled and w._batch_slider.continuous_update
+
+    def same(batch: int, **settings: Any) -> None:
+        expected = profile.estimate(batch, optimizer="sgd", **settings)
+        assert w.estimate.peak_bytes == expected.peak_bytes
+        assert w.estimate.saved_bytes == expected.saved_bytes
+        assert w.estimate.levers == expected.levers
+
+    compile_.value = "model"  # a compiled run of its own, behind the label
+    assert w.compile == "model" and not budget.disabled
+    same(4, compile=True)
+    assert w.estimate.compile_bound and w.estimate.levers.compile_batch == 4
+    assert spy.seen and all(busy for _r, _s, busy in spy.seen)
+    assert all("profiling fp32 / train / sgd / torch.compile (model" in s for _r, s, _b in spy.seen)
+    assert "profiled fp32 / train / sgd / torch.compile (model" in w._status.value
+    assert _usable(w) and not w._batch_slider.continuous_update  # a move may profile
+    # no search over the batch: each batch is a compiled run of its own
+    assert w.headline.largest_batch is None
+    assert f"largest batch {html.escape(NOT_SEARCHED)}" in w.headline_html
+    assert f"Memory per extra sample</th><td>{html.escape(NOT_SEARCHED)}" in w.details_html
+    # a new batch is profiled (the partition is decided at the batch), a known one is not
+    n = len(spy.seen)
+    w.batch_size = 5
+    assert len(spy.seen) > n and "profiled" in w._status.value
+    same(5, compile=True)
+    n = len(spy.seen)
+    w.batch_size = 4
+    assert len(spy.seen) == n and w._status.value == ""
+    same(4, compile=True)
+    budget.value = 0.5
+    assert w.activation_memory_budget == 0.5
+    same(4, compile=True, activation_memory_budget=0.5)
+    compile_.value = "blocks"
+    same(4, compile="blocks", activation_memory_budget=0.5)
+    w.mode = "inference"  # the compiled step is estimated in training: the eager pass here
+    assert w.compile == "blocks"
+    assert w.estimate.peak_bytes == profile.estimate(4, mode="inference").peak_bytes
+    w.mode = "train"
+    same(4, compile="blocks", activation_memory_budget=0.5)
+    compile_.value = "off"
+    assert budget.disabled and w._batch_slider.continuous_update and _usable(w)
+    same(4)
+    assert w.headline.largest_batch is not None
+
+
+def test_compile_settings_refused_and_started() -> None:
+    profile = profile_model(_TwoBlocks(), input_size=(8,), device="cpu", cache=False)
+    w = MemoryWidget(profile, batch_size=2, optimizer="sgd", compile=True)
+    assert w.compile == "model" and w.estimate.levers.compile == "model"
+    with pytest.raises(traitlets.TraitError, match=r"outside \[0, 1\]"):
+        w.activation_memory_budget = 1.5
+    w._budget_dropdown.options = [*w._budget_dropdown.options, ("2.0", 2.0)]
+    w._budget_dropdown.value = 2.0  # refused, kept, and the headline says why
+    assert w.activation_memory_budget == 1.0 and w._budget_dropdown.value == 1.0
+    assert "activation_memory_budget = 2.0 refused" in w.headline.error
+    with pytest.raises(traitlets.TraitError, match="valid values are False or None"):
+        w.compile = "max-autotune"
+    # a pair the compiled step is not estimated with: kept, and the headline says why
+    w.gpus = 2
+    assert w.gpus == 1 and "not estimated yet" in w.headline.error
+    # the forms are checked before the model runs
+    with pytest.raises(ValueError, match="invalid setting: compile='inductor'"):
+        show_memory(_TwoBlocks(), input_size=(8,), device="cpu", compile="inductor")
+    with pytest.raises(ValueError, match=r"invalid setting: activation_memory_budget=-1"):
+        show_memory(_TwoBlocks(), input_size=(8,), device="cpu", activation_memory_budget=-1)
+
+
+def test_a_recipe_starts_the_compile_controls() -> None:
+    from vram_widget import Recipe
+
+    recipe = Recipe().with_(batch_size=2, optimizer="sgd", compile="blocks")
+    recipe = recipe.with_(activation_memory_budget=0.3)
+    profile = profile_model(_TwoBlocks(), input_size=(8,), device="cpu", cache=False)
+    w = MemoryWidget(profile, **dict(_recipe_controls(recipe)))
+    assert (w.compile, w.activation_memory_budget) == ("blocks", 0.3)
+    assert w._budget_dropdown.value == 0.3  # a fraction not offered is added
+    expected = profile.estimate(recipe=recipe)
+    assert w.estimate.peak_bytes == expected.peak_bytes
+    assert w.estimate.levers == expected.levers
+
+
+def _recipe_controls(recipe: Any) -> Any:
+    from vram_widget._display.widget_recipe import recipe_settings
+
+    settings = recipe_settings(recipe)
+    assert not settings.fixed  # both have controls
+    return settings.controls.items()

@@ -31,6 +31,7 @@ import plotly.graph_objects as go
 import traitlets
 
 from .._estimating.chunked_loss import check_loss_chunks
+from .._estimating.compiled import CompileScope, parse_activation_memory_budget
 from .._estimating.estimator import MemoryEstimate
 from .._estimating.gpus import CUSTOM_GPU, GPUS, MIN_CAPACITY_BYTES, Gpu, custom_gpu
 from .._estimating.levers import NO_LEVERS
@@ -52,6 +53,7 @@ from .figures import (
 )
 from .optimizer_control import NO_OPTIMIZER
 from .plotly_widget import FigureWidget
+from .widget_compile import COMPILE_OFF, CompileMixin, CompileTrait, compile_choice
 from .widget_controls import (
     CHECKPOINT_OFF,
     GPUS_MAX,
@@ -91,7 +93,7 @@ _NO_OPTIMIZER = NO_OPTIMIZER
 _CHECKPOINT_OFF = CHECKPOINT_OFF
 
 
-class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
+class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widgets.VBox):
     """Interactive memory / FLOPs view of one profiled model (see :func:`show_memory`).
 
     Every control is a trait: setting ``w.batch_size = 64`` does what the slider does. The
@@ -124,6 +126,11 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
     # "float8-tensorwise" / "float8-rowwise": torchao's float8 training of the Linear layers
     # (estimate's float8=)
     weights = traitlets.Enum(list(WEIGHT_CHOICES), default_value=WEIGHTS_OFF)
+    # torch.compile of the training step: "off", "model" or "blocks" (estimate's None / False,
+    # True / "model", "blocks"), and the partitioner's activation_memory_budget in [0, 1]
+    # (1.0, its default, is estimate's None); the step is eager outside training
+    compile = CompileTrait(COMPILE_OFF)
+    activation_memory_budget = traitlets.Float(1.0)
     # memory levers: "off", "auto" or a class name of repeated blocks; glob patterns of the
     # parameters that train, comma-separated ("" = as the model is); micro-batches per step
     checkpoint = traitlets.Unicode(_CHECKPOINT_OFF)
@@ -416,6 +423,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
             # The chosen GPU's, for the cuBLAS workspace in the extras (custom: default).
             "compute_capability": self.target.compute_capability,
             **self._lever_settings(),
+            **self._compile_settings(),
             "loss_chunks": self.loss_chunks,
             "offload_activations": offload_arg(self.offload_activations),
             "weights": weights_arg(self.weights, self.precision),
@@ -448,6 +456,8 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
         cached = self._profile.is_cached(
             self.precision, self.mode, self._settings()["optimizer"], self.seq_len, levers,
             parallel, self._settings()["new_tokens"],
+            # the compiled step is profiled at each batch (compiled.decided_at)
+            batch_size=self.batch_size if self._compiled else None,
         )  # fmt: skip
         if cached and self.mode == Mode.TRAIN.value and levers.active:
             # the summary compares with the same step without levers
@@ -458,7 +468,8 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
         return not cached
 
     def _frontier_shown(self) -> bool:
-        return self.show_frontier and self._profile.has_seq_axis
+        # not with compile: the frontier would profile a compiled step at each batch it tries
+        return self.show_frontier and self._profile.has_seq_axis and not self._compiled
 
     def _settings_key(self, *leave_out: str, card: bool = True) -> tuple[Any, ...]:
         """Every setting an estimate takes (but ``leave_out``) and, with ``card``, the card's
@@ -508,8 +519,11 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, widgets.VBox):
             return
         partner = self._pair_checkpoint(change["name"])
         # The batch and the grouping depth are in no profile's or frontier's key: a move of
-        # either never profiles (the slider's common case skips the checks, ~0.3 ms)
-        unprofiled = change["name"] in _NEVER_PROFILES
+        # either never profiles (the slider's common case skips the checks, ~0.3 ms), but
+        # for the compiled step, profiled at each batch (compiled.decided_at)
+        unprofiled = change["name"] in _NEVER_PROFILES and not (
+            change["name"] == "batch_size" and self._compiled
+        )
         profiling = not unprofiled and self._needs_profiling()
         # the frontier of a new setting is a search with allocator replays at each length:
         # a second or two, so it gets the same label and disabled controls
@@ -659,6 +673,8 @@ _SETTINGS: tuple[str, ...] = (
     "loss_chunks",
     "offload_activations",
     "weights",
+    "compile",
+    "activation_memory_budget",
     "expandable_segments",
     "gpus",
     "strategy",
@@ -734,6 +750,10 @@ def show_memory(
         chunks, for a Hugging Face causal LM with labels), ``offload_activations`` ("off",
         "torchtune" or "save_on_cpu", or estimate's None, False or True: the saved
         activations offloaded to host memory; training on one GPU of a CUDA profile),
+        ``compile`` ("off", "model" or "blocks", or estimate's None, False or True:
+        the training step as ``torch.compile`` runs it, profiled at each batch size, so
+        the searches over the batch are not shown with it) and ``activation_memory_budget``
+        (float in [0, 1], 1.0 the partitioner's default; with ``compile`` on only),
         ``expandable_segments`` (bool, CUDA profiles), and the data-parallel ``gpus``
         (int >= 1), ``strategy`` ({"ddp", "zero1", "zero2", "zero3", "hsdp"}) and
         ``gpus_per_node`` (int >= 1: hsdp shards within a node; its box shows with that
@@ -834,18 +854,20 @@ def show_memory(
 def _agrees(name: str, given: object, control_value: object) -> bool:
     """Whether a setting given to :func:`show_memory` is a recipe's control value (any
     form of ``offload_activations`` estimate takes: True is "torchtune")."""
-    if name == "offload_activations":
+    forms = {"offload_activations": offload_choice, "compile": compile_choice}
+    if name in forms:
         try:
-            given = offload_choice(given)
+            given = forms[name](given)
         except (TypeError, ValueError):
             return False
     return given == control_value
 
 
 def _check_lever_forms(settings: Mapping[str, Any], device: object = Device.CUDA.value) -> None:
-    """The forms of ``checkpoint_policy``, ``loss_chunks`` and ``offload_activations``,
-    checked before the model is run (their bounds are the model's: the widget checks
-    those), and offloading where the device or the mode refuses it."""
+    """The forms of ``checkpoint_policy``, ``loss_chunks``, ``offload_activations``,
+    ``compile`` and ``activation_memory_budget``, checked before the model is run (their
+    bounds are the model's: the widget checks those), and offloading where the device or
+    the mode refuses it."""
     try:
         if "checkpoint_policy" in settings:
             _check_policy_value(settings["checkpoint_policy"])
@@ -853,6 +875,10 @@ def _check_lever_forms(settings: Mapping[str, Any], device: object = Device.CUDA
             check_loss_chunks(settings["loss_chunks"])
         if "offload_activations" in settings:
             _check_offload(settings["offload_activations"], settings.get("mode"), device)
+        if "compile" in settings:
+            compile_choice(settings["compile"])
+        if "activation_memory_budget" in settings:  # a control of its own: any scope
+            parse_activation_memory_budget(settings["activation_memory_budget"], CompileScope.MODEL)
     except TypeError as exc:
         raise TypeError(f"invalid setting: {exc}") from None
     except ValueError as exc:

@@ -1,12 +1,13 @@
 """The widget's controls, grouped by the question each answers.
 
-A tab per question: **Step** (what one step is: batch, sequence length, precision, mode, a
-generation's new tokens), **Optimizer** (:mod:`.optimizer_control`), **Memory levers** (what
-trades compute for memory: checkpointing and its policy, the parameters that train,
-micro-batches, LoRA, the chunked output and loss, activation offloading) and
-**GPUs** (the card, its allocator's ``expandable_segments`` setting, and data parallelism);
-how the figure groups modules is a display setting, in a small "Display" section apart from
-the questions. Every control has a visible label and a tooltip saying what it changes.
+A tab per question: **Step** (what one step is: batch, sequence length, precision, mode,
+``torch.compile`` and its memory budget (:mod:`.widget_compile`), a generation's new
+tokens), **Optimizer** (:mod:`.optimizer_control`), **Memory levers** (what trades compute
+for memory: checkpointing and its policy, the parameters that train, micro-batches, LoRA,
+the chunked output and loss, activation offloading) and **GPUs** (the card, its
+allocator's ``expandable_segments`` setting, and data parallelism); how the figure groups
+modules is a display setting, in a small "Display" section apart from the questions. Every
+control has a visible label and a tooltip saying what it changes.
 
 The controls are views of the widget's traits (the truth): a control writes its trait, and
 :meth:`ControlsMixin._sync_controls` shows the traits on the controls without feeding back.
@@ -25,6 +26,7 @@ from .._estimating.gpus import CUSTOM_GPU, GPUS
 from .._estimating.options import Device, Mode
 from .._estimating.profile import DEFAULT_MAX_SEQ_LEN
 from .optimizer_control import OptimizerControls
+from .widget_compile import COMPILE_OFF
 
 if TYPE_CHECKING:
     from .widget import MemoryWidget
@@ -258,6 +260,7 @@ class ControlsMixin:
             options.append(self.checkpoint)
         self._checkpoint_dropdown = widgets.Dropdown(options=options, layout={"width": "260px"})
         self._build_lever_choices()
+        self._build_compile_controls()
         trainable = widgets.Text(
             placeholder="all (or patterns: head.*, *.bias)",
             continuous_update=False,
@@ -408,6 +411,8 @@ class ControlsMixin:
             c["weights"],
             *opt.widgets,
             c["mode"],
+            self._compile_dropdown,
+            self._budget_dropdown,
             c["gpu"],
             self._custom_box,
             self._depth_slider,
@@ -432,6 +437,7 @@ class ControlsMixin:
                 _row(self._batch_slider, self._batch_box),
                 self._seq_row,
                 _row(c["precision"], c["weights"], c["mode"]),
+                _row(self._compile_dropdown, self._budget_dropdown),
                 self._generation_row,
             ]
         )
@@ -493,6 +499,7 @@ class ControlsMixin:
             self._optimizer_controls.enable()
             self._chunks_dropdown.disabled = bool(self._profile.loss_chunks_refusal)
             self._offload_dropdown.disabled = not self._cuda
+            self._budget_dropdown.disabled = self.compile == COMPILE_OFF
 
     def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the integer settings on their sliders and boxes without feeding back."""
@@ -514,6 +521,7 @@ class ControlsMixin:
             self._per_node_box.layout.display = None if self.strategy == "hsdp" else "none"
             self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
             self._sync_lever_choices()
+            self._sync_compile_controls()
         finally:
             self._syncing = False
         self._custom_box.disabled = self.gpu != CUSTOM_GPU

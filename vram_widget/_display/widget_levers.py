@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import traitlets
 
 from .._estimating.chunked_loss import check_chunkable, check_loss_chunks, chunked_loss_levers
+from .._estimating.compiled import compile_levers
 from .._estimating.levers import Levers
 from .._estimating.offloading import offload_levers
 from .._estimating.options import Device, Mode
@@ -119,8 +120,9 @@ class LeversMixin:
 
     def _step_levers(self: MemoryWidget) -> Levers | None:  # type: ignore[misc]
         """The levers with activation offloading, how the optimizer steps (in the
-        backward, gradients kept) and the chunked loss, as the estimate runs them; None for
-        a combination the estimate refuses (it says why, before any profiling)."""
+        backward, gradients kept), the chunked loss and ``torch.compile``, as the estimate
+        runs them; None for a combination the estimate refuses (it says why, before any
+        profiling)."""
         levers = self._levers()
         offload = offload_arg(self.offload_activations)
         if offload is not None:  # refused on the CPU, in inference and across GPUs
@@ -147,11 +149,19 @@ class LeversMixin:
             levers = stepping_levers(
                 levers, record, record.resolved_implementation(self._profile.device), parallel
             )
-            return chunked_loss_levers(
+            levers = chunked_loss_levers(
                 levers,
                 self.loss_chunks,
                 self._profile.loss_chunks_refusal,
                 self.seq_len or self._profile.seq_len,
+                parallel,
+            )
+            compiled = self._compile_settings()
+            return compile_levers(
+                levers,
+                compiled.get("compile"),
+                compiled.get("activation_memory_budget"),
+                Mode.TRAIN,
                 parallel,
             )
         except ValueError:

@@ -14,6 +14,7 @@ from .._estimating.estimator import MemoryEstimate
 from .._estimating.options import Mode
 from .._estimating.sharding import resolve_parallel
 from .optimizer_control import split_choice
+from .widget_compile import NOT_SEARCHED
 from .widget_controls import GPUS_MAX, SEQ_SLIDER_MAX
 from .widget_settings import weights_arg
 from .widget_text import (
@@ -155,11 +156,13 @@ class SummaryMixin:
         below = self._below_context(capacity)
         key = self._settings_key()
         largest: int | None = self._fit_cache.get(key)
-        if largest is None and (at_rest or below):
+        # the compiled step is profiled at each batch: no search over the batch
+        compiled = self._compiled
+        if largest is None and (at_rest or below) and not compiled:
             largest = self.largest_batch()
         longest = None
-        longest_note = ""
-        if self._profile.has_seq_axis and not below:
+        longest_note = NOT_SEARCHED if compiled and at_rest else ""
+        if self._profile.has_seq_axis and not below and not compiled:
             seq_key = (self.batch_size, *self._settings_key("seq_len"))
             longest = self._seq_cache.get(seq_key)
             if seq_key not in self._seq_cache and at_rest:
@@ -183,6 +186,7 @@ class SummaryMixin:
             fit_label=label,
             fits=None if fit_bytes is None else fit_bytes <= capacity,
             largest_batch=largest,
+            largest_batch_note=NOT_SEARCHED if compiled and at_rest and not below else "",
             longest_seq=longest,
             longest_seq_note=longest_note,
             has_seq_axis=self._profile.has_seq_axis,
@@ -354,7 +358,8 @@ class SummaryMixin:
         if self._parallel_text:
             rows.append(("GPUs needed", self._parallel_text))
         sample = "sequence" if est.generation is not None else "sample"
-        rows.append((f"Memory per extra {sample}", format_bytes(self.bytes_per_sample())))
+        per_sample = NOT_SEARCHED if self._compiled else format_bytes(self.bytes_per_sample())
+        rows.append((f"Memory per extra {sample}", per_sample))
         per = "of the generation" if est.generation is not None else "per step"
         rows.append((f"FLOPs {per}", flops_text(est)))
         rate = self.target.peak_flops_per_s(self.precision)
@@ -381,6 +386,8 @@ class SummaryMixin:
             *_STEPPING_SETTINGS,
             "loss_chunks",
             "offload_activations",
+            "compile",
+            "activation_memory_budget",
         }
         settings = {k: v for k, v in self._settings().items() if k not in plain}
         return self._profile.estimate(self.batch_size, **settings)
