@@ -13,15 +13,17 @@ site_dir="$(mktemp -d)"
 # (not --quiet: it hides the warnings --strict counts, and a broken docstring would pass)
 NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --site-dir "$site_dir"
 rm -rf "$site_dir"
-python3 -m pytest
+python3 -m pytest --durations=25
 # Once more under a narrower instruction set than this CPU may have. Which kernels run (and so
 # what measure() sees and what the CPU probes measure) depends on the ISA: oneDNN takes its
 # bf16 paths only with avx512_bf16 or AMX, and ATen dispatches its vectorized kernels by CPU
 # capability. Capping both to AVX2 runs the CPU-kernel-sensitive tests (tests/, without the
 # notebooks and the browser) on the kernels of a CPU without AVX-512, which every x86-64 CPU
-# we support can run. ONEDNN_MAX_CPU_ISA: oneDNN's dispatcher control
+# we support can run. The tests marked slow (long end-to-end runs of models whose kernels the
+# other tests also run) are left to the first pass, to keep the whole under the time CI allows.
+# ONEDNN_MAX_CPU_ISA: oneDNN's dispatcher control
 # (https://uxlfoundation.github.io/oneDNN/dev_guide_cpu_dispatcher_control.html);
 # ATEN_CPU_CAPABILITY: aten/src/ATen/native/DispatchStub.cpp (compute_cpu_capability).
 export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 python3 -c 'import torch; print("narrowed ISA: ATen", torch.backends.cpu.get_cpu_capability())'
-python3 -m pytest -m "not browser" -q
+python3 -m pytest -m "not browser and not slow" -q --durations=15
