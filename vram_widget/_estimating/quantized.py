@@ -96,7 +96,7 @@ def check_quantized(
 ) -> None:
     """Refuse, before any profiling, the steps with quantized weights that are not
     estimated (``estimating``) or measured: int8 training, a 4-bit training step without
-    LoRA adapters, generation, more than one GPU; and int8 inference in an estimate.
+    LoRA adapters, more than one GPU; and int8 at its outlier threshold in an estimate.
 
     Examples
     --------
@@ -130,11 +130,6 @@ def check_quantized(
             "are frozen (replace_with_bnb_linear makes them requires_grad=False) and "
             "transformers' Trainer refuses to fine-tune a purely quantized model; QLoRA "
             "trains LoRA adapters on them (lora_rank=8, ...), or use mode='inference'"
-        )
-    if mode is Mode.GENERATE:
-        raise ValueError(
-            f"weights={fmt.value!r} with mode='generate' is not estimated yet; "
-            "mode='inference' estimates one forward pass"
         )
     if gpus > 1:
         raise ValueError(f"weights={fmt.value!r} is estimated on one GPU (gpus=1) for now")
