@@ -47,6 +47,8 @@ case "$what" in
         ;;
     test)
         pip_install "torch==2.13.0"
+        # .[test] takes in the optional libraries the tests run for real: bitsandbytes and
+        # torchao ([optimizers]), optimum-quanto ([quantized-cache])
         pip_install -e ".[test]"
         # torchtune without its dependencies, which would replace huggingface_hub and fsspec
         # with older versions: the tests load one module of it from its file (its chunked

@@ -181,6 +181,13 @@ def test_a_model_without_a_cache_or_with_another_one_is_refused() -> None:
     profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
     with pytest.raises(ValueError, match="cache_implementation='offloaded' is not estimated"):
         profile.estimate(2, mode="generate", new_tokens=4)
+    # transformers' QuantizedCache, as generate reads it from the generation config
+    model.generation_config.cache_implementation = "quantized"
+    model.generation_config.cache_config = {"backend": "quanto", "nbits": 4}
+    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    with pytest.raises(ValueError, match=r"'quantized' \(transformers' QuantizedCache\) is not"):
+        profile.estimate(2, mode="generate", new_tokens=4)
+    assert not profile.is_cached("fp32", "inference")  # refused before any profiling
 
 
 @pytest.mark.parametrize("make", [hf_gpt2, hf_llama], ids=lambda f: f.__name__)

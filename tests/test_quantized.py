@@ -1,6 +1,6 @@
 """Quantized base weights (``weights="nf4" / "fp4" / "int8"``): bitsandbytes' stored layout,
-and the estimate of the quantized model's inference and QLoRA step against bitsandbytes' (and
-PEFT's) real step on the CPU, to the byte."""
+and the estimate of the quantized model's inference, generation and QLoRA step against
+bitsandbytes' (and PEFT's) real step on the CPU, to the byte."""
 
 from __future__ import annotations
 
@@ -147,6 +147,28 @@ def test_hf_inference_equals_bitsandbytes(build, name: str) -> None:
     _check_inference(model, profile, hf_tokens, FORMATS[name])
 
 
+def _ids(batch: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": hf_tokens(batch)["input_ids"]}
+
+
+def test_few_rows_keep_the_bf16_matmul_scratch() -> None:
+    # Llama without labels (no loss) peaks in a layer's down projection at batch 1: its
+    # dequantized weight and, inside gemm_4bit's F.linear, one bf16 mm of 16 rows
+    # (16 x 128 @ 128 x 64), whose oneDNN packing scratch on the CPU is 42,624 B at 16 to
+    # 32 rows (not a line in the batch). In bf16 the real peak, 377,760 B, is the resident
+    # 299,168 + 33,920 live before the projection + its 2,048 B output + 42,624 B of
+    # scratch; the estimate without that scratch was 363,552
+    torch.manual_seed(0)
+    model = hf_llama()
+    weights = Weights("nf4", compute_dtype="bf16")
+    profile = profile_model(model, inputs=_ids(2), device="cpu")
+    for precision in ("bf16", "fp32"):
+        est = profile.estimate(1, precision, mode="inference", weights=weights)
+        real = measure(model, _ids(1), precision=precision, mode="inference", weights=weights)
+        assert est.peak_bytes == real.peak_bytes, precision
+        assert est.peak_module.endswith("mlp.down_proj"), est.peak_module
+
+
 @pytest.mark.parametrize("build", [hf_gpt2, hf_llama, None], ids=["gpt2", "llama", "mlp"])
 @pytest.mark.parametrize(
     "weights", [QLORA, Weights("nf4", compute_dtype="bf16")], ids=["dq", "plain"]
@@ -194,6 +216,48 @@ def test_int8_inference_equals_bitsandbytes(build) -> None:
         _check_inference(
             model, profile_model(model, inputs=hf_tokens(2), device="cpu"), hf_tokens, INT8
         )
+
+
+# (batch, prompt, new tokens, precision): batch 1 in fp32 (fp32 activations around the
+# compute dtype) and batch 3 in bf16, whose decode steps of 3 rows are few rows too
+_GENERATIONS = {"1-fp32": (1, 12, 6, "fp32"), "3-bf16": (3, 20, 9, "bf16")}
+
+
+@pytest.mark.parametrize(
+    ("build", "weights", "settings"),
+    [
+        (hf_llama, Weights("nf4", compute_dtype="bf16"), ("1-fp32", "3-bf16")),
+        (hf_gpt2, QLORA, ("3-bf16",)),
+        (hf_llama, INT8, ("1-fp32",)),
+    ],
+    ids=["llama-nf4-bf16", "gpt2-qlora", "llama-int8"],
+)
+def test_generate_on_quantized_weights_equals_bitsandbytes(
+    build, weights: Weights, settings: tuple[str, ...]
+) -> None:
+    # Hugging Face's generate on bitsandbytes' copy: the prefill and every decode step (a
+    # few rows each, where the bf16 mm's CPU scratch is not a line in the batch) to the
+    # byte; the weights change nothing of the KV cache
+    torch.manual_seed(0)
+    model = build()
+    profile = profile_model(model, inputs=_ids(2), device="cpu")
+    before = snapshot_model(model)
+    for batch, prompt, tokens, precision in (_GENERATIONS[s] for s in settings):
+        est = profile.estimate(
+            batch, precision, mode="generate", seq_len=prompt, new_tokens=tokens, weights=weights
+        )
+        prompts = {"input_ids": hf_tokens(batch, prompt)["input_ids"]}
+        real = measure(
+            model, prompts, precision=precision, mode="generate", new_tokens=tokens,
+            weights=weights,
+        )  # fmt: skip
+        assert est.peak_bytes == real.peak_bytes, (batch, prompt, tokens, precision)
+        plain = profile.estimate(
+            batch, precision, mode="generate", seq_len=prompt, new_tokens=tokens
+        )
+        assert est.kv_cache_bytes == plain.kv_cache_bytes
+        assert est.parameter_bytes < plain.parameter_bytes
+    assert_model_unchanged(model, before)
 
 
 def test_int8_measured_storage_is_bitsandbytes_own() -> None:

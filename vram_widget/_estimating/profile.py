@@ -1033,6 +1033,19 @@ class ModelProfile:
         prompt = self.seq_len if seq_len is None else seq_len
         name = self.model_name or "the model"
         tokens = check_generation(name, self.generates, self.generation_limit, prompt, new_tokens)
+        if self.cache_implementation == "quantized":
+            # transformers/cache_utils.py, QuantizedLayer.update: every decode step
+            # dequantizes the whole quantized cache and concatenates it with the unquantized
+            # residual; once the residual reaches residual_length (QuantizedCache's default
+            # 128) everything is quantized again (QuantoQuantizedLayer._quantize)
+            raise ValueError(
+                f"{name}'s generation_config.cache_implementation='quantized' (transformers' "
+                "QuantizedCache) is not estimated yet: each decode step dequantizes the whole "
+                "cache, and every residual_length tokens (128 by default) it quantizes all of "
+                "it again, so its decode steps are not one pattern in the cache length; "
+                "measure(model, inputs, mode='generate', new_tokens=T) measures it with the "
+                "model's generation_config.cache_config"
+            )
         if self.cache_implementation not in (None, "static"):
             raise ValueError(
                 f"{name}'s generation_config.cache_implementation="

@@ -175,7 +175,7 @@ def check_quantized(
 ) -> None:
     """Refuse, before any profiling, the steps with quantized weights that are not
     estimated (``estimating``) or measured: int8 training, a 4-bit training step without
-    LoRA adapters, generation, more than one GPU.
+    LoRA adapters, generation on torchao's formats, more than one GPU.
 
     Examples
     --------
@@ -218,10 +218,10 @@ def check_quantized(
             "transformers' Trainer refuses to fine-tune a purely quantized model; QLoRA "
             "trains LoRA adapters on them (lora_rank=8, ...), or use mode='inference'"
         )
-    if mode is Mode.GENERATE:
+    if mode is Mode.GENERATE and weights.torchao:
         raise ValueError(
-            f"weights={fmt.value!r} with mode='generate' is not estimated yet; "
-            "mode='inference' estimates one forward pass"
+            f"weights={fmt.value!r} with mode='generate' is not estimated yet (bitsandbytes' "
+            "'nf4', 'fp4' and 'int8' are); mode='inference' estimates one forward pass"
         )
     if gpus > 1:
         raise ValueError(f"weights={fmt.value!r} is estimated on one GPU (gpus=1) for now")

@@ -264,10 +264,22 @@ class DequantizingKernels(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is torch.ops.bitsandbytes.gemm_4bit.default:
-            return _gemm_4bit_cpu(*args, **kwargs)
+            with self:  # its F.linear's matmul is decomposed too (below)
+                return _gemm_4bit_cpu(*args, **kwargs)
         if func is _vectorwise_quant() and _threshold(args, kwargs) > 0:
             with self:  # the kernel's torch ops, recorded one by one
                 return _int8_quant_no_outliers(args[0], _threshold(args, kwargs), self._cpu)
+        if func is torch.ops.aten.matmul.default:
+            # gemm_4bit's F.linear calls matmul below autograd, where its CompositeImplicit
+            # kernel would pass the recorder whole and be decomposed by the fake mode
+            # under it. Decomposed here, as the real kernel runs it (at::matmul folds the
+            # rows into one mm: aten/src/ATen/native/LinearAlgebra.cpp, _matmul_impl), the
+            # mm reaches the recorder, whose CPU probe measures the scratch the real bf16
+            # mm allocates (oneDNN packing, not affine in the rows: 42,624 B for
+            # 16 x 128 @ 128 x 64, the same up to 32 rows). A CPU kernel's effect:
+            # device="cuda" probes nothing and counts the mm's output only (cuBLAS's
+            # workspace is the extras' own line).
+            return func.decompose(*args, **kwargs)
         key = self._kernels.get(func)
         if key is not None:  # the kernel the CPU runs, in torch ops (recorded one by one)
             with self:  # the bitsandbytes ops it calls are run as their kernels too
@@ -350,8 +362,9 @@ def _gemm_4bit_cpu(
     absmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """bitsandbytes 0.50's ``_gemm_4bit_default_impl`` (backends/default/ops.py), op for
-    op, with ``F.linear`` decomposed here into the matmul the recorder and its CPU workspace
-    probes know (this runs below autograd, where no one else decomposes it)."""
+    op, with ``F.linear`` decomposed here, and its matmul by :class:`DequantizingKernels`,
+    into the mm / addmm the recorder and its CPU workspace probes know (this runs below
+    autograd, where no one else decomposes them)."""
     if absmax_8bit is not None:
         absmax = (
             torch.ops.bitsandbytes.dequantize_blockwise.default(
