@@ -203,6 +203,12 @@ def test_shown_in_the_cli_and_the_widget(capsys: pytest.CaptureFixture[str]) -> 
     torch.manual_seed(0)
     profile = profile_model(_stack(), input_size=(256,), device="cpu")
     widget = MemoryWidget(profile, precision="bf16", mode="inference", batch_size=4)
-    widget.weights = "nf4-dq"
+    rows = dict(widget._detail_rows(widget._estimate))  # the opening setting's, made at once
+    assert rows["Loaded"] == profile.load_bytes(precision="bf16").summary()
+    widget.weights = "nf4-dq"  # a move builds nothing: the row names what gives it ...
+    assert not profile.load_is_cached(precision="bf16", weights=QLORA)
     rows = dict(widget._detail_rows(widget._estimate))
-    assert rows["Loaded"] == profile.load_bytes(precision="bf16", weights=QLORA).summary()
+    assert rows["Loaded"].startswith("profile.load_bytes(")
+    loaded = profile.load_bytes(precision="bf16", weights=QLORA)  # ... until it is made
+    rows = dict(widget._detail_rows(widget._estimate))
+    assert rows["Loaded"] == loaded.summary()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import html
 import math
 import os
@@ -248,6 +249,12 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
         )
         self._csv_button.on_click(self._show_csv_link)
         self._csv_link = widgets.HTML()
+        # the opening setting's loaded layout (the details' "Loaded"), before any move; where
+        # it cannot be had, the details row says why
+        with contextlib.suppress(ValueError, TypeError, ImportError):
+            profile.load_bytes(
+                precision=self.precision, weights=weights_arg(self.weights, self.precision)
+            )
         self._render_text()
         panels = [
             self._details_panel,

@@ -46,8 +46,9 @@ BUDGET_CHOICES: tuple[float, ...] = (DEFAULT_BUDGET, 0.5, 0.1)
 COMPILE_TOOLTIPS: dict[str, str] = {
     "compile": "torch.compile of the training step (Inductor): model compiles the whole "
     "model, blocks each repeated block with fullgraph=True (torchtitan's per-block "
-    "compile); the saved set is the partitioner's, each compiled region's temporaries an "
-    "upper bound; profiled at each batch size; off: the eager step",
+    "compile); the saved set is the partitioner's, each compiled region's temporaries "
+    "Inductor's generated code's (its CPU plan); profiled at each batch size; off: the "
+    "eager step",
     "activation_memory_budget": "torch.compile's activation_memory_budget: the fraction of "
     "the default partition's saved activations the partitioner may keep (1.0 the default; "
     "below, it recomputes more in the backward); with compile on only",

@@ -323,11 +323,15 @@ class SummaryMixin:
                 f"{html.escape(est.peak_location)}",
             ),
         ]
-        try:  # the weights and buffers once loaded, before any step (load_bytes)
-            loaded = profile.load_bytes(
-                precision=est.precision, weights=weights_arg(self.weights, self.precision)
-            )
-            rows.append(("Loaded", html.escape(loaded.summary())))
+        # the weights and buffers once loaded, before any step (load_bytes): its layout is
+        # a meta build of the model, made when the widget opens, never on a move
+        weights = weights_arg(self.weights, self.precision)
+        try:
+            if profile.load_is_cached(precision=est.precision, weights=weights):
+                loaded = profile.load_bytes(precision=est.precision, weights=weights)
+                rows.append(("Loaded", html.escape(loaded.summary())))
+            else:
+                rows.append(("Loaded", "profile.load_bytes(precision=..., weights=...) gives it"))
         except (ValueError, TypeError, ImportError) as exc:  # the step's own row says why
             rows.append(("Loaded", html.escape(str(exc))))
         if est.generation is not None:

@@ -858,7 +858,7 @@ class ModelProfile:
         >>> p.load_bytes(precision="bf16").allocated_bytes  # (128 + 16 + 64 + 4) x 2 B
         424
         """
-        asked = Recipe.from_keywords(recipe, precision=precision, weights=weights)
+        asked = self._load_asked(recipe, precision, weights)
         if asked.weights.torchao:
             fmt = asked.weights.format
             assert fmt is not None
@@ -875,6 +875,34 @@ class ModelProfile:
         return load_estimate(
             self._load_layouts[key], asked.step.precision, asked.weights, self.device
         )
+
+    def load_is_cached(
+        self,
+        recipe: Recipe | None = None,
+        *,
+        precision: str | Precision = default("fp32"),
+        weights: object = default(None),
+    ) -> bool:
+        """Whether :meth:`load_bytes` of this setting answers without building the model's
+        loaded layout (read from a meta build of the model once per dtype and weights).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> p = profile_model(torch.nn.Linear(8, 4), input_size=(8,), device="cpu")
+        >>> p.load_is_cached(precision="bf16")
+        False
+        >>> _ = p.load_bytes(precision="bf16")
+        >>> p.load_is_cached(precision="bf16")
+        True
+        """
+        asked = self._load_asked(recipe, precision, weights)
+        return (LOAD_DTYPES[asked.step.precision], asked.weights) in self._load_layouts
+
+    @staticmethod
+    def _load_asked(recipe: Recipe | None, precision: object, weights: object) -> Recipe:
+        return Recipe.from_keywords(recipe, precision=precision, weights=weights)
 
     def _parallel_of(self, recipe: Recipe) -> Parallel:
         """The data parallelism a Recipe asks for, its FSDP units resolved to this model."""
