@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._estimating.loading import LoadEstimate
 from .._estimating.options import Device, Mode, OptimizerChoice
-from .._estimating.recipe.weights import Weights, weight_format
+from .._estimating.recipe.weights import Weights, parse_weights, weight_format
 from .cli_args import DEFAULT_GPU, LAYER_ROWS, PROG, build_parser, validate
 from .cli_models import (
     DEFAULT_MODEL,
@@ -165,7 +165,9 @@ def _profile(
         largest = None
         if gpu is not None:
             largest = profile.max_batch_size(gpu.memory_bytes, precision=precision, **keywords)
-        loaded = profile.load_bytes(precision=precision, weights=keywords.get("weights"))
+        loaded = None  # load_bytes follows bitsandbytes' loading, not torchao's (yet)
+        if not parse_weights(keywords.get("weights")).torchao:
+            loaded = profile.load_bytes(precision=precision, weights=keywords.get("weights"))
         settings.append(_Setting(precision, est, largest, loaded))
     return profile, settings
 
