@@ -212,7 +212,7 @@ def estimated_storage(model: nn.Module, weights: Weights, precision: str) -> dic
     found = {}
     for name in names:
         module = model.get_submodule(name)
-        shape = tuple(module.weight.shape)
+        shape = tuple(module.get_parameter("weight").shape)
         if type(module).__name__ == "Conv1D":  # transformers' Conv1D holds (in, out)
             shape = shape[::-1]
         found[name] = quantized_bytes(shape, weights, itemsize).total_bytes
@@ -266,7 +266,7 @@ def _row(name: str, model: nn.Module, profile: ModelProfile, fmt: str, setting: 
          precision: str, batch: int, tokens: int | None, kw: dict[str, Any],
          storage_cache: dict[tuple[str, str], Any]) -> dict[str, Any]:  # fmt: skip
     row: dict[str, Any] = {"model": name, "format": fmt, "setting": setting}
-    length = {} if tokens is None else {"seq_len": tokens}
+    length: dict[str, Any] = {} if tokens is None else {"seq_len": tokens}
     start = time.perf_counter()
     try:
         with warnings.catch_warnings():
@@ -355,7 +355,7 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         resident = sum(r["resident_exact"] for r in these)
         stored = [r for r in these if "storage_exact" in r]
         storage = f"{sum(r['storage_exact'] for r in stored)} / {len(stored)}" if stored else "-"
-        label = f"{fmt} ({NO_OUTLIERS})" if fmt == "int8-t6" else fmt
+        label = f"{fmt} (no outlier column assumed)" if fmt == "int8-t6" else fmt
         failed = f" (+{len(errors)} failed)" if errors else ""
         lines.append(
             f"| {label} | {len(these)}{failed} | {median} | {worst} | {resident} / "
@@ -377,13 +377,13 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     if refusals:
         lines += [
             "",
-            "Not estimated (refused before any profiling, with the estimate's message):",
+            "Not estimated (refused by the estimate; its message):",
             "",
         ]
         by_message: dict[str, list[str]] = {}
         for r in refusals:
             message = r["refused"].removeprefix("ValueError: ")
-            short = message if len(message) <= 180 else message[:177].rstrip() + "..."
+            short = message if len(message) <= 200 else message[:200].rsplit(" ", 1)[0] + " ..."
             by_message.setdefault(short, []).append(f"{r['model']} {r['format']} {r['setting']}")
         for message, pairs in by_message.items():
             lines.append(f"- {', '.join(pairs)}: {message}")
@@ -425,8 +425,14 @@ def main() -> None:
     rows = run(models, formats, batches, lengths, precisions)
     grid = "quick" if args.quick else "full"
     out = RESULTS / f"{NAME}.json"
+    extra: dict[str, Any] = {}
     if args.only and out.exists():  # the other formats' rows, measured before, are kept
         before = json.loads(out.read_text())
+        # the file's seconds are this run's: the run of the kept rows is said beside them
+        extra = {
+            "rerun": args.only,
+            "seconds_before": before.get("seconds_before", before["seconds"]),
+        }
         kept = [r for r in before["rows"] if r["format"] not in args.only]
         model_order, format_order = list(MODELS), list(FORMATS)
         rows = sorted(
@@ -434,7 +440,8 @@ def main() -> None:
             key=lambda r: (model_order.index(r["model"]), format_order.index(r["format"])),
         )
         grid = before.get("grid", grid) if before.get("grid") == grid else "mixed"
-    write_results(NAME, rows, summarize(rows), started, extra={"grid": grid, **_versions()})
+    extra.update(grid=grid, **_versions())
+    write_results(NAME, rows, summarize(rows), started, extra=extra)
 
 
 if __name__ == "__main__":
