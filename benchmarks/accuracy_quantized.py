@@ -409,7 +409,8 @@ def main() -> None:
         "--only",
         action="append",
         choices=list(FORMATS),
-        help="run only this format (repeatable); its rows replace those in the results",
+        help="run only this format (repeatable); its rows of the models run replace those in "
+        "the results, the other rows are kept",
     )
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="bf16 and/or fp32")
@@ -433,7 +434,9 @@ def main() -> None:
             "rerun": args.only,
             "seconds_before": before.get("seconds_before", before["seconds"]),
         }
-        kept = [r for r in before["rows"] if r["format"] not in args.only]
+        kept = [
+            r for r in before["rows"] if r["format"] not in args.only or r["model"] not in models
+        ]
         model_order, format_order = list(MODELS), list(FORMATS)
         rows = sorted(
             kept + rows,
