@@ -64,3 +64,14 @@ def qwen2() -> nn.Module:
         intermediate_size=128, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return transformers.Qwen2ForCausalLM(config)
+
+
+def mistral(window: int = 24) -> nn.Module:
+    """Mistral: :func:`llama`'s shape with a sliding window of ``window`` tokens on every
+    layer."""
+    config = transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+        sliding_window=window,
+    )  # fmt: skip
+    return transformers.MistralForCausalLM(config)

@@ -14,10 +14,17 @@ import transformers
 RESULTS = Path(__file__).parent / "results"
 
 
-def write_results(name: str, rows: list[dict[str, Any]], summary: str, started: float) -> Path:
+def write_results(
+    name: str,
+    rows: list[dict[str, Any]],
+    summary: str,
+    started: float,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """``results/<name>.json`` with the versions, the CPU count, the seconds since
-    ``started`` (``time.perf_counter()``), the rows and the markdown summary; prints the
-    summary and where the rows went."""
+    ``started`` (``time.perf_counter()``), ``extra``'s fields (other versions, the grid
+    that ran), the rows and the markdown summary; prints the summary and where the rows
+    went."""
     out = RESULTS / f"{name}.json"
     seconds = time.perf_counter() - started
     out.write_text(
@@ -27,6 +34,7 @@ def write_results(name: str, rows: list[dict[str, Any]], summary: str, started: 
                 "transformers": transformers.__version__,
                 "cpus": os.cpu_count(),
                 "seconds": seconds,
+                **(extra or {}),
                 "rows": rows,
                 "summary": summary,
             },

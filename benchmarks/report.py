@@ -546,6 +546,39 @@ def _accuracy_compile() -> str:
     return head + "\n\n" + data["summary"]
 
 
+def _accuracy_quantized() -> str:
+    """Quantized weights and float8 training, estimated against the real libraries' step on
+    the CPU (benchmarks/accuracy_quantized.py)."""
+    path = RESULTS / "accuracy_quantized.json"
+    if not path.exists():
+        return (
+            "Not run yet: `python benchmarks/accuracy_quantized.py`, then "
+            "`python benchmarks/report.py`."
+        )
+    data = json.loads(path.read_text())
+    versions = ", ".join(
+        f"{k} {data[k]}" for k in ("torch", "transformers", "bitsandbytes", "torchao", "peft")
+        if k in data
+    )  # fmt: skip
+    grid = {
+        "quick": "the quick grid only (`--quick`: the Llama, batch 1, 16 tokens); the full "
+        "grid is still to be run",
+        "mixed": "some formats from the quick grid, some from the full one",
+    }.get(data.get("grid", "full"), "the full grid")
+    seconds = f"{data['seconds']:.0f} s"
+    if "rerun" in data:  # written by --only: the earlier run's time, then the rerun's
+        seconds = (
+            f"{data['seconds_before']:.0f} s, then {seconds} rerunning {', '.join(data['rerun'])}"
+        )
+    head = (
+        f"{versions}; {data['cpus']} CPUs, {seconds}; {grid}. Peaks are "
+        "allocated bytes on the CPU; ratio: estimate / measured. Storage: each quantized "
+        "layer's weight with its quant state, the estimate's stored layout against the real "
+        "library's tensors, layer by layer."
+    )
+    return head + "\n\n" + data["summary"]
+
+
 # Which page of docs/ holds each marked section.
 PAGES = {
     "accuracy": "docs/accuracy.md",
@@ -558,6 +591,7 @@ PAGES = {
     "compile-cuda": "docs/accuracy.md",
     "quantized-cuda": "docs/accuracy.md",
     "accuracy-compile": "docs/accuracy.md",
+    "accuracy-quantized": "docs/accuracy.md",
     "isa": "docs/accuracy.md",
     "deepspeed-states": "docs/guides/multi-gpu.md",
     "speed": "docs/speed.md",
@@ -577,6 +611,7 @@ def main() -> None:
         "compile-cuda": _compile_cuda(),
         "quantized-cuda": _quantized_cuda(),
         "accuracy-compile": _accuracy_compile(),
+        "accuracy-quantized": _accuracy_quantized(),
         "deepspeed-states": _deepspeed_states(),
         "isa": _isa(),
         "speed": _speed(),
