@@ -118,7 +118,7 @@ def compile_levers(
     --------
     >>> from vram_widget._estimating.sharding import SINGLE_DEVICE
     >>> compile_levers(Levers(), True, 0.5, Mode.TRAIN, SINGLE_DEVICE).describe()
-    'torch.compile (model; temporaries as eager kernels), activation_memory_budget 0.5'
+    'torch.compile (model), activation_memory_budget 0.5'
     >>> compile_levers(Levers(), "blocks", None, Mode.GENERATE, SINGLE_DEVICE)
     Traceback (most recent call last):
     ...
@@ -126,7 +126,7 @@ def compile_levers(
     >>> compile_levers(Levers(loss_chunks=4), True, None, Mode.TRAIN, SINGLE_DEVICE)
     Traceback (most recent call last):
     ...
-    ValueError: compile='model' with loss_chunks: not estimated yet; ...
+    ValueError: compile='model' with loss_chunks: not estimated yet (the pairs not ...
     """
     scope = parse_compile(value)
     fraction = parse_activation_memory_budget(budget, scope)

@@ -196,7 +196,7 @@ class Levers:
             label = how.get(self.offload_activations, self.offload_activations)
             parts.append(f"saved activations offloaded to the host ({label})")
         if self.compile is not None:
-            parts.append(f"torch.compile ({self.compile}; temporaries as eager kernels)")
+            parts.append(f"torch.compile ({self.compile})")
             if self.activation_memory_budget is not None:
                 parts[-1] += f", activation_memory_budget {self.activation_memory_budget:g}"
         return ", ".join(parts) or "no levers"
