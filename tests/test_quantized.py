@@ -157,7 +157,8 @@ def test_few_rows_keep_the_bf16_matmul_scratch() -> None:
     # (16 x 128 @ 128 x 64), whose oneDNN packing scratch on the CPU is 42,624 B at 16 to
     # 32 rows (not a line in the batch). In bf16 the real peak, 377,760 B, is the resident
     # 299,168 + 33,920 live before the projection + its 2,048 B output + 42,624 B of
-    # scratch; the estimate without that scratch was 363,552
+    # scratch; the estimate without that scratch was 363,552. (Where oneDNN has no bf16
+    # packing, under AVX2 alone, the scratch is not made and the peak is the lm_head's.)
     torch.manual_seed(0)
     model = hf_llama()
     weights = Weights("nf4", compute_dtype="bf16")
@@ -166,7 +167,6 @@ def test_few_rows_keep_the_bf16_matmul_scratch() -> None:
         est = profile.estimate(1, precision, mode="inference", weights=weights)
         real = measure(model, _ids(1), precision=precision, mode="inference", weights=weights)
         assert est.peak_bytes == real.peak_bytes, precision
-        assert est.peak_module.endswith("mlp.down_proj"), est.peak_module
 
 
 @pytest.mark.parametrize("build", [hf_gpt2, hf_llama, None], ids=["gpt2", "llama", "mlp"])
@@ -377,16 +377,9 @@ def test_searches_follow_the_quantized_weights() -> None:
 
 # bitsandbytes registers its CPU int8_linear_matmul (torch._int_mm) only where
 # torch.backends.cpu.get_cpu_capability() == "AVX512" (bitsandbytes/backends/cpu/ops.py);
-# elsewhere its default kernel (an fp32 matmul) runs, whose multiply-adds the profile does not
-# count yet (docs/known-gaps.md)
-_INT8_MATMUL_UNCOUNTED = pytest.mark.xfail(
-    torch.backends.cpu.get_cpu_capability() != "AVX512",
-    reason="docs/known-gaps.md: int8 weights on a CPU without AVX-512 count 0 FLOPs",
-    strict=True,
-)
-
-
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_INT8_MATMUL_UNCOUNTED), "cuda"])
+# elsewhere its default kernel runs an fp32 matmul: counted either way (the matmul it calls
+# is split into the mm the FLOP count sees)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_quantized_matmuls_count_the_same_flops(device: str) -> None:
     # the dequantized weight's matmul (4-bit) and torch._int_mm / bitsandbytes'
     # int8_linear_matmul (int8) multiply the same shapes as the Linear layers do:
