@@ -49,6 +49,8 @@ INT8 = Weights("int8", int8_threshold=0.0)
 
 # name: (the keywords of estimate and measure, batch, tokens)
 SETTINGS: dict[str, tuple[dict[str, Any], int, int]] = {
+    # the same step with the precision's own weights, to compare the quantized rows with
+    "bf16 inference 4x512": ({"mode": "inference"}, 4, 512),
     "nf4 inference 4x512": ({"mode": "inference", "weights": NF4}, 4, 512),
     "nf4 inference 1x512": ({"mode": "inference", "weights": NF4}, 1, 512),
     "fp4 inference 4x512": ({"mode": "inference", "weights": FP4}, 4, 512),
