@@ -6,6 +6,7 @@ tests/test_disk_cache.py turns the cache on for its own tests."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,3 +19,15 @@ def _own_profile_cache(
     monkeypatch.setenv("VRAM_WIDGET_CACHE_DIR", str(directory))
     monkeypatch.setenv("VRAM_WIDGET_CACHE", "0")
     return directory
+
+
+@pytest.fixture(scope="module")
+def mlp() -> tuple[Any, Any]:
+    """The zoo's MLP (784 -> 512 -> 512 -> 10) and its CPU profile, made once per module."""
+    import torch
+
+    from vram_widget import profile_model, zoo
+
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    return model, profile_model(model, input_size=(784,), device="cpu")

@@ -17,6 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def mlp_input(batch: int, features: int = 784) -> torch.Tensor:
+    """A batch for ``zoo.mlp``, seeded: each call at a batch size gives the same tensor."""
+    return torch.randn(batch, features, generator=torch.Generator().manual_seed(0))
+
+
 def _generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from models import assert_model_unchanged, hf_llama, hf_tokens, snapshot_model
+from models import assert_model_unchanged, hf_llama, hf_tokens, mlp_input, snapshot_model
 
 from vram_widget import Float8, Recipe, measure, profile_model, zoo
 
@@ -24,10 +24,6 @@ def _mlp() -> torch.nn.Module:
     """The zoo MLP with every Linear dim a multiple of 16 (64 -> 128 -> 128 -> 32)."""
     torch.manual_seed(0)
     return zoo.mlp(in_features=64, hidden=(128, 128), num_classes=32)
-
-
-def _mlp_input(batch: int) -> torch.Tensor:
-    return torch.randn(batch, 64, generator=torch.Generator().manual_seed(0))
 
 
 def _gpt2() -> torch.nn.Module:
@@ -84,7 +80,7 @@ def test_mlp_matches_torchao(recipe: str, precision: str) -> None:
     for batch in (1, 4):
         est = profile.estimate(batch, precision=precision, optimizer="adamw", float8=recipe)
         real = measure(
-            model, _mlp_input(batch), optimizer="adamw", precision=precision, float8=recipe
+            model, mlp_input(batch, 64), optimizer="adamw", precision=precision, float8=recipe
         )
         assert est.peak_bytes == real.peak_bytes, (batch, est.peak_bytes, real.peak_bytes)
     assert_model_unchanged(model, before)
@@ -175,7 +171,7 @@ def test_refused_steps(settings: dict[str, object], message: str) -> None:
 
 def test_measure_refuses_inference() -> None:
     with pytest.raises(ValueError, match="float8 training"):
-        measure(_mlp(), _mlp_input(2), mode="inference", float8=True)
+        measure(_mlp(), mlp_input(2, 64), mode="inference", float8=True)
 
 
 def test_unknown_recipe() -> None:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from models import assert_model_unchanged, hf_llama, hf_tokens, snapshot_model
+from models import assert_model_unchanged, hf_llama, hf_tokens, mlp_input, snapshot_model
 
 from vram_widget import ModelProfile, Weights, measure, profile_model, zoo
 from vram_widget._estimating.quantized import quantized_bytes
@@ -87,17 +87,6 @@ def test_nf4_bytes_by_hand() -> None:
     assert (b.codes_bytes, b.scales_bytes, b.state_bytes) == (8192, 256, 512 + 2 + 32)
 
 
-def _mlp_input(batch: int) -> torch.Tensor:
-    return torch.randn(batch, 784, generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def mlp() -> tuple[torch.nn.Module, ModelProfile]:
-    torch.manual_seed(0)
-    model = zoo.mlp()
-    return model, profile_model(model, input_size=(784,), device="cpu")
-
-
 def test_mlp_parameter_bytes_are_the_stored_layout(
     mlp: tuple[torch.nn.Module, ModelProfile],
 ) -> None:
@@ -142,12 +131,12 @@ def _check(
 
 def test_mlp_inference_equals_torchtune(mlp: tuple[torch.nn.Module, ModelProfile]) -> None:
     model, profile = mlp
-    _check(model, profile, _mlp_input, MLP, ("bf16", "fp32"), mode="inference")
+    _check(model, profile, mlp_input, MLP, ("bf16", "fp32"), mode="inference")
 
 
 def test_mlp_qlora_training_equals_torchtune(mlp: tuple[torch.nn.Module, ModelProfile]) -> None:
     model, profile = mlp
-    _check(model, profile, _mlp_input, MLP, ("bf16", "fp32"), mode="train", **MLP_LORA)
+    _check(model, profile, mlp_input, MLP, ("bf16", "fp32"), mode="train", **MLP_LORA)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +199,7 @@ def test_odd_sizes_are_refused_by_name(mlp: tuple[torch.nn.Module, ModelProfile]
     with pytest.raises(ValueError, match=rule):
         profile.estimate(1, mode="inference", weights="nf4-torchao")
     with pytest.raises(ValueError, match=rule):
-        measure(model, _mlp_input(1), mode="inference", weights="nf4-torchao")
+        measure(model, mlp_input(1), mode="inference", weights="nf4-torchao")
 
 
 def test_training_without_adapters_and_generation_are_refused(
@@ -220,7 +209,7 @@ def test_training_without_adapters_and_generation_are_refused(
     with pytest.raises(ValueError, match=r"'nf4-torchao' in training needs lora_rank"):
         profile.estimate(1, weights=MLP)
     with pytest.raises(ValueError, match=r"'nf4-torchao' in training needs lora_rank"):
-        measure(model, _mlp_input(1), weights=MLP)
+        measure(model, mlp_input(1), weights=MLP)
     tokens = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
     with pytest.raises(ValueError, match=r"'nf4-torchao' with mode='generate' is not estimated"):
         tokens.estimate(1, mode="generate", new_tokens=4, weights=LLAMA)
@@ -233,13 +222,13 @@ def test_targets_that_are_not_linear_are_refused(
     with pytest.raises(ValueError, match=r"lora_targets=\['1'\] names 1, not nn.Linear"):
         profile.estimate(1, weights=MLP, lora_rank=4, lora_targets=["1"])
     with pytest.raises(ValueError, match=r"has no default targets.*name them"):
-        measure(model, _mlp_input(1), weights=MLP, lora_rank=4)
+        measure(model, mlp_input(1), weights=MLP, lora_rank=4)
     # torchtune's adapters are in the model's dtype; its forward casts nothing
     fp32 = {**MLP_LORA, "lora_dtype": "fp32"}
     with pytest.raises(ValueError, match=r"lora_dtype='float32'.*None or 'base'"):
         profile.estimate(1, "bf16", weights=MLP, **fp32)
     with pytest.raises(ValueError, match=r"lora_dtype='float32'.*None or 'base'"):
-        measure(model, _mlp_input(1), precision="bf16", weights=MLP, **fp32)
+        measure(model, mlp_input(1), precision="bf16", weights=MLP, **fp32)
 
 
 def test_missing_torchao_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from models import assert_model_unchanged, hf_gpt2, hf_llama, hf_tokens, snapshot_model
+from models import assert_model_unchanged, hf_gpt2, hf_llama, hf_tokens, mlp_input, snapshot_model
 
 from vram_widget import ModelProfile, Recipe, Weights, measure, profile_model, zoo
 from vram_widget._estimating.quantized import quantized_bytes
@@ -27,10 +27,6 @@ FORMATS = {
     "nf4-bf16": Weights("nf4", compute_dtype="bf16"),
     "fp4": Weights("fp4"),  # BitsAndBytesConfig's defaults: fp32 compute, no double quant
 }
-
-
-def _mlp_input(batch: int) -> torch.Tensor:
-    return torch.randn(batch, 784, generator=torch.Generator().manual_seed(0))
 
 
 def _real_4bit(shape: tuple[int, int], weights: Weights) -> torch.Tensor:
@@ -94,13 +90,6 @@ def test_quantized_bytes_by_hand() -> None:
     assert quantized_bytes((40, 96), Weights("int8")).total_bytes == 4000
 
 
-@pytest.fixture(scope="module")
-def mlp() -> tuple[torch.nn.Module, ModelProfile]:
-    torch.manual_seed(0)
-    model = zoo.mlp()
-    return model, profile_model(model, input_size=(784,), device="cpu")
-
-
 def test_mlp_parameter_bytes_are_the_stored_layout(
     mlp: tuple[torch.nn.Module, ModelProfile],
 ) -> None:
@@ -135,7 +124,7 @@ def test_mlp_inference_equals_bitsandbytes(
     name: str, mlp: tuple[torch.nn.Module, ModelProfile]
 ) -> None:
     model, profile = mlp
-    _check_inference(model, profile, _mlp_input, FORMATS[name])
+    _check_inference(model, profile, mlp_input, FORMATS[name])
 
 
 @pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
@@ -179,7 +168,7 @@ def test_qlora_step_equals_peft_on_bitsandbytes(build, weights: Weights) -> None
     # precisions
     torch.manual_seed(0)
     if build is None:
-        model, make, targets = zoo.mlp(), _mlp_input, ["0", "3"]
+        model, make, targets = zoo.mlp(), mlp_input, ["0", "3"]
         profile = profile_model(model, input_size=(784,), device="cpu")
     else:
         model, make, targets = build(), hf_tokens, "auto"
@@ -209,7 +198,7 @@ def test_int8_inference_equals_bitsandbytes(build) -> None:
     if build is None:
         model = zoo.mlp()
         _check_inference(
-            model, profile_model(model, input_size=(784,), device="cpu"), _mlp_input, INT8
+            model, profile_model(model, input_size=(784,), device="cpu"), mlp_input, INT8
         )
     else:
         model = build()
@@ -404,7 +393,7 @@ def test_int8_outlier_threshold_without_outliers_equals_bitsandbytes() -> None:
     profile = profile_model(model, input_size=(784,), device="cpu")
     default = Weights("int8")
     for batch in (1, 4):
-        x = _mlp_input(batch).clamp(-5, 5)
+        x = mlp_input(batch).clamp(-5, 5)
         for precision in ("bf16", "fp32"):
             with pytest.warns(RecipeSettingIgnored, match="llm_int8_threshold=6.0"):
                 est = profile.estimate(batch, precision, mode="inference", weights=default)
@@ -427,7 +416,7 @@ def test_int8_planted_outliers_are_within_the_stated_bound(columns: int) -> None
     model = zoo.mlp()
     profile = profile_model(model, input_size=(784,), device="cpu")
     for batch in (1, 4):
-        x = _mlp_input(batch).clamp(-5, 5)
+        x = mlp_input(batch).clamp(-5, 5)
         x[:, ::columns] = 50.0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the assumption's warning, tested above

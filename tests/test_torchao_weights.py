@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from models import assert_model_unchanged, hf_gpt2, hf_llama, hf_tokens, snapshot_model
+from models import assert_model_unchanged, hf_gpt2, hf_llama, hf_tokens, mlp_input, snapshot_model
 
 from vram_widget import ModelProfile, Weights, measure, profile_model, zoo
 from vram_widget._estimating.quantized import quantized_bytes
@@ -69,17 +69,6 @@ def test_torchao_bytes_by_hand() -> None:
     assert (b.codes_bytes, b.scales_bytes, b.state_bytes) == (4096, 256, 0)
 
 
-def _mlp_input(batch: int) -> torch.Tensor:
-    return torch.randn(batch, 784, generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def mlp() -> tuple[torch.nn.Module, ModelProfile]:
-    torch.manual_seed(0)
-    model = zoo.mlp()
-    return model, profile_model(model, input_size=(784,), device="cpu")
-
-
 def test_mlp_parameter_bytes_are_the_stored_layout(
     mlp: tuple[torch.nn.Module, ModelProfile],
 ) -> None:
@@ -121,7 +110,7 @@ def test_mlp_inference_equals_torchao(
     weights: Weights, mlp: tuple[torch.nn.Module, ModelProfile]
 ) -> None:
     model, profile = mlp
-    _check_inference(model, profile, _mlp_input, weights)
+    _check_inference(model, profile, mlp_input, weights)
 
 
 @pytest.mark.parametrize(
@@ -145,7 +134,7 @@ def test_training_is_refused(mlp: tuple[torch.nn.Module, ModelProfile]) -> None:
         with pytest.raises(ValueError, match=r"is for inference: torchao's weight-only"):
             profile.estimate(1, weights=fmt)
         with pytest.raises(ValueError, match=r"is for inference"):
-            measure(model, _mlp_input(1), weights=fmt, lora_rank=4, lora_targets=["0"])
+            measure(model, mlp_input(1), weights=fmt, lora_rank=4, lora_targets=["0"])
 
 
 def test_int4_on_cuda_is_refused() -> None:
@@ -160,7 +149,7 @@ def test_int4_odd_output_size_is_refused(mlp: tuple[torch.nn.Module, ModelProfil
     with pytest.raises(ValueError, match=r"multiple of 16; these Linear layers are not: 6 \(10\)"):
         profile.estimate(1, mode="inference", weights="int4-torchao")
     with pytest.raises(ValueError, match=r"multiple of 16"):
-        measure(model, _mlp_input(1), mode="inference", weights="int4-torchao")
+        measure(model, mlp_input(1), mode="inference", weights="int4-torchao")
 
 
 def test_no_quantizable_linear_is_refused() -> None:
@@ -172,7 +161,7 @@ def test_no_quantizable_linear_is_refused() -> None:
     model = zoo.mlp(784, (200,), 10)
     with pytest.raises(ValueError, match=r"groups of 256 do not divide"):
         measure(
-            model, _mlp_input(1), mode="inference", weights=Weights("int4-torchao", group_size=256)
+            model, mlp_input(1), mode="inference", weights=Weights("int4-torchao", group_size=256)
         )
 
 
