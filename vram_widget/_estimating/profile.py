@@ -48,6 +48,7 @@ from .options import (
 from .quantized import check_quantized
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.ignored import warn_ignored
+from .recipe.parallel import check_tensor_parallel
 from .recipe.recipe import default
 from .recipe.weights import Weights
 from .sharding import (
@@ -107,6 +108,10 @@ class ProfileSource(Protocol):
         targets: tuple[str, ...] | None = None,
         dtype: str | None = None,
     ) -> ModelProfile: ...
+
+    def tensor_parallel_estimate(
+        self, tp: int, tp_plan: object, recipe: Recipe
+    ) -> MemoryEstimate: ...
 
     def generation(
         self,
@@ -796,6 +801,11 @@ class ModelProfile:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
+        if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)
+            check_tensor_parallel(par)
+            plain = recipe.with_(tp=1, tp_plan=None, gpus=1, rank=None)
+            est = self._source.tensor_parallel_estimate(par.tp, par.tp_plan, plain)
+            return dataclasses.replace(est, gpus=par.gpus, tp=par.tp)
         parallel = self._parallel_of(recipe)
         asked_rank = check_rank(par.rank, parallel.gpus)
         if recipe.weights.quantized:

@@ -121,6 +121,13 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward, zero_grads_in_place
+from .tensor_parallel import (
+    fake_process_group,
+    is_dtensor,
+    local_shard_like,
+    parallelized,
+    resolve_plan,
+)
 
 LOSS_ROW_NAME = "(loss)"
 OPTIMIZER_ROW_NAME = "(optimizer)"
@@ -263,6 +270,9 @@ class Subject:
                 dtype = param_dtype
             if is_quantized_param(p):  # bitsandbytes' stored form (quantized.py)
                 params[name] = fake_quantized(p, dtype)
+                continue
+            if is_dtensor(p):  # a tensor-parallel rank's shard (tensor_parallel.py)
+                params[name] = local_shard_like(p, dtype, real, device)
                 continue
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
@@ -1498,6 +1508,22 @@ class _Source:
         if rank is not None:
             sub.name_prefix = PEFT_PREFIX
         return _with_fixed_dtypes(sub, kept_dtypes(copy_, base_ids, rank is not None, dtype))
+
+    def tensor_parallel_estimate(self, tp: int, tp_plan: object, recipe: Any) -> Any:
+        """One of ``tp`` tensor-parallel ranks' estimate of ``recipe``: a meta copy of the
+        model sharded by its plan (``tensor_parallel.resolve_plan``, checked first) with
+        DTensor on a fake process group, profiled as a sub-profile while the group is up;
+        the group is destroyed after, whatever happens."""
+        subject = self.profiler.subject
+        plan = resolve_plan(subject.model, tp, tp_plan)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
+            with fake_process_group(tp) as mesh:
+                copy_ = parallelized(meta_copy(subject.model), plan, mesh)
+                # not cached: the profile key does not read the mesh
+                sub = self._sub_profile(copy_, cache=False)
+                return sub._estimate(recipe)
 
     def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:
         """A deferred profile of a meta copy of the model (LoRA's, the quantized one) with

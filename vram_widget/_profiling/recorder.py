@@ -31,6 +31,7 @@ from .fake import (
 )
 from .flops import op_flops
 from .probe import KernelProbe, wants_probe
+from .tensor_parallel import DTENSOR_TYPES, local_part
 
 _TEMPORARY = CATEGORY_CODE[Category.TEMPORARY]
 _ACTIVATION = CATEGORY_CODE[Category.ACTIVATION]
@@ -173,7 +174,7 @@ class Recorder(TorchDispatchMode):
         row_iter = iter(rows)
         for t in tensors:
             row = next(row_iter, -1)
-            st = t.untyped_storage()
+            st = local_part(t).untyped_storage()
             key = id(st)
             if key in self._live:
                 ids.append(self._live[key])
@@ -439,7 +440,7 @@ class Recorder(TorchDispatchMode):
 
     # -- autograd -------------------------------------------------------------------------
     def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
-        sid = self._live.get(id(t.untyped_storage()))
+        sid = self._live.get(id(local_part(t).untyped_storage()))
         if sid is not None:
             self.storages[sid].saved = True
         return t
@@ -471,6 +472,11 @@ class Recorder(TorchDispatchMode):
         return row
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t in DTENSOR_TYPES for t in types):
+            # A tensor-parallel rank's op (tensor_parallel.py): DTensor runs it on the local
+            # shards, which come back through this mode and are recorded there; the
+            # DTensor's own storage stands for the global tensor, not for memory.
+            return NotImplemented
         kwargs = kwargs or {}
         if self._pending_sum is not None:
             self._settle_pending_sum()

@@ -25,6 +25,11 @@ class ParallelSettings:
         GPUs per node (``"hsdp"`` shards within one).
     fsdp_units : str or tuple of str, optional
         FSDP2's units besides the root; None: each repeated block.
+    tp : int
+        Tensor-parallel ranks among ``gpus`` (1: none); ``gpus = data-parallel x tp``.
+    tp_plan : dict, optional
+        Module patterns -> ``torch.distributed.tensor.parallel`` styles; None: the
+        model's own plan (a Hugging Face model's ``base_model_tp_plan``).
 
     Examples
     --------
@@ -37,8 +42,42 @@ class ParallelSettings:
     rank: int | None = None
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     fsdp_units: object = None
+    tp: int = 1
+    tp_plan: object = dataclasses.field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", parse_option(Strategy, self.strategy, "strategy"))
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be a whole number of ranks >= 1, got {self.tp!r}")
         if isinstance(self.fsdp_units, list):
             object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
+
+
+def check_tensor_parallel(parallel: ParallelSettings) -> None:
+    """A clear error for a tensor-parallel layout that is not estimated (yet).
+
+    Examples
+    --------
+    >>> check_tensor_parallel(ParallelSettings(gpus=4, tp=2))
+    Traceback (most recent call last):
+    ...
+    ValueError: tp=2 on gpus=4 asks for 2 data-parallel ranks of tp=2 each; ...
+    """
+    tp, gpus = parallel.tp, parallel.gpus
+    if tp == 1:
+        return
+    if tp > gpus or gpus % tp:
+        raise ValueError(
+            f"tp={tp} with gpus={gpus}: gpus is the world size, data-parallel x tensor-parallel "
+            f"ranks, so tp must divide it; give gpus={tp} for tensor parallelism alone"
+        )
+    if gpus != tp:
+        raise ValueError(
+            f"tp={tp} on gpus={gpus} asks for {gpus // tp} data-parallel ranks of tp={tp} each; "
+            f"data parallelism over tensor-parallel ranks is not estimated yet: give gpus={tp}"
+        )
+    if parallel.strategy is not Strategy.DDP:
+        raise ValueError(
+            f"tp={tp} with strategy={parallel.strategy.value!r}: tensor parallelism does not "
+            "compose with a data-parallel strategy yet; leave strategy at its default"
+        )
