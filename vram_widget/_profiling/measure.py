@@ -142,6 +142,8 @@ class Measurement:
     gpus: int = 1
     strategy: Strategy | None = None
     rank_peak_bytes: tuple[int, ...] = ()
+    # tensor-parallel ranks among ``gpus`` (1: none; strategy is None then)
+    tp: int = 1
     # mode="generate": the new tokens generated after the prompt
     new_tokens: int | None = None
     # with snapshot=True on CUDA: torch.cuda.memory._snapshot() recorded over the measured
@@ -213,6 +215,8 @@ def measure(
     strategy: str | Strategy = default("ddp"),
     gpus_per_node: int = default(DEFAULT_GPUS_PER_NODE),
     fsdp_units: object = default(None),
+    tp: int = default(1),
+    tp_plan: object = default(None),
     timeout_s: float = 600.0,
     new_tokens: int | None = default(None),
     optimizer_in_backward: bool = default(False),
@@ -416,7 +420,7 @@ def measure(
             "lora_targets": lora_targets, "lora_dtype": lora_dtype, "weights": weights,
             "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
-            "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
+            "tp": tp, "tp_plan": tp_plan, "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
             "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
             "carried_scalars": carried_scalars, "loss_chunks": loss_chunks,
@@ -467,7 +471,9 @@ def measure(
     protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
     carry = Step(carried_scalars=carried_scalars).carried_scalars  # checked as the Recipe does
     decay_split = parse_option(ParamGroups, param_groups, "param_groups") is ParamGroups.DECAY_SPLIT
-    if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
+    tp_setup = _tensor_parallel_setup(model, settings, gpus, strategy, mode)
+    distributed = parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN
+    if tp_setup is not None or distributed:
         if (
             stepping != (False, True)
             or protocol != (False, False, None)
@@ -485,7 +491,7 @@ def measure(
             )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
-            levers,
+            levers, tp_setup, parse_option(Mode, mode, "mode"),
         )  # fmt: skip
     return _measure(
         model,
@@ -570,8 +576,11 @@ def _measure_ranks(
     precision: Any,
     grad_accumulation: int,
     levers: dict[str, Any],
+    tp_setup: RankSetup | None = None,
+    mode: Mode = Mode.TRAIN,
 ) -> Measurement:
-    """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``)."""
+    """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``): each wraps
+    its copy as the strategy's library does, or shards it by ``tp_setup``'s plan."""
     from .distributed import SETUPS, run_ranks
 
     if _model_device(model).type != "cpu":
@@ -583,7 +592,7 @@ def _measure_ranks(
     # the settings' own errors here, before any rank starts
     parse_optimizer_choice(optimizer)
     parse_option(Precision, precision, "precision")
-    setup = SETUPS.get(parallel.strategy)
+    setup = tp_setup or SETUPS.get(parallel.strategy)
     if setup is None:
         raise ValueError(
             f"measure cannot set up strategy {parallel.strategy.value!r} yet; it runs "
@@ -592,7 +601,7 @@ def _measure_ranks(
 
     def rank_step(_rank: int, _world: int) -> Measurement:
         return _measure(
-            model, inputs, loss_fn, optimizer, precision, Mode.TRAIN, grad_accumulation,
+            model, inputs, loss_fn, optimizer, precision, mode, grad_accumulation,
             setup=setup, parallel=parallel, **levers,
         )[0]  # fmt: skip
 
@@ -601,9 +610,30 @@ def _measure_ranks(
     return dataclasses.replace(
         worst,
         gpus=parallel.gpus,
-        strategy=parallel.strategy,
+        strategy=None if tp_setup is not None else parallel.strategy,
+        tp=parallel.gpus if tp_setup is not None else 1,
         rank_peak_bytes=tuple(m.peak_bytes for m in ranks),
     )
+
+
+def _tensor_parallel_setup(
+    model: torch.nn.Module, settings: dict[str, Any], gpus: int, strategy: Any, mode: Any
+) -> RankSetup | None:
+    """The rank setup of ``tp > 1`` (``tensor_parallel.rank_setup``), its layout and plan
+    checked before any rank starts; None for ``tp=1``."""
+    from .._estimating.recipe.parallel import ParallelSettings, check_tensor_parallel
+    from .tensor_parallel import rank_setup, resolve_plan
+
+    tp = settings["tp"]
+    if tp == 1 and settings["tp_plan"] is None:
+        return None
+    par = ParallelSettings(gpus=gpus, strategy=strategy, tp=tp)
+    check_tensor_parallel(par)
+    if tp == 1:
+        raise ValueError("tp_plan is the plan of tp > 1 ranks: give tp=... too")
+    if parse_option(Mode, mode, "mode") is Mode.GENERATE:
+        raise ValueError("mode='generate' is measured on one device (gpus=1), without tp")
+    return rank_setup(resolve_plan(model, tp, settings["tp_plan"]))
 
 
 def _measure(

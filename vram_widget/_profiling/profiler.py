@@ -124,6 +124,7 @@ from .stepping import OptimizerInBackward, zero_grads_in_place
 from .tensor_parallel import (
     fake_process_group,
     is_dtensor,
+    local_part,
     local_shard_like,
     parallelized,
     resolve_plan,
@@ -1022,6 +1023,7 @@ class Profiler:
             # (torchao/optim/adam.py, ``state["step"] = torch.tensor(0.0)``).
             if cuda and not fused and key == "step" and value.dim() == 0:
                 continue
+            value = local_part(value)  # a tensor-parallel rank's state: its shard
             st = value.untyped_storage()
             if cuda and is_paged_state(opt, p, key):
                 # CUDA unified memory, outside the caching allocator (optimizers module)

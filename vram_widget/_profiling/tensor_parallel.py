@@ -260,3 +260,33 @@ def parallelized(model: torch.nn.Module, plan: TensorParallelPlan, mesh: Any) ->
     from torch.distributed.tensor.parallel import parallelize_module
 
     return parallelize_module(model, mesh, plan.styles)
+
+
+def rank_setup(plan: TensorParallelPlan) -> Any:
+    """How a real tensor-parallel rank of ``measure(gpus=k, tp=k)`` shards its copy: the
+    plan applied by its library on a 1-D CPU mesh of the gloo group's ranks, to a meta copy
+    of the model (so each rank holds its shards only, never the whole weights), then
+    materialized (``to_empty``) with the copy's buffers and a seeded N(0, 0.02) fill of the
+    shards (the step's memory does not read the weights' values)."""
+    from .distributed import RankSetup
+
+    def wrap(model: torch.nn.Module, _parallel: Any, _precision: Any) -> torch.nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        import torch.distributed as dist
+
+        from .step import meta_copy
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        sharded = parallelized(meta_copy(model), plan, mesh).to_empty(device="cpu")
+        buffers = dict(model.named_buffers())
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        with torch.no_grad():
+            for name, b in sharded.named_buffers():
+                b.copy_(buffers[name])
+            for p in sharded.parameters():
+                local = local_part(p)
+                local.copy_(torch.randn(local.shape, generator=generator) * 0.02)
+        sharded.train(model.training)
+        return sharded
+
+    return RankSetup(wrap)
