@@ -293,7 +293,8 @@ def zero_optimizer(
 @dataclasses.dataclass(frozen=True)
 class RankSetup:
     """How a strategy's libraries set up one rank: the model's wrapper, and the optimizer's
-    (None: the registered optimizer over every parameter)."""
+    (None: the registered optimizer over every parameter); ``least_of_repeats``: the rank's
+    peak is the least of its measured steps, not their median."""
 
     wrap_model: Callable[[torch.nn.Module, Parallel, Precision], torch.nn.Module]
     make_optimizer: (
@@ -303,6 +304,7 @@ class RankSetup:
         ]
         | None
     ) = None
+    least_of_repeats: bool = False
 
 
 # strategy -> how its libraries set up a rank (the strategies sharding models)

@@ -185,13 +185,14 @@ class _CpuTrace:
     # the first model forward's events within the measured iteration
     forward: tuple[_AllocEvent, ...] = ()
 
-    def peak_above_start(self) -> int:
+    def peak_above_start(self, least: bool = False) -> int:
         """The largest prefix sum of the iteration's events (0 if it never rises); where
-        several iterations were measured, the median of theirs (``_run_cpu``)."""
+        several iterations were measured, the median of theirs (``_run_cpu``), or with
+        ``least`` the least."""
         peaks = sorted(
             _max_prefix_sum(e.nbytes for e in it) for it in self.repeats or (self.during,)
         )
-        return peaks[len(peaks) // 2]
+        return peaks[0] if least else peaks[len(peaks) // 2]
 
 
 def measure(
@@ -420,7 +421,8 @@ def measure(
             "lora_targets": lora_targets, "lora_dtype": lora_dtype, "weights": weights,
             "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
-            "tp": tp, "tp_plan": tp_plan, "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
+            "tp": tp, "tp_plan": tp_plan,
+            "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
             "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
             "carried_scalars": carried_scalars, "loss_chunks": loss_chunks,
@@ -725,7 +727,8 @@ def _measure(
             resident, trace = _run_cpu(
                 session, warmups=1 if setup is None else 2, repeats=1 if setup is None else 3
             )
-            peak = resident + trace.peak_above_start()
+            least = setup is not None and setup.least_of_repeats
+            peak = resident + trace.peak_above_start(least)
             reserved = None
             if run_mode is Mode.TRAIN and setup is None:
                 saved = sum(e.nbytes for e in trace.forward) - output_bytes[-1]

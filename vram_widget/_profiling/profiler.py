@@ -505,6 +505,7 @@ class Profiler:
             cpu_semantics=subject.device is Device.CPU,
             count_flops=flops,
         )
+        rec.meta_is_shape_only = any(is_dtensor(p) for p in params.values())
         rec.register_resident(
             params.values(), Category.PARAMETER, [row for _n, _p, row in subject._params]
         )

@@ -31,7 +31,7 @@ from .fake import (
 )
 from .flops import op_flops
 from .probe import KernelProbe, wants_probe
-from .tensor_parallel import DTENSOR_TYPES, local_part
+from .tensor_parallel import DTENSOR_TYPES, WAITS_RETURN_INPUT, local_part
 
 _TEMPORARY = CATEGORY_CODE[Category.TEMPORARY]
 _ACTIVATION = CATEGORY_CODE[Category.ACTIVATION]
@@ -162,6 +162,9 @@ class Recorder(TorchDispatchMode):
         self.failure: tuple[tuple[int, str, str], int, str] | None = None
         # (exception key, op) of the op whose kernel raised, if one did
         self.failed_op: tuple[tuple[int, str, str], str] | None = None
+        # a tensor-parallel run (tensor_parallel.py): outputs on the meta device are shapes
+        # only (DTensor takes a global stride from a meta tensor), not memory
+        self.meta_is_shape_only = False
 
     # -- storages -------------------------------------------------------------------------
     def register_resident(
@@ -488,6 +491,10 @@ class Recorder(TorchDispatchMode):
                 out = _ANY_DTYPE_OPS[func](func, args, kwargs)
             else:
                 out = func(*args, **kwargs)
+            if func in WAITS_RETURN_INPUT:
+                # eager wait_tensor returns the tensor it waited on; its fake kernel, a new
+                # one of the same shape
+                out = args[0]
         except Exception as exc:
             self.failed_op = (_exception_key(exc), str(func))
             raise
@@ -518,7 +525,9 @@ class Recorder(TorchDispatchMode):
         # CPU semantics: outputs the CPU kernel leaves undefined cost nothing (cpu_rules)
         unallocated = unallocated_outputs(func, args) if self.cpu_semantics else frozenset()
         for position, t in enumerate(_leaves(out)):
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or (
+                self.meta_is_shape_only and t.device.type == "meta"
+            ):
                 continue
             st = t.untyped_storage()
             key = id(st)

@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "DTENSOR_TYPES",
+    "WAITS_RETURN_INPUT",
     "TensorParallelPlan",
     "fake_process_group",
     "is_dtensor",
@@ -39,6 +40,20 @@ try:
     DTENSOR_TYPES: frozenset[type] = frozenset({DTensor})
 except ImportError:  # a torch built without distributed
     DTENSOR_TYPES = frozenset()
+
+
+def _waits() -> frozenset[Any]:
+    try:
+        return frozenset({torch.ops._c10d_functional.wait_tensor.default})
+    except (AttributeError, RuntimeError):  # a torch built without distributed
+        return frozenset()
+
+
+# Functional collectives' wait: in eager, ``wait_tensor`` hands back the tensor it waited on
+# (a real gloo rank's allocator records no allocation for it), where its meta kernel, which
+# fake tensors run, makes a new one (torch/distributed/_functional_collectives.py,
+# ``_wait_tensor_meta``: ``return torch.empty_like(self)``): an allocation no real run makes.
+WAITS_RETURN_INPUT = _waits()
 
 
 def is_dtensor(t: object) -> bool:
@@ -267,12 +282,15 @@ def rank_setup(plan: TensorParallelPlan) -> Any:
     plan applied by its library on a 1-D CPU mesh of the gloo group's ranks, to a meta copy
     of the model (so each rank holds its shards only, never the whole weights), then
     materialized (``to_empty``) with the copy's buffers and a seeded N(0, 0.02) fill of the
-    shards (the step's memory does not read the weights' values)."""
+    shards (the step's memory does not read the weights' values). The rank's peak is the
+    least of its measured steps: DTensor's collectives hand their buffers to gloo's worker
+    thread, which may drop one last, and the CPU profiler, which records the calling thread
+    only, then never sees that free (``distributed._collectives_release_on_caller``)."""
     from .distributed import RankSetup
 
     def wrap(model: torch.nn.Module, _parallel: Any, _precision: Any) -> torch.nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
 
         from .step import meta_copy
 
@@ -289,4 +307,4 @@ def rank_setup(plan: TensorParallelPlan) -> Any:
         sharded.train(model.training)
         return sharded
 
-    return RankSetup(wrap)
+    return RankSetup(wrap, least_of_repeats=True)
