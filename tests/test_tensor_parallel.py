@@ -3,9 +3,11 @@ fake process group, and the layouts refused before any profiling."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
-from models import hf_llama, hf_tokens
+from models import assert_model_unchanged, hf_llama, hf_tokens, snapshot_model
 
 from vram_widget import profile_model
 
@@ -80,3 +82,88 @@ def test_the_fake_group_never_leaks() -> None:
             pass
         assert dist.is_initialized()
     assert not dist.is_initialized()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The ranks compute on one thread (a fork does not keep OpenMP's pool), and CPU kernel
+    scratch can depend on the thread count: the profile's CPU probes run on one too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# Every rank's measured peak against its estimate: measured 0 B apart in each case below
+# (docs/guides/multi-gpu.md); a bound far below one activation of these models (8 KiB)
+TP_SLACK_BYTES = 1024
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_llama_ranks_against_real_tensor_parallel_ranks(
+    one_thread: None, precision: str, mode: str
+) -> None:
+    # transformers' own plan (colwise q/k/v, gate, up; rowwise o, down; the embedding
+    # vocabulary-parallel; lm_head gathered) on 2 real gloo ranks, AdamW in training
+    from vram_widget import measure
+
+    torch.manual_seed(0)
+    model = hf_llama()
+    inputs = hf_tokens(2)
+    before = snapshot_model(model)
+    optimizer = "adamw" if mode == "train" else None
+    kwargs = {"precision": precision, "mode": mode, "optimizer": optimizer, "gpus": 2, "tp": 2}
+    est = profile_model(model, inputs=inputs, device="cpu").estimate(2, **kwargs)
+    real = measure(model, inputs, timeout_s=120, **kwargs)
+    assert_model_unchanged(model, before)
+    assert (real.gpus, real.tp, real.strategy, len(real.rank_peak_bytes)) == (2, 2, None, 2)
+    for peak in real.rank_peak_bytes:
+        assert abs(peak - est.peak_bytes) <= TP_SLACK_BYTES, (peak, est.peak_bytes)
+
+
+def test_a_plan_of_parallel_styles(one_thread: None) -> None:
+    # a user's plan of torch.distributed.tensor.parallel styles, applied by parallelize_module
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from vram_widget import measure
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    x = torch.randn(4, 32)
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    profile = profile_model(model, inputs=x, device="cpu")
+    est = profile.estimate(4, optimizer="adamw", gpus=2, tp=2, tp_plan=plan)
+    # colwise: weight 64 x 32 -> 32 x 32, bias 64 -> 32; rowwise: weight 32 x 64 -> 32 x 32,
+    # bias 32 replicated: (1,024 + 32 + 1,024 + 32) x 4 B = 8,448 B
+    assert est.parameter_bytes == 8_448
+    real = measure(model, x, optimizer="adamw", gpus=2, tp=2, tp_plan=plan, timeout_s=60)
+    for peak in real.rank_peak_bytes:
+        assert abs(peak - est.peak_bytes) <= TP_SLACK_BYTES, (peak, est.peak_bytes)
+    odd = nn.Sequential(nn.Linear(32, 63), nn.ReLU(), nn.Linear(63, 32))
+    with pytest.raises(ValueError, match=r"tp=2 does not divide 0\.out_features=63"):
+        profile_model(odd, inputs=x, device="cpu").estimate(4, gpus=2, tp=2, tp_plan=plan)
+    with pytest.raises(TypeError, match=r"tp_plan\['0'\] is a str"):
+        profile.estimate(4, gpus=2, tp=2, tp_plan={"0": "colwise"})
+    with pytest.raises(ValueError, match=r"tp_plan pattern 'nope' matches no module"):
+        profile.estimate(4, gpus=2, tp=2, tp_plan={"nope": ColwiseParallel()})
+
+
+def test_measure_refuses_bad_layouts_before_any_rank() -> None:
+    import time
+
+    from vram_widget import measure
+
+    torch.manual_seed(0)
+    model, inputs = hf_llama(), hf_tokens(2)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"tp=2 with gpus=1"):
+        measure(model, inputs, tp=2)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2"):
+        measure(model, inputs, gpus=4, tp=4)
+    with pytest.raises(ValueError, match=r"strategy='zero2'"):
+        measure(model, inputs, gpus=2, tp=2, strategy="zero2")
+    assert time.monotonic() - t0 < 10  # no rank started

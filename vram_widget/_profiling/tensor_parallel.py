@@ -40,6 +40,12 @@ try:
     DTENSOR_TYPES: frozenset[type] = frozenset({DTensor})
 except ImportError:  # a torch built without distributed
     DTENSOR_TYPES = frozenset()
+try:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    WRAPPED_COLLECTIVE_TYPES: frozenset[type] = frozenset({AsyncCollectiveTensor})
+except ImportError:
+    WRAPPED_COLLECTIVE_TYPES = frozenset()
 
 
 def _waits() -> frozenset[Any]:
@@ -62,8 +68,15 @@ def is_dtensor(t: object) -> bool:
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage holds ``t``'s memory: a DTensor's local shard, else ``t``."""
-    return t._local_tensor if type(t) in DTENSOR_TYPES else t  # type: ignore[attr-defined]
+    """The tensor whose storage holds ``t``'s memory: a DTensor's local shard, the result
+    an ``AsyncCollectiveTensor`` (a functional collective's output not waited on yet, as
+    ``DTensor.to_local`` may return it) wraps, else ``t``."""
+    kind = type(t)
+    if kind in DTENSOR_TYPES:
+        return t._local_tensor  # type: ignore[attr-defined]
+    if kind in WRAPPED_COLLECTIVE_TYPES:
+        return t.elem  # type: ignore[attr-defined]
+    return t
 
 
 def local_shard_like(
