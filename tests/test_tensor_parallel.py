@@ -167,3 +167,33 @@ def test_measure_refuses_bad_layouts_before_any_rank() -> None:
     with pytest.raises(ValueError, match=r"strategy='zero2'"):
         measure(model, inputs, gpus=2, tp=2, strategy="zero2")
     assert time.monotonic() - t0 < 10  # no rank started
+
+
+def test_levers_not_checked_against_real_ranks_are_refused(llama_profile) -> None:  # type: ignore[no-untyped-def]
+    from vram_widget import measure
+
+    with pytest.raises(ValueError, match=r"tp=2 with lora_rank: not estimated"):
+        llama_profile.estimate(2, gpus=2, tp=2, lora_rank=4)
+    with pytest.raises(ValueError, match=r"tp=2 with loss_chunks, optimizer_in_backward"):
+        llama_profile.estimate(2, gpus=2, tp=2, loss_chunks=2, optimizer_in_backward=True)
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"tp=2 with lora_rank: not measured"):
+        measure(hf_llama(), hf_tokens(2), gpus=2, tp=2, lora_rank=4)
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [{"checkpoint": "auto"}, {"trainable": ["lm_head.*"]}, {"precision": "amp-bf16"}],
+    ids=["checkpoint", "frozen", "amp-bf16"],
+)
+def test_levers_with_tensor_parallel_ranks(one_thread: None, levers: dict[str, object]) -> None:
+    # the levers applied inside each real rank, against the rank's estimate
+    from vram_widget import measure
+
+    torch.manual_seed(0)
+    model, inputs = hf_llama(), hf_tokens(2)
+    kwargs = {"optimizer": "adamw", "gpus": 2, "tp": 2, **levers}
+    est = profile_model(model, inputs=inputs, device="cpu").estimate(2, **kwargs)
+    real = measure(model, inputs, timeout_s=120, **kwargs)
+    for peak in real.rank_peak_bytes:
+        assert abs(peak - est.peak_bytes) <= TP_SLACK_BYTES, (peak, est.peak_bytes)

@@ -48,7 +48,7 @@ from .options import (
 from .quantized import check_quantized
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.ignored import warn_ignored
-from .recipe.parallel import check_tensor_parallel
+from .recipe.parallel import check_tensor_parallel, check_tensor_parallel_settings
 from .recipe.recipe import default
 from .recipe.weights import Weights
 from .sharding import (
@@ -803,6 +803,7 @@ class ModelProfile:
             )
         if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)
             check_tensor_parallel(par)
+            check_tensor_parallel_settings(recipe)
             plain = recipe.with_(tp=1, tp_plan=None, gpus=1, rank=None)
             est = self._source.tensor_parallel_estimate(par.tp, par.tp_plan, plain)
             return dataclasses.replace(est, gpus=par.gpus, tp=par.tp)

@@ -635,6 +635,13 @@ def _tensor_parallel_setup(
         raise ValueError("tp_plan is the plan of tp > 1 ranks: give tp=... too")
     if parse_option(Mode, mode, "mode") is Mode.GENERATE:
         raise ValueError("mode='generate' is measured on one device (gpus=1), without tp")
+    refused = [k for k in ("lora_rank",) if settings[k] is not None]
+    refused += ["weights"] if parse_weights(settings["weights"]).quantized else []
+    if refused:
+        raise ValueError(
+            f"tp={tp} with {', '.join(refused)}: not measured with tensor parallelism yet; "
+            "leave tp at 1 for these"
+        )
     return rank_setup(resolve_plan(model, tp, settings["tp_plan"]))
 
 
@@ -724,9 +731,8 @@ def _measure(
             # backward made them ready, in the second iteration's forward (new buckets
             # allocated, the old ones freed: reducer.cpp, Reducer::rebuild_buckets), so a
             # wrapped rank is steady from its third iteration.
-            resident, trace = _run_cpu(
-                session, warmups=1 if setup is None else 2, repeats=1 if setup is None else 3
-            )
+            repeats = 1 if setup is None else 5 if setup.least_of_repeats else 3
+            resident, trace = _run_cpu(session, warmups=1 if setup is None else 2, repeats=repeats)
             least = setup is not None and setup.least_of_repeats
             peak = resident + trace.peak_above_start(least)
             reserved = None

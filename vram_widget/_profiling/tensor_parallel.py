@@ -296,7 +296,7 @@ def rank_setup(plan: TensorParallelPlan) -> Any:
     of the model (so each rank holds its shards only, never the whole weights), then
     materialized (``to_empty``) with the copy's buffers and a seeded N(0, 0.02) fill of the
     shards (the step's memory does not read the weights' values). The rank's peak is the
-    least of its measured steps: DTensor's collectives hand their buffers to gloo's worker
+    least of its third to seventh steps: DTensor's collectives hand their buffers to gloo's worker
     thread, which may drop one last, and the CPU profiler, which records the calling thread
     only, then never sees that free (``distributed._collectives_release_on_caller``)."""
     from .distributed import RankSetup

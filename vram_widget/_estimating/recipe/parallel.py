@@ -4,6 +4,7 @@ it into a :class:`~vram_widget._estimating.sharding.Parallel`)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ..options import Strategy, parse_option
 from ..sharding import DEFAULT_GPUS_PER_NODE
@@ -80,4 +81,39 @@ def check_tensor_parallel(parallel: ParallelSettings) -> None:
         raise ValueError(
             f"tp={tp} with strategy={parallel.strategy.value!r}: tensor parallelism does not "
             "compose with a data-parallel strategy yet; leave strategy at its default"
+        )
+
+
+def tensor_parallel_refusals(recipe: Any) -> list[str]:
+    """The settings of ``recipe`` (a :class:`~vram_widget.Recipe`) not estimated with
+    ``tp > 1`` yet, by name: those not checked against real tensor-parallel ranks
+    (activation checkpointing, a frozen subset, accumulation and the precisions are).
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.recipe import Recipe
+    >>> tensor_parallel_refusals(Recipe.from_keywords(gpus=2, tp=2, lora_rank=8))
+    ['lora_rank']
+    """
+    lv, step, optimizer = recipe.levers, recipe.step, recipe.optimizer
+    asked = {
+        "lora_rank": lv.lora_rank is not None,
+        "weights": recipe.weights.quantized,
+        "compile": lv.compile not in (None, False),
+        "loss_chunks": lv.loss_chunks is not None,
+        "offload_activations": lv.offload_activations not in (None, False),
+        "optimizer_in_backward": optimizer.in_backward,
+        "mode='generate'": step.mode.value == "generate",
+    }
+    return [name for name, on in asked.items() if on]
+
+
+def check_tensor_parallel_settings(recipe: Any) -> None:
+    """A ValueError naming the settings :func:`tensor_parallel_refusals` finds."""
+    refused = tensor_parallel_refusals(recipe)
+    if refused and recipe.parallel.tp > 1:
+        raise ValueError(
+            f"tp={recipe.parallel.tp} with {', '.join(refused)}: not estimated with tensor "
+            "parallelism yet (activation checkpointing, trainable, grad_accumulation and "
+            "every precision are); leave tp at 1 for these"
         )
