@@ -680,6 +680,11 @@ class ModelProfile:
             (:meth:`Recipe.with_ <vram_widget.Recipe.with_>`), e.g.
             ``optimizer_in_backward=True``, ``set_to_none=False``, ``lora_dtype="bf16"``,
             ``context_bytes=...``; an unknown name is a TypeError listing the valid ones.
+            ``tp=k`` (with ``gpus=k``) estimates one of ``k`` tensor-parallel ranks, in
+            training or inference: a meta copy of the model sharded by its own plan (a
+            Hugging Face model's ``base_model_tp_plan``) or ``tp_plan={pattern:
+            ParallelStyle}`` with DTensor on PyTorch's fake process group, profiled once
+            per call (``_profiling/tensor_parallel.py``; docs: the guide on several GPUs).
             ``context_bytes`` (bytes) replaces the CUDA context of
             ``accelerator.cuda_context``'s table, which ``compute_capability`` and
             ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;

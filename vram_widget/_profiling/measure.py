@@ -306,6 +306,14 @@ def measure(
         (``"hsdp"``: a 2-D mesh of nodes x ``gpus_per_node``, sharded within a node).
     gpus_per_node, fsdp_units : int, str or list of str
         As ``ModelProfile.estimate`` takes them (FSDP2's mesh and units).
+    tp, tp_plan : int, dict
+        Tensor parallelism on ``gpus = tp`` gloo ranks, training or inference: each rank
+        shards a meta copy of the model by the model's own plan (a Hugging Face model's
+        ``base_model_tp_plan``, applied by transformers) or ``tp_plan`` (module patterns ->
+        ``torch.distributed.tensor.parallel`` styles, by ``parallelize_module``) on a 1-D
+        CPU mesh, and measures its own step (the least of five); ``rank_peak_bytes`` holds
+        each rank's. The layout and the plan are checked before any rank starts
+        (``tensor_parallel.resolve_plan``).
     new_tokens : int, optional
         With ``mode="generate"``: Hugging Face's ``model.generate(do_sample=False,
         max_new_tokens=new_tokens, min_new_tokens=new_tokens)`` on the prompt ``inputs``
