@@ -197,3 +197,37 @@ def test_levers_with_tensor_parallel_ranks(one_thread: None, levers: dict[str, o
     real = measure(model, inputs, timeout_s=120, **kwargs)
     for peak in real.rank_peak_bytes:
         assert abs(peak - est.peak_bytes) <= TP_SLACK_BYTES, (peak, est.peak_bytes)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="sequence parallelism on gloo ranks measures 3,960 B (training) / 8,192 B "
+    "(inference) above its estimate here, on both ranks; not explained yet (the suspect: "
+    "gloo's staging of the Shard(1) reduce-scatter, which the fake process group does not "
+    "allocate)",
+)
+def test_sequence_parallel_styles_against_real_ranks(one_thread: None) -> None:
+    from torch import nn
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from vram_widget import measure
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    x = torch.randn(4, 8, 32)
+    plan = {
+        "0": SequenceParallel(),
+        "1": ColwiseParallel(input_layouts=Shard(1)),
+        "3": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    est = profile_model(model, inputs=x, device="cpu").estimate(
+        4, mode="inference", gpus=2, tp=2, tp_plan=plan
+    )
+    real = measure(model, x, mode="inference", gpus=2, tp=2, tp_plan=plan, timeout_s=60)
+    for peak in real.rank_peak_bytes:
+        assert abs(peak - est.peak_bytes) <= TP_SLACK_BYTES, (peak, est.peak_bytes)
