@@ -231,3 +231,15 @@ def test_sequence_parallel_styles_against_real_ranks(one_thread: None) -> None:
     real = measure(model, x, mode="inference", gpus=2, tp=2, tp_plan=plan, timeout_s=60)
     for peak in real.rank_peak_bytes:
         assert abs(peak - est.peak_bytes) <= TP_SLACK_BYTES, (peak, est.peak_bytes)
+
+
+def test_the_same_question_is_answered_from_memory(llama_profile) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    t0 = time.monotonic()
+    first = llama_profile.estimate(3, mode="inference", gpus=2, tp=2)
+    t1 = time.monotonic()
+    again = llama_profile.estimate(3, mode="inference", gpus=2, tp=2)
+    t2 = time.monotonic()
+    assert (again.peak_bytes, again.parameter_bytes) == (first.peak_bytes, first.parameter_bytes)
+    assert t2 - t1 < (t1 - t0) / 5  # no second profile

@@ -1085,6 +1085,8 @@ class _Source:
         self._reduced: dict[int, _Source] = {}
         # (precision, mode, levers, length) whose runs the few-block copies do not give
         self._not_repeated: set[tuple[Any, ...]] = set()
+        # (tp, the plan's id, the single-rank Recipe) -> (the plan, one rank's estimate)
+        self._tensor_parallel: dict[tuple[Any, ...], tuple[object, Any]] = {}
 
     def timeline(
         self,
@@ -1516,7 +1518,20 @@ class _Source:
         """One of ``tp`` tensor-parallel ranks' estimate of ``recipe``: a meta copy of the
         model sharded by its plan (``tensor_parallel.resolve_plan``, checked first) with
         DTensor on a fake process group, profiled as a sub-profile while the group is up;
-        the group is destroyed after, whatever happens."""
+        the group is destroyed after, whatever happens. Kept per (tp, plan, recipe)."""
+        try:  # the same question again (a widget's redraw): the same answer
+            key: Any = (tp, id(tp_plan), recipe)
+            cached = self._tensor_parallel.get(key)
+        except TypeError:  # a setting that cannot be hashed (a callable's closure...)
+            key, cached = None, None
+        if cached is not None:
+            return cached[1]
+        estimate = self._tensor_parallel_estimate(tp, tp_plan, recipe)
+        if key is not None:  # the plan is held with it: its id is not reused meanwhile
+            self._tensor_parallel[key] = (tp_plan, estimate)
+        return estimate
+
+    def _tensor_parallel_estimate(self, tp: int, tp_plan: object, recipe: Any) -> Any:
         subject = self.profiler.subject
         plan = resolve_plan(subject.model, tp, tp_plan)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
