@@ -684,7 +684,8 @@ class ModelProfile:
             training or inference: a meta copy of the model sharded by its own plan (a
             Hugging Face model's ``base_model_tp_plan``) or ``tp_plan={pattern:
             ParallelStyle}`` with DTensor on PyTorch's fake process group, profiled once
-            per call (``_profiling/tensor_parallel.py``; docs: the guide on several GPUs).
+            per question (``_profiling/tensor_parallel.py``; docs: the guide on several
+            GPUs).
             ``context_bytes`` (bytes) replaces the CUDA context of
             ``accelerator.cuda_context``'s table, which ``compute_capability`` and
             ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;
