@@ -202,9 +202,10 @@ def test_levers_with_tensor_parallel_ranks(one_thread: None, levers: dict[str, o
 @pytest.mark.xfail(
     strict=True,
     reason="sequence parallelism on gloo ranks measures 3,960 B (training) / 8,192 B "
-    "(inference) above its estimate here, on both ranks; not explained yet (the suspect: "
-    "gloo's staging of the Shard(1) reduce-scatter, which the fake process group does not "
-    "allocate)",
+    "(inference) above its estimate here, on both ranks and in every measured step; not "
+    "explained yet (a candidate: gloo's reduce-scatter allreduces a clone of its whole "
+    "input, ProcessGroupGloo::reduce_scatter_tensor_coalesced, a staging copy the fake "
+    "process group and NCCL do not make)",
 )
 def test_sequence_parallel_styles_against_real_ranks(one_thread: None) -> None:
     from torch import nn

@@ -185,14 +185,13 @@ class _CpuTrace:
     # the first model forward's events within the measured iteration
     forward: tuple[_AllocEvent, ...] = ()
 
-    def peak_above_start(self, least: bool = False) -> int:
+    def peak_above_start(self) -> int:
         """The largest prefix sum of the iteration's events (0 if it never rises); where
-        several iterations were measured, the median of theirs (``_run_cpu``), or with
-        ``least`` the least."""
+        several iterations were measured, the median of theirs (``_run_cpu``)."""
         peaks = sorted(
             _max_prefix_sum(e.nbytes for e in it) for it in self.repeats or (self.during,)
         )
-        return peaks[0] if least else peaks[len(peaks) // 2]
+        return peaks[len(peaks) // 2]
 
 
 def measure(
@@ -311,7 +310,7 @@ def measure(
         shards a meta copy of the model by the model's own plan (a Hugging Face model's
         ``base_model_tp_plan``, applied by transformers) or ``tp_plan`` (module patterns ->
         ``torch.distributed.tensor.parallel`` styles, by ``parallelize_module``) on a 1-D
-        CPU mesh, and measures its own step (the least of five); ``rank_peak_bytes`` holds
+        CPU mesh, and measures its own step; ``rank_peak_bytes`` holds
         each rank's. The layout and the plan are checked before any rank starts
         (``tensor_parallel.resolve_plan``).
     new_tokens : int, optional
@@ -739,10 +738,9 @@ def _measure(
             # backward made them ready, in the second iteration's forward (new buckets
             # allocated, the old ones freed: reducer.cpp, Reducer::rebuild_buckets), so a
             # wrapped rank is steady from its third iteration.
-            repeats = 1 if setup is None else 5 if setup.least_of_repeats else 3
+            repeats = 1 if setup is None else 3
             resident, trace = _run_cpu(session, warmups=1 if setup is None else 2, repeats=repeats)
-            least = setup is not None and setup.least_of_repeats
-            peak = resident + trace.peak_above_start(least)
+            peak = resident + trace.peak_above_start()
             reserved = None
             if run_mode is Mode.TRAIN and setup is None:
                 saved = sum(e.nbytes for e in trace.forward) - output_bytes[-1]
@@ -928,9 +926,9 @@ def _run_cpu(
 ) -> tuple[int, _CpuTrace]:
     """Run ``warmups`` iterations and ``repeats`` measured ones under the profiler; return
     the resident bytes and the trace. A distributed rank measures three steady iterations
-    and keeps the median peak: gloo's worker threads drop some collective buffers (a flat
-    all-gather output, a reduce-scatter input) where the profiler does not see it, so one
-    iteration in a few reads a buffer more, or a free of the previous one, at random."""
+    and keeps the median peak. Its collectives free their buffers on this thread, where
+    the profiler sees them (``distributed._collectives_release_on_caller``), so the three
+    agree; the median keeps one stray step from deciding."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if torch.autograd.profiler._is_profiler_enabled:

@@ -295,10 +295,9 @@ def rank_setup(plan: TensorParallelPlan) -> Any:
     plan applied by its library on a 1-D CPU mesh of the gloo group's ranks, to a meta copy
     of the model (so each rank holds its shards only, never the whole weights), then
     materialized (``to_empty``) with the copy's buffers and a seeded N(0, 0.02) fill of the
-    shards (the step's memory does not read the weights' values). The rank's peak is the
-    least of its third to seventh steps: DTensor's collectives hand their buffers to gloo's worker
-    thread, which may drop one last, and the CPU profiler, which records the calling thread
-    only, then never sees that free (``distributed._collectives_release_on_caller``)."""
+    shards (the step's memory does not read the weights' values). Each collective drops
+    its buffers on the rank's own thread (``distributed._collectives_release_on_caller``),
+    so every measured step reads the same bytes."""
     from .distributed import RankSetup
 
     def wrap(model: torch.nn.Module, _parallel: Any, _precision: Any) -> torch.nn.Module:
@@ -320,4 +319,4 @@ def rank_setup(plan: TensorParallelPlan) -> Any:
         sharded.train(model.training)
         return sharded
 
-    return RankSetup(wrap, least_of_repeats=True)
+    return RankSetup(wrap)
