@@ -183,11 +183,17 @@ def test_levers_not_checked_against_real_ranks_are_refused(llama_profile) -> Non
 
 @pytest.mark.parametrize(
     "levers",
-    [{"checkpoint": "auto"}, {"trainable": ["lm_head.*"]}, {"precision": "amp-bf16"}],
-    ids=["checkpoint", "frozen", "amp-bf16"],
+    [
+        {"checkpoint": "auto"},
+        {"trainable": ["lm_head.*"]},
+        {"precision": "amp-bf16"},
+        {"grad_accumulation": 2},
+    ],
+    ids=["checkpoint", "frozen", "amp-bf16", "accumulation"],
 )
 def test_levers_with_tensor_parallel_ranks(one_thread: None, levers: dict[str, object]) -> None:
-    # the levers applied inside each real rank, against the rank's estimate
+    # the levers applied inside each real rank, against the rank's estimate (every step of
+    # a rank reads the same bytes: its collectives free their buffers on its own thread)
     from vram_widget import measure
 
     torch.manual_seed(0)

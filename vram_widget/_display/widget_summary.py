@@ -45,6 +45,8 @@ AT_REST_DELAY_S = 0.15
 DETAILS_TITLE = "Details"
 # how the optimizer steps (estimate's keywords, the widget's traits)
 _STEPPING_SETTINGS = ("optimizer_in_backward", "set_to_none")
+# in place of a search with tp > 1, where each batch or length is a sub-profile of its own
+TP_NOT_SEARCHED = "not searched with tp > 1 (each batch is a profiling run of its own)"
 
 
 class SummaryMixin:
@@ -154,11 +156,13 @@ class SummaryMixin:
         below = self._below_context(capacity)
         key = self._settings_key()
         largest: int | None = self._fit_cache.get(key)
-        if largest is None and (at_rest or below):
+        largest_note = longest_note = ""
+        if self._tensor_parallel:  # each batch and length: a profiling run of its own
+            largest_note = longest_note = TP_NOT_SEARCHED
+        elif largest is None and (at_rest or below):
             largest = self.largest_batch()
         longest = None
-        longest_note = ""
-        if self._profile.has_seq_axis and not below:
+        if self._profile.has_seq_axis and not below and not self._tensor_parallel:
             seq_key = (self.batch_size, *self._settings_key("seq_len"))
             longest = self._seq_cache.get(seq_key)
             if seq_key not in self._seq_cache and at_rest:
@@ -184,6 +188,7 @@ class SummaryMixin:
             largest_batch=largest,
             longest_seq=longest,
             longest_seq_note=longest_note,
+            largest_batch_note=largest_note,
             has_seq_axis=self._profile.has_seq_axis,
             generating=est.generation is not None,
             flops=est.flops,
@@ -276,7 +281,7 @@ class SummaryMixin:
         return self._gpus_cache[key]
 
     def _min_gpus_text(self: MemoryWidget, est: MemoryEstimate) -> str:  # type: ignore[misc]
-        if est.mode is not Mode.TRAIN:
+        if est.mode is not Mode.TRAIN or self._tensor_parallel:  # data-parallel ranks only
             return ""
         card = html.escape(self.target.name)
         try:
@@ -346,7 +351,13 @@ class SummaryMixin:
         if self._parallel_text:
             rows.append(("GPUs needed", self._parallel_text))
         sample = "sequence" if est.generation is not None else "sample"
-        rows.append((f"Memory per extra {sample}", format_bytes(self.bytes_per_sample())))
+        per_sample = TP_NOT_SEARCHED if self._tensor_parallel else None
+        rows.append(
+            (
+                f"Memory per extra {sample}",
+                per_sample or format_bytes(self.bytes_per_sample()),
+            )
+        )
         per = "of the generation" if est.generation is not None else "per step"
         rows.append((f"FLOPs {per}", flops_text(est)))
         rate = self.target.peak_flops_per_s(self.precision)

@@ -141,6 +141,8 @@ class Headline:
     below_context_bytes: int | None = None
     # in place of a longest sequence that is not searched for (why), at rest
     longest_seq_note: str = ""
+    # in place of a largest batch that is not searched for (why)
+    largest_batch_note: str = ""
     # why the last setting could not be estimated (the state shown is the one before)
     error: str = ""
 
@@ -185,6 +187,8 @@ def headline_html(h: Headline) -> str:
             f"<span class='vw-largest'>the capacity is below the CUDA context alone "
             f"({format_bytes(h.below_context_bytes)})</span>"
         )
+    elif h.largest_batch_note:
+        cells.append(f"<span class='vw-largest'>{word} {html.escape(h.largest_batch_note)}</span>")
     elif h.largest_batch == 0:
         cells.append("<span class='vw-largest'>not even batch size 1 fits</span>")
     else:

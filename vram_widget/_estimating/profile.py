@@ -113,6 +113,10 @@ class ProfileSource(Protocol):
         self, tp: int, tp_plan: object, recipe: Recipe
     ) -> MemoryEstimate: ...
 
+    def tensor_parallel_cached(self, tp: int, tp_plan: object, recipe: Recipe) -> bool: ...
+
+    def tensor_parallel_refusal(self, tp: int) -> str | None: ...
+
     def generation(
         self,
         precision: Precision,
@@ -757,6 +761,41 @@ class ModelProfile:
             warn_ignored("the step", ignored[len(asked.ignored) :])
         return dataclasses.replace(est, ignored=ignored) if ignored else est
 
+    def tensor_parallel_refusal(self, tp: int = 2) -> str | None:
+        """Why ``tp`` tensor-parallel ranks cannot be estimated for this model with its own
+        plan (it has none, or ``tp`` does not divide a size the plan shards), or None;
+        checked without profiling.
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> "has no tensor-parallel plan" in profile.tensor_parallel_refusal(2)
+        True
+        """
+        return self._source.tensor_parallel_refusal(tp)
+
+    def tensor_parallel_cached(self, batch_size: int = 1, **settings: Any) -> bool:
+        """Whether :meth:`estimate` with these arguments needs no profiling run: True for
+        ``tp`` = 1 and for settings it refuses at once; with ``tp`` > 1, whether the same
+        question was answered before (each is one rank's sub-profile).
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> profile.tensor_parallel_cached(4, gpus=2)
+        True
+        """
+        try:
+            asked = Recipe.from_keywords(None, batch_size=batch_size, **settings)
+            if asked.parallel.tp == 1:
+                return True
+            plain = _tensor_parallel_question(asked)
+        except (ValueError, TypeError):  # refused at once: nothing is profiled
+            return True
+        return self._source.tensor_parallel_cached(asked.parallel.tp, asked.parallel.tp_plan, plain)
+
     def _parallel_of(self, recipe: Recipe) -> Parallel:
         """The data parallelism a Recipe asks for, its FSDP units resolved to this model."""
         par = recipe.parallel
@@ -808,9 +847,7 @@ class ModelProfile:
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
         if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)
-            check_tensor_parallel(par)
-            check_tensor_parallel_settings(recipe)
-            plain = recipe.with_(tp=1, tp_plan=None, gpus=1, rank=None)
+            plain = _tensor_parallel_question(recipe)
             est = self._source.tensor_parallel_estimate(par.tp, par.tp_plan, plain)
             return dataclasses.replace(est, gpus=par.gpus, tp=par.tp)
         parallel = self._parallel_of(recipe)
@@ -1711,3 +1748,11 @@ def _largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int
         else:
             hi = mid
     return lo
+
+
+def _tensor_parallel_question(recipe: Recipe) -> Recipe:
+    """The single-rank Recipe a ``tp`` > 1 estimate profiles (its layout and settings
+    checked first, each refusal a ValueError naming it)."""
+    check_tensor_parallel(recipe.parallel)
+    check_tensor_parallel_settings(recipe)
+    return recipe.with_(tp=1, tp_plan=None, gpus=1, rank=None)

@@ -1531,6 +1531,21 @@ class _Source:
             self._tensor_parallel[key] = (tp_plan, estimate)
         return estimate
 
+    def tensor_parallel_cached(self, tp: int, tp_plan: object, recipe: Any) -> bool:
+        """Whether :meth:`tensor_parallel_estimate` has this answer kept."""
+        try:
+            return (tp, id(tp_plan), recipe) in self._tensor_parallel
+        except TypeError:  # a setting that cannot be hashed: never kept
+            return False
+
+    def tensor_parallel_refusal(self, tp: int) -> str | None:
+        """Why the model's own plan cannot shard it over ``tp`` ranks, or None."""
+        try:
+            resolve_plan(self.profiler.subject.model, tp)
+        except (ValueError, TypeError) as exc:
+            return str(exc)
+        return None
+
     def _tensor_parallel_estimate(self, tp: int, tp_plan: object, recipe: Any) -> Any:
         subject = self.profiler.subject
         plan = resolve_plan(subject.model, tp, tp_plan)
