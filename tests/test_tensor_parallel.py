@@ -205,15 +205,14 @@ def test_levers_with_tensor_parallel_ranks(one_thread: None, levers: dict[str, o
         assert abs(peak - est.peak_bytes) <= TP_SLACK_BYTES, (peak, est.peak_bytes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sequence parallelism on gloo ranks measures 3,960 B (training) / 8,192 B "
-    "(inference) above its estimate here, on both ranks and in every measured step; not "
-    "explained yet (a candidate: gloo's reduce-scatter allreduces a clone of its whole "
-    "input, ProcessGroupGloo::reduce_scatter_tensor_coalesced, a staging copy the fake "
-    "process group and NCCL do not make)",
-)
-def test_sequence_parallel_styles_against_real_ranks(one_thread: None) -> None:
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_sequence_parallel_styles_against_real_ranks(one_thread: None, mode: str) -> None:
+    # The Shard(1) -> Partial reduce-scatter of the last Linear's output: on a CPU profile
+    # the estimate holds gloo's staging clone of its whole input (cpu_rules.
+    # gloo_staging_bytes): SequenceParallel reads the 4 x 8 x 32 input as one rank's
+    # shard of 4 x 16 x 32, so the clone is 4 x 16 x 32 x 4 B = 8,192 B, and the ranks
+    # measured 8,192 B (inference) and 3,960 B (training, where the peak moves) above an
+    # estimate without it
     from torch import nn
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
@@ -232,12 +231,12 @@ def test_sequence_parallel_styles_against_real_ranks(one_thread: None) -> None:
         "1": ColwiseParallel(input_layouts=Shard(1)),
         "3": RowwiseParallel(output_layouts=Shard(1)),
     }
-    est = profile_model(model, inputs=x, device="cpu").estimate(
-        4, mode="inference", gpus=2, tp=2, tp_plan=plan
-    )
-    real = measure(model, x, mode="inference", gpus=2, tp=2, tp_plan=plan, timeout_s=60)
-    for peak in real.rank_peak_bytes:
-        assert abs(peak - est.peak_bytes) <= TP_SLACK_BYTES, (peak, est.peak_bytes)
+    optimizer = "adamw" if mode == "train" else None
+    kwargs = {"mode": mode, "optimizer": optimizer, "gpus": 2, "tp": 2, "tp_plan": plan}
+    profile = profile_model(model, inputs=x, device="cpu")
+    est = profile.estimate(4, **kwargs)
+    real = measure(model, x, timeout_s=60, **kwargs)
+    assert real.rank_peak_bytes == (est.peak_bytes, est.peak_bytes)
 
 
 def test_the_same_question_is_answered_from_memory(llama_profile) -> None:  # type: ignore[no-untyped-def]

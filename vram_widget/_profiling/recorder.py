@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .._estimating.options import CATEGORY_CODE, PHASE_CODE, Category, Phase
-from .cpu_rules import batch_norm_scratch_bytes, unallocated_outputs
+from .cpu_rules import batch_norm_scratch_bytes, gloo_staging_bytes, unallocated_outputs
 from .fake import (
     TorchDispatchMode,
     current_autograd_node_name,
@@ -156,6 +156,9 @@ class Recorder(TorchDispatchMode):
         # CPU: a Python number autograd keeps for backward (``x * 0.5``), by the sequence
         # number of the node that keeps it -> its storage id (see _kept_scalar_bytes)
         self._kept_scalars: dict[int, int] = {}
+        # CPU: gloo's staging copy of a reduce-scatter's input, by the storage of the
+        # collective's output -> its storage id, freed at that output's wait_tensor
+        self._gloo_staged: dict[int, int] = {}
         self._recompute_depth = 0  # inside a checkpointed forward's re-run (recompute_region)
         self.model_returned = False  # the root module's forward has returned
         # (exception key, row, input shapes) of the innermost module a forward raised from
@@ -561,6 +564,7 @@ class Recorder(TorchDispatchMode):
             if scratch:  # allocated and freed inside the call, beside its outputs
                 self._emit(self._allocated_untracked(scratch, row), -scratch, row)
             self._count_host_scalars(func, args, out, row)
+            self._gloo_staging(func, args, out, row)
         flops = op_flops(func, args, kwargs, out) if self.count_flops else 0
         if flops:
             if self.phase == _BACKWARD:
@@ -570,6 +574,19 @@ class Recorder(TorchDispatchMode):
         if not self.uses_matmul and _is_matmul(func):
             self.uses_matmul = True
         return out
+
+    def _gloo_staging(self, func: Any, args: tuple[Any, ...], out: Any, row: int) -> None:
+        """CPU: the staging copy gloo makes for a reduce-scatter (``cpu_rules.
+        gloo_staging_bytes``), allocated after its output and freed at its wait."""
+        staged = gloo_staging_bytes(func, args)
+        if staged:
+            first = out[0] if isinstance(out, (list, tuple)) else out
+            key = id(local_part(first).untyped_storage())
+            self._gloo_staged[key] = self._allocated_untracked(staged, row)
+        elif func in WAITS_RETURN_INPUT and self._gloo_staged:
+            sid = self._gloo_staged.pop(id(local_part(args[0]).untyped_storage()), None)
+            if sid is not None:
+                self._emit(sid, -self.storages[sid].nbytes, row)
 
     def _allocated_untracked(self, nbytes: int, row: int) -> int:
         """A storage no tensor of the run stands for (a wrapped number, a kernel's scratch),
