@@ -107,9 +107,9 @@ def _collectives_release_on_caller() -> None:
     So the group runs one worker thread (:func:`_one_gloo_worker`), and after each
     collective the caller waits for a fence queued behind it (:func:`_fence`): once the
     fence is done, the one worker has finished the collective's turn and dropped it, and
-    the caller's own reference is the last. Blocking FSDP2 calls drop theirs at once; a functional
-    collective's (DTensor's) is dropped where ``wait_tensor`` unregisters it, at the first
-    use of its result, as without this."""
+    the caller's own reference is the last. Blocking FSDP2 calls drop theirs at once; a
+    functional collective's (DTensor's) is dropped where ``wait_tensor`` unregisters it,
+    at the first use of its result, as without this."""
     import torch.distributed as dist
 
     def blocking(collective: Callable[..., Any]) -> Callable[..., Any]:
@@ -158,7 +158,7 @@ class _SettledCollective:
         from torch._C._distributed_c10d import _resolve_process_group
 
         out = self._packet(*args, **kwargs)
-        _fence(_resolve_process_group(args[-1]))
+        _fence(_resolve_process_group(kwargs.get("group_name", args[-1])))
         return out
 
     def __getattr__(self, name: str) -> Any:  # .default and the packet's other overloads
@@ -182,9 +182,10 @@ def _fence(group: Any) -> None:
 
 
 def _one_gloo_worker() -> None:
-    """Build this rank's gloo groups with one worker thread (the default is 2,
-    ``ProcessGroupGloo::Options::create``): its collectives then finish in the order they
-    were queued, which :func:`_collectives_release_on_caller` relies on."""
+    """Build this rank's gloo groups with one worker thread (the default is 2:
+    ``ProcessGroupGloo._Options()._threads`` in torch 2.13): its collectives then finish,
+    and are dropped by the worker, in the order they were queued, which
+    :func:`_collectives_release_on_caller` relies on."""
     import torch.distributed.distributed_c10d as c10d
 
     gloo = c10d.ProcessGroupGloo
