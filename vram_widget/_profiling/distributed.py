@@ -110,21 +110,31 @@ def _collectives_release_on_caller() -> None:
     the caller's own reference is the last. Blocking FSDP2 calls drop theirs at once; a
     functional collective's (DTensor's) is dropped where ``wait_tensor`` unregisters it,
     at the first use of its result, as without this."""
+    import inspect
+
     import torch.distributed as dist
 
     def blocking(collective: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(collective)
+
         def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
             work = collective(*args, async_op=True, **kwargs)
             if async_op:
                 return work
             work.wait()
-            _fence(kwargs.get("group"))
+            _fence(signature.bind_partial(*args, **kwargs).arguments.get("group"))
             del work
             return None
 
         return call
 
-    for name in ("all_gather_single", "reduce_scatter_single"):
+    _FENCE_ALL_REDUCE.append(dist.all_reduce)
+    # FSDP2's (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) and those a
+    # tensor-parallel plan calls itself (transformers' rowwise layers: dist.all_reduce)
+    for name in (
+        "all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor",
+        "reduce_scatter_tensor", "broadcast",
+    ):  # fmt: skip
         if hasattr(dist, name):
             setattr(dist, name, blocking(getattr(dist, name)))
     namespace = torch.ops._c10d_functional
@@ -166,6 +176,8 @@ class _SettledCollective:
 
 
 _FENCES: dict[int, torch.Tensor] = {}
+# torch.distributed.all_reduce as it was before _collectives_release_on_caller wrapped it
+_FENCE_ALL_REDUCE: list[Callable[..., Any]] = []
 
 
 def _fence(group: Any) -> None:
@@ -173,12 +185,10 @@ def _fence(group: Any) -> None:
     behind the collectives before it; the byte is allocated once per group, before any
     measured step (``dist.barrier`` on gloo allocates and frees one byte at every call,
     measured here: an event inside the step)."""
-    import torch.distributed as dist
-
     key = id(group)
     if key not in _FENCES:
         _FENCES[key] = torch.zeros(1, dtype=torch.uint8)
-    dist.all_reduce(_FENCES[key], group=group)
+    _FENCE_ALL_REDUCE[0](_FENCES[key], group=group)
 
 
 def _one_gloo_worker() -> None:
