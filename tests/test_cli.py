@@ -449,6 +449,32 @@ def test_data_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "gpus=12 is not a whole number of nodes" in err
 
 
+def test_tensor_parallel_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    # --tp is estimate()'s tp keyword with the model's own plan: one rank's step, in
+    # training and in inference; a layout it does not divide is a usage error naming it
+    pytest.importorskip("transformers")
+    from models import hf_llama
+
+    config = (
+        "num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+        "intermediate_size=128,vocab_size=1000,bos_token_id=0,eos_token_id=0"
+    )
+    argv = ["--transformers", "llama", "--config", config, "--seq-len", "16", "--device",
+            "cpu", "--batch-size", "2", "--precision", "fp32", "--json"]  # fmt: skip
+    torch.manual_seed(0)
+    ids = torch.zeros(1, 16, dtype=torch.long)  # the command line's example: ids as labels
+    profile = profile_model(hf_llama(), inputs={"input_ids": ids, "labels": ids}, device="cpu")
+    for mode in ("train", "inference"):
+        assert main([*argv, "--mode", mode, "--gpus", "2", "--tp", "2"]) == 0
+        out = json.loads(capsys.readouterr().out)["settings"][0]
+        expected = profile.estimate(
+            2, "fp32", "adam" if mode == "train" else None, mode=mode, gpus=2, tp=2
+        )
+        assert (out["peak_bytes"], out["gpus"], out["tp"]) == (expected.peak_bytes, 2, 2)
+    err = _usage_error([*argv, "--tp", "2"], capsys)
+    assert "--tp: tp=2 with gpus=1" in err
+
+
 # --- every keyword of estimate has a flag ----------------------------------------------------
 
 
@@ -458,8 +484,10 @@ def test_every_estimate_keyword_has_a_flag() -> None:
 
     flags = {s for a in build_parser()._actions for s in a.option_strings}
     # compute_capability is the --gpu's own (its catalog entry), not a flag of its own; the
-    # command line builds its Recipe from the flags themselves
-    keywords = set(KEYWORD_FIELDS) - {"compute_capability"}
+    # command line builds its Recipe from the flags themselves; tp_plan holds
+    # torch.distributed.tensor.parallel style objects, which a command line cannot spell
+    # (--tp takes the model's own plan)
+    keywords = set(KEYWORD_FIELDS) - {"compute_capability", "tp_plan"}
     missing = [k for k in keywords if "--" + k.replace("_", "-") not in flags]
     assert missing == []
     assert {"--optimizer", "--precision", "--mode", "--batch-size", "--gpu"} <= flags

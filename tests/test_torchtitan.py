@@ -104,11 +104,36 @@ def test_dtype_and_mixed_precision(tmp_path: Path) -> None:
         sharded = _read(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 4\n")
     assert sharded.step.precision.value == "amp-bf16"
     # TP without FSDP: maybe_enable_amp turns mixed precision off
-    with pytest.warns(RecipeSettingIgnored, match="tensor_parallel_degree=2"):
+    with pytest.warns(RecipeSettingIgnored, match="enable_sequence_parallel=True"):
         tp = _read(
             tmp_path, "[parallelism]\ndata_parallel_shard_degree = 1\ntensor_parallel_degree = 2\n"
         )
-    assert tp.step.precision.value == "fp32" and tp.get("gpus") == 1
+    assert tp.step.precision.value == "fp32" and (tp.get("gpus"), tp.get("tp")) == (2, 2)
+
+
+def test_tensor_parallel_degree(tmp_path: Path) -> None:
+    # torchtitan 0.3.0 ParallelismConfig.tensor_parallel_degree -> tp on gpus = tp
+    text = "[parallelism]\ndata_parallel_shard_degree = 1\ntensor_parallel_degree = 4\n"
+    with pytest.warns(RecipeSettingIgnored) as caught:
+        r = _read(
+            tmp_path, text + "enable_sequence_parallel = false\ndisable_loss_parallel = true\n"
+        )
+    assert (r.get("gpus"), r.get("tp")) == (4, 4)
+    # sequence parallelism and the vocabulary-parallel loss off: only the loop is listed
+    assert len(r.ignored) == 1 and "training loop" in r.ignored[0]
+    assert "tensor_parallel_degree" not in str(caught[0].message)
+    with pytest.warns(RecipeSettingIgnored) as caught:
+        r = _read(
+            tmp_path, text + "[compile]\nenable = true\nenable_async_tensor_parallel = true\n"
+        )
+    named = " ".join(r.ignored)
+    for item in ("enable_sequence_parallel", "vocabulary-parallel loss", "compile.enable_async"):
+        assert item in named
+    # data parallelism beside tp: refused by name, before any profiling
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 with 2 data-parallel ranks"):
+        _read(
+            tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\ntensor_parallel_degree = 2\n"
+        )
 
 
 @pytest.mark.parametrize(

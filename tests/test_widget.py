@@ -242,6 +242,17 @@ class _Spy:
         # read from a meta build of the model, not a run: not recorded
         return self.source.load_layout(*args)  # type: ignore[attr-defined]
 
+    def tensor_parallel_estimate(self, tp: int, *rest: object) -> object:
+        if not self.tensor_parallel_cached(tp, *rest):  # a run, not an answer kept
+            self._record(f"tp={tp}")
+        return self.source.tensor_parallel_estimate(tp, *rest)  # type: ignore[attr-defined]
+
+    def tensor_parallel_cached(self, *args: object) -> bool:
+        return bool(self.source.tensor_parallel_cached(*args))  # type: ignore[attr-defined]
+
+    def tensor_parallel_refusal(self, tp: int) -> object:
+        return self.source.tensor_parallel_refusal(tp)  # type: ignore[attr-defined]
+
 
 def _usable(w: MemoryWidget) -> bool:
     """Every control enabled (the custom-GiB box only while the custom GPU is chosen, the
@@ -255,6 +266,7 @@ def _usable(w: MemoryWidget) -> bool:
         w._chunks_dropdown,
         w._offload_dropdown,
         w._budget_dropdown,
+        w._tp_dropdown,
     )
     implementations = w._optimizer_controls.groups.get(split_choice(w.optimizer)[0])
     return (
@@ -264,6 +276,7 @@ def _usable(w: MemoryWidget) -> bool:
         and w._chunks_dropdown.disabled == bool(w.profile.loss_chunks_refusal)
         and w._offload_dropdown.disabled == (w.profile.device.value != "cuda")
         and w._budget_dropdown.disabled == (w.compile == "off")
+        and w._tp_dropdown.disabled == bool(w.profile.tensor_parallel_refusal(2))
     )
 
 
@@ -738,6 +751,63 @@ def test_reading_the_summary_fills_a_pending_rest_now(monkeypatch: pytest.Monkey
     device = profile.estimate(32).device_bytes
     assert device is not None and f"<b>{format_bytes(device)}</b> device" in summary
     assert w._details_panel.get_title(0) == "Details"
+
+
+def test_tensor_parallel_control() -> None:
+    # tp is a trait like the rest, in the GPUs group; a new tp question profiles one rank
+    # behind the label, with every control disabled, and is answered from memory after
+    pytest.importorskip("transformers")
+    from models import hf_llama, hf_tokens
+
+    torch.manual_seed(0)
+    profile = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+    spy = _Spy(profile._source)
+    profile._source = spy  # type: ignore[assignment]
+    w = MemoryWidget(profile, batch_size=2, mode="inference")
+    spy.widget = w
+    dropdown = w._tp_dropdown
+    assert dropdown in w.control_groups["GPUs"] and not dropdown.disabled
+    assert list(dropdown.options) == [1]  # the degrees up to the GPUs (1)
+    w.gpus = 4
+    assert list(dropdown.options) == [1, 2, 4]
+    w.gpus = 2
+    assert list(dropdown.options) == [1, 2]
+    assert not profile.tensor_parallel_cached(2, mode="inference", gpus=2, tp=2)
+    dropdown.value = 2  # the control writes the trait
+    assert w.tp == 2 and w.estimate.tp == 2
+    assert [run for run, _s, _b in spy.seen] == ["tp=2"]
+    assert "profiling fp32 / inference" in spy.seen[0][1] and "tp=2" in spy.seen[0][1]
+    assert spy.seen[0][2]  # every control disabled while it ran
+    assert _usable(w) and "profiled fp32 / inference" in w._status.value
+    # the batch is in the sub-profile's key: a new batch profiles, behind the label too
+    w.batch_size = 3
+    assert len(spy.seen) == 2 and spy.seen[1][2] and w.estimate.tp == 2
+    w.batch_size = 2  # asked before: from memory
+    assert len(spy.seen) == 2
+    assert w._status.value == "" or "profil" not in w._status.value
+    # the searches over the batch are not run with tp > 1 (each batch is a profile)
+    assert "largest batch not searched with tp &gt; 1" in w.summary_html
+    assert len(spy.seen) == 2
+    spy.widget = None  # the same question asked directly (the card's settings aside)
+    asked = profile.estimate(2, mode="inference", gpus=2, tp=2, compute_capability=(9, 0))
+    assert w.estimate.peak_bytes == asked.peak_bytes
+    w.tp = 1
+    assert w.estimate.tp == 1 and w._tp_dropdown.value == 1
+
+
+def test_tensor_parallel_control_without_a_plan() -> None:
+    # a model with no tensor-parallel plan: the control is off, its tooltip says why
+    profile = profile_model(zoo.mlp(hidden=(16,)), input_size=(784,), device="cpu")
+    w = MemoryWidget(profile, gpus=2)
+    assert w._tp_dropdown.disabled
+    assert "has no tensor-parallel plan" in w._tp_dropdown.tooltip
+    assert _usable_with_tp_off(w)
+
+
+def _usable_with_tp_off(w: MemoryWidget) -> bool:
+    """Every control but the tp dropdown usable after a move (which re-enables them)."""
+    w.batch_size = 5
+    return w._tp_dropdown.disabled and not w._batch_slider.disabled
 
 
 def test_data_parallel_group() -> None:
@@ -1278,7 +1348,7 @@ def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelPro
             "loss chunks",
             "offload activations",
         ],
-        "GPUs": ["GPU", "custom GiB", "expandable_segments", "GPUs", "strategy", "per node"],
+        "GPUs": ["GPU", "custom GiB", "expandable_segments", "GPUs", "strategy", "per node", "tp"],
         "Display": ["group depth"],
     }
     every = [c for controls in groups.values() for c in controls]

@@ -200,6 +200,8 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["context_bytes"] = args.context_bytes
     if args.lazy_loading is not None:
         keywords["lazy_loading"] = args.lazy_loading
+    if args.tp is not None and args.tp > 1:  # one tensor-parallel rank, training or not
+        keywords.update(gpus=args.gpus, tp=args.tp)
     if not train:
         return keywords
     return {**keywords, **_training_keywords(args)}
@@ -311,6 +313,7 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "weights": est.weights or None,
         "float8": est.float8 or None,
         "gpus": est.gpus,
+        "tp": est.tp,
         "strategy": None if est.strategy is None else est.strategy.value,
         "nccl_buffer_bytes": None if est.nccl is None else est.nccl.nbytes,
         "rank": est.rank,

@@ -628,6 +628,14 @@ def _parallel_flags(parallel: argparse._ArgumentGroup) -> None:
         "class names (default: each repeated block)",
     )
     parallel.add_argument(
+        "--tp",
+        type=positive_int,
+        metavar="K",
+        help="tensor-parallel ranks among --gpus (--gpus K: tensor parallelism alone), by the "
+        "model's own plan (a Hugging Face model's base_model_tp_plan); training or "
+        "--mode inference (default: 1, none)",
+    )
+    parallel.add_argument(
         "--rank",
         type=non_negative_int,
         metavar="R",
@@ -772,6 +780,8 @@ def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--new-tokens is for --mode generate; got --mode {mode.value}")
     if mode is not Mode.TRAIN:
         given = [flag for dest, flag in _TRAIN_ONLY if getattr(args, dest) is not None]
+        if args.tp is not None and mode is Mode.INFERENCE:  # tensor-parallel inference
+            given = [flag for flag in given if flag != "--gpus"]
         if given:
             parser.error(
                 f"{', '.join(given)}: training only (--mode train); --mode {mode.value} runs "
@@ -833,6 +843,13 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             f"--fsdp-units is for --strategy zero2, zero3 or hsdp (FSDP2); got --strategy "
             f"{strategy}"
         )
+    if args.tp is not None:
+        from .._estimating.recipe.parallel import ParallelSettings, check_tensor_parallel
+
+        try:
+            check_tensor_parallel(ParallelSettings(gpus, Strategy(strategy), tp=args.tp))
+        except ValueError as exc:
+            parser.error(f"--tp: {exc}")
     args.gpus, args.strategy, args.gpus_per_node = gpus, strategy, per_node
 
 

@@ -59,6 +59,7 @@ from .widget_controls import (
     CHECKPOINT_OFF,
     GPUS_MAX,
     OFFLOAD_OFF,
+    TP_CHOICES,
     WEIGHT_CHOICES,
     WEIGHTS_OFF,
     ControlsMixin,
@@ -161,6 +162,9 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
     # GPUs in one node: hsdp shards within a node and replicates across nodes (its control
     # shows with that strategy)
     gpus_per_node = traitlets.Int(DEFAULT_GPUS_PER_NODE, min=1, max=GPUS_MAX)
+    # tensor-parallel ranks among gpus (1: none), sharded by the model's own plan; each new
+    # question with tp > 1 is one rank's profiling run (tensor_parallel.py)
+    tp = traitlets.Enum(list(TP_CHOICES), default_value=1)
 
     # set in __init__; declared here for the mixins (widget_controls, widget_summary), whose
     # methods take a MemoryWidget as self
@@ -439,6 +443,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
             "gpus": self.gpus,
             "strategy": self.strategy,
             "gpus_per_node": self.gpus_per_node,
+            "tp": self.tp,
             **self._fixed,
         }
 
@@ -453,6 +458,8 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
     def _needs_profiling(self) -> bool:
         """Whether the current precision / optimizer (or, with the frontier open, the fit
         in the length) still has to be profiled (torch)."""
+        if self._tensor_parallel:  # each new question is a sub-profile of its own
+            return not self._profile.tensor_parallel_cached(self.batch_size, **self._settings())
         levers = self._step_levers()
         if levers is None:  # refused by the estimate at once, nothing profiled
             return False
@@ -475,8 +482,20 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
         return not cached
 
     def _frontier_shown(self) -> bool:
-        # not with compile: the frontier would profile a compiled step at each batch it tries
-        return self.show_frontier and self._profile.has_seq_axis and not self._compiled
+        # not with compile or tp > 1: the frontier would profile a step at each batch it tries
+        return self.show_frontier and self._profile.has_seq_axis and not self._per_batch
+
+    @property
+    def _tensor_parallel(self) -> bool:
+        """Whether the estimate is one of tp > 1 tensor-parallel ranks': each batch and
+        setting is a profiling run of its own, so the searches over them are not run."""
+        return self.tp > 1
+
+    @property
+    def _per_batch(self) -> bool:
+        """Whether each batch is a profiling run of its own: the compiled step (compiled.
+        decided_at) and a tensor-parallel rank's sub-profile, whose key holds the batch."""
+        return self._compiled or self._tensor_parallel
 
     def _settings_key(self, *leave_out: str, card: bool = True) -> tuple[Any, ...]:
         """Every setting an estimate takes (but ``leave_out``) and, with ``card``, the card's
@@ -527,9 +546,9 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
         partner = self._pair_checkpoint(change["name"])
         # The batch and the grouping depth are in no profile's or frontier's key: a move of
         # either never profiles (the slider's common case skips the checks, ~0.3 ms), but
-        # for the compiled step, profiled at each batch (compiled.decided_at)
+        # for the compiled step and a tensor-parallel rank, profiled at each batch
         unprofiled = change["name"] in _NEVER_PROFILES and not (
-            change["name"] == "batch_size" and self._compiled
+            change["name"] == "batch_size" and self._per_batch
         )
         profiling = not unprofiled and self._needs_profiling()
         # the frontier of a new setting is a search with allocator replays at each length:
@@ -593,6 +612,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
             + (f" / {self.seq_len} tokens" if self.seq_len is not None else "")
             + (f" + {self.new_tokens} new" if self._generating else "")
             + (f" / {levers.describe()}" if levers is not None and levers.active else "")
+            + (f" / tp={self.tp}" if self._tensor_parallel else "")
         )
 
     def _draw_frontier(self, frontier: Frontier) -> None:
@@ -686,6 +706,7 @@ _SETTINGS: tuple[str, ...] = (
     "gpus",
     "strategy",
     "gpus_per_node",
+    "tp",
 )
 
 
@@ -764,7 +785,8 @@ def show_memory(
         ``expandable_segments`` (bool, CUDA profiles), and the data-parallel ``gpus``
         (int >= 1), ``strategy`` ({"ddp", "zero1", "zero2", "zero3", "hsdp"}) and
         ``gpus_per_node`` (int >= 1: hsdp shards within a node; its box shows with that
-        strategy).
+        strategy), and ``tp`` ({1, 2, 4, 8}: tensor-parallel ranks among ``gpus``, by the
+        model's own plan; its control is off where the model has none).
 
     Returns
     -------

@@ -44,6 +44,7 @@ __all__ = [
     "POLICY_NAMES",
     "SEQ_SLIDER_MAX",
     "TOOLTIPS",
+    "TP_CHOICES",
     "WEIGHTS_OFF",
     "WEIGHT_CHOICES",
     "ControlsMixin",
@@ -52,6 +53,8 @@ __all__ = [
 BATCH_SLIDER_MAX = 8192
 # The sequence slider's top where the model has no learned position table: 128k tokens
 SEQ_SLIDER_MAX = DEFAULT_MAX_SEQ_LEN
+# the tensor-parallel degrees offered (those up to the GPUs)
+TP_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
 # the GPUs slider's top (log scale, like the batch's)
 GPUS_MAX = 1024
 CHECKPOINT_OFF = "off"
@@ -128,6 +131,9 @@ TOOLTIPS: dict[str, str] = {
     "strategy": "how the ranks share the step: ddp replicates all; zero1 shards optimizer "
     "state; zero2/zero3 (FSDP2) shard gradients / parameters too; hsdp shards in a node",
     "gpus_per_node": "GPUs in one node: hsdp shards within a node, replicates across nodes",
+    "tp": "tensor-parallel ranks among the GPUs, sharded by the model's own plan "
+    "(transformers' base_model_tp_plan); 1: none. Each new batch or setting with tp > 1 "
+    "profiles one rank (seconds); the largest-batch searches are not run",
     "depth": "how deep the waterfall and the layers table group modules (0: the whole model)",
 }
 """What each control changes (its tooltip), by the trait it sets."""
@@ -279,6 +285,11 @@ class ControlsMixin:
             options=list(self.traits()["strategy"].values or []), layout={"width": "200px"}
         )
         self._per_node_box = widgets.BoundedIntText(min=1, max=GPUS_MAX, layout={"width": "150px"})
+        # tp: disabled, the reason in its tooltip, where the model has no plan
+        self._tp_refusal = self._profile.tensor_parallel_refusal(2)
+        self._tp_dropdown = widgets.Dropdown(
+            options=self._tp_options(), layout={"width": "110px"}, disabled=bool(self._tp_refusal)
+        )
         max_depth = (
             int(self._estimate.layers.depth.max()) if len(self._estimate.layers.depth) else 0
         )
@@ -297,12 +308,15 @@ class ControlsMixin:
             (expandable, "expandable_segments", "expandable_segments"),
             (strategy, "strategy", "strategy"),
             (self._per_node_box, "gpus_per_node", "per node"),
+            (self._tp_dropdown, "tp", "tp"),
         ):
             control.description = label
             control.tooltip = TOOLTIPS[name]
             # Labels as wide as their text, so no control wraps under its own label.
             control.style.description_width = "initial"
             widgets.link((self, name), (control, "value"))
+        if self._tp_refusal:
+            self._tp_dropdown.tooltip = f"not available: {self._tp_refusal}"
         return {
             "precision": precision,
             "weights": weights,
@@ -429,6 +443,7 @@ class ControlsMixin:
             self._gpus_box,
             c["strategy"],
             self._per_node_box,
+            self._tp_dropdown,
             self._tokens_slider,
             self._tokens_box,
         )
@@ -455,7 +470,7 @@ class ControlsMixin:
             self._offload_dropdown,
         )
         self._parallel_row = _row(
-            self._gpus_slider, self._gpus_box, c["strategy"], self._per_node_box
+            self._gpus_slider, self._gpus_box, c["strategy"], self._per_node_box, self._tp_dropdown
         )
         gpus = widgets.VBox([_row(c["gpu"], self._custom_box, c["expandable"]), self._parallel_row])
         # No width: a box's children stretch across it; "100%" plus each widget's margin
@@ -484,6 +499,10 @@ class ControlsMixin:
             groups[title] = tuple(_controls_in(child, kinds))
         return groups
 
+    def _tp_options(self: MemoryWidget) -> list[int]:  # type: ignore[misc]
+        """The tensor-parallel degrees up to the GPUs (and the current one)."""
+        return [k for k in TP_CHOICES if k <= self.gpus or k == self.tp]
+
     def _control_moved(self: MemoryWidget, name: str, change: dict[str, Any]) -> None:  # type: ignore[misc]
         """A slider or box of an integer setting moved: set the trait (never feeding back
         while the controls are synced to the traits)."""
@@ -500,6 +519,7 @@ class ControlsMixin:
             self._chunks_dropdown.disabled = bool(self._profile.loss_chunks_refusal)
             self._offload_dropdown.disabled = not self._cuda
             self._budget_dropdown.disabled = self.compile == COMPILE_OFF
+            self._tp_dropdown.disabled = bool(self._tp_refusal)
 
     def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the integer settings on their sliders and boxes without feeding back."""
@@ -519,6 +539,9 @@ class ControlsMixin:
             )
             self._generation_row.layout.display = None if self._generating else "none"
             self._per_node_box.layout.display = None if self.strategy == "hsdp" else "none"
+            if list(self._tp_dropdown.options) != self._tp_options():
+                self._tp_dropdown.options = self._tp_options()
+                self._tp_dropdown.value = self.tp
             self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
             self._sync_lever_choices()
             self._sync_compile_controls()

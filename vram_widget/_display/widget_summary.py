@@ -47,6 +47,8 @@ AT_REST_DELAY_S = 0.15
 DETAILS_TITLE = "Details"
 # how the optimizer steps (estimate's keywords, the widget's traits)
 _STEPPING_SETTINGS = ("optimizer_in_backward", "set_to_none")
+# in place of a search with tp > 1, where each batch or length is a sub-profile of its own
+TP_NOT_SEARCHED = "not searched with tp > 1 (each batch is a profiling run of its own)"
 
 
 class SummaryMixin:
@@ -156,13 +158,19 @@ class SummaryMixin:
         below = self._below_context(capacity)
         key = self._settings_key()
         largest: int | None = self._fit_cache.get(key)
-        # the compiled step is profiled at each batch: no search over the batch
-        compiled = self._compiled
-        if largest is None and (at_rest or below) and not compiled:
+        # the compiled step and a tensor-parallel rank are profiled at each batch: no
+        # search over the batch (the compiled step's note at rest, as its searches would be)
+        note = ""
+        if self._compiled and at_rest:
+            note = NOT_SEARCHED
+        elif self._tensor_parallel:
+            note = TP_NOT_SEARCHED
+        if largest is None and (at_rest or below) and not self._per_batch:
             largest = self.largest_batch()
+        largest_note = "" if below else note
         longest = None
-        longest_note = NOT_SEARCHED if compiled and at_rest else ""
-        if self._profile.has_seq_axis and not below and not compiled:
+        longest_note = note
+        if self._profile.has_seq_axis and not below and not self._per_batch:
             seq_key = (self.batch_size, *self._settings_key("seq_len"))
             longest = self._seq_cache.get(seq_key)
             if seq_key not in self._seq_cache and at_rest:
@@ -186,9 +194,9 @@ class SummaryMixin:
             fit_label=label,
             fits=None if fit_bytes is None else fit_bytes <= capacity,
             largest_batch=largest,
-            largest_batch_note=NOT_SEARCHED if compiled and at_rest and not below else "",
             longest_seq=longest,
             longest_seq_note=longest_note,
+            largest_batch_note=largest_note,
             has_seq_axis=self._profile.has_seq_axis,
             generating=est.generation is not None,
             flops=est.flops,
@@ -281,7 +289,7 @@ class SummaryMixin:
         return self._gpus_cache[key]
 
     def _min_gpus_text(self: MemoryWidget, est: MemoryEstimate) -> str:  # type: ignore[misc]
-        if est.mode is not Mode.TRAIN:
+        if est.mode is not Mode.TRAIN or self._tensor_parallel:  # data-parallel ranks only
             return ""
         card = html.escape(self.target.name)
         try:
@@ -362,7 +370,11 @@ class SummaryMixin:
         if self._parallel_text:
             rows.append(("GPUs needed", self._parallel_text))
         sample = "sequence" if est.generation is not None else "sample"
-        per_sample = NOT_SEARCHED if self._compiled else format_bytes(self.bytes_per_sample())
+        per_sample = (
+            NOT_SEARCHED if self._compiled
+            else TP_NOT_SEARCHED if self._tensor_parallel
+            else format_bytes(self.bytes_per_sample())
+        )  # fmt: skip
         rows.append((f"Memory per extra {sample}", per_sample))
         per = "of the generation" if est.generation is not None else "per step"
         rows.append((f"FLOPs {per}", flops_text(est)))

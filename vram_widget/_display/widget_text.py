@@ -187,6 +187,8 @@ def headline_html(h: Headline) -> str:
             f"<span class='vw-largest'>the capacity is below the CUDA context alone "
             f"({format_bytes(h.below_context_bytes)})</span>"
         )
+    elif h.largest_batch_note:
+        cells.append(f"<span class='vw-largest'>{word} {html.escape(h.largest_batch_note)}</span>")
     elif h.largest_batch == 0:
         cells.append("<span class='vw-largest'>not even batch size 1 fits</span>")
     elif h.largest_batch_note:

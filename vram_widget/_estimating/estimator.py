@@ -164,6 +164,8 @@ class MemoryEstimate:
     strategy: Strategy | None = None
     # the rank estimated where ranks differ (ZeRO's shards): the worst one; None where not
     rank: int | None = None
+    # tensor-parallel ranks among ``gpus`` (1: none): the estimate is one rank's, sharded
+    tp: int = 1
     # NCCL's own buffers on the rank (CUDA, more than one GPU): outside the allocator, so
     # in no total here; shown beside them with the defaults they assume
     nccl: NcclBuffers | None = None

@@ -51,6 +51,7 @@ from .quantized import check_quantized, check_weights_device, int8_outlier_note
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.float8 import Float8
 from .recipe.ignored import warn_ignored
+from .recipe.parallel import check_tensor_parallel, check_tensor_parallel_settings
 from .recipe.recipe import default
 from .recipe.weights import Weights
 from .sharding import (
@@ -112,6 +113,13 @@ class ProfileSource(Protocol):
     ) -> ModelProfile: ...
 
     def float8_profile(self, float8: Float8) -> ModelProfile: ...
+    def tensor_parallel_estimate(
+        self, tp: int, tp_plan: object, recipe: Recipe
+    ) -> MemoryEstimate: ...
+
+    def tensor_parallel_cached(self, tp: int, tp_plan: object, recipe: Recipe) -> bool: ...
+
+    def tensor_parallel_refusal(self, tp: int) -> str | None: ...
 
     def generation(
         self,
@@ -749,6 +757,12 @@ class ModelProfile:
             (:meth:`Recipe.with_ <vram_widget.Recipe.with_>`), e.g.
             ``optimizer_in_backward=True``, ``set_to_none=False``, ``lora_dtype="bf16"``,
             ``context_bytes=...``; an unknown name is a TypeError listing the valid ones.
+            ``tp=k`` (with ``gpus=k``) estimates one of ``k`` tensor-parallel ranks, in
+            training or inference: a meta copy of the model sharded by its own plan (a
+            Hugging Face model's ``base_model_tp_plan``) or ``tp_plan={pattern:
+            ParallelStyle}`` with DTensor on PyTorch's fake process group, profiled once
+            per question (``_profiling/tensor_parallel.py``; docs: the guide on several
+            GPUs).
             ``context_bytes`` (bytes) replaces the CUDA context of
             ``accelerator.cuda_context``'s table, which ``compute_capability`` and
             ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;
@@ -904,6 +918,41 @@ class ModelProfile:
     def _load_asked(recipe: Recipe | None, precision: object, weights: object) -> Recipe:
         return Recipe.from_keywords(recipe, precision=precision, weights=weights)
 
+    def tensor_parallel_refusal(self, tp: int = 2) -> str | None:
+        """Why ``tp`` tensor-parallel ranks cannot be estimated for this model with its own
+        plan (it has none, or ``tp`` does not divide a size the plan shards), or None;
+        checked without profiling.
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> "has no tensor-parallel plan" in profile.tensor_parallel_refusal(2)
+        True
+        """
+        return self._source.tensor_parallel_refusal(tp)
+
+    def tensor_parallel_cached(self, batch_size: int = 1, **settings: Any) -> bool:
+        """Whether :meth:`estimate` with these arguments needs no profiling run: True for
+        ``tp`` = 1 and for settings it refuses at once; with ``tp`` > 1, whether the same
+        question was answered before (each is one rank's sub-profile).
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> profile.tensor_parallel_cached(4, gpus=2)
+        True
+        """
+        try:
+            asked = Recipe.from_keywords(None, batch_size=batch_size, **settings)
+            if asked.parallel.tp == 1:
+                return True
+            plain = _tensor_parallel_question(asked)
+        except (ValueError, TypeError):  # refused at once: nothing is profiled
+            return True
+        return self._source.tensor_parallel_cached(asked.parallel.tp, asked.parallel.tp_plan, plain)
+
     def _parallel_of(self, recipe: Recipe) -> Parallel:
         """The data parallelism a Recipe asks for, its FSDP units resolved to this model."""
         par = recipe.parallel
@@ -958,6 +1007,10 @@ class ModelProfile:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
+        if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)
+            plain = _tensor_parallel_question(recipe)
+            est = self._source.tensor_parallel_estimate(par.tp, par.tp_plan, plain)
+            return dataclasses.replace(est, gpus=par.gpus, tp=par.tp)
         parallel = self._parallel_of(recipe)
         asked_rank = check_rank(par.rank, parallel.gpus)
         if recipe.weights.quantized:
@@ -1883,3 +1936,11 @@ def _largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int
         else:
             hi = mid
     return lo
+
+
+def _tensor_parallel_question(recipe: Recipe) -> Recipe:
+    """The single-rank Recipe a ``tp`` > 1 estimate profiles (its layout and settings
+    checked first, each refusal a ValueError naming it)."""
+    check_tensor_parallel(recipe.parallel)
+    check_tensor_parallel_settings(recipe)
+    return recipe.with_(tp=1, tp_plan=None, gpus=1, rank=None)

@@ -26,6 +26,7 @@ import torch
 
 from .._estimating.compiled import CompileScope
 from .._estimating.levers import repeated_blocks
+from .tensor_parallel import local_part
 
 __all__ = [
     "FORWARD_MARKER",
@@ -165,7 +166,7 @@ def storage_bytes_of(value: Any) -> int:
     seen: dict[int, int] = {}
     for t in output_tensors(value):
         if t.layout is torch.strided:
-            storage = t.untyped_storage()
+            storage = local_part(t).untyped_storage()  # a DTensor's: its local shard's
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(seen.values())
 

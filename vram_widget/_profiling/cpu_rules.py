@@ -41,7 +41,7 @@ import torch
 
 aten = torch.ops.aten
 
-__all__ = ["batch_norm_scratch_bytes", "unallocated_outputs"]
+__all__ = ["batch_norm_scratch_bytes", "gloo_staging_bytes", "unallocated_outputs"]
 
 # Forward ops whose CPU kernel is batch_norm_cpu_out; the input is argument 0.
 _BATCH_NORM_FORWARD = frozenset(
@@ -131,3 +131,41 @@ def batch_norm_scratch_bytes(func: Any, args: tuple[Any, ...]) -> int:
         # the first grad_input (empty_like(input)), freed when the second replaces it
         return x.numel() * x.element_size()
     return 0
+
+
+def _reduce_scatters() -> frozenset[Any]:
+    try:
+        ops = torch.ops._c10d_functional
+        return frozenset(
+            {ops.reduce_scatter_tensor.default, ops.reduce_scatter_tensor_coalesced.default}
+        )
+    except (AttributeError, RuntimeError):  # a torch built without distributed
+        return frozenset()
+
+
+# Functional reduce-scatters (DTensor's Partial -> Shard redistribution); argument 0 is the
+# input tensor (or the list of them)
+_REDUCE_SCATTERS = _reduce_scatters()
+
+
+def gloo_staging_bytes(func: Any, args: tuple[Any, ...]) -> int:
+    """The bytes gloo (the CPU backend) stages for a functional reduce-scatter, else 0.
+
+    ``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` (torch/csrc/distributed/c10d/
+    ProcessGroupGloo.cpp) allreduces a clone of each whole input
+    (``buffers.push_back(inputTensors[i].clone())``), allocated after the output
+    (``_c10d_functional``'s kernel makes the output first) and freed with the work, at the
+    ``wait_tensor`` of the output. NCCL's reduce-scatter stages nothing of the kind.
+
+    Examples
+    --------
+    >>> x = torch.zeros(8, 4)
+    >>> gloo_staging_bytes(torch.ops._c10d_functional.reduce_scatter_tensor.default, (x,))
+    128
+    >>> gloo_staging_bytes(torch.ops.aten.add.Tensor, (x, x))
+    0
+    """
+    if func not in _REDUCE_SCATTERS:
+        return 0
+    inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    return sum(t.numel() * t.element_size() for t in inputs)

@@ -580,6 +580,17 @@ class DiskCachedSource:
         # wrapped structure holds the rank, the targets and the adapters' dtypes)
         return self.inner.lora_profile(rank, targets, *args)
 
+    def tensor_parallel_estimate(self, *args: Any) -> Any:
+        # one rank's sub-profile under a fake process group, made by the wrapped source
+        return self.inner.tensor_parallel_estimate(*args)
+
+    def tensor_parallel_cached(self, *args: Any) -> bool:
+        return bool(self.inner.tensor_parallel_cached(*args))
+
+    def tensor_parallel_refusal(self, tp: int) -> str | None:
+        refusal: str | None = self.inner.tensor_parallel_refusal(tp)
+        return refusal
+
     def quantized_profile(self, *args: Any) -> Any:
         # a profile of bitsandbytes' quantized meta copy, made by the wrapped source
         return self.inner.quantized_profile(*args)

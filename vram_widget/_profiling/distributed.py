@@ -71,6 +71,7 @@ def _rank_main(
     # rank computes on one thread, as DataLoader workers do (torch/utils/data/_utils/
     # worker.py, _worker_loop: torch.set_num_threads(1)).
     torch.set_num_threads(1)
+    _one_gloo_worker()
     _collectives_release_on_caller()
     code = 0
     try:
@@ -93,30 +94,122 @@ def _rank_main(
 
 
 def _collectives_release_on_caller() -> None:
-    """Make this rank's blocking FSDP2 collectives drop their buffers on the calling thread.
+    """Make this rank's collectives drop their buffers on the calling thread.
 
-    A blocking collective's ``Work`` holds its tensors (and gloo's staging copies), and a
-    gloo worker thread holds the ``Work`` until it has finished it. Where the caller lets go
-    first, the worker frees the buffers, and the profiler, which records the calling
-    thread, never sees the free: the rest of the step reads a buffer more. So a blocking
-    call waits for its work, gives the worker a moment to let go, and drops it here."""
+    A collective's ``Work`` holds its tensors (and gloo's staging copies: a reduce-scatter
+    allreduces a clone of its whole input, ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``
+    in torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), and the gloo worker thread that
+    ran it holds the ``Work`` until it has finished its loop turn (``runLoop``: the work is
+    marked complete, then ``workInProgress_[workerIndex].reset()``). Where the caller lets
+    go first, the worker frees the buffers, and the profiler, which records the calling
+    thread, never sees the free: the rest of the step reads a buffer more, at random.
+
+    So the group runs one worker thread (:func:`_one_gloo_worker`), and after each
+    collective the caller waits for a fence queued behind it (:func:`_fence`): once the
+    fence is done, the one worker has finished the collective's turn and dropped it, and
+    the caller's own reference is the last. Blocking FSDP2 calls drop theirs at once; a
+    functional collective's (DTensor's) is dropped where ``wait_tensor`` unregisters it,
+    at the first use of its result, as without this."""
+    import inspect
+
     import torch.distributed as dist
 
     def blocking(collective: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(collective)
+
         def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
             work = collective(*args, async_op=True, **kwargs)
             if async_op:
                 return work
             work.wait()
-            time.sleep(0.002)
+            _fence(signature.bind_partial(*args, **kwargs).arguments.get("group"))
             del work
             return None
 
         return call
 
-    for name in ("all_gather_single", "reduce_scatter_single"):
+    _FENCE_ALL_REDUCE.append(dist.all_reduce)
+    # FSDP2's (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) and those a
+    # tensor-parallel plan calls itself (transformers' rowwise layers: dist.all_reduce)
+    for name in (
+        "all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor",
+        "reduce_scatter_tensor", "broadcast",
+    ):  # fmt: skip
         if hasattr(dist, name):
             setattr(dist, name, blocking(getattr(dist, name)))
+    namespace = torch.ops._c10d_functional
+    for name in _FUNCTIONAL_COLLECTIVES:
+        if hasattr(namespace, name):
+            setattr(namespace, name, _SettledCollective(getattr(namespace, name)))
+
+
+# torch.distributed._functional_collectives' ops (torch.ops._c10d_functional), each
+# taking its group's name as its last argument
+_FUNCTIONAL_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+)
+
+
+class _SettledCollective:
+    """A functional collective's op that returns once gloo's worker has let go of its
+    ``Work`` (a fence queued behind it is done); its result is waited as before."""
+
+    def __init__(self, packet: Any) -> None:
+        self._packet = packet
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._C._distributed_c10d import _resolve_process_group
+
+        out = self._packet(*args, **kwargs)
+        _fence(_resolve_process_group(kwargs.get("group_name", args[-1])))
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # .default and the packet's other overloads
+        return getattr(self._packet, name)
+
+
+_FENCES: dict[int, torch.Tensor] = {}
+# torch.distributed.all_reduce as it was before _collectives_release_on_caller wrapped it
+_FENCE_ALL_REDUCE: list[Callable[..., Any]] = []
+
+
+def _fence(group: Any) -> None:
+    """A blocking all-reduce of one byte on ``group`` (None: the default group), queued
+    behind the collectives before it; the byte is allocated once per group, before any
+    measured step (``dist.barrier`` on gloo allocates and frees one byte at every call,
+    measured here: an event inside the step)."""
+    key = id(group)
+    if key not in _FENCES:
+        _FENCES[key] = torch.zeros(1, dtype=torch.uint8)
+    _FENCE_ALL_REDUCE[0](_FENCES[key], group=group)
+
+
+def _one_gloo_worker() -> None:
+    """Build this rank's gloo groups with one worker thread (the default is 2:
+    ``ProcessGroupGloo._Options()._threads`` in torch 2.13): its collectives then finish,
+    and are dropped by the worker, in the order they were queued, which
+    :func:`_collectives_release_on_caller` relies on."""
+    import torch.distributed.distributed_c10d as c10d
+
+    gloo = c10d.ProcessGroupGloo
+
+    class OneWorker(gloo):  # type: ignore[misc, valid-type]
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any = None) -> None:
+            options = gloo._Options()  # type: ignore[attr-defined]
+            if timeout is not None:
+                options._timeout = timeout
+            options._devices = [gloo.create_default_device()]
+            options._threads = 1
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneWorker  # type: ignore[misc]
 
 
 def run_ranks(fn: Callable[[int, int], _T], world_size: int, timeout_s: float = 600.0) -> list[_T]:

@@ -32,6 +32,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .tensor_parallel import DTENSOR_TYPES
+
 # torch.Tag.inplace arrived after 2.11 (native_functions.yaml tags); where it is missing, an
 # in-place op is one whose schema writes its first argument in place (``Tensor(a!) self``)
 # under a trailing-underscore name, the convention native_functions.yaml follows.
@@ -244,6 +246,8 @@ class MetaShortcuts(TorchDispatchMode):
         self._outputs: dict[tuple[object, ...], list[tuple[Any, ...]] | None] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t in DTENSOR_TYPES for t in types):
+            return NotImplemented  # a DTensor's op: its local shards come back here
         kwargs = kwargs or {}
         if _meta_only(args, kwargs.values()) is not True:
             return func(*args, **kwargs)

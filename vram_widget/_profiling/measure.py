@@ -146,6 +146,8 @@ class Measurement:
     gpus: int = 1
     strategy: Strategy | None = None
     rank_peak_bytes: tuple[int, ...] = ()
+    # tensor-parallel ranks among ``gpus`` (1: none; strategy is None then)
+    tp: int = 1
     # mode="generate": the new tokens generated after the prompt
     new_tokens: int | None = None
     # with snapshot=True on CUDA: torch.cuda.memory._snapshot() recorded over the measured
@@ -218,6 +220,8 @@ def measure(
     strategy: str | Strategy = default("ddp"),
     gpus_per_node: int = default(DEFAULT_GPUS_PER_NODE),
     fsdp_units: object = default(None),
+    tp: int = default(1),
+    tp_plan: object = default(None),
     timeout_s: float = 600.0,
     new_tokens: int | None = default(None),
     optimizer_in_backward: bool = default(False),
@@ -316,6 +320,14 @@ def measure(
         (``"hsdp"``: a 2-D mesh of nodes x ``gpus_per_node``, sharded within a node).
     gpus_per_node, fsdp_units : int, str or list of str
         As ``ModelProfile.estimate`` takes them (FSDP2's mesh and units).
+    tp, tp_plan : int, dict
+        Tensor parallelism on ``gpus = tp`` gloo ranks, training or inference: each rank
+        shards a meta copy of the model by the model's own plan (a Hugging Face model's
+        ``base_model_tp_plan``, applied by transformers) or ``tp_plan`` (module patterns ->
+        ``torch.distributed.tensor.parallel`` styles, by ``parallelize_module``) on a 1-D
+        CPU mesh, and measures its own step; ``rank_peak_bytes`` holds
+        each rank's. The layout and the plan are checked before any rank starts
+        (``tensor_parallel.resolve_plan``).
     new_tokens : int, optional
         With ``mode="generate"``: Hugging Face's ``model.generate(do_sample=False,
         max_new_tokens=new_tokens, min_new_tokens=new_tokens)`` on the prompt ``inputs``
@@ -432,6 +444,7 @@ def measure(
             "float8": float8,
             "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
+            "tp": tp, "tp_plan": tp_plan,
             "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
             "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
@@ -491,7 +504,9 @@ def measure(
     protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
     carry = Step(carried_scalars=carried_scalars).carried_scalars  # checked as the Recipe does
     decay_split = parse_option(ParamGroups, param_groups, "param_groups") is ParamGroups.DECAY_SPLIT
-    if parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN:
+    tp_setup = _tensor_parallel_setup(model, settings, gpus, strategy, mode)
+    distributed = parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN
+    if tp_setup is not None or distributed:
         if (
             stepping != (False, True)
             or protocol != (False, False, None)
@@ -509,7 +524,7 @@ def measure(
             )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
-            levers,
+            levers, tp_setup, parse_option(Mode, mode, "mode"),
         )  # fmt: skip
     return _measure(
         model,
@@ -595,8 +610,11 @@ def _measure_ranks(
     precision: Any,
     grad_accumulation: int,
     levers: dict[str, Any],
+    tp_setup: RankSetup | None = None,
+    mode: Mode = Mode.TRAIN,
 ) -> Measurement:
-    """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``)."""
+    """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``): each wraps
+    its copy as the strategy's library does, or shards it by ``tp_setup``'s plan."""
     from .distributed import SETUPS, run_ranks
 
     if _model_device(model).type != "cpu":
@@ -608,7 +626,7 @@ def _measure_ranks(
     # the settings' own errors here, before any rank starts
     parse_optimizer_choice(optimizer)
     parse_option(Precision, precision, "precision")
-    setup = SETUPS.get(parallel.strategy)
+    setup = tp_setup or SETUPS.get(parallel.strategy)
     if setup is None:
         raise ValueError(
             f"measure cannot set up strategy {parallel.strategy.value!r} yet; it runs "
@@ -617,7 +635,7 @@ def _measure_ranks(
 
     def rank_step(_rank: int, _world: int) -> Measurement:
         return _measure(
-            model, inputs, loss_fn, optimizer, precision, Mode.TRAIN, grad_accumulation,
+            model, inputs, loss_fn, optimizer, precision, mode, grad_accumulation,
             setup=setup, parallel=parallel, **levers,
         )[0]  # fmt: skip
 
@@ -626,9 +644,37 @@ def _measure_ranks(
     return dataclasses.replace(
         worst,
         gpus=parallel.gpus,
-        strategy=parallel.strategy,
+        strategy=None if tp_setup is not None else parallel.strategy,
+        tp=parallel.gpus if tp_setup is not None else 1,
         rank_peak_bytes=tuple(m.peak_bytes for m in ranks),
     )
+
+
+def _tensor_parallel_setup(
+    model: torch.nn.Module, settings: dict[str, Any], gpus: int, strategy: Any, mode: Any
+) -> RankSetup | None:
+    """The rank setup of ``tp > 1`` (``tensor_parallel.rank_setup``), its layout and plan
+    checked before any rank starts; None for ``tp=1``."""
+    from .._estimating.recipe.parallel import ParallelSettings, check_tensor_parallel
+    from .tensor_parallel import rank_setup, resolve_plan
+
+    tp = settings["tp"]
+    if tp == 1 and settings["tp_plan"] is None:
+        return None
+    par = ParallelSettings(gpus=gpus, strategy=strategy, tp=tp)
+    check_tensor_parallel(par)
+    if tp == 1:
+        raise ValueError("tp_plan is the plan of tp > 1 ranks: give tp=... too")
+    if parse_option(Mode, mode, "mode") is Mode.GENERATE:
+        raise ValueError("mode='generate' is measured on one device (gpus=1), without tp")
+    refused = [k for k in ("lora_rank",) if settings[k] is not None]
+    refused += ["weights"] if parse_weights(settings["weights"]).quantized else []
+    if refused:
+        raise ValueError(
+            f"tp={tp} with {', '.join(refused)}: not measured with tensor parallelism yet; "
+            "leave tp at 1 for these"
+        )
+    return rank_setup(resolve_plan(model, tp, settings["tp_plan"]))
 
 
 def _measure(
@@ -718,9 +764,8 @@ def _measure(
             # backward made them ready, in the second iteration's forward (new buckets
             # allocated, the old ones freed: reducer.cpp, Reducer::rebuild_buckets), so a
             # wrapped rank is steady from its third iteration.
-            resident, trace = _run_cpu(
-                session, warmups=1 if setup is None else 2, repeats=1 if setup is None else 3
-            )
+            repeats = 1 if setup is None else 3
+            resident, trace = _run_cpu(session, warmups=1 if setup is None else 2, repeats=repeats)
             peak = resident + trace.peak_above_start()
             reserved = None
             if run_mode is Mode.TRAIN and setup is None:
@@ -921,9 +966,9 @@ def _run_cpu(
 ) -> tuple[int, _CpuTrace]:
     """Run ``warmups`` iterations and ``repeats`` measured ones under the profiler; return
     the resident bytes and the trace. A distributed rank measures three steady iterations
-    and keeps the median peak: gloo's worker threads drop some collective buffers (a flat
-    all-gather output, a reduce-scatter input) where the profiler does not see it, so one
-    iteration in a few reads a buffer more, or a free of the previous one, at random."""
+    and keeps the median peak. Its collectives free their buffers on this thread, where
+    the profiler sees them (``distributed._collectives_release_on_caller``), so the three
+    agree; the median keeps one stray step from deciding."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if torch.autograd.profiler._is_profiler_enabled:

@@ -27,6 +27,8 @@ MEASURED_SETTINGS = (
     "strategy",
     "gpus_per_node",
     "fsdp_units",
+    "tp",
+    "tp_plan",
     "new_tokens",
     "optimizer_in_backward",
     "set_to_none",

@@ -127,6 +127,14 @@ from .step import (
     training_iteration,
 )
 from .stepping import OptimizerInBackward, zero_grads_in_place
+from .tensor_parallel import (
+    fake_process_group,
+    is_dtensor,
+    local_part,
+    local_shard_like,
+    parallelized,
+    resolve_plan,
+)
 from .torchao_weights import fake_torchao_weight, is_torchao_weight, torchao_copy, torchao_inner
 
 LOSS_ROW_NAME = "(loss)"
@@ -279,6 +287,9 @@ class Subject:
                 continue
             if is_nf4_weight(p):  # torchao's NF4Tensor, as torchtune's QLoRA (nf4_torchao.py)
                 params[name] = fake_nf4_weight(p, dtype)
+                continue
+            if is_dtensor(p):  # a tensor-parallel rank's shard (tensor_parallel.py)
+                params[name] = local_shard_like(p, dtype, real, device)
                 continue
             if real:
                 t = p.detach().to(device="cpu", dtype=dtype, copy=True)
@@ -510,6 +521,7 @@ class Profiler:
             cpu_semantics=subject.device is Device.CPU,
             count_flops=flops,
         )
+        rec.meta_is_shape_only = any(is_dtensor(p) for p in params.values())
         # a torchao weight is a size-only wrapper: its inner tensors are the memory
         inner = {n: torchao_inner(p) for n, p in params.items()}
         plain = [
@@ -1047,6 +1059,7 @@ class Profiler:
             # (torchao/optim/adam.py, ``state["step"] = torch.tensor(0.0)``).
             if cuda and not fused and key == "step" and value.dim() == 0:
                 continue
+            value = local_part(value)  # a tensor-parallel rank's state: its shard
             st = value.untyped_storage()
             if cuda and is_paged_state(opt, p, key):
                 # CUDA unified memory, outside the caching allocator (optimizers module)
@@ -1107,6 +1120,8 @@ class _Source:
         self._reduced: dict[int, _Source] = {}
         # (precision, mode, levers, length) whose runs the few-block copies do not give
         self._not_repeated: set[tuple[Any, ...]] = set()
+        # (tp, the plan's id, the single-rank Recipe) -> (the plan, one rank's estimate)
+        self._tensor_parallel: dict[tuple[Any, ...], tuple[object, Any]] = {}
 
     def timeline(
         self,
@@ -1569,6 +1584,50 @@ class _Source:
         if weights.quantized:
             quantized_modules(model, weights)
         return load_layout(model, dtype, weights)
+
+    def tensor_parallel_estimate(self, tp: int, tp_plan: object, recipe: Any) -> Any:
+        """One of ``tp`` tensor-parallel ranks' estimate of ``recipe``: a meta copy of the
+        model sharded by its plan (``tensor_parallel.resolve_plan``, checked first) with
+        DTensor on a fake process group, profiled as a sub-profile while the group is up;
+        the group is destroyed after, whatever happens. Kept per (tp, plan, recipe)."""
+        try:  # the same question again (a widget's redraw): the same answer
+            key: Any = (tp, id(tp_plan), recipe)
+            cached = self._tensor_parallel.get(key)
+        except TypeError:  # a setting that cannot be hashed (a callable's closure...)
+            key, cached = None, None
+        if cached is not None:
+            return cached[1]
+        estimate = self._tensor_parallel_estimate(tp, tp_plan, recipe)
+        if key is not None:  # the plan is held with it: its id is not reused meanwhile
+            self._tensor_parallel[key] = (tp_plan, estimate)
+        return estimate
+
+    def tensor_parallel_cached(self, tp: int, tp_plan: object, recipe: Any) -> bool:
+        """Whether :meth:`tensor_parallel_estimate` has this answer kept."""
+        try:
+            return (tp, id(tp_plan), recipe) in self._tensor_parallel
+        except TypeError:  # a setting that cannot be hashed: never kept
+            return False
+
+    def tensor_parallel_refusal(self, tp: int) -> str | None:
+        """Why the model's own plan cannot shard it over ``tp`` ranks, or None."""
+        try:
+            resolve_plan(self.profiler.subject.model, tp)
+        except (ValueError, TypeError) as exc:
+            return str(exc)
+        return None
+
+    def _tensor_parallel_estimate(self, tp: int, tp_plan: object, recipe: Any) -> Any:
+        subject = self.profiler.subject
+        plan = resolve_plan(subject.model, tp, tp_plan)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
+            with fake_process_group(tp) as mesh:
+                copy_ = parallelized(meta_copy(subject.model), plan, mesh)
+                # not cached: the profile key does not read the mesh
+                sub = self._sub_profile(copy_, cache=False)
+                return sub._estimate(recipe)
 
     def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:
         """A deferred profile of a meta copy of the model (LoRA's, the quantized one) with

@@ -21,7 +21,7 @@ import torch
 
 from .._estimating.options import CATEGORY_CODE, PHASE_CODE, Category, Phase
 from .compiled_graphs import graph_running
-from .cpu_rules import batch_norm_scratch_bytes, unallocated_outputs
+from .cpu_rules import batch_norm_scratch_bytes, gloo_staging_bytes, unallocated_outputs
 from .fake import (
     TorchDispatchMode,
     current_autograd_node_name,
@@ -32,6 +32,7 @@ from .fake import (
 )
 from .flops import op_flops
 from .probe import KernelProbe, wants_probe
+from .tensor_parallel import DTENSOR_TYPES, WAITS_RETURN_INPUT, local_part
 
 _TEMPORARY = CATEGORY_CODE[Category.TEMPORARY]
 _ACTIVATION = CATEGORY_CODE[Category.ACTIVATION]
@@ -161,12 +162,18 @@ class Recorder(TorchDispatchMode):
         # CPU: a Python number autograd keeps for backward (``x * 0.5``), by the sequence
         # number of the node that keeps it -> its storage id (see _kept_scalar_bytes)
         self._kept_scalars: dict[int, int] = {}
+        # CPU: gloo's staging copy of a reduce-scatter's input, by the storage of the
+        # collective's output -> its storage id, freed at that output's wait_tensor
+        self._gloo_staged: dict[int, int] = {}
         self._recompute_depth = 0  # inside a checkpointed forward's re-run (recompute_region)
         self.model_returned = False  # the root module's forward has returned
         # (exception key, row, input shapes) of the innermost module a forward raised from
         self.failure: tuple[tuple[int, str, str], int, str] | None = None
         # (exception key, op) of the op whose kernel raised, if one did
         self.failed_op: tuple[tuple[int, str, str], str] | None = None
+        # a tensor-parallel run (tensor_parallel.py): outputs on the meta device are shapes
+        # only (DTensor takes a global stride from a meta tensor), not memory
+        self.meta_is_shape_only = False
 
     # -- storages -------------------------------------------------------------------------
     def register_resident(
@@ -179,7 +186,7 @@ class Recorder(TorchDispatchMode):
         row_iter = iter(rows)
         for t in tensors:
             row = next(row_iter, -1)
-            st = t.untyped_storage()
+            st = local_part(t).untyped_storage()
             key = id(st)
             if key in self._live:
                 ids.append(self._live[key])
@@ -459,7 +466,7 @@ class Recorder(TorchDispatchMode):
 
     # -- autograd -------------------------------------------------------------------------
     def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
-        sid = self._live.get(id(t.untyped_storage()))
+        sid = self._live.get(id(local_part(t).untyped_storage()))
         if sid is not None:
             self.storages[sid].saved = True
         return t
@@ -491,6 +498,11 @@ class Recorder(TorchDispatchMode):
         return row
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t in DTENSOR_TYPES for t in types):
+            # A tensor-parallel rank's op (tensor_parallel.py): DTensor runs it on the local
+            # shards, which come back through this mode and are recorded there; the
+            # DTensor's own storage stands for the global tensor, not for memory.
+            return NotImplemented
         kwargs = kwargs or {}
         if self._pending_sum is not None:
             self._settle_pending_sum()
@@ -502,6 +514,10 @@ class Recorder(TorchDispatchMode):
                 out = _ANY_DTYPE_OPS[func](func, args, kwargs)
             else:
                 out = func(*args, **kwargs)
+            if func in WAITS_RETURN_INPUT:
+                # eager wait_tensor returns the tensor it waited on; its fake kernel, a new
+                # one of the same shape
+                out = args[0]
         except Exception as exc:
             self.failed_op = (_exception_key(exc), str(func))
             raise
@@ -532,7 +548,9 @@ class Recorder(TorchDispatchMode):
         # CPU semantics: outputs the CPU kernel leaves undefined cost nothing (cpu_rules)
         unallocated = unallocated_outputs(func, args) if self.cpu_semantics else frozenset()
         for position, t in enumerate(_leaves(out)):
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or (
+                self.meta_is_shape_only and t.device.type == "meta"
+            ):
                 continue
             st = t.untyped_storage()
             key = id(st)
@@ -566,6 +584,7 @@ class Recorder(TorchDispatchMode):
             if scratch:  # allocated and freed inside the call, beside its outputs
                 self._emit(self._allocated_untracked(scratch, row), -scratch, row)
             self._count_host_scalars(func, args, out, row)
+            self._gloo_staging(func, args, out, row)
         flops = op_flops(func, args, kwargs, out) if self.count_flops else 0
         if flops:
             if self.phase == _BACKWARD:
@@ -575,6 +594,19 @@ class Recorder(TorchDispatchMode):
         if not self.uses_matmul and _is_matmul(func):
             self.uses_matmul = True
         return out
+
+    def _gloo_staging(self, func: Any, args: tuple[Any, ...], out: Any, row: int) -> None:
+        """CPU: the staging copy gloo makes for a reduce-scatter (``cpu_rules.
+        gloo_staging_bytes``), allocated after its output and freed at its wait."""
+        staged = gloo_staging_bytes(func, args)
+        if staged:
+            first = out[0] if isinstance(out, (list, tuple)) else out
+            key = id(local_part(first).untyped_storage())
+            self._gloo_staged[key] = self._allocated_untracked(staged, row)
+        elif func in WAITS_RETURN_INPUT and self._gloo_staged:
+            sid = self._gloo_staged.pop(id(local_part(args[0]).untyped_storage()), None)
+            if sid is not None:
+                self._emit(sid, -self.storages[sid].nbytes, row)
 
     def _allocated_untracked(self, nbytes: int, row: int) -> int:
         """A storage no tensor of the run stands for (a wrapped number, a kernel's scratch),

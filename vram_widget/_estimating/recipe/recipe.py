@@ -97,6 +97,8 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "rank": ("parallel", "rank"),
     "gpus_per_node": ("parallel", "gpus_per_node"),
     "fsdp_units": ("parallel", "fsdp_units"),
+    "tp": ("parallel", "tp"),
+    "tp_plan": ("parallel", "tp_plan"),
     "new_tokens": ("generation", "new_tokens"),
     "weights": ("weights", ""),
     "float8": ("float8", ""),

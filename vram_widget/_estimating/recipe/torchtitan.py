@@ -45,7 +45,15 @@ Refactor: TOML to Python Dataclass Registry"), which this reader does not run.
   ``"zero2"`` where ``fsdp_reshard_after_forward="never"``; "default" reshards unless
   pipeline parallelism is on, ``apply_fsdp`` in ``torchtitan/models/llama3/infra/
   parallelize.py``), replicate > 1 alone DDP, both HSDP (sharded within groups of the shard
-  degree: ``gpus_per_node``). Tensor, pipeline, context and expert parallelism degrees > 1
+  degree: ``gpus_per_node``). ``tensor_parallel_degree`` k > 1 is our ``tp=k`` on
+  ``gpus=k``, sharded by the model's own plan (torchtitan 0.3.0's ``ParallelismConfig``,
+  ``torchtitan/config/configs.py``); with data parallelism beside it, refused (not
+  estimated yet). Under ``tp``, torchtitan's sequence parallelism
+  (``enable_sequence_parallel``, on by default) and its vocabulary-parallel loss
+  (``_LossParallelCrossEntropy``, ``torchtitan/components/loss.py``; 0.2's
+  ``disable_loss_parallel=false``) are listed as ignored, as is async tensor parallelism
+  (``compile.enable_async_tensor_parallel`` in 0.3.0, ``parallelism.`` in 0.2; it needs
+  torch.compile, which is listed too). Pipeline, context and expert parallelism degrees > 1
   are listed as ignored (each rank's step is estimated as a data-parallel one).
 - ``[model]`` ``name`` / ``flavor``: listed; the model estimated is the one profiled.
   ``converters`` (float8, mx): listed as not estimated. ``[compile]`` ``enable``: listed
@@ -81,6 +89,7 @@ _PARALLEL_DEFAULTS: dict[str, Any] = {
     "data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1,
     "fsdp_reshard_after_forward": "default", "tensor_parallel_degree": 1,
     "pipeline_parallel_degree": 1, "context_parallel_degree": 1, "expert_parallel_degree": 1,
+    "enable_sequence_parallel": True,
 }  # fmt: skip
 
 # optimizer.name -> ours (build_optimizers' optimizer_classes, components/optimizer.py);
@@ -123,7 +132,7 @@ _KNOWN: dict[str, frozenset[str]] = {
         "name", "flavor", "hf_assets_path", "tokenizer_path", "converters",
         "print_after_conversion",
     }),
-    "compile": frozenset({"enable", "components", "backend"}),
+    "compile": frozenset({"enable", "components", "backend", "enable_async_tensor_parallel"}),
 }  # fmt: skip
 # the step's loop settings, estimated on one device only (as the other readers do)
 _LOOP_SETTINGS = ("outputs", "loss_scaled", "clip_grad_norm")
@@ -142,7 +151,9 @@ def read_torchtitan(config: object, gpus: int | None = None) -> Recipe:
         held = "parameters, gradients and optimizer state held on the host"
         raise refuse(SOURCE, "training.enable_cpu_offload", held)
     parallel = _parallel(sections["parallelism"], gpus, ignored)
-    dp_degree = parallel["gpus"]
+    if parallel.get("tp", 1) > 1:
+        _tensor_parallel(sections["parallelism"], sections["compile"], ignored)
+    dp_degree = parallel["gpus"] // parallel.get("tp", 1)
     settings: dict[str, Any] = {
         **parallel,
         "batch_size": _positive_int(training, "training", "local_batch_size"),
@@ -162,10 +173,11 @@ def read_torchtitan(config: object, gpus: int | None = None) -> Recipe:
             f"training.max_norm={training['max_norm']!r} with optimizer.early_step_in_backward "
             "(each gradient is stepped and freed in the backward: nothing is left to clip)"
         )
-    if dp_degree > 1:
+    if parallel["gpus"] > 1:
         loop = [k for k in _LOOP_SETTINGS if settings.pop(k, None) is not None]
         ignored.append(
-            f"the training loop ({', '.join(loop)}) across {dp_degree} GPUs: each rank's step is "
+            f"the training loop ({', '.join(loop)}) across {parallel['gpus']} GPUs: each rank's "
+            "step is "
             "estimated as a plain loop's (outputs kept through the backward, no clipping)"
         )
     _model_and_compile(sections["model"], sections["compile"], ignored)
@@ -254,6 +266,7 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
             "(torchtitan asserts dp_replicate * dp_shard * cp * tp * pp == WORLD_SIZE); give "
             "gpus equal to their product, or data_parallel_shard_degree = -1"
         )
+    tp = others.pop("tensor_parallel_degree")
     for key, degree in [*others.items(), ("expert_parallel_degree", expert)]:
         if degree > 1:
             ignored.append(
@@ -261,6 +274,16 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
                 "a data-parallel one over the whole model)"
             )
     dp = replicate * shard
+    if tp > 1:
+        if dp > 1:
+            raise refuse(
+                SOURCE,
+                f"parallelism.tensor_parallel_degree={tp} with {dp} data-parallel ranks",
+                "data parallelism over tensor-parallel ranks is not estimated yet; set "
+                "data_parallel_shard_degree = 1 and data_parallel_replicate_degree = 1 to "
+                "estimate one tensor-parallel group",
+            )
+        return {"gpus": tp, "tp": tp}
     if dp == 1:
         return {"gpus": 1}
     if shard == 1:
@@ -281,6 +304,29 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
     # "default": reshard_after_forward = not pp_enabled (apply_fsdp)
     never = reshard == "never" or (reshard == "default" and others["pipeline_parallel_degree"] > 1)
     return {"gpus": dp, "strategy": "zero2" if never else "zero3"}
+
+
+def _tensor_parallel(
+    section: Mapping[str, Any], compile_: Mapping[str, Any], ignored: list[str]
+) -> None:
+    """What torchtitan's tensor parallelism does that ``tp`` (the model's own plan) does
+    not, listed (module docstring)."""
+    if section.get("enable_sequence_parallel", True):
+        ignored.append(
+            "parallelism.enable_sequence_parallel=True (torchtitan's sequence-parallel "
+            "norms; the estimate shards by the model's own plan)"
+        )
+    if not section.get("disable_loss_parallel", False):
+        ignored.append(
+            "torchtitan's vocabulary-parallel loss under tensor parallelism (the estimate "
+            "computes the loss on the model's own output)"
+        )
+    for where, values in (("compile", compile_), ("parallelism", section)):
+        if values.get("enable_async_tensor_parallel", False):
+            ignored.append(
+                f"{where}.enable_async_tensor_parallel=True (async tensor parallelism's "
+                "collectives, pipelined with the matmuls by torch.compile)"
+            )
 
 
 def _accumulation(training: Mapping[str, Any], dp_degree: int) -> int:
