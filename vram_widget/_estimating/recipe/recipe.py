@@ -98,6 +98,9 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "fsdp_units": ("parallel", "fsdp_units"),
     "tp": ("parallel", "tp"),
     "tp_plan": ("parallel", "tp_plan"),
+    "pp": ("parallel", "pp"),
+    "pp_schedule": ("parallel", "pp_schedule"),
+    "microbatches": ("parallel", "microbatches"),
     "new_tokens": ("generation", "new_tokens"),
     "weights": ("weights", ""),
 }
