@@ -254,11 +254,27 @@ class LiveBytes(TorchDispatchMode):
     counted once from their first sight until their Python object dies (fake tensors keep
     one storage object per storage, as ``torch.distributed._tools.mem_tracker`` relies on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: Any = None) -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
         self._seen: Any = torch.utils.weak.WeakIdKeyDictionary()
+        self.probe = probe  # a probe.KernelProbe: CPU kernels' workspaces (device="cpu")
+        self._probed: list[tuple[int, Any]] = []  # (live bytes after the call, signature)
+
+    def reset_peak(self) -> None:
+        """Count the peak from now on."""
+        self.peak_bytes = self.live_bytes
+        self._probed.clear()
+
+    def peak_with_workspaces(self) -> int:
+        """The peak, where a CPU kernel's workspace (measured once per call signature by the
+        probe on real zero tensors, ``probe.py``) lives beside what was live at its call."""
+        assert self.probe is not None
+        peak = self.peak_bytes
+        for live, sig in self._probed:
+            peak = max(peak, live + max(self.probe.workspace_bytes(sig), 0))
+        return peak
 
     def track(self, t: object) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -276,9 +292,14 @@ class LiveBytes(TorchDispatchMode):
         self.live_bytes -= nbytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        from .probe import wants_probe
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             self.track(t)
+        if self.probe is not None and wants_probe(func, args):
+            self._probed.append((self.live_bytes, self.probe.request(func, args, kwargs)))
         return out
 
 
@@ -355,7 +376,9 @@ def stage_peak(
                     table[name] = memo[id(t)]
         fake_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="cpu") for k, v in inputs.items()}
     config = model.config
-    counter = LiveBytes()
+    from .probe import KernelProbe
+
+    counter = LiveBytes(KernelProbe())
     with fake_process_group(pp, rank=stage), mode:
         rank = _rank(
             module, stage, pp, schedule, microbatches, fake_inputs, optimizer,
@@ -369,10 +392,10 @@ def stage_peak(
             rank.iterate()
             gc.collect()
             resident = counter.live_bytes
-            counter.peak_bytes = resident
+            counter.reset_peak()
             rank.iterate()
         params = sum(p.untyped_storage().nbytes() for p in set(module.parameters()))
-        return StagePeak(counter.peak_bytes, resident, params)
+    return StagePeak(counter.peak_with_workspaces(), resident, params)
 
 
 def measure_stage(
