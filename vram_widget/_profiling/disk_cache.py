@@ -584,6 +584,10 @@ class DiskCachedSource:
         # one rank's sub-profile under a fake process group, made by the wrapped source
         return self.inner.tensor_parallel_estimate(*args)
 
+    def pipeline_stage_peaks(self, *args: Any) -> Any:
+        # each pipeline stage's step on fake tensors, run by the wrapped source
+        return self.inner.pipeline_stage_peaks(*args)
+
     def quantized_profile(self, *args: Any) -> Any:
         # a profile of bitsandbytes' quantized meta copy, made by the wrapped source
         return self.inner.quantized_profile(*args)
