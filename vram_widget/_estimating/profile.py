@@ -860,7 +860,7 @@ class ModelProfile:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
-        if par.pp > 1:  # each stage's step on fake tensors (pipeline_parallel.py)
+        if par.pp > 1 or par.microbatches is not None:  # each stage on fake tensors
             return self._pipeline_estimate(recipe)
         if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)
             check_tensor_parallel(par)
