@@ -862,6 +862,7 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         except ValueError as exc:
             parser.error(f"--tp: {exc}")
     if args.pp is not None or args.pp_schedule is not None or args.microbatches is not None:
+        from .._estimating.options import PipelineSchedule
         from .._estimating.recipe.parallel import ParallelSettings, check_pipeline_parallel
 
         if args.pp is None:
@@ -870,7 +871,8 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             check_pipeline_parallel(
                 ParallelSettings(
                     gpus, Strategy(strategy), pp=args.pp,
-                    pp_schedule=args.pp_schedule or "gpipe", microbatches=args.microbatches,
+                    pp_schedule=PipelineSchedule(args.pp_schedule or "gpipe"),
+                    microbatches=args.microbatches,
                 ),
                 args.batch_size,
             )  # fmt: skip

@@ -675,7 +675,9 @@ def _measure_pipeline(
     implementation = recipe.optimizer.implementation
 
     def rank_step(_rank: int, _world: int) -> tuple[int, int]:
-        return measure_stage(model, inputs, par.pp_schedule, m, precision, optimizer, implementation)
+        return measure_stage(
+            model, inputs, par.pp_schedule, m, precision, optimizer, implementation
+        )
 
     ranks = run_ranks(rank_step, par.gpus, timeout_s)
     worst = max(range(len(ranks)), key=lambda r: ranks[r][1])

@@ -134,7 +134,7 @@ def stage_copy(model: nn.Module, stage: int, pp: int, meta: bool = False) -> Sta
     out_base, out_layers = _decoder(out)
     out_base.layers = nn.ModuleList([out_layers[i] for i in keep])
     if stage:
-        out_base.embed_tokens = None
+        out_base.register_module("embed_tokens", None)
     if stage != pp - 1:
         out_base.norm = nn.Identity()
         out.lm_head = nn.Identity()
@@ -144,13 +144,18 @@ def stage_copy(model: nn.Module, stage: int, pp: int, meta: bool = False) -> Sta
 def _loss_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The model's own causal-LM loss (transformers' ``ForCausalLMLoss``: logits upcast to
     fp32, labels shifted, mean cross-entropy), as the last stage's ``loss_fn``."""
-    function = model.loss_function
-    vocab = model.config.vocab_size
+    function: Any = model.loss_function
+    vocab = _config(model).vocab_size
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return function(logits, labels, vocab_size=vocab)
 
     return loss
+
+
+def _config(model: nn.Module) -> Any:
+    """The Hugging Face model's config (its ``hidden_size`` and ``vocab_size``)."""
+    return model.config
 
 
 def _schedule_class(schedule: PipelineSchedule) -> type:
@@ -363,7 +368,8 @@ def stage_peak(
     memo: dict[int, torch.Tensor] = {}
     with mode:
         for sub in module.modules():
-            for table in (sub._parameters, sub._buffers):
+            tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+            for table in tables:
                 for name, t in list(table.items()):
                     if t is None:
                         continue
@@ -374,8 +380,10 @@ def stage_peak(
                             fake = nn.Parameter(fake, requires_grad=t.requires_grad)
                         memo[id(t)] = fake
                     table[name] = memo[id(t)]
-        fake_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="cpu") for k, v in inputs.items()}
-    config = model.config
+        fake_inputs = {
+            k: torch.empty(v.shape, dtype=v.dtype, device="cpu") for k, v in inputs.items()
+        }
+    config = _config(model)
     from .probe import KernelProbe
 
     counter = LiveBytes(KernelProbe())
@@ -419,7 +427,7 @@ def measure_stage(
 
     stage, pp = dist.get_rank(), dist.get_world_size()
     dtype = storage_dtype(precision)
-    config = model.config
+    config = _config(model)
 
     def session() -> _Rank:
         module = stage_copy(model, stage, pp).to(dtype)

@@ -1560,7 +1560,7 @@ class _Source:
         as ``torch.distributed.pipelining`` runs ``schedule`` over ``microbatches``, on fake
         tensors (``pipeline_parallel.stage_peak``); the model and inputs checked first
         (``pipeline_parallel.check_pipeline_model``). Kept per question."""
-        from .pipeline_parallel import check_pipeline_model, stage_peak
+        from .pipeline_parallel import check_pipeline_model
 
         subject = self.profiler.subject
         if subject.device is not Device.CPU:
@@ -1573,7 +1573,16 @@ class _Source:
         kwargs = given.kwargs if given is not None and not given.args else None
         check_pipeline_model(subject.model, kwargs, pp)
         assert kwargs is not None
-        key = (pp, schedule, microbatches, batch_size, seq_len, precision, optimizer, implementation)
+        key = (
+            pp,
+            schedule,
+            microbatches,
+            batch_size,
+            seq_len,
+            precision,
+            optimizer,
+            implementation,
+        )
         if key not in self._pipeline:
             length = seq_len or kwargs["input_ids"].shape[1]
             shaped = {
@@ -1583,13 +1592,18 @@ class _Source:
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
                 self._pipeline[key] = tuple(
-                    stage_peak(
-                        subject.model, shaped, stage, pp, schedule, microbatches, precision,
-                        optimizer, implementation,
-                    )  # fmt: skip
-                    for stage in range(pp)
+                    self._stage_peak(shaped, stage, key) for stage in range(pp)
                 )
         return self._pipeline[key]
+
+    def _stage_peak(self, inputs: dict[str, torch.Tensor], stage: int, key: tuple[Any, ...]) -> Any:
+        from .pipeline_parallel import stage_peak
+
+        pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation = key
+        return stage_peak(
+            self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
+            optimizer, implementation,
+        )  # fmt: skip
 
     def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:
         """A deferred profile of a meta copy of the model (LoRA's, the quantized one) with

@@ -175,8 +175,8 @@ def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None
         )
     if parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
         raise ValueError(
-            f"pp_schedule='interleaved-1f1b' (several stages a rank) is not estimated yet; "
-            f"use {', '.join(repr(s.value) for s in PipelineSchedule if s is not PipelineSchedule.INTERLEAVED_1F1B)}"
+            "pp_schedule='interleaved-1f1b' (several stages a rank) is not estimated yet; "
+            "use 'gpipe' or '1f1b'"
         )
     # Schedule1F1B.__init__ (torch/distributed/pipelining/schedules.py): "Number of
     # microbatches ... must be greater than or equal to the number of stages"
