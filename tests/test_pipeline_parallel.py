@@ -113,6 +113,8 @@ def test_measure_refuses_bad_layouts_before_any_rank() -> None:
         measure(model, hf_tokens(4), gpus=2, pp=2, microbatches=3)
     with pytest.raises(ValueError, match=r"pp=2 with lora_rank"):
         measure(model, hf_tokens(4), gpus=2, pp=2, lora_rank=4)
+    with pytest.raises(ValueError, match=r"pp_split=\['layers.0'\] does not split"):
+        measure(model, hf_tokens(4), gpus=2, pp=2, pp_split=["layers.0"])
     with pytest.raises(ValueError, match=r"takes inputs=\{'input_ids'"):
         measure(model, {"input_ids": hf_tokens(4)["input_ids"]}, gpus=2, pp=2)
     assert time.monotonic() - t0 < 10  # no rank started
@@ -146,3 +148,22 @@ def test_stages_against_real_pipeline_ranks(
     assert (real.gpus, real.pp, len(real.rank_peak_bytes)) == (2, 2, 2)
     for estimated, measured in zip(est.stage_peak_bytes, real.rank_peak_bytes, strict=True):
         assert abs(estimated / measured - 1) <= PP_RELATIVE_SLACK, (estimated, measured)
+
+
+def test_stages_split_where_asked(llama_profile) -> None:  # type: ignore[no-untyped-def]
+    from vram_widget._profiling.pipeline_parallel import stage_layer_ranges
+
+    # torchtitan's pipeline_parallel_split_points: the first layer of each later stage
+    assert stage_layer_ranges(6, 3, ("layers.1", "model.layers.4")) == [
+        range(0, 1), range(1, 4), range(4, 6),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"pp_split=\['layers.2', 'layers.1'\] does not split"):
+        stage_layer_ranges(4, 3, ("layers.2", "layers.1"))
+    with pytest.raises(ValueError, match=r"pp_split name 'blocks.1' is not a decoder layer"):
+        llama_profile.estimate(4, gpus=2, pp=2, pp_split=["blocks.1"])
+    with pytest.raises(ValueError, match=r"pp_split names where pipeline stages begin"):
+        llama_profile.estimate(4, pp_split=["layers.1"])
+    # the 2 layers at layers.1: the same stages as the even split
+    even = llama_profile.estimate(4, optimizer="adamw", gpus=2, pp=2)
+    split = llama_profile.estimate(4, optimizer="adamw", gpus=2, pp=2, pp_split=["layers.1"])
+    assert split.stage_peak_bytes == even.stage_peak_bytes

@@ -130,6 +130,7 @@ class ProfileSource(Protocol):
         precision: Precision,
         optimizer: OptimizerChoice | None,
         implementation: OptimizerImplementation | None,
+        split: tuple[str, ...] | None = None,
     ) -> tuple[Any, ...]: ...
 
     def generation(
@@ -706,8 +707,10 @@ class ModelProfile:
             per question (``_profiling/tensor_parallel.py``; docs: the guide on several
             GPUs).
             ``pp=k`` (with ``gpus=k``), ``pp_schedule="gpipe"`` / ``"1f1b"`` and
-            ``microbatches=m`` (default ``k``) estimate each of ``k`` pipeline stages of a
-            Hugging Face decoder (fp32 / bf16 training, a ``device="cpu"`` profile):
+            ``microbatches=m`` (default ``k``), ``pp_split=["layers.K", ...]`` (the first
+            layer of each stage after the first; default: the layers evenly) estimate each
+            of ``k`` pipeline stages of a Hugging Face decoder (fp32 / bf16 training, a
+            ``device="cpu"`` profile):
             ``batch_size`` is the whole step's batch, split into ``m`` micro-batches; each
             stage's step runs as ``torch.distributed.pipelining`` schedules it, on fake
             tensors (``_profiling/pipeline_parallel.py``). ``peak_bytes`` is the worst
@@ -794,9 +797,11 @@ class ModelProfile:
         opt_name = recipe.optimizer.name
         stages = self._source.pipeline_stage_peaks(
             par.pp, par.pp_schedule, m, step.batch_size, step.seq_len, step.precision,
-            opt_name, recipe.optimizer.implementation,
+            opt_name, recipe.optimizer.implementation, par.pp_split,
         )  # fmt: skip
-        whole = self._estimate(recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None))
+        whole = self._estimate(
+            recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None)
+        )
         worst = max(stages, key=lambda s: s.peak_bytes)
         return dataclasses.replace(
             whole,
@@ -860,7 +865,7 @@ class ModelProfile:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
-        if par.pp > 1 or par.microbatches is not None:  # each stage on fake tensors
+        if par.pp > 1 or par.microbatches is not None or par.pp_split is not None:
             return self._pipeline_estimate(recipe)
         if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)
             check_tensor_parallel(par)

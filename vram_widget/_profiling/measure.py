@@ -223,6 +223,7 @@ def measure(
     pp: int = default(1),
     pp_schedule: str = default("gpipe"),
     microbatches: int | None = default(None),
+    pp_split: object = default(None),
     timeout_s: float = 600.0,
     new_tokens: int | None = default(None),
     optimizer_in_backward: bool = default(False),
@@ -325,7 +326,8 @@ def measure(
         stage (``pipeline_parallel.stage_copy``) and steps it by
         ``torch.distributed.pipelining``'s ``ScheduleGPipe`` (``"gpipe"``) or
         ``Schedule1F1B`` (``"1f1b"``) over ``microbatches`` (default ``pp``) micro-batches
-        of the inputs' batch, then the optimizer; ``rank_peak_bytes`` holds each stage's
+        of the inputs' batch, then the optimizer (``pp_split``: where stages begin, as
+        ``estimate`` takes it); ``rank_peak_bytes`` holds each stage's
         peak (the least of five steps). Checked as the estimate checks them, before any rank.
     new_tokens : int, optional
         With ``mode="generate"``: Hugging Face's ``model.generate(do_sample=False,
@@ -444,6 +446,7 @@ def measure(
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
             "tp": tp, "tp_plan": tp_plan,
             "pp": pp, "pp_schedule": pp_schedule, "microbatches": microbatches,
+            "pp_split": pp_split,
             "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
             "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
@@ -495,7 +498,7 @@ def measure(
     protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
     carry = Step(carried_scalars=carried_scalars).carried_scalars  # checked as the Recipe does
     decay_split = parse_option(ParamGroups, param_groups, "param_groups") is ParamGroups.DECAY_SPLIT
-    if settings["pp"] != 1 or settings["microbatches"] is not None:
+    if settings["pp"] != 1 or settings["microbatches"] is not None or settings["pp_split"]:
         return _measure_pipeline(model, inputs, settings, timeout_s)
     tp_setup = _tensor_parallel_setup(model, settings, gpus, strategy, mode)
     distributed = parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN
@@ -665,7 +668,7 @@ def _measure_pipeline(
     par = recipe.parallel
     check_pipeline_parallel(par, batch)
     check_pipeline_parallel_settings(recipe)
-    check_pipeline_model(model, inputs, par.pp)
+    check_pipeline_model(model, inputs, par.pp, par.pp_split)
     if _model_device(model).type != "cpu":
         raise ValueError(
             f"measure(pp={par.pp}) runs its ranks on the CPU with gloo; this model is on CUDA"
@@ -676,7 +679,7 @@ def _measure_pipeline(
 
     def rank_step(_rank: int, _world: int) -> tuple[int, int]:
         return measure_stage(
-            model, inputs, par.pp_schedule, m, precision, optimizer, implementation
+            model, inputs, par.pp_schedule, m, precision, optimizer, implementation, par.pp_split
         )
 
     ranks = run_ranks(rank_step, par.gpus, timeout_s)

@@ -31,6 +31,7 @@ MEASURED_SETTINGS = (
     "pp",
     "pp_schedule",
     "microbatches",
+    "pp_split",
     "new_tokens",
     "optimizer_in_backward",
     "set_to_none",

@@ -21,6 +21,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import itertools
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,12 +68,17 @@ def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     return base, layers
 
 
-def check_pipeline_model(model: nn.Module, inputs: Any, pp: int) -> None:
+def check_pipeline_model(
+    model: nn.Module, inputs: Any, pp: int, split: tuple[str, ...] | None = None
+) -> None:
     """A clear error, before any profiling, where ``model`` or ``inputs`` cannot be split
-    into ``pp`` stages: not a Hugging Face decoder, ``pp`` not dividing its layers, inputs
-    other than ``{"input_ids": ..., "labels": ...}``."""
+    into ``pp`` stages: not a Hugging Face decoder, ``pp`` not dividing its layers (or a
+    ``split`` that does not name ``pp - 1`` layers in order), inputs other than
+    ``{"input_ids": ..., "labels": ...}``."""
     _base, layers = _decoder(model)
-    if len(layers) % pp:
+    if split is not None:
+        stage_layer_ranges(len(layers), pp, split)
+    elif len(layers) % pp:
         raise ValueError(
             f"pp={pp} does not divide the model's {len(layers)} decoder layers: each stage "
             f"holds the same number of layers; use a pp that divides {len(layers)}"
@@ -84,16 +91,40 @@ def check_pipeline_model(model: nn.Module, inputs: Any, pp: int) -> None:
         )
 
 
-def stage_layer_ranges(layer_count: int, pp: int) -> list[range]:
-    """The decoder layers of each of ``pp`` stages, split evenly.
+def stage_layer_ranges(
+    layer_count: int, pp: int, split: tuple[str, ...] | None = None
+) -> list[range]:
+    """The decoder layers of each of ``pp`` stages: split evenly, or at ``split``, the
+    first layer of each stage after the first (torchtitan's
+    ``pipeline_parallel_split_points``, e.g. ``("layers.4",)``; ``model.layers.4`` too).
 
     Examples
     --------
     >>> stage_layer_ranges(4, 2)
     [range(0, 2), range(2, 4)]
+    >>> stage_layer_ranges(4, 2, ("layers.1",))
+    [range(0, 1), range(1, 4)]
     """
-    per = layer_count // pp
-    return [range(s * per, (s + 1) * per) for s in range(pp)]
+    if split is None:
+        per = layer_count // pp
+        return [range(s * per, (s + 1) * per) for s in range(pp)]
+    starts = []
+    for name in split:
+        match = re.fullmatch(r"(?:model\.)?layers\.(\d+)", name)
+        if match is None:
+            raise ValueError(
+                f"pp_split name {name!r} is not a decoder layer: give the first layer of "
+                "each stage after the first, as 'layers.K' or 'model.layers.K'"
+            )
+        starts.append(int(match.group(1)))
+    bounds = [0, *starts, layer_count]
+    if len(starts) != pp - 1 or any(a >= b for a, b in itertools.pairwise(bounds)):
+        raise ValueError(
+            f"pp_split={list(split)} does not split the model's {layer_count} layers into "
+            f"pp={pp} stages: give {pp - 1} layer names in increasing order, each of "
+            f"layers.1 to layers.{layer_count - 1}"
+        )
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 class StageModule(nn.Module):
@@ -111,7 +142,13 @@ class StageModule(nn.Module):
         return self.model(**{key: x}, use_cache=False).logits
 
 
-def stage_copy(model: nn.Module, stage: int, pp: int, meta: bool = False) -> StageModule:
+def stage_copy(
+    model: nn.Module,
+    stage: int,
+    pp: int,
+    meta: bool = False,
+    split: tuple[str, ...] | None = None,
+) -> StageModule:
     """A copy of stage ``stage`` of ``pp`` (a meta copy with ``meta``: no weight copied).
 
     Examples
@@ -127,7 +164,7 @@ def stage_copy(model: nn.Module, stage: int, pp: int, meta: bool = False) -> Sta
 
     source = meta_copy(model) if meta else model
     _base, layers = _decoder(source)
-    keep = stage_layer_ranges(len(layers), pp)[stage]
+    keep = stage_layer_ranges(len(layers), pp, split)[stage]
     # copy without the layers the stage does not hold (deepcopy's memo answers None)
     memo: dict[int, Any] = {id(layers[i]): None for i in range(len(layers)) if i not in keep}
     out = copy.deepcopy(source, memo)
@@ -352,6 +389,7 @@ def stage_peak(
     precision: Precision,
     optimizer: OptimizerChoice | None,
     implementation: OptimizerImplementation | None = None,
+    split: tuple[str, ...] | None = None,
 ) -> StagePeak:
     """Stage ``stage``'s step as ``torch.distributed.pipelining`` runs it, on fake tensors
     and PyTorch's fake process group (``tensor_parallel.fake_process_group``): a meta copy
@@ -363,7 +401,7 @@ def stage_peak(
     from .tensor_parallel import fake_process_group
 
     dtype = storage_dtype(precision)
-    module = stage_copy(model, stage, pp, meta=True)
+    module = stage_copy(model, stage, pp, meta=True, split=split)
     mode = FakeTensorMode()
     memo: dict[int, torch.Tensor] = {}
     with mode:
@@ -414,6 +452,7 @@ def measure_stage(
     precision: Precision,
     optimizer: OptimizerChoice | None,
     implementation: OptimizerImplementation | None = None,
+    split: tuple[str, ...] | None = None,
 ) -> tuple[int, int]:
     """On a real gloo rank of ``measure(gpus=pp, pp=pp)``: this rank's stage (a copy of its
     layers only, in the precision's dtype) stepped by the schedule, two steps first, then
@@ -430,7 +469,7 @@ def measure_stage(
     config = _config(model)
 
     def session() -> _Rank:
-        module = stage_copy(model, stage, pp).to(dtype)
+        module = stage_copy(model, stage, pp, split=split).to(dtype)
         module.train()
         ids = {k: v.clone() for k, v in inputs.items()}
         return _rank(

@@ -1555,6 +1555,7 @@ class _Source:
         precision: Precision,
         optimizer: OptimizerChoice | None,
         implementation: OptimizerImplementation | None,
+        split: tuple[str, ...] | None = None,
     ) -> tuple[Any, ...]:
         """Each of ``pp`` pipeline stages' step at ``batch_size`` (the whole step's batch),
         as ``torch.distributed.pipelining`` runs ``schedule`` over ``microbatches``, on fake
@@ -1571,7 +1572,7 @@ class _Source:
             )
         given = subject.inputs
         kwargs = given.kwargs if given is not None and not given.args else None
-        check_pipeline_model(subject.model, kwargs, pp)
+        check_pipeline_model(subject.model, kwargs, pp, split)
         assert kwargs is not None
         key = (
             pp,
@@ -1582,6 +1583,7 @@ class _Source:
             precision,
             optimizer,
             implementation,
+            split,
         )
         if key not in self._pipeline:
             length = seq_len or kwargs["input_ids"].shape[1]
@@ -1599,10 +1601,12 @@ class _Source:
     def _stage_peak(self, inputs: dict[str, torch.Tensor], stage: int, key: tuple[Any, ...]) -> Any:
         from .pipeline_parallel import stage_peak
 
-        pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation = key
+        pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation, split = (
+            key
+        )
         return stage_peak(
             self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
-            optimizer, implementation,
+            optimizer, implementation, split,
         )  # fmt: skip
 
     def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:

@@ -37,6 +37,9 @@ class ParallelSettings:
         ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"``.
     microbatches : int, optional
         Micro-batches the step's batch is split into; None: ``pp``.
+    pp_split : tuple of str, optional
+        The first decoder layer of each stage after the first (``"layers.K"``, torchtitan's
+        ``pipeline_parallel_split_points``); None: the layers evenly.
 
     Examples
     --------
@@ -54,8 +57,12 @@ class ParallelSettings:
     pp: int = 1
     pp_schedule: PipelineSchedule = PipelineSchedule.GPIPE
     microbatches: int | None = None
+    pp_split: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.pp_split, (list, str)):
+            split = [self.pp_split] if isinstance(self.pp_split, str) else self.pp_split
+            object.__setattr__(self, "pp_split", tuple(split))
         object.__setattr__(self, "strategy", parse_option(Strategy, self.strategy, "strategy"))
         object.__setattr__(
             self, "pp_schedule", parse_option(PipelineSchedule, self.pp_schedule, "pp_schedule")
@@ -155,6 +162,8 @@ def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None
     pp, tp, gpus = parallel.pp, parallel.tp, parallel.gpus
     m = pipeline_microbatches(parallel)
     if pp == 1:
+        if parallel.pp_split is not None:
+            raise ValueError("pp_split names where pipeline stages begin: give pp=... too")
         if parallel.microbatches is not None:
             raise ValueError("microbatches splits a pipeline-parallel step: give pp=... too")
         return

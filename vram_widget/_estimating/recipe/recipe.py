@@ -101,6 +101,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "pp": ("parallel", "pp"),
     "pp_schedule": ("parallel", "pp_schedule"),
     "microbatches": ("parallel", "microbatches"),
+    "pp_split": ("parallel", "pp_split"),
     "new_tokens": ("generation", "new_tokens"),
     "weights": ("weights", ""),
 }
