@@ -842,3 +842,9 @@ def test_pipeline_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--pp: batch_size=4 is not split evenly into microbatches=3" in err
     err = _usage_error([*argv, "--microbatches", "2"], capsys)
     assert "--microbatches are settings of --pp K" in err
+    # the 2 layers split at layers.1: the even split's stages
+    assert main([*argv, "--pp", "2", "--pp-split", "layers.1", "--microbatches", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)["settings"][0]
+    assert out["stage_peak_bytes"] == list(
+        profile.estimate(4, "fp32", "adam", gpus=2, pp=2, microbatches=2).stage_peak_bytes
+    )

@@ -197,6 +197,7 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
     if args.pp is not None and args.pp > 1:  # each pipeline stage (training only)
         keywords.update(gpus=args.gpus, pp=args.pp, pp_schedule=args.pp_schedule or "gpipe")
         keywords["microbatches"] = args.microbatches
+        keywords["pp_split"] = _patterns(args.pp_split)
     if not train:
         return keywords
     return {**keywords, **_training_keywords(args)}

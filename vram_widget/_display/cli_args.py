@@ -89,6 +89,7 @@ _TRAIN_ONLY = (
     ("pp", "--pp"),
     ("pp_schedule", "--pp-schedule"),
     ("microbatches", "--microbatches"),
+    ("pp_split", "--pp-split"),
     ("checkpoint_policy", "--checkpoint-policy"),
     ("trainable", "--trainable"),
     ("grad_accumulation", "--grad-accumulation"),
@@ -641,6 +642,13 @@ def _parallel_flags(parallel: argparse._ArgumentGroup) -> None:
         help="with --pp: ScheduleGPipe ('gpipe') or Schedule1F1B ('1f1b') (default: gpipe)",
     )
     parallel.add_argument(
+        "--pp-split",
+        metavar="NAMES",
+        help="with --pp: the first decoder layer of each stage after the first, comma-"
+        "separated, e.g. layers.3 (torchtitan's pipeline_parallel_split_points; default: "
+        "the layers evenly)",
+    )
+    parallel.add_argument(
         "--microbatches",
         type=positive_int,
         metavar="M",
@@ -861,12 +869,14 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             check_tensor_parallel(ParallelSettings(gpus, Strategy(strategy), tp=args.tp))
         except ValueError as exc:
             parser.error(f"--tp: {exc}")
-    if args.pp is not None or args.pp_schedule is not None or args.microbatches is not None:
+    if any(x is not None for x in (args.pp, args.pp_schedule, args.microbatches, args.pp_split)):
         from .._estimating.options import PipelineSchedule
         from .._estimating.recipe.parallel import ParallelSettings, check_pipeline_parallel
 
         if args.pp is None:
-            parser.error("--pp-schedule and --microbatches are settings of --pp K: give it too")
+            parser.error(
+                "--pp-schedule, --pp-split and --microbatches are settings of --pp K: give it too"
+            )
         try:
             check_pipeline_parallel(
                 ParallelSettings(
