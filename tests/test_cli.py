@@ -833,3 +833,35 @@ def test_torchtitan_config_file_fills_the_flags(
     profile = profile_model(model, inputs={"input_ids": ids, "labels": ids}, device="cpu")
     expected = profile.estimate(recipe=Recipe.from_torchtitan(path))
     assert setting["peak_bytes"] == expected.peak_bytes
+
+
+def test_pipeline_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    # --pp, --pp-schedule and --microbatches are estimate()'s keywords; --batch-size is the
+    # whole step's batch; a layout they do not split is a usage error naming it
+    pytest.importorskip("transformers")
+    from models import hf_llama
+
+    config = (
+        "num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+        "intermediate_size=128,vocab_size=1000,bos_token_id=0,eos_token_id=0"
+    )
+    argv = ["--transformers", "llama", "--config", config, "--seq-len", "16", "--device",
+            "cpu", "--batch-size", "4", "--precision", "fp32", "--json", "--gpus", "2"]  # fmt: skip
+    torch.manual_seed(0)
+    ids = torch.zeros(1, 16, dtype=torch.long)  # the command line's example: ids as labels
+    profile = profile_model(hf_llama(), inputs={"input_ids": ids, "labels": ids}, device="cpu")
+    assert main([*argv, "--pp", "2", "--pp-schedule", "1f1b", "--microbatches", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)["settings"][0]
+    expected = profile.estimate(4, "fp32", "adam", gpus=2, pp=2, pp_schedule="1f1b", microbatches=2)
+    assert out["stage_peak_bytes"] == list(expected.stage_peak_bytes)
+    assert (out["peak_bytes"], out["pp"], out["pp_schedule"]) == (expected.peak_bytes, 2, "1f1b")
+    err = _usage_error([*argv, "--pp", "2", "--microbatches", "3"], capsys)
+    assert "--pp: batch_size=4 is not split evenly into microbatches=3" in err
+    err = _usage_error([*argv, "--microbatches", "2"], capsys)
+    assert "--microbatches are settings of --pp K" in err
+    # the 2 layers split at layers.1: the even split's stages
+    assert main([*argv, "--pp", "2", "--pp-split", "layers.1", "--microbatches", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)["settings"][0]
+    assert out["stage_peak_bytes"] == list(
+        profile.estimate(4, "fp32", "adam", gpus=2, pp=2, microbatches=2).stage_peak_bytes
+    )

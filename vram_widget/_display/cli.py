@@ -202,6 +202,10 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["lazy_loading"] = args.lazy_loading
     if args.tp is not None and args.tp > 1:  # one tensor-parallel rank, training or not
         keywords.update(gpus=args.gpus, tp=args.tp)
+    if args.pp is not None and args.pp > 1:  # each pipeline stage (training only)
+        keywords.update(gpus=args.gpus, pp=args.pp, pp_schedule=args.pp_schedule or "gpipe")
+        keywords["microbatches"] = args.microbatches
+        keywords["pp_split"] = _patterns(args.pp_split)
     if not train:
         return keywords
     return {**keywords, **_training_keywords(args)}
@@ -314,6 +318,10 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "float8": est.float8 or None,
         "gpus": est.gpus,
         "tp": est.tp,
+        "pp": est.pp,
+        "pp_schedule": est.pp_schedule,
+        "microbatches": est.microbatches,
+        "stage_peak_bytes": list(est.stage_peak_bytes) or None,
         "strategy": None if est.strategy is None else est.strategy.value,
         "nccl_buffer_bytes": None if est.nccl is None else est.nccl.nbytes,
         "rank": est.rank,

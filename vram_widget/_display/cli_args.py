@@ -86,6 +86,10 @@ _TRAIN_ONLY = (
     ("torchtune_config", "--torchtune-config"),
     ("torchtitan_config", "--torchtitan-config"),
     ("checkpoint", "--checkpoint"),
+    ("pp", "--pp"),
+    ("pp_schedule", "--pp-schedule"),
+    ("microbatches", "--microbatches"),
+    ("pp_split", "--pp-split"),
     ("checkpoint_policy", "--checkpoint-policy"),
     ("trainable", "--trainable"),
     ("grad_accumulation", "--grad-accumulation"),
@@ -636,6 +640,33 @@ def _parallel_flags(parallel: argparse._ArgumentGroup) -> None:
         "--mode inference (default: 1, none)",
     )
     parallel.add_argument(
+        "--pp",
+        type=positive_int,
+        metavar="K",
+        help="pipeline stages among --gpus (--gpus K), one a rank, of a Hugging Face decoder "
+        "(--device cpu, fp32 / bf16 training): each stage's step as "
+        "torch.distributed.pipelining schedules it; --batch-size is the whole step's batch "
+        "(default: 1, none)",
+    )
+    parallel.add_argument(
+        "--pp-schedule",
+        choices=["gpipe", "1f1b"],
+        help="with --pp: ScheduleGPipe ('gpipe') or Schedule1F1B ('1f1b') (default: gpipe)",
+    )
+    parallel.add_argument(
+        "--pp-split",
+        metavar="NAMES",
+        help="with --pp: the first decoder layer of each stage after the first, comma-"
+        "separated, e.g. layers.3 (torchtitan's pipeline_parallel_split_points; default: "
+        "the layers evenly)",
+    )
+    parallel.add_argument(
+        "--microbatches",
+        type=positive_int,
+        metavar="M",
+        help="with --pp: the micro-batches --batch-size is split into (default: --pp)",
+    )
+    parallel.add_argument(
         "--rank",
         type=non_negative_int,
         metavar="R",
@@ -850,6 +881,25 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             check_tensor_parallel(ParallelSettings(gpus, Strategy(strategy), tp=args.tp))
         except ValueError as exc:
             parser.error(f"--tp: {exc}")
+    if any(x is not None for x in (args.pp, args.pp_schedule, args.microbatches, args.pp_split)):
+        from .._estimating.options import PipelineSchedule
+        from .._estimating.recipe.parallel import ParallelSettings, check_pipeline_parallel
+
+        if args.pp is None:
+            parser.error(
+                "--pp-schedule, --pp-split and --microbatches are settings of --pp K: give it too"
+            )
+        try:
+            check_pipeline_parallel(
+                ParallelSettings(
+                    gpus, Strategy(strategy), pp=args.pp,
+                    pp_schedule=PipelineSchedule(args.pp_schedule or "gpipe"),
+                    microbatches=args.microbatches,
+                ),
+                args.batch_size,
+            )  # fmt: skip
+        except ValueError as exc:
+            parser.error(f"--pp: {exc}")
     args.gpus, args.strategy, args.gpus_per_node = gpus, strategy, per_node
 
 

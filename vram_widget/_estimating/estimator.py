@@ -166,6 +166,14 @@ class MemoryEstimate:
     rank: int | None = None
     # tensor-parallel ranks among ``gpus`` (1: none): the estimate is one rank's, sharded
     tp: int = 1
+    # pipeline stages among ``gpus`` (1: none), the schedule and its micro-batches; with
+    # pp > 1, peak_bytes and parameter_bytes are the worst stage's, each stage's peak and
+    # resident bytes (parameters, optimizer state, batch, receive buffers) in stage order
+    pp: int = 1
+    pp_schedule: str | None = None
+    microbatches: int | None = None
+    stage_peak_bytes: tuple[int, ...] = ()
+    stage_resident_bytes: tuple[int, ...] = ()
     # NCCL's own buffers on the rank (CUDA, more than one GPU): outside the allocator, so
     # in no total here; shown beside them with the defaults they assume
     nccl: NcclBuffers | None = None

@@ -286,6 +286,16 @@ class Strategy(StrEnum):
     HSDP = "hsdp"
 
 
+class PipelineSchedule(StrEnum):
+    """How ``torch.distributed.pipelining`` orders a pipeline-parallel step's micro-batches:
+    ``ScheduleGPipe`` (every forward, then every backward), ``Schedule1F1B`` (one forward,
+    one backward in the steady state) or ``ScheduleInterleaved1F1B`` (several stages a rank)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+
+
 class Device(StrEnum):
     """Whose kernels and defaults the estimate is for."""
 

@@ -41,6 +41,7 @@ from .options import (
     OptimizerImplementation,
     OptimizerName,
     Phase,
+    PipelineSchedule,
     Precision,
     Strategy,
     default_implementation,
@@ -51,7 +52,13 @@ from .quantized import check_quantized, check_weights_device, int8_outlier_note
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.float8 import Float8
 from .recipe.ignored import warn_ignored
-from .recipe.parallel import check_tensor_parallel, check_tensor_parallel_settings
+from .recipe.parallel import (
+    check_pipeline_parallel,
+    check_pipeline_parallel_settings,
+    check_tensor_parallel,
+    check_tensor_parallel_settings,
+    pipeline_microbatches,
+)
 from .recipe.recipe import default
 from .recipe.weights import Weights
 from .sharding import (
@@ -120,6 +127,18 @@ class ProfileSource(Protocol):
     def tensor_parallel_cached(self, tp: int, tp_plan: object, recipe: Recipe) -> bool: ...
 
     def tensor_parallel_refusal(self, tp: int) -> str | None: ...
+    def pipeline_stage_peaks(
+        self,
+        pp: int,
+        schedule: PipelineSchedule,
+        microbatches: int,
+        batch_size: int,
+        seq_len: int | None,
+        precision: Precision,
+        optimizer: OptimizerChoice | None,
+        implementation: OptimizerImplementation | None,
+        split: tuple[str, ...] | None = None,
+    ) -> tuple[Any, ...]: ...
 
     def generation(
         self,
@@ -763,6 +782,15 @@ class ModelProfile:
             ParallelStyle}`` with DTensor on PyTorch's fake process group, profiled once
             per question (``_profiling/tensor_parallel.py``; docs: the guide on several
             GPUs).
+            ``pp=k`` (with ``gpus=k``), ``pp_schedule="gpipe"`` / ``"1f1b"`` and
+            ``microbatches=m`` (default ``k``), ``pp_split=["layers.K", ...]`` (the first
+            layer of each stage after the first; default: the layers evenly) estimate each
+            of ``k`` pipeline stages of a Hugging Face decoder (fp32 / bf16 training, a
+            ``device="cpu"`` profile):
+            ``batch_size`` is the whole step's batch, split into ``m`` micro-batches; each
+            stage's step runs as ``torch.distributed.pipelining`` schedules it, on fake
+            tensors (``_profiling/pipeline_parallel.py``). ``peak_bytes`` is the worst
+            stage's, ``est.stage_peak_bytes`` each stage's.
             ``context_bytes`` (bytes) replaces the CUDA context of
             ``accelerator.cuda_context``'s table, which ``compute_capability`` and
             ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;
@@ -953,6 +981,35 @@ class ModelProfile:
             return True
         return self._source.tensor_parallel_cached(asked.parallel.tp, asked.parallel.tp_plan, plain)
 
+    def _pipeline_estimate(self, recipe: Recipe) -> MemoryEstimate:
+        """``pp > 1``: each stage's peak from its step as the schedule runs it; the rest of
+        the estimate (per-layer rows, FLOPs, breakdown) is the whole model's one-device
+        step at the same batch, for reference."""
+        par, step = recipe.parallel, recipe.step
+        check_pipeline_parallel(par, step.batch_size)
+        check_pipeline_parallel_settings(recipe)
+        m = pipeline_microbatches(par)
+        opt_name = recipe.optimizer.name
+        stages = self._source.pipeline_stage_peaks(
+            par.pp, par.pp_schedule, m, step.batch_size, step.seq_len, step.precision,
+            opt_name, recipe.optimizer.implementation, par.pp_split,
+        )  # fmt: skip
+        whole = self._estimate(
+            recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None)
+        )
+        worst = max(stages, key=lambda s: s.peak_bytes)
+        return dataclasses.replace(
+            whole,
+            peak_bytes=worst.peak_bytes,
+            parameter_bytes=worst.parameter_bytes,
+            gpus=par.gpus,
+            pp=par.pp,
+            pp_schedule=par.pp_schedule.value,
+            microbatches=m,
+            stage_peak_bytes=tuple(s.peak_bytes for s in stages),
+            stage_resident_bytes=tuple(s.resident_bytes for s in stages),
+        )
+
     def _parallel_of(self, recipe: Recipe) -> Parallel:
         """The data parallelism a Recipe asks for, its FSDP units resolved to this model."""
         par = recipe.parallel
@@ -1007,6 +1064,8 @@ class ModelProfile:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
+        if par.pp > 1 or par.microbatches is not None or par.pp_split is not None:
+            return self._pipeline_estimate(recipe)
         if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)
             plain = _tensor_parallel_question(recipe)
             est = self._source.tensor_parallel_estimate(par.tp, par.tp_plan, plain)

@@ -148,6 +148,8 @@ class Measurement:
     rank_peak_bytes: tuple[int, ...] = ()
     # tensor-parallel ranks among ``gpus`` (1: none; strategy is None then)
     tp: int = 1
+    # pipeline stages among ``gpus`` (1: none), one a rank: rank_peak_bytes in stage order
+    pp: int = 1
     # mode="generate": the new tokens generated after the prompt
     new_tokens: int | None = None
     # with snapshot=True on CUDA: torch.cuda.memory._snapshot() recorded over the measured
@@ -189,13 +191,14 @@ class _CpuTrace:
     # the first model forward's events within the measured iteration
     forward: tuple[_AllocEvent, ...] = ()
 
-    def peak_above_start(self) -> int:
+    def peak_above_start(self, least: bool = False) -> int:
         """The largest prefix sum of the iteration's events (0 if it never rises); where
-        several iterations were measured, the median of theirs (``_run_cpu``)."""
+        several iterations were measured, the median of theirs (``_run_cpu``), or with
+        ``least`` the least."""
         peaks = sorted(
             _max_prefix_sum(e.nbytes for e in it) for it in self.repeats or (self.during,)
         )
-        return peaks[len(peaks) // 2]
+        return peaks[0] if least else peaks[len(peaks) // 2]
 
 
 def measure(
@@ -222,6 +225,10 @@ def measure(
     fsdp_units: object = default(None),
     tp: int = default(1),
     tp_plan: object = default(None),
+    pp: int = default(1),
+    pp_schedule: str = default("gpipe"),
+    microbatches: int | None = default(None),
+    pp_split: object = default(None),
     timeout_s: float = 600.0,
     new_tokens: int | None = default(None),
     optimizer_in_backward: bool = default(False),
@@ -328,6 +335,15 @@ def measure(
         CPU mesh, and measures its own step; ``rank_peak_bytes`` holds
         each rank's. The layout and the plan are checked before any rank starts
         (``tensor_parallel.resolve_plan``).
+    pp, pp_schedule, microbatches : int, str, int
+        Pipeline parallelism on ``gpus = pp`` gloo ranks (fp32 / bf16 training of a Hugging
+        Face decoder, ``inputs={"input_ids": ..., "labels": ...}``): each rank holds one
+        stage (``pipeline_parallel.stage_copy``) and steps it by
+        ``torch.distributed.pipelining``'s ``ScheduleGPipe`` (``"gpipe"``) or
+        ``Schedule1F1B`` (``"1f1b"``) over ``microbatches`` (default ``pp``) micro-batches
+        of the inputs' batch, then the optimizer (``pp_split``: where stages begin, as
+        ``estimate`` takes it); ``rank_peak_bytes`` holds each stage's
+        peak (the least of five steps). Checked as the estimate checks them, before any rank.
     new_tokens : int, optional
         With ``mode="generate"``: Hugging Face's ``model.generate(do_sample=False,
         max_new_tokens=new_tokens, min_new_tokens=new_tokens)`` on the prompt ``inputs``
@@ -445,6 +461,8 @@ def measure(
             "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
             "tp": tp, "tp_plan": tp_plan,
+            "pp": pp, "pp_schedule": pp_schedule, "microbatches": microbatches,
+            "pp_split": pp_split,
             "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
             "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
@@ -504,6 +522,8 @@ def measure(
     protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
     carry = Step(carried_scalars=carried_scalars).carried_scalars  # checked as the Recipe does
     decay_split = parse_option(ParamGroups, param_groups, "param_groups") is ParamGroups.DECAY_SPLIT
+    if settings["pp"] != 1 or settings["microbatches"] is not None or settings["pp_split"]:
+        return _measure_pipeline(model, inputs, settings, timeout_s)
     tp_setup = _tensor_parallel_setup(model, settings, gpus, strategy, mode)
     distributed = parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN
     if tp_setup is not None or distributed:
@@ -647,6 +667,59 @@ def _measure_ranks(
         strategy=None if tp_setup is not None else parallel.strategy,
         tp=parallel.gpus if tp_setup is not None else 1,
         rank_peak_bytes=tuple(m.peak_bytes for m in ranks),
+    )
+
+
+def _measure_pipeline(
+    model: torch.nn.Module, inputs: Any, settings: dict[str, Any], timeout_s: float
+) -> Measurement:
+    """``measure`` with ``pp > 1``: each stage on its own gloo rank
+    (``pipeline_parallel.measure_stage``), the layout and settings checked first."""
+    from .._estimating.recipe import Recipe
+    from .._estimating.recipe.parallel import (
+        check_pipeline_parallel,
+        check_pipeline_parallel_settings,
+        pipeline_microbatches,
+    )
+    from .distributed import run_ranks
+    from .pipeline_parallel import check_pipeline_model, measure_stage
+
+    batch = ModelInputs.from_user(inputs).batch_size()
+    asked = {k: v for k, v in settings.items() if v is not None or k == "optimizer"}
+    asked.pop("weights", None)
+    recipe = Recipe.from_keywords(batch_size=batch, **asked)
+    if settings["weights"] is not None and parse_weights(settings["weights"]).quantized:
+        recipe = recipe.with_(weights=settings["weights"])
+    par = recipe.parallel
+    check_pipeline_parallel(par, batch)
+    check_pipeline_parallel_settings(recipe)
+    check_pipeline_model(model, inputs, par.pp, par.pp_split)
+    if _model_device(model).type != "cpu":
+        raise ValueError(
+            f"measure(pp={par.pp}) runs its ranks on the CPU with gloo; this model is on CUDA"
+        )
+    m = pipeline_microbatches(par)
+    precision, optimizer = recipe.step.precision, recipe.optimizer.name
+    implementation = recipe.optimizer.implementation
+
+    def rank_step(_rank: int, _world: int) -> tuple[int, int]:
+        return measure_stage(
+            model, inputs, par.pp_schedule, m, precision, optimizer, implementation, par.pp_split
+        )
+
+    ranks = run_ranks(rank_step, par.gpus, timeout_s)
+    worst = max(range(len(ranks)), key=lambda r: ranks[r][1])
+    return Measurement(
+        peak_bytes=ranks[worst][1],
+        resident_bytes=ranks[worst][0],
+        device="cpu",
+        precision=precision,
+        optimizer=optimizer,
+        mode=recipe.step.mode,
+        batch_size=batch,
+        gpus=par.gpus,
+        rank_peak_bytes=tuple(peak for _resident, peak in ranks),
+        pp=par.pp,
     )
 
 

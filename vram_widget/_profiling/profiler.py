@@ -1122,6 +1122,8 @@ class _Source:
         self._not_repeated: set[tuple[Any, ...]] = set()
         # (tp, the plan's id, the single-rank Recipe) -> (the plan, one rank's estimate)
         self._tensor_parallel: dict[tuple[Any, ...], tuple[object, Any]] = {}
+        # the arguments of pipeline_stage_peaks -> each stage's StagePeak
+        self._pipeline: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
     def timeline(
         self,
@@ -1628,6 +1630,70 @@ class _Source:
                 # not cached: the profile key does not read the mesh
                 sub = self._sub_profile(copy_, cache=False)
                 return sub._estimate(recipe)
+
+    def pipeline_stage_peaks(
+        self,
+        pp: int,
+        schedule: Any,
+        microbatches: int,
+        batch_size: int,
+        seq_len: int | None,
+        precision: Precision,
+        optimizer: OptimizerChoice | None,
+        implementation: OptimizerImplementation | None,
+        split: tuple[str, ...] | None = None,
+    ) -> tuple[Any, ...]:
+        """Each of ``pp`` pipeline stages' step at ``batch_size`` (the whole step's batch),
+        as ``torch.distributed.pipelining`` runs ``schedule`` over ``microbatches``, on fake
+        tensors (``pipeline_parallel.stage_peak``); the model and inputs checked first
+        (``pipeline_parallel.check_pipeline_model``). Kept per question."""
+        from .pipeline_parallel import check_pipeline_model
+
+        subject = self.profiler.subject
+        if subject.device is not Device.CPU:
+            raise ValueError(
+                "pp > 1 is estimated for a profile made with device='cpu' only for now (the "
+                "stages' steps run on CPU fake tensors, checked against gloo ranks); profile "
+                "with device='cpu'"
+            )
+        given = subject.inputs
+        kwargs = given.kwargs if given is not None and not given.args else None
+        check_pipeline_model(subject.model, kwargs, pp, split)
+        assert kwargs is not None
+        key = (
+            pp,
+            schedule,
+            microbatches,
+            batch_size,
+            seq_len,
+            precision,
+            optimizer,
+            implementation,
+            split,
+        )
+        if key not in self._pipeline:
+            length = seq_len or kwargs["input_ids"].shape[1]
+            shaped = {
+                k: torch.empty((batch_size, length), dtype=v.dtype, device="meta")
+                for k, v in kwargs.items()
+            }
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
+                self._pipeline[key] = tuple(
+                    self._stage_peak(shaped, stage, key) for stage in range(pp)
+                )
+        return self._pipeline[key]
+
+    def _stage_peak(self, inputs: dict[str, torch.Tensor], stage: int, key: tuple[Any, ...]) -> Any:
+        from .pipeline_parallel import stage_peak
+
+        pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation, split = (
+            key
+        )
+        return stage_peak(
+            self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
+            optimizer, implementation, split,
+        )  # fmt: skip
 
     def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:
         """A deferred profile of a meta copy of the model (LoRA's, the quantized one) with

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..options import Strategy, parse_option
+from ..options import PipelineSchedule, Precision, Strategy, parse_option
 from ..sharding import DEFAULT_GPUS_PER_NODE
 
 
@@ -31,6 +31,15 @@ class ParallelSettings:
     tp_plan : dict, optional
         Module patterns -> ``torch.distributed.tensor.parallel`` styles; None: the
         model's own plan (a Hugging Face model's ``base_model_tp_plan``).
+    pp : int
+        Pipeline stages among ``gpus`` (1: none), one a rank; ``gpus = pp x tp``.
+    pp_schedule : PipelineSchedule
+        ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"``.
+    microbatches : int, optional
+        Micro-batches the step's batch is split into; None: ``pp``.
+    pp_split : tuple of str, optional
+        The first decoder layer of each stage after the first (``"layers.K"``, torchtitan's
+        ``pipeline_parallel_split_points``); None: the layers evenly.
 
     Examples
     --------
@@ -45,11 +54,26 @@ class ParallelSettings:
     fsdp_units: object = None
     tp: int = 1
     tp_plan: object = dataclasses.field(default=None, compare=False, hash=False)
+    pp: int = 1
+    pp_schedule: PipelineSchedule = PipelineSchedule.GPIPE
+    microbatches: int | None = None
+    pp_split: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.pp_split, (list, str)):
+            split = [self.pp_split] if isinstance(self.pp_split, str) else self.pp_split
+            object.__setattr__(self, "pp_split", tuple(split))
         object.__setattr__(self, "strategy", parse_option(Strategy, self.strategy, "strategy"))
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"tp must be a whole number of ranks >= 1, got {self.tp!r}")
+        object.__setattr__(
+            self, "pp_schedule", parse_option(PipelineSchedule, self.pp_schedule, "pp_schedule")
+        )
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of ranks >= 1, got {value!r}")
+        m = self.microbatches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"microbatches must be a whole number >= 1 or None, got {m!r}")
         if isinstance(self.fsdp_units, list):
             object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
 
@@ -117,4 +141,97 @@ def check_tensor_parallel_settings(recipe: Any) -> None:
             f"tp={recipe.parallel.tp} with {', '.join(refused)}: not estimated with tensor "
             "parallelism yet (activation checkpointing, trainable, grad_accumulation and "
             "every precision are); leave tp at 1 for these"
+        )
+
+
+def pipeline_microbatches(parallel: ParallelSettings) -> int:
+    """The micro-batches of a pipeline-parallel step: ``microbatches``, else ``pp``."""
+    return parallel.pp if parallel.microbatches is None else parallel.microbatches
+
+
+def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None:
+    """A clear error for a pipeline-parallel layout that is not estimated (yet), before
+    any profiling.
+
+    Examples
+    --------
+    >>> check_pipeline_parallel(ParallelSettings(gpus=2, pp=2, microbatches=4), 6)
+    Traceback (most recent call last):
+    ...
+    ValueError: batch_size=6 is not split evenly into microbatches=4: ...
+    """
+    pp, tp, gpus = parallel.pp, parallel.tp, parallel.gpus
+    m = pipeline_microbatches(parallel)
+    if pp == 1:
+        if parallel.pp_split is not None:
+            raise ValueError("pp_split names where pipeline stages begin: give pp=... too")
+        if parallel.microbatches is not None:
+            raise ValueError("microbatches splits a pipeline-parallel step: give pp=... too")
+        return
+    if pp * tp != gpus:
+        raise ValueError(
+            f"pp={pp} x tp={tp} != gpus={gpus}: gpus is the world size, pipeline stages x "
+            f"tensor-parallel ranks (no data parallelism over pipelines yet); give gpus={pp * tp}"
+        )
+    if tp > 1:
+        raise ValueError(
+            f"pp={pp} with tp={tp}: pipeline stages of tensor-parallel ranks are not "
+            "estimated yet; leave tp at 1"
+        )
+    if parallel.strategy is not Strategy.DDP:
+        raise ValueError(
+            f"pp={pp} with strategy={parallel.strategy.value!r}: a pipeline stage with a "
+            "data-parallel strategy is not estimated yet; leave strategy at its default"
+        )
+    if parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
+        raise ValueError(
+            "pp_schedule='interleaved-1f1b' (several stages a rank) is not estimated yet; "
+            "use 'gpipe' or '1f1b'"
+        )
+    # Schedule1F1B.__init__ (torch/distributed/pipelining/schedules.py): "Number of
+    # microbatches ... must be greater than or equal to the number of stages"
+    if parallel.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < pp:
+        raise ValueError(
+            f"pp_schedule='1f1b' with microbatches={m} < pp={pp}: torch's Schedule1F1B needs "
+            f"at least one micro-batch a stage; give microbatches >= {pp}"
+        )
+    if batch_size % m:
+        raise ValueError(
+            f"batch_size={batch_size} is not split evenly into microbatches={m}: "
+            "batch_size is the whole step's batch, split by the schedule into "
+            "micro-batches of batch_size / microbatches; give a batch that microbatches divides"
+        )
+
+
+def pipeline_parallel_refusals(recipe: Any) -> list[str]:
+    """The settings of ``recipe`` not estimated with ``pp > 1`` yet, by name: each one
+    not checked against real pipeline ranks (fp32 and bf16 training are).
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.recipe import Recipe
+    >>> pipeline_parallel_refusals(Recipe.from_keywords(gpus=2, pp=2, checkpoint="auto"))
+    ['checkpoint']
+    """
+    lv, step = recipe.levers, recipe.step
+    asked = {
+        "checkpoint": lv.checkpoint not in (None, False),
+        "trainable": lv.trainable is not None,
+        "grad_accumulation": lv.grad_accumulation != 1,
+        f"precision={step.precision.value!r}": step.precision
+        not in (Precision.FP32, Precision.BF16),
+        f"mode={step.mode.value!r}": step.mode.value != "train",
+    }
+    refused = [name for name, on in asked.items() if on]
+    return refused + [n for n in tensor_parallel_refusals(recipe) if n not in refused]
+
+
+def check_pipeline_parallel_settings(recipe: Any) -> None:
+    """A ValueError naming the settings :func:`pipeline_parallel_refusals` finds."""
+    refused = pipeline_parallel_refusals(recipe)
+    if refused and recipe.parallel.pp > 1:
+        raise ValueError(
+            f"pp={recipe.parallel.pp} with {', '.join(refused)}: not estimated with pipeline "
+            "parallelism yet (fp32 and bf16 training with any torch.optim optimizer are); "
+            "leave pp at 1 for these"
         )

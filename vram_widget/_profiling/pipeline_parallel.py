@@ -1,0 +1,481 @@
+"""Pipeline parallelism: each rank holds one stage of a decoder's layers and runs its part
+of every micro-batch as ``torch.distributed.pipelining`` schedules it.
+
+A stage is split as torchtitan splits a Hugging Face decoder (torchtitan 0.3,
+torchtitan/experiments/transformers_modeling_backend/pipeline.py,
+``generate_llm_fqn_per_model_part`` and ``pipeline_module_split``: the embedding with the
+first stage, the final norm and the output head with the last, the decoder layers in
+between, each stage a copy of the model with the other stages' modules removed). Here the
+layers are split evenly (``pp`` must divide them) and every stage keeps the rotary embedding
+(a buffer, as torchtitan keeps ``rotary_emb`` on every stage).
+
+A stage's memory is that of the real schedule (``ScheduleGPipe`` / ``Schedule1F1B`` over a
+``PipelineStage``): the estimate runs that schedule for one rank on fake tensors on
+PyTorch's fake process group (no communication, receive buffers left as they are), and
+counts the live storages of every op's outputs (:class:`LiveBytes`); ``measure`` runs it on
+real gloo ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import itertools
+import re
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._estimating.options import (
+    OptimizerChoice,
+    OptimizerImplementation,
+    PipelineSchedule,
+    Precision,
+)
+
+__all__ = [
+    "LiveBytes",
+    "StagePeak",
+    "check_pipeline_model",
+    "measure_stage",
+    "stage_copy",
+    "stage_layer_ranges",
+    "stage_peak",
+]
+
+
+def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """A Hugging Face causal LM's decoder (``model.model``) and its layers."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if (
+        base is None
+        or not isinstance(layers, nn.ModuleList)
+        or getattr(base, "embed_tokens", None) is None
+        or getattr(model, "lm_head", None) is None
+        or not callable(getattr(model, "loss_function", None))
+    ):
+        raise ValueError(
+            f"pp > 1 splits a Hugging Face decoder (a ...ForCausalLM with model.embed_tokens, "
+            f"model.layers, model.norm and lm_head) into stages as torchtitan does; "
+            f"{type(model).__name__} is not one"
+        )
+    return base, layers
+
+
+def check_pipeline_model(
+    model: nn.Module, inputs: Any, pp: int, split: tuple[str, ...] | None = None
+) -> None:
+    """A clear error, before any profiling, where ``model`` or ``inputs`` cannot be split
+    into ``pp`` stages: not a Hugging Face decoder, ``pp`` not dividing its layers (or a
+    ``split`` that does not name ``pp - 1`` layers in order), inputs other than
+    ``{"input_ids": ..., "labels": ...}``."""
+    _base, layers = _decoder(model)
+    if split is not None:
+        stage_layer_ranges(len(layers), pp, split)
+    elif len(layers) % pp:
+        raise ValueError(
+            f"pp={pp} does not divide the model's {len(layers)} decoder layers: each stage "
+            f"holds the same number of layers; use a pp that divides {len(layers)}"
+        )
+    if not isinstance(inputs, dict) or set(inputs) != {"input_ids", "labels"}:
+        keys = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+        raise ValueError(
+            f"pp > 1 takes inputs={{'input_ids': ..., 'labels': ...}} (the first stage reads "
+            f"the ids, the last stage's loss the labels); got {keys}"
+        )
+
+
+def stage_layer_ranges(
+    layer_count: int, pp: int, split: tuple[str, ...] | None = None
+) -> list[range]:
+    """The decoder layers of each of ``pp`` stages: split evenly, or at ``split``, the
+    first layer of each stage after the first (torchtitan's
+    ``pipeline_parallel_split_points``, e.g. ``("layers.4",)``; ``model.layers.4`` too).
+
+    Examples
+    --------
+    >>> stage_layer_ranges(4, 2)
+    [range(0, 2), range(2, 4)]
+    >>> stage_layer_ranges(4, 2, ("layers.1",))
+    [range(0, 1), range(1, 4)]
+    """
+    if split is None:
+        per = layer_count // pp
+        return [range(s * per, (s + 1) * per) for s in range(pp)]
+    starts = []
+    for name in split:
+        match = re.fullmatch(r"(?:model\.)?layers\.(\d+)", name)
+        if match is None:
+            raise ValueError(
+                f"pp_split name {name!r} is not a decoder layer: give the first layer of "
+                "each stage after the first, as 'layers.K' or 'model.layers.K'"
+            )
+        starts.append(int(match.group(1)))
+    bounds = [0, *starts, layer_count]
+    if len(starts) != pp - 1 or any(a >= b for a, b in itertools.pairwise(bounds)):
+        raise ValueError(
+            f"pp_split={list(split)} does not split the model's {layer_count} layers into "
+            f"pp={pp} stages: give {pp - 1} layer names in increasing order, each of "
+            f"layers.1 to layers.{layer_count - 1}"
+        )
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+class StageModule(nn.Module):
+    """One stage of a causal LM: the model with the other stages' modules removed; the
+    first stage reads token ids, the others the previous stage's hidden states (the
+    decoder's ``inputs_embeds``); the last returns the logits, the others hidden states."""
+
+    def __init__(self, model: nn.Module, first: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.first = first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key = "input_ids" if self.first else "inputs_embeds"
+        return self.model(**{key: x}, use_cache=False).logits
+
+
+def stage_copy(
+    model: nn.Module,
+    stage: int,
+    pp: int,
+    meta: bool = False,
+    split: tuple[str, ...] | None = None,
+) -> StageModule:
+    """A copy of stage ``stage`` of ``pp`` (a meta copy with ``meta``: no weight copied).
+
+    Examples
+    --------
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32,
+    ...     num_attention_heads=2, intermediate_size=64, vocab_size=100)
+    >>> s = stage_copy(transformers.LlamaForCausalLM(config), 1, 2, meta=True)
+    >>> len(s.model.model.layers), s.model.model.embed_tokens
+    (2, None)
+    """
+    from .step import meta_copy
+
+    source = meta_copy(model) if meta else model
+    _base, layers = _decoder(source)
+    keep = stage_layer_ranges(len(layers), pp, split)[stage]
+    # copy without the layers the stage does not hold (deepcopy's memo answers None)
+    memo: dict[int, Any] = {id(layers[i]): None for i in range(len(layers)) if i not in keep}
+    out = copy.deepcopy(source, memo)
+    out_base, out_layers = _decoder(out)
+    out_base.layers = nn.ModuleList([out_layers[i] for i in keep])
+    if stage:
+        out_base.register_module("embed_tokens", None)
+    if stage != pp - 1:
+        out_base.norm = nn.Identity()
+        out.lm_head = nn.Identity()
+    return StageModule(out, first=stage == 0)
+
+
+def _loss_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The model's own causal-LM loss (transformers' ``ForCausalLMLoss``: logits upcast to
+    fp32, labels shifted, mean cross-entropy), as the last stage's ``loss_fn``."""
+    function: Any = model.loss_function
+    vocab = _config(model).vocab_size
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return function(logits, labels, vocab_size=vocab)
+
+    return loss
+
+
+def _config(model: nn.Module) -> Any:
+    """The Hugging Face model's config (its ``hidden_size`` and ``vocab_size``)."""
+    return model.config
+
+
+def _schedule_class(schedule: PipelineSchedule) -> type:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    classes = {PipelineSchedule.GPIPE: ScheduleGPipe, PipelineSchedule.ONE_F_ONE_B: Schedule1F1B}
+    return classes[schedule]
+
+
+@dataclasses.dataclass
+class _Rank:
+    """One rank's stage, schedule, optimizer and batch, and its step."""
+
+    module: StageModule
+    schedule: Any
+    optimizer: torch.optim.Optimizer | None
+    batch: torch.Tensor  # the first stage's ids, the last stage's labels, or neither
+    first: bool
+    last: bool
+
+    def iterate(self) -> None:
+        if self.first:
+            self.schedule.step(self.batch)
+        elif self.last:
+            self.schedule.step(target=self.batch)
+        else:
+            self.schedule.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def resident_tensors(self) -> Iterator[torch.Tensor]:
+        """What the rank holds between steps: its stage's parameters, buffers and
+        optimizer state, its batch, the stage's receive buffers (``PipelineStage`` keeps
+        one a micro-batch, for activations and for gradients) and the last stage's outputs
+        of the step before (``output_chunks``, dropped when the next step starts)."""
+        yield from self.module.parameters()
+        yield from self.module.buffers()
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        yield self.batch
+        stage = self.schedule._stage
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            for info in infos:
+                if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                    yield info.buffer
+        for out in stage.output_chunks:
+            yield from (t for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t))
+
+    def wrapper_bytes(self) -> int:
+        return 0
+
+
+def _rank(
+    module: StageModule,
+    stage: int,
+    pp: int,
+    schedule: PipelineSchedule,
+    microbatches: int,
+    inputs: dict[str, torch.Tensor],
+    optimizer: OptimizerChoice | None,
+    implementation: OptimizerImplementation | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    hidden_size: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+) -> _Rank:
+    """The rank's ``PipelineStage`` over ``module``, with its inputs' and outputs' shapes
+    given (so no shape inference runs), and the schedule over it."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from .step import make_optimizer
+
+    ids = inputs["input_ids"]
+    micro = ids.shape[0] // microbatches
+    seq = ids.shape[1]
+    device = torch.device("cpu")
+    if stage == 0:
+        example_in = torch.empty((micro, seq), dtype=ids.dtype, device="meta")
+    else:
+        example_in = torch.empty((micro, seq, hidden_size), dtype=dtype, device="meta")
+        example_in.requires_grad_(True)
+    width = vocab_size if stage == pp - 1 else hidden_size
+    example_out = torch.empty((micro, seq, width), dtype=dtype, device="meta")
+    example_out.requires_grad_(True)
+    pipe = PipelineStage(
+        module, stage, pp, device, input_args=(example_in,), output_args=(example_out,)
+    )
+    sched = _schedule_class(schedule)(pipe, microbatches, loss_fn=loss_fn)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = None if optimizer is None or not params else make_optimizer(
+        optimizer, params, implementation
+    )  # fmt: skip
+    batch = inputs["input_ids"] if stage == 0 else inputs["labels"]
+    return _Rank(module, sched, opt, batch, stage == 0, stage == pp - 1)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages live now, and their peak: each op's output storages
+    counted once from their first sight until their Python object dies (fake tensors keep
+    one storage object per storage, as ``torch.distributed._tools.mem_tracker`` relies on)."""
+
+    def __init__(self, probe: Any = None) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._seen: Any = torch.utils.weak.WeakIdKeyDictionary()
+        self.probe = probe  # a probe.KernelProbe: CPU kernels' workspaces (device="cpu")
+        self._probed: list[tuple[int, Any]] = []  # (live bytes after the call, signature)
+
+    def reset_peak(self) -> None:
+        """Count the peak from now on."""
+        self.peak_bytes = self.live_bytes
+        self._probed.clear()
+
+    def peak_with_workspaces(self) -> int:
+        """The peak, where a CPU kernel's workspace (measured once per call signature by the
+        probe on real zero tensors, ``probe.py``) lives beside what was live at its call."""
+        assert self.probe is not None
+        peak = self.peak_bytes
+        for live, sig in self._probed:
+            peak = max(peak, live + max(self.probe.workspace_bytes(sig), 0))
+        return peak
+
+    def track(self, t: object) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        if storage in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen[storage] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._free, nbytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from .probe import wants_probe
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            self.track(t)
+        if self.probe is not None and wants_probe(func, args):
+            self._probed.append((self.live_bytes, self.probe.request(func, args, kwargs)))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePeak:
+    """One pipeline stage's step on its rank.
+
+    Attributes
+    ----------
+    peak_bytes : int
+        Live tensor bytes at the stage's worst moment of a steady step.
+    resident_bytes : int
+        Live before the step: its parameters, buffers, optimizer state, batch, receive
+        buffers and the last stage's outputs of the step before.
+    parameter_bytes : int
+        The stage's parameters.
+    """
+
+    peak_bytes: int
+    resident_bytes: int
+    parameter_bytes: int
+
+
+def _steady_static(sched: Any) -> None:
+    """Skip the schedule's first-step vote on how to learn the stages' shapes (a tensor
+    ``.item()`` the fake tensors have no value for): every stage here was given its
+    shapes, which that vote would find (``_PipelineSchedule._warmup_p2p``, schedules.py,
+    ``InferenceMode.STATIC`` where each stage votes 1)."""
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    def static(stages: list[Any], _has_backward: bool, _p2p_done: bool) -> None:
+        for st in stages:
+            st._inference_mode = InferenceMode.STATIC
+
+    sched._warmup_p2p = static
+
+
+def stage_peak(
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    stage: int,
+    pp: int,
+    schedule: PipelineSchedule,
+    microbatches: int,
+    precision: Precision,
+    optimizer: OptimizerChoice | None,
+    implementation: OptimizerImplementation | None = None,
+    split: tuple[str, ...] | None = None,
+) -> StagePeak:
+    """Stage ``stage``'s step as ``torch.distributed.pipelining`` runs it, on fake tensors
+    and PyTorch's fake process group (``tensor_parallel.fake_process_group``): a meta copy
+    of its layers made fake, the schedule's third step counted by :class:`LiveBytes` (the
+    first two make the receive buffers and the optimizer state)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .step import storage_dtype
+    from .tensor_parallel import fake_process_group
+
+    dtype = storage_dtype(precision)
+    module = stage_copy(model, stage, pp, meta=True, split=split)
+    mode = FakeTensorMode()
+    memo: dict[int, torch.Tensor] = {}
+    with mode:
+        for sub in module.modules():
+            tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+            for table in tables:
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in memo:
+                        want = dtype if t.is_floating_point() else t.dtype
+                        fake = torch.empty_strided(t.shape, t.stride(), dtype=want, device="cpu")
+                        if isinstance(t, nn.Parameter):
+                            fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                        memo[id(t)] = fake
+                    table[name] = memo[id(t)]
+        fake_inputs = {
+            k: torch.empty(v.shape, dtype=v.dtype, device="cpu") for k, v in inputs.items()
+        }
+    config = _config(model)
+    from .probe import KernelProbe
+
+    counter = LiveBytes(KernelProbe())
+    with fake_process_group(pp, rank=stage), mode:
+        rank = _rank(
+            module, stage, pp, schedule, microbatches, fake_inputs, optimizer,
+            implementation, _loss_fn(model), config.hidden_size, config.vocab_size, dtype,
+        )  # fmt: skip
+        _steady_static(rank.schedule)
+        for t in (*module.parameters(), *module.buffers(), rank.batch):
+            counter.track(t)
+        with counter:
+            rank.iterate()
+            rank.iterate()
+            gc.collect()
+            resident = counter.live_bytes
+            counter.reset_peak()
+            rank.iterate()
+        params = sum(p.untyped_storage().nbytes() for p in set(module.parameters()))
+    return StagePeak(counter.peak_with_workspaces(), resident, params)
+
+
+def measure_stage(
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    schedule: PipelineSchedule,
+    microbatches: int,
+    precision: Precision,
+    optimizer: OptimizerChoice | None,
+    implementation: OptimizerImplementation | None = None,
+    split: tuple[str, ...] | None = None,
+) -> tuple[int, int]:
+    """On a real gloo rank of ``measure(gpus=pp, pp=pp)``: this rank's stage (a copy of its
+    layers only, in the precision's dtype) stepped by the schedule, two steps first, then
+    five measured by the CPU profiler; (resident bytes, the least measured peak). The least:
+    a send's buffer that gloo's worker thread drops last is a free the profiler, which
+    records the calling thread, never sees (``distributed._collectives_release_on_caller``)."""
+    import torch.distributed as dist
+
+    from .measure import _run_cpu
+    from .step import storage_dtype
+
+    stage, pp = dist.get_rank(), dist.get_world_size()
+    dtype = storage_dtype(precision)
+    config = _config(model)
+
+    def session() -> _Rank:
+        module = stage_copy(model, stage, pp, split=split).to(dtype)
+        module.train()
+        ids = {k: v.clone() for k, v in inputs.items()}
+        return _rank(
+            module, stage, pp, schedule, microbatches, ids, optimizer, implementation,
+            _loss_fn(model), config.hidden_size, config.vocab_size, dtype,
+        )  # fmt: skip
+
+    resident, trace = _run_cpu(session, warmups=2, repeats=5)  # type: ignore[arg-type]
+    return resident, resident + trace.peak_above_start(least=True)
