@@ -75,3 +75,23 @@ def mistral(window: int = 24) -> nn.Module:
         sliding_window=window,
     )  # fmt: skip
     return transformers.MistralForCausalLM(config)
+
+
+def llama_mha() -> nn.Module:
+    """:func:`llama` with as many key/value heads as heads (4), so 4 tensor-parallel ranks
+    divide them."""
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def mixtral() -> nn.Module:
+    """:func:`llama`'s shape with a mixture of 4 experts, 2 per token."""
+    config = transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)

@@ -1,0 +1,244 @@
+"""Accuracy of one tensor-parallel or pipeline-parallel rank's estimate against real
+torch.distributed ranks.
+
+The estimate comes from the single-device profile (``device="cpu"``, batch 2):
+``profile.estimate(4, precision, optimizer, mode, gpus=k, tp=k[, tp_plan=...])`` is one
+tensor-parallel rank (every rank holds the same shards, so one estimate serves them all), and
+``profile.estimate(4, ..., gpus=2, pp=2, pp_schedule=..., microbatches=m)`` each pipeline
+stage (``est.stage_peak_bytes[r]``). The truth is ``measure(...)`` with the same keywords:
+k processes forked on this machine in one gloo process group on 127.0.0.1, each sharding
+its copy by the plan's own library (transformers' ``apply_tensor_parallelism`` for a Hugging
+Face model's plan, ``parallelize_module`` for a plan of ``torch.distributed.tensor.parallel``
+styles) or holding its pipeline stage and stepping it by ``ScheduleGPipe`` /
+``Schedule1F1B``. Each rank's peak is the CPU allocator's allocated bytes, as the profiler's
+memory events record them on the rank's own thread (resident bytes included); measure
+kills its ranks by PID when they overrun ``timeout_s``.
+
+Grid: a Hugging Face Llama of 2 layers, hidden 64, 4 heads and 2 key/value heads; the same
+with 4 key/value heads (so 4 ranks divide them); a Mixtral of that shape with 4 experts, 2
+per token; and a LayerNorm + Linear + ReLU + Linear block on 8 tokens of 32 features under a
+plan of ``ColwiseParallel`` / ``RowwiseParallel`` without and with sequence parallelism
+(``SequenceParallel`` on the norm, the first Linear reading ``Shard(1)``, the last
+reduce-scattering to ``Shard(1)``). Tensor parallelism on 2 ranks (and 4 where the heads
+divide) x fp32 and bf16 x AdamW training and inference; pipeline parallelism on 2 stages x
+GPipe and 1F1B x 2 and 4 micro-batches x fp32 and bf16, AdamW training. A batch of 4 (16
+tokens); every rank computes on one thread (the forked ranks must, and CPU kernel scratch
+can depend on the thread count). A layout the estimate refuses is a row with its reason.
+
+    python benchmarks/accuracy_parallel.py           # about 5 minutes on 2 cores
+    python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
+
+Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
+results/accuracy_parallel.json (``--quick``: results/accuracy_parallel_quick.json) and prints
+a markdown summary (benchmarks/report.py writes it into docs/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+import _hf
+import torch
+from _results import write_results
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from vram_widget import measure, profile_model
+
+BATCH = 4
+PROFILE_BATCH = 2
+PRECISIONS = ("fp32", "bf16")
+MODES = ("train", "inference")
+SCHEDULES = ("gpipe", "1f1b")
+MICROBATCHES = (2, 4)
+TARGET_MEDIAN_PCT = 0.5
+TARGET_WORST_PCT = 3.0
+BASIS = "CPU allocator's allocated bytes (torch.profiler memory events), per rank"
+
+
+def block() -> nn.Module:
+    """A pre-norm MLP block: LayerNorm(32), Linear(32, 64), ReLU, Linear(64, 32)."""
+    return nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+def block_inputs(batch: int) -> torch.Tensor:
+    """``batch`` x 8 tokens x 32 features."""
+    return torch.randn(batch, 8, 32, generator=torch.Generator().manual_seed(batch))
+
+
+def tp_plan() -> dict[str, Any]:
+    """Megatron's pair: the first Linear column-parallel, the second row-parallel (its output
+    all-reduced), the norm replicated."""
+    return {"1": ColwiseParallel(), "3": RowwiseParallel()}
+
+
+def sp_plan() -> dict[str, Any]:
+    """The same pair with sequence parallelism, as torchtitan's Llama plan lays out a block:
+    the norm on the rank's tokens (``SequenceParallel``), all-gathered into the first Linear,
+    the second Linear's output reduce-scattered back to the rank's tokens."""
+    return {
+        "0": SequenceParallel(),
+        "1": ColwiseParallel(input_layouts=Shard(1)),
+        "3": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A model, its batches, and the layouts it runs."""
+
+    build: Callable[[], nn.Module]
+    make: Callable[[int], Any]
+    tp: tuple[int, ...]
+    plans: dict[str, Callable[[], dict[str, Any]] | None]  # label -> tp_plan (None: own)
+    pp: bool
+
+
+CASES: dict[str, Case] = {
+    "hf_llama": Case(_hf.llama, _hf.tokens, (2, 4), {"own plan": None}, True),
+    "hf_llama_mha": Case(_hf.llama_mha, _hf.tokens, (2, 4), {"own plan": None}, True),
+    "hf_mixtral": Case(_hf.mixtral, _hf.tokens, (2, 4), {"own plan": None}, True),
+    "mlp_block": Case(block, block_inputs, (2, 4), {"colwise/rowwise": tp_plan,
+                                                    "sequence parallel": sp_plan}, False),
+}  # fmt: skip
+
+
+def _row(label: str, layout: str, precision: str, mode: str, **fields: Any) -> dict[str, Any]:
+    return {"model": label, "layout": layout, "precision": precision, "mode": mode, **fields}
+
+
+def _refused(label: str, layout: str, precision: str, mode: str, exc: Exception) -> dict:
+    print(f"{label:14s} {layout:28s} {precision:5s} {mode:9s} refused: {exc}", flush=True)
+    return _row(label, layout, precision, mode, refused=f"{type(exc).__name__}: {exc}")
+
+
+def compare(
+    label: str,
+    layout: str,
+    profile: Any,
+    model: nn.Module,
+    make: Callable[[int], Any],
+    precision: str,
+    mode: str,
+    settings: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """One real run of the layout's ranks; a row per rank against that rank's estimate."""
+    optimizer = "adamw" if mode == "train" else None
+    kwargs = {"precision": precision, "mode": mode, "optimizer": optimizer, **settings}
+    try:
+        est = profile.estimate(BATCH, **kwargs)
+    except ValueError as exc:  # a layout the estimate refuses, by name
+        return [_refused(label, layout, precision, mode, exc)]
+    estimates = list(est.stage_peak_bytes) or [est.peak_bytes] * settings["gpus"]
+    t0 = time.perf_counter()
+    real = measure(model, make(BATCH), timeout_s=180, **kwargs)
+    seconds = time.perf_counter() - t0
+    rows = [
+        _row(
+            label, layout, precision, mode, rank=rank, gpus=settings["gpus"],
+            estimated=estimated, measured=peak, ratio=estimated / peak,
+            error_pct=(estimated - peak) / peak * 100, measure_s=seconds,
+        )  # fmt: skip
+        for rank, (estimated, peak) in enumerate(zip(estimates, real.rank_peak_bytes, strict=True))
+    ]
+    worst = max(abs(r["error_pct"]) for r in rows)
+    print(
+        f"{label:14s} {layout:28s} {precision:5s} {mode:9s} est={estimates} "
+        f"measured={list(real.rank_peak_bytes)} worst {worst:.4f}% ({seconds:.1f} s)",
+        flush=True,
+    )
+    return rows
+
+
+def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
+    """(layout label, mode, settings) of every run of ``case``."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for tp in case.tp[:1] if quick else case.tp:
+        for plan_label, plan in case.plans.items():
+            settings: dict[str, Any] = {"gpus": tp, "tp": tp}
+            if plan is not None:
+                settings["tp_plan"] = plan()
+            for mode in MODES:
+                out.append((f"tp={tp} {plan_label}", mode, settings))
+    if case.pp:
+        for schedule in SCHEDULES[:1] if quick else SCHEDULES:
+            for m in MICROBATCHES[:1] if quick else MICROBATCHES:
+                settings = {"gpus": 2, "pp": 2, "pp_schedule": schedule, "microbatches": m}
+                out.append((f"pp=2 {schedule} m={m}", "train", settings))
+    return out
+
+
+QUICK_CASES = ("hf_llama", "mlp_block")
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for label, case in CASES.items():
+        if quick and label not in QUICK_CASES:
+            continue
+        torch.manual_seed(0)
+        model = case.build()
+        profile = profile_model(model, inputs=case.make(PROFILE_BATCH), device="cpu")
+        for layout, mode, settings in _layouts(case, quick):
+            for precision in PRECISIONS[:1] if quick else PRECISIONS:
+                rows += compare(label, layout, profile, model, case.make, precision, mode,
+                                settings)  # fmt: skip
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    measured = [r for r in rows if "refused" not in r]
+    lines = [
+        "| model | layout | step | ranks compared | estimate / measured, per rank | median "
+        "\\|ratio - 1\\| | worst \\|ratio - 1\\| |",
+        "|---|---|---|---:|---|---:|---:|",
+    ]
+    groups = dict.fromkeys((r["model"], r["layout"], r["mode"]) for r in measured)
+    for model, layout, mode in groups:
+        sel = [r for r in measured if (r["model"], r["layout"], r["mode"]) == (model, layout, mode)]
+        errs = [abs(r["error_pct"]) for r in sel]
+        ratios = sorted({f"{r['ratio']:.4f}" for r in sel})
+        lines.append(
+            f"| {model} | {layout} | {mode} | {len(sel)} | {', '.join(ratios)} | "
+            f"{statistics.median(errs):.4f} % | {max(errs):.4f} % |"
+        )
+    errs = [abs(r["error_pct"]) for r in measured]
+    median, worst = statistics.median(errs), max(errs)
+    verdict = "met" if median <= TARGET_MEDIAN_PCT and worst <= TARGET_WORST_PCT else "NOT met"
+    lines.append(f"| **all** | | | {len(measured)} | | {median:.4f} % | {worst:.4f} % |")
+    lines.append("")
+    lines.append(
+        f"Targets (median <= {TARGET_MEDIAN_PCT} %, worst <= {TARGET_WORST_PCT} %): {verdict}. "
+        f"Measured basis: the {BASIS}."
+    )
+    refused = dict.fromkeys((r["model"], r["layout"], r["refused"]) for r in rows if "refused" in r)
+    if refused:
+        lines += ["", "Refused by the estimate (each with its reason, before any profiling):", ""]
+        lines += [f"- {model}, {layout}: {reason}" for model, layout, reason in refused]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of rows (fp32, tp=2, "
+                        "GPipe with 2 micro-batches; Llama and the MLP block)")  # fmt: skip
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    rows = run(args.quick)
+    name = "accuracy_parallel_quick" if args.quick else "accuracy_parallel"
+    extra = {"basis": BASIS, "batch_size": BATCH, "profile_batch_size": PROFILE_BATCH}
+    write_results(name, rows, summarize(rows), started, extra)
+
+
+if __name__ == "__main__":
+    main()
