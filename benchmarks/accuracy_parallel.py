@@ -144,10 +144,18 @@ def compare(
     seconds = time.perf_counter() - t0
     rows = [
         _row(
-            label, layout, precision, mode, rank=rank, gpus=settings["gpus"],
-            estimated=estimated, measured=peak, ratio=estimated / peak,
-            error_pct=(estimated - peak) / peak * 100, measure_s=seconds,
-        )  # fmt: skip
+            label,
+            layout,
+            precision,
+            mode,
+            rank=rank,
+            gpus=settings["gpus"],
+            estimated=estimated,
+            measured=peak,
+            ratio=estimated / peak,
+            error_pct=(estimated - peak) / peak * 100,
+            measure_s=seconds,
+        )
         for rank, (estimated, peak) in enumerate(zip(estimates, real.rank_peak_bytes, strict=True))
     ]
     worst = max(abs(r["error_pct"]) for r in rows)
@@ -195,34 +203,41 @@ def run(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _bytes(values: list[int]) -> str:
+    """One number where the ranks agree, else each rank's."""
+    return f"{values[0]:,}" if len(set(values)) == 1 else " / ".join(f"{v:,}" for v in values)
+
+
 def summarize(rows: list[dict[str, Any]]) -> str:
     measured = [r for r in rows if "refused" not in r]
     lines = [
-        "| model | layout | step | ranks compared | estimate / measured, per rank | median "
-        "\\|ratio - 1\\| | worst \\|ratio - 1\\| |",
-        "|---|---|---|---:|---|---:|---:|",
+        "| model | layout | precision | step | estimate per rank (B) | measured per rank (B) "
+        "| ratio per rank |",
+        "|---|---|---|---|---:|---:|---:|",
     ]
-    groups = dict.fromkeys((r["model"], r["layout"], r["mode"]) for r in measured)
-    for model, layout, mode in groups:
-        sel = [r for r in measured if (r["model"], r["layout"], r["mode"]) == (model, layout, mode)]
-        errs = [abs(r["error_pct"]) for r in sel]
-        ratios = sorted({f"{r['ratio']:.4f}" for r in sel})
+    runs = dict.fromkeys((r["model"], r["layout"], r["precision"], r["mode"]) for r in measured)
+    for run_key in runs:
+        sel = [
+            r for r in measured if (r["model"], r["layout"], r["precision"], r["mode"]) == run_key
+        ]
+        ratios = [f"{r['ratio']:.4f}" for r in sel]
         lines.append(
-            f"| {model} | {layout} | {mode} | {len(sel)} | {', '.join(ratios)} | "
-            f"{statistics.median(errs):.4f} % | {max(errs):.4f} % |"
+            "| " + " | ".join(run_key) + f" | {_bytes([r['estimated'] for r in sel])} | "
+            f"{_bytes([r['measured'] for r in sel])} | "
+            f"{ratios[0] if len(set(ratios)) == 1 else ', '.join(ratios)} |"
         )
     errs = [abs(r["error_pct"]) for r in measured]
     median, worst = statistics.median(errs), max(errs)
     verdict = "met" if median <= TARGET_MEDIAN_PCT and worst <= TARGET_WORST_PCT else "NOT met"
-    lines.append(f"| **all** | | | {len(measured)} | | {median:.4f} % | {worst:.4f} % |")
-    lines.append("")
-    lines.append(
-        f"Targets (median <= {TARGET_MEDIAN_PCT} %, worst <= {TARGET_WORST_PCT} %): {verdict}. "
-        f"Measured basis: the {BASIS}."
-    )
+    lines += [
+        "",
+        f"{len(measured)} ranks compared: median |ratio - 1| {median:.4f} %, worst "
+        f"{worst:.4f} % (targets: median <= {TARGET_MEDIAN_PCT} %, worst <= "
+        f"{TARGET_WORST_PCT} %: {verdict}). Measured basis: the {BASIS}.",
+    ]
     refused = dict.fromkeys((r["model"], r["layout"], r["refused"]) for r in rows if "refused" in r)
     if refused:
-        lines += ["", "Refused by the estimate (each with its reason, before any profiling):", ""]
+        lines += ["", "Refused by the estimate, each with its reason, before any profiling:", ""]
         lines += [f"- {model}, {layout}: {reason}" for model, layout, reason in refused]
     return "\n".join(lines)
 

@@ -131,6 +131,23 @@ def _accuracy_distributed() -> str:
     )
 
 
+def _accuracy_parallel() -> str:
+    return _sweep(
+        "accuracy_parallel",
+        "Hugging Face Llama (2 layers, hidden 64, 4 heads, 2 or 4 key/value heads) and "
+        "Mixtral (the same shape, 4 experts, 2 per token) under their own tensor-parallel "
+        "plans, applied by transformers; a LayerNorm + two Linear block under a "
+        "ColwiseParallel / RowwiseParallel plan without and with sequence parallelism; "
+        "tensor parallelism on 2 and 4 ranks x fp32 and bf16 x AdamW training and "
+        "inference; pipeline parallelism of the decoders on 2 stages x GPipe and 1F1B x 2 "
+        "and 4 micro-batches x fp32 and bf16, AdamW; batch 4; every rank of each run), each "
+        "rank estimated from the single-device profile (estimate(..., tp=k) or "
+        "est.stage_peak_bytes) and measured on real gloo ranks (the CPU allocator's "
+        "allocated bytes)",
+        "per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %",
+    )
+
+
 def _deepspeed_states() -> str:
     path = RESULTS / "deepspeed_states.json"
     if not path.exists():
@@ -586,6 +603,7 @@ PAGES = {
     "accuracy-levers": "docs/accuracy.md",
     "optimizers": "docs/accuracy.md",
     "accuracy-distributed": "docs/accuracy.md",
+    "accuracy-parallel": "docs/accuracy.md",
     "accuracy-cuda": "docs/accuracy.md",
     "levers-cuda": "docs/accuracy.md",
     "compile-cuda": "docs/accuracy.md",
@@ -606,6 +624,7 @@ def main() -> None:
         "accuracy-levers": _accuracy_levers(),
         "optimizers": _optimizers(),
         "accuracy-distributed": _accuracy_distributed(),
+        "accuracy-parallel": _accuracy_parallel(),
         "accuracy-cuda": _accuracy_cuda(),
         "levers-cuda": _levers_cuda(),
         "compile-cuda": _compile_cuda(),

@@ -335,9 +335,13 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from .probe import wants_probe
+        from .recorder import _ANY_DTYPE_OPS
 
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        # ops whose meta kernels refuse dtypes their kernels run (a Mixtral's fp32
+        # ``_grouped_mm``), run as the profile's recorder runs them
+        any_dtype = _ANY_DTYPE_OPS.get(func)
+        out = func(*args, **kwargs) if any_dtype is None else any_dtype(func, args, kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             self.track(t)
         if self.probe is not None and wants_probe(func, args):
