@@ -19,13 +19,17 @@ with 4 key/value heads (so 4 ranks divide them); a Mixtral of that shape with 4 
 per token; and a LayerNorm + Linear + ReLU + Linear block on 8 tokens of 32 features under a
 plan of ``ColwiseParallel`` / ``RowwiseParallel`` without and with sequence parallelism
 (``SequenceParallel`` on the norm, the first Linear reading ``Shard(1)``, the last
-reduce-scattering to ``Shard(1)``). Tensor parallelism on 2 ranks (and 4 where the heads
-divide) x fp32 and bf16 x AdamW training and inference; pipeline parallelism on 2 stages x
-GPipe and 1F1B x 2 and 4 micro-batches x fp32 and bf16, AdamW training. A batch of 4 (16
-tokens); every rank computes on one thread (the forked ranks must, and CPU kernel scratch
-can depend on the thread count). A layout the estimate refuses is a row with its reason.
+reduce-scattering to ``Shard(1)``); and torchtitan 0.3.0's own Llama (``tests/models.py``,
+built as its configs build it, 32 tokens) under a plan of styles that splits its MLPs as
+Megatron does (torchtitan's own tensor parallelism is a ``sharding_config`` per module that
+``Module.parallelize`` applies, which ``tp_plan`` does not take). Tensor parallelism on 2
+ranks (and 4 where the heads divide) x fp32 and bf16 x AdamW training and inference;
+pipeline parallelism on 2 stages x GPipe and 1F1B x 2 and 4 micro-batches x fp32 and bf16,
+AdamW training. A batch of 4 (16 tokens); every rank computes on one thread (the forked
+ranks must, and CPU kernel scratch can depend on the thread count). A layout the estimate
+refuses is a row with its reason.
 
-    python benchmarks/accuracy_parallel.py           # about 5 minutes on 2 cores
+    python benchmarks/accuracy_parallel.py           # about 10 minutes on 2 cores
     python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
 
 Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
@@ -39,8 +43,10 @@ import argparse
 import dataclasses
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
@@ -51,8 +57,12 @@ from _results import write_results
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.nn import functional as F
 
 from vram_widget import measure, profile_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import models  # tests/models.py: torchtitan's Llama as its own configs build it
 
 BATCH = 4
 PROFILE_BATCH = 2
@@ -92,15 +102,35 @@ def sp_plan() -> dict[str, Any]:
     }
 
 
+def titan_ffn_plan() -> dict[str, Any]:
+    """Megatron's MLP split on torchtitan's Llama: ``w1`` and ``w3`` column-parallel, ``w2``
+    row-parallel, attention and norms replicated (torchtitan 0.3.0 declares its own tensor
+    parallelism per module, as ``sharding_config`` applied by ``Module.parallelize``, not as
+    a plan of ``torch.distributed.tensor.parallel`` styles)."""
+    return {
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(),
+    }
+
+
+def titan_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of torchtitan's logits in fp32 (its ``cross_entropy_loss``,
+    torchtitan/components/loss.py) against token 0 everywhere."""
+    targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """A model, its batches, and the layouts it runs."""
+    """A model, its batches, its loss (None: the model's own), and the layouts it runs."""
 
     build: Callable[[], nn.Module]
     make: Callable[[int], Any]
     tp: tuple[int, ...]
     plans: dict[str, Callable[[], dict[str, Any]] | None]  # label -> tp_plan (None: own)
     pp: bool
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
 
 
 CASES: dict[str, Case] = {
@@ -109,6 +139,8 @@ CASES: dict[str, Case] = {
     "hf_mixtral": Case(_hf.mixtral, _hf.tokens, (2, 4), {"own plan": None}, True),
     "mlp_block": Case(block, block_inputs, (2, 4), {"colwise/rowwise": tp_plan,
                                                     "sequence parallel": sp_plan}, False),
+    "torchtitan_llama3": Case(models.torchtitan_llama3, models.titan_tokens, (2,),
+                              {"FFN colwise/rowwise": titan_ffn_plan}, True, titan_loss),
 }  # fmt: skip
 
 
@@ -130,6 +162,7 @@ def compare(
     precision: str,
     mode: str,
     settings: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
 ) -> list[dict[str, Any]]:
     """One real run of the layout's ranks; a row per rank against that rank's estimate."""
     optimizer = "adamw" if mode == "train" else None
@@ -140,7 +173,7 @@ def compare(
         return [_refused(label, layout, precision, mode, exc)]
     estimates = list(est.stage_peak_bytes) or [est.peak_bytes] * settings["gpus"]
     t0 = time.perf_counter()
-    real = measure(model, make(BATCH), timeout_s=180, **kwargs)
+    real = measure(model, make(BATCH), loss_fn, timeout_s=180, **kwargs)
     seconds = time.perf_counter() - t0
     rows = [
         _row(
@@ -195,11 +228,13 @@ def run(quick: bool) -> list[dict[str, Any]]:
             continue
         torch.manual_seed(0)
         model = case.build()
-        profile = profile_model(model, inputs=case.make(PROFILE_BATCH), device="cpu")
+        profile = profile_model(
+            model, inputs=case.make(PROFILE_BATCH), loss_fn=case.loss_fn, device="cpu"
+        )
         for layout, mode, settings in _layouts(case, quick):
             for precision in PRECISIONS[:1] if quick else PRECISIONS:
                 rows += compare(label, layout, profile, model, case.make, precision, mode,
-                                settings)  # fmt: skip
+                                settings, case.loss_fn)  # fmt: skip
     return rows
 
 
@@ -235,10 +270,14 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         f"{worst:.4f} % (targets: median <= {TARGET_MEDIAN_PCT} %, worst <= "
         f"{TARGET_WORST_PCT} %: {verdict}). Measured basis: the {BASIS}.",
     ]
-    refused = dict.fromkeys((r["model"], r["layout"], r["refused"]) for r in rows if "refused" in r)
+    refused: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        if "refused" in r:
+            layouts = refused.setdefault((r["model"], r["refused"]), [])
+            layouts += [] if r["layout"] in layouts else [r["layout"]]
     if refused:
         lines += ["", "Refused by the estimate, each with its reason, before any profiling:", ""]
-        lines += [f"- {model}, {layout}: {reason}" for model, layout, reason in refused]
+        lines += [f"- {m}, {', '.join(ls)}: {reason}" for (m, reason), ls in refused.items()]
     return "\n".join(lines)
 
 

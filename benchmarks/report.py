@@ -138,6 +138,8 @@ def _accuracy_parallel() -> str:
         "Mixtral (the same shape, 4 experts, 2 per token) under their own tensor-parallel "
         "plans, applied by transformers; a LayerNorm + two Linear block under a "
         "ColwiseParallel / RowwiseParallel plan without and with sequence parallelism; "
+        "torchtitan 0.3.0's Llama3Model under a "
+        "plan of styles splitting its MLPs (w1, w3 ColwiseParallel, w2 RowwiseParallel); "
         "tensor parallelism on 2 and 4 ranks x fp32 and bf16 x AdamW training and "
         "inference; pipeline parallelism of the decoders on 2 stages x GPipe and 1F1B x 2 "
         "and 4 micro-batches x fp32 and bf16, AdamW; batch 4; every rank of each run), each "
