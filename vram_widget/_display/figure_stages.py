@@ -91,7 +91,20 @@ def add_stage_traces(fig: go.Figure) -> None:
 def stage_trace_updates(est: MemoryEstimate, capacity_bytes: int | None) -> list[dict[str, Any]]:
     """New data for the panel's traces, in :data:`STAGE_TRACE_NAMES` order: the stages'
     peaks (the worst in red), the capacity across them, a star on the worst stage; hidden
-    and empty where ``est`` has no stages."""
+    and empty where ``est`` has no stages.
+
+    Examples
+    --------
+    >>> import dataclasses
+    >>> from vram_widget import profile_model, zoo
+    >>> est = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(2)
+    >>> bars, capacity, worst = stage_trace_updates(
+    ...     dataclasses.replace(est, pp=2, stage_peak_bytes=(300, 100)), 1_000)
+    >>> bars["y"].tolist(), capacity["y"].tolist(), worst["text"]
+    ([300, 100], [1000, 1000], ['worst: stage 0'])
+    >>> stage_trace_updates(est, 1_000)[0]["visible"]
+    False
+    """
     peaks = np.asarray(est.stage_peak_bytes, dtype=np.int64)
     if len(peaks) < 2:
         hidden: dict[str, Any] = {"visible": False, "x": [], "y": []}
