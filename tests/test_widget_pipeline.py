@@ -125,6 +125,12 @@ def test_pipeline_controls_estimate_and_stage_bars() -> None:
     assert not w.figure.data[STAGES].visible and list(w.figure.data[STAGES].y) == []
     assert w.headline.error == "" and len(spy.seen) == 3
     assert w._schedule_dropdown.layout.display == "none"
+    # pp given at the start: GPUs follow as the control sets them; the figure is built
+    # with the stage panel (the question asked before: no run)
+    spy.widget = None
+    started = MemoryWidget(profile, batch_size=4, optimizer="adamw", pp=2)
+    assert started.gpus == 2 and list(started.figure.data[STAGES].y) == list(peaks)
+    assert len(spy.asked) == 3
 
 
 def test_pp_control_off_where_the_model_has_no_decoder() -> None:

@@ -227,6 +227,9 @@ class MemoryWidget(
         if "precision" not in settings and Precision.FP32 not in profile.precisions:
             # a model with a kernel that runs in some dtypes only: start where it runs
             settings = {**settings, "precision": profile.precisions[0].value}
+        if settings.get("pp", 1) != 1 and "gpus" not in settings:
+            # the world size, as moving the pp control sets it (widget_pipeline)
+            settings = {**settings, "gpus": settings["pp"] * settings.get("tp", 1)}
         if "gpu" in settings:
             # any form a capacity takes: a catalog name, "80GiB", bytes (custom size)
             settings = {**settings, **_gpu_settings(settings["gpu"])}
@@ -819,7 +822,8 @@ def show_memory(
         strategy), ``tp`` ({1, 2, 4, 8}: tensor-parallel ranks among ``gpus``, by the
         model's own plan; its control is off where the model has none), and ``pp`` ({1, 2,
         4, 8}: pipeline stages of a Hugging Face decoder on a CPU profile, one a GPU, with
-        ``gpus`` = ``pp`` x ``tp``; moving the control sets ``gpus`` so), ``pp_schedule``
+        ``gpus`` = ``pp`` x ``tp``: moving the control, or giving ``pp`` without
+        ``gpus``, sets ``gpus`` so), ``pp_schedule``
         ({"gpipe", "1f1b"}) and ``microbatches`` (int >= 1, or None: ``pp``).
 
     Returns
