@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from vram_widget import Category, profile_model, zoo
+from vram_widget._display.figure_stages import STAGE_TRACE_NAMES
 from vram_widget._display.figures import (
     CLIP_RATIO,
     FLOOR_CATEGORIES,
@@ -218,9 +219,12 @@ def test_axis_stops_above_the_step_when_capacity_is_far(mlp_profile: ModelProfil
 def test_bars_have_a_fixed_width(mlp_profile: ModelProfile) -> None:
     """Sparse traces (FLOPs at a few runs) would otherwise get bars several runs wide."""
     fig = build_figure(mlp_profile.estimate(32), depth=1)
-    bars = [t for t in fig.data if t.type == "bar"]
+    # the waterfall's and the FLOPs panel's bars (the pipeline stages' panel has its own
+    # x axis, "x3", with one bar a stage)
+    bars = [t for t in fig.data if t.type == "bar" and t.xaxis != "x3"]
     assert len(bars) == 1 + len(PHASES) + 2  # the floor, one trace per phase, FLOPs
     assert all(t.width == 0.8 for t in bars)
+    assert [t.name for t in fig.data if t.type == "bar" and t.xaxis == "x3"] == ["stage peaks"]
 
 
 def test_crowded_labels_are_thinned() -> None:
@@ -278,3 +282,34 @@ def test_a_generation_draws_its_kv_cache() -> None:
     assert kv.y[-1] == est.kv_cache_bytes == 2 * (16 + 29) * 1024  # 2 layers x k, v x 64 x 4 B
     assert all(b >= a for a, b in itertools.pairwise(kv.y[:-1]))  # it grows, step by step
     assert list(build_figure(profile.estimate(2)).data[TRACE_NAMES.index("KV cache")].x) == []
+
+
+def test_stage_panel_shows_each_stage_and_hides_without_stages(mlp_profile: ModelProfile) -> None:
+    import dataclasses
+
+    from vram_widget._display.figure_stages import WATERFALL_DOMAIN
+    from vram_widget._display.plotly_widget import FigureWidget
+
+    plain = mlp_profile.estimate(2)
+    # three stages' peaks, hand-set: the worst is stage 1 (300 B)
+    staged = dataclasses.replace(
+        plain, pp=3, pp_schedule="gpipe", microbatches=3, stage_peak_bytes=(100, 300, 200)
+    )
+    fig = FigureWidget(build_figure(plain, capacity_bytes=1_000))
+    bars, capacity, worst = (fig.data[TRACE_NAMES.index(n)] for n in STAGE_TRACE_NAMES)
+    assert not bars.visible and list(bars.y) == [] and not fig.layout.xaxis3.visible
+    update_figure(fig, staged, capacity_bytes=1_000)
+    assert len(fig.data) == len(TRACE_NAMES)  # the same traces, written in place
+    assert list(bars.y) == [100, 300, 200] and list(bars.x) == [0, 1, 2]
+    assert list(bars.marker.color) == ["#4C78A8", "#D62728", "#4C78A8"]  # the worst red
+    assert (list(worst.x), list(worst.y)) == ([1], [300])
+    assert list(capacity.y) == [1_000, 1_000]
+    # 1,000 B is 3.3 x the worst 300 B, above the clip ratio 3: the axis stops at
+    # 1.25 x 300 = 375 B and the hover gives each stage's share, 300 / 1,000 = 30.000 %
+    assert list(fig.layout.yaxis3.range) == [0, 375]
+    assert "stage 1: peak 300 B (30.000% of the card)" in bars.hovertext
+    assert fig.layout.xaxis.domain == WATERFALL_DOMAIN and fig.layout.xaxis3.visible
+    assert "on stage 1 of 3 (worst stage)" in fig.layout.title.text
+    update_figure(fig, plain, capacity_bytes=1_000)
+    assert not bars.visible and list(bars.y) == [] and not worst.visible
+    assert fig.layout.xaxis.domain == (0.0, 1.0) and not fig.layout.xaxis3.visible

@@ -253,6 +253,9 @@ class _Spy:
     def tensor_parallel_refusal(self, tp: int) -> object:
         return self.source.tensor_parallel_refusal(tp)  # type: ignore[attr-defined]
 
+    def pipeline_parallel_refusal(self, pp: int) -> object:
+        return self.source.pipeline_parallel_refusal(pp)  # type: ignore[attr-defined]
+
 
 def _usable(w: MemoryWidget) -> bool:
     """Every control enabled (the custom-GiB box only while the custom GPU is chosen, the
@@ -267,6 +270,7 @@ def _usable(w: MemoryWidget) -> bool:
         w._offload_dropdown,
         w._budget_dropdown,
         w._tp_dropdown,
+        w._pp_dropdown,
     )
     implementations = w._optimizer_controls.groups.get(split_choice(w.optimizer)[0])
     return (
@@ -277,6 +281,7 @@ def _usable(w: MemoryWidget) -> bool:
         and w._offload_dropdown.disabled == (w.profile.device.value != "cuda")
         and w._budget_dropdown.disabled == (w.compile == "off")
         and w._tp_dropdown.disabled == bool(w.profile.tensor_parallel_refusal(2))
+        and w._pp_dropdown.disabled == bool(w._pp_refusal)
     )
 
 
@@ -1348,7 +1353,18 @@ def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelPro
             "loss chunks",
             "offload activations",
         ],
-        "GPUs": ["GPU", "custom GiB", "expandable_segments", "GPUs", "strategy", "per node", "tp"],
+        "GPUs": [
+            "GPU",
+            "custom GiB",
+            "expandable_segments",
+            "GPUs",
+            "strategy",
+            "per node",
+            "tp",
+            "pp",
+            "schedule",
+            "pp micro-batches",
+        ],
         "Display": ["group depth"],
     }
     every = [c for controls in groups.values() for c in controls]

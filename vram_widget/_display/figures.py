@@ -19,6 +19,9 @@ Layout of the top panel, left to right (x is a bar index):
 
 The bottom panel shares the x axis: each module group's forward FLOPs at its first forward run
 and its backward FLOPs at its first backward run.
+
+With pipeline parallelism (``pp > 1``) a third panel, right of the top one, holds one bar per
+stage's peak against the capacity, the worst stage marked (:mod:`.figure_stages`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ from plotly.subplots import make_subplots
 from .._estimating.estimator import LayerTable, MemoryEstimate
 from .._estimating.options import CATEGORY_CODE, PHASE_CODE, PHASES, Category, Mode, Phase
 from .._estimating.tradeoff import Frontier
+from .figure_stages import (
+    STAGE_TRACE_NAMES,
+    add_stage_traces,
+    stage_layout_updates,
+    stage_trace_updates,
+)
 
 __all__ = [
     "CLIP_RATIO",
@@ -99,8 +108,10 @@ TRACE_NAMES: tuple[str, ...] = (
     "forward FLOPs",
     "backward FLOPs",
     "KV cache",
+    *STAGE_TRACE_NAMES,
 )
-"""The figure's traces, in order (the widget relies on this order never changing)."""
+"""The figure's traces, in order (the widget relies on this order never changing); the
+pipeline stages' panel last (:mod:`.figure_stages`)."""
 
 MAX_NAMED_GROUPS = 40
 """Up to this many module groups on the x axis, every bar is labelled with its group's name
@@ -641,6 +652,7 @@ def build_figure(
         showarrow=False,
         font={"color": "#D62728", "size": 12},
     )
+    add_stage_traces(fig)
     _write(fig, est, depth=depth, capacity_bytes=capacity_bytes, gpu_name=gpu_name)
     return fig
 
@@ -654,7 +666,7 @@ def _write(
     gpu_name: str,
 ) -> None:
     data = waterfall_data(est, depth)
-    updates = _trace_updates(est, data, capacity_bytes)
+    updates = _trace_updates(est, data, capacity_bytes) + stage_trace_updates(est, capacity_bytes)
     if len(fig.data) != len(updates):
         raise ValueError(
             f"figure has {len(fig.data)} traces, expected {len(updates)}: "
@@ -665,7 +677,10 @@ def _write(
         f"{est.extras.cublas_workspace_bytes:,} B + allocator rounding "
         f"{est.extras.allocator_rounding_bytes:,} B<extra></extra>"
     )
-    layout_updates = _layout_updates(est, data, capacity_bytes, gpu_name)
+    layout_updates = {
+        **_layout_updates(est, data, capacity_bytes, gpu_name),
+        **stage_layout_updates(est, capacity_bytes),
+    }
     write = getattr(fig, "write_updates", None)
     if write is not None:  # plotly_widget.FigureWidget: stored as given, one message
         write(updates, layout_updates)

@@ -23,7 +23,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -65,6 +65,7 @@ from .widget_controls import (
     ControlsMixin,
 )
 from .widget_levers import LeversMixin
+from .widget_pipeline import PP_CHOICES, PP_SCHEDULES, PipelineMixin, check_pipeline_forms
 from .widget_recipe import recipe_settings
 from .widget_settings import OffloadTrait as _OffloadTrait
 from .widget_settings import OptimizerTrait as _OptimizerTrait
@@ -95,7 +96,9 @@ _NO_OPTIMIZER = NO_OPTIMIZER
 _CHECKPOINT_OFF = CHECKPOINT_OFF
 
 
-class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widgets.VBox):
+class MemoryWidget(
+    ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, PipelineMixin, widgets.VBox
+):
     """Interactive memory / FLOPs view of one profiled model (see :func:`show_memory`).
 
     Every control is a trait: setting ``w.batch_size = 64`` does what the slider does. The
@@ -165,10 +168,18 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
     # tensor-parallel ranks among gpus (1: none), sharded by the model's own plan; each new
     # question with tp > 1 is one rank's profiling run (tensor_parallel.py)
     tp = traitlets.Enum(list(TP_CHOICES), default_value=1)
+    # pipeline stages (1: none), one a GPU: moving pp sets gpus to pp x tp (widget_pipeline);
+    # the schedule, and the micro-batches the batch is split into (None: pp); each new
+    # question with pp > 1 profiles every stage
+    pp = traitlets.Enum(list(PP_CHOICES), default_value=1)
+    pp_schedule = traitlets.Enum(list(PP_SCHEDULES), default_value="gpipe")
+    microbatches = traitlets.Int(None, allow_none=True, min=1)
 
     # set in __init__; declared here for the mixins (widget_controls, widget_summary), whose
     # methods take a MemoryWidget as self
     _estimate: MemoryEstimate
+    # set while a moved setting's partner is being set (no second estimate)
+    _pairing: bool
     _headline: widgets.HTML
     _bar: widgets.HTML
     _details: widgets.HTML
@@ -198,6 +209,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
         self._frontier_cache: dict[tuple[Any, ...], Frontier] = {}
         self._seq_cache: dict[tuple[Any, ...], int | None] = {}
         self._gpus_cache: dict[tuple[Any, ...], int | None] = {}
+        self._pipeline_answered = set()
         self._at_rest_pending: asyncio.TimerHandle | None = None
         # why the last setting could not be estimated (shown in the headline until a move)
         self._error = ""
@@ -215,6 +227,9 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
         if "precision" not in settings and Precision.FP32 not in profile.precisions:
             # a model with a kernel that runs in some dtypes only: start where it runs
             settings = {**settings, "precision": profile.precisions[0].value}
+        if settings.get("pp", 1) != 1 and "gpus" not in settings:
+            # the world size, as moving the pp control sets it (widget_pipeline)
+            settings = {**settings, "gpus": settings["pp"] * settings.get("tp", 1)}
         if "gpu" in settings:
             # any form a capacity takes: a catalog name, "80GiB", bytes (custom size)
             settings = {**settings, **_gpu_settings(settings["gpu"])}
@@ -228,6 +243,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
                 setattr(self, name, value)
             self._pair_checkpoint(None)
         self._estimate = self._compute()
+        self._pipeline_answered_now()
         figure = build_figure(
             self._estimate,
             depth=self.depth,
@@ -444,6 +460,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
             "strategy": self.strategy,
             "gpus_per_node": self.gpus_per_node,
             "tp": self.tp,
+            **self._pipeline_settings(),
             **self._fixed,
         }
 
@@ -458,6 +475,8 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
     def _needs_profiling(self) -> bool:
         """Whether the current precision / optimizer (or, with the frontier open, the fit
         in the length) still has to be profiled (torch)."""
+        if self._pipeline_parallel:  # each new question runs every stage
+            return self._pipeline_needs_profiling()
         if self._tensor_parallel:  # each new question is a sub-profile of its own
             return not self._profile.tensor_parallel_cached(self.batch_size, **self._settings())
         levers = self._step_levers()
@@ -494,8 +513,9 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
     @property
     def _per_batch(self) -> bool:
         """Whether each batch is a profiling run of its own: the compiled step (compiled.
-        decided_at) and a tensor-parallel rank's sub-profile, whose key holds the batch."""
-        return self._compiled or self._tensor_parallel
+        decided_at), a tensor-parallel rank's sub-profile and the pipeline stages' steps,
+        whose keys hold the batch."""
+        return self._compiled or self._tensor_parallel or self._pipeline_parallel
 
     def _settings_key(self, *leave_out: str, card: bool = True) -> tuple[Any, ...]:
         """Every setting an estimate takes (but ``leave_out``) and, with ``card``, the card's
@@ -543,7 +563,11 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
         """
         if self._pairing:
             return
-        partner = self._pair_checkpoint(change["name"])
+        checkpoint_partner = self._pair_checkpoint(change["name"])
+        partners = [
+            *([] if checkpoint_partner is None else [checkpoint_partner]),
+            *self._pair_pipeline(change["name"]),
+        ]
         # The batch and the grouping depth are in no profile's or frontier's key: a move of
         # either never profiles (the slider's common case skips the checks, ~0.3 ms), but
         # for the compiled step and a tensor-parallel rank, profiled at each batch
@@ -570,7 +594,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
         except Exception as exc:  # a failed extra profiling run: say so, keep the last view
             what = self._what()
             self._set_busy(False)
-            self._revert(change, partner)
+            self._revert(change, partners)
             why = (
                 f"could not {'profile' if profiling else 'estimate'} {what}: "
                 f"{type(exc).__name__}: {exc}; kept {change['name']} = {change['old']!r}"
@@ -580,6 +604,7 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
             self._render_headline(at_rest=self._at_rest_pending is None)
             return
         self._error = ""
+        self._pipeline_answered_now()
         if profiling or frontier_pending:
             self._set_busy(False)
             elapsed = format_seconds(time.perf_counter() - started)
@@ -613,6 +638,11 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
             + (f" + {self.new_tokens} new" if self._generating else "")
             + (f" / {levers.describe()}" if levers is not None and levers.active else "")
             + (f" / tp={self.tp}" if self._tensor_parallel else "")
+            + (
+                f" / pp={self.pp} {self.pp_schedule} x {self.microbatches or self.pp}"
+                if self._pipeline_parallel
+                else ""
+            )
         )
 
     def _draw_frontier(self, frontier: Frontier) -> None:
@@ -635,15 +665,16 @@ class MemoryWidget(ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, widge
         if not self._syncing:
             self.show_frontier = change["new"] is not None
 
-    def _revert(self, change: dict[str, Any], partner: tuple[str, Any] | None = None) -> None:
+    def _revert(self, change: dict[str, Any], partners: Sequence[tuple[str, Any]] = ()) -> None:
         """Put a setting whose estimate failed back to its last value (re-renders that),
-        and the partner it moved (the checkpoint / policy pair) first."""
+        and the partners it moved (the checkpoint / policy pair; pp's GPUs and
+        micro-batches) first."""
         name = change.get("name")
-        if self._reverting or name not in _SETTINGS or change.get("old") is None:
+        if self._reverting or name not in _SETTINGS or "old" not in change:
             return  # never bounce between two settings that both fail
         self._reverting = True
         try:
-            if partner is not None:
+            for partner in partners:
                 self._pairing = True
                 try:
                     setattr(self, *partner)
@@ -707,6 +738,9 @@ _SETTINGS: tuple[str, ...] = (
     "strategy",
     "gpus_per_node",
     "tp",
+    "pp",
+    "pp_schedule",
+    "microbatches",
 )
 
 
@@ -785,8 +819,12 @@ def show_memory(
         ``expandable_segments`` (bool, CUDA profiles), and the data-parallel ``gpus``
         (int >= 1), ``strategy`` ({"ddp", "zero1", "zero2", "zero3", "hsdp"}) and
         ``gpus_per_node`` (int >= 1: hsdp shards within a node; its box shows with that
-        strategy), and ``tp`` ({1, 2, 4, 8}: tensor-parallel ranks among ``gpus``, by the
-        model's own plan; its control is off where the model has none).
+        strategy), ``tp`` ({1, 2, 4, 8}: tensor-parallel ranks among ``gpus``, by the
+        model's own plan; its control is off where the model has none), and ``pp`` ({1, 2,
+        4, 8}: pipeline stages of a Hugging Face decoder on a CPU profile, one a GPU, with
+        ``gpus`` = ``pp`` x ``tp``: moving the control, or giving ``pp`` without
+        ``gpus``, sets ``gpus`` so), ``pp_schedule``
+        ({"gpipe", "1f1b"}) and ``microbatches`` (int >= 1, or None: ``pp``).
 
     Returns
     -------
@@ -805,7 +843,8 @@ def show_memory(
     ValueError
         For a ``gpu`` in no capacity form, or an unknown or ambiguous GPU name (before
         profiling; every form ``MemoryEstimate.fits`` takes is valid), for a setting
-        value the control refuses (``batch_size=0``), for an unknown optimizer or a
+        value the control refuses (``batch_size=0``, ``pp=3``: before profiling), for an
+        unknown optimizer or a
         refused way of stepping it (in the backward with ``set_to_none=False``, with
         ``grad_accumulation`` > 1 or with ``gpus`` > 1; before profiling), and for inputs
         :func:`vram_widget.profile_model` refuses (a sequence past the model's position
@@ -856,6 +895,7 @@ def show_memory(
         _gpu_settings(initial_settings["gpu"])
     _check_optimizer_settings(initial_settings)
     _check_lever_forms(initial_settings, device)
+    check_pipeline_forms(initial_settings)
     profile = profile_model(
         model,
         input_size=input_size,

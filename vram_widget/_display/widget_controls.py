@@ -127,7 +127,8 @@ TOOLTIPS: dict[str, str] = {
     "custom_gib": "the card's memory in GiB, used when the GPU is 'custom'",
     "expandable_segments": "replay the caching allocator with PYTORCH_CUDA_ALLOC_CONF="
     "expandable_segments:True (less fragmentation; CUDA profiles)",
-    "gpus": "data-parallel ranks: each runs the batch; the estimate is one rank's",
+    "gpus": "data-parallel ranks: each runs the batch; the estimate is one rank's (with "
+    "tp or pp: the world size, pp x tp; moving pp sets it)",
     "strategy": "how the ranks share the step: ddp replicates all; zero1 shards optimizer "
     "state; zero2/zero3 (FSDP2) shard gradients / parameters too; hsdp shards in a node",
     "gpus_per_node": "GPUs in one node: hsdp shards within a node, replicates across nodes",
@@ -290,6 +291,8 @@ class ControlsMixin:
         self._tp_dropdown = widgets.Dropdown(
             options=self._tp_options(), layout={"width": "110px"}, disabled=bool(self._tp_refusal)
         )
+        # pp, its schedule and micro-batches (widget_pipeline)
+        self._pipeline_controls = self._build_pipeline_controls()
         max_depth = (
             int(self._estimate.layers.depth.max()) if len(self._estimate.layers.depth) else 0
         )
@@ -444,6 +447,7 @@ class ControlsMixin:
             c["strategy"],
             self._per_node_box,
             self._tp_dropdown,
+            *self._pipeline_controls,
             self._tokens_slider,
             self._tokens_box,
         )
@@ -470,7 +474,12 @@ class ControlsMixin:
             self._offload_dropdown,
         )
         self._parallel_row = _row(
-            self._gpus_slider, self._gpus_box, c["strategy"], self._per_node_box, self._tp_dropdown
+            self._gpus_slider,
+            self._gpus_box,
+            c["strategy"],
+            self._per_node_box,
+            self._tp_dropdown,
+            *self._pipeline_controls,
         )
         gpus = widgets.VBox([_row(c["gpu"], self._custom_box, c["expandable"]), self._parallel_row])
         # No width: a box's children stretch across it; "100%" plus each widget's margin
@@ -520,6 +529,7 @@ class ControlsMixin:
             self._offload_dropdown.disabled = not self._cuda
             self._budget_dropdown.disabled = self.compile == COMPILE_OFF
             self._tp_dropdown.disabled = bool(self._tp_refusal)
+            self._pp_dropdown.disabled = bool(self._pp_refusal)
 
     def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the integer settings on their sliders and boxes without feeding back."""
@@ -545,6 +555,7 @@ class ControlsMixin:
             self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
             self._sync_lever_choices()
             self._sync_compile_controls()
+            self._sync_pipeline_controls()
         finally:
             self._syncing = False
         self._custom_box.disabled = self.gpu != CUSTOM_GPU

@@ -16,6 +16,7 @@ from .._estimating.sharding import resolve_parallel
 from .optimizer_control import split_choice
 from .widget_compile import NOT_SEARCHED
 from .widget_controls import GPUS_MAX, SEQ_SLIDER_MAX
+from .widget_pipeline import PP_NOT_SEARCHED, stages_text
 from .widget_settings import weights_arg
 from .widget_text import (
     Headline,
@@ -165,6 +166,8 @@ class SummaryMixin:
             note = NOT_SEARCHED
         elif self._tensor_parallel:
             note = TP_NOT_SEARCHED
+        elif self._pipeline_parallel:
+            note = PP_NOT_SEARCHED
         if largest is None and (at_rest or below) and not self._per_batch:
             largest = self.largest_batch()
         largest_note = "" if below else note
@@ -289,7 +292,8 @@ class SummaryMixin:
         return self._gpus_cache[key]
 
     def _min_gpus_text(self: MemoryWidget, est: MemoryEstimate) -> str:  # type: ignore[misc]
-        if est.mode is not Mode.TRAIN or self._tensor_parallel:  # data-parallel ranks only
+        # data-parallel ranks only
+        if est.mode is not Mode.TRAIN or self._tensor_parallel or self._pipeline_parallel:
             return ""
         card = html.escape(self.target.name)
         try:
@@ -356,7 +360,9 @@ class SummaryMixin:
         host = host_row(est)
         if host is not None:  # activation offloading: host memory, apart from the device's
             rows.append(host)
-        if est.gpus > 1:
+        if est.pp > 1:  # each stage's peak; the batch is the whole step's
+            rows.append(("Pipeline stages", stages_text(est)))
+        elif est.gpus > 1:
             rows.append(("Data parallel", data_parallel_text(est)))
         rows.append(("Extras (reserve)", extras_text(est)))
         ignored = (*self._ignored, *est.ignored)
@@ -373,6 +379,7 @@ class SummaryMixin:
         per_sample = (
             NOT_SEARCHED if self._compiled
             else TP_NOT_SEARCHED if self._tensor_parallel
+            else PP_NOT_SEARCHED if self._pipeline_parallel
             else format_bytes(self.bytes_per_sample())
         )  # fmt: skip
         rows.append((f"Memory per extra {sample}", per_sample))

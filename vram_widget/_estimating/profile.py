@@ -127,6 +127,7 @@ class ProfileSource(Protocol):
     def tensor_parallel_cached(self, tp: int, tp_plan: object, recipe: Recipe) -> bool: ...
 
     def tensor_parallel_refusal(self, tp: int) -> str | None: ...
+    def pipeline_parallel_refusal(self, pp: int) -> str | None: ...
     def pipeline_stage_peaks(
         self,
         pp: int,
@@ -959,6 +960,20 @@ class ModelProfile:
         True
         """
         return self._source.tensor_parallel_refusal(tp)
+
+    def pipeline_parallel_refusal(self, pp: int = 2) -> str | None:
+        """Why this model cannot be split into ``pp`` pipeline stages (not a Hugging Face
+        decoder, ``pp`` not dividing its layers, inputs other than ids and labels, a profile
+        not made with ``device="cpu"``), or None; checked without profiling.
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> "splits a Hugging Face decoder" in profile.pipeline_parallel_refusal(2)
+        True
+        """
+        return self._source.pipeline_parallel_refusal(pp)
 
     def tensor_parallel_cached(self, batch_size: int = 1, **settings: Any) -> bool:
         """Whether :meth:`estimate` with these arguments needs no profiling run: True for

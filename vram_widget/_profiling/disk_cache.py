@@ -591,6 +591,10 @@ class DiskCachedSource:
         refusal: str | None = self.inner.tensor_parallel_refusal(tp)
         return refusal
 
+    def pipeline_parallel_refusal(self, pp: int) -> str | None:
+        refusal: str | None = self.inner.pipeline_parallel_refusal(pp)
+        return refusal
+
     def pipeline_stage_peaks(self, *args: Any) -> Any:
         # each pipeline stage's step on fake tensors, run by the wrapped source
         return self.inner.pipeline_stage_peaks(*args)

@@ -1647,19 +1647,7 @@ class _Source:
         as ``torch.distributed.pipelining`` runs ``schedule`` over ``microbatches``, on fake
         tensors (``pipeline_parallel.stage_peak``); the model and inputs checked first
         (``pipeline_parallel.check_pipeline_model``). Kept per question."""
-        from .pipeline_parallel import check_pipeline_model
-
-        subject = self.profiler.subject
-        if subject.device is not Device.CPU:
-            raise ValueError(
-                "pp > 1 is estimated for a profile made with device='cpu' only for now (the "
-                "stages' steps run on CPU fake tensors, checked against gloo ranks); profile "
-                "with device='cpu'"
-            )
-        given = subject.inputs
-        kwargs = given.kwargs if given is not None and not given.args else None
-        check_pipeline_model(subject.model, kwargs, pp, split)
-        assert kwargs is not None
+        kwargs = self._pipeline_inputs(pp, split)
         key = (
             pp,
             schedule,
@@ -1683,6 +1671,32 @@ class _Source:
                     self._stage_peak(shaped, stage, key) for stage in range(pp)
                 )
         return self._pipeline[key]
+
+    def pipeline_parallel_refusal(self, pp: int) -> str | None:
+        """Why the model or its inputs cannot be split into ``pp`` stages, or None."""
+        try:
+            self._pipeline_inputs(pp, None)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _pipeline_inputs(self, pp: int, split: tuple[str, ...] | None) -> dict[str, Any]:
+        """The example's keyword inputs, where the profile's device, the model and the
+        inputs can be split into ``pp`` stages (else a ValueError saying why)."""
+        from .pipeline_parallel import check_pipeline_model
+
+        subject = self.profiler.subject
+        if subject.device is not Device.CPU:
+            raise ValueError(
+                "pp > 1 is estimated for a profile made with device='cpu' only for now (the "
+                "stages' steps run on CPU fake tensors, checked against gloo ranks); profile "
+                "with device='cpu'"
+            )
+        given = subject.inputs
+        kwargs = given.kwargs if given is not None and not given.args else None
+        check_pipeline_model(subject.model, kwargs, pp, split)
+        assert kwargs is not None
+        return dict(kwargs)
 
     def _stage_peak(self, inputs: dict[str, torch.Tensor], stage: int, key: tuple[Any, ...]) -> Any:
         from .pipeline_parallel import stage_peak

@@ -1,0 +1,247 @@
+"""Pipeline parallelism in the widget: the ``pp``, ``pp_schedule`` and ``microbatches``
+traits as ``estimate`` takes them, their controls in the GPUs group, the world size that
+follows ``pp``, and whether a setting still has to be profiled.
+
+``gpus`` is the world size, pipeline stages x tensor-parallel ranks (``estimate`` refuses
+any other with ``pp > 1``: ``check_pipeline_parallel``), so moving ``pp`` moves ``gpus`` to
+``pp x tp`` (back to ``tp`` at ``pp = 1``), and ``pp = 1`` puts ``microbatches`` back to its
+default (``pp``); a refused ``pp`` puts both back with it. Each batch with ``pp > 1`` is a
+profiling run of every stage (``ModelProfile.estimate``), so the searches over the batch are
+not run (:data:`PP_NOT_SEARCHED`), as with ``tp > 1``.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+
+from .._estimating.estimator import MemoryEstimate
+from .._estimating.recipe import Recipe
+from .._estimating.recipe.parallel import (
+    check_pipeline_parallel,
+    check_pipeline_parallel_settings,
+)
+from .widget_text import format_bytes
+
+if TYPE_CHECKING:
+    from .widget import MemoryWidget
+
+__all__ = [
+    "MICROBATCH_CHOICES",
+    "PP_CHOICES",
+    "PP_NOT_SEARCHED",
+    "PP_SCHEDULES",
+    "PP_TOOLTIPS",
+    "PipelineMixin",
+    "check_pipeline_forms",
+    "stages_text",
+]
+
+# the pipeline stage counts offered (those the model's decoder layers divide)
+PP_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
+# the schedules estimated (torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B)
+PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+# the micro-batch counts offered; the dropdown's 0 is the default, pp (the trait's None)
+MICROBATCH_CHOICES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+# in place of a search with pp > 1, where each batch is a profiling run of its own
+PP_NOT_SEARCHED = "not searched with pp > 1 (each batch is a profiling run of its own)"
+
+PP_TOOLTIPS: dict[str, str] = {
+    "pp": "pipeline stages, one a GPU: a Hugging Face decoder's layers split evenly, as "
+    "torchtitan splits them (a CPU profile, fp32 or bf16 training). Moving it sets GPUs to "
+    "pp x tp, the world size (back to tp at 1). Each new batch or setting with pp > 1 "
+    "profiles every stage (seconds); the largest-batch searches are not run",
+    "pp_schedule": "how the stages run the micro-batches: gpipe (ScheduleGPipe: every "
+    "micro-batch's forward, then the backwards) or 1f1b (Schedule1F1B: at most pp "
+    "micro-batches' activations held; needs micro-batches >= pp)",
+    "microbatches": "micro-batches the batch is split into (the batch is the whole step's; "
+    "each micro-batch is batch / micro-batches, which must divide it); = pp: as many as "
+    "stages",
+}
+"""What each pipeline control changes (its tooltip), by the trait it sets."""
+
+
+def check_pipeline_forms(settings: Mapping[str, Any]) -> None:
+    """``pp``, ``pp_schedule`` and ``microbatches`` in the forms their controls hold, checked
+    before the model is run (whether the model splits, and the layout, the estimate says).
+
+    Examples
+    --------
+    >>> check_pipeline_forms({"pp": 3})
+    Traceback (most recent call last):
+    ...
+    ValueError: invalid setting: pp=3; the widget offers pp in (1, 2, 4, 8)
+    """
+    pp = settings.get("pp", 1)
+    if isinstance(pp, bool) or pp not in PP_CHOICES:
+        raise ValueError(f"invalid setting: pp={pp!r}; the widget offers pp in {PP_CHOICES}")
+    schedule = settings.get("pp_schedule", PP_SCHEDULES[0])
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(
+            f"invalid setting: pp_schedule={schedule!r}; the widget estimates "
+            f"{' or '.join(map(repr, PP_SCHEDULES))}"
+        )
+    m = settings.get("microbatches")
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ValueError(
+            f"invalid setting: microbatches={m!r}; give a whole number >= 1, or None for pp"
+        )
+
+
+def stages_text(est: MemoryEstimate) -> str:
+    """Each stage's peak (and what it holds between steps), the worst in bold."""
+    worst = max(range(len(est.stage_peak_bytes)), key=est.stage_peak_bytes.__getitem__)
+    stages = [
+        ("<b>{}</b>" if i == worst else "{}").format(
+            f"stage {i}: {format_bytes(peak)} (resident {format_bytes(resident)})"
+        )
+        for i, (peak, resident) in enumerate(
+            zip(est.stage_peak_bytes, est.stage_resident_bytes, strict=True)
+        )
+    ]
+    return (
+        f"{est.pp} stages, {html.escape(str(est.pp_schedule))}, {est.microbatches} "
+        f"micro-batches of {est.batch_size // (est.microbatches or 1):,}: "
+        + "; ".join(stages)
+        + "; the waterfall and the layers are the whole model's one-device step"
+    )
+
+
+class PipelineMixin:
+    """The pipeline traits' arguments, pairing, controls and profiling state, for
+    :class:`~.widget.MemoryWidget` (``self`` is the widget)."""
+
+    # the questions with pp > 1 answered so far (each a profiling run the first time)
+    _pipeline_answered: set[tuple[Any, ...]]
+
+    @property
+    def _pipeline_parallel(self: MemoryWidget) -> bool:  # type: ignore[misc]
+        """Whether the estimate is each of pp > 1 pipeline stages' (profiled per batch)."""
+        return self.pp > 1
+
+    def _pipeline_settings(self: MemoryWidget) -> dict[str, Any]:  # type: ignore[misc]
+        """The pipeline traits as ``estimate`` takes them: none at ``pp = 1`` (but a
+        micro-batch count, which the estimate refuses there by name)."""
+        if self.pp == 1:
+            return {} if self.microbatches is None else {"microbatches": self.microbatches}
+        return {"pp": self.pp, "pp_schedule": self.pp_schedule, "microbatches": self.microbatches}
+
+    def _pipeline_key(self: MemoryWidget) -> tuple[Any, ...]:  # type: ignore[misc]
+        # the card's compute capability sets the extras only, never a stage's run
+        return (self.batch_size, *self._settings_key("compute_capability", card=False))
+
+    def _pipeline_needs_profiling(self: MemoryWidget) -> bool:  # type: ignore[misc]
+        """Whether the estimate at this setting (pp > 1) runs the stages: not for a
+        question answered before, nor for one the estimate refuses before profiling."""
+        if self._pipeline_key() in self._pipeline_answered:
+            return False
+        settings = self._settings()
+        try:
+            asked = Recipe.from_keywords(None, batch_size=self.batch_size, **settings)
+            check_pipeline_parallel(asked.parallel, self.batch_size)
+            check_pipeline_parallel_settings(asked)
+        except (TypeError, ValueError):  # refused at once: nothing is profiled
+            return False
+        return self._profile.pipeline_parallel_refusal(self.pp) is None
+
+    def _pipeline_answered_now(self: MemoryWidget) -> None:  # type: ignore[misc]
+        """Note the current setting's stages as profiled (after its estimate)."""
+        if self._pipeline_parallel:
+            self._pipeline_answered.add(self._pipeline_key())
+
+    def _pair_pipeline(self: MemoryWidget, moved: str | None) -> list[tuple[str, Any]]:  # type: ignore[misc]
+        """After a move of ``pp`` (not a revert): GPUs to ``pp x tp``, and at ``pp = 1``
+        the micro-batches to their default. Returns each partner's name and old value."""
+        if moved != "pp" or self._reverting:
+            return []
+        moves: list[tuple[str, Any]] = [("gpus", self.pp * self.tp)]
+        if self.pp == 1:
+            moves.append(("microbatches", None))
+        partners = []
+        for name, value in moves:
+            old = getattr(self, name)
+            if value != old:
+                self._pairing = True
+                try:
+                    setattr(self, name, value)
+                finally:
+                    self._pairing = False
+                partners.append((name, old))
+        return partners
+
+    # ------------------------------------------------------------------ controls
+
+    def _build_pipeline_controls(self: MemoryWidget) -> list[widgets.Dropdown]:  # type: ignore[misc]
+        """The pp dropdown (the stage counts the model's layers divide; off, the reason
+        in its tooltip, where none does), the schedule's and the micro-batches' (shown
+        with pp > 1); views of their traits, which a refused value leaves as they were."""
+        style = {"description_width": "initial"}
+        profile = self._profile
+        self._pp_offered = [1] + [
+            k for k in PP_CHOICES[1:] if profile.pipeline_parallel_refusal(k) is None
+        ]
+        self._pp_refusal = "" if len(self._pp_offered) > 1 else profile.pipeline_parallel_refusal(2)
+        self._pp_dropdown = widgets.Dropdown(
+            options=self._pp_options(),
+            value=self.pp,
+            description="pp",
+            tooltip=(
+                PP_TOOLTIPS["pp"] if not self._pp_refusal else f"not available: {self._pp_refusal}"
+            ),
+            disabled=bool(self._pp_refusal),
+            style=style,
+            layout={"width": "110px"},
+        )
+        self._schedule_dropdown = widgets.Dropdown(
+            options=list(PP_SCHEDULES),
+            value=self.pp_schedule,
+            description="schedule",
+            tooltip=PP_TOOLTIPS["pp_schedule"],
+            style=style,
+            layout={"width": "170px"},
+        )
+        self._microbatch_dropdown = widgets.Dropdown(
+            options=self._microbatch_options(),
+            value=self.microbatches or 0,
+            description="pp micro-batches",
+            tooltip=PP_TOOLTIPS["microbatches"],
+            style=style,
+            layout={"width": "210px"},
+        )
+        for control, name in (
+            (self._pp_dropdown, "pp"),
+            (self._schedule_dropdown, "pp_schedule"),
+            (self._microbatch_dropdown, "microbatches"),
+        ):
+            control.observe(
+                lambda change, name=name: self._set_from_control(
+                    name, (change["new"] or None) if name == "microbatches" else change["new"]
+                ),
+                "value",
+            )
+        self._sync_pipeline_controls()
+        return [self._pp_dropdown, self._schedule_dropdown, self._microbatch_dropdown]
+
+    def _pp_options(self: MemoryWidget) -> list[int]:  # type: ignore[misc]
+        return sorted({*self._pp_offered, self.pp})
+
+    def _microbatch_options(self: MemoryWidget) -> list[tuple[str, int]]:  # type: ignore[misc]
+        counts = sorted({*MICROBATCH_CHOICES, self.microbatches or 1})
+        return [(f"= pp ({self.pp})", 0), *((str(m), m) for m in counts)]
+
+    def _sync_pipeline_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
+        """Show the pipeline traits on their controls (no feedback: the caller holds
+        ``_syncing``, or nothing observes yet); the schedule and micro-batches with pp > 1."""
+        if list(self._pp_dropdown.options) != self._pp_options():
+            self._pp_dropdown.options = self._pp_options()
+        self._pp_dropdown.value = self.pp
+        self._schedule_dropdown.value = self.pp_schedule
+        if list(self._microbatch_dropdown.options) != self._microbatch_options():
+            self._microbatch_dropdown.options = self._microbatch_options()
+        self._microbatch_dropdown.value = self.microbatches or 0
+        shown = None if self.pp > 1 or self.microbatches is not None else "none"
+        self._schedule_dropdown.layout.display = shown
+        self._microbatch_dropdown.layout.display = shown
