@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     )
     from ._estimating.tradeoff import Frontier
     from ._profiling.disk_cache import CacheWarning
-    from ._profiling.measure import Measurement, measure
+    from ._profiling.measure import measure
+    from ._profiling.measurement import Measurement
     from ._profiling.profiler import profile_model
     from ._profiling.subject import InputShapeWarning
 
@@ -62,7 +63,7 @@ _LAZY = {
     "LoadEstimate": "._estimating.loading",
     "MemoryEstimate": "._estimating.estimator",
     "InputShapeWarning": "._profiling.subject",
-    "Measurement": "._profiling.measure",
+    "Measurement": "._profiling.measurement",
     "measure": "._profiling.measure",
     "ModelProfile": "._estimating.profile",
     "ProfilingError": "._estimating.profile_source",
