@@ -15,7 +15,7 @@ from torch import nn
 
 from vram_widget import Recipe, RecipeSettingIgnored, measure, profile_model, zoo
 from vram_widget._estimating.options import CustomOptimizer, parse_optimizer_choice
-from vram_widget._estimating.profile import ProfilingError
+from vram_widget._estimating.profile_source import ProfilingError
 from vram_widget._estimating.recipe import Optimizer
 
 pytest.importorskip("bitsandbytes")

@@ -25,7 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from vram_widget._estimating.options import Mode, OptimizerName, Precision, parse_optimizer
-from vram_widget._profiling.measure import _MARKER, Measurement, _cpu_trace, _measure, measure
+from vram_widget._profiling.cpu_trace import _MARKER, _cpu_trace
+from vram_widget._profiling.measure import measure
+from vram_widget._profiling.measure_session import _measure
+from vram_widget._profiling.measurement import Measurement
 from vram_widget._profiling.probe import KernelProbe
 from vram_widget._profiling.step import (
     ModelInputs,

@@ -1407,7 +1407,7 @@ def test_meta_shortcuts_leave_the_optimizer_trace_unchanged(
     # The optimizer trace skips in-place pointwise meta kernels and reuses the outputs of
     # repeated out-of-place ones; every event and every state byte must be what the full
     # meta kernels give, for every optimizer and a half precision.
-    import vram_widget._profiling.profiler as profiler_module
+    import vram_widget._profiling.optimizer_state as optimizer_state_module
     from vram_widget._estimating.options import OptimizerName, Precision
 
     # ResNet-18: many parameters of repeated shapes, so the reused outputs are exercised
@@ -1417,7 +1417,7 @@ def test_meta_shortcuts_leave_the_optimizer_trace_unchanged(
     fast = [profiler.run_optimizer(p, o) for p, o in configs]
     # Adam's step allocates temporaries (sqrt of the second moment, ...): not a vacuous check
     assert len(fast[configs.index((Precision.FP32, OptimizerName.ADAM))].event_bytes) > 0
-    monkeypatch.setattr(profiler_module, "MetaShortcuts", _NoShortcuts)
+    monkeypatch.setattr(optimizer_state_module, "MetaShortcuts", _NoShortcuts)
     for (precision, optimizer), a in zip(configs, fast, strict=True):
         b = profiler.run_optimizer(precision, optimizer)
         assert np.array_equal(a.event_bytes, b.event_bytes), (precision, optimizer)
@@ -1941,7 +1941,7 @@ def test_batch_one_checks_the_fit_where_it_is_the_same_step(
     # line's step at 1 to the byte it is the check too: three runs per mode (2, 3, 1).
     # Where it is not (here a model that takes another path at batch 1), batch 5 checks
     # the line and batch 1 is kept as profiled: four runs, exact at both.
-    from vram_widget._profiling.profiler import Profiler
+    from vram_widget._profiling.step_profiler import Profiler
 
     batches: list[int] = []
     original = Profiler.run

@@ -200,7 +200,7 @@ def _trainer_peak(
     from models import hf_llama, hf_tokens
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from vram_widget._profiling import measure as measuring
+    from vram_widget._profiling import cpu_trace as measuring
 
     marks: dict[str, Any] = {}
 

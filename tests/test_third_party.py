@@ -436,7 +436,7 @@ def test_quiet_third_party_passes_our_warnings_and_the_users_own() -> None:
     import warnings
 
     from vram_widget._profiling.fake import quiet_third_party
-    from vram_widget._profiling.profiler import warn_fallback
+    from vram_widget._profiling.source_runs import warn_fallback
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

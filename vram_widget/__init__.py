@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from ._estimating.gpus import GPUS, Gpu
     from ._estimating.levers import Levers
     from ._estimating.loading import LoadEstimate
-    from ._estimating.profile import ModelProfile, ProfilingError
+    from ._estimating.profile import ModelProfile
+    from ._estimating.profile_source import ProfilingError
     from ._estimating.recipe import (
         Accelerator,
         Float8,
@@ -46,8 +47,10 @@ if TYPE_CHECKING:
     )
     from ._estimating.tradeoff import Frontier
     from ._profiling.disk_cache import CacheWarning
-    from ._profiling.measure import Measurement, measure
-    from ._profiling.profiler import InputShapeWarning, profile_model
+    from ._profiling.measure import measure
+    from ._profiling.measurement import Measurement
+    from ._profiling.profiler import profile_model
+    from ._profiling.subject import InputShapeWarning
 
 _LAZY = {
     "AcceleratorExtras": "._estimating.accelerator",
@@ -59,11 +62,11 @@ _LAZY = {
     "LayerTable": "._estimating.estimator",
     "LoadEstimate": "._estimating.loading",
     "MemoryEstimate": "._estimating.estimator",
-    "InputShapeWarning": "._profiling.profiler",
-    "Measurement": "._profiling.measure",
+    "InputShapeWarning": "._profiling.subject",
+    "Measurement": "._profiling.measurement",
     "measure": "._profiling.measure",
     "ModelProfile": "._estimating.profile",
-    "ProfilingError": "._estimating.profile",
+    "ProfilingError": "._estimating.profile_source",
     "Recipe": "._estimating.recipe",
     "RecipeSettingIgnored": "._estimating.recipe",
     "Step": "._estimating.recipe",

@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(line)
         sys.stdout.flush()  # said before the seconds of profiling, not after
 
-    from .._profiling.profiler import ProfilingError
+    from .._estimating.profile_source import ProfilingError
 
     try:
         profile, settings = _profile(args, model, inputs)

@@ -341,7 +341,7 @@ def check_positions(parser: argparse.ArgumentParser, args: argparse.Namespace, m
     """Refuse, before profiling, a sequence longer than the model's position table, and a
     generation the model cannot run (the profile would refuse both, later)."""
     from .._profiling.generation import generation_limit
-    from .._profiling.profiler import position_limit
+    from .._profiling.subject import position_limit
 
     length = args.seq_len
     if length is not None:

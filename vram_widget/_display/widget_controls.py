@@ -24,7 +24,7 @@ import ipywidgets as widgets
 from .._estimating.checkpoint_policy import CheckpointPolicyName
 from .._estimating.gpus import CUSTOM_GPU, GPUS
 from .._estimating.options import Device, Mode
-from .._estimating.profile import DEFAULT_MAX_SEQ_LEN
+from .._estimating.profile_searches import DEFAULT_MAX_SEQ_LEN
 from .optimizer_control import OptimizerControls
 from .widget_compile import COMPILE_OFF
 

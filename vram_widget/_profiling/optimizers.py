@@ -52,7 +52,7 @@ from .._estimating.options import (
     OptimizerName,
     require_optimizer_library,
 )
-from .._estimating.profile import ProfilingError
+from .._estimating.profile_source import ProfilingError
 
 # bitsandbytes keeps a paged state tensor of a parameter this large in CUDA unified memory
 # (bitsandbytes/optim/optimizer.py, Optimizer8bit.get_state_buffer: ``if not self.is_paged

@@ -465,7 +465,7 @@ def measure_stage(
     records the calling thread, never sees (``distributed._collectives_release_on_caller``)."""
     import torch.distributed as dist
 
-    from .measure import _run_cpu
+    from .measure_session import _run_cpu
     from .step import storage_dtype
 
     stage, pp = dist.get_rank(), dist.get_world_size()

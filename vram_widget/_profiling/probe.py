@@ -344,7 +344,7 @@ def _peaks_by_marker(prof: Any, n: int) -> tuple[list[int], list[int]]:
     ranges: dict[int, tuple[int, int]] = {}
     allocations: list[tuple[int, int]] = []
     # Depth-first in recorded order, then a stable sort by time: ties keep that order
-    # (as in measure._cpu_trace).
+    # (as in cpu_trace._cpu_trace).
     stack: list[Any] = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
     while stack:
         node = stack.pop()

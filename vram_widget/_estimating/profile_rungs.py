@@ -1,0 +1,292 @@
+"""The rungs of the ladder a profile answers from a sub-profile its source makes: LoRA's
+adapters, quantized weights, float8 training, one tensor-parallel rank, the pipeline's
+stages; and the bytes of loading the model. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from .estimator import MemoryEstimate
+from .float8 import check_float8
+from .levers import Levers
+from .loading import LOAD_DTYPES, LoadEstimate, load_estimate
+from .options import (
+    Precision,
+)
+from .recipe import Recipe
+from .recipe.float8 import Float8
+from .recipe.parallel import (
+    check_pipeline_parallel,
+    check_pipeline_parallel_settings,
+    check_tensor_parallel,
+    check_tensor_parallel_settings,
+    pipeline_microbatches,
+)
+from .recipe.recipe import default
+from .recipe.weights import Weights
+
+if TYPE_CHECKING:
+    from .profile import ModelProfile
+
+
+class RungsMixin:
+    """The rungs of :class:`~.profile.ModelProfile` that need a profile of their own (LoRA,
+    quantized weights, float8, tensor and pipeline parallelism) and the load estimate
+    (``self`` is the profile)."""
+
+    def _lora(  # type: ignore[misc]
+        self: ModelProfile, levers: Levers, dtype: str | None = None
+    ) -> tuple[ModelProfile, dict[str, Any]]:
+        """The LoRA profile of ``levers`` with the adapters in ``dtype``
+        (``parse_lora_dtype``; made on first use, one per dtype) and the levers to ask it
+        for: checkpointing by the same names inside PEFT's wrapper, accumulation as it is."""
+        assert levers.lora_rank is not None
+        key = (levers.lora_rank, levers.lora_targets, dtype)
+        if key not in self._lora_profiles:
+            self._lora_profiles[key] = self._source.lora_profile(*key)
+        return self._lora_profiles[key], self._lora_levers(levers)
+
+    def _lora_levers(self: ModelProfile, levers: Levers) -> dict[str, Any]:  # type: ignore[misc]
+        """The levers to ask a LoRA sub-profile for: checkpointing by the same names inside
+        PEFT's wrapper, accumulation and ``torch.compile`` as they are: PEFT wraps the
+        model, then it is compiled, as with Hugging Face's ``Trainer`` (``get_peft_model``
+        before the ``Trainer`` is made; transformers 5.24's ``Trainer`` enables
+        checkpointing, then ``self.accelerator.prepare(self.model)``, where accelerate
+        1.15's ``prepare_model`` calls ``torch.compile(model, **dynamo_plugin.to_kwargs())``
+        for ``torch_compile=True``)."""
+        checkpoint: object = None
+        if levers.checkpoint_hf:
+            checkpoint = "auto"
+        elif levers.checkpoint:
+            checkpoint = list(levers.checkpoint)  # prefixed by the sub-profile's levers()
+        policy = levers.checkpoint_policy if checkpoint is not None else None
+        return {
+            "checkpoint": checkpoint,
+            "checkpoint_policy": policy,
+            "grad_accumulation": levers.grad_accumulation,
+            "loss_chunks": levers.loss_chunks,
+            "offload_activations": levers.offload_activations,
+            "compile": levers.compile,
+            "activation_memory_budget": levers.activation_memory_budget,
+        }
+
+    def _quantized(  # type: ignore[misc]
+        self: ModelProfile, weights: Weights, levers: Levers, lora_dtype: str | None
+    ) -> tuple[ModelProfile, dict[str, Any]]:
+        """The profile of the model with its weights quantized by bitsandbytes (and, with
+        ``levers.lora_rank``, QLoRA's adapters), made on first use and cached, and the
+        levers to ask it for (as :meth:`_lora` gives them)."""
+        rank = levers.lora_rank
+        targets = levers.lora_targets if rank is not None else None
+        key = (weights, rank, targets, lora_dtype)
+        if key not in self._quantized_profiles:
+            self._quantized_profiles[key] = self._source.quantized_profile(*key)
+        sub = self._quantized_profiles[key]
+        return sub, {} if rank is None else self._lora_levers(levers)
+
+    def _float8(self: ModelProfile, recipe: Recipe) -> tuple[ModelProfile, Recipe]:  # type: ignore[misc]
+        """The profile of the model converted to float8 training by torchao (made on first
+        use, cached per setting; refused by name before any profiling where the step is not
+        estimated) and the recipe to ask it: the same, float8 off (the copy has the same
+        module names, so the levers apply as they are)."""
+        float8 = recipe.float8
+        check_float8(
+            float8,
+            recipe.step.mode,
+            recipe.step.precision,
+            recipe.weights,
+            recipe.levers.lora_rank,
+            recipe.parallel.gpus,
+            recipe.levers.compile,
+        )
+        if float8 not in self._float8_profiles:
+            self._float8_profiles[float8] = self._source.float8_profile(float8)
+        return self._float8_profiles[float8], dataclasses.replace(recipe, float8=Float8())
+
+    def _made_lora(self: ModelProfile, levers: Levers) -> tuple[ModelProfile, Levers] | None:  # type: ignore[misc]
+        """The LoRA profile of ``levers`` and the levers to ask it for, where it was made
+        already (None: asking would profile it)."""
+        if (levers.lora_rank, levers.lora_targets, None) not in self._lora_profiles:
+            return None
+        sub, kwargs = self._lora(levers)
+        chunks = kwargs.pop("loss_chunks")
+        offload = kwargs.pop("offload_activations")
+        compiled = {name: kwargs.pop(name) for name in ("compile", "activation_memory_budget")}
+        return sub, dataclasses.replace(
+            sub.levers(**kwargs),
+            loss_chunks=chunks,
+            offload_activations=offload,
+            compile_batch=levers.compile_batch,
+            **compiled,
+        )
+
+    def load_bytes(  # type: ignore[misc]
+        self: ModelProfile,
+        recipe: Recipe | None = None,
+        *,
+        precision: str | Precision = default("fp32"),
+        weights: object = default(None),
+    ) -> LoadEstimate:
+        """The device memory once the model is loaded, before any step: its parameters and
+        buffers at the precision's dtype, the Linear weights in ``weights``' quantized
+        layout, as the real loaders leave them (``from_pretrained`` for a Hugging Face
+        model, ``model.to(dtype)`` for any other: :mod:`~vram_widget._estimating.loading`).
+
+        Parameters
+        ----------
+        recipe : Recipe, optional
+            Its ``precision`` and ``weights`` are read; the rest of it is the step's.
+        precision : str
+            ``"bf16"`` / ``"fp16"`` load the weights in that dtype, ``"fp32"`` and the
+            ``"amp-*"`` precisions in float32 (autocast keeps float32 weights).
+        weights : str, Weights or transformers.BitsAndBytesConfig, optional
+            bitsandbytes' quantization of the Linear weights (as ``estimate`` takes it).
+
+        Returns
+        -------
+        LoadEstimate
+            ``allocated_bytes`` and ``reserved_bytes`` (on CUDA with the caching
+            allocator's rules), and what they are made of.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> p = profile_model(model, input_size=(8,), device="cpu")
+        >>> p.load_bytes(precision="bf16").allocated_bytes  # (128 + 16 + 64 + 4) x 2 B
+        424
+        """
+        asked = self._load_asked(recipe, precision, weights)
+        if asked.weights.torchao:
+            fmt = asked.weights.format
+            assert fmt is not None
+            raise ValueError(
+                f"load_bytes with weights={fmt.value!r} is not estimated yet: "
+                "it follows from_pretrained's bitsandbytes loading (weights='nf4', 'fp4' or "
+                "'int8') or no quantization; estimate(..., weights=...) gives torchao's "
+                "stored bytes as parameter_bytes"
+            )
+        dtype = LOAD_DTYPES[asked.step.precision]
+        key = (dtype, asked.weights)
+        if key not in self._load_layouts:
+            self._load_layouts[key] = self._source.load_layout(dtype, asked.weights)
+        return load_estimate(
+            self._load_layouts[key], asked.step.precision, asked.weights, self.device
+        )
+
+    def load_is_cached(  # type: ignore[misc]
+        self: ModelProfile,
+        recipe: Recipe | None = None,
+        *,
+        precision: str | Precision = default("fp32"),
+        weights: object = default(None),
+    ) -> bool:
+        """Whether :meth:`load_bytes` of this setting answers without building the model's
+        loaded layout (read from a meta build of the model once per dtype and weights).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from vram_widget import profile_model
+        >>> p = profile_model(torch.nn.Linear(8, 4), input_size=(8,), device="cpu")
+        >>> p.load_is_cached(precision="bf16")
+        False
+        >>> _ = p.load_bytes(precision="bf16")
+        >>> p.load_is_cached(precision="bf16")
+        True
+        """
+        asked = self._load_asked(recipe, precision, weights)
+        return (LOAD_DTYPES[asked.step.precision], asked.weights) in self._load_layouts
+
+    @staticmethod
+    def _load_asked(recipe: Recipe | None, precision: object, weights: object) -> Recipe:
+        return Recipe.from_keywords(recipe, precision=precision, weights=weights)
+
+    def tensor_parallel_refusal(self: ModelProfile, tp: int = 2) -> str | None:  # type: ignore[misc]
+        """Why ``tp`` tensor-parallel ranks cannot be estimated for this model with its own
+        plan (it has none, or ``tp`` does not divide a size the plan shards), or None;
+        checked without profiling.
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> "has no tensor-parallel plan" in profile.tensor_parallel_refusal(2)
+        True
+        """
+        return self._source.tensor_parallel_refusal(tp)
+
+    def pipeline_parallel_refusal(self: ModelProfile, pp: int = 2) -> str | None:  # type: ignore[misc]
+        """Why this model cannot be split into ``pp`` pipeline stages (not a Hugging Face
+        decoder, ``pp`` not dividing its layers, inputs other than ids and labels, a profile
+        not made with ``device="cpu"``), or None; checked without profiling.
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> "splits a Hugging Face decoder" in profile.pipeline_parallel_refusal(2)
+        True
+        """
+        return self._source.pipeline_parallel_refusal(pp)
+
+    def tensor_parallel_cached(self: ModelProfile, batch_size: int = 1, **settings: Any) -> bool:  # type: ignore[misc]
+        """Whether :meth:`estimate` with these arguments needs no profiling run: True for
+        ``tp`` = 1 and for settings it refuses at once; with ``tp`` > 1, whether the same
+        question was answered before (each is one rank's sub-profile).
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> profile.tensor_parallel_cached(4, gpus=2)
+        True
+        """
+        try:
+            asked = Recipe.from_keywords(None, batch_size=batch_size, **settings)
+            if asked.parallel.tp == 1:
+                return True
+            plain = _tensor_parallel_question(asked)
+        except (ValueError, TypeError):  # refused at once: nothing is profiled
+            return True
+        return self._source.tensor_parallel_cached(asked.parallel.tp, asked.parallel.tp_plan, plain)
+
+    def _pipeline_estimate(self: ModelProfile, recipe: Recipe) -> MemoryEstimate:  # type: ignore[misc]
+        """``pp > 1``: each stage's peak from its step as the schedule runs it; the rest of
+        the estimate (per-layer rows, FLOPs, breakdown) is the whole model's one-device
+        step at the same batch, for reference."""
+        par, step = recipe.parallel, recipe.step
+        check_pipeline_parallel(par, step.batch_size)
+        check_pipeline_parallel_settings(recipe)
+        m = pipeline_microbatches(par)
+        opt_name = recipe.optimizer.name
+        stages = self._source.pipeline_stage_peaks(
+            par.pp, par.pp_schedule, m, step.batch_size, step.seq_len, step.precision,
+            opt_name, recipe.optimizer.implementation, par.pp_split,
+        )  # fmt: skip
+        whole = self._estimate(
+            recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None)
+        )
+        worst = max(stages, key=lambda s: s.peak_bytes)
+        return dataclasses.replace(
+            whole,
+            peak_bytes=worst.peak_bytes,
+            parameter_bytes=worst.parameter_bytes,
+            gpus=par.gpus,
+            pp=par.pp,
+            pp_schedule=par.pp_schedule.value,
+            microbatches=m,
+            stage_peak_bytes=tuple(s.peak_bytes for s in stages),
+            stage_resident_bytes=tuple(s.resident_bytes for s in stages),
+        )
+
+
+def _tensor_parallel_question(recipe: Recipe) -> Recipe:
+    """The single-rank Recipe a ``tp`` > 1 estimate profiles (its layout and settings
+    checked first, each refusal a ValueError naming it)."""
+    check_tensor_parallel(recipe.parallel)
+    check_tensor_parallel_settings(recipe)
+    return recipe.with_(tp=1, tp_plan=None, gpus=1, rank=None)

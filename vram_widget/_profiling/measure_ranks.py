@@ -1,0 +1,161 @@
+"""``measure`` across processes: data-parallel ranks (DDP, ZeRO, FSDP, tensor parallel) and
+pipeline stages, each on its own gloo rank on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._estimating.options import (
+    Mode,
+    Precision,
+    parse_optimizer_choice,
+    parse_option,
+)
+from .._estimating.recipe.weights import parse_weights
+from .._estimating.sharding import (
+    Parallel,
+)
+
+if TYPE_CHECKING:
+    from .distributed import RankSetup
+from .measure_session import _measure, _model_device
+from .measurement import Measurement
+from .step import (
+    ModelInputs,
+    check_model,
+)
+
+
+def _measure_ranks(
+    parallel: Parallel,
+    timeout_s: float,
+    model: torch.nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], Any] | None,
+    optimizer: Any,
+    precision: Any,
+    grad_accumulation: int,
+    levers: dict[str, Any],
+    tp_setup: RankSetup | None = None,
+    mode: Mode = Mode.TRAIN,
+) -> Measurement:
+    """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``): each wraps
+    its copy as the strategy's library does, or shards it by ``tp_setup``'s plan."""
+    from .distributed import SETUPS, run_ranks
+
+    if _model_device(model).type != "cpu":
+        raise ValueError(
+            f"measure(gpus={parallel.gpus}) runs its ranks on the CPU with gloo; this model "
+            "is on CUDA, whose ranks (NCCL, one GPU each) are not supported yet"
+        )
+    check_model(model)
+    # the settings' own errors here, before any rank starts
+    parse_optimizer_choice(optimizer)
+    parse_option(Precision, precision, "precision")
+    setup = tp_setup or SETUPS.get(parallel.strategy)
+    if setup is None:
+        raise ValueError(
+            f"measure cannot set up strategy {parallel.strategy.value!r} yet; it runs "
+            + ", ".join(repr(s.value) for s in SETUPS)
+        )
+
+    def rank_step(_rank: int, _world: int) -> Measurement:
+        return _measure(
+            model, inputs, loss_fn, optimizer, precision, mode, grad_accumulation,
+            setup=setup, parallel=parallel, **levers,
+        )[0]  # fmt: skip
+
+    ranks = run_ranks(rank_step, parallel.gpus, timeout_s)
+    worst = max(ranks, key=lambda m: m.peak_bytes)
+    return dataclasses.replace(
+        worst,
+        gpus=parallel.gpus,
+        strategy=None if tp_setup is not None else parallel.strategy,
+        tp=parallel.gpus if tp_setup is not None else 1,
+        rank_peak_bytes=tuple(m.peak_bytes for m in ranks),
+    )
+
+
+def _measure_pipeline(
+    model: torch.nn.Module, inputs: Any, settings: dict[str, Any], timeout_s: float
+) -> Measurement:
+    """``measure`` with ``pp > 1``: each stage on its own gloo rank
+    (``pipeline_parallel.measure_stage``), the layout and settings checked first."""
+    from .._estimating.recipe import Recipe
+    from .._estimating.recipe.parallel import (
+        check_pipeline_parallel,
+        check_pipeline_parallel_settings,
+        pipeline_microbatches,
+    )
+    from .distributed import run_ranks
+    from .pipeline_parallel import check_pipeline_model, measure_stage
+
+    batch = ModelInputs.from_user(inputs).batch_size()
+    asked = {k: v for k, v in settings.items() if v is not None or k == "optimizer"}
+    asked.pop("weights", None)
+    recipe = Recipe.from_keywords(batch_size=batch, **asked)
+    if settings["weights"] is not None and parse_weights(settings["weights"]).quantized:
+        recipe = recipe.with_(weights=settings["weights"])
+    par = recipe.parallel
+    check_pipeline_parallel(par, batch)
+    check_pipeline_parallel_settings(recipe)
+    check_pipeline_model(model, inputs, par.pp, par.pp_split)
+    if _model_device(model).type != "cpu":
+        raise ValueError(
+            f"measure(pp={par.pp}) runs its ranks on the CPU with gloo; this model is on CUDA"
+        )
+    m = pipeline_microbatches(par)
+    precision, optimizer = recipe.step.precision, recipe.optimizer.name
+    implementation = recipe.optimizer.implementation
+
+    def rank_step(_rank: int, _world: int) -> tuple[int, int]:
+        return measure_stage(
+            model, inputs, par.pp_schedule, m, precision, optimizer, implementation, par.pp_split
+        )
+
+    ranks = run_ranks(rank_step, par.gpus, timeout_s)
+    worst = max(range(len(ranks)), key=lambda r: ranks[r][1])
+    return Measurement(
+        peak_bytes=ranks[worst][1],
+        resident_bytes=ranks[worst][0],
+        device="cpu",
+        precision=precision,
+        optimizer=optimizer,
+        mode=recipe.step.mode,
+        batch_size=batch,
+        gpus=par.gpus,
+        rank_peak_bytes=tuple(peak for _resident, peak in ranks),
+        pp=par.pp,
+    )
+
+
+def _tensor_parallel_setup(
+    model: torch.nn.Module, settings: dict[str, Any], gpus: int, strategy: Any, mode: Any
+) -> RankSetup | None:
+    """The rank setup of ``tp > 1`` (``tensor_parallel.rank_setup``), its layout and plan
+    checked before any rank starts; None for ``tp=1``."""
+    from .._estimating.recipe.parallel import ParallelSettings, check_tensor_parallel
+    from .tensor_parallel import rank_setup, resolve_plan
+
+    tp = settings["tp"]
+    if tp == 1 and settings["tp_plan"] is None:
+        return None
+    par = ParallelSettings(gpus=gpus, strategy=strategy, tp=tp)
+    check_tensor_parallel(par)
+    if tp == 1:
+        raise ValueError("tp_plan is the plan of tp > 1 ranks: give tp=... too")
+    if parse_option(Mode, mode, "mode") is Mode.GENERATE:
+        raise ValueError("mode='generate' is measured on one device (gpus=1), without tp")
+    refused = [k for k in ("lora_rank",) if settings[k] is not None]
+    refused += ["weights"] if parse_weights(settings["weights"]).quantized else []
+    if refused:
+        raise ValueError(
+            f"tp={tp} with {', '.join(refused)}: not measured with tensor parallelism yet; "
+            "leave tp at 1 for these"
+        )
+    return rank_setup(resolve_plan(model, tp, settings["tp_plan"]))

@@ -1,0 +1,285 @@
+"""The profiles of converted meta copies of the model, one per rung that changes the model:
+PEFT's LoRA adapters, bitsandbytes / torchao / torchtune quantized weights, torchao's float8
+training, one tensor-parallel rank, and each pipeline stage's step; and the load layout.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._estimating.loading import LoadLayout
+from .._estimating.options import (
+    Device,
+    OptimizerChoice,
+    OptimizerImplementation,
+    Precision,
+)
+from .._estimating.profile import ModelProfile
+from .._estimating.recipe.float8 import Float8
+from .._estimating.recipe.weights import WeightFormat, Weights
+from .float8 import float8_copy
+from .loading import load_layout
+from .nf4_torchao import nf4_copy
+from .quantized import (
+    kept_dtypes,
+    qlora_wrapped,
+    quantized_copy,
+    quantized_modules,
+)
+from .source_runs import SourceRuns
+from .step import (
+    PEFT_PREFIX,
+    lora_wrapped,
+    meta_copy,
+)
+from .subject import (
+    InputShapeWarning,
+)
+from .tensor_parallel import (
+    fake_process_group,
+    parallelized,
+    resolve_plan,
+)
+from .torchao_weights import torchao_copy
+
+if TYPE_CHECKING:
+    from .profiler import _Source
+
+
+class SubProfiles:
+    """The sub-profiles of :class:`~.profiler._Source` (``self`` is the source): LoRA,
+    quantized weights, float8, one tensor-parallel rank, the pipeline's stages, and the
+    load layout."""
+
+    def lora_profile(  # type: ignore[misc]
+        self: _Source, rank: int, targets: tuple[str, ...] | None, dtype: str | None = None
+    ) -> ModelProfile:
+        """The profile of a meta copy of the model with PEFT's LoRA adapters (the model
+        itself untouched), with the same inputs, loss, device and sequence axis; the
+        adapters in ``dtype`` (``levers.parse_lora_dtype``: None is PEFT's fp32)."""
+        subject = self.profiler.subject
+        # PEFT builds each adapter as a CPU nn.Linear (initialized from the global RNG)
+        # before moving it to the base layer's (meta) device: the user's RNG is left as it was
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # the plain profile already said what these say; PEFT's and transformers' notes
+            # on a wrapping the user did not do themselves are not theirs to act on
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"(peft|transformers)(\.|$)")
+            base = meta_copy(subject.model)
+            base_ids = {id(p) for p in base.parameters()}
+            wrapped = lora_wrapped(base, rank, targets, dtype)
+            # the adapters' dtypes are set below, before any run (and any cache entry)
+            sub = self._sub_profile(wrapped, self.cache)
+        sub.name_prefix = PEFT_PREFIX
+        # PEFT keeps the adapters in fp32 on an fp16 / bf16 base (get_peft_model's
+        # autocast_adapter_dtype=True, peft/tuners/tuners_utils.py, _cast_adapter_dtype):
+        # the base is cast to the precision, the adapters are not. (fp32 profiles alike.)
+        # An explicit dtype is kept the same way; "base" adapters follow the precision.
+        if dtype == "base":
+            return sub
+        adapters = {
+            n: str(p.dtype).removeprefix("torch.")
+            for n, p in wrapped.named_parameters()
+            if id(p) not in base_ids
+        }
+        return _with_fixed_dtypes(sub, adapters)
+
+    def quantized_profile(  # type: ignore[misc]
+        self: _Source,
+        weights: Weights,
+        rank: int | None = None,
+        targets: tuple[str, ...] | None = None,
+        dtype: str | None = None,
+    ) -> ModelProfile:
+        """The profile of a meta copy of the model with its Linear layers quantized by
+        bitsandbytes (``quantized.quantized_copy``; the model itself untouched) or torchao
+        (``torchao_weights.torchao_copy``) and, with ``rank``, QLoRA's PEFT wrapping
+        (``quantized.qlora_wrapped``); or torchtune's QLoRA modules on torchao's NF4Tensor
+        (``nf4_torchao.nf4_copy``)."""
+        subject = self.profiler.subject
+        if weights.format is WeightFormat.NF4_TORCHAO:
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", InputShapeWarning)
+                copy_ = nf4_copy(subject.model, weights, rank, targets, dtype)
+                # every parameter takes the precision's dtype, as torchtune builds them
+                return self._sub_profile(copy_, cache=False)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings(
+                "ignore", module=r"(peft|transformers|bitsandbytes|torchao)(\.|$)"
+            )
+            if weights.torchao:  # torchao's quantize_ (torchao_weights.py)
+                copy_ = torchao_copy(subject.model, weights)
+            else:
+                copy_ = quantized_copy(subject.model, weights)
+            base_ids = {id(p) for p in copy_.parameters()}
+            if rank is not None:
+                copy_ = qlora_wrapped(copy_, rank, targets, dtype)
+            # not cached: the profile key does not read the weights' quantization settings
+            sub = self._sub_profile(copy_, cache=False)
+        if rank is not None:
+            sub.name_prefix = PEFT_PREFIX
+        if weights.torchao:  # quantize_ keeps every other parameter's dtype
+            return sub
+        return _with_fixed_dtypes(sub, kept_dtypes(copy_, base_ids, rank is not None, dtype))
+
+    def float8_profile(self: _Source, float8: Float8) -> ModelProfile:  # type: ignore[misc]
+        """The profile of a meta copy of the model converted to float8 training by torchao
+        (``float8.float8_copy``; the model itself untouched): ``emulate=True`` on
+        ``device="cpu"``, torchao's ``_scaled_mm`` path on ``device="cuda"``."""
+        subject = self.profiler.subject
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"torchao(\.|$)")
+            copy_ = float8_copy(subject.model, float8, emulate=subject.device is Device.CPU)
+            # not cached: the profile key does not read the float8 setting
+            return self._sub_profile(copy_, cache=False)
+
+    def load_layout(self: _Source, dtype: str, weights: Weights) -> LoadLayout:  # type: ignore[misc]
+        """The tensors the model holds once loaded in ``dtype`` with ``weights``
+        (``loading.load_layout``; the model itself untouched), the quantized modules
+        checked first (a ValueError where there are none)."""
+        model = self.profiler.subject.model
+        if weights.quantized:
+            quantized_modules(model, weights)
+        return load_layout(model, dtype, weights)
+
+    def tensor_parallel_estimate(self: _Source, tp: int, tp_plan: object, recipe: Any) -> Any:  # type: ignore[misc]
+        """One of ``tp`` tensor-parallel ranks' estimate of ``recipe``: a meta copy of the
+        model sharded by its plan (``tensor_parallel.resolve_plan``, checked first) with
+        DTensor on a fake process group, profiled as a sub-profile while the group is up;
+        the group is destroyed after, whatever happens. Kept per (tp, plan, recipe)."""
+        try:  # the same question again (a widget's redraw): the same answer
+            key: Any = (tp, id(tp_plan), recipe)
+            cached = self._tensor_parallel.get(key)
+        except TypeError:  # a setting that cannot be hashed (a callable's closure...)
+            key, cached = None, None
+        if cached is not None:
+            return cached[1]
+        estimate = self._tensor_parallel_estimate(tp, tp_plan, recipe)
+        if key is not None:  # the plan is held with it: its id is not reused meanwhile
+            self._tensor_parallel[key] = (tp_plan, estimate)
+        return estimate
+
+    def tensor_parallel_cached(self: _Source, tp: int, tp_plan: object, recipe: Any) -> bool:  # type: ignore[misc]
+        """Whether :meth:`tensor_parallel_estimate` has this answer kept."""
+        try:
+            return (tp, id(tp_plan), recipe) in self._tensor_parallel
+        except TypeError:  # a setting that cannot be hashed: never kept
+            return False
+
+    def tensor_parallel_refusal(self: _Source, tp: int) -> str | None:  # type: ignore[misc]
+        """Why the model's own plan cannot shard it over ``tp`` ranks, or None."""
+        try:
+            resolve_plan(self.profiler.subject.model, tp)
+        except (ValueError, TypeError) as exc:
+            return str(exc)
+        return None
+
+    def _tensor_parallel_estimate(self: _Source, tp: int, tp_plan: object, recipe: Any) -> Any:  # type: ignore[misc]
+        subject = self.profiler.subject
+        plan = resolve_plan(subject.model, tp, tp_plan)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
+            with fake_process_group(tp) as mesh:
+                copy_ = parallelized(meta_copy(subject.model), plan, mesh)
+                # not cached: the profile key does not read the mesh
+                sub = self._sub_profile(copy_, cache=False)
+                return sub._estimate(recipe)
+
+    def pipeline_stage_peaks(  # type: ignore[misc]
+        self: _Source,
+        pp: int,
+        schedule: Any,
+        microbatches: int,
+        batch_size: int,
+        seq_len: int | None,
+        precision: Precision,
+        optimizer: OptimizerChoice | None,
+        implementation: OptimizerImplementation | None,
+        split: tuple[str, ...] | None = None,
+    ) -> tuple[Any, ...]:
+        """Each of ``pp`` pipeline stages' step at ``batch_size`` (the whole step's batch),
+        as ``torch.distributed.pipelining`` runs ``schedule`` over ``microbatches``, on fake
+        tensors (``pipeline_parallel.stage_peak``); the model and inputs checked first
+        (``pipeline_parallel.check_pipeline_model``). Kept per question."""
+        kwargs = self._pipeline_inputs(pp, split)
+        key = (
+            pp,
+            schedule,
+            microbatches,
+            batch_size,
+            seq_len,
+            precision,
+            optimizer,
+            implementation,
+            split,
+        )
+        if key not in self._pipeline:
+            length = seq_len or kwargs["input_ids"].shape[1]
+            shaped = {
+                k: torch.empty((batch_size, length), dtype=v.dtype, device="meta")
+                for k, v in kwargs.items()
+            }
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
+                self._pipeline[key] = tuple(
+                    self._stage_peak(shaped, stage, key) for stage in range(pp)
+                )
+        return self._pipeline[key]
+
+    def pipeline_parallel_refusal(self: _Source, pp: int) -> str | None:  # type: ignore[misc]
+        """Why the model or its inputs cannot be split into ``pp`` stages, or None."""
+        try:
+            self._pipeline_inputs(pp, None)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _pipeline_inputs(  # type: ignore[misc]
+        self: _Source, pp: int, split: tuple[str, ...] | None
+    ) -> dict[str, Any]:
+        """The example's keyword inputs, where the profile's device, the model and the
+        inputs can be split into ``pp`` stages (else a ValueError saying why)."""
+        from .pipeline_parallel import check_pipeline_model
+
+        subject = self.profiler.subject
+        if subject.device is not Device.CPU:
+            raise ValueError(
+                "pp > 1 is estimated for a profile made with device='cpu' only for now (the "
+                "stages' steps run on CPU fake tensors, checked against gloo ranks); profile "
+                "with device='cpu'"
+            )
+        given = subject.inputs
+        kwargs = given.kwargs if given is not None and not given.args else None
+        check_pipeline_model(subject.model, kwargs, pp, split)
+        assert kwargs is not None
+        return dict(kwargs)
+
+    def _stage_peak(  # type: ignore[misc]
+        self: _Source, inputs: dict[str, torch.Tensor], stage: int, key: tuple[Any, ...]
+    ) -> Any:
+        from .pipeline_parallel import stage_peak
+
+        pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation, split = (
+            key
+        )
+        return stage_peak(
+            self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
+            optimizer, implementation, split,
+        )  # fmt: skip
+
+
+def _with_fixed_dtypes(sub: ModelProfile, fixed: dict[str, str]) -> ModelProfile:
+    """``sub`` with the parameters whose dtype no precision changes (adapters kept in fp32,
+    bitsandbytes' packed storage): in its runs, and for their gradients (DDP buckets them
+    apart)."""
+    source = getattr(sub._source, "inner", sub._source)  # under a DiskCachedSource
+    assert isinstance(source, SourceRuns)
+    source.profiler.subject.fixed_dtypes = frozenset(fixed)
+    sub.fixed_param_dtypes = fixed
+    return sub
