@@ -116,6 +116,10 @@ def main() -> None:
                 )
                 row["measured_bytes"] = real.peak_bytes
                 row["ratio"] = est.peak_bytes / real.peak_bytes
+                # the caching allocator's charge (whole blocks), what max_memory_allocated reads
+                row["estimated_allocated_bytes"] = est.allocated_bytes
+                if est.allocated_bytes is not None:
+                    row["allocated_ratio"] = est.allocated_bytes / real.peak_bytes
             except Exception as exc:  # one lever's failure is recorded, the rest go on
                 row["error"] = f"{type(exc).__name__}: {exc}"[:600]
                 row["traceback"] = traceback.format_exc()[-1500:]
