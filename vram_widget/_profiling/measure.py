@@ -956,6 +956,9 @@ def _run_cuda(
     """Run both iterations; return resident, peak and max reserved bytes (and, with
     ``snapshot``, the allocator's snapshot recorded over the second)."""
     with torch.cuda.device(device):
+        # the cached segments with nothing in use go back to the driver first (empty_cache
+        # also drops the cuBLAS workspaces, which the warm-up then makes again)
+        torch.cuda.empty_cache()
         _warm_up_cublas(device)
     torch.cuda.synchronize(device)
     with _cache_plugged(device):
@@ -992,16 +995,15 @@ def _cache_plugged(device: torch.device) -> Iterator[None]:
     so that the copy and its step take new segments of their own: the allocator state the
     estimate replays, in which the model is alone.
 
-    The segments with nothing in use go back to the driver first (``empty_cache``). What
-    is left free lies in segments the caller's tensors share (the model measured, loaded
-    before); a copy made in them would be charged differently, since the caching allocator
-    does not split a block whose remainder would be 1 MiB or less (``kSmallSize``,
-    c10/cuda/CUDACachingAllocator.cpp) and charges such a block in full to
-    ``memory_allocated``. Each free block is taken by a request of its own size, the
-    smallest first, which the allocator's best fit serves from a block of that size; the
-    plugs are taken before the baseline and released after, so no figure counts them.
+    Called after ``empty_cache``, so what is left free lies in segments the caller's
+    tensors share (the model measured, loaded before); a copy made in them would be
+    charged differently, since the caching allocator does not split a block whose
+    remainder would be 1 MiB or less (``kSmallSize``, c10/cuda/CUDACachingAllocator.cpp)
+    and charges such a block in full to ``memory_allocated``. Each free block is taken by
+    a request of its own size, the smallest first, which the allocator's best fit serves
+    from a block of that size; the plugs are taken before the baseline and released
+    after, so no figure counts them.
     """
-    torch.cuda.empty_cache()
     index = device.index if device.index is not None else torch.cuda.current_device()
     one_mib = 1 << 20  # kSmallSize: requests up to it go to the small pool
     sizes = sorted(
@@ -1025,6 +1027,8 @@ def _warm_up_cublas(device: torch.device) -> None:
     PyTorch allocates each (handle, stream) workspace through the caching allocator on the
     first matmul and keeps it; without this, a process's first ``measure`` would count it
     (tens of MiB) and later ones would not. The estimate shows workspaces as a separate line.
+    The handles are per thread (CublasHandlePool.cpp), and autograd runs a CUDA backward on
+    a device thread of its own, so a backward through a matmul makes that thread's too.
     """
     dtypes = [torch.float32, torch.float16]
     if torch.cuda.is_bf16_supported():
@@ -1034,6 +1038,10 @@ def _warm_up_cublas(device: torch.device) -> None:
             a = torch.ones(16, 16, device=device, dtype=dtype)
             torch.mm(a, a)
             torch.addmm(a[0], a, a)  # the bias form takes the cuBLASLt path where it can
+    with torch.enable_grad():
+        for dtype in dtypes:
+            w = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            torch.addmm(w[0], w, w).sum().backward()
     torch.cuda.synchronize(device)
 
 
