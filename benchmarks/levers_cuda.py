@@ -91,6 +91,10 @@ def main() -> None:
     capability = torch.cuda.get_device_capability(device)
     info = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
     rows: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []
+    out = Path(args.out)
+    if args.only and out.exists():  # keep the other levers' rows, measured before
+        kept = [r for r in json.loads(out.read_text())["rows"] if r["lever"] not in args.only]
     batch = _tokens(4, 512)
     for name, model in _models().items():
         with torch.device("meta"):
@@ -116,19 +120,27 @@ def main() -> None:
                 )
                 row["measured_bytes"] = real.peak_bytes
                 row["ratio"] = est.peak_bytes / real.peak_bytes
+                # the caching allocator's charge (whole blocks), what max_memory_allocated reads
+                row["estimated_allocated_bytes"] = est.allocated_bytes
+                if est.allocated_bytes is not None:
+                    row["allocated_ratio"] = est.allocated_bytes / real.peak_bytes
             except Exception as exc:  # one lever's failure is recorded, the rest go on
                 row["error"] = f"{type(exc).__name__}: {exc}"[:600]
                 row["traceback"] = traceback.format_exc()[-1500:]
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            _write(Path(args.out), info, rows, kept)  # kept as it goes
             torch.cuda.empty_cache()
         model.cpu()
-    out = Path(args.out)
-    if args.only and out.exists():  # keep the other levers' rows, measured before
-        kept = [r for r in json.loads(out.read_text())["rows"] if r["lever"] not in args.only]
-        order = list(LEVERS)
-        rows = sorted(kept + rows, key=lambda r: (r["model"], order.index(r["lever"])))
-    out.write_text(json.dumps({**info, "rows": rows}, indent=1))
+
+
+def _write(
+    out: Path, info: dict[str, Any], rows: list[dict[str, Any]], kept: list[dict[str, Any]]
+) -> None:
+    """The rows measured so far, with ``kept`` (the other levers' rows, measured before)."""
+    order = list(LEVERS)
+    every = sorted(kept + rows, key=lambda r: (r["model"], order.index(r["lever"])))
+    out.write_text(json.dumps({**info, "rows": every}, indent=1))
 
 
 if __name__ == "__main__":

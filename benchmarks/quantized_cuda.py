@@ -161,7 +161,13 @@ def _estimate(out: Path) -> None:
             kwargs, batch, tokens = SETTINGS[row["setting"]]
             kwargs = _settings(row["setting"], meta)
             profile = profiles[kwargs.get("mode") not in ("inference", "generate")]
-            for key in ("estimated_bytes", "ratio", "estimate_error"):
+            for key in (
+                "estimated_bytes",
+                "ratio",
+                "estimate_error",
+                "estimated_allocated_bytes",
+                "allocated_ratio",
+            ):
                 row.pop(key, None)
             try:
                 est = profile.estimate(
@@ -169,6 +175,10 @@ def _estimate(out: Path) -> None:
                 )
                 row["estimated_bytes"] = est.peak_bytes
                 row["ratio"] = est.peak_bytes / row["measured_bytes"]
+                # the caching allocator's charge (whole blocks), what max_memory_allocated reads
+                row["estimated_allocated_bytes"] = est.allocated_bytes
+                if est.allocated_bytes is not None:
+                    row["allocated_ratio"] = est.allocated_bytes / row["measured_bytes"]
             except Exception as exc:  # not estimated (yet): said in the row
                 row["estimate_error"] = f"{type(exc).__name__}: {exc}"[:600]
             print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)

@@ -356,20 +356,26 @@ def _accuracy_cuda() -> str:
         f"{data['gpu']} ({data['total_memory_bytes'] / 2**30:.1f} GiB), compute capability "
         f"{'.'.join(map(str, data['compute_capability']))}, torch {data['torch']} (CUDA "
         f"{data['cuda']}), module loading {data['lazy_loading']}. Each ratio is estimate / "
-        "real; allocated includes the cuBLAS workspace on both sides.",
+        "real; allocated includes the cuBLAS workspace on both sides. The allocated peak is "
+        "estimated twice: the tensors' own bytes (`peak_bytes`), and the replayed caching "
+        "allocator's blocks, each charged in full (`allocator.peak_allocated_bytes`, which is "
+        "`allocated_bytes` with the workspace): what `max_memory_allocated` counts.",
         "",
-        "| model | setting | allocated peak (est / real) | reserved peak (est / real) | "
-        "least cap that runs (est / real) | CUDA context (est / real) |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | setting | allocated peak, tensors (est / real) | allocated peak, blocks "
+        "(est / real) | reserved peak (est / real) | least cap that runs (est / real) | "
+        "CUDA context (est / real) |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in data["rows"]:
         setting = f"{r['mode']}, batch {r['batch_size']}, {r['precision']}" + (
             f", {r['optimizer']}" if r["optimizer"] else ""
         )
         if "error" in r:
-            lines.append(f"| {r['model']} | {setting} | {r['error']} | | | |")
+            lines.append(f"| {r['model']} | {setting} | {r['error']} | | | | |")
             continue
         e, real = r["estimate"], r["real"]
+        blocks = e["replay_allocated_peak_bytes"]
+        real_allocated = real["allocated_peak_bytes"]
         cap = (
             f"{r['estimated_cap_bytes'] / mib:,.0f} / {r['least_cap_bytes'] / mib:,.0f} MiB "
             f"({r['ratio_cap']:.3f})"
@@ -379,7 +385,9 @@ def _accuracy_cuda() -> str:
         lines.append(
             f"| {r['model']} | {setting} | "
             f"{(e['peak_bytes'] + e['cublas_workspace_bytes']) / mib:,.0f} / "
-            f"{real['allocated_peak_bytes'] / mib:,.0f} MiB ({r['ratio_allocated']:.3f}) | "
+            f"{real_allocated / mib:,.0f} MiB ({r['ratio_allocated']:.3f}) | "
+            f"{blocks / mib:,.0f} / {real_allocated / mib:,.0f} MiB "
+            f"({blocks / real_allocated:.3f}) | "
             f"{e['reserved_peak_bytes'] / mib:,.0f} / {real['reserved_peak_bytes'] / mib:,.0f} "
             f"MiB ({r['ratio_reserved']:.3f}) | {cap} | "
             f"{e['context_bytes'] / mib:,.0f} / {real['context_bytes'] / mib:,.0f} MiB |"
@@ -456,24 +464,37 @@ def _levers_cuda() -> str:
     mib = 1 << 20
     lines = [
         f"{data['gpu']}, torch {data['torch']}; bf16, AdamW, batch 4 x 512 tokens; allocated "
-        "peak (`max_memory_allocated`), estimate / measured.",
+        "peak (`max_memory_allocated`) measured by `measure()`, against the estimate's "
+        "`allocated_bytes` (the caching allocator's blocks, each charged in full) and its "
+        "`peak_bytes` (the tensors' own bytes).",
         "",
-        "| model | lever | estimated | measured | ratio | host (estimated) |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | lever | measured | `allocated_bytes` | ratio | `peak_bytes` | ratio | "
+        "host (estimated) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data["rows"]:
         host = f"{r['host_bytes'] / mib:,.0f} MiB" if r.get("host_bytes") else ""
+        peak = f"{r['estimated_bytes'] / mib:,.0f} MiB" if "estimated_bytes" in r else ""
         if "error" in r:
             lines.append(
-                f"| {r['model']} | {r['lever']} | {r['estimated_bytes'] / mib:,.0f} MiB | "
-                f"not measured ({r['error'].split(':')[0]}) | | {host} |"
+                f"| {r['model']} | {r['lever']} | not measured ({r['error'].split(':')[0]}) "
+                f"| | | {peak} | | {host} |"
             )
             continue
         lines.append(
-            f"| {r['model']} | {r['lever']} | {r['estimated_bytes'] / mib:,.0f} MiB | "
-            f"{r['measured_bytes'] / mib:,.0f} MiB | {r['ratio']:.3f} | {host} |"
+            f"| {r['model']} | {r['lever']} | {r['measured_bytes'] / mib:,.0f} MiB | "
+            f"{_allocated(r)} | {peak} | {r['ratio']:.3f} | {host} |"
         )
     return "\n".join(lines)
+
+
+def _allocated(r: dict[str, Any]) -> str:
+    """A row's ``allocated_bytes`` estimate and its ratio to the measured peak, as two
+    cells (empty where the row has none: rows recorded before it existed, generation)."""
+    if r.get("estimated_allocated_bytes") is None:
+        return " | "
+    ratio = r["estimated_allocated_bytes"] / r["measured_bytes"]
+    return f"{r['estimated_allocated_bytes'] / (1 << 20):,.0f} MiB | {ratio:.3f}"
 
 
 def _compile_cuda() -> str:
@@ -529,10 +550,12 @@ def _quantized_cuda() -> str:
     )
     lines = [
         f"{data['gpu']}, {versions}; bf16; allocated peak (`max_memory_allocated`) measured "
-        "by `measure()`, estimate / measured.",
+        "by `measure()`, against the estimate's `allocated_bytes` (the caching allocator's "
+        "blocks, each charged in full; generation has no allocator replay yet) and its "
+        "`peak_bytes` (the tensors' own bytes).",
         "",
-        "| model | setting | estimated | measured | ratio |",
-        "|---|---|---:|---:|---:|",
+        "| model | setting | measured | `allocated_bytes` | ratio | `peak_bytes` | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in data["rows"]:
         if "error" in r:
@@ -541,9 +564,12 @@ def _quantized_cuda() -> str:
             measured = f"{r['measured_bytes'] / mib:,.0f} MiB"
         if "estimated_bytes" in r:
             est, ratio = f"{r['estimated_bytes'] / mib:,.0f} MiB", f"{r['ratio']:.3f}"
+            allocated = _allocated(r)
         else:
-            est, ratio = "not estimated", ""
-        lines.append(f"| {r['model']} | {r['setting']} | {est} | {measured} | {ratio} |")
+            est, ratio, allocated = "not estimated", "", " | "
+        lines.append(
+            f"| {r['model']} | {r['setting']} | {measured} | {allocated} | {est} | {ratio} |"
+        )
     return "\n".join(lines)
 
 

@@ -790,3 +790,24 @@ def test_compare_snapshot_pairs_allocations_by_module_and_phase() -> None:
     # fewer measured allocations: said, and the common prefix compared
     short = est.compare_snapshot({"device_traces": [second[:3]]})
     assert "the first 3 are compared" in short.attrs["note"]
+
+
+def test_allocated_bytes_charge_an_unsplit_block_in_full() -> None:
+    """``allocated_bytes`` is what ``torch.cuda.max_memory_allocated()`` reads: a block the
+    caching allocator does not split is charged whole. The 2944 x 1024 float32 weight is
+    12,058,624 B (11.5 MiB), a request above 10 MiB, so its segment is rounded up to 2 MiB:
+    12 MiB, whose 0.5 MiB remainder is under kSmallSize (1 MiB) and is not split off. So
+    the weight is charged 12,582,912 B; the input (1,024 x 4 = 4,096 B) and the output
+    (2,944 x 4 = 11,776 B, 23 x 512) are small blocks of their own size. The tensors' own
+    bytes, ``peak_bytes``: 12,058,624 + 4,096 + 11,776 = 12,074,496; charged:
+    12,582,912 + 4,096 + 11,776 = 12,598,784, the 524,288 B remainder more. The cuBLAS
+    workspace is not in either (it is an extra of its own, 32 MiB on sm90, 8,519,680 B
+    before)."""
+    model = nn.Linear(1024, 2944, bias=False)
+    profile = profile_model(model, input_size=(1024,), device="cuda", cache=False)
+    for capability in ((9, 0), (8, 0)):
+        est = profile.estimate(1, mode="inference", compute_capability=capability)
+        assert est.peak_bytes == 12_074_496
+        assert est.allocated_bytes == 12_598_784
+    cpu = profile_model(model, input_size=(1024,), device="cpu", cache=False)
+    assert cpu.estimate(1, mode="inference").allocated_bytes is None

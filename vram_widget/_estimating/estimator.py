@@ -492,6 +492,21 @@ class MemoryEstimate:
         return min(cap, top) * step + context
 
     @property
+    def allocated_bytes(self) -> int | None:
+        """What ``torch.cuda.max_memory_allocated()`` reports for a steady-state step above
+        the cuBLAS workspace, on ``device="cuda"``: the replayed caching allocator's
+        (``allocator``) peak of the blocks in use, each charged in full. ``peak_bytes``
+        counts the tensors' own bytes; the allocator charges a whole block where it does
+        not split one, which it does not where the remainder would be 1 MiB or less
+        (``kSmallSize``, c10/cuda/CUDACachingAllocator.cpp), and rounds each request up to
+        512 bytes. None for ``device="cpu"``, where ``peak_bytes`` is the allocator's count.
+        """
+        replayed = self.allocator
+        if replayed is None:
+            return None
+        return replayed.peak_allocated_bytes - self.extras.cublas_workspace_bytes
+
+    @property
     def reserved_bytes(self) -> int | None:
         """What ``torch.cuda.max_memory_reserved()`` would report for a steady-state step:
         the caching allocator's segments at their peak (``allocator``); None for

@@ -395,8 +395,18 @@ def _run_cuda(
     """Run both iterations; return resident, peak and max reserved bytes (and, with
     ``snapshot``, the allocator's snapshot recorded over the second)."""
     with torch.cuda.device(device):
+        # the cached segments with nothing in use go back to the driver first (empty_cache
+        # also drops the cuBLAS workspaces, which the warm-up then makes again)
+        torch.cuda.empty_cache()
         _warm_up_cublas(device)
     torch.cuda.synchronize(device)
+    with _cache_plugged(device):
+        return _run_cuda_plugged(session, device, snapshot)
+
+
+def _run_cuda_plugged(
+    session: Callable[[], _Session], device: torch.device, snapshot: bool
+) -> tuple[int, int, int, dict[str, Any] | None]:
     baseline = torch.cuda.memory_allocated(device)
     run = session()
     run.iterate()
@@ -418,12 +428,46 @@ def _run_cuda(
     return resident, peak, reserved, recorded
 
 
+@contextlib.contextmanager
+def _cache_plugged(device: torch.device) -> Iterator[None]:
+    """Hold every free block the caching allocator keeps in a segment while the block runs,
+    so that the copy and its step take new segments of their own: the allocator state the
+    estimate replays, in which the model is alone.
+
+    Called after ``empty_cache``, so what is left free lies in segments the caller's
+    tensors share (the model measured, loaded before); a copy made in them would be
+    charged differently, since the caching allocator does not split a block whose
+    remainder would be 1 MiB or less (``kSmallSize``, c10/cuda/CUDACachingAllocator.cpp)
+    and charges such a block in full to ``memory_allocated``. Each free block is taken by
+    a request of its own size, the smallest first, which the allocator's best fit serves
+    from a block of that size; the plugs are taken before the baseline and released
+    after, so no figure counts them.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    one_mib = 1 << 20  # kSmallSize: requests up to it go to the small pool
+    sizes = sorted(
+        int(block["size"])
+        for segment in torch.cuda.memory_snapshot()
+        if segment["device"] == index
+        for block in segment["blocks"]
+        if block["state"] == "inactive"
+        and (segment["segment_type"] == "small") == (block["size"] <= one_mib)
+    )
+    plugs = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    try:
+        yield
+    finally:
+        del plugs
+
+
 def _warm_up_cublas(device: torch.device) -> None:
     """Make cuBLAS / cuBLASLt create their workspaces before the baseline is taken.
 
     PyTorch allocates each (handle, stream) workspace through the caching allocator on the
     first matmul and keeps it; without this, a process's first ``measure`` would count it
     (tens of MiB) and later ones would not. The estimate shows workspaces as a separate line.
+    The handles are per thread (CublasHandlePool.cpp), and autograd runs a CUDA backward on
+    a device thread of its own, so a backward through a matmul makes that thread's too.
     """
     dtypes = [torch.float32, torch.float16]
     if torch.cuda.is_bf16_supported():
@@ -433,6 +477,10 @@ def _warm_up_cublas(device: torch.device) -> None:
             a = torch.ones(16, 16, device=device, dtype=dtype)
             torch.mm(a, a)
             torch.addmm(a[0], a, a)  # the bias form takes the cuBLASLt path where it can
+    with torch.enable_grad():
+        for dtype in dtypes:
+            w = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            torch.addmm(w[0], w, w).sum().backward()
     torch.cuda.synchronize(device)
 
 
@@ -456,7 +504,7 @@ def _has_trainable(model: torch.nn.Module) -> bool:
 
 def _copy_model(model: torch.nn.Module, dtype: torch.dtype, mode: Mode) -> torch.nn.Module:
     try:
-        clone = copy.deepcopy(model)
+        clone = copy.deepcopy(model, _cast_copies(model, dtype))
     except Exception as exc:
         raise TypeError(
             f"measure runs the step on a copy of the model, and copy.deepcopy(model) failed: "
@@ -470,6 +518,41 @@ def _copy_model(model: torch.nn.Module, dtype: torch.dtype, mode: Mode) -> torch
     clone._apply(functools.partial(cast_floating, dtype=dtype))
     clone.train(mode is Mode.TRAIN)
     return clone
+
+
+def _cast_copies(model: torch.nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """``copy.deepcopy``'s memo for ``model``: each plain parameter, then each plain buffer,
+    in ``named_parameters`` / ``named_buffers`` order, copied straight into its dtype (the
+    floating ones ``dtype``).
+
+    The copies are made one after the other with nothing freed between them, as a model
+    loaded in its dtype holds them (``from_pretrained(torch_dtype=...)``, ``model.to``): on
+    CUDA each one takes a block of the caching allocator the way the estimate's residents
+    do. A deepcopy in float32 cast afterwards would carve the cast tensors out of the freed
+    float32 blocks instead, and the caching allocator does not split a block whose remainder
+    would be under 1 MiB (``kSmallSize``, c10/cuda/CUDACachingAllocator.cpp): that left up
+    to 13 MiB of unsplit blocks in the copy of GPT-2 small, an amount that depended on what
+    the process had freed before. Tensor subclasses (quantized, DTensor) are left to
+    ``deepcopy``.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    plain = (torch.Tensor, torch.nn.Parameter)
+    for p in model.parameters():
+        if type(p) in plain and not p.is_meta and id(p) not in memo:
+            copied = torch.nn.Parameter(_cast_copy(p.detach(), dtype), p.requires_grad)
+            copied.__dict__.update(p.__dict__)  # flags set on the parameter, as deepcopy does
+            memo[id(p)] = copied
+    for b in model.buffers():
+        if type(b) in plain and not b.is_meta and id(b) not in memo:
+            memo[id(b)] = _cast_copy(b.detach(), dtype)
+    return memo
+
+
+def _cast_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor with ``t``'s values, floating ones in ``dtype`` (one allocation)."""
+    if t.is_floating_point():
+        return t.to(dtype=dtype, copy=True)
+    return t.clone()
 
 
 def _copy_input(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
