@@ -622,6 +622,10 @@ def test_llama_lora_compiled_saved_set_and_peak(llama: tuple[nn.Module, Any]) ->
     assert storage_bytes_of(out) == _LOGITS_BYTES + _KV_CACHE_BYTES + 4
 
 
+# slow: two Inductor compiles of the Llama (about a minute on two cores); the narrowed-ISA
+# pass keeps the compiled Llama's peak to the byte in the LoRA test above and the op-level
+# policy inside a compiled region in test_checkpoint_policy_op_compiled
+@pytest.mark.slow
 def test_llama_trainer_checkpointing_op_policy_compiled(llama: tuple[nn.Module, Any]) -> None:
     """Hugging Face's Trainer-style checkpointing (checkpoint="auto":
     gradient_checkpointing_enable on the decoder layers) with torchtitan's op-level policy,
