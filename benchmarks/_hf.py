@@ -75,3 +75,12 @@ def mistral(window: int = 24) -> nn.Module:
         sliding_window=window,
     )  # fmt: skip
     return transformers.MistralForCausalLM(config)
+
+
+def bert_encoder() -> nn.Module:
+    """:func:`bert`'s encoder alone (``BertModel``: embeddings, layers, pooler; no head)."""
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+        vocab_size=VOCAB,
+    )  # fmt: skip
+    return transformers.BertModel(config)
