@@ -95,3 +95,12 @@ def mixtral() -> nn.Module:
         num_local_experts=4, num_experts_per_tok=2,
     )  # fmt: skip
     return transformers.MixtralForCausalLM(config)
+
+
+def bert_encoder() -> nn.Module:
+    """:func:`bert`'s encoder alone (``BertModel``: embeddings, layers, pooler; no head)."""
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+        vocab_size=VOCAB,
+    )  # fmt: skip
+    return transformers.BertModel(config)

@@ -1,32 +1,44 @@
 """The ``torch.compile`` step: the estimate against the measured step on the CPU (Inductor).
 
-For each model, precision and ``activation_memory_budget``, AdamW, batch 4:
+For each model, batch size, precision and ``activation_memory_budget``, AdamW:
 
-* eager: the plain step, measured;
-* compiled: ``measure(compile=True)``, Inductor's generated code;
+* compiled: ``measure(compile=True)``, Inductor's generated code, measured;
 * graphs: the same partitioned forward and backward graphs run node by node
   (``_profiling/compiled_graphs.py``: Inductor's passes and partitioner, eager ATen kernels);
 * estimate: ``profile_model(...).estimate(compile=True, activation_memory_budget=...)``
   (``_profiling/compiled_profile.py``: Inductor's generated code for the graphs, recorded on
-  fake tensors).
+  fake tensors; ``estimate_bound`` says where a graph ran node by node instead: an upper
+  bound);
 
 and the saved bytes: measured (bytes left by the forward less its outputs), the partitioner's
-saved set read from the graphs (in the measured step and on fake tensors), and the
-estimate's ``saved_bytes`` less the saved outputs (a causal LM's logits, which its loss
-saves and ``measure`` counts as output). The saved set is the partitioner's decision, so
-they should agree to the byte; the estimated peak is Inductor's buffer plan run on fake
-tensors (``estimate_bound`` says where a graph ran node by node instead: an upper bound).
+saved set read from the measured step's graphs, and the estimate's ``saved_bytes`` less the
+model's outputs that the partitioner saves (``saved_outputs_bytes``: a causal LM's logits and
+KV cache where the budget keeps them; ``measure`` counts them as output). The saved set on
+fake tensors alone (``compiled_fake.fake_saved_set``) is checked in tests/test_compile.py.
 
-    python benchmarks/accuracy_compile.py                        # about 10 minutes on 2 cores
+Models: the zoo's MLP and ``nn.TransformerEncoder`` classifier (32 tokens), the Hugging Face
+``BertModel``, GPT-2 and Llama tiny configs of ``_hf.py`` (16 tokens), at batch 1 and 4, fp32
+and bf16; the zoo's ResNet-18 (64 x 64 images) at batch 4, fp32 (``SHAPES``); budgets 1.0,
+0.5 and 0.2. The budget decides what
+the partitioner recomputes, and a smaller budget can give a larger peak (recomputation's
+temporaries in the backward): for each model, batch and precision the summary says whether
+the estimate orders the budgets' peaks as the measured step does, and which rows have a
+larger measured peak than a larger budget's.
+
+    python benchmarks/accuracy_compile.py                # the full grid
+    python benchmarks/accuracy_compile.py --quick        # the MLP and Llama, batch 4, fp32
     python benchmarks/accuracy_compile.py --models mlp --budgets 1.0
 
-Writes ``results/accuracy_compile.json``; ``report.py`` renders it into docs/accuracy.md.
+Targets: the estimated peak equal to the measured one (Inductor's CPU buffer plan, run on
+fake tensors), the saved set to the byte. Writes ``results/accuracy_compile.json``;
+``report.py`` renders it into docs/accuracy.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,63 +50,81 @@ import torch
 from _results import write_results
 from torch import nn
 
-from vram_widget import profile_model, zoo
-from vram_widget._profiling.compiled_fake import fake_saved_set
-from vram_widget._profiling.compiled_graphs import captured_graphs
+from vram_widget import ModelProfile, profile_model, zoo
+from vram_widget._profiling.compiled_graphs import GraphCapture, captured_graphs
 from vram_widget._profiling.measure import measure
 
-BATCH = 4
+BATCHES = (1, 4)
+PRECISIONS = ("fp32", "bf16")
+BUDGETS = (1.0, 0.5, 0.2)
+# ResNet-18's compiled step compiles about 2 minutes of C++ kernels per setting on 2 cores:
+# batch 4 in fp32 only
+SHAPES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {"resnet18": ((4,), ("fp32",))}
 
 
-def _models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], Any]]]:
-    gen = torch.Generator().manual_seed(0)
-    return {
-        "mlp": (lambda: zoo.mlp(), lambda: torch.randn(BATCH, 784, generator=gen)),
-        "transformer_encoder": (
-            lambda: zoo.transformer_encoder(),
-            lambda: torch.randint(0, 1000, (BATCH, 32), generator=gen),
-        ),
-        "gpt2": (_hf.gpt2, lambda: _hf.tokens(BATCH)),
-        "llama": (_hf.llama, lambda: _hf.tokens(BATCH)),
-    }
+def _ids(batch: int, tokens: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(batch * 1000 + tokens)
+    return torch.randint(0, _hf.VOCAB, (batch, tokens), generator=gen)
 
 
-def _saved_outputs(name: str, inputs: Any, precision: str) -> int:
-    """The bytes of the model's outputs that its loss saves: a causal LM's logits (batch x
-    tokens x vocabulary, fp32 logits in fp32, bf16 in bf16; 0 for the zoo models)."""
-    if name not in ("gpt2", "llama"):
-        return 0
-    batch, tokens = inputs["input_ids"].shape
-    return batch * tokens * _hf.VOCAB * (4 if precision == "fp32" else 2)
+def _images(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 3, 64, 64, generator=torch.Generator().manual_seed(batch))
 
 
-def _row(name: str, model: nn.Module, inputs: Any, precision: str, budget: float) -> dict[str, Any]:
+# model -> (build, batch of that size)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any]]] = {
+    "mlp": (
+        zoo.mlp,
+        lambda b: torch.randn(b, 784, generator=torch.Generator().manual_seed(b)),
+    ),
+    "transformer_encoder": (zoo.transformer_encoder, lambda b: _ids(b, 32)),
+    "bert": (_hf.bert_encoder, lambda b: {"input_ids": _ids(b, 16)}),
+    "gpt2": (_hf.gpt2, _hf.tokens),
+    "llama": (_hf.llama, _hf.tokens),
+    "resnet18": (zoo.resnet18, _images),
+}
+
+
+def saved_outputs_bytes(capture: GraphCapture) -> int:
+    """The bytes of the model's outputs that the partitioner saves for the backward, in the
+    measured step's partitioned graphs: ``measure``'s saved bytes leave the outputs out, the
+    estimate's ``saved_bytes`` count the saved ones (a causal LM's logits and KV cache,
+    where the budget keeps them rather than recomputing them)."""
+    unique: dict[Any, int] = {}
+    for call in capture.forward_calls:
+        unique.update(call.saved())
+    outputs = capture.model_outputs - capture.model_inputs
+    return sum(nbytes for key, nbytes in unique.items() if key in outputs)
+
+
+def _row(name: str, model: nn.Module, profile: ModelProfile, inputs: Any, batch: int,
+         precision: str, budget: float) -> dict[str, Any]:  # fmt: skip
     start = time.perf_counter()
-    compiled = measure(
-        model, inputs, optimizer="adamw", precision=precision, compile=True,
-        activation_memory_budget=budget,
-    )  # fmt: skip
+    settings: dict[str, Any] = {
+        "optimizer": "adamw", "precision": precision, "compile": True,
+        "activation_memory_budget": budget,
+    }  # fmt: skip
+    compiled = measure(model, inputs, **settings)
     with captured_graphs() as capture:
-        graphs = measure(
-            model, inputs, optimizer="adamw", precision=precision, compile=True,
-            activation_memory_budget=budget,
-        )  # fmt: skip
-    fake = fake_saved_set(model, inputs, precision=precision, activation_memory_budget=budget)
-    profile = profile_model(model, inputs=inputs, device="cpu", cache=False)
-    est = profile.estimate(BATCH, precision, "adamw", compile=True, activation_memory_budget=budget)
-    est_saved = (est.saved_bytes or 0) - _saved_outputs(name, inputs, precision)
+        graphs = measure(model, inputs, **settings)
+    est = profile.estimate(batch, precision, "adamw", compile=True, activation_memory_budget=budget)
+    saved_outputs = saved_outputs_bytes(capture)
+    est_saved = (est.saved_bytes or 0) - saved_outputs
     return {
         "model": name,
+        "batch": batch,
         "precision": precision,
         "budget": budget,
         "compiled_peak_bytes": compiled.peak_bytes,
         "graphs_peak_bytes": graphs.peak_bytes,
         "estimated_peak_bytes": est.peak_bytes,
         "peak_ratio": est.peak_bytes / compiled.peak_bytes,
+        "peak_exact": est.peak_bytes == compiled.peak_bytes,
         "estimate_bound": est.compile_bound,
+        "compile_fallbacks": list(est.compile_fallbacks),
         "compiled_saved_bytes": compiled.saved_bytes,
         "partitioner_saved_bytes": capture.saved_bytes(),
-        "fake_saved_bytes": fake.saved_bytes,
+        "saved_outputs_bytes": saved_outputs,
         "estimated_saved_bytes": est_saved,
         "saved_exact": est_saved == compiled.saved_bytes,
         "regions": len(capture.regions),
@@ -102,43 +132,150 @@ def _row(name: str, model: nn.Module, inputs: Any, precision: str, budget: float
     }
 
 
-def _summary(rows: list[dict[str, Any]]) -> str:
+def _sign(x: int) -> int:
+    return (x > 0) - (x < 0)
+
+
+def budget_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model, batch and precision: whether the estimate orders the budgets' peaks as the
+    measured compiled step does (every pair of budgets: the same one larger, or both equal),
+    and the budgets whose measured peak is larger than a larger budget's (the peak not
+    monotonic in the budget)."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["batch"], r["precision"]), []).append(r)
+    found = []
+    for (model, batch, precision), these in groups.items():
+        these = sorted(these, key=lambda r: -r["budget"])
+        pairs = [(a, b) for i, a in enumerate(these) for b in these[i + 1 :]]
+        same = all(
+            _sign(a["estimated_peak_bytes"] - b["estimated_peak_bytes"])
+            == _sign(a["compiled_peak_bytes"] - b["compiled_peak_bytes"])
+            for a, b in pairs
+        )
+        rising = [
+            b["budget"] for a, b in pairs if b["compiled_peak_bytes"] > a["compiled_peak_bytes"]
+        ]
+        found.append(
+            {
+                "model": model, "batch": batch, "precision": precision,
+                "budgets": [r["budget"] for r in these], "same_order": same,
+                "non_monotonic_budgets": sorted(set(rising), reverse=True),
+            }
+        )  # fmt: skip
+    return found
+
+
+def _median_worst(values: list[float]) -> str:
+    return f"{statistics.median(values):.4f} % / {max(values):.4f} %" if values else "-"
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    orders = budget_order(rows)
+    rising = {
+        (o["model"], o["batch"], o["precision"], b)
+        for o in orders
+        for b in o["non_monotonic_budgets"]
+    }
     lines = [
-        "| model | precision | budget | compiled peak | graphs peak | estimate | estimate / "
-        "compiled | compiled saved | estimated saved |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | batch | precision | budget | compiled peak | graphs peak | estimate "
+        "| estimate / compiled | compiled saved | estimated saved | peak above a larger "
+        "budget's |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        bound = " (bound)" if r["estimate_bound"] else ""
+        above = (r["model"], r["batch"], r["precision"], r["budget"]) in rising
         lines.append(
-            f"| {r['model']} | {r['precision']} | {r['budget']} "
+            f"| {r['model']} | {r['batch']} | {r['precision']} | {r['budget']} "
             f"| {r['compiled_peak_bytes']:,} | {r['graphs_peak_bytes']:,} "
-            f"| {r['estimated_peak_bytes']:,} | {r['peak_ratio']:.3f} "
-            f"| {r['compiled_saved_bytes']:,} | {r['estimated_saved_bytes']:,} |"
+            f"| {r['estimated_peak_bytes']:,} | {r['peak_ratio']:.4f}{bound} "
+            f"| {r['compiled_saved_bytes']:,} | {r['estimated_saved_bytes']:,} "
+            f"| {'yes' if above else ''} |"
         )
-    exact = sum(r["saved_exact"] for r in rows)
-    lines.append("")
-    lines.append(f"Saved set to the byte in {exact} of {len(rows)} configurations.")
+    errors = [abs(r["peak_ratio"] - 1) * 100 for r in rows]
+    exact = sum(r["peak_exact"] for r in rows)
+    saved = sum(r["saved_exact"] for r in rows)
+    bound = sum(r["estimate_bound"] for r in rows)
+    same = [o for o in orders if o["same_order"]]
+    lines += [
+        "",
+        f"Peak to the byte in {exact} of {len(rows)} configurations; abs(estimate / "
+        f"compiled - 1) median / worst {_median_worst(errors)}; saved set to the byte in "
+        f"{saved} of {len(rows)}; {bound} estimate(s) an upper bound (a graph run node by "
+        "node).",
+        "",
+        f"Across budgets: the estimate orders the budgets' peaks as the measured step does "
+        f"in {len(same)} of {len(orders)} model / batch / precision groups.",
+    ]
+    non_monotonic = [o for o in orders if o["non_monotonic_budgets"]]
+    if non_monotonic:
+        lines.append(
+            "The measured peak is not monotonic in the budget (a smaller budget, a larger "
+            "peak) in: "
+            + "; ".join(
+                f"{o['model']} batch {o['batch']} {o['precision']} (budget "
+                f"{', '.join(map(str, o['non_monotonic_budgets']))}, "
+                f"{'ordered as measured' if o['same_order'] else 'NOT ordered as measured'})"
+                for o in non_monotonic
+            )
+            + "."
+        )
+    else:
+        lines.append("The measured peak is monotonic in the budget in every group.")
+    differ = [o for o in orders if not o["same_order"]]
+    if differ:
+        lines.append(
+            "Ordered otherwise than measured: "
+            + "; ".join(f"{o['model']} batch {o['batch']} {o['precision']}" for o in differ)
+            + "."
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="mlp,transformer_encoder,gpt2,llama")
-    parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--budgets", default="1.0,0.5,0.1")
+    parser.add_argument("--quick", action="store_true", help="the MLP and Llama, batch 4, fp32")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     args = parser.parse_args()
+    models = ["mlp", "llama"] if args.quick else args.models.split(",")
+    batches = (4,) if args.quick else tuple(int(b) for b in args.batches.split(","))
+    precisions = ("fp32",) if args.quick else tuple(args.precisions.split(","))
+    budgets = tuple(float(b) for b in args.budgets.split(","))
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or any(p not in PRECISIONS for p in precisions):
+        parser.error(f"--models from {', '.join(MODELS)}; --precisions from fp32, bf16")
     started = time.perf_counter()
-    models = _models()
     rows = []
-    for name in args.models.split(","):
-        build, batch = models[name]
+    for name in models:
+        build, make_inputs = MODELS[name]
         torch.manual_seed(0)
-        model, inputs = build(), batch()
-        for precision in args.precisions.split(","):
-            for budget in (float(b) for b in args.budgets.split(",")):
-                rows.append(_row(name, model, inputs, precision, budget))
-                print({k: v for k, v in rows[-1].items()}, flush=True)
-    write_results("accuracy_compile", rows, _summary(rows), started)
+        model = build()
+        model_batches, model_precisions = SHAPES.get(name, (batches, precisions))
+        for batch in (b for b in batches if b in model_batches):
+            inputs = make_inputs(batch)
+            profile = profile_model(model, inputs=inputs, device="cpu", cache=False)
+            for precision in (p for p in precisions if p in model_precisions):
+                for budget in budgets:
+                    rows.append(_row(name, model, profile, inputs, batch, precision, budget))
+                    r = rows[-1]
+                    print(
+                        f"{name:20s} B={batch} {precision:5s} budget={budget:<4} "
+                        f"compiled={r['compiled_peak_bytes']:>12,} "
+                        f"est={r['estimated_peak_bytes']:>12,} ratio={r['peak_ratio']:.4f} "
+                        f"saved={'exact' if r['saved_exact'] else 'DIFFERS'} "
+                        f"{r['seconds']:.0f} s",
+                        flush=True,
+                    )
+        # each model's rows written as they are done; the grid named at the end
+        extra = {"grid": "partial", "budget_order": budget_order(rows)}
+        write_results("accuracy_compile", rows, summarize(rows), started, extra=extra)
+    grid = "quick" if args.quick else "full"
+    extra = {"grid": grid, "budget_order": budget_order(rows)}
+    write_results("accuracy_compile", rows, summarize(rows), started, extra=extra)
 
 
 if __name__ == "__main__":

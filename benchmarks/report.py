@@ -583,10 +583,20 @@ def _accuracy_compile() -> str:
             "`python benchmarks/report.py`."
         )
     data = json.loads(path.read_text())
+    models = ", ".join(dict.fromkeys(r["model"] for r in data["rows"]))
+    grid = {
+        "quick": "the quick grid only (`--quick`: the MLP and Llama, batch 4, fp32)",
+        "full": f"the full grid ({models})",
+        "partial": f"the grid's first models only ({models}); the others are still to be run",
+    }.get(data.get("grid", ""), "an earlier grid (AdamW, batch 4)")
     head = (
-        f"torch {data['torch']}, {data['cpus']} CPUs, {data['seconds'] / 60:.0f} minutes; "
-        "peaks in bytes (allocated, CPU); saved: what the forward leaves for the backward, "
-        "less its outputs."
+        f"{len(data['rows'])} configurations, {grid}; torch {data['torch']}, transformers "
+        f"{data['transformers']}, {data['cpus']} CPUs, {data['seconds'] / 60:.0f} minutes. "
+        "Peaks in bytes (allocated, CPU), AdamW; compiled: `measure(compile=True)`, "
+        "Inductor's generated code; graphs: the same partitioned graphs run node by node; "
+        'estimate: `profile_model(device="cpu").estimate(compile=True, '
+        "activation_memory_budget=...)`; saved: what the forward leaves for the backward, "
+        "less its outputs. Targets: the peak and the saved set to the byte."
     )
     return head + "\n\n" + data["summary"]
 
