@@ -317,9 +317,12 @@ def test_cuda_rounding_by_hand() -> None:
     est = run(2, opt=make_optimizer(), device=Device.CUDA)
     assert est.peak_bytes == 3584
     assert est.extras.allocator_rounding_bytes == 6144 - 3584 == 2560
-    assert est.extras.cublas_workspace_bytes == CUBLAS_WORKSPACE_BYTES_SM90  # uses_matmul
+    # a training step with a matmul: two workspaces, the forward thread's and autograd's
+    # device thread's (accelerator.cublas_workspace_bytes)
+    assert est.extras.cublas_workspace_bytes == 2 * CUBLAS_WORKSPACE_BYTES_SM90
+    assert est.extras.cublas_workspace_count == 2
     assert est.extras.cuda_context_bytes == CUDA_CONTEXT_BYTES
-    assert est.total_bytes == 3584 + 2560 + CUBLAS_WORKSPACE_BYTES_SM90 + CUDA_CONTEXT_BYTES
+    assert est.total_bytes == 3584 + 2560 + 2 * CUBLAS_WORKSPACE_BYTES_SM90 + CUDA_CONTEXT_BYTES
 
 
 def test_cuda_rounding_without_matmul_or_optimizer() -> None:
@@ -530,18 +533,20 @@ def test_numpy_layer_does_not_import_torch() -> None:
 def test_cublas_workspace_follows_the_target_compute_capability() -> None:
     # cuBLAS workspace per handle: 32 MiB = 33,554,432 B on compute capability 9.x, and
     # ":4096:2:16:8" = 4096 KiB * 2 + 16 KiB * 8 = 8,519,680 B before it
-    # (CublasHandlePool.cpp; accelerator.cublas_workspace_bytes). The CUDA context follows it
-    # too (accelerator.cuda_context, lazy loading): 775 MiB on 9.x, 400 MiB on an A100 (the
-    # any-GPU row). The rest is unchanged.
+    # (CublasHandlePool.cpp; accelerator.cublas_workspace_bytes), two of them in this training
+    # step (the forward thread's and autograd's device thread's), one in inference. The CUDA
+    # context follows it too (accelerator.cuda_context, lazy loading): 775 MiB on 9.x,
+    # 400 MiB on an A100 (the any-GPU row). The rest is unchanged.
     profile = profile_model(nn.Linear(16, 16), input_size=(16,), device="cuda")
     hopper = profile.estimate(4)
     ampere = profile.estimate(4, compute_capability=(8, 0))
-    assert hopper.extras.cublas_workspace_bytes == 33_554_432
+    assert hopper.extras.cublas_workspace_bytes == 2 * 33_554_432
+    assert profile.estimate(4, mode="inference").extras.cublas_workspace_bytes == 33_554_432
     assert profile.estimate(4, compute_capability=(9, 0)).extras == hopper.extras
-    assert ampere.extras.cublas_workspace_bytes == 8_519_680
+    assert ampere.extras.cublas_workspace_bytes == 2 * 8_519_680
     assert ampere.peak_bytes == hopper.peak_bytes
     assert hopper.extras.cuda_context_bytes - ampere.extras.cuda_context_bytes == 375 * 2**20
-    assert hopper.total_bytes - ampere.total_bytes == 33_554_432 - 8_519_680 + 375 * 2**20
+    assert hopper.total_bytes - ampere.total_bytes == 2 * (33_554_432 - 8_519_680) + 375 * 2**20
     # max_batch_size counts the extras of the GPU it is told about (on the allocated basis:
     # total_bytes against the capacity; the device basis replays the workspace too).
     capacity = hopper.total_bytes
@@ -583,25 +588,29 @@ def test_reserved_bytes_replay_a_linear_step_by_hand() -> None:
     # Linear(1024, 1024), batch 1, fp32, SGD, device="cuda", replayed through the caching
     # allocator (allocator). The 4 MiB weight opens a 20 MiB large segment (16 MiB left,
     # split). Everything small (the 4 KiB bias and its gradient, the 4 KiB input and output,
-    # the loss) shares one 2 MiB segment. The cuBLAS workspace goes through the allocator
-    # too: on an H100 (9.0) 32 MiB, a segment of its own (>= 10 MiB: rounded to 2 MiB), so
-    # 20 + 2 + 32 = 54 MiB; on an A100 (8.0) 8,519,680 B, cut from the weight's segment
-    # (16 MiB left), as is the 4 MiB weight gradient after it: 20 + 2 = 22 MiB. Nothing is
+    # the loss) shares one 2 MiB segment. The two cuBLAS workspaces of a training step (the
+    # forward thread's and autograd's device thread's) go through the allocator too: on an
+    # H100 (9.0) 32 MiB each, a segment of its own (>= 10 MiB: rounded to 2 MiB), so
+    # 20 + 2 + 32 + 32 = 86 MiB in 4 segments; on an A100 (8.0) 8,519,680 B (8.125 MiB)
+    # each: the first is cut from the weight's segment (7.875 MiB left), the second does not
+    # fit there and opens a second 20 MiB segment (a 1-10 MiB request), and the 4 MiB weight
+    # gradient takes the best fit, the 7.875 MiB block: 20 + 20 + 2 = 42 MiB. Nothing is
     # cached that could be released, so the device needs all of it plus the CUDA context.
     profile = profile_model(nn.Linear(1024, 1024), input_size=(1024,))
     h100 = profile.estimate(1, "fp32", "sgd")
-    assert h100.reserved_bytes == 54 * 2**20 and h100.allocator is not None
-    assert h100.allocator.segments == 3
-    assert h100.device_bytes == 54 * 2**20 + CUDA_CONTEXT_BYTES
+    assert h100.reserved_bytes == 86 * 2**20 and h100.allocator is not None
+    assert h100.allocator.segments == 4
+    assert h100.device_bytes == 86 * 2**20 + CUDA_CONTEXT_BYTES
     a100 = profile.estimate(1, "fp32", "sgd", compute_capability=(8, 0))
     # the A100's CUDA context: the any-GPU lazy row, 400 MiB (accelerator.cuda_context)
-    assert a100.reserved_bytes == 22 * 2**20 and a100.device_bytes == 22 * 2**20 + 400 * 2**20
+    assert a100.reserved_bytes == 42 * 2**20 and a100.device_bytes == 42 * 2**20 + 400 * 2**20
     # fits exactly at device_bytes, not 2 MiB below
     assert a100.fits_device(a100.device_bytes) is True
     assert a100.fits_device(a100.device_bytes - 2**21) is False
     # with Adam the residents are the weight, exp_avg and exp_avg_sq (4 MiB each): 8 MiB
-    # left in the 20 MiB segment, less than the A100's 8,519,680 B workspace, which opens a
-    # second 20 MiB segment (a 1-10 MiB request): 20 + 20 + 2 = 42 MiB
+    # left in the 20 MiB segment, less than an A100 workspace (8.125 MiB), so the first opens
+    # a second 20 MiB segment (a 1-10 MiB request) and the second is cut from it (3.75 MiB
+    # left); the weight gradient takes the 8 MiB block: 20 + 20 + 2 = 42 MiB
     adam = profile.estimate(1, "fp32", "adam", compute_capability=(8, 0))
     assert adam.reserved_bytes == 42 * 2**20
     # whole blocks: the replay's allocated peak is at least the estimate's, and reserved

@@ -477,19 +477,20 @@ def test_nothing_fits_names_the_largest_batch(profile: ModelProfile) -> None:
 
 
 def test_extras_follow_the_chosen_gpu() -> None:
-    # The cuBLAS workspace in the reserve is the chosen GPU's: 32 MiB on an H100 (9.0),
-    # 8,519,680 B on an A100 (8.0) or a T4 (7.5); same capacity, so the A100 fits more.
+    # The cuBLAS workspaces in the reserve are the chosen GPU's: 32 MiB on an H100 (9.0),
+    # 8,519,680 B on an A100 (8.0) or a T4 (7.5), two in a training step (the forward
+    # thread's and autograd's); same capacity, so the A100 fits more.
     profile = profile_model(zoo.mlp(), input_size=(784,), device="cuda")
     w = MemoryWidget(profile, gpu="H100 SXM 80GB")
-    assert w.estimate.extras.cublas_workspace_bytes == 33_554_432
+    assert w.estimate.extras.cublas_workspace_bytes == 2 * 33_554_432
     h100_largest = w.largest_batch()
     w.gpu = "A100 80GB"
-    assert w.estimate.extras.cublas_workspace_bytes == 8_519_680
+    assert w.estimate.extras.cublas_workspace_bytes == 2 * 8_519_680
     assert w.estimate.peak_bytes == profile.estimate(w.batch_size).peak_bytes
     assert w.largest_batch() == profile.max_batch_size(80 * GIB, compute_capability=(8, 0))
     assert w.largest_batch() > h100_largest
     w.gpu = "T4 16GB"
-    assert w.estimate.extras.cublas_workspace_bytes == 8_519_680
+    assert w.estimate.extras.cublas_workspace_bytes == 2 * 8_519_680
 
 
 # --------------------------------------------------------------------------------------------

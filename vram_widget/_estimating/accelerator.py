@@ -232,8 +232,9 @@ def cublas_workspace_bytes(sm: int) -> int:
     32 MiB on major 9 (Hopper); 8,519,680 bytes otherwise [src: CublasHandlePool.cpp;
     fact sheet §6.3]. Blackwell (major 10/12) gets 32 MiB on recent main, not in every release
     (UNCONFIRMED per release), so the default is kept for it. In training a second workspace
-    probably appears for the autograd thread's handle (inferred from the code, not measured), and
-    the newest releases may not allocate it through the caching allocator at all
+    appears for the autograd device thread's handle: on an H200 (torch 2.11) a first training
+    step allocated 33,554,432 B more after the forward thread's workspace was made. The newest
+    releases may not allocate it through the caching allocator at all
     (``TORCH_CUBLAS_WORKSPACE_CACHE``); callers decide how many to count.
     """
     if sm // 10 == 9:
@@ -250,18 +251,22 @@ class AcceleratorExtras:
     allocator_rounding_bytes
         What the CUDA caching allocator's 512-byte blocks add at the peak.
     cublas_workspace_bytes
-        cuBLAS workspace(s), counted in ``memory_allocated``.
+        cuBLAS workspace(s), counted in ``memory_allocated``: one per thread that runs a
+        matmul, so two in training (the forward's and autograd's device thread's).
     cuda_context_bytes
         The CUDA context: outside ``memory_allocated`` and ``memory_reserved``, but on the device.
     cuda_context_source
         Where ``cuda_context_bytes`` comes from: a row of :func:`cuda_context`'s table
         (measured or estimated) or ``context_bytes=`` given.
+    cublas_workspace_count
+        How many workspaces ``cublas_workspace_bytes`` holds (each its own allocation).
     """
 
     allocator_rounding_bytes: int
     cublas_workspace_bytes: int
     cuda_context_bytes: int
     cuda_context_source: str = ""
+    cublas_workspace_count: int = 0
 
     source: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
@@ -271,8 +276,11 @@ class AcceleratorExtras:
             ),
             "cublas_workspace_bytes": (
                 "cuBLAS workspace per handle and stream: 8,519,680 bytes (:4096:2:16:8), 32 MiB on "
-                "sm90 (aten/src/ATen/cuda/CublasHandlePool.cpp; pytorch#95668)"
+                "sm90 (aten/src/ATen/cuda/CublasHandlePool.cpp; pytorch#95668); handles are "
+                "per thread and autograd runs a CUDA backward on a device thread of its own, "
+                "so a training step has two (measured on an H200, torch 2.11)"
             ),
+            "cublas_workspace_count": "the workspaces in cublas_workspace_bytes",
             "cuda_context_bytes": (
                 "CUDA context, outside the allocator: a table by compute capability and "
                 "CUDA_MODULE_LOADING (accelerator.cuda_context; measured rows from "

@@ -324,8 +324,10 @@ class MemoryEstimate:
             return None
         assert self.resident_storage_bytes is not None and self.event_bytes is not None
         residents = self.resident_storage_bytes
-        if self.extras.cublas_workspace_bytes:
-            residents = np.append(residents, self.extras.cublas_workspace_bytes)
+        count = self.extras.cublas_workspace_count
+        if count:  # each workspace an allocation of its own
+            each = self.extras.cublas_workspace_bytes // count
+            residents = np.append(residents, np.full(count, each, dtype=np.int64))
         return ReplayStream.of(residents, self.event_storage, self.event_bytes)
 
     def memory_snapshot(self, expandable_segments: bool | None = None) -> dict[str, Any] | None:
@@ -344,8 +346,10 @@ class MemoryEstimate:
         >>> from vram_widget import profile_model
         >>> est = profile_model(torch.nn.Linear(1024, 1024), input_size=(1024,)).estimate(1)
         >>> snap = est.memory_snapshot()
-        >>> [s["total_size"] >> 20 for s in snap["segments"]]  # MiB: weight, small, cuBLAS
-        [20, 2, 32]
+        >>> # MiB: the weight's, the small tensors', and the two cuBLAS workspaces of a
+        >>> # training step (the forward thread's and autograd's)
+        >>> [s["total_size"] >> 20 for s in snap["segments"]]
+        [20, 2, 32, 32]
         """
         if self.device is not Device.CUDA or self.event_storage is None:
             return None
@@ -743,9 +747,10 @@ def estimate(
     if device is Device.CUDA:
         if context is None:
             context = cuda_context(compute_capability)
-        extras = _cuda_extras(
-            resident_blocks, seq, peak, compute_capability, timeline.uses_matmul, context
-        )
+        # one cuBLAS workspace per thread that runs a matmul: in training, autograd's
+        # device thread runs the backward with a handle (and workspace) of its own
+        workspaces = (2 if train else 1) if timeline.uses_matmul else 0
+        extras = _cuda_extras(resident_blocks, seq, peak, compute_capability, workspaces, context)
 
     def per_row(category: Category) -> np.ndarray:
         return timeline.rows_of_category(category, batch_size, n_rows, length)
@@ -912,7 +917,7 @@ def _cuda_extras(
     seq: np.ndarray,
     peak: int,
     compute_capability: tuple[int, int],
-    uses_matmul: bool,
+    workspaces: int,
     context: CudaContext,
 ) -> AcceleratorExtras:
     """What CUDA adds on top of tensor bytes: each block rounded up to 512 bytes by the
@@ -926,11 +931,9 @@ def _cuda_extras(
         rounded_peak = max(rounded_peak, rounded_resident + int(np.cumsum(rounded_seq).max()))
     return AcceleratorExtras(
         allocator_rounding_bytes=max(0, rounded_peak - peak),
-        cublas_workspace_bytes=(
-            cublas_workspace_bytes(10 * compute_capability[0] + compute_capability[1])
-            if uses_matmul
-            else 0
-        ),
+        cublas_workspace_bytes=workspaces
+        * cublas_workspace_bytes(10 * compute_capability[0] + compute_capability[1]),
         cuda_context_bytes=context.nbytes,
         cuda_context_source=context.source,
+        cublas_workspace_count=workspaces,
     )
