@@ -6,6 +6,7 @@ profiling."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -71,12 +72,46 @@ def test_one_linear_by_hand() -> None:
     assert est.float8 == "float8 tensorwise (torchao Float8Linear)"
 
 
+@pytest.fixture(scope="module")
+def mlp_profile() -> tuple[torch.nn.Module, Any]:
+    """``_mlp()`` and its CPU profile, shared by the tests that estimate float8 steps: one
+    profile serves every recipe and precision (its float8 sub-profile is made once per
+    recipe, as for a user who moves between them)."""
+    model = _mlp()
+    return model, profile_model(model, input_size=(64,), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def plain_mlp_profile() -> Any:
+    """A CPU profile of ``_mlp()`` that no test estimates a float8 step from: the refusals
+    share it, and each checks that it still holds no float8 sub-profile."""
+    return profile_model(_mlp(), input_size=(64,), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf_profiles() -> dict[str, tuple[torch.nn.Module, Any]]:
+    """Each Hugging Face model of ``test_hf_matches_torchao`` and its CPU profile, made on
+    first use and shared by that model's (precision, recipe) cases and the refusals."""
+    return {}
+
+
+def _hf_profile(
+    profiles: dict[str, tuple[torch.nn.Module, Any]], name: str
+) -> tuple[torch.nn.Module, Any]:
+    if name not in profiles:
+        torch.manual_seed(0)
+        model, tokens = (hf_llama(), hf_tokens) if name == "llama" else (_gpt2(), _gpt2_tokens)
+        profiles[name] = model, profile_model(model, inputs=tokens(2), device="cpu")
+    return profiles[name]
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_mlp_matches_torchao(recipe: str, precision: str) -> None:
-    model = _mlp()
+def test_mlp_matches_torchao(
+    recipe: str, precision: str, mlp_profile: tuple[torch.nn.Module, Any]
+) -> None:
+    model, profile = mlp_profile
     before = snapshot_model(model)
-    profile = profile_model(model, input_size=(64,), device="cpu")
     for batch in (1, 4):
         est = profile.estimate(batch, precision=precision, optimizer="adamw", float8=recipe)
         real = measure(
@@ -97,12 +132,17 @@ def test_mlp_matches_torchao(recipe: str, precision: str) -> None:
         ("gpt2", "fp32", "tensorwise"),
     ],
 )
-def test_hf_matches_torchao(name: str, precision: str, recipe: str) -> None:
+def test_hf_matches_torchao(
+    name: str,
+    precision: str,
+    recipe: str,
+    hf_profiles: dict[str, tuple[torch.nn.Module, Any]],
+) -> None:
     if name == "llama":  # a vocabulary of 1,000: its output layer kept, as torchtitan does
-        model, tokens, float8 = hf_llama(), hf_tokens, Float8(recipe, filter_fqns="lm_head")
+        tokens, float8 = hf_tokens, Float8(recipe, filter_fqns="lm_head")
     else:
-        model, tokens, float8 = _gpt2(), _gpt2_tokens, Float8(recipe)
-    profile = profile_model(model, inputs=tokens(2), device="cpu")
+        tokens, float8 = _gpt2_tokens, Float8(recipe)
+    model, profile = _hf_profile(hf_profiles, name)
     recipe_ = Recipe().with_(precision=precision, optimizer="adamw", float8=float8)
     for batch in (1, 4):
         est = profile.estimate(recipe=recipe_.with_(batch_size=batch))
@@ -115,9 +155,9 @@ def test_hf_matches_torchao(name: str, precision: str, recipe: str) -> None:
         assert est.optimizer_state_bytes == plain.optimizer_state_bytes
 
 
-def test_float8_costs_memory_at_batch_4() -> None:
+def test_float8_costs_memory_at_batch_4(mlp_profile: tuple[torch.nn.Module, Any]) -> None:
     # torchao issues #1102 / #2262: the casts come on top of what a plain step keeps
-    profile = profile_model(_mlp(), input_size=(64,), device="cpu")
+    _, profile = mlp_profile
     plain = profile.estimate(4, precision="bf16", optimizer="adamw")
     assert profile.estimate(4, precision="bf16", optimizer="adamw", float8=True).peak_bytes > (
         plain.peak_bytes
@@ -145,8 +185,10 @@ def test_indivisible_layers_are_named_before_profiling() -> None:
     assert kept.peak_bytes > 0
 
 
-def test_llama_output_layer_is_refused_by_name() -> None:
-    profile = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+def test_llama_output_layer_is_refused_by_name(
+    hf_profiles: dict[str, tuple[torch.nn.Module, Any]],
+) -> None:
+    _, profile = _hf_profile(hf_profiles, "llama")
     with pytest.raises(ValueError, match=r"lm_head \(1000 x 64\)"):
         profile.estimate(1, float8="rowwise")
 
@@ -162,8 +204,8 @@ def test_llama_output_layer_is_refused_by_name() -> None:
         ({"gpus": 2}, "one GPU"),
     ],
 )
-def test_refused_steps(settings: dict[str, object], message: str) -> None:
-    profile = profile_model(_mlp(), input_size=(64,), device="cpu")
+def test_refused_steps(settings: dict[str, object], message: str, plain_mlp_profile: Any) -> None:
+    profile = plain_mlp_profile
     with pytest.raises(ValueError, match=message):
         profile.estimate(1, float8=True, **settings)
     assert not profile._float8_profiles
@@ -179,16 +221,15 @@ def test_unknown_recipe() -> None:
         Recipe().with_(float8="blockwise")
 
 
-def test_torchao_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchao_missing(monkeypatch: pytest.MonkeyPatch, plain_mlp_profile: Any) -> None:
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    profile = profile_model(_mlp(), input_size=(64,), device="cpu")
     with pytest.raises(ImportError, match="pip install torchao"):
-        profile.estimate(1, float8=True)
+        plain_mlp_profile.estimate(1, float8=True)
+    assert not plain_mlp_profile._float8_profiles
 
 
-def test_recipe_conflict_names_both() -> None:
+def test_recipe_conflict_names_both(plain_mlp_profile: Any) -> None:
     recipe = Recipe().with_(float8="rowwise")
     with pytest.raises(ValueError, match=r"float8='tensorwise' conflicts.*'rowwise'"):
-        profile_model(_mlp(), input_size=(64,), device="cpu").estimate(
-            recipe=recipe, float8="tensorwise"
-        )
+        plain_mlp_profile.estimate(recipe=recipe, float8="tensorwise")
+    assert not plain_mlp_profile._float8_profiles

@@ -19,7 +19,7 @@ from tests.models import (
     hf_t5,
     snapshot_model,
 )
-from vram_widget import measure, profile_model, zoo
+from vram_widget import ModelProfile, measure, profile_model, zoo
 from vram_widget._estimating.options import Phase
 
 pytest.importorskip("transformers")
@@ -33,6 +33,14 @@ def _prompts(batch: int, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
 def _model(make: Callable[[], nn.Module]) -> nn.Module:
     torch.manual_seed(0)
     return make()
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> tuple[nn.Module, ModelProfile]:
+    """GPT-2 (seeded) and its CPU profile at 2 x 16 prompt tokens, shared by the tests that
+    only estimate from it (and measure its copy): one profile, many generation settings."""
+    model = _model(hf_gpt2)
+    return model, profile_model(model, inputs=_prompts(2, 16), device="cpu")
 
 
 # (batch, prompt, new tokens): within the 5 recorded forwards, and past them (extrapolated)
@@ -76,10 +84,10 @@ def test_kv_cache_by_hand() -> None:
     assert profile.is_cached("fp32", "generate", new_tokens=40)  # GPT-2 has no window
 
 
-def test_the_peak_says_which_step() -> None:
+def test_the_peak_says_which_step(gpt2: tuple[nn.Module, ModelProfile]) -> None:
     # a long prompt and few tokens peak in the prefill; a short prompt and many tokens at the
     # last decode step, where the cache is longest
-    profile = profile_model(_model(hf_gpt2), inputs=_prompts(2, 16), device="cpu")
+    _, profile = gpt2
     prefill = profile.estimate(4, mode="generate", seq_len=40, new_tokens=2)
     assert (prefill.peak_phase, prefill.peak_step) == (Phase.PREFILL, 0)
     assert prefill.peak_location.endswith("prefill")
@@ -89,13 +97,14 @@ def test_the_peak_says_which_step() -> None:
 
 
 @pytest.mark.parametrize(("batch", "prompt", "tokens"), [(2, 16, 3), (2, 16, 12), (1, 9, 20)])
-def test_flops_are_torch_s_count_of_the_real_generate(batch: int, prompt: int, tokens: int) -> None:
+def test_flops_are_torch_s_count_of_the_real_generate(
+    batch: int, prompt: int, tokens: int, gpt2: tuple[nn.Module, ModelProfile]
+) -> None:
     # the prefill's and every decode step's FLOPs, the later steps extrapolated, against
     # torch's own FlopCounterMode around Hugging Face's generate (GPT-2: matmuls only)
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = _model(hf_gpt2)
-    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    model, profile = gpt2
     est = profile.estimate(batch, mode="generate", seq_len=prompt, new_tokens=tokens)
     ids = _prompts(batch, prompt)["input_ids"]
     with FlopCounterMode(display=False) as counter, torch.no_grad():
@@ -138,8 +147,8 @@ def test_flops_across_a_window_are_its_attention() -> None:
     assert est.flops_forward - counter.get_total_flops() == 512 * keys
 
 
-def test_max_batch_size_counts_concurrent_sequences() -> None:
-    profile = profile_model(_model(hf_gpt2), inputs=_prompts(2, 16), device="cpu")
+def test_max_batch_size_counts_concurrent_sequences(gpt2: tuple[nn.Module, ModelProfile]) -> None:
+    _, profile = gpt2
     settings = {"mode": "generate", "seq_len": 30, "new_tokens": 30}
     capacity = 3 * 2**20
     n = profile.max_batch_size(capacity, **settings)  # type: ignore[arg-type]
@@ -165,8 +174,10 @@ def test_max_batch_size_counts_concurrent_sequences() -> None:
         ({"mode": "generate", "new_tokens": 49}, r"16 tokens plus .* 65 positions, beyond .* 64"),
     ],
 )
-def test_generate_bad_settings_name_the_problem(kwargs: dict[str, object], message: str) -> None:
-    profile = profile_model(_model(hf_gpt2), inputs=_prompts(2, 16), device="cpu")
+def test_generate_bad_settings_name_the_problem(
+    kwargs: dict[str, object], message: str, gpt2: tuple[nn.Module, ModelProfile]
+) -> None:
+    _, profile = gpt2
     with pytest.raises(ValueError, match=message):
         profile.estimate(2, **kwargs)  # type: ignore[arg-type]
 

@@ -43,16 +43,29 @@ def test_adapter_bytes_by_hand(llama: tuple[torch.nn.Module, ModelProfile]) -> N
     assert bf16.peak_bytes == base.peak_bytes
 
 
+@pytest.fixture(scope="module")
+def profiles(
+    llama: tuple[torch.nn.Module, ModelProfile],
+) -> dict[str, tuple[torch.nn.Module, ModelProfile]]:
+    """Each of ``BUILDS`` (seeded) and its CPU profile, made once per module on first use:
+    one profile serves every adapter dtype."""
+    return {"llama": llama}
+
+
 @pytest.mark.parametrize("name", sorted(BUILDS))
 @pytest.mark.parametrize("dtype", [None, "base", "fp16"])
-def test_lora_dtype_estimate_equals_peft_step(name: str, dtype: str | None) -> None:
+def test_lora_dtype_estimate_equals_peft_step(
+    name: str, dtype: str | None, profiles: dict[str, tuple[torch.nn.Module, ModelProfile]]
+) -> None:
     # PEFT's get_peft_model on measure()'s bf16 copy: its default (fp32 adapters),
     # autocast_adapter_dtype=False (bf16 adapters), or that and the adapters cast to fp16;
     # the CPU step's peak to the byte, at two batches
-    torch.manual_seed(0)
-    model = BUILDS[name]()
+    if name not in profiles:
+        torch.manual_seed(0)
+        model = BUILDS[name]()
+        profiles[name] = model, profile_model(model, inputs=hf_tokens(2), device="cpu")
+    model, profile = profiles[name]
     before = snapshot_model(model)
-    profile = profile_model(model, inputs=hf_tokens(2), device="cpu")
     for batch in (1, 4):
         est = profile.estimate(batch, "bf16", "adamw", lora_rank=4, lora_dtype=dtype)
         real = measure(

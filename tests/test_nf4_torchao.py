@@ -203,14 +203,14 @@ def test_odd_sizes_are_refused_by_name(mlp: tuple[torch.nn.Module, ModelProfile]
 
 
 def test_training_without_adapters_and_generation_are_refused(
-    mlp: tuple[torch.nn.Module, ModelProfile],
+    mlp: tuple[torch.nn.Module, ModelProfile], llama: tuple[torch.nn.Module, ModelProfile]
 ) -> None:
     model, profile = mlp
     with pytest.raises(ValueError, match=r"'nf4-torchao' in training needs lora_rank"):
         profile.estimate(1, weights=MLP)
     with pytest.raises(ValueError, match=r"'nf4-torchao' in training needs lora_rank"):
         measure(model, mlp_input(1), weights=MLP)
-    tokens = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+    _, tokens = llama
     with pytest.raises(ValueError, match=r"'nf4-torchao' with mode='generate' is not estimated"):
         tokens.estimate(1, mode="generate", new_tokens=4, weights=LLAMA)
 

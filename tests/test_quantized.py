@@ -5,6 +5,7 @@ bitsandbytes' (and PEFT's) real step on the CPU, to the byte."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -129,10 +130,8 @@ def test_mlp_inference_equals_bitsandbytes(
 
 @pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_hf_inference_equals_bitsandbytes(build, name: str) -> None:
-    torch.manual_seed(0)
-    model = build()
-    profile = profile_model(model, inputs=hf_tokens(2), device="cpu")
+def test_hf_inference_equals_bitsandbytes(build, name: str, hf_profiles: _HFProfiles) -> None:
+    model, profile = _hf(hf_profiles, build)
     _check_inference(model, profile, hf_tokens, FORMATS[name])
 
 
@@ -140,7 +139,30 @@ def _ids(batch: int) -> dict[str, torch.Tensor]:
     return {"input_ids": hf_tokens(batch)["input_ids"]}
 
 
-def test_few_rows_keep_the_bf16_matmul_scratch() -> None:
+# Each tiny Hugging Face model (seeded) and its CPU profile, made once per module on first use
+# and shared by the tests that estimate from it (profile once, many estimates, as a user
+# does): keyed by the builder's name and whether the example batch has labels (a loss).
+_HFProfiles = dict[tuple[str, bool], tuple[torch.nn.Module, ModelProfile]]
+
+
+@pytest.fixture(scope="module")
+def hf_profiles() -> _HFProfiles:
+    return {}
+
+
+def _hf(
+    profiles: _HFProfiles, build: Callable[[], torch.nn.Module], labels: bool = True
+) -> tuple[torch.nn.Module, ModelProfile]:
+    key = (build.__name__, labels)
+    if key not in profiles:
+        torch.manual_seed(0)
+        model = build()
+        inputs = hf_tokens(2) if labels else _ids(2)
+        profiles[key] = model, profile_model(model, inputs=inputs, device="cpu")
+    return profiles[key]
+
+
+def test_few_rows_keep_the_bf16_matmul_scratch(hf_profiles: _HFProfiles) -> None:
     # Llama without labels (no loss) peaks in a layer's down projection at batch 1: its
     # dequantized weight and, inside gemm_4bit's F.linear, one bf16 mm of 16 rows
     # (16 x 128 @ 128 x 64), whose oneDNN packing scratch on the CPU is 42,624 B at 16 to
@@ -148,10 +170,8 @@ def test_few_rows_keep_the_bf16_matmul_scratch() -> None:
     # 299,168 + 33,920 live before the projection + its 2,048 B output + 42,624 B of
     # scratch; the estimate without that scratch was 363,552. (Where oneDNN has no bf16
     # packing, under AVX2 alone, the scratch is not made and the peak is the lm_head's.)
-    torch.manual_seed(0)
-    model = hf_llama()
+    model, profile = _hf(hf_profiles, hf_llama, labels=False)
     weights = Weights("nf4", compute_dtype="bf16")
-    profile = profile_model(model, inputs=_ids(2), device="cpu")
     for precision in ("bf16", "fp32"):
         est = profile.estimate(1, precision, mode="inference", weights=weights)
         real = measure(model, _ids(1), precision=precision, mode="inference", weights=weights)
@@ -162,17 +182,19 @@ def test_few_rows_keep_the_bf16_matmul_scratch() -> None:
 @pytest.mark.parametrize(
     "weights", [QLORA, Weights("nf4", compute_dtype="bf16")], ids=["dq", "plain"]
 )
-def test_qlora_step_equals_peft_on_bitsandbytes(build, weights: Weights) -> None:
+def test_qlora_step_equals_peft_on_bitsandbytes(
+    build,
+    weights: Weights,
+    hf_profiles: _HFProfiles,
+    mlp: tuple[torch.nn.Module, ModelProfile],
+) -> None:
     # PEFT's prepare_model_for_kbit_training and get_peft_model on bitsandbytes' nf4 copy,
     # AdamW over the adapters; the CPU step's peak to the byte at two batches and both
     # precisions
-    torch.manual_seed(0)
     if build is None:
-        model, make, targets = zoo.mlp(), mlp_input, ["0", "3"]
-        profile = profile_model(model, input_size=(784,), device="cpu")
+        (model, profile), make, targets = mlp, mlp_input, ["0", "3"]
     else:
-        model, make, targets = build(), hf_tokens, "auto"
-        profile = profile_model(model, inputs=hf_tokens(2), device="cpu")
+        (model, profile), make, targets = _hf(hf_profiles, build), hf_tokens, "auto"
     before = snapshot_model(model)
     for batch in (1, 4):
         for precision in ("bf16", "fp32"):
@@ -191,20 +213,15 @@ INT8 = Weights("int8", int8_threshold=0.0)  # LLM.int8 without its outlier split
 
 
 @pytest.mark.parametrize("build", [hf_gpt2, hf_llama, None], ids=["gpt2", "llama", "mlp"])
-def test_int8_inference_equals_bitsandbytes(build) -> None:
+def test_int8_inference_equals_bitsandbytes(
+    build, hf_profiles: _HFProfiles, mlp: tuple[torch.nn.Module, ModelProfile]
+) -> None:
     # Linear8bitLt at threshold 0: the input quantized row-wise to int8, torch._int_mm,
     # the int32 result dequantized; the CPU step to the byte at two batches, two precisions
-    torch.manual_seed(0)
     if build is None:
-        model = zoo.mlp()
-        _check_inference(
-            model, profile_model(model, input_size=(784,), device="cpu"), mlp_input, INT8
-        )
+        _check_inference(*mlp, mlp_input, INT8)
     else:
-        model = build()
-        _check_inference(
-            model, profile_model(model, inputs=hf_tokens(2), device="cpu"), hf_tokens, INT8
-        )
+        _check_inference(*_hf(hf_profiles, build), hf_tokens, INT8)
 
 
 # (batch, prompt, new tokens, precision): batch 1 in fp32 (fp32 activations around the
@@ -222,14 +239,12 @@ _GENERATIONS = {"1-fp32": (1, 12, 6, "fp32"), "3-bf16": (3, 20, 9, "bf16")}
     ids=["llama-nf4-bf16", "gpt2-qlora", "llama-int8"],
 )
 def test_generate_on_quantized_weights_equals_bitsandbytes(
-    build, weights: Weights, settings: tuple[str, ...]
+    build, weights: Weights, settings: tuple[str, ...], hf_profiles: _HFProfiles
 ) -> None:
     # Hugging Face's generate on bitsandbytes' copy: the prefill and every decode step (a
     # few rows each, where the bf16 mm's CPU scratch is not a line in the batch) to the
     # byte; the weights change nothing of the KV cache
-    torch.manual_seed(0)
-    model = build()
-    profile = profile_model(model, inputs=_ids(2), device="cpu")
+    model, profile = _hf(hf_profiles, build, labels=False)
     before = snapshot_model(model)
     for batch, prompt, tokens, precision in (_GENERATIONS[s] for s in settings):
         est = profile.estimate(

@@ -5,6 +5,7 @@ torchao's real ``quantize_`` on the CPU, to the byte, and the refusals."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -113,19 +114,36 @@ def test_mlp_inference_equals_torchao(
     _check_inference(model, profile, mlp_input, weights)
 
 
+# Each tiny Hugging Face model (seeded) and its CPU profile, made once per module on first use
+# and shared by the tests that estimate from it: one profile, every weight format.
+_HFProfiles = dict[str, tuple[torch.nn.Module, ModelProfile]]
+
+
+@pytest.fixture(scope="module")
+def hf_profiles() -> _HFProfiles:
+    return {}
+
+
+def _hf(
+    profiles: _HFProfiles, build: Callable[[], torch.nn.Module]
+) -> tuple[torch.nn.Module, ModelProfile]:
+    if build.__name__ not in profiles:
+        torch.manual_seed(0)
+        model = build()
+        profiles[build.__name__] = model, profile_model(model, inputs=hf_tokens(2), device="cpu")
+    return profiles[build.__name__]
+
+
 @pytest.mark.parametrize(
     ("build", "weights"),
     [(hf_llama, INT8), (hf_llama, INT4_32), (hf_gpt2, Weights("int8-torchao", skip_modules=()))],
     ids=["llama-int8", "llama-int4", "gpt2-int8-lm-head"],
 )
-def test_hf_inference_equals_torchao(build, weights: Weights) -> None:
+def test_hf_inference_equals_torchao(build, weights: Weights, hf_profiles: _HFProfiles) -> None:
     # Llama's q/k/v/o and MLP Linear layers (the output embeddings kept, as TorchAoConfig
     # keeps them); GPT-2's blocks are Conv1D, so only its lm_head (untied from the input
     # embeddings by quantize_'s new Parameter) with no module kept
-    torch.manual_seed(0)
-    model = build()
-    profile = profile_model(model, inputs=hf_tokens(2), device="cpu")
-    _check_inference(model, profile, hf_tokens, weights)
+    _check_inference(*_hf(hf_profiles, build), hf_tokens, weights)
 
 
 def test_training_is_refused(mlp: tuple[torch.nn.Module, ModelProfile]) -> None:
@@ -152,9 +170,9 @@ def test_int4_odd_output_size_is_refused(mlp: tuple[torch.nn.Module, ModelProfil
         measure(model, mlp_input(1), mode="inference", weights="int4-torchao")
 
 
-def test_no_quantizable_linear_is_refused() -> None:
+def test_no_quantizable_linear_is_refused(hf_profiles: _HFProfiles) -> None:
     # GPT-2's blocks are Conv1D and TorchAoConfig keeps its output embeddings
-    profile = profile_model(hf_gpt2(), inputs=hf_tokens(2), device="cpu")
+    _, profile = _hf(hf_profiles, hf_gpt2)
     with pytest.raises(ValueError, match=r"has none to quantize.*Conv1D"):
         profile.estimate(1, mode="inference", weights="int8-torchao")
     # no input size of the MLP is a multiple of 256
