@@ -40,7 +40,7 @@ def test_text_table(capsys: pytest.CaptureFixture[str]) -> None:
     # the fitting FSDP2 layouts first (ZeRO-2 moves 2 copies of the parameters, ZeRO-3 and
     # HSDP 3), then DDP (2) and ZeRO-1 (3), which do not fit
     assert [row[2] for row in rows] == ["zero2", "zero3", "hsdp", "ddp", "zero1"]
-    assert [row[6] for row in rows] == ["yes", "yes", "yes", "no", "no"]
+    assert [row[8] for row in rows] == ["yes", "yes", "yes", "no", "no"]
     assert rows[0][3] == "4"  # 8 samples over 2 data-parallel ranks
     assert "best: dp=2 zero2" in out
     assert "tp=2: tp=2: Sequential has no tensor-parallel plan" in out

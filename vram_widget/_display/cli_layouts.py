@@ -67,9 +67,11 @@ def plan_lines(plan: LayoutPlan, gpu_name: str, precision: str) -> list[str]:
         f"layouts of {plan.gpus} GPUs of {gpu_name} ({_bytes(plan.capacity_bytes)} each), "
         f"{precision}, batch {plan.batch_size:,} a step; best first: those that fit, then "
         "the least data-parallel traffic, then the least memory; each figure is the worst "
-        f"rank's (or pipeline stage's), compared on the {plan.basis.value} basis",
+        f"rank's (or pipeline stage's); 'compared' is the figure held against the capacity "
+        f"on the {plan.basis.value} basis (device bytes on CUDA; allocated plus extras on "
+        "the CPU)",
     ]
-    header = ["#", "layout", "batch/rank", "allocated", plan.basis.value, "fits"]
+    header = ["#", "layout", "batch/rank", "allocated", "compared", "fits"]
     header += ["comm buffers", "DP traffic"]
     rows = [_row(i, layout) for i, layout in enumerate(plan.layouts, 1)]
     if rows:
