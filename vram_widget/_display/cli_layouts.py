@@ -88,9 +88,7 @@ def plan_lines(plan: LayoutPlan, gpu_name: str, precision: str) -> list[str]:
     lines.append(f"comm buffers: {BUFFERS_MEANS}")
     lines.append(f"DP traffic: {TRAFFIC_MEANS}")
     best = plan.best
-    lines.append(
-        f"best: {best.label}" if best is not None else "none fits: more GPUs, or levers"
-    )
+    lines.append(f"best: {best.label}" if best is not None else "none fits: more GPUs, or levers")
     warned = dict.fromkeys(w for layout in plan.layouts for w in layout.warnings)
     lines += [f"warning: {w}" for w in warned]
     by_reason: dict[str, list[str]] = {}

@@ -298,6 +298,4 @@ def fit_bytes(est: MemoryEstimate, basis: FitBasis) -> int:
 
 
 def _candidate_of(row: Layout | RefusedLayout) -> Candidate:
-    return Candidate(
-        row.dp, row.tp, row.pp, row.strategy, row.pp_schedule, row.microbatches, 1
-    )
+    return Candidate(row.dp, row.tp, row.pp, row.strategy, row.pp_schedule, row.microbatches, 1)
