@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ._estimating.accelerator import AcceleratorExtras
     from ._estimating.estimator import LayerTable, MemoryEstimate
     from ._estimating.gpus import GPUS, Gpu
+    from ._estimating.layouts import Layout, LayoutPlan, RefusedLayout
     from ._estimating.levers import Levers
     from ._estimating.loading import LoadEstimate
     from ._estimating.profile import ModelProfile
@@ -58,7 +59,10 @@ _LAZY = {
     "GPUS": "._estimating.gpus",
     "Gpu": "._estimating.gpus",
     "Frontier": "._estimating.tradeoff",
+    "Layout": "._estimating.layouts",
+    "LayoutPlan": "._estimating.layouts",
     "Levers": "._estimating.levers",
+    "RefusedLayout": "._estimating.layouts",
     "LayerTable": "._estimating.estimator",
     "LoadEstimate": "._estimating.loading",
     "MemoryEstimate": "._estimating.estimator",
@@ -95,6 +99,8 @@ __all__ = [
     "Gpu",
     "InputShapeWarning",
     "LayerTable",
+    "Layout",
+    "LayoutPlan",
     "LeverSettings",
     "Levers",
     "LoadEstimate",
@@ -112,6 +118,7 @@ __all__ = [
     "ProfilingError",
     "Recipe",
     "RecipeSettingIgnored",
+    "RefusedLayout",
     "Step",
     "Weights",
     "measure",

@@ -113,6 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .._estimating.profile_source import ProfilingError
 
+    if args.plan_layouts is not None:
+        from .cli_layouts import print_plan
+
+        try:
+            return print_plan(args, model, inputs, _estimate_keywords(args))
+        except (ProfilingError, ValueError, TypeError) as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 1
     try:
         profile, settings = _profile(args, model, inputs)
     except (ProfilingError, ValueError, TypeError) as exc:

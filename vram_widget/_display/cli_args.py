@@ -667,6 +667,15 @@ def _parallel_flags(parallel: argparse._ArgumentGroup) -> None:
         help="with --pp: the micro-batches --batch-size is split into (default: --pp)",
     )
     parallel.add_argument(
+        "--plan-layouts",
+        type=positive_int,
+        metavar="N",
+        help="print every layout of N GPUs (data-parallel strategies x --tp x --pp ranks) the "
+        "estimate answers against --gpu, best first, and those it refuses with the reason "
+        "(ModelProfile.plan_layouts); --batch-size is then the whole step's batch, of the "
+        "first --precision; each tensor or pipeline layout is a profiling run of its own",
+    )
+    parallel.add_argument(
         "--rank",
         type=non_negative_int,
         metavar="R",
@@ -847,6 +856,9 @@ def _check_levers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.plan_layouts is not None:
+        _check_plan(parser, args)
+        return
     gpus = 1 if args.gpus is None else args.gpus
     if gpus == 1:
         given = [
@@ -901,6 +913,30 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         except ValueError as exc:
             parser.error(f"--pp: {exc}")
     args.gpus, args.strategy, args.gpus_per_node = gpus, strategy, per_node
+
+
+def _check_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--plan-layouts N`` chooses the layout: the flags that name one are refused; the
+    micro-batches, the GPUs per node and FSDP2's units stay settings of the plan."""
+    chosen = [
+        flag
+        for dest, flag in (
+            ("gpus", "--gpus"), ("strategy", "--strategy"), ("tp", "--tp"), ("pp", "--pp"),
+            ("pp_schedule", "--pp-schedule"), ("pp_split", "--pp-split"), ("rank", "--rank"),
+        )
+        if getattr(args, dest) is not None
+    ]  # fmt: skip
+    if chosen:
+        parser.error(
+            f"--plan-layouts N tries every layout of N GPUs; {', '.join(chosen)} cannot be "
+            "given with it (it keeps --microbatches, --gpus-per-node and --fsdp-units)"
+        )
+    if args.mode is not Mode.TRAIN:
+        parser.error(f"--plan-layouts plans a training step; got --mode {args.mode.value}")
+    if args.device is Device.CPU and args.gpu is None:
+        parser.error("--plan-layouts needs a capacity on --device cpu: give --gpu (e.g. '16GiB')")
+    args.gpus, args.strategy = 1, "ddp"
+    args.gpus_per_node = DEFAULT_GPUS_PER_NODE if args.gpus_per_node is None else args.gpus_per_node
 
 
 def _check_gpu(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

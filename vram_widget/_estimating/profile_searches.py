@@ -5,6 +5,7 @@ GPUs, the batch x length frontier and the bytes per sample. No torch here.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,20 +13,33 @@ import numpy as np
 
 from .estimator import MemoryEstimate
 from .gpus import Gpu, resolve_gpu
+from .layouts import (
+    Candidate,
+    Layout,
+    LayoutPlan,
+    RefusedLayout,
+    candidates,
+    fit_bytes,
+    layout_order,
+    traffic_params,
+)
 from .options import (
     FitBasis,
     Mode,
     OptimizerName,
+    PipelineSchedule,
     Precision,
     Strategy,
     parse_option,
 )
+from .profile_source import ProfilingError
 from .profile_step import (
     _lora_dtype_of,
     _step_levers,
 )
 from .quantized import check_quantized, check_weights_device
 from .recipe import LeverSettings, Recipe
+from .recipe.parallel import ParallelSettings
 from .recipe.recipe import default
 from .recipe.weights import Weights
 from .sharding import (
@@ -201,6 +215,127 @@ class SearchesMixin:
         # the most GPUs that are still too few (a rank's memory never grows with the ranks)
         most = _largest_fitting(too_small, 1, limit)
         return None if most >= limit else world(most + 1)
+
+    def plan_layouts(  # type: ignore[misc]
+        self: ModelProfile,
+        capacity_bytes: int | str | Gpu,
+        gpus: int,
+        batch_size: int | None = None,
+        *,
+        strategies: Sequence[str | Strategy] | None = None,
+        basis: str | FitBasis = FitBasis.DEVICE,
+        recipe: Recipe | None = None,
+        **settings: Any,
+    ) -> LayoutPlan:
+        """Every layout of ``gpus`` GPUs as data-parallel x tensor-parallel x pipeline
+        ranks (``dp * tp * pp = gpus``) that the estimate answers, each rank's step against
+        ``capacity_bytes``, best first; and those it refuses, with its reasons.
+
+        Layouts tried: ``tp`` and ``pp`` over the divisors of ``gpus``; with ``dp > 1``
+        each data-parallel strategy (``strategies``, default all five); with ``pp > 1``
+        each schedule, at ``microbatches`` micro-batches (a keyword in ``settings``;
+        default ``pp``). Each is one :meth:`estimate` (the worst rank, or the worst
+        pipeline stage, decides); what it refuses (tensor parallelism without a plan or
+        beside data parallelism, a model that is not a Hugging Face decoder with ``pp``,
+        a setting not checked against real ranks...) is listed in ``refused`` with the
+        estimate's own message. Data-parallel layouts are numpy on the cached profile
+        (milliseconds); each tensor-parallel layout is one profiling run of a rank and
+        each pipeline layout one of every stage (seconds each for a small model, minutes
+        for a large one), cached as :meth:`estimate` caches them, nothing more. The
+        warnings a layout's estimate gives (zero3's units that hold most of the parameters,
+        settings it leaves out) are kept on its row, ``Layout.warnings``, not issued.
+
+        Parameters
+        ----------
+        capacity_bytes : int, str or Gpu
+            Each GPU's memory, in every form of :meth:`max_batch_size`.
+        gpus : int
+            The GPUs (>= 1): the world size every layout uses.
+        batch_size : int, optional
+            The step's whole batch, the same for every layout: each of ``dp``
+            data-parallel ranks takes ``batch_size / dp`` (a ``dp`` that does not divide
+            it is refused), tensor-parallel ranks all take it, a pipeline splits it into
+            micro-batches. Default: ``gpus`` (one sample a GPU). Unlike :meth:`min_gpus`,
+            whose batch is per rank.
+        strategies : sequence of str, optional
+            The data-parallel strategies to try (default: ``"ddp"``, ``"zero1"``,
+            ``"zero2"``, ``"zero3"``, ``"hsdp"``).
+        basis : {"device", "allocated"}
+            What "fits" means, as for :meth:`max_batch_size`.
+        recipe : Recipe, optional
+            The setup as one value; its layout (``gpus``, ``strategy``, ``tp``, ``pp``)
+            must be left at one device: the plan chooses it.
+        **settings
+            Any other keyword of :meth:`estimate` (``precision``, ``optimizer``, ``mode``,
+            ``seq_len``, levers, ``gpus_per_node``, ``fsdp_units``, ``microbatches``...).
+
+        Returns
+        -------
+        LayoutPlan
+            ``layouts`` best first (:func:`~vram_widget._estimating.layouts.layout_order`):
+            those that fit first, then the least data-parallel traffic per step
+            (``Layout.traffic_params``, the ZeRO paper's count in copies of the
+            parameters; tensor and pipeline layouts, whose activation traffic is not
+            estimated, after the data-parallel ones, pipelines first), then the lowest
+            ``fit_bytes``. ``best`` is the first that fits.
+
+        Raises
+        ------
+        ValueError
+            For ``gpus`` or ``batch_size`` below 1, a capacity in no valid form or not
+            above the CUDA context, a layout setting in ``settings`` or ``recipe``, or a
+            setting the one-device estimate refuses: before any layout is profiled.
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+        >>> plan = profile.plan_layouts("64 MiB", gpus=2, batch_size=8)
+        >>> [(row.label, row.fits) for row in plan.layouts][:3]
+        [('dp=2 zero2', True), ('dp=2 ddp', True), ('dp=2 zero3', True)]
+        >>> plan.refused[0].label, "Hugging Face decoder" in plan.refused[0].reason
+        ('pp=2 gpipe m=2', True)
+        """
+        n = _whole_gpus(gpus)
+        batch = n if batch_size is None else batch_size
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch_size must be a whole number >= 1 or None, got {batch!r}")
+        capacity, card = _card(capacity_bytes)
+        fit_basis = parse_option(FitBasis, basis, "basis")
+        shares = tuple(
+            parse_option(Strategy, s, "strategies")
+            for s in (tuple(Strategy) if strategies is None else strategies)
+        )
+        if not shares:
+            raise ValueError("strategies is empty: give at least one of " + _strategy_names())
+        base = _on_card(Recipe.from_keywords(recipe, batch_size=batch, **settings), card)
+        _check_no_layout(base.parallel)
+        microbatches = base.parallel.microbatches
+        one = base.with_(microbatches=None)
+        _check_above_context(self.estimate(recipe=one), capacity)  # and the settings
+        rows: list[Layout] = []
+        refused: list[RefusedLayout] = []
+        for c in candidates(n, batch, microbatches, tuple(dict.fromkeys(shares))):
+            if isinstance(c, RefusedLayout):
+                refused.append(c)
+                continue
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    est = self.estimate(recipe=_layout_recipe(one, n, c))
+            except (ValueError, ProfilingError) as exc:
+                refused.append(
+                    RefusedLayout(
+                        c.dp, c.tp, c.pp, c.strategy, c.pp_schedule, c.microbatches, str(exc)
+                    )
+                )
+                continue
+            row = _layout_row(c, est, capacity, fit_basis, base.parallel.gpus_per_node)
+            said = tuple(dict.fromkeys(str(w.message) for w in caught))
+            rows.append(dataclasses.replace(row, warnings=said))
+        return LayoutPlan(
+            n, batch, capacity, fit_basis, tuple(sorted(rows, key=layout_order)), tuple(refused)
+        )
 
     def max_seq_len(  # type: ignore[misc]
         self: ModelProfile,
@@ -419,6 +554,73 @@ class SearchesMixin:
             2**30, precision, optimizer, mode, seq_len=seq_len, **levers
         ).peak_bytes
         return int(big) - int(small)
+
+
+def _whole_gpus(gpus: object) -> int:
+    """``gpus`` as a whole number of GPUs >= 1, else a ValueError naming it."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a whole number of GPUs >= 1, got {gpus!r}")
+    return gpus
+
+
+def _strategy_names() -> str:
+    return ", ".join(repr(s.value) for s in Strategy)
+
+
+def _check_no_layout(parallel: ParallelSettings) -> None:
+    """A plan chooses the layout: one asked in its settings is a ValueError naming it."""
+    asked = {
+        "gpus": parallel.gpus != 1,
+        "strategy": parallel.strategy is not Strategy.DDP,
+        "tp": parallel.tp != 1,
+        "pp": parallel.pp != 1,
+        "pp_schedule": parallel.pp_schedule is not PipelineSchedule.GPIPE,
+        "pp_split": parallel.pp_split is not None,
+        "rank": parallel.rank is not None,
+        "tp_plan": parallel.tp_plan is not None,
+    }
+    given = [name for name, on in asked.items() if on]
+    if given:
+        raise ValueError(
+            f"plan_layouts chooses the layout; {', '.join(given)} cannot be given (in the "
+            "keywords or the recipe): give the GPUs as gpus=N, restrict the data-parallel "
+            f"strategies with strategies=[...] ({_strategy_names()}), and the pipeline's "
+            "micro-batches with microbatches=M"
+        )
+
+
+def _layout_recipe(one: Recipe, gpus: int, c: Candidate) -> Recipe:
+    """The Recipe of layout ``c`` on ``gpus`` GPUs, the rest of ``one`` kept."""
+    return one.with_(
+        batch_size=c.rank_batch_size,
+        gpus=gpus,
+        strategy=Strategy.DDP if c.strategy is None else c.strategy,
+        tp=c.tp,
+        pp=c.pp,
+        pp_schedule=PipelineSchedule.GPIPE if c.pp_schedule is None else c.pp_schedule,
+        microbatches=c.microbatches,
+    )
+
+
+def _layout_row(
+    c: Candidate, est: MemoryEstimate, capacity: int, basis: FitBasis, gpus_per_node: int
+) -> Layout:
+    model_parallel = c.tp > 1 or c.pp > 1
+    return Layout(
+        dp=c.dp,
+        tp=c.tp,
+        pp=c.pp,
+        strategy=c.strategy,
+        pp_schedule=c.pp_schedule,
+        microbatches=c.microbatches,
+        rank_batch_size=c.rank_batch_size,
+        peak_bytes=est.peak_bytes,
+        fit_bytes=fit_bytes(est, basis),
+        fits=est.fits(capacity, basis),
+        communication_bytes=None if model_parallel else est.communication_bytes,
+        traffic_params=traffic_params(c, gpus_per_node),
+        estimate=est,
+    )
 
 
 def _optimizer_choice(recipe: Recipe) -> str | None:

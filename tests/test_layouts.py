@@ -1,0 +1,150 @@
+"""ModelProfile.plan_layouts: every dp x tp x pp layout of N GPUs the estimate answers, best
+first, and the ones it refuses with their reasons."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import hf_llama, hf_tokens
+
+from vram_widget import ModelProfile, profile_model, zoo
+from vram_widget._estimating.layouts import LayoutPlan, divisors
+
+
+@pytest.fixture(scope="module")
+def mlp() -> ModelProfile:
+    # 3 Linear(256, 256) layers: 3 x (65,536 + 256) = 197,376 fp32 parameters, 789,504 B
+    model = zoo.mlp(256, hidden=(256, 256), num_classes=256, dropout=0.0)
+    return profile_model(model, input_size=(256,), device="cpu")
+
+
+def _plan(mlp: ModelProfile, capacity: int) -> LayoutPlan:
+    # each Linear its own FSDP2 unit (a third of the parameters each)
+    return mlp.plan_layouts(capacity, gpus=2, batch_size=8, fsdp_units=["Linear"])
+
+
+def test_data_parallel_layouts_by_hand(mlp: ModelProfile) -> None:
+    plan = _plan(mlp, 3 * 2**20)
+    rows = {row.strategy.value: row for row in plan.layouts if row.strategy is not None}
+    assert set(rows) == {"ddp", "zero1", "zero2", "zero3", "hsdp"}
+    assert all(row.rank_batch_size == 4 for row in rows.values())  # 8 samples over 2 ranks
+    # DDP keeps every parameter, and its buckets hold every gradient once more: 789,504 B
+    assert rows["ddp"].estimate.parameter_bytes == 789_504
+    assert rows["ddp"].communication_bytes == 789_504
+    # ZeRO-3 keeps its dim-0 shard of each: 128 of 256 rows of each weight and bias,
+    # 3 x (128 x 256 + 128) = 98,688 parameters, 394,752 B; no resident buckets
+    for name in ("zero2", "zero3", "hsdp"):
+        assert rows[name].estimate.parameter_bytes == 394_752, name
+        assert rows[name].communication_bytes == 0
+    # Adam's two moments of the shard, 2 x 394,752 B, and 6 float32 step counts: 789,528 B
+    assert rows["zero3"].estimate.optimizer_state_bytes == 2 * 394_752 + 6 * 4
+    # ZeRO-1's partition, largest first to the emptiest rank: rank 0 takes weights 1 and 3
+    # (2 x 65,536), rank 1 weight 2 and the 3 biases; rank 0's Adam state is the worst:
+    # 2 x 131,072 x 4 B + 2 step counts x 4 B = 1,048,584 B
+    assert rows["zero1"].estimate.optimizer_state_bytes == 1_048_584
+    # the ZeRO paper's count of copies of the parameters moved per step
+    assert {k: r.traffic_params for k, r in rows.items()} == {
+        "ddp": 2.0, "zero1": 3.0, "zero2": 2.0, "zero3": 3.0, "hsdp": 3.0,
+    }  # fmt: skip
+
+
+def test_order_fits_first_then_traffic_then_bytes(mlp: ModelProfile) -> None:
+    capacity = 3 * 2**20
+    plan = _plan(mlp, capacity)
+    for row in plan.layouts:  # on the CPU, fits is total_bytes <= capacity, no extras
+        assert row.fit_bytes == row.estimate.total_bytes == row.peak_bytes
+        assert row.fits == (row.fit_bytes <= capacity)
+    # 3 MiB: the sharded layouts fit (ZeRO-2 moves 2 copies, ZeRO-3 and HSDP 3), DDP's and
+    # ZeRO-1's whole parameters, gradients and buckets do not (2 copies before 3)
+    assert [(row.label, row.fits) for row in plan.layouts] == [
+        ("dp=2 zero2", True), ("dp=2 zero3", True), ("dp=2 hsdp", True),
+        ("dp=2 ddp", False), ("dp=2 zero1", False),
+    ]  # fmt: skip
+    assert plan.best is plan.layouts[0]
+    assert plan.layouts[0].fit_bytes > plan.layouts[1].fit_bytes  # traffic before bytes
+    # the MLP has no tensor-parallel plan and is no decoder: refused, each with its reason
+    refused = {row.label: row.reason for row in plan.refused}
+    assert set(refused) == {"tp=2", "pp=2 gpipe m=2", "pp=2 1f1b m=2", "pp=2 interleaved-1f1b m=2"}
+    assert "has no tensor-parallel plan" in refused["tp=2"]
+    assert "splits a Hugging Face decoder" in refused["pp=2 gpipe m=2"]
+    assert "not estimated yet" in refused["pp=2 interleaved-1f1b m=2"]
+    # the same layout asked of estimate directly is the row's estimate
+    direct = mlp.estimate(4, gpus=2, strategy="zero3", fsdp_units=["Linear"])
+    assert plan.layouts[1].peak_bytes == direct.peak_bytes
+
+
+def test_nothing_fits_and_one_gpu(mlp: ModelProfile) -> None:
+    plan = _plan(mlp, 2**20)
+    assert plan.best is None and plan.fitting == ()
+    single = mlp.plan_layouts(2**30, gpus=1, batch_size=8)
+    assert [row.label for row in single.layouts] == ["dp=1"] and single.refused == ()
+    assert single.layouts[0].peak_bytes == mlp.estimate(8).peak_bytes
+    assert single.layouts[0].traffic_params == 0.0
+
+
+def test_a_batch_the_ranks_do_not_split_is_refused(mlp: ModelProfile) -> None:
+    plan = mlp.plan_layouts(2**30, gpus=4, batch_size=6, strategies=["ddp"])
+    refused = {row.label: row.reason for row in plan.refused}
+    assert "batch_size=6 is not split evenly over dp=4" in refused["dp=4 ddp"]
+    # 6 over 2 ranks is even: that layout is tried, and the estimate's own reason kept
+    assert "data parallelism over tensor-parallel ranks" in refused["dp=2 ddp x tp=2"]
+    assert plan.layouts == ()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gpus": 0}, r"gpus must be a whole number of GPUs >= 1, got 0"),
+        ({"gpus": 2.0}, r"gpus must be a whole number of GPUs >= 1, got 2.0"),
+        ({"gpus": 2, "batch_size": 0}, r"batch_size must be a whole number >= 1"),
+        ({"gpus": 2, "strategy": "zero3"}, r"plan_layouts chooses the layout; strategy"),
+        ({"gpus": 2, "tp": 2}, r"plan_layouts chooses the layout; tp"),
+        ({"gpus": 2, "strategies": ["zero4"]}, r"strategies"),
+        ({"gpus": 2, "strategies": []}, r"strategies is empty"),
+    ],
+)
+def test_bad_input_is_refused(mlp: ModelProfile, kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mlp.plan_layouts(2**30, **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_capacities_are_refused(mlp: ModelProfile) -> None:
+    with pytest.raises(ValueError, match=r"1 MiB"):
+        mlp.plan_layouts(80, gpus=2)
+    with pytest.raises(ValueError, match=r"GPU"):
+        mlp.plan_layouts("no such card", gpus=2)
+
+
+def test_divisors() -> None:
+    assert divisors(1) == [1]
+    assert divisors(8) == [1, 2, 4, 8]
+    assert divisors(7) == [1, 7]
+
+
+@pytest.mark.timeout(300)
+def test_llama_has_tensor_and_pipeline_rows() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    profile = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+    plan = profile.plan_layouts("64 MiB", gpus=2, batch_size=4, optimizer="adamw")
+    rows = {row.label: row for row in plan.layouts}
+    assert set(rows) == {
+        "dp=2 ddp", "dp=2 zero1", "dp=2 zero2", "dp=2 zero3", "dp=2 hsdp",
+        "tp=2", "pp=2 gpipe m=2", "pp=2 1f1b m=2",
+    }  # fmt: skip
+    # one tensor-parallel rank: the 806,912 B of Linear and embedding weights halved,
+    # the 5 RMSNorm weights of 64 fp32 (1,280 B) whole: 403,456 + 1,280
+    assert rows["tp=2"].estimate.parameter_bytes == 403_456 + 1_280
+    assert rows["tp=2"].rank_batch_size == 4  # every tensor-parallel rank sees the batch
+    # the worst pipeline stage decides: the last (norm, lm_head and the loss)
+    gpipe = rows["pp=2 gpipe m=2"]
+    assert gpipe.peak_bytes == max(gpipe.estimate.stage_peak_bytes)
+    assert gpipe.peak_bytes == gpipe.estimate.stage_peak_bytes[1]
+    for label in ("tp=2", "pp=2 gpipe m=2", "pp=2 1f1b m=2"):
+        assert rows[label].traffic_params is None and rows[label].communication_bytes is None
+    # all fit 64 MiB: the data-parallel ones first, then the pipelines, then tensor parallel
+    assert all(row.fits for row in plan.layouts)
+    order = [row.label for row in plan.layouts]
+    assert order.index("dp=2 zero1") < order.index("pp=2 gpipe m=2") < order.index("tp=2")
+    assert [row.label for row in plan.refused] == ["pp=2 interleaved-1f1b m=2"]
+    assert "zero3: the root" in rows["dp=2 zero3"].warnings[0]  # kept, not issued

@@ -1,0 +1,301 @@
+"""The layouts of N GPUs as data-parallel x tensor-parallel x pipeline ranks: which to try,
+how each is named and ordered, and the result of :meth:`~.profile.ModelProfile.plan_layouts`.
+No torch here; the estimates themselves are the profile's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from .estimator import MemoryEstimate
+from .options import FitBasis, PipelineSchedule, Strategy
+
+# The data-parallel collectives' volume each rank moves in one optimizer step, in copies of
+# the model's parameters, as the ZeRO paper counts it for ring collectives (Rajbhandari et
+# al. 2020, arXiv:1910.02054, section 7: an all-reduce moves 2 copies, a reduce-scatter or
+# an all-gather 1):
+# - ddp: one all-reduce of the gradients (DistributedDataParallel's buckets): 2.
+# - zero1: DDP's all-reduce, then ZeroRedundancyOptimizer broadcasts each rank's updated
+#   shard to the others (torch/distributed/optim/zero_redundancy_optimizer.py,
+#   ``_sync_params``: one ``dist.broadcast`` per rank's bucket), 1 more: 3.
+# - zero2: FSDP2 with ``reshard_after_forward=False`` gathers each unit once, before its
+#   forward, and reduce-scatters its gradients: 2.
+# - zero3: gathered again for the backward (``reshard_after_forward=True``): 3.
+# - hsdp: zero3 within a node, plus an all-reduce of each node's gradient shards across the
+#   nodes (``foreach_reduce``'s ``all_reduce`` on the replicate group): 2 / gpus_per_node
+#   more past one node.
+# A step of ``grad_accumulation`` micro-batches repeats FSDP2's gathers and reduce-scatters
+# per micro-batch; these count one. Tensor and pipeline parallelism move activations, whose
+# volume the estimate does not count: None.
+DATA_PARALLEL_TRAFFIC = {
+    Strategy.DDP: 2.0,
+    Strategy.ZERO1: 3.0,
+    Strategy.ZERO2: 2.0,
+    Strategy.ZERO3: 3.0,
+    Strategy.HSDP: 3.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout to try: ``dp x tp x pp`` ranks, with the data-parallel ``strategy``
+    (None where ``dp`` is 1), the pipeline's ``pp_schedule`` and ``microbatches`` (None
+    where ``pp`` is 1) and the batch each rank is estimated at (``rank_batch_size``)."""
+
+    dp: int
+    tp: int
+    pp: int
+    strategy: Strategy | None
+    pp_schedule: PipelineSchedule | None
+    microbatches: int | None
+    rank_batch_size: int
+
+    @property
+    def label(self) -> str:
+        """The layout in a few words: ``"dp=4 zero3"``, ``"tp=2"``, ``"pp=2 1f1b m=4"``.
+
+        Examples
+        --------
+        >>> Candidate(2, 1, 2, Strategy.DDP, PipelineSchedule.GPIPE, 2, 4).label
+        'dp=2 ddp x pp=2 gpipe m=2'
+        """
+        parts = []
+        if self.dp > 1 or (self.tp == 1 and self.pp == 1):
+            strategy = "" if self.strategy is None else f" {self.strategy.value}"
+            parts.append(f"dp={self.dp}{strategy}")
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
+        if self.pp > 1:
+            assert self.pp_schedule is not None
+            parts.append(f"pp={self.pp} {self.pp_schedule.value} m={self.microbatches}")
+        return " x ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One layout of the GPUs that the estimate answers, and its worst rank's step.
+
+    Attributes
+    ----------
+    dp, tp, pp : int
+        Data-parallel, tensor-parallel and pipeline ranks; ``dp * tp * pp`` is the GPUs.
+    strategy : Strategy or None
+        How the data-parallel ranks share the step (None where ``dp`` is 1).
+    pp_schedule : PipelineSchedule or None
+        The pipeline's schedule (None where ``pp`` is 1).
+    microbatches : int or None
+        The micro-batches of a pipeline step (None where ``pp`` is 1).
+    rank_batch_size : int
+        The batch the estimate was asked for: the plan's batch over ``dp`` (each
+        data-parallel rank's share; a pipeline splits it into ``microbatches``).
+    peak_bytes : int
+        The worst rank's (or pipeline stage's) allocated peak, ``estimate.peak_bytes``.
+    fit_bytes : int
+        The worst rank's figure compared with the capacity on the plan's basis:
+        ``estimate.device_bytes`` on ``"device"`` where the allocator is replayed, else
+        ``estimate.total_bytes`` (peak plus the accelerator extras).
+    fits : bool
+        ``estimate.fits(capacity, basis)``.
+    communication_bytes : int or None
+        The communication buffers the rank keeps resident, as the estimate counts them
+        (``estimate.communication_bytes``: DDP's gradient buckets, kept by ``"ddp"`` and
+        ``"zero1"``; 0 for FSDP2, whose gather and reduce buffers are temporaries of the
+        step). None with ``tp`` or ``pp`` above 1: their collectives' buffers are in the
+        step, not counted apart.
+    traffic_params : float or None
+        The data-parallel collectives' volume per rank and optimizer step, in copies of the
+        parameters (``DATA_PARALLEL_TRAFFIC``, the ZeRO paper's count); 0 for one rank. None
+        with ``tp`` or ``pp`` above 1: the activations they move are not estimated.
+    estimate : MemoryEstimate
+        The worst rank's estimate itself.
+    warnings : tuple of str
+        What the estimate warned of for this layout, once each.
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    strategy: Strategy | None
+    pp_schedule: PipelineSchedule | None
+    microbatches: int | None
+    rank_batch_size: int
+    peak_bytes: int
+    fit_bytes: int
+    fits: bool
+    communication_bytes: int | None
+    traffic_params: float | None
+    estimate: MemoryEstimate = dataclasses.field(repr=False, compare=False)
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The layout in a few words (``Candidate.label``)."""
+        return _candidate_of(self).label
+
+
+@dataclasses.dataclass(frozen=True)
+class RefusedLayout:
+    """A layout of the GPUs the estimate does not answer, and its own reason."""
+
+    dp: int
+    tp: int
+    pp: int
+    strategy: Strategy | None
+    pp_schedule: PipelineSchedule | None
+    microbatches: int | None
+    reason: str
+
+    @property
+    def label(self) -> str:
+        """The layout in a few words (``Candidate.label``)."""
+        return _candidate_of(self).label
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutPlan:
+    """The layouts of ``gpus`` GPUs for one step, best first (:func:`layout_order`), and
+    those refused with their reasons.
+
+    Attributes
+    ----------
+    gpus : int
+        The GPUs every layout uses.
+    batch_size : int
+        The step's whole batch (every data-parallel rank takes ``batch_size / dp``).
+    capacity_bytes : int
+        Each GPU's memory.
+    basis : FitBasis
+        What "fits" compares with the capacity (``MemoryEstimate.fits``).
+    layouts : tuple of Layout
+        The answered layouts, best first.
+    refused : tuple of RefusedLayout
+        The layouts not estimated, in the order tried.
+    """
+
+    gpus: int
+    batch_size: int
+    capacity_bytes: int
+    basis: FitBasis
+    layouts: tuple[Layout, ...]
+    refused: tuple[RefusedLayout, ...]
+
+    @property
+    def best(self) -> Layout | None:
+        """The first layout that fits, or None where none does."""
+        return next((layout for layout in self.layouts if layout.fits), None)
+
+    @property
+    def fitting(self) -> tuple[Layout, ...]:
+        """The layouts that fit, best first."""
+        return tuple(layout for layout in self.layouts if layout.fits)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending.
+
+    Examples
+    --------
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(
+    gpus: int,
+    batch_size: int,
+    microbatches: int | None,
+    strategies: tuple[Strategy, ...] = tuple(Strategy),
+) -> Iterator[Candidate | RefusedLayout]:
+    """Every ``dp x tp x pp = gpus`` layout, tensor-parallel ranks ascending, then pipeline
+    stages: each data-parallel strategy where ``dp > 1``, each schedule where ``pp > 1``
+    (``microbatches``, default ``pp``). A ``dp`` that does not divide ``batch_size`` is
+    refused here; every other refusal is the estimate's.
+
+    Examples
+    --------
+    >>> [c.label for c in candidates(2, 4, None, (Strategy.DDP,))]
+    ['dp=2 ddp', 'pp=2 gpipe m=2', 'pp=2 1f1b m=2', 'pp=2 interleaved-1f1b m=2', 'tp=2']
+    """
+    for tp in divisors(gpus):
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            shares: tuple[Strategy | None, ...] = strategies if dp > 1 else (None,)
+            schedules: tuple[PipelineSchedule | None, ...] = (
+                tuple(PipelineSchedule) if pp > 1 else (None,)
+            )
+            m = (pp if microbatches is None else microbatches) if pp > 1 else None
+            for strategy in shares:
+                for schedule in schedules:
+                    if batch_size % dp:
+                        yield RefusedLayout(
+                            dp, tp, pp, strategy, schedule, m,
+                            f"batch_size={batch_size} is not split evenly over dp={dp} "
+                            "data-parallel ranks: give a batch that dp divides",
+                        )  # fmt: skip
+                        continue
+                    yield Candidate(dp, tp, pp, strategy, schedule, m, batch_size // dp)
+
+
+def traffic_params(candidate: Candidate, gpus_per_node: int) -> float | None:
+    """The data-parallel collectives' volume of ``candidate`` per rank and step, in copies
+    of the parameters (``DATA_PARALLEL_TRAFFIC``); None with ``tp`` or ``pp`` above 1.
+
+    Examples
+    --------
+    >>> c = Candidate(16, 1, 1, Strategy.HSDP, None, None, 1)
+    >>> traffic_params(c, gpus_per_node=8)  # 3 within a node + 2 / 8 across the 2 nodes
+    3.25
+    """
+    if candidate.tp > 1 or candidate.pp > 1:
+        return None
+    if candidate.strategy is None:
+        return 0.0
+    volume = DATA_PARALLEL_TRAFFIC[candidate.strategy]
+    if candidate.strategy is Strategy.HSDP and candidate.dp > gpus_per_node:
+        volume += 2.0 / gpus_per_node
+    return volume
+
+
+def layout_order(layout: Layout) -> tuple[bool, bool, float, int, int, int]:
+    """The plan's order, as a sort key: layouts that fit first; then the least
+    data-parallel traffic (``traffic_params``), those whose traffic is not estimated
+    (``tp`` or ``pp`` above 1) after every data-parallel one, pipelines before tensor
+    parallelism (a pipeline sends one micro-batch's activations between neighbouring
+    stages; tensor parallelism all-reduces activations in every layer, twice forward and
+    twice backward per transformer layer: Shoeybi et al. 2019, arXiv:1909.08053, section
+    3); then the lowest ``fit_bytes``; then the fewest model-parallel ranks.
+
+    Examples
+    --------
+    >>> from vram_widget import profile_model, zoo
+    >>> est = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(1)
+    >>> def row(strategy, traffic, fit_bytes):
+    ...     return Layout(2, 1, 1, strategy, None, None, 1, fit_bytes, fit_bytes, True,
+    ...                   0, traffic, est)
+    >>> rows = [row(Strategy.ZERO3, 3.0, 10), row(Strategy.DDP, 2.0, 30),
+    ...         row(Strategy.ZERO2, 2.0, 20)]
+    >>> [r.strategy.value for r in sorted(rows, key=layout_order)]
+    ['zero2', 'ddp', 'zero3']
+    """
+    unknown = layout.traffic_params is None
+    return (
+        not layout.fits,
+        unknown,
+        0.0 if layout.traffic_params is None else layout.traffic_params,
+        layout.tp,  # among unknown traffic: pipelines (tp = 1) before tensor parallelism
+        layout.fit_bytes,
+        layout.tp * layout.pp,
+    )
+
+
+def fit_bytes(est: MemoryEstimate, basis: FitBasis) -> int:
+    """The figure ``est.fits(capacity, basis)`` compares with the capacity."""
+    if basis is FitBasis.DEVICE and est.device_bytes is not None:
+        return est.device_bytes
+    return est.total_bytes
+
+
+def _candidate_of(row: Layout | RefusedLayout) -> Candidate:
+    return Candidate(row.dp, row.tp, row.pp, row.strategy, row.pp_schedule, row.microbatches, 1)
