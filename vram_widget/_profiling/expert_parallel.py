@@ -166,3 +166,42 @@ def expert_parallelized(
             experts = modules[name]
             experts.forward = _routed(experts.forward, ep, experts.num_experts, routing)
     return sharded
+
+
+def rank_setup(plan: dict[str, str]) -> Any:
+    """How a real expert-parallel rank of ``measure(gpus=k, ep=k)`` shards its copy: the
+    plan applied by ``apply_expert_parallelism`` on a 1-D CPU mesh of the gloo group's
+    ranks (its expert mesh and its batch-sharing mesh, as :func:`expert_parallelized`), to
+    a meta copy of the model (each rank holds its experts only), then materialized
+    (``to_empty``) with the model's own values: the dense parameters and buffers whole, the
+    experts' ``Shard(0)`` slice of this rank. The router's weights decide the routing, so
+    they are the model's, never a fill. Each collective drops its buffers on the rank's own
+    thread (``distributed._collectives_release_on_caller``)."""
+    from .distributed import RankSetup
+    from .tensor_parallel import local_part
+
+    def wrap(model: torch.nn.Module, _parallel: Any, _precision: Any) -> torch.nn.Module:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+        from .step import meta_copy
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mesh = init_device_mesh("cpu", (world,))
+        sharded = apply_expert_parallelism(meta_copy(model), mesh, mesh, plan)
+        sharded = sharded.to_empty(device="cpu")
+        given = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, b in sharded.named_buffers():
+                b.copy_(buffers[name])
+            for name, p in sharded.named_parameters():
+                local, whole = local_part(p), given[name]
+                if local.shape != whole.shape:  # grouped_gemm: Shard(0), whole experts
+                    whole = whole.chunk(world, dim=0)[rank]
+                local.copy_(whole)
+        sharded.train(model.training)
+        return sharded
+
+    return RankSetup(wrap, expert_parallel=True)
