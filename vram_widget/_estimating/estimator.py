@@ -170,7 +170,7 @@ class MemoryEstimate:
     # the tokens routed evenly (each rank's experts receive tokens * top_k / ep pairs);
     # ep_worst_case_bytes is the same rank's peak where every token's picks go to its
     # experts (as many as it holds): a bound for a skewed router, not reached exactly (the
-    # real all-to-one rank of a small Mixtral, fp32 Adam: 2,736,548 B under 2,878,892 B,
+    # real all-to-one rank of a small Mixtral, fp32 Adam: 4,919,740 B under 5,031,340 B,
     # tests/test_expert_parallel.py); None where ep = 1
     ep: int = 1
     ep_worst_case_bytes: int | None = None
