@@ -197,7 +197,7 @@ def rank_setup(plan: dict[str, str]) -> Any:
             for name, b in sharded.named_buffers():
                 b.copy_(buffers[name])
             for name, p in sharded.named_parameters():
-                local, whole = local_part(p), given[name]
+                local, whole = local_part(p), given[name].detach()
                 if local.shape != whole.shape:  # grouped_gemm: Shard(0), whole experts
                     whole = whole.chunk(world, dim=0)[rank]
                 local.copy_(whole)
