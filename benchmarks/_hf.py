@@ -97,6 +97,19 @@ def mixtral() -> nn.Module:
     return transformers.MixtralForCausalLM(config)
 
 
+def mixtral_balanced() -> nn.Module:
+    """:func:`mixtral` with each router's weight rows ``[w, -w, u, -u]``: a token's logits
+    ``a, -a, b, -b`` have the positive one of each pair on top, one of experts 0-1 and one of
+    experts 2-3, so 2 expert-parallel ranks receive the same number of tokens."""
+    model = mixtral()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                w, u = torch.randn(2, module.weight.shape[1])
+                module.weight.copy_(torch.stack([w, -w, u, -u]))
+    return model
+
+
 def bert_encoder() -> nn.Module:
     """:func:`bert`'s encoder alone (``BertModel``: embeddings, layers, pooler; no head)."""
     config = transformers.BertConfig(

@@ -25,12 +25,17 @@ Megatron does (torchtitan's own tensor parallelism is a ``sharding_config`` per 
 ``Module.parallelize`` applies, which ``tp_plan`` does not take). Tensor parallelism on 2
 ranks (and 4 where the heads divide) x fp32 and bf16 x AdamW training and inference;
 pipeline parallelism on 2 stages x GPipe and 1F1B x 2 and 4 micro-batches x fp32 and bf16,
-AdamW training. A batch of 4 (16 tokens); every rank computes on one thread (the forked
-ranks must, and CPU kernel scratch can depend on the thread count). A layout the estimate
+AdamW training. Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
+and bf16 x training and inference, on the Mixtral with each router's rows set to ``[w, -w,
+u, -u]`` (every token picks one expert of each rank: balanced routing, the case the estimate
+is for; its ``ep_worst_case_bytes`` is kept in the rows). A batch of 4 (16 tokens); every
+rank computes on one thread (the forked ranks must, and CPU kernel scratch can depend on the
+thread count). A layout the estimate
 refuses is a row with its reason.
 
     python benchmarks/accuracy_parallel.py           # about 10 minutes on 2 cores
     python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
+    python benchmarks/accuracy_parallel.py --models hf_mixtral_balanced   # ep rows, ~1 minute
 
 Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
 results/accuracy_parallel.json (``--quick``: results/accuracy_parallel_quick.json) and prints
@@ -131,12 +136,14 @@ class Case:
     plans: dict[str, Callable[[], dict[str, Any]] | None]  # label -> tp_plan (None: own)
     pp: bool
     loss_fn: Callable[[Any], torch.Tensor] | None = None
+    ep: tuple[int, ...] = ()  # expert-parallel degrees (gpus = ep)
 
 
 CASES: dict[str, Case] = {
     "hf_llama": Case(_hf.llama, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_llama_mha": Case(_hf.llama_mha, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_mixtral": Case(_hf.mixtral, _hf.tokens, (2, 4), {"own plan": None}, True),
+    "hf_mixtral_balanced": Case(_hf.mixtral_balanced, _hf.tokens, (), {}, False, ep=(2,)),
     "mlp_block": Case(block, block_inputs, (2, 4), {"colwise/rowwise": tp_plan,
                                                     "sequence parallel": sp_plan}, False),
     "torchtitan_llama3": Case(models.torchtitan_llama3, models.titan_tokens, (2,),
@@ -188,6 +195,11 @@ def compare(
             ratio=estimated / peak,
             error_pct=(estimated - peak) / peak * 100,
             measure_s=seconds,
+            **(
+                {}
+                if est.ep_worst_case_bytes is None
+                else {"ep_worst_case": est.ep_worst_case_bytes}
+            ),
         )
         for rank, (estimated, peak) in enumerate(zip(estimates, real.rank_peak_bytes, strict=True))
     ]
@@ -210,6 +222,9 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
                 settings["tp_plan"] = plan()
             for mode in MODES:
                 out.append((f"tp={tp} {plan_label}", mode, settings))
+    for ep in case.ep:
+        for mode in MODES:
+            out.append((f"ep={ep} balanced router", mode, {"gpus": ep, "ep": ep}))
     if case.pp:
         for schedule in SCHEDULES[:1] if quick else SCHEDULES:
             for m in MICROBATCHES[:1] if quick else MICROBATCHES:
@@ -221,10 +236,10 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
 QUICK_CASES = ("hf_llama", "mlp_block")
 
 
-def run(quick: bool) -> list[dict[str, Any]]:
+def run(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for label, case in CASES.items():
-        if quick and label not in QUICK_CASES:
+        if (quick and label not in QUICK_CASES) or (only and label not in only):
             continue
         torch.manual_seed(0)
         model = case.build()
@@ -285,11 +300,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a handful of rows (fp32, tp=2, "
                         "GPipe with 2 micro-batches; Llama and the MLP block)")  # fmt: skip
+    parser.add_argument("--models", nargs="+", choices=list(CASES), help="these models' rows "
+                        "only (written to results/accuracy_parallel_selected.json)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    rows = run(args.quick)
+    rows = run(args.quick, args.models)
     name = "accuracy_parallel_quick" if args.quick else "accuracy_parallel"
+    if args.models:
+        name = "accuracy_parallel_selected"
     extra = {"basis": BASIS, "batch_size": BATCH, "profile_batch_size": PROFILE_BATCH}
     write_results(name, rows, summarize(rows), started, extra)
 

@@ -166,6 +166,14 @@ class MemoryEstimate:
     rank: int | None = None
     # tensor-parallel ranks among ``gpus`` (1: none): the estimate is one rank's, sharded
     tp: int = 1
+    # expert-parallel ranks (1: none): the estimate is one rank's, its experts sharded and
+    # the tokens routed evenly (each rank's experts receive tokens * top_k / ep pairs);
+    # ep_worst_case_bytes is the same rank's peak where every token's picks go to its
+    # experts (as many as it holds): a bound for a skewed router, not reached exactly (the
+    # real all-to-one rank of a small Mixtral, fp32 Adam: 4,919,740 B under 5,031,340 B,
+    # tests/test_expert_parallel.py); None where ep = 1
+    ep: int = 1
+    ep_worst_case_bytes: int | None = None
     # pipeline stages among ``gpus`` (1: none), the schedule and its micro-batches; with
     # pp > 1, peak_bytes and parameter_bytes are the worst stage's, each stage's peak and
     # resident bytes (parameters, optimizer state, batch, receive buffers) in stage order

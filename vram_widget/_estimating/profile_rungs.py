@@ -18,11 +18,13 @@ from .options import (
 from .recipe import Recipe
 from .recipe.float8 import Float8
 from .recipe.parallel import (
+    check_expert_parallel,
     check_pipeline_parallel,
     check_pipeline_parallel_settings,
     check_tensor_parallel,
     check_tensor_parallel_settings,
     pipeline_microbatches,
+    tensor_parallel_refusals,
 )
 from .recipe.recipe import default
 from .recipe.weights import Weights
@@ -282,6 +284,20 @@ class RungsMixin:
             stage_peak_bytes=tuple(s.peak_bytes for s in stages),
             stage_resident_bytes=tuple(s.resident_bytes for s in stages),
         )
+
+
+def _expert_parallel_question(recipe: Recipe) -> Recipe:
+    """The single-rank Recipe an ``ep`` > 1 estimate profiles (its layout and settings
+    checked first, each refusal a ValueError naming it: the settings not checked against
+    real ranks are those ``tp`` refuses)."""
+    check_expert_parallel(recipe.parallel)
+    refused = tensor_parallel_refusals(recipe)
+    if refused:
+        raise ValueError(
+            f"ep={recipe.parallel.ep} with {', '.join(refused)}: not estimated with expert "
+            "parallelism yet; leave ep at 1 for these"
+        )
+    return recipe.with_(ep=1, gpus=1, rank=None)
 
 
 def _tensor_parallel_question(recipe: Recipe) -> Recipe:

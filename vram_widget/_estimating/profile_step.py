@@ -35,7 +35,7 @@ from .options import (
     Phase,
     Precision,
 )
-from .profile_rungs import _tensor_parallel_question
+from .profile_rungs import _expert_parallel_question, _tensor_parallel_question
 from .quantized import check_quantized, check_weights_device, int8_outlier_note
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.weights import Weights
@@ -117,6 +117,10 @@ class StepMixin:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
+        if par.ep > 1:  # one rank's sub-profiles, experts sharded (expert_parallel.py)
+            plain = _expert_parallel_question(recipe)
+            est = self._source.expert_parallel_estimate(par.ep, plain)
+            return dataclasses.replace(est, gpus=par.gpus, ep=par.ep)
         if par.pp > 1 or par.microbatches is not None or par.pp_split is not None:
             return self._pipeline_estimate(recipe)
         if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)

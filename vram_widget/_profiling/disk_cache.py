@@ -584,6 +584,14 @@ class DiskCachedSource:
         # one rank's sub-profile under a fake process group, made by the wrapped source
         return self.inner.tensor_parallel_estimate(*args)
 
+    def expert_parallel_estimate(self, *args: Any) -> Any:
+        # one expert-parallel rank's sub-profiles under a fake process group
+        return self.inner.expert_parallel_estimate(*args)
+
+    def expert_parallel_refusal(self, ep: int) -> str | None:
+        refusal: str | None = self.inner.expert_parallel_refusal(ep)
+        return refusal
+
     def tensor_parallel_cached(self, *args: Any) -> bool:
         return bool(self.inner.tensor_parallel_cached(*args))
 

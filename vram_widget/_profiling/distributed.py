@@ -396,6 +396,8 @@ class RankSetup:
         ]
         | None
     ) = None
+    # the model's experts split over the ranks (expert_parallel.rank_setup), not a tp plan
+    expert_parallel: bool = False
 
 
 # strategy -> how its libraries set up a rank (the strategies sharding models)

@@ -54,7 +54,12 @@ from .._estimating.sharding import (
 from .._estimating.stepping import IN_BACKWARD_ACCUMULATION
 from .float8 import checked_float8
 from .generation import generation_limit, prompt_inputs
-from .measure_ranks import _measure_pipeline, _measure_ranks, _tensor_parallel_setup
+from .measure_ranks import (
+    _expert_parallel_setup,
+    _measure_pipeline,
+    _measure_ranks,
+    _tensor_parallel_setup,
+)
 from .measure_session import (
     _measure,
     _model_device,
@@ -102,6 +107,7 @@ def measure(
     pp_schedule: str = default("gpipe"),
     microbatches: int | None = default(None),
     pp_split: object = default(None),
+    ep: int = default(1),
     timeout_s: float = 600.0,
     new_tokens: int | None = default(None),
     optimizer_in_backward: bool = default(False),
@@ -208,6 +214,12 @@ def measure(
         CPU mesh, and measures its own step; ``rank_peak_bytes`` holds
         each rank's. The layout and the plan are checked before any rank starts
         (``tensor_parallel.resolve_plan``).
+    ep : int
+        Expert parallelism on ``gpus = ep`` gloo ranks that share the batch, training or
+        inference: each rank shards a meta copy of a mixture-of-experts model by its
+        ``base_model_ep_plan`` (transformers' ``apply_expert_parallelism``), takes the
+        model's own values (its slice of the experts), and measures its own step, the
+        tokens routed by the model's router as they fall (``expert_parallel.rank_setup``).
     pp, pp_schedule, microbatches : int, str, int
         Pipeline parallelism on ``gpus = pp`` gloo ranks (fp32 / bf16 training of a Hugging
         Face decoder, ``inputs={"input_ids": ..., "labels": ...}``): each rank holds one
@@ -335,7 +347,7 @@ def measure(
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
             "tp": tp, "tp_plan": tp_plan,
             "pp": pp, "pp_schedule": pp_schedule, "microbatches": microbatches,
-            "pp_split": pp_split,
+            "pp_split": pp_split, "ep": ep,
             "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
             "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
@@ -398,6 +410,8 @@ def measure(
     if settings["pp"] != 1 or settings["microbatches"] is not None or settings["pp_split"]:
         return _measure_pipeline(model, inputs, settings, timeout_s)
     tp_setup = _tensor_parallel_setup(model, settings, gpus, strategy, mode)
+    if settings.get("ep", 1) not in (None, 1):
+        tp_setup = _expert_parallel_setup(model, settings, gpus, strategy)
     distributed = parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN
     if tp_setup is not None or distributed:
         if (

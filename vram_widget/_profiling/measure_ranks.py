@@ -58,6 +58,7 @@ def _measure_ranks(
     parse_optimizer_choice(optimizer)
     parse_option(Precision, precision, "precision")
     setup = tp_setup or SETUPS.get(parallel.strategy)
+    ep = tp_setup is not None and tp_setup.expert_parallel
     if setup is None:
         raise ValueError(
             f"measure cannot set up strategy {parallel.strategy.value!r} yet; it runs "
@@ -76,7 +77,8 @@ def _measure_ranks(
         worst,
         gpus=parallel.gpus,
         strategy=None if tp_setup is not None else parallel.strategy,
-        tp=parallel.gpus if tp_setup is not None else 1,
+        tp=parallel.gpus if tp_setup is not None and not ep else 1,
+        ep=parallel.gpus if ep else 1,
         rank_peak_bytes=tuple(m.peak_bytes for m in ranks),
     )
 
@@ -159,3 +161,25 @@ def _tensor_parallel_setup(
             "leave tp at 1 for these"
         )
     return rank_setup(resolve_plan(model, tp, settings["tp_plan"]))
+
+
+def _expert_parallel_setup(
+    model: torch.nn.Module, settings: dict[str, Any], gpus: int, strategy: Any
+) -> RankSetup:
+    """The rank setup of ``ep > 1`` (``expert_parallel.rank_setup``), its layout and plan
+    checked before any rank starts."""
+    from .._estimating.recipe.parallel import ParallelSettings, check_expert_parallel
+    from .expert_parallel import rank_setup, resolve_ep_plan
+
+    ep = settings["ep"]
+    par = ParallelSettings(gpus=gpus, strategy=strategy, tp=settings["tp"] or 1, ep=ep)
+    check_expert_parallel(par)
+    refused = [k for k in ("lora_rank",) if settings[k] is not None]
+    refused += ["weights"] if parse_weights(settings["weights"]).quantized else []
+    refused += ["mode='generate'"] if settings.get("new_tokens") is not None else []
+    if refused:
+        raise ValueError(
+            f"ep={ep} with {', '.join(refused)}: not measured with expert parallelism yet; "
+            "leave ep at 1 for these"
+        )
+    return rank_setup(resolve_ep_plan(model, ep))

@@ -55,6 +55,7 @@ class Measurement:
     rank_peak_bytes: tuple[int, ...] = ()
     # tensor-parallel ranks among ``gpus`` (1: none; strategy is None then)
     tp: int = 1
+    ep: int = 1
     # pipeline stages among ``gpus`` (1: none), one a rank: rank_peak_bytes in stage order
     pp: int = 1
     # mode="generate": the new tokens generated after the prompt

@@ -87,6 +87,7 @@ class SourceRuns:
         self._not_repeated: set[tuple[Any, ...]] = set()
         # (tp, the plan's id, the single-rank Recipe) -> (the plan, one rank's estimate)
         self._tensor_parallel: dict[tuple[Any, ...], tuple[object, Any]] = {}
+        self._expert_parallel: dict[tuple[Any, ...], Any] = {}
         # the arguments of pipeline_stage_peaks -> each stage's StagePeak
         self._pipeline: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 

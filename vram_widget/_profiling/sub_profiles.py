@@ -5,6 +5,7 @@ training, one tensor-parallel rank, and each pipeline stage's step; and the load
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from .._estimating.options import (
 from .._estimating.profile import ModelProfile
 from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.weights import WeightFormat, Weights
+from .expert_parallel import expert_parallelized, resolve_ep_plan
 from .float8 import float8_copy
 from .loading import load_layout
 from .nf4_torchao import nf4_copy
@@ -188,6 +190,43 @@ class SubProfiles:
             with fake_process_group(tp) as mesh:
                 copy_ = parallelized(meta_copy(subject.model), plan, mesh)
                 # not cached: the profile key does not read the mesh
+                sub = self._sub_profile(copy_, cache=False)
+                return sub._estimate(recipe)
+
+    def expert_parallel_estimate(self: _Source, ep: int, recipe: Any) -> Any:  # type: ignore[misc]
+        """One of ``ep`` expert-parallel ranks' estimate of ``recipe`` (rank 0): a meta copy
+        of the model with its experts sharded by its own plan (``expert_parallel.
+        resolve_ep_plan``, checked first) on a fake process group, the tokens routed evenly;
+        its ``ep_worst_case_bytes`` the peak of the same rank where all of them go to its
+        experts. Kept per (ep, recipe)."""
+        key = (ep, recipe)
+        if key not in self._expert_parallel:
+            plan = resolve_ep_plan(self.profiler.subject.model, ep)
+            balanced = self._expert_parallel_run(ep, plan, recipe, "balanced")
+            worst = self._expert_parallel_run(ep, plan, recipe, "worst")
+            self._expert_parallel[key] = dataclasses.replace(
+                balanced, ep_worst_case_bytes=max(worst.peak_bytes, balanced.peak_bytes)
+            )
+        return self._expert_parallel[key]
+
+    def expert_parallel_refusal(self: _Source, ep: int) -> str | None:  # type: ignore[misc]
+        """Why the model's own plan cannot split its experts over ``ep`` ranks, or None."""
+        try:
+            resolve_ep_plan(self.profiler.subject.model, ep)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _expert_parallel_run(  # type: ignore[misc]
+        self: _Source, ep: int, plan: dict[str, str], recipe: Any, routing: str
+    ) -> Any:
+        subject = self.profiler.subject
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
+            with fake_process_group(ep) as mesh:
+                copy_ = expert_parallelized(meta_copy(subject.model), plan, mesh, routing)
+                # not cached: the profile key does not read the mesh or the routing
                 sub = self._sub_profile(copy_, cache=False)
                 return sub._estimate(recipe)
 

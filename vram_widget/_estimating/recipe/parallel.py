@@ -40,6 +40,11 @@ class ParallelSettings:
     pp_split : tuple of str, optional
         The first decoder layer of each stage after the first (``"layers.K"``, torchtitan's
         ``pipeline_parallel_split_points``); None: the layers evenly.
+    ep : int
+        Expert-parallel ranks (1: none): a mixture-of-experts model's experts split over
+        ``ep`` ranks that share one batch, the dense modules whole on each (transformers'
+        ``base_model_ep_plan`` alone, ``DistributedConfig(enable_expert_parallel=True)``);
+        ``gpus = ep``.
 
     Examples
     --------
@@ -58,6 +63,7 @@ class ParallelSettings:
     pp_schedule: PipelineSchedule = PipelineSchedule.GPIPE
     microbatches: int | None = None
     pp_split: tuple[str, ...] | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.pp_split, (list, str)):
@@ -67,7 +73,7 @@ class ParallelSettings:
         object.__setattr__(
             self, "pp_schedule", parse_option(PipelineSchedule, self.pp_schedule, "pp_schedule")
         )
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number of ranks >= 1, got {value!r}")
@@ -105,6 +111,43 @@ def check_tensor_parallel(parallel: ParallelSettings) -> None:
         raise ValueError(
             f"tp={tp} with strategy={parallel.strategy.value!r}: tensor parallelism does not "
             "compose with a data-parallel strategy yet; leave strategy at its default"
+        )
+
+
+def check_expert_parallel(parallel: ParallelSettings) -> None:
+    """A clear error for an expert-parallel layout that is not estimated (yet); the model's
+    side (experts, their number) is checked by the profile (``expert_parallel.resolve_ep_plan``).
+
+    Examples
+    --------
+    >>> check_expert_parallel(ParallelSettings(gpus=4, ep=2))
+    Traceback (most recent call last):
+    ...
+    ValueError: ep=2 with gpus=4: ...
+    """
+    ep, gpus = parallel.ep, parallel.gpus
+    if ep == 1:
+        return
+    if parallel.tp > 1:
+        raise ValueError(
+            f"ep={ep} with tp={parallel.tp}: experts split over tensor-parallel ranks are not "
+            "estimated yet; give tp=1 (ep alone) or ep=1 (tp alone)"
+        )
+    if parallel.pp > 1:
+        raise ValueError(
+            f"ep={ep} with pp={parallel.pp}: pipeline stages of expert-parallel ranks are not "
+            "estimated yet (transformers refuses token dispatch with pipeline parallelism, "
+            "DistributedConfig._validate_resolved_ep_plan); give pp=1"
+        )
+    if parallel.strategy is not Strategy.DDP:
+        raise ValueError(
+            f"ep={ep} with strategy={parallel.strategy.value!r}: expert parallelism does not "
+            "compose with a data-parallel strategy yet; leave strategy at its default"
+        )
+    if gpus != ep:
+        raise ValueError(
+            f"ep={ep} with gpus={gpus}: the ep ranks share one batch and are the whole world "
+            f"(data parallelism over expert-parallel groups is not estimated yet); give gpus={ep}"
         )
 
 
