@@ -475,6 +475,18 @@ def test_tensor_parallel_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--tp: tp=2 with gpus=1" in err
 
 
+def test_expert_parallel_flag_refuses_a_layout_before_profiling(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # --ep is estimate()'s ep keyword; the layouts it does not estimate are usage errors
+    # naming the reason, before any model is built
+    argv = ["--transformers", "mixtral", "--seq-len", "16", "--device", "cpu", "--json"]
+    err = _usage_error([*argv, "--gpus", "4", "--ep", "2"], capsys)
+    assert "--ep: ep=2 with gpus=4" in err
+    err = _usage_error([*argv, "--gpus", "2", "--ep", "2", "--tp", "2"], capsys)
+    assert "--ep: ep=2 with tp=2" in err
+
+
 # --- every keyword of estimate has a flag ----------------------------------------------------
 
 

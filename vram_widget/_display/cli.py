@@ -210,6 +210,8 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["lazy_loading"] = args.lazy_loading
     if args.tp is not None and args.tp > 1:  # one tensor-parallel rank, training or not
         keywords.update(gpus=args.gpus, tp=args.tp)
+    if args.ep is not None and args.ep > 1:  # one expert-parallel rank, training or not
+        keywords.update(gpus=args.gpus, ep=args.ep)
     if args.pp is not None and args.pp > 1:  # each pipeline stage (training only)
         keywords.update(gpus=args.gpus, pp=args.pp, pp_schedule=args.pp_schedule or "gpipe")
         keywords["microbatches"] = args.microbatches
@@ -326,6 +328,8 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "float8": est.float8 or None,
         "gpus": est.gpus,
         "tp": est.tp,
+        "ep": est.ep,
+        "ep_worst_case_bytes": est.ep_worst_case_bytes,
         "pp": est.pp,
         "pp_schedule": est.pp_schedule,
         "microbatches": est.microbatches,

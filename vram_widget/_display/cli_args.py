@@ -640,6 +640,15 @@ def _parallel_flags(parallel: argparse._ArgumentGroup) -> None:
         "--mode inference (default: 1, none)",
     )
     parallel.add_argument(
+        "--ep",
+        type=positive_int,
+        metavar="K",
+        help="expert-parallel ranks (--gpus K) of a mixture-of-experts model, by its own "
+        "expert plan (a Hugging Face model's base_model_ep_plan), with the tokens routed "
+        "evenly; the estimate also gives the bound where every token goes to one rank's "
+        "experts; training or --mode inference (default: 1, none)",
+    )
+    parallel.add_argument(
         "--pp",
         type=positive_int,
         metavar="K",
@@ -820,7 +829,8 @@ def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--new-tokens is for --mode generate; got --mode {mode.value}")
     if mode is not Mode.TRAIN:
         given = [flag for dest, flag in _TRAIN_ONLY if getattr(args, dest) is not None]
-        if args.tp is not None and mode is Mode.INFERENCE:  # tensor-parallel inference
+        if (args.tp is not None or args.ep is not None) and mode is Mode.INFERENCE:
+            # tensor- or expert-parallel inference runs on --gpus ranks
             given = [flag for flag in given if flag != "--gpus"]
         if given:
             parser.error(
@@ -893,6 +903,15 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             check_tensor_parallel(ParallelSettings(gpus, Strategy(strategy), tp=args.tp))
         except ValueError as exc:
             parser.error(f"--tp: {exc}")
+    if args.ep is not None:
+        from .._estimating.recipe.parallel import ParallelSettings, check_expert_parallel
+
+        try:
+            check_expert_parallel(
+                ParallelSettings(gpus, Strategy(strategy), tp=args.tp or 1, ep=args.ep)
+            )
+        except ValueError as exc:
+            parser.error(f"--ep: {exc}")
     if any(x is not None for x in (args.pp, args.pp_schedule, args.microbatches, args.pp_split)):
         from .._estimating.options import PipelineSchedule
         from .._estimating.recipe.parallel import ParallelSettings, check_pipeline_parallel
@@ -923,6 +942,7 @@ def _check_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         for dest, flag in (
             ("gpus", "--gpus"), ("strategy", "--strategy"), ("tp", "--tp"), ("pp", "--pp"),
             ("pp_schedule", "--pp-schedule"), ("pp_split", "--pp-split"), ("rank", "--rank"),
+            ("ep", "--ep"),
         )
         if getattr(args, dest) is not None
     ]  # fmt: skip
