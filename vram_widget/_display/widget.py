@@ -617,6 +617,12 @@ class MemoryWidget(
             return
         self._error = ""
         self._pipeline_answered_now()
+        if profiling and change["name"] in ("weights", "float8"):
+            # the loaded layout of the new weights, beside their sub-profile (a meta build)
+            with contextlib.suppress(ValueError, TypeError, ImportError):
+                self._profile.load_bytes(
+                    precision=self.precision, weights=weights_arg(self.weights, self.precision)
+                )
         if profiling or frontier_pending:
             self._set_busy(False)
             elapsed = format_seconds(time.perf_counter() - started)
