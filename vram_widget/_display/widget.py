@@ -814,7 +814,10 @@ def show_memory(
         ``optimizer_names()``, an implementation suffix included: ``"adamw-fused"``; or
         ``"none"``/None), ``optimizer_in_backward`` (bool: each parameter stepped in the
         backward; one GPU, one micro-batch), ``set_to_none`` (bool: False keeps the
-        gradients between steps, ``zero_grad(set_to_none=False)``), ``mode``
+        gradients between steps, ``zero_grad(set_to_none=False)``), ``weights`` (None or
+        a format: "int8", "nf4", "nf4-dq", "fp4", "int8-torchao", "int4-torchao",
+        "nf4-torchao") and ``float8`` (None, True, "tensorwise" or "rowwise"; setting
+        one clears the other), ``mode``
         ({"train", "inference", "generate"}: generation
         where the model has ``generate()``, the sequence slider then the prompt's length),
         ``new_tokens`` (int >= 1, the tokens a generation adds after the prompt), ``gpu``
