@@ -60,8 +60,6 @@ from .widget_controls import (
     GPUS_MAX,
     OFFLOAD_OFF,
     TP_CHOICES,
-    WEIGHT_CHOICES,
-    WEIGHTS_OFF,
     ControlsMixin,
 )
 from .widget_levers import LeversMixin
@@ -71,8 +69,8 @@ from .widget_settings import OffloadTrait as _OffloadTrait
 from .widget_settings import OptimizerTrait as _OptimizerTrait
 from .widget_settings import check_optimizer_settings as _check_optimizer_settings
 from .widget_settings import check_policy_value as _check_policy_value
-from .widget_settings import float8_arg, offload_arg, offload_choice, weights_arg
 from .widget_settings import gpu_settings as _gpu_settings
+from .widget_settings import offload_arg, offload_choice, weights_arg
 from .widget_summary import DETAILS_TITLE, SummaryMixin
 from .widget_text import (
     Headline,
@@ -80,6 +78,7 @@ from .widget_text import (
     format_seconds,
     rows_html,
 )
+from .widget_weights import Float8Trait, WeightsMixin, WeightsTrait
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -97,7 +96,13 @@ _CHECKPOINT_OFF = CHECKPOINT_OFF
 
 
 class MemoryWidget(
-    ControlsMixin, SummaryMixin, LeversMixin, CompileMixin, PipelineMixin, widgets.VBox
+    ControlsMixin,
+    SummaryMixin,
+    LeversMixin,
+    CompileMixin,
+    PipelineMixin,
+    WeightsMixin,
+    widgets.VBox,
 ):
     """Interactive memory / FLOPs view of one profiled model (see :func:`show_memory`).
 
@@ -125,12 +130,13 @@ class MemoryWidget(
     # the batch x sequence-length frontier panel is open (where the profile has a sequence
     # axis): its figure is computed while open, and first opening it may profile lengths
     show_frontier = traitlets.Bool(False)
-    # the Linear weights stored by bitsandbytes: "off" (the precision's dtype), "nf4",
+    # the Linear weights stored by bitsandbytes: None (the precision's dtype), "nf4",
     # "nf4-dq" (double quantization) or "fp4", computed in the precision's dtype, or "int8"
-    # (LLM.int8 at threshold 0); torchao's "int8-torchao" / "int4-torchao" / "nf4-torchao"; or
-    # "float8-tensorwise" / "float8-rowwise": torchao's float8 training of the Linear layers
-    # (estimate's float8=)
-    weights = traitlets.Enum(list(WEIGHT_CHOICES), default_value=WEIGHTS_OFF)
+    # (LLM.int8 at threshold 0); torchao's "int8-torchao" / "int4-torchao" / "nf4-torchao"
+    weights = WeightsTrait(None, allow_none=True)
+    # torchao's float8 training of the Linear layers: None, "tensorwise" or "rowwise"
+    # (estimate's float8=; True is "tensorwise"); setting one of the pair clears the other
+    float8 = Float8Trait(None, allow_none=True)
     # torch.compile of the training step: "off", "model" or "blocks" (estimate's None / False,
     # True / "model", "blocks"), and the partitioner's activation_memory_budget in [0, 1]
     # (1.0, its default, is estimate's None); the step is eager outside training
@@ -453,8 +459,7 @@ class MemoryWidget(
             **self._compile_settings(),
             "loss_chunks": self.loss_chunks,
             "offload_activations": offload_arg(self.offload_activations),
-            "weights": weights_arg(self.weights, self.precision),
-            "float8": float8_arg(self.weights),
+            **self._weights_settings(),
             **({"expandable_segments": self.expandable_segments} if self._cuda else {}),
             "gpus": self.gpus,
             "strategy": self.strategy,
@@ -482,6 +487,9 @@ class MemoryWidget(
         levers = self._step_levers()
         if levers is None:  # refused by the estimate at once, nothing profiled
             return False
+        weighted = self._weights_needs_profiling()
+        if weighted is not None:  # quantized weights or float8: a sub-profile answers
+            return weighted
         try:  # FSDP2 under autocast steps on half parameters: a profiling run of its own
             parallel = resolve_parallel(self.gpus, self.strategy, gpus_per_node=self.gpus_per_node)
         except ValueError:  # the estimate says why
@@ -550,6 +558,9 @@ class MemoryWidget(
         return capacity <= self._estimate.extras.cuda_context_bytes  # the same at any setting
 
     def _compute(self) -> MemoryEstimate:
+        refusal = self._weights_refusal()  # a library not installed, said before profiling
+        if refusal:
+            raise ValueError(refusal)
         return self._profile.estimate(self.batch_size, **self._settings())
 
     def _on_change(self, change: dict[str, Any]) -> None:
@@ -567,6 +578,7 @@ class MemoryWidget(
         partners = [
             *([] if checkpoint_partner is None else [checkpoint_partner]),
             *self._pair_pipeline(change["name"]),
+            *filter(None, [self._pair_weights(change["name"])]),
         ]
         # The batch and the grouping depth are in no profile's or frontier's key: a move of
         # either never profiles (the slider's common case skips the checks, ~0.3 ms), but
@@ -605,6 +617,12 @@ class MemoryWidget(
             return
         self._error = ""
         self._pipeline_answered_now()
+        if profiling and change["name"] in ("weights", "float8"):
+            # the loaded layout of the new weights, beside their sub-profile (a meta build)
+            with contextlib.suppress(ValueError, TypeError, ImportError):
+                self._profile.load_bytes(
+                    precision=self.precision, weights=weights_arg(self.weights, self.precision)
+                )
         if profiling or frontier_pending:
             self._set_busy(False)
             elapsed = format_seconds(time.perf_counter() - started)
@@ -731,6 +749,7 @@ _SETTINGS: tuple[str, ...] = (
     "loss_chunks",
     "offload_activations",
     "weights",
+    "float8",
     "compile",
     "activation_memory_budget",
     "expandable_segments",
@@ -795,7 +814,10 @@ def show_memory(
         ``optimizer_names()``, an implementation suffix included: ``"adamw-fused"``; or
         ``"none"``/None), ``optimizer_in_backward`` (bool: each parameter stepped in the
         backward; one GPU, one micro-batch), ``set_to_none`` (bool: False keeps the
-        gradients between steps, ``zero_grad(set_to_none=False)``), ``mode``
+        gradients between steps, ``zero_grad(set_to_none=False)``), ``weights`` (None or
+        a format: "int8", "nf4", "nf4-dq", "fp4", "int8-torchao", "int4-torchao",
+        "nf4-torchao") and ``float8`` (None, True, "tensorwise" or "rowwise"; setting
+        one clears the other), ``mode``
         ({"train", "inference", "generate"}: generation
         where the model has ``generate()``, the sequence slider then the prompt's length),
         ``new_tokens`` (int >= 1, the tokens a generation adds after the prompt), ``gpu``

@@ -35,7 +35,6 @@ __all__ = [
     "BATCH_SLIDER_MAX",
     "CHECKPOINT_OFF",
     "EVERY_K",
-    "FLOAT8_CHOICES",
     "GPUS_MAX",
     "GROUP_TITLES",
     "LOSS_CHUNK_CHOICES",
@@ -45,8 +44,6 @@ __all__ = [
     "SEQ_SLIDER_MAX",
     "TOOLTIPS",
     "TP_CHOICES",
-    "WEIGHTS_OFF",
-    "WEIGHT_CHOICES",
     "ControlsMixin",
 ]
 
@@ -70,18 +67,6 @@ LOSS_CHUNK_CHOICES: tuple[int, ...] = (2, 4, 8, 16)
 OFFLOAD_OFF = "off"
 OFFLOAD_CHOICES: tuple[str, ...] = (OFFLOAD_OFF, "torchtune", "save_on_cpu")
 
-# the weights trait's values: the precision's own dtype, bitsandbytes' 4-bit formats (nf4
-# with QLoRA's double quantization too), or LLM.int8 without its outlier split (threshold 0:
-# the default threshold's split depends on the activations' values); torchao's int8 and
-# int4 weight-only formats (quantize_); torchao's NF4Tensor as torchtune's QLoRA applies it
-WEIGHTS_OFF = "off"
-# and torchao's float8 training of the Linear layers (float8=, its two recipes)
-FLOAT8_CHOICES: tuple[str, ...] = ("float8-tensorwise", "float8-rowwise")
-WEIGHT_CHOICES: tuple[str, ...] = (
-    WEIGHTS_OFF, "nf4", "nf4-dq", "fp4", "int8", "int8-torchao", "int4-torchao", "nf4-torchao",
-    *FLOAT8_CHOICES,
-)  # fmt: skip
-
 GROUP_TITLES: tuple[str, ...] = ("Step", "Optimizer", "Memory levers", "GPUs")
 """The control tabs, in order: each answers one question about the step."""
 
@@ -91,14 +76,15 @@ TOOLTIPS: dict[str, str] = {
     "seq_len": "tokens per sample (the prompt's length in a generation)",
     "precision": "the dtype of weights and activations: fp32, bf16/fp16 (all half), or "
     "amp-* (fp32 weights, autocast activations)",
-    "weights": "the Linear weights stored by bitsandbytes: nf4, nf4-dq (QLoRA's double "
-    "quantization) or fp4 (Linear4bit, computed in the precision's dtype; training needs a "
+    "weights": "the Linear weights stored by bitsandbytes: nf4, nf4 with QLoRA's double "
+    "quantization, or fp4 (Linear4bit, computed in the precision's dtype; training needs a "
     "LoRA rank: QLoRA), or int8 (Linear8bitLt, inference, without the outlier split: "
-    "threshold 0); int8-torchao / int4-torchao: torchao's quantize_ (inference; int4 on "
-    "the CPU only); nf4-torchao: torchao's NF4Tensor as torchtune's QLoRA (its LoRALinear "
-    "and FrozenNF4Linear; training needs a LoRA rank); float8-tensorwise / float8-rowwise: "
-    "float8 training by torchao (Float8Linear, training only; the weights stay in the "
-    "precision's dtype); off: the precision's dtype",
+    "threshold 0); int8 / int4 (torchao): torchao's quantize_ (inference; int4 on the CPU "
+    "only); nf4 (torchao): torchao's NF4Tensor as torchtune's QLoRA (training needs a LoRA "
+    "rank); float8 training (tensorwise / rowwise): torchao's Float8Linear (training on "
+    "one GPU; the weights stay in the precision's dtype); model's own: the precision's "
+    "dtype. A new choice profiles once (seconds); one the setting refuses is kept back, "
+    "the headline saying why",
     "mode": "train: forward, backward, optimizer step; inference: one forward under "
     "no_grad; generate: prefill and decode steps with the KV cache",
     "new_tokens": "tokens a generation adds after the prompt (its KV cache grows with them)",
@@ -245,9 +231,8 @@ class ControlsMixin:
         precision = widgets.Dropdown(
             options=list(self.traits()["precision"].values or []), layout={"width": "200px"}
         )
-        weights = widgets.Dropdown(options=list(WEIGHT_CHOICES), layout={"width": "180px"})
-        if "weights" in self._fixed:  # a Recipe's own Weights, held as it gives them
-            weights.disabled = True
+        # a view of the weights and float8 traits (widget_weights)
+        weights = self._build_weights_control()
         # a flex row: ipywidgets' ToggleButtons is a block whose buttons go under its label
         mode = widgets.ToggleButtons(
             options=modes,
@@ -299,7 +284,6 @@ class ControlsMixin:
         self._depth_slider = widgets.IntSlider(min=0, max=max(max_depth, 1))
         for control, name, label in (
             (precision, "precision", "precision"),
-            (weights, "weights", "weights"),
             (mode, "mode", "mode"),
             (gpu, "gpu", "GPU"),
             (self._custom_box, "custom_gib", "custom GiB"),
@@ -318,6 +302,9 @@ class ControlsMixin:
             # Labels as wide as their text, so no control wraps under its own label.
             control.style.description_width = "initial"
             widgets.link((self, name), (control, "value"))
+        weights.description = "weights"
+        weights.tooltip = TOOLTIPS["weights"]
+        weights.style.description_width = "initial"
         if self._tp_refusal:
             self._tp_dropdown.tooltip = f"not available: {self._tp_refusal}"
         return {
@@ -530,6 +517,7 @@ class ControlsMixin:
             self._budget_dropdown.disabled = self.compile == COMPILE_OFF
             self._tp_dropdown.disabled = bool(self._tp_refusal)
             self._pp_dropdown.disabled = bool(self._pp_refusal)
+            self._weights_dropdown.disabled = self._weights_held
 
     def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the integer settings on their sliders and boxes without feeding back."""
@@ -556,6 +544,7 @@ class ControlsMixin:
             self._sync_lever_choices()
             self._sync_compile_controls()
             self._sync_pipeline_controls()
+            self._sync_weights_control()
         finally:
             self._syncing = False
         self._custom_box.disabled = self.gpu != CUSTOM_GPU

@@ -13,6 +13,7 @@ from .._estimating.options import CustomOptimizer
 from .._estimating.recipe import Recipe
 from .._estimating.recipe.recipe import KEYWORD_FIELDS
 from .widget_settings import offload_choice
+from .widget_weights import recipe_weights_choice
 
 __all__ = ["CONTROLLED", "RecipeSettings", "recipe_settings"]
 
@@ -25,7 +26,7 @@ CONTROLLED: tuple[str, ...] = (
     "set_to_none", "expandable_segments", "checkpoint", "checkpoint_policy", "trainable",
     "grad_accumulation", "lora_rank", "loss_chunks", "offload_activations", "gpus", "strategy",
     "gpus_per_node", "new_tokens", "compile", "activation_memory_budget", "tp", "pp",
-    "pp_schedule", "microbatches",
+    "pp_schedule", "microbatches", "weights", "float8",
 )  # fmt: skip
 # (compute_capability is the chosen GPU's, which the "GPU" control sets.)
 _NO_CONTROL = ("rank", "base_quantization", "compute_capability")
@@ -70,7 +71,13 @@ def recipe_settings(recipe: object) -> RecipeSettings:
         value = recipe.get(key)
         if value == default.get(key):
             continue
-        if key not in CONTROLLED and key not in _NO_CONTROL:
+        if key in ("weights", "float8"):  # held as given where no choice of its control is it
+            choice = recipe_weights_choice(key, value, recipe.step.precision.value)
+            if choice is None:
+                fixed[key] = value
+            else:
+                controls[key] = choice
+        elif key not in CONTROLLED and key not in _NO_CONTROL:
             fixed[key] = value
         elif key in _NO_CONTROL:
             raise ValueError(

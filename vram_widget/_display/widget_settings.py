@@ -19,7 +19,7 @@ from .._estimating.recipe.weights import Weights, weight_format
 from .._estimating.sharding import DEFAULT_GPUS_PER_NODE, resolve_parallel
 from .._estimating.stepping import stepping_levers
 from .optimizer_control import NO_OPTIMIZER
-from .widget_controls import CHECKPOINT_OFF, OFFLOAD_OFF, POLICY_NAMES, WEIGHTS_OFF
+from .widget_controls import CHECKPOINT_OFF, OFFLOAD_OFF, POLICY_NAMES
 
 __all__ = [
     "OffloadTrait",
@@ -27,7 +27,6 @@ __all__ = [
     "check_optimizer_settings",
     "check_policy_value",
     "checkpoint_arg",
-    "float8_arg",
     "gpu_settings",
     "offload_arg",
     "offload_choice",
@@ -210,24 +209,8 @@ def offload_arg(choice: str) -> str | None:
     return None if choice == OFFLOAD_OFF else choice
 
 
-# the weights choices that are float8 training (``float8=``), not a storage of the weights
-FLOAT8_PREFIX = "float8-"
-
-
-def float8_arg(choice: str) -> str | None:
-    """The ``weights`` trait's float8 training choice as ``estimate``'s ``float8`` keyword
-    (its recipe), None for the other choices.
-
-    Examples
-    --------
-    >>> float8_arg("float8-rowwise"), float8_arg("nf4")
-    ('rowwise', None)
-    """
-    return choice.removeprefix(FLOAT8_PREFIX) if choice.startswith(FLOAT8_PREFIX) else None
-
-
-def weights_arg(choice: str, precision: str) -> Weights | None:
-    """The ``weights`` trait's choice as ``estimate``'s keyword: None for ``"off"``, else
+def weights_arg(choice: str | None, precision: str) -> Weights | None:
+    """The ``weights`` trait's value as ``estimate``'s keyword: None for None, else
     ``Linear4bit`` computing in the precision's dtype (bf16 / fp16; fp32 otherwise), with
     double quantization for ``"nf4-dq"``; ``"int8"``: ``Linear8bitLt`` at threshold 0;
     ``"int8-torchao"`` / ``"int4-torchao"`` / ``"nf4-torchao"``: torchao's formats at their
@@ -237,12 +220,12 @@ def weights_arg(choice: str, precision: str) -> Weights | None:
     --------
     >>> weights_arg("nf4-dq", "bf16")
     Weights(format=<WeightFormat.NF4: 'nf4'>, compute_dtype='bfloat16', double_quant=True, ...)
-    >>> weights_arg("off", "bf16") is None
+    >>> weights_arg(None, "bf16") is None
     True
     >>> weights_arg("int4-torchao", "bf16").describe()
     'int4-torchao (torchao int4 weight-only, groups of 128: Int4OpaqueTensor on the CPU)'
     """
-    if choice == WEIGHTS_OFF or choice.startswith(FLOAT8_PREFIX):
+    if choice is None:
         return None
     if choice == "int8":  # without the outlier split, whose memory depends on values
         return Weights(weight_format(choice), int8_threshold=0.0)

@@ -335,8 +335,11 @@ class SummaryMixin:
                 f"{html.escape(est.peak_location)}",
             ),
         ]
+        if est.weights or est.float8:  # the estimate's own description of them
+            rows.append(("Weights", html.escape(est.weights or est.float8)))
         # the weights and buffers once loaded, before any step (load_bytes): its layout is
-        # a meta build of the model, made when the widget opens, never on a move
+        # a meta build of the model, made when the widget opens or a weights choice is
+        # profiled, never on a slider move
         weights = weights_arg(self.weights, self.precision)
         try:
             if profile.load_is_cached(precision=est.precision, weights=weights):

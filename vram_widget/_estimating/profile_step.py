@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from .decoding import (
     crosses_window,
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
+from .float8 import check_float8
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks
 from .offloading import offload_levers
 from .options import (
@@ -32,12 +33,14 @@ from .options import (
     Category,
     Device,
     Mode,
+    OptimizerName,
     Phase,
     Precision,
 )
 from .profile_rungs import _expert_parallel_question, _tensor_parallel_question
 from .quantized import check_quantized, check_weights_device, int8_outlier_note
 from .recipe import Accelerator, LeverSettings, Recipe
+from .recipe.float8 import Float8
 from .recipe.weights import Weights
 from .sharding import (
     ITEMSIZE,
@@ -220,6 +223,76 @@ class StepMixin:
             for rank, names in shards
         ]
         return max(ranks, key=lambda e: (e.peak_bytes, -(e.rank or 0)))
+
+    def weights_cached(  # type: ignore[misc]
+        self: ModelProfile, batch_size: int = 1, recipe: Recipe | None = None, **keywords: Any
+    ) -> bool:
+        """Whether :meth:`estimate` with these arguments needs no further profiling run for
+        its quantized weights (``weights=``) or float8 training (``float8=``): the
+        sub-profile of that setting is made and holds the step. With neither, whether the
+        step itself is in this profile (as :meth:`is_cached` says). A question the estimate
+        refuses raises its ValueError.
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> p = profile_model(zoo.mlp(), input_size=(784,), device="cpu")
+        >>> p.weights_cached(4, mode="inference", weights="nf4")
+        False
+        >>> _ = p.estimate(4, mode="inference", weights="nf4")  # makes the sub-profile
+        >>> p.weights_cached(64, mode="inference", weights="nf4")
+        True
+        """
+        asked = Recipe.from_keywords(recipe, batch_size=batch_size, **keywords)
+        if asked.float8.enabled:
+            check_float8(
+                asked.float8,
+                asked.step.mode,
+                asked.step.precision,
+                asked.weights,
+                asked.levers.lora_rank,
+                asked.parallel.gpus,
+                asked.levers.compile,
+            )
+            sub = self._float8_profiles.get(asked.float8)
+            return sub is not None and sub._step_cached(dataclasses.replace(asked, float8=Float8()))
+        if not asked.weights.quantized:
+            return self._step_cached(asked)
+        parallel = self._parallel_of(asked)
+        check_quantized(asked.weights, asked.step.mode, asked.levers.lora_rank, parallel.gpus)
+        check_weights_device(asked.weights, self.device)
+        length = self.check_seq_len(asked.step.seq_len)
+        levers = decided_at(self._step_levers_of(asked, parallel, length), batch_size)
+        lora_dtype = _lora_dtype_of(asked.levers)
+        targets = levers.lora_targets if levers.lora_rank is not None else None
+        if (asked.weights, levers.lora_rank, targets, lora_dtype) not in self._quantized_profiles:
+            return False
+        sub, kwargs = self._quantized(asked.weights, levers, lora_dtype)
+        plain = dataclasses.replace(asked, levers=LeverSettings(), weights=Weights())
+        return sub._step_cached(plain.with_(**kwargs))
+
+    def _step_cached(self: ModelProfile, recipe: Recipe) -> bool:  # type: ignore[misc]
+        """Whether the step of a Recipe with neither quantized weights nor float8 is in
+        this profile (:meth:`is_cached` of its resolved levers)."""
+        parallel = self._parallel_of(recipe)
+        step = recipe.step
+        length = self.check_seq_len(step.seq_len)
+        levers = decided_at(self._step_levers_of(recipe, parallel, length), step.batch_size)
+        name = recipe.optimizer.name
+        impl = recipe.optimizer.implementation
+        optimizer: object = name
+        if isinstance(name, OptimizerName) and impl is not None:
+            optimizer = f"{name.value}-{impl.value}"
+        return self.is_cached(
+            step.precision,
+            step.mode,
+            optimizer,  # type: ignore[arg-type]
+            step.seq_len,
+            levers,
+            parallel,
+            recipe.generation.new_tokens,
+            batch_size=step.batch_size,
+        )
 
     def _check_new_tokens(  # type: ignore[misc]
         self: ModelProfile, mode: Mode, new_tokens: object, seq_len: int | None
