@@ -346,7 +346,7 @@ def test_recipe_carries_compile() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [None, 0.1])
+@pytest.mark.parametrize("budget", [0.1])  # the default budget: benchmarks/accuracy_compile.py
 def test_estimate_gpt2_saved_set_is_measured(budget: float | None) -> None:
     """A tiny Hugging Face GPT-2 (2 layers, 64 wide, vocabulary 1000), batch 4 x 16 tokens,
     fp32, AdamW: the estimate's saved bytes are the measured compiled step's plus the
@@ -505,12 +505,13 @@ def test_mlp_compiled_peak_is_inductors() -> None:
 
 @pytest.mark.slow
 def test_transformer_encoder_compiled_peak_is_inductors() -> None:
-    """The zoo TransformerEncoder (2 post-norm layers, d_model 128, 4 x 32 tokens), fp32
-    and bf16, budgets 1.0 and 0.5: peak and saved set to the byte (bf16 includes oneDNN's
-    packing scratch of the out= matmuls Inductor's code calls, measured by the probe)."""
+    """The zoo TransformerEncoder (2 post-norm layers, d_model 128, 4 x 32 tokens), fp32 at
+    budget 1.0 and bf16 at 0.5: peak and saved set to the byte (bf16 includes oneDNN's
+    packing scratch of the out= matmuls Inductor's code calls, measured by the probe).
+    ``benchmarks/accuracy_compile.py`` runs the other pairs, and batch 1, at three budgets."""
     torch.manual_seed(0)
     inputs = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
-    runs = [(p, b, True) for p in ("fp32", "bf16") for b in (1.0, 0.5)]
+    runs: list[tuple[str, float, object]] = [("fp32", 1.0, True), ("bf16", 0.5, True)]
     assert _truth(zoo.transformer_encoder(), inputs, runs) == []
 
 
