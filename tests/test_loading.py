@@ -205,10 +205,15 @@ def test_shown_in_the_cli_and_the_widget(capsys: pytest.CaptureFixture[str]) -> 
     widget = MemoryWidget(profile, precision="bf16", mode="inference", batch_size=4)
     rows = dict(widget._detail_rows(widget._estimate))  # the opening setting's, made at once
     assert rows["Loaded"] == profile.load_bytes(precision="bf16").summary()
-    widget.weights = "nf4-dq"  # a move builds nothing: the row names what gives it ...
+    # new weights are a profiling run (the busy label): their loaded layout is made in it
     assert not profile.load_is_cached(precision="bf16", weights=QLORA)
+    widget.weights = "nf4-dq"
+    assert profile.load_is_cached(precision="bf16", weights=QLORA)
+    rows = dict(widget._detail_rows(widget._estimate))
+    assert rows["Loaded"] == profile.load_bytes(precision="bf16", weights=QLORA).summary()
+    # another move does not make it (a new precision profiles its step, not the loaded
+    # layout): the row names what gives it
+    widget.precision = "fp16"
+    assert not profile.load_is_cached(precision="fp16", weights=QLORA)
     rows = dict(widget._detail_rows(widget._estimate))
     assert rows["Loaded"].startswith("profile.load_bytes(")
-    loaded = profile.load_bytes(precision="bf16", weights=QLORA)  # ... until it is made
-    rows = dict(widget._detail_rows(widget._estimate))
-    assert rows["Loaded"] == loaded.summary()
