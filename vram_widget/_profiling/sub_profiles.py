@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -182,14 +183,24 @@ class SubProfiles:
         return None
 
     def _tensor_parallel_estimate(self: _Source, tp: int, tp_plan: object, recipe: Any) -> Any:  # type: ignore[misc]
-        subject = self.profiler.subject
-        plan = resolve_plan(subject.model, tp, tp_plan)
+        plan = resolve_plan(self.profiler.subject.model, tp, tp_plan)
+        return self._rank_estimate(tp, lambda m, mesh: parallelized(m, plan, mesh), recipe)
+
+    def _rank_estimate(  # type: ignore[misc]
+        self: _Source,
+        world_size: int,
+        shard: Callable[[torch.nn.Module, Any], torch.nn.Module],
+        recipe: Any,
+    ) -> Any:
+        """Rank 0's estimate of ``recipe`` on a meta copy of the model that ``shard`` lays out
+        over a fake process group of ``world_size`` ranks, profiled as a sub-profile while
+        the group is up (destroyed after, whatever happens)."""
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore", InputShapeWarning)
             warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
-            with fake_process_group(tp) as mesh:
-                copy_ = parallelized(meta_copy(subject.model), plan, mesh)
-                # not cached: the profile key does not read the mesh
+            with fake_process_group(world_size) as mesh:
+                copy_ = shard(meta_copy(self.profiler.subject.model), mesh)
+                # not cached: the profile key does not read the mesh (or the routing)
                 sub = self._sub_profile(copy_, cache=False)
                 return sub._estimate(recipe)
 
@@ -220,15 +231,9 @@ class SubProfiles:
     def _expert_parallel_run(  # type: ignore[misc]
         self: _Source, ep: int, plan: dict[str, str], recipe: Any, routing: str
     ) -> Any:
-        subject = self.profiler.subject
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-            warnings.simplefilter("ignore", InputShapeWarning)
-            warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
-            with fake_process_group(ep) as mesh:
-                copy_ = expert_parallelized(meta_copy(subject.model), plan, mesh, routing)
-                # not cached: the profile key does not read the mesh or the routing
-                sub = self._sub_profile(copy_, cache=False)
-                return sub._estimate(recipe)
+        return self._rank_estimate(
+            ep, lambda m, mesh: expert_parallelized(m, plan, mesh, routing), recipe
+        )
 
     def pipeline_stage_peaks(  # type: ignore[misc]
         self: _Source,
