@@ -386,15 +386,16 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
             ParallelStyle}`` with DTensor on PyTorch's fake process group, profiled once
             per question (``_profiling/tensor_parallel.py``; docs: the guide on several
             GPUs).
-            ``pp=k`` (with ``gpus=k``), ``pp_schedule="gpipe"`` / ``"1f1b"`` and
-            ``microbatches=m`` (default ``k``), ``pp_split=["layers.K", ...]`` (the first
-            layer of each stage after the first; default: the layers evenly) estimate each
-            of ``k`` pipeline stages of a Hugging Face decoder (fp32 / bf16 training, a
-            ``device="cpu"`` profile):
+            ``pp=k`` (with ``gpus=k``), ``pp_schedule="gpipe"`` / ``"1f1b"`` /
+            ``"interleaved-1f1b"`` (with ``stages_per_rank=v``, default 2: rank r holds
+            stages r, r + k, ...) and ``microbatches=m`` (default ``k``),
+            ``pp_split=["layers.K", ...]`` (the first layer of each stage after the first;
+            default: the layers evenly) estimate each of ``k`` pipeline ranks of a Hugging
+            Face decoder (fp32 / bf16 training, a ``device="cpu"`` profile):
             ``batch_size`` is the whole step's batch, split into ``m`` micro-batches; each
-            stage's step runs as ``torch.distributed.pipelining`` schedules it, on fake
+            rank's step runs as ``torch.distributed.pipelining`` schedules it, on fake
             tensors (``_profiling/pipeline_parallel.py``). ``peak_bytes`` is the worst
-            stage's, ``est.stage_peak_bytes`` each stage's.
+            rank's, ``est.stage_peak_bytes`` each rank's (all its stages together).
             ``context_bytes`` (bytes) replaces the CUDA context of
             ``accelerator.cuda_context``'s table, which ``compute_capability`` and
             ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;

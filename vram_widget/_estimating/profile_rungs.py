@@ -24,6 +24,7 @@ from .recipe.parallel import (
     check_tensor_parallel,
     check_tensor_parallel_settings,
     pipeline_microbatches,
+    pipeline_stages_per_rank,
     tensor_parallel_refusals,
 )
 from .recipe.recipe import default
@@ -268,10 +269,12 @@ class RungsMixin:
         stages = self._source.pipeline_stage_peaks(
             par.pp, par.pp_schedule, m, step.batch_size, step.seq_len, step.precision,
             opt_name, recipe.optimizer.implementation, par.pp_split,
+            pipeline_stages_per_rank(par),
         )  # fmt: skip
         whole = self._estimate(
-            recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None)
-        )
+            recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None,
+                         stages_per_rank=None)
+        )  # fmt: skip
         worst = max(stages, key=lambda s: s.peak_bytes)
         return dataclasses.replace(
             whole,

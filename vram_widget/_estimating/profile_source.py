@@ -85,6 +85,7 @@ class ProfileSource(Protocol):
         optimizer: OptimizerChoice | None,
         implementation: OptimizerImplementation | None,
         split: tuple[str, ...] | None = None,
+        stages_per_rank: int = 1,
     ) -> tuple[Any, ...]: ...
 
     def generation(

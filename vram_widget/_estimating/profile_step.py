@@ -124,7 +124,8 @@ class StepMixin:
             plain = _expert_parallel_question(recipe)
             est = self._source.expert_parallel_estimate(par.ep, plain)
             return dataclasses.replace(est, gpus=par.gpus, ep=par.ep)
-        if par.pp > 1 or par.microbatches is not None or par.pp_split is not None:
+        pipeline = (par.microbatches, par.pp_split, par.stages_per_rank)
+        if par.pp > 1 or any(x is not None for x in pipeline):
             return self._pipeline_estimate(recipe)
         if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)
             plain = _tensor_parallel_question(recipe)

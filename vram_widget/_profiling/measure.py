@@ -108,6 +108,7 @@ def measure(
     microbatches: int | None = default(None),
     pp_split: object = default(None),
     ep: int = default(1),
+    stages_per_rank: int | None = default(None),
     timeout_s: float = 600.0,
     new_tokens: int | None = default(None),
     optimizer_in_backward: bool = default(False),
@@ -220,14 +221,16 @@ def measure(
         ``base_model_ep_plan`` (transformers' ``apply_expert_parallelism``), takes the
         model's own values (its slice of the experts), and measures its own step, the
         tokens routed by the model's router as they fall (``expert_parallel.rank_setup``).
-    pp, pp_schedule, microbatches : int, str, int
+    pp, pp_schedule, microbatches, stages_per_rank : int, str, int, int
         Pipeline parallelism on ``gpus = pp`` gloo ranks (fp32 / bf16 training of a Hugging
         Face decoder, ``inputs={"input_ids": ..., "labels": ...}``): each rank holds one
-        stage (``pipeline_parallel.stage_copy``) and steps it by
-        ``torch.distributed.pipelining``'s ``ScheduleGPipe`` (``"gpipe"``) or
-        ``Schedule1F1B`` (``"1f1b"``) over ``microbatches`` (default ``pp``) micro-batches
-        of the inputs' batch, then the optimizer (``pp_split``: where stages begin, as
-        ``estimate`` takes it); ``rank_peak_bytes`` holds each stage's
+        stage (``pipeline_parallel.stage_copy``), or ``stages_per_rank`` stages (default 2)
+        with ``"interleaved-1f1b"`` (rank r: stages r, r + pp, ...), and steps them by
+        ``torch.distributed.pipelining``'s ``ScheduleGPipe`` (``"gpipe"``),
+        ``Schedule1F1B`` (``"1f1b"``) or ``ScheduleInterleaved1F1B``
+        (``"interleaved-1f1b"``) over ``microbatches`` (default ``pp``) micro-batches
+        of the inputs' batch, then the optimizers (``pp_split``: where stages begin, as
+        ``estimate`` takes it); ``rank_peak_bytes`` holds each rank's
         peak (the least of five steps). Checked as the estimate checks them, before any rank.
     new_tokens : int, optional
         With ``mode="generate"``: Hugging Face's ``model.generate(do_sample=False,
@@ -347,7 +350,7 @@ def measure(
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
             "tp": tp, "tp_plan": tp_plan,
             "pp": pp, "pp_schedule": pp_schedule, "microbatches": microbatches,
-            "pp_split": pp_split, "ep": ep,
+            "pp_split": pp_split, "ep": ep, "stages_per_rank": stages_per_rank,
             "new_tokens": new_tokens, "optimizer_in_backward": optimizer_in_backward,
             "set_to_none": set_to_none, "outputs": outputs, "loss_scaled": loss_scaled,
             "clip_grad_norm": clip_grad_norm, "param_groups": param_groups,
@@ -407,7 +410,8 @@ def measure(
     protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
     carry = Step(carried_scalars=carried_scalars).carried_scalars  # checked as the Recipe does
     decay_split = parse_option(ParamGroups, param_groups, "param_groups") is ParamGroups.DECAY_SPLIT
-    if settings["pp"] != 1 or settings["microbatches"] is not None or settings["pp_split"]:
+    pipeline = ("microbatches", "pp_split", "stages_per_rank")
+    if settings["pp"] != 1 or any(settings[k] is not None for k in pipeline):
         return _measure_pipeline(model, inputs, settings, timeout_s)
     tp_setup = _tensor_parallel_setup(model, settings, gpus, strategy, mode)
     if settings.get("ep", 1) not in (None, 1):

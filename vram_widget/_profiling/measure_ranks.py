@@ -93,6 +93,7 @@ def _measure_pipeline(
         check_pipeline_parallel,
         check_pipeline_parallel_settings,
         pipeline_microbatches,
+        pipeline_stages_per_rank,
     )
     from .distributed import run_ranks
     from .pipeline_parallel import check_pipeline_model, measure_stage
@@ -106,7 +107,8 @@ def _measure_pipeline(
     par = recipe.parallel
     check_pipeline_parallel(par, batch)
     check_pipeline_parallel_settings(recipe)
-    check_pipeline_model(model, inputs, par.pp, par.pp_split)
+    stages_per_rank = pipeline_stages_per_rank(par)
+    check_pipeline_model(model, inputs, par.pp, par.pp_split, stages_per_rank)
     if _model_device(model).type != "cpu":
         raise ValueError(
             f"measure(pp={par.pp}) runs its ranks on the CPU with gloo; this model is on CUDA"
@@ -117,8 +119,9 @@ def _measure_pipeline(
 
     def rank_step(_rank: int, _world: int) -> tuple[int, int]:
         return measure_stage(
-            model, inputs, par.pp_schedule, m, precision, optimizer, implementation, par.pp_split
-        )
+            model, inputs, par.pp_schedule, m, precision, optimizer, implementation,
+            par.pp_split, stages_per_rank,
+        )  # fmt: skip
 
     ranks = run_ranks(rank_step, par.gpus, timeout_s)
     worst = max(range(len(ranks)), key=lambda r: ranks[r][1])

@@ -33,6 +33,7 @@ MEASURED_SETTINGS = (
     "pp_schedule",
     "microbatches",
     "pp_split",
+    "stages_per_rank",
     "ep",
     "new_tokens",
     "optimizer_in_backward",

@@ -5,15 +5,17 @@ A stage is split as torchtitan splits a Hugging Face decoder (torchtitan 0.3,
 torchtitan/experiments/transformers_modeling_backend/pipeline.py,
 ``generate_llm_fqn_per_model_part`` and ``pipeline_module_split``: the embedding with the
 first stage, the final norm and the output head with the last, the decoder layers in
-between, each stage a copy of the model with the other stages' modules removed). Here the
-layers are split evenly (``pp`` must divide them) and every stage keeps the rotary embedding
-(a buffer, as torchtitan keeps ``rotary_emb`` on every stage).
+between, each stage a copy of the model with the other stages' modules removed). For
+``ScheduleGPipe`` and ``Schedule1F1B`` (one stage a rank) the layers are split evenly
+(``pp`` must divide them); for ``ScheduleInterleaved1F1B`` (``stages_per_rank`` stages a
+rank, rank r holding stages r, r + pp, ...) they are split as torchtitan counts them, the
+embedding and the head each weighing one layer (:func:`stage_layer_ranges`). Every stage
+keeps the rotary embedding (a buffer, as torchtitan keeps ``rotary_emb`` on every stage).
 
-A stage's memory is that of the real schedule (``ScheduleGPipe`` / ``Schedule1F1B`` over a
-``PipelineStage``): the estimate runs that schedule for one rank on fake tensors on
-PyTorch's fake process group (no communication, receive buffers left as they are), and
-counts the live storages of every op's outputs (:class:`LiveBytes`); ``measure`` runs it on
-real gloo ranks.
+A rank's memory is that of the real schedule over its ``PipelineStage`` objects: the
+estimate runs that schedule for one rank on fake tensors on PyTorch's fake process group
+(no communication, receive buffers left as they are), and counts the live storages of every
+op's outputs (:class:`LiveBytes`); ``measure`` runs it on real gloo ranks.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = [
     "StagePeak",
     "check_pipeline_model",
     "measure_stage",
+    "rank_stage_indices",
     "stage_copy",
     "stage_layer_ranges",
     "stage_peak",
@@ -69,15 +72,21 @@ def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
 
 
 def check_pipeline_model(
-    model: nn.Module, inputs: Any, pp: int, split: tuple[str, ...] | None = None
+    model: nn.Module,
+    inputs: Any,
+    pp: int,
+    split: tuple[str, ...] | None = None,
+    stages_per_rank: int = 1,
 ) -> None:
     """A clear error, before any profiling, where ``model`` or ``inputs`` cannot be split
-    into ``pp`` stages: not a Hugging Face decoder, ``pp`` not dividing its layers (or a
-    ``split`` that does not name ``pp - 1`` layers in order), inputs other than
+    into ``pp * stages_per_rank`` stages: not a Hugging Face decoder, ``pp`` not dividing its
+    layers (one stage a rank), too few layers for the stages (several a rank), a ``split``
+    that does not name one layer fewer than the stages in order, inputs other than
     ``{"input_ids": ..., "labels": ...}``."""
     _base, layers = _decoder(model)
-    if split is not None:
-        stage_layer_ranges(len(layers), pp, split)
+    stages = pp * stages_per_rank
+    if split is not None or stages_per_rank > 1:
+        stage_layer_ranges(len(layers), stages, split, weighted_ends=stages_per_rank > 1)
     elif len(layers) % pp:
         raise ValueError(
             f"pp={pp} does not divide the model's {len(layers)} decoder layers: each stage "
@@ -91,12 +100,42 @@ def check_pipeline_model(
         )
 
 
+def _weighted_layer_ranges(layer_count: int, stages: int) -> list[range]:
+    """torchtitan's count rule (0.3, experiments/transformers_modeling_backend/pipeline.py,
+    ``generate_llm_fqn_per_model_part`` with its defaults ``input_weight=1`` and
+    ``output_weight=1``, ``pipeline_parallel_first_stage_less_layers`` and
+    ``..._last_stage_less_layers`` in torchtitan/config/configs.py): the embedding and the
+    head count as one layer each; ``layers + 2`` such layers are shared out, ``// stages``
+    each and one more to each of the first ``% stages``; the first stage's embedding and the
+    last stage's head take one of theirs."""
+    effective = layer_count + 2
+    if stages > effective:
+        # generate_llm_fqn_per_model_part: "Number of stages ... cannot be greater than
+        # effective layers"
+        raise ValueError(
+            f"{stages} pipeline stages need at least {stages - 2} decoder layers (torchtitan "
+            f"counts the embedding and the head as one layer each); the model has "
+            f"{layer_count}: give fewer stages_per_rank or a smaller pp"
+        )
+    per, extra = divmod(effective, stages)
+    counts = [per + (s < extra) for s in range(stages)]
+    counts[0] -= 1
+    counts[-1] -= 1
+    starts = list(itertools.accumulate(counts, initial=0))
+    return [range(a, b) for a, b in itertools.pairwise(starts)]
+
+
 def stage_layer_ranges(
-    layer_count: int, pp: int, split: tuple[str, ...] | None = None
+    layer_count: int,
+    stages: int,
+    split: tuple[str, ...] | None = None,
+    weighted_ends: bool = False,
 ) -> list[range]:
-    """The decoder layers of each of ``pp`` stages: split evenly, or at ``split``, the
-    first layer of each stage after the first (torchtitan's
-    ``pipeline_parallel_split_points``, e.g. ``("layers.4",)``; ``model.layers.4`` too).
+    """The decoder layers of each of ``stages`` stages: split evenly, as torchtitan counts
+    them with ``weighted_ends`` (the embedding and the head one layer each, so the first and
+    last stages may hold no decoder layer), or at ``split``, the first layer of each stage
+    after the first (torchtitan's ``pipeline_parallel_split_points``, e.g. ``("layers.4",)``;
+    ``model.layers.4`` too).
 
     Examples
     --------
@@ -104,10 +143,14 @@ def stage_layer_ranges(
     [range(0, 2), range(2, 4)]
     >>> stage_layer_ranges(4, 2, ("layers.1",))
     [range(0, 1), range(1, 4)]
+    >>> stage_layer_ranges(2, 4, weighted_ends=True)
+    [range(0, 0), range(0, 1), range(1, 2), range(2, 2)]
     """
     if split is None:
-        per = layer_count // pp
-        return [range(s * per, (s + 1) * per) for s in range(pp)]
+        if weighted_ends:
+            return _weighted_layer_ranges(layer_count, stages)
+        per = layer_count // stages
+        return [range(s * per, (s + 1) * per) for s in range(stages)]
     starts = []
     for name in split:
         match = re.fullmatch(r"(?:model\.)?layers\.(\d+)", name)
@@ -118,10 +161,10 @@ def stage_layer_ranges(
             )
         starts.append(int(match.group(1)))
     bounds = [0, *starts, layer_count]
-    if len(starts) != pp - 1 or any(a >= b for a, b in itertools.pairwise(bounds)):
+    if len(starts) != stages - 1 or any(a >= b for a, b in itertools.pairwise(bounds)):
         raise ValueError(
             f"pp_split={list(split)} does not split the model's {layer_count} layers into "
-            f"pp={pp} stages: give {pp - 1} layer names in increasing order, each of "
+            f"{stages} stages: give {stages - 1} layer names in increasing order, each of "
             f"layers.1 to layers.{layer_count - 1}"
         )
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
@@ -145,11 +188,13 @@ class StageModule(nn.Module):
 def stage_copy(
     model: nn.Module,
     stage: int,
-    pp: int,
+    stages: int,
     meta: bool = False,
     split: tuple[str, ...] | None = None,
+    weighted_ends: bool = False,
 ) -> StageModule:
-    """A copy of stage ``stage`` of ``pp`` (a meta copy with ``meta``: no weight copied).
+    """A copy of stage ``stage`` of ``stages`` (a meta copy with ``meta``: no weight
+    copied), its layers those :func:`stage_layer_ranges` gives it.
 
     Examples
     --------
@@ -164,7 +209,7 @@ def stage_copy(
 
     source = meta_copy(model) if meta else model
     _base, layers = _decoder(source)
-    keep = stage_layer_ranges(len(layers), pp, split)[stage]
+    keep = stage_layer_ranges(len(layers), stages, split, weighted_ends)[stage]
     # copy without the layers the stage does not hold (deepcopy's memo answers None)
     memo: dict[int, Any] = {id(layers[i]): None for i in range(len(layers)) if i not in keep}
     out = copy.deepcopy(source, memo)
@@ -172,7 +217,7 @@ def stage_copy(
     out_base.layers = nn.ModuleList([out_layers[i] for i in keep])
     if stage:
         out_base.register_module("embed_tokens", None)
-    if stage != pp - 1:
+    if stage != stages - 1:
         out_base.norm = nn.Identity()
         out.lm_head = nn.Identity()
     return StageModule(out, first=stage == 0)
@@ -196,19 +241,40 @@ def _config(model: nn.Module) -> Any:
 
 
 def _schedule_class(schedule: PipelineSchedule) -> type:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
-    classes = {PipelineSchedule.GPIPE: ScheduleGPipe, PipelineSchedule.ONE_F_ONE_B: Schedule1F1B}
+    classes = {
+        PipelineSchedule.GPIPE: ScheduleGPipe,
+        PipelineSchedule.ONE_F_ONE_B: Schedule1F1B,
+        PipelineSchedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+    }
     return classes[schedule]
+
+
+def rank_stage_indices(rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stages rank ``rank`` holds: ``rank``, ``rank + pp``, ... (torchtitan's "loop"
+    style, ``_get_stage_indices`` in its pipeline.py; ``PipelineStage`` maps stage ``i`` to
+    rank ``i % group_size``, torch/distributed/pipelining/stage.py).
+
+    Examples
+    --------
+    >>> rank_stage_indices(1, 2, 2)
+    [1, 3]
+    """
+    return [rank + k * pp for k in range(stages_per_rank)]
 
 
 @dataclasses.dataclass
 class _Rank:
-    """One rank's stage, schedule, optimizer and batch, and its step."""
+    """One rank's stages, schedule, optimizers and batch, and its step."""
 
-    module: StageModule
+    modules: list[StageModule]
     schedule: Any
-    optimizer: torch.optim.Optimizer | None
+    optimizers: list[torch.optim.Optimizer]
     batch: torch.Tensor  # the first stage's ids, the last stage's labels, or neither
     first: bool
     last: bool
@@ -220,39 +286,91 @@ class _Rank:
             self.schedule.step(target=self.batch)
         else:
             self.schedule.step()
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def stages(self) -> list[Any]:
+        """The schedule's ``PipelineStage`` objects (one for GPipe and 1F1B)."""
+        return list(getattr(self.schedule, "_stages", None) or [self.schedule._stage])
 
     def resident_tensors(self) -> Iterator[torch.Tensor]:
-        """What the rank holds between steps: its stage's parameters, buffers and
-        optimizer state, its batch, the stage's receive buffers (``PipelineStage`` keeps
+        """What the rank holds between steps: its stages' parameters, buffers and
+        optimizer state, its batch, each stage's receive buffers (``PipelineStage`` keeps
         one a micro-batch, for activations and for gradients) and the last stage's outputs
         of the step before (``output_chunks``, dropped when the next step starts)."""
-        yield from self.module.parameters()
-        yield from self.module.buffers()
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
+        for module in self.modules:
+            yield from module.parameters()
+            yield from module.buffers()
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
         yield self.batch
-        stage = self.schedule._stage
-        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-            for info in infos:
-                if isinstance(getattr(info, "buffer", None), torch.Tensor):
-                    yield info.buffer
-        for out in stage.output_chunks:
-            yield from (t for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t))
+        for stage in self.stages():
+            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+                for info in infos:
+                    if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                        yield info.buffer
+            for out in stage.output_chunks:
+                leaves = torch.utils._pytree.tree_leaves(out)
+                yield from (t for t in leaves if torch.is_tensor(t))
 
     def wrapper_bytes(self) -> int:
         return 0
 
 
-def _rank(
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A pipeline's shape: ``pp`` ranks, the schedule, its stages a rank, the split."""
+
+    pp: int
+    schedule: PipelineSchedule
+    microbatches: int
+    stages_per_rank: int = 1
+    split: tuple[str, ...] | None = None
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def copy(self, model: nn.Module, stage: int, meta: bool) -> StageModule:
+        return stage_copy(model, stage, self.stages, meta, self.split, self.stages_per_rank > 1)
+
+
+def _pipeline_stage(
     module: StageModule,
     stage: int,
-    pp: int,
-    schedule: PipelineSchedule,
-    microbatches: int,
+    stages: int,
+    inputs: dict[str, torch.Tensor],
+    micro: int,
+    hidden_size: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+) -> Any:
+    """The ``PipelineStage`` over ``module``, with its inputs' and outputs' shapes given
+    (so no shape inference runs)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    ids = inputs["input_ids"]
+    seq = ids.shape[1]
+    if stage == 0:
+        example_in = torch.empty((micro, seq), dtype=ids.dtype, device="meta")
+    else:
+        example_in = torch.empty((micro, seq, hidden_size), dtype=dtype, device="meta")
+        example_in.requires_grad_(True)
+    width = vocab_size if stage == stages - 1 else hidden_size
+    example_out = torch.empty((micro, seq, width), dtype=dtype, device="meta")
+    example_out.requires_grad_(True)
+    device = torch.device("cpu")
+    return PipelineStage(
+        module, stage, stages, device, input_args=(example_in,), output_args=(example_out,)
+    )
+
+
+def _rank(
+    modules: list[StageModule],
+    rank: int,
+    layout: _Layout,
     inputs: dict[str, torch.Tensor],
     optimizer: OptimizerChoice | None,
     implementation: OptimizerImplementation | None,
@@ -261,34 +379,29 @@ def _rank(
     vocab_size: int,
     dtype: torch.dtype,
 ) -> _Rank:
-    """The rank's ``PipelineStage`` over ``module``, with its inputs' and outputs' shapes
-    given (so no shape inference runs), and the schedule over it."""
-    from torch.distributed.pipelining import PipelineStage
-
+    """The rank's ``PipelineStage`` objects over ``modules`` (its stages, in order) and the
+    schedule over them; one optimizer a stage, as torchtitan's ``OptimizersContainer``
+    builds at least one a model part (torchtitan/components/optimizer/optimizer.py)."""
     from .step import make_optimizer
 
-    ids = inputs["input_ids"]
-    micro = ids.shape[0] // microbatches
-    seq = ids.shape[1]
-    device = torch.device("cpu")
-    if stage == 0:
-        example_in = torch.empty((micro, seq), dtype=ids.dtype, device="meta")
+    micro = inputs["input_ids"].shape[0] // layout.microbatches
+    indices = rank_stage_indices(rank, layout.pp, layout.stages_per_rank)
+    pipes = [
+        _pipeline_stage(m, i, layout.stages, inputs, micro, hidden_size, vocab_size, dtype)
+        for m, i in zip(modules, indices, strict=True)
+    ]
+    schedule_class = _schedule_class(layout.schedule)
+    if layout.stages_per_rank == 1:
+        sched = schedule_class(pipes[0], layout.microbatches, loss_fn=loss_fn)
     else:
-        example_in = torch.empty((micro, seq, hidden_size), dtype=dtype, device="meta")
-        example_in.requires_grad_(True)
-    width = vocab_size if stage == pp - 1 else hidden_size
-    example_out = torch.empty((micro, seq, width), dtype=dtype, device="meta")
-    example_out.requires_grad_(True)
-    pipe = PipelineStage(
-        module, stage, pp, device, input_args=(example_in,), output_args=(example_out,)
-    )
-    sched = _schedule_class(schedule)(pipe, microbatches, loss_fn=loss_fn)
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = None if optimizer is None or not params else make_optimizer(
-        optimizer, params, implementation
-    )  # fmt: skip
-    batch = inputs["input_ids"] if stage == 0 else inputs["labels"]
-    return _Rank(module, sched, opt, batch, stage == 0, stage == pp - 1)
+        sched = schedule_class(pipes, layout.microbatches, loss_fn=loss_fn)
+    opts = []
+    for module in modules:
+        params = [p for p in module.parameters() if p.requires_grad]
+        if optimizer is not None and params:
+            opts.append(make_optimizer(optimizer, params, implementation))
+    batch = inputs["input_ids"] if rank == 0 else inputs["labels"]
+    return _Rank(modules, sched, opts, batch, rank == 0, rank == layout.pp - 1)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -386,7 +499,7 @@ def _steady_static(sched: Any) -> None:
 def stage_peak(
     model: nn.Module,
     inputs: dict[str, torch.Tensor],
-    stage: int,
+    rank: int,
     pp: int,
     schedule: PipelineSchedule,
     microbatches: int,
@@ -394,22 +507,27 @@ def stage_peak(
     optimizer: OptimizerChoice | None,
     implementation: OptimizerImplementation | None = None,
     split: tuple[str, ...] | None = None,
+    stages_per_rank: int = 1,
 ) -> StagePeak:
-    """Stage ``stage``'s step as ``torch.distributed.pipelining`` runs it, on fake tensors
-    and PyTorch's fake process group (``tensor_parallel.fake_process_group``): a meta copy
-    of its layers made fake, the schedule's third step counted by :class:`LiveBytes` (the
-    first two make the receive buffers and the optimizer state)."""
+    """Rank ``rank``'s step (its ``stages_per_rank`` stages) as ``torch.distributed.pipelining``
+    runs it, on fake tensors and PyTorch's fake process group
+    (``tensor_parallel.fake_process_group``): a meta copy of each stage's layers made fake,
+    the schedule's third step counted by :class:`LiveBytes` (the first two make the receive
+    buffers and the optimizer state)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .step import storage_dtype
     from .tensor_parallel import fake_process_group
 
     dtype = storage_dtype(precision)
-    module = stage_copy(model, stage, pp, meta=True, split=split)
+    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split)
+    modules = [
+        layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
+    ]
     mode = FakeTensorMode()
     memo: dict[int, torch.Tensor] = {}
     with mode:
-        for sub in module.modules():
+        for sub in (s for module in modules for s in module.modules()):
             tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
             for table in tables:
                 for name, t in list(table.items()):
@@ -429,23 +547,26 @@ def stage_peak(
     from .probe import KernelProbe
 
     counter = LiveBytes(KernelProbe())
-    with fake_process_group(pp, rank=stage), mode:
-        rank = _rank(
-            module, stage, pp, schedule, microbatches, fake_inputs, optimizer,
-            implementation, _loss_fn(model), config.hidden_size, config.vocab_size, dtype,
+    with fake_process_group(pp, rank=rank), mode:
+        run = _rank(
+            modules, rank, layout, fake_inputs, optimizer, implementation, _loss_fn(model),
+            config.hidden_size, config.vocab_size, dtype,
         )  # fmt: skip
-        _steady_static(rank.schedule)
-        for t in (*module.parameters(), *module.buffers(), rank.batch):
-            counter.track(t)
+        _steady_static(run.schedule)
+        for module in modules:
+            for t in (*module.parameters(), *module.buffers()):
+                counter.track(t)
+        counter.track(run.batch)
         with counter:
-            rank.iterate()
-            rank.iterate()
+            run.iterate()
+            run.iterate()
             gc.collect()
             resident = counter.live_bytes
             counter.reset_peak()
-            rank.iterate()
-        params = sum(p.untyped_storage().nbytes() for p in set(module.parameters()))
-    return StagePeak(counter.peak_with_workspaces(), resident, params)
+            run.iterate()
+        params = {p.untyped_storage(): None for module in modules for p in module.parameters()}
+        param_bytes = sum(storage.nbytes() for storage in params)
+    return StagePeak(counter.peak_with_workspaces(), resident, param_bytes)
 
 
 def measure_stage(
@@ -457,28 +578,33 @@ def measure_stage(
     optimizer: OptimizerChoice | None,
     implementation: OptimizerImplementation | None = None,
     split: tuple[str, ...] | None = None,
+    stages_per_rank: int = 1,
 ) -> tuple[int, int]:
-    """On a real gloo rank of ``measure(gpus=pp, pp=pp)``: this rank's stage (a copy of its
-    layers only, in the precision's dtype) stepped by the schedule, two steps first, then
-    five measured by the CPU profiler; (resident bytes, the least measured peak). The least:
-    a send's buffer that gloo's worker thread drops last is a free the profiler, which
+    """On a real gloo rank of ``measure(gpus=pp, pp=pp)``: this rank's stages (copies of
+    their layers only, in the precision's dtype) stepped by the schedule, two steps first,
+    then five measured by the CPU profiler; (resident bytes, the least measured peak). The
+    least: a send's buffer that gloo's worker thread drops last is a free the profiler, which
     records the calling thread, never sees (``distributed._collectives_release_on_caller``)."""
     import torch.distributed as dist
 
     from .measure_session import _run_cpu
     from .step import storage_dtype
 
-    stage, pp = dist.get_rank(), dist.get_world_size()
+    rank, pp = dist.get_rank(), dist.get_world_size()
     dtype = storage_dtype(precision)
     config = _config(model)
+    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split)
 
     def session() -> _Rank:
-        module = stage_copy(model, stage, pp, split=split).to(dtype)
-        module.train()
+        modules = []
+        for i in rank_stage_indices(rank, pp, stages_per_rank):
+            module = layout.copy(model, i, meta=False).to(dtype)
+            module.train()
+            modules.append(module)
         ids = {k: v.clone() for k, v in inputs.items()}
         return _rank(
-            module, stage, pp, schedule, microbatches, ids, optimizer, implementation,
-            _loss_fn(model), config.hidden_size, config.vocab_size, dtype,
+            modules, rank, layout, ids, optimizer, implementation, _loss_fn(model),
+            config.hidden_size, config.vocab_size, dtype,
         )  # fmt: skip
 
     resident, trace = _run_cpu(session, warmups=2, repeats=5)  # type: ignore[arg-type]

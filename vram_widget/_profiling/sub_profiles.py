@@ -246,12 +246,14 @@ class SubProfiles:
         optimizer: OptimizerChoice | None,
         implementation: OptimizerImplementation | None,
         split: tuple[str, ...] | None = None,
+        stages_per_rank: int = 1,
     ) -> tuple[Any, ...]:
-        """Each of ``pp`` pipeline stages' step at ``batch_size`` (the whole step's batch),
-        as ``torch.distributed.pipelining`` runs ``schedule`` over ``microbatches``, on fake
-        tensors (``pipeline_parallel.stage_peak``); the model and inputs checked first
-        (``pipeline_parallel.check_pipeline_model``). Kept per question."""
-        kwargs = self._pipeline_inputs(pp, split)
+        """Each of ``pp`` pipeline ranks' step (its ``stages_per_rank`` stages) at
+        ``batch_size`` (the whole step's batch), as ``torch.distributed.pipelining`` runs
+        ``schedule`` over ``microbatches``, on fake tensors (``pipeline_parallel.stage_peak``);
+        the model and inputs checked first (``pipeline_parallel.check_pipeline_model``). Kept
+        per question."""
+        kwargs = self._pipeline_inputs(pp, split, stages_per_rank)
         key = (
             pp,
             schedule,
@@ -262,6 +264,7 @@ class SubProfiles:
             optimizer,
             implementation,
             split,
+            stages_per_rank,
         )
         if key not in self._pipeline:
             length = seq_len or kwargs["input_ids"].shape[1]
@@ -279,13 +282,13 @@ class SubProfiles:
     def pipeline_parallel_refusal(self: _Source, pp: int) -> str | None:  # type: ignore[misc]
         """Why the model or its inputs cannot be split into ``pp`` stages, or None."""
         try:
-            self._pipeline_inputs(pp, None)
+            self._pipeline_inputs(pp, None, 1)
         except ValueError as exc:
             return str(exc)
         return None
 
     def _pipeline_inputs(  # type: ignore[misc]
-        self: _Source, pp: int, split: tuple[str, ...] | None
+        self: _Source, pp: int, split: tuple[str, ...] | None, stages_per_rank: int
     ) -> dict[str, Any]:
         """The example's keyword inputs, where the profile's device, the model and the
         inputs can be split into ``pp`` stages (else a ValueError saying why)."""
@@ -300,7 +303,7 @@ class SubProfiles:
             )
         given = subject.inputs
         kwargs = given.kwargs if given is not None and not given.args else None
-        check_pipeline_model(subject.model, kwargs, pp, split)
+        check_pipeline_model(subject.model, kwargs, pp, split, stages_per_rank)
         assert kwargs is not None
         return dict(kwargs)
 
@@ -309,12 +312,11 @@ class SubProfiles:
     ) -> Any:
         from .pipeline_parallel import stage_peak
 
-        pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation, split = (
-            key
-        )
+        pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation = key[:8]
+        split, stages_per_rank = key[8:]
         return stage_peak(
             self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
-            optimizer, implementation, split,
+            optimizer, implementation, split, stages_per_rank,
         )  # fmt: skip
 
 

@@ -32,14 +32,19 @@ class ParallelSettings:
         Module patterns -> ``torch.distributed.tensor.parallel`` styles; None: the
         model's own plan (a Hugging Face model's ``base_model_tp_plan``).
     pp : int
-        Pipeline stages among ``gpus`` (1: none), one a rank; ``gpus = pp x tp``.
+        Pipeline ranks among ``gpus`` (1: none); ``gpus = pp x tp``.
     pp_schedule : PipelineSchedule
-        ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"``.
+        ``"gpipe"``, ``"1f1b"`` (one stage a rank) or ``"interleaved-1f1b"``
+        (``stages_per_rank`` stages a rank, rank r holding stages r, r + pp, ...).
+    stages_per_rank : int, optional
+        Stages a rank holds under ``"interleaved-1f1b"`` (at least 2); None: 2 for it
+        (torchtitan's default for a multi-stage schedule), 1 for the others.
     microbatches : int, optional
         Micro-batches the step's batch is split into; None: ``pp``.
     pp_split : tuple of str, optional
         The first decoder layer of each stage after the first (``"layers.K"``, torchtitan's
-        ``pipeline_parallel_split_points``); None: the layers evenly.
+        ``pipeline_parallel_split_points``; ``pp x stages_per_rank - 1`` names); None: the
+        layers evenly (as torchtitan counts them for ``"interleaved-1f1b"``).
     ep : int
         Expert-parallel ranks (1: none): a mixture-of-experts model's experts split over
         ``ep`` ranks that share one batch, the dense modules whole on each (transformers'
@@ -64,6 +69,7 @@ class ParallelSettings:
     microbatches: int | None = None
     pp_split: tuple[str, ...] | None = None
     ep: int = 1
+    stages_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pp_split, (list, str)):
@@ -77,9 +83,10 @@ class ParallelSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number of ranks >= 1, got {value!r}")
-        m = self.microbatches
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(f"microbatches must be a whole number >= 1 or None, got {m!r}")
+        for name in ("microbatches", "stages_per_rank"):
+            m = getattr(self, name)
+            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+                raise ValueError(f"{name} must be a whole number >= 1 or None, got {m!r}")
         if isinstance(self.fsdp_units, list):
             object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
 
@@ -192,6 +199,52 @@ def pipeline_microbatches(parallel: ParallelSettings) -> int:
     return parallel.pp if parallel.microbatches is None else parallel.microbatches
 
 
+def pipeline_stages_per_rank(parallel: ParallelSettings) -> int:
+    """The stages a pipeline rank holds: ``stages_per_rank``, else 2 for
+    ``"interleaved-1f1b"`` (torchtitan 0.3, experiments/transformers_modeling_backend/
+    pipeline.py: "For multi-stage schedules, default is 2 virtual stages per rank") and 1
+    for the others.
+
+    Examples
+    --------
+    >>> pipeline_stages_per_rank(ParallelSettings(gpus=2, pp=2, pp_schedule="interleaved-1f1b"))
+    2
+    """
+    if parallel.stages_per_rank is not None:
+        return parallel.stages_per_rank
+    return 2 if parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
+
+
+def _check_stages_per_rank(parallel: ParallelSettings, m: int) -> None:
+    """The stages a rank and the micro-batches the schedule runs them with."""
+    pp, v = parallel.pp, parallel.stages_per_rank
+    interleaved = parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B
+    if not interleaved and v not in (None, 1):
+        raise ValueError(
+            f"stages_per_rank={v} with pp_schedule={parallel.pp_schedule.value!r}: that "
+            "schedule runs one stage a rank; use pp_schedule='interleaved-1f1b' for several"
+        )
+    if interleaved and v is not None and v < 2:
+        # torchtitan (experiments/transformers_modeling_backend/pipeline.py): "Multi-stage
+        # schedule requires at least 2 stages per rank"
+        raise ValueError(
+            f"pp_schedule='interleaved-1f1b' with stages_per_rank={v}: the schedule holds "
+            "several stages a rank; give stages_per_rank >= 2 (or 'gpipe' / '1f1b')"
+        )
+    # ScheduleInterleaved1F1B.__init__ (torch/distributed/pipelining/schedules.py, torch
+    # 2.13 lines 2935-2942): number_of_rounds = max(1, n_microbatches // pp_group_size),
+    # and "Interleaved 1F1B requires the number of microbatches to be a multiple of the
+    # number of rounds"
+    rounds = max(1, m // pp)
+    if interleaved and m % rounds:
+        fits = [k for k in range(1, 4 * pp + 1) if k % max(1, k // pp) == 0]
+        raise ValueError(
+            f"pp_schedule='interleaved-1f1b' with microbatches={m} and pp={pp}: torch's "
+            f"ScheduleInterleaved1F1B runs max(1, microbatches // pp) = {rounds} rounds and "
+            f"needs microbatches to be a multiple of them; give one of {fits}, ..."
+        )
+
+
 def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None:
     """A clear error for a pipeline-parallel layout that is not estimated (yet), before
     any profiling.
@@ -210,6 +263,8 @@ def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None
             raise ValueError("pp_split names where pipeline stages begin: give pp=... too")
         if parallel.microbatches is not None:
             raise ValueError("microbatches splits a pipeline-parallel step: give pp=... too")
+        if parallel.stages_per_rank is not None:
+            raise ValueError("stages_per_rank counts pipeline stages a rank: give pp=... too")
         return
     if pp * tp != gpus:
         raise ValueError(
@@ -226,11 +281,7 @@ def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None
             f"pp={pp} with strategy={parallel.strategy.value!r}: a pipeline stage with a "
             "data-parallel strategy is not estimated yet; leave strategy at its default"
         )
-    if parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
-        raise ValueError(
-            "pp_schedule='interleaved-1f1b' (several stages a rank) is not estimated yet; "
-            "use 'gpipe' or '1f1b'"
-        )
+    _check_stages_per_rank(parallel, m)
     # Schedule1F1B.__init__ (torch/distributed/pipelining/schedules.py): "Number of
     # microbatches ... must be greater than or equal to the number of stages"
     if parallel.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < pp:

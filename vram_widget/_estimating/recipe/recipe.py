@@ -103,6 +103,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "pp_schedule": ("parallel", "pp_schedule"),
     "microbatches": ("parallel", "microbatches"),
     "pp_split": ("parallel", "pp_split"),
+    "stages_per_rank": ("parallel", "stages_per_rank"),
     "ep": ("parallel", "ep"),
     "new_tokens": ("generation", "new_tokens"),
     "weights": ("weights", ""),
