@@ -67,7 +67,7 @@ def test_order_fits_first_then_traffic_then_bytes(mlp: ModelProfile) -> None:
     assert set(refused) == {"tp=2", "pp=2 gpipe m=2", "pp=2 1f1b m=2", "pp=2 interleaved-1f1b m=2"}
     assert "has no tensor-parallel plan" in refused["tp=2"]
     assert "splits a Hugging Face decoder" in refused["pp=2 gpipe m=2"]
-    assert "not estimated yet" in refused["pp=2 interleaved-1f1b m=2"]
+    assert "splits a Hugging Face decoder" in refused["pp=2 interleaved-1f1b m=2"]
     # the same layout asked of estimate directly is the row's estimate
     direct = mlp.estimate(4, gpus=2, strategy="zero3", fsdp_units=["Linear"])
     assert plan.layouts[1].peak_bytes == direct.peak_bytes
@@ -130,7 +130,7 @@ def test_llama_has_tensor_and_pipeline_rows() -> None:
     rows = {row.label: row for row in plan.layouts}
     assert set(rows) == {
         "dp=2 ddp", "dp=2 zero1", "dp=2 zero2", "dp=2 zero3", "dp=2 hsdp",
-        "tp=2", "pp=2 gpipe m=2", "pp=2 1f1b m=2",
+        "tp=2", "pp=2 gpipe m=2", "pp=2 1f1b m=2", "pp=2 interleaved-1f1b m=2",
     }  # fmt: skip
     # one tensor-parallel rank: the 806,912 B of Linear and embedding weights halved,
     # the 5 RMSNorm weights of 64 fp32 (1,280 B) whole: 403,456 + 1,280
@@ -146,5 +146,8 @@ def test_llama_has_tensor_and_pipeline_rows() -> None:
     assert all(row.fits for row in plan.layouts)
     order = [row.label for row in plan.layouts]
     assert order.index("dp=2 zero1") < order.index("pp=2 gpipe m=2") < order.index("tp=2")
-    assert [row.label for row in plan.refused] == ["pp=2 interleaved-1f1b m=2"]
+    assert plan.refused == ()
+    # ScheduleInterleaved1F1B's two stages a rank: rank r holds stages r and r + 2
+    interleaved = rows["pp=2 interleaved-1f1b m=2"].estimate
+    assert (interleaved.pp_schedule, interleaved.stages_per_rank) == ("interleaved-1f1b", 2)
     assert "zero3: the root" in rows["dp=2 zero3"].warnings[0]  # kept, not issued

@@ -85,8 +85,6 @@ def test_bad_layouts_are_refused_by_name(llama_profile) -> None:  # type: ignore
         llama_profile.estimate(4, gpus=4, pp=4)
     with pytest.raises(ValueError, match=r"pp=2 with tp=2"):
         llama_profile.estimate(4, gpus=4, pp=2, tp=2)
-    with pytest.raises(ValueError, match=r"'interleaved-1f1b' .* not estimated yet"):
-        llama_profile.estimate(4, gpus=2, pp=2, pp_schedule="interleaved-1f1b")
     with pytest.raises(ValueError, match=r"pp_schedule"):
         llama_profile.estimate(4, gpus=2, pp=2, pp_schedule="zigzag")
     with pytest.raises(ValueError, match=r"microbatches splits a pipeline-parallel step"):
@@ -128,8 +126,9 @@ PP_RELATIVE_SLACK = 0.01
 
 @pytest.mark.parametrize(
     ("precision", "schedule", "microbatches"),
-    [("fp32", "gpipe", 2), ("bf16", "1f1b", 4)],
-)
+    [("fp32", "gpipe", 2), ("bf16", "1f1b", 4), ("fp32", "interleaved-1f1b", 2),
+     ("bf16", "interleaved-1f1b", 4)],
+)  # fmt: skip
 def test_stages_against_real_pipeline_ranks(
     one_thread: None, precision: str, schedule: str, microbatches: int
 ) -> None:
@@ -184,3 +183,138 @@ def test_mixture_of_experts_stages_against_real_ranks(one_thread: None) -> None:
     real = measure(model, hf_tokens(4), timeout_s=60, **kwargs)
     for estimated, measured in zip(est.stage_peak_bytes, real.rank_peak_bytes, strict=True):
         assert abs(estimated / measured - 1) <= PP_RELATIVE_SLACK, (estimated, measured)
+
+
+def test_interleaved_layers_split_as_torchtitan_counts_them() -> None:
+    from vram_widget._profiling.pipeline_parallel import rank_stage_indices, stage_layer_ranges
+
+    # torchtitan's generate_llm_fqn_per_model_part (input_weight = output_weight = 1):
+    # 2 layers + 2 = 4 to share among 4 stages, 1 each; the embedding takes stage 0's, the
+    # head stage 3's: stage 0 = the embedding alone, 1 = layers.0, 2 = layers.1, 3 = head
+    assert stage_layer_ranges(2, 4, weighted_ends=True) == [
+        range(0, 0), range(0, 1), range(1, 2), range(2, 2),
+    ]  # fmt: skip
+    # 8 layers + 2 = 10 among 4: 2 each and 1 more to the first 2 -> 3, 3, 2, 2; less the
+    # embedding and the head: 2, 3, 2, 1 layers
+    assert [len(r) for r in stage_layer_ranges(8, 4, weighted_ends=True)] == [2, 3, 2, 1]
+    assert rank_stage_indices(0, 2, 2) == [0, 2] and rank_stage_indices(1, 4, 3) == [1, 5, 9]
+    with pytest.raises(ValueError, match=r"6 pipeline stages need at least 4 decoder layers"):
+        stage_layer_ranges(2, 6, weighted_ends=True)
+
+
+def test_interleaved_layouts_are_refused_by_name(llama_profile) -> None:  # type: ignore[no-untyped-def]
+    est = llama_profile.estimate
+    interleaved = {"gpus": 2, "pp": 2, "pp_schedule": "interleaved-1f1b"}
+    # ScheduleInterleaved1F1B: max(1, 5 // 2) = 2 rounds, and 5 is not a multiple of 2
+    with pytest.raises(ValueError, match=r"microbatches=5 and pp=2: .* = 2 rounds"):
+        est(10, microbatches=5, **interleaved)
+    # 2 ranks x 3 stages = 6 stages: torchtitan's rule needs 6 - 2 = 4 decoder layers
+    with pytest.raises(ValueError, match=r"6 pipeline stages need at least 4 decoder layers"):
+        est(4, stages_per_rank=3, **interleaved)
+    with pytest.raises(ValueError, match=r"'interleaved-1f1b' with stages_per_rank=1: .* >= 2"):
+        est(4, stages_per_rank=1, **interleaved)
+    with pytest.raises(ValueError, match=r"stages_per_rank=2 with pp_schedule='1f1b'"):
+        est(4, gpus=2, pp=2, pp_schedule="1f1b", stages_per_rank=2)
+    with pytest.raises(ValueError, match=r"stages_per_rank counts pipeline stages a rank"):
+        est(4, stages_per_rank=2)
+    # pp x stages_per_rank - 1 = 3 names for 4 stages
+    with pytest.raises(ValueError, match=r"into 4 stages: give 3 layer names"):
+        est(4, pp_split=["layers.1"], **interleaved)
+
+
+def test_measure_refuses_interleaved_layouts_before_any_rank() -> None:
+    import time
+
+    from vram_widget import measure
+
+    torch.manual_seed(0)
+    model = hf_llama()
+    kwargs = {"gpus": 2, "pp": 2, "pp_schedule": "interleaved-1f1b"}
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"microbatches=5 and pp=2"):
+        measure(model, hf_tokens(10), microbatches=5, **kwargs)
+    with pytest.raises(ValueError, match=r"6 pipeline stages need at least 4 decoder layers"):
+        measure(model, hf_tokens(4), stages_per_rank=3, **kwargs)
+    assert time.monotonic() - t0 < 10  # no rank started
+
+
+def _schedule_order(pp: int, stages_per_rank: int, microbatches: int) -> dict[int, list[str]]:
+    """Each rank's actions ("2F1": stage 2's forward of micro-batch 1, "B": its backward)
+    as torch's ScheduleInterleaved1F1B orders them (its ``pipeline_order``), built on
+    PyTorch's fake process group over stages of one Linear each."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    from vram_widget._profiling.tensor_parallel import fake_process_group
+
+    with fake_process_group(pp, rank=0):
+        x = torch.empty((1, 4), device="meta")
+        stages = [
+            PipelineStage(nn.Linear(4, 4, device="meta"), k * pp, pp * stages_per_rank,
+                          torch.device("cpu"), input_args=(x,), output_args=(x,))
+            for k in range(stages_per_rank)
+        ]  # fmt: skip
+        schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=lambda y, t: y.sum())
+    order = schedule.pipeline_order
+    return {r: [str(a) for a in acts if a is not None] for r, acts in order.items()}
+
+
+def _in_flight(actions: list[str]) -> list[set[str]]:
+    """The forwards whose backward has not run yet, after each action."""
+    live: set[str] = set()
+    after = []
+    for action in actions:
+        stage, kind, micro = action.partition("F") if "F" in action else action.partition("B")
+        key = f"{stage}:{micro}"
+        live = live | {key} if kind == "F" else live - {key}
+        after.append(set(live))
+    return after
+
+
+def test_interleaved_schedule_holds_the_micro_batches_worked_out_by_hand() -> None:
+    # pp = 2 ranks x 2 stages, 4 micro-batches: max(1, 4 // 2) = 2 rounds of 4 // 2 = 2
+    # micro-batches. Warm-up forwards (_get_warmup_ops): (stages_per_rank - 1) x 2 + 2 x
+    # (pp - 1 - rank) = 4 on rank 0, 2 on rank 1; then one forward and one backward each,
+    # a stage switching every round (2 micro-batches); backwards from the last local stage
+    order = _schedule_order(2, 2, 4)
+    assert order[0] == [
+        "0F0", "0F1", "2F0", "2F1", "0F2", "2B0", "0F3", "2B1",
+        "2F2", "0B0", "2F3", "0B1", "2B2", "2B3", "0B2", "0B3",
+    ]  # fmt: skip
+    assert order[1] == [
+        "1F0", "1F1", "3F0", "3B0", "3F1", "3B1", "1F2", "1B0",
+        "1F3", "1B1", "3F2", "3B2", "3F3", "3B3", "1B2", "1B3",
+    ]  # fmt: skip
+    # rank 0 holds at most 5 forwards' activations (GPipe would hold 2 stages x 4 = 8):
+    # first after 0F2, stage 0's micro-batches 0-2 and stage 2's 0-1
+    flights = _in_flight(order[0])
+    assert max(map(len, flights)) == 5
+    assert flights[4] == {"0:0", "0:1", "0:2", "2:0", "2:1"}
+    # rank 1 at most 3: stage 1's 0 and 1 and the last stage's 0, whose backward follows
+    # at once (3F0, 3B0: the last stage's loss backward runs after each forward)
+    flights = _in_flight(order[1])
+    assert max(map(len, flights)) == 3 and flights[2] == {"1:0", "1:1", "3:0"}
+    # 2 micro-batches: 1 round of 2, every forward before the first backward on rank 0
+    assert max(map(len, _in_flight(_schedule_order(2, 2, 2)[0]))) == 4
+
+
+def test_interleaved_rank_holds_its_stages(llama_profile) -> None:  # type: ignore[no-untyped-def]
+    est = llama_profile.estimate(
+        4, optimizer="adamw", gpus=2, pp=2, pp_schedule="interleaved-1f1b", microbatches=2
+    )
+    assert (est.pp, est.pp_schedule, est.stages_per_rank, est.microbatches) == (
+        2, "interleaved-1f1b", 2, 2,
+    )  # fmt: skip
+    # rank 0 holds stage 0 (the embedding, 64,000) and stage 2 (layers.1, 36,992): the
+    # same 403,968 B of fp32 parameters as GPipe's stage 0, AdamW's two moments and 10 step
+    # counts (40 B), the ids (512 B); receive buffers of a micro-batch's hidden states
+    # (2 x 16 x 64 x 4 B = 8,192) a micro-batch: stage 0's gradients (2), stage 2's
+    # activations (2) and gradients (2) = 6 x 8,192 = 49,152; each stage's rotary
+    # inv_freq and original_inv_freq, 2 x 64 B
+    assert est.stage_resident_bytes[0] == 3 * 403_968 + 40 + 512 + 49_152 + 128
+    gpipe = llama_profile.estimate(4, optimizer="adamw", gpus=2, pp=2, microbatches=2)
+    # one more receive buffer set than GPipe's stage 0 (stage 2's 4 x 8,192 less none)
+    # and one more rotary embedding
+    assert est.stage_resident_bytes[0] - gpipe.stage_resident_bytes[0] == 4 * 8_192 + 64
+    assert est.peak_bytes == max(est.stage_peak_bytes)
+    assert all(p > r for p, r in zip(est.stage_peak_bytes, est.stage_resident_bytes, strict=True))

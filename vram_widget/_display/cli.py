@@ -216,6 +216,7 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords.update(gpus=args.gpus, pp=args.pp, pp_schedule=args.pp_schedule or "gpipe")
         keywords["microbatches"] = args.microbatches
         keywords["pp_split"] = _patterns(args.pp_split)
+        keywords["stages_per_rank"] = args.stages_per_rank
     if not train:
         return keywords
     return {**keywords, **_training_keywords(args)}

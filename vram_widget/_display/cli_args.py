@@ -90,6 +90,7 @@ _TRAIN_ONLY = (
     ("pp_schedule", "--pp-schedule"),
     ("microbatches", "--microbatches"),
     ("pp_split", "--pp-split"),
+    ("stages_per_rank", "--stages-per-rank"),
     ("checkpoint_policy", "--checkpoint-policy"),
     ("trainable", "--trainable"),
     ("grad_accumulation", "--grad-accumulation"),
@@ -659,15 +660,24 @@ def _parallel_flags(parallel: argparse._ArgumentGroup) -> None:
     )
     parallel.add_argument(
         "--pp-schedule",
-        choices=["gpipe", "1f1b"],
-        help="with --pp: ScheduleGPipe ('gpipe') or Schedule1F1B ('1f1b') (default: gpipe)",
+        choices=["gpipe", "1f1b", "interleaved-1f1b"],
+        help="with --pp: ScheduleGPipe ('gpipe'), Schedule1F1B ('1f1b') or "
+        "ScheduleInterleaved1F1B ('interleaved-1f1b': --stages-per-rank stages a rank) "
+        "(default: gpipe)",
+    )
+    parallel.add_argument(
+        "--stages-per-rank",
+        type=positive_int,
+        metavar="V",
+        help="with --pp-schedule interleaved-1f1b: the stages each rank holds, rank r "
+        "holding stages r, r + --pp, ... (default: 2, torchtitan's)",
     )
     parallel.add_argument(
         "--pp-split",
         metavar="NAMES",
         help="with --pp: the first decoder layer of each stage after the first, comma-"
-        "separated, e.g. layers.3 (torchtitan's pipeline_parallel_split_points; default: "
-        "the layers evenly)",
+        "separated, e.g. layers.3 (torchtitan's pipeline_parallel_split_points; --pp x "
+        "--stages-per-rank - 1 names; default: the layers evenly)",
     )
     parallel.add_argument(
         "--microbatches",
@@ -912,20 +922,22 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             )
         except ValueError as exc:
             parser.error(f"--ep: {exc}")
-    if any(x is not None for x in (args.pp, args.pp_schedule, args.microbatches, args.pp_split)):
+    pipeline = (args.pp_schedule, args.microbatches, args.pp_split, args.stages_per_rank)
+    if args.pp is not None or any(x is not None for x in pipeline):
         from .._estimating.options import PipelineSchedule
         from .._estimating.recipe.parallel import ParallelSettings, check_pipeline_parallel
 
         if args.pp is None:
             parser.error(
-                "--pp-schedule, --pp-split and --microbatches are settings of --pp K: give it too"
+                "--pp-schedule, --pp-split, --microbatches and --stages-per-rank are settings "
+                "of --pp K: give it too"
             )
         try:
             check_pipeline_parallel(
                 ParallelSettings(
                     gpus, Strategy(strategy), pp=args.pp,
                     pp_schedule=PipelineSchedule(args.pp_schedule or "gpipe"),
-                    microbatches=args.microbatches,
+                    microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
                 ),
                 args.batch_size,
             )  # fmt: skip
@@ -942,7 +954,7 @@ def _check_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         for dest, flag in (
             ("gpus", "--gpus"), ("strategy", "--strategy"), ("tp", "--tp"), ("pp", "--pp"),
             ("pp_schedule", "--pp-schedule"), ("pp_split", "--pp-split"), ("rank", "--rank"),
-            ("ep", "--ep"),
+            ("ep", "--ep"), ("stages_per_rank", "--stages-per-rank"),
         )
         if getattr(args, dest) is not None
     ]  # fmt: skip

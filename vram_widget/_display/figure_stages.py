@@ -25,6 +25,7 @@ __all__ = [
     "add_stage_traces",
     "stage_layout_updates",
     "stage_trace_updates",
+    "stage_unit",
 ]
 
 STAGE_TRACE_NAMES: tuple[str, ...] = ("stage peaks", "stage capacity", "worst stage")
@@ -117,8 +118,9 @@ def stage_trace_updates(est: MemoryEstimate, capacity_bytes: int | None) -> list
         if capacity_bytes is None
         else [f" ({p / capacity_bytes:.3%} of the card)" for p in peaks.tolist()]
     )
+    unit = stage_unit(est)
     hover = [
-        f"stage {i}: peak {p:,} B{s}"
+        f"{unit} {i}: peak {p:,} B{s}"
         for i, (p, s) in enumerate(zip(peaks.tolist(), share, strict=True))
     ]
     capacity: dict[str, Any] = {"visible": False, "x": [], "y": []}
@@ -142,9 +144,22 @@ def stage_trace_updates(est: MemoryEstimate, capacity_bytes: int | None) -> list
             "visible": True,
             "x": [worst],
             "y": [int(peaks[worst])],
-            "text": [f"worst: stage {worst}"],
+            "text": [f"worst: {unit} {worst}"],
         },
     ]
+
+
+def stage_unit(est: MemoryEstimate) -> str:
+    """What each of ``est.stage_peak_bytes`` is: a stage, or a rank's several stages
+    (``"interleaved-1f1b"``).
+
+    Examples
+    --------
+    >>> from vram_widget import profile_model, zoo
+    >>> stage_unit(profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(2))
+    'stage'
+    """
+    return "rank" if est.stages_per_rank > 1 else "stage"
 
 
 def stage_layout_updates(est: MemoryEstimate, capacity_bytes: int | None) -> dict[str, Any]:
@@ -164,18 +179,21 @@ def stage_layout_updates(est: MemoryEstimate, capacity_bytes: int | None) -> dic
     clip = capacity_bytes is None or capacity_bytes > _CLIP_RATIO * top
     high = 1.25 * top if clip else 1.1 * max(top, capacity_bytes or 0)
     m = "" if est.microbatches is None else f", {est.microbatches} micro-batches"
+    unit = stage_unit(est)
+    if est.stages_per_rank > 1:
+        m += f", {est.stages_per_rank} stages a rank"
     return {
         "xaxis.domain": list(WATERFALL_DOMAIN),
         "xaxis2.domain": list(WATERFALL_DOMAIN),
         "xaxis3.visible": True,
         "xaxis3.tickvals": list(range(len(peaks))),
-        "xaxis3.ticktext": [f"stage {i}" for i in range(len(peaks))],
+        "xaxis3.ticktext": [f"{unit} {i}" for i in range(len(peaks))],
         "xaxis3.title.text": f"pp={est.pp}, {est.pp_schedule}{m}",
         "xaxis3.range": [-0.6, len(peaks) - 0.4],
         "yaxis3.visible": True,
         "yaxis3.range": [0, high],
         "title.text": (
-            f"peak {_size(top)} on stage {worst} of {len(peaks)} (worst stage)<br><sup>"
+            f"peak {_size(top)} on {unit} {worst} of {len(peaks)} (worst {unit})<br><sup>"
             f"waterfall: the whole model's one-device step at batch {est.batch_size}, for "
             "reference</sup>"
         ),

@@ -24,6 +24,7 @@ from .._estimating.recipe.parallel import (
     check_pipeline_parallel,
     check_pipeline_parallel_settings,
 )
+from .figure_stages import stage_unit
 from .widget_text import format_bytes
 
 if TYPE_CHECKING:
@@ -42,8 +43,9 @@ __all__ = [
 
 # the pipeline stage counts offered (those the model's decoder layers divide)
 PP_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
-# the schedules estimated (torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B)
-PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+# the schedules estimated (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
+# ScheduleInterleaved1F1B, the last with 2 stages a rank)
+PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 # the micro-batch counts offered; the dropdown's 0 is the default, pp (the trait's None)
 MICROBATCH_CHOICES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 # in place of a search with pp > 1, where each batch is a profiling run of its own
@@ -55,8 +57,11 @@ PP_TOOLTIPS: dict[str, str] = {
     "pp x tp, the world size (back to tp at 1). Each new batch or setting with pp > 1 "
     "profiles every stage (seconds); the largest-batch searches are not run",
     "pp_schedule": "how the stages run the micro-batches: gpipe (ScheduleGPipe: every "
-    "micro-batch's forward, then the backwards) or 1f1b (Schedule1F1B: at most pp "
-    "micro-batches' activations held; needs micro-batches >= pp)",
+    "micro-batch's forward, then the backwards), 1f1b (Schedule1F1B: at most pp "
+    "micro-batches' activations held; needs micro-batches >= pp) or interleaved-1f1b "
+    "(ScheduleInterleaved1F1B: 2 stages a rank, rank r holding stages r and r + pp, the "
+    "layers split as torchtitan counts them; micro-batches a multiple of "
+    "max(1, micro-batches // pp))",
     "microbatches": "micro-batches the batch is split into (the batch is the whole step's; "
     "each micro-batch is batch / micro-batches, which must divide it); = pp: as many as "
     "stages",
@@ -92,18 +97,21 @@ def check_pipeline_forms(settings: Mapping[str, Any]) -> None:
 
 
 def stages_text(est: MemoryEstimate) -> str:
-    """Each stage's peak (and what it holds between steps), the worst in bold."""
+    """Each stage's (each rank's, with several stages a rank) peak and what it holds
+    between steps, the worst in bold."""
     worst = max(range(len(est.stage_peak_bytes)), key=est.stage_peak_bytes.__getitem__)
+    unit = stage_unit(est)
     stages = [
         ("<b>{}</b>" if i == worst else "{}").format(
-            f"stage {i}: {format_bytes(peak)} (resident {format_bytes(resident)})"
+            f"{unit} {i}: {format_bytes(peak)} (resident {format_bytes(resident)})"
         )
         for i, (peak, resident) in enumerate(
             zip(est.stage_peak_bytes, est.stage_resident_bytes, strict=True)
         )
     ]
+    held = "stages" if est.stages_per_rank == 1 else f"ranks of {est.stages_per_rank} stages"
     return (
-        f"{est.pp} stages, {html.escape(str(est.pp_schedule))}, {est.microbatches} "
+        f"{est.pp} {held}, {html.escape(str(est.pp_schedule))}, {est.microbatches} "
         f"micro-batches of {est.batch_size // (est.microbatches or 1):,}: "
         + "; ".join(stages)
         + "; the waterfall and the layers are the whole model's one-device step"

@@ -174,14 +174,16 @@ class MemoryEstimate:
     # tests/test_expert_parallel.py); None where ep = 1
     ep: int = 1
     ep_worst_case_bytes: int | None = None
-    # pipeline stages among ``gpus`` (1: none), the schedule and its micro-batches; with
-    # pp > 1, peak_bytes and parameter_bytes are the worst stage's, each stage's peak and
-    # resident bytes (parameters, optimizer state, batch, receive buffers) in stage order
+    # pipeline ranks among ``gpus`` (1: none), the schedule, its micro-batches and the
+    # stages a rank holds (several with "interleaved-1f1b"); with pp > 1, peak_bytes and
+    # parameter_bytes are the worst rank's, each rank's peak and resident bytes
+    # (parameters, optimizer state, batch, receive buffers; all its stages') in rank order
     pp: int = 1
     pp_schedule: str | None = None
     microbatches: int | None = None
     stage_peak_bytes: tuple[int, ...] = ()
     stage_resident_bytes: tuple[int, ...] = ()
+    stages_per_rank: int = 1
     # NCCL's own buffers on the rank (CUDA, more than one GPU): outside the allocator, so
     # in no total here; shown beside them with the defaults they assume
     nccl: NcclBuffers | None = None

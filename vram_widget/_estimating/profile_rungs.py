@@ -284,6 +284,7 @@ class RungsMixin:
             pp=par.pp,
             pp_schedule=par.pp_schedule.value,
             microbatches=m,
+            stages_per_rank=pipeline_stages_per_rank(par),
             stage_peak_bytes=tuple(s.peak_bytes for s in stages),
             stage_resident_bytes=tuple(s.resident_bytes for s in stages),
         )

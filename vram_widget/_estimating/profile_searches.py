@@ -576,6 +576,7 @@ def _check_no_layout(parallel: ParallelSettings) -> None:
         "pp": parallel.pp != 1,
         "pp_schedule": parallel.pp_schedule is not PipelineSchedule.GPIPE,
         "pp_split": parallel.pp_split is not None,
+        "stages_per_rank": parallel.stages_per_rank is not None,
         "rank": parallel.rank is not None,
         "tp_plan": parallel.tp_plan is not None,
     }
