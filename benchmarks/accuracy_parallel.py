@@ -5,14 +5,15 @@ The estimate comes from the single-device profile (``device="cpu"``, batch 2):
 ``profile.estimate(4, precision, optimizer, mode, gpus=k, tp=k[, tp_plan=...])`` is one
 tensor-parallel rank (every rank holds the same shards, so one estimate serves them all), and
 ``profile.estimate(4, ..., gpus=2, pp=2, pp_schedule=..., microbatches=m)`` each pipeline
-stage (``est.stage_peak_bytes[r]``). The truth is ``measure(...)`` with the same keywords:
+rank (``est.stage_peak_bytes[r]``). The truth is ``measure(...)`` with the same keywords:
 k processes forked on this machine in one gloo process group on 127.0.0.1, each sharding
 its copy by the plan's own library (transformers' ``apply_tensor_parallelism`` for a Hugging
 Face model's plan, ``parallelize_module`` for a plan of ``torch.distributed.tensor.parallel``
 styles) or holding its pipeline stage and stepping it by ``ScheduleGPipe`` /
-``Schedule1F1B``. Each rank's peak is the CPU allocator's allocated bytes, as the profiler's
-memory events record them on the rank's own thread (resident bytes included); measure
-kills its ranks by PID when they overrun ``timeout_s``.
+``Schedule1F1B`` (or its two stages r and r + 2, by ``ScheduleInterleaved1F1B``). Each
+rank's peak is the CPU allocator's allocated bytes, as the profiler's memory events record
+them on the rank's own thread (resident bytes included); measure kills its ranks by PID
+when they overrun ``timeout_s``.
 
 Grid: a Hugging Face Llama of 2 layers, hidden 64, 4 heads and 2 key/value heads; the same
 with 4 key/value heads (so 4 ranks divide them); a Mixtral of that shape with 4 experts, 2
@@ -24,8 +25,9 @@ built as its configs build it, 32 tokens) under a plan of styles that splits its
 Megatron does (torchtitan's own tensor parallelism is a ``sharding_config`` per module that
 ``Module.parallelize`` applies, which ``tp_plan`` does not take). Tensor parallelism on 2
 ranks (and 4 where the heads divide) x fp32 and bf16 x AdamW training and inference;
-pipeline parallelism on 2 stages x GPipe and 1F1B x 2 and 4 micro-batches x fp32 and bf16,
-AdamW training. Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
+pipeline parallelism on 2 ranks x GPipe, 1F1B and interleaved 1F1B (2 stages a rank, the
+layers split as torchtitan counts them) x 2 and 4 micro-batches x fp32 and bf16, AdamW
+training. Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
 and bf16 x training and inference, on the Mixtral with each router's rows set to ``[w, -w,
 u, -u]`` (every token picks one expert of each rank: balanced routing, the case the estimate
 is for; its ``ep_worst_case_bytes`` is kept in the rows). A batch of 4 (16 tokens); every
@@ -36,6 +38,7 @@ refuses is a row with its reason.
     python benchmarks/accuracy_parallel.py           # about 10 minutes on 2 cores
     python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
     python benchmarks/accuracy_parallel.py --models hf_mixtral_balanced   # ep rows, ~1 minute
+    python benchmarks/accuracy_parallel.py --models hf_llama --layouts interleaved   # 4 runs
 
 Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
 results/accuracy_parallel.json (``--quick``: results/accuracy_parallel_quick.json) and prints
@@ -73,7 +76,7 @@ BATCH = 4
 PROFILE_BATCH = 2
 PRECISIONS = ("fp32", "bf16")
 MODES = ("train", "inference")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 MICROBATCHES = (2, 4)
 TARGET_MEDIAN_PCT = 0.5
 TARGET_WORST_PCT = 3.0
@@ -236,7 +239,9 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
 QUICK_CASES = ("hf_llama", "mlp_block")
 
 
-def run(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
+def run(
+    quick: bool, only: list[str] | None = None, layouts: list[str] | None = None
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for label, case in CASES.items():
         if (quick and label not in QUICK_CASES) or (only and label not in only):
@@ -247,6 +252,8 @@ def run(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
             model, inputs=case.make(PROFILE_BATCH), loss_fn=case.loss_fn, device="cpu"
         )
         for layout, mode, settings in _layouts(case, quick):
+            if layouts and not any(part in layout for part in layouts):
+                continue
             for precision in PRECISIONS[:1] if quick else PRECISIONS:
                 rows += compare(label, layout, profile, model, case.make, precision, mode,
                                 settings, case.loss_fn)  # fmt: skip
@@ -302,12 +309,15 @@ def main() -> None:
                         "GPipe with 2 micro-batches; Llama and the MLP block)")  # fmt: skip
     parser.add_argument("--models", nargs="+", choices=list(CASES), help="these models' rows "
                         "only (written to results/accuracy_parallel_selected.json)")  # fmt: skip
+    parser.add_argument("--layouts", nargs="+", metavar="TEXT", help="the layouts whose "
+                        "label holds one of these only, e.g. interleaved (written to "
+                        "results/accuracy_parallel_selected.json)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    rows = run(args.quick, args.models)
+    rows = run(args.quick, args.models, args.layouts)
     name = "accuracy_parallel_quick" if args.quick else "accuracy_parallel"
-    if args.models:
+    if args.models or args.layouts:
         name = "accuracy_parallel_selected"
     extra = {"basis": BASIS, "batch_size": BATCH, "profile_batch_size": PROFILE_BATCH}
     write_results(name, rows, summarize(rows), started, extra)

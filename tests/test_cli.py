@@ -871,6 +871,17 @@ def test_pipeline_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--pp: batch_size=4 is not split evenly into microbatches=3" in err
     err = _usage_error([*argv, "--microbatches", "2"], capsys)
     assert "--microbatches are settings of --pp K" in err
+    # ScheduleInterleaved1F1B, 2 stages a rank (the default, given here): each rank's peak
+    flags = ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "2"]
+    assert main([*argv, *flags, "--microbatches", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)["settings"][0]
+    interleaved = profile.estimate(
+        4, "fp32", "adam", gpus=2, pp=2, pp_schedule="interleaved-1f1b", microbatches=2
+    )
+    assert out["stage_peak_bytes"] == list(interleaved.stage_peak_bytes)
+    assert (out["pp_schedule"], out["stages_per_rank"]) == ("interleaved-1f1b", 2)
+    err = _usage_error([*argv, "--pp", "2", "--stages-per-rank", "2"], capsys)
+    assert "--pp: stages_per_rank=2 with pp_schedule='gpipe'" in err
     # the 2 layers split at layers.1: the even split's stages
     assert main([*argv, "--pp", "2", "--pp-split", "layers.1", "--microbatches", "2"]) == 0
     out = json.loads(capsys.readouterr().out)["settings"][0]

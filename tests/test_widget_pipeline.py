@@ -119,11 +119,19 @@ def test_pipeline_controls_estimate_and_stage_bars() -> None:
     assert "pp_schedule=&#x27;1f1b&#x27; with microbatches=1 &lt; pp=2" in w.headline_html
     w.gpus = 4  # the world size is pp x tp
     assert w.gpus == 2 and "pp=2 x tp=1 != gpus=4" in w.headline_html
+    # ScheduleInterleaved1F1B, 2 stages a rank: a new question, one run; a bar a rank
+    assert list(w._schedule_dropdown.options) == ["gpipe", "1f1b", "interleaved-1f1b"]
+    w._schedule_dropdown.value = "interleaved-1f1b"
+    interleaved = profile.estimate(4, **same, pp_schedule="interleaved-1f1b")
+    assert _same_estimate(w.estimate, interleaved) and w.estimate.stages_per_rank == 2
+    assert list(w.figure.data[STAGES].y) == list(interleaved.stage_peak_bytes)
+    assert list(w.figure.layout.xaxis3.ticktext) == ["rank 0", "rank 1"]
+    assert len(spy.seen) == 4
 
     w.pp = 1  # GPUs back to tp; the panel hidden, the waterfall whole again
     assert (w.gpus, w.estimate.pp, w.estimate.stage_peak_bytes) == (1, 1, ())
     assert not w.figure.data[STAGES].visible and list(w.figure.data[STAGES].y) == []
-    assert w.headline.error == "" and len(spy.seen) == 3
+    assert w.headline.error == "" and len(spy.seen) == 4
     assert w._schedule_dropdown.layout.display == "none"
     # pp given at the start: GPUs follow as the control sets them; the figure is built
     # with the stage panel (the question asked before: no run)

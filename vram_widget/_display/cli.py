@@ -334,6 +334,7 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "pp": est.pp,
         "pp_schedule": est.pp_schedule,
         "microbatches": est.microbatches,
+        "stages_per_rank": est.stages_per_rank,
         "stage_peak_bytes": list(est.stage_peak_bytes) or None,
         "strategy": None if est.strategy is None else est.strategy.value,
         "nccl_buffer_bytes": None if est.nccl is None else est.nccl.nbytes,

@@ -929,7 +929,7 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
         if args.pp is None:
             parser.error(
-                "--pp-schedule, --pp-split, --microbatches and --stages-per-rank are settings "
+                "--pp-schedule, --pp-split, --stages-per-rank and --microbatches are settings "
                 "of --pp K: give it too"
             )
         try:
