@@ -138,7 +138,7 @@ def test_pipeline_controls_estimate_and_stage_bars() -> None:
     spy.widget = None
     started = MemoryWidget(profile, batch_size=4, optimizer="adamw", pp=2)
     assert started.gpus == 2 and list(started.figure.data[STAGES].y) == list(peaks)
-    assert len(spy.asked) == 3
+    assert len(spy.asked) == 4
 
 
 def test_pp_control_off_where_the_model_has_no_decoder() -> None:
