@@ -1,6 +1,8 @@
 """The ``torch.compile`` step: the estimate against the measured step on the CPU (Inductor).
 
-For each model, batch size, precision and ``activation_memory_budget``, AdamW:
+For each model, compile scope, batch size, precision and ``activation_memory_budget``,
+AdamW (scope ``"model"``: ``compile=True``, the whole model; ``"blocks"``:
+``compile="blocks"``, each repeated block, for the models that have them):
 
 * compiled: ``measure(compile=True)``, Inductor's generated code, measured;
 * graphs: the same partitioned forward and backward graphs run node by node
@@ -19,15 +21,19 @@ fake tensors alone (``compiled_fake.fake_saved_set``) is checked in tests/test_c
 Models: the zoo's MLP and ``nn.TransformerEncoder`` classifier (32 tokens), the Hugging Face
 ``BertModel``, GPT-2 and Llama tiny configs of ``_hf.py`` (16 tokens), at batch 1 and 4, fp32
 and bf16; the zoo's ResNet-18 (64 x 64 images) at batch 4, fp32 (``SHAPES``); budgets 1.0,
-0.5 and 0.2. The budget decides what
+0.5, 0.2 and 0.1. The budget decides what
 the partitioner recomputes, and a smaller budget can give a larger peak (recomputation's
 temporaries in the backward): for each model, batch and precision the summary says whether
 the estimate orders the budgets' peaks as the measured step does, and which rows have a
 larger measured peak than a larger budget's.
 
+``--merge`` keeps the recorded rows of the settings not run now, so the grid can be run a
+few models at a time.
+
     python benchmarks/accuracy_compile.py                # the full grid
     python benchmarks/accuracy_compile.py --quick        # the MLP and Llama, batch 4, fp32
     python benchmarks/accuracy_compile.py --models mlp --budgets 1.0
+    python benchmarks/accuracy_compile.py --models llama --scopes blocks --merge
 
 Targets: the estimated peak equal to the measured one (Inductor's CPU buffer plan, run on
 fake tensors), the saved set to the byte. Writes ``results/accuracy_compile.json``;
@@ -37,6 +43,7 @@ fake tensors), the saved set to the byte. Writes ``results/accuracy_compile.json
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -47,7 +54,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import _hf
 import torch
-from _results import write_results
+from _results import RESULTS, write_results
 from torch import nn
 
 from vram_widget import ModelProfile, profile_model, zoo
@@ -56,7 +63,17 @@ from vram_widget._profiling.measure import measure
 
 BATCHES = (1, 4)
 PRECISIONS = ("fp32", "bf16")
-BUDGETS = (1.0, 0.5, 0.2)
+BUDGETS = (1.0, 0.5, 0.2, 0.1)
+# compile=True (the whole model) and compile="blocks" (each repeated block, as torchtitan
+# and torchtune compile per layer)
+SCOPES = ("model", "blocks")
+# Compiled whole only: models with no repeated blocks (the MLP's layers differ; ResNet-18's
+# stages change width), and the TransformerEncoder, whose blocks are torch's own
+# nn.TransformerEncoderLayer: compiled on its own, dynamo compiles no frame of it and
+# compile="blocks" is refused with dynamo's reason (tests/test_compile.py)
+SCOPES_OF: dict[str, tuple[str, ...]] = {
+    "mlp": ("model",), "resnet18": ("model",), "transformer_encoder": ("model",),
+}  # fmt: skip
 # ResNet-18's compiled step compiles about 2 minutes of C++ kernels per setting on 2 cores:
 # batch 4 in fp32 only
 SHAPES: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {"resnet18": ((4,), ("fp32",))}
@@ -98,16 +115,19 @@ def saved_outputs_bytes(capture: GraphCapture) -> int:
 
 
 def _row(name: str, model: nn.Module, profile: ModelProfile, inputs: Any, batch: int,
-         precision: str, budget: float) -> dict[str, Any]:  # fmt: skip
+         precision: str, budget: float, scope: str) -> dict[str, Any]:  # fmt: skip
     start = time.perf_counter()
+    compile_ = True if scope == "model" else scope
     settings: dict[str, Any] = {
-        "optimizer": "adamw", "precision": precision, "compile": True,
+        "optimizer": "adamw", "precision": precision, "compile": compile_,
         "activation_memory_budget": budget,
     }  # fmt: skip
     compiled = measure(model, inputs, **settings)
     with captured_graphs() as capture:
         graphs = measure(model, inputs, **settings)
-    est = profile.estimate(batch, precision, "adamw", compile=True, activation_memory_budget=budget)
+    est = profile.estimate(
+        batch, precision, "adamw", compile=compile_, activation_memory_budget=budget
+    )
     saved_outputs = saved_outputs_bytes(capture)
     est_saved = (est.saved_bytes or 0) - saved_outputs
     return {
@@ -115,6 +135,7 @@ def _row(name: str, model: nn.Module, profile: ModelProfile, inputs: Any, batch:
         "batch": batch,
         "precision": precision,
         "budget": budget,
+        "scope": scope,
         "compiled_peak_bytes": compiled.peak_bytes,
         "graphs_peak_bytes": graphs.peak_bytes,
         "estimated_peak_bytes": est.peak_bytes,
@@ -132,6 +153,15 @@ def _row(name: str, model: nn.Module, profile: ModelProfile, inputs: Any, batch:
     }
 
 
+def _scope(row: dict[str, Any]) -> str:
+    """The row's compile scope: ``"model"`` (``compile=True``) or ``"blocks"``."""
+    return str(row.get("scope", "model"))
+
+
+def _key(row: dict[str, Any]) -> tuple[str, str, int, str, float]:
+    return (row["model"], _scope(row), row["batch"], row["precision"], row["budget"])
+
+
 def _sign(x: int) -> int:
     return (x > 0) - (x < 0)
 
@@ -141,11 +171,11 @@ def budget_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     measured compiled step does (every pair of budgets: the same one larger, or both equal),
     and the budgets whose measured peak is larger than a larger budget's (the peak not
     monotonic in the budget)."""
-    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, int, str], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["batch"], r["precision"]), []).append(r)
+        groups.setdefault((r["model"], _scope(r), r["batch"], r["precision"]), []).append(r)
     found = []
-    for (model, batch, precision), these in groups.items():
+    for (model, scope, batch, precision), these in groups.items():
         these = sorted(these, key=lambda r: -r["budget"])
         pairs = [(a, b) for i, a in enumerate(these) for b in these[i + 1 :]]
         same = all(
@@ -158,7 +188,7 @@ def budget_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ]
         found.append(
             {
-                "model": model, "batch": batch, "precision": precision,
+                "model": model, "scope": scope, "batch": batch, "precision": precision,
                 "budgets": [r["budget"] for r in these], "same_order": same,
                 "non_monotonic_budgets": sorted(set(rising), reverse=True),
             }
@@ -173,21 +203,21 @@ def _median_worst(values: list[float]) -> str:
 def summarize(rows: list[dict[str, Any]]) -> str:
     orders = budget_order(rows)
     rising = {
-        (o["model"], o["batch"], o["precision"], b)
+        (o["model"], o["scope"], o["batch"], o["precision"], b)
         for o in orders
         for b in o["non_monotonic_budgets"]
     }
     lines = [
-        "| model | batch | precision | budget | compiled peak | graphs peak | estimate "
+        "| model | compiled | batch | precision | budget | compiled peak | graphs peak | estimate "
         "| estimate / compiled | compiled saved | estimated saved | peak above a larger "
         "budget's |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         bound = " (bound)" if r["estimate_bound"] else ""
-        above = (r["model"], r["batch"], r["precision"], r["budget"]) in rising
+        above = _key(r) in rising
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['precision']} | {r['budget']} "
+            f"| {r['model']} | {_scope(r)} | {r['batch']} | {r['precision']} | {r['budget']} "
             f"| {r['compiled_peak_bytes']:,} | {r['graphs_peak_bytes']:,} "
             f"| {r['estimated_peak_bytes']:,} | {r['peak_ratio']:.4f}{bound} "
             f"| {r['compiled_saved_bytes']:,} | {r['estimated_saved_bytes']:,} "
@@ -206,7 +236,7 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         "node).",
         "",
         f"Across budgets: the estimate orders the budgets' peaks as the measured step does "
-        f"in {len(same)} of {len(orders)} model / batch / precision groups.",
+        f"in {len(same)} of {len(orders)} model / compile scope / batch / precision groups.",
     ]
     non_monotonic = [o for o in orders if o["non_monotonic_budgets"]]
     if non_monotonic:
@@ -214,7 +244,7 @@ def summarize(rows: list[dict[str, Any]]) -> str:
             "The measured peak is not monotonic in the budget (a smaller budget, a larger "
             "peak) in: "
             + "; ".join(
-                f"{o['model']} batch {o['batch']} {o['precision']} (budget "
+                f"{o['model']} ({o['scope']}) batch {o['batch']} {o['precision']} (budget "
                 f"{', '.join(map(str, o['non_monotonic_budgets']))}, "
                 f"{'ordered as measured' if o['same_order'] else 'NOT ordered as measured'})"
                 for o in non_monotonic
@@ -227,10 +257,27 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     if differ:
         lines.append(
             "Ordered otherwise than measured: "
-            + "; ".join(f"{o['model']} batch {o['batch']} {o['precision']}" for o in differ)
+            + "; ".join(
+                f"{o['model']} ({o['scope']}) batch {o['batch']} {o['precision']}" for o in differ
+            )
             + "."
         )
     return "\n".join(lines)
+
+
+def _merged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The recorded rows of ``results/accuracy_compile.json`` with ``rows`` in place of
+    those of the same model, scope, batch, precision and budget, in the grid's order."""
+    path = RESULTS / "accuracy_compile.json"
+    kept = json.loads(path.read_text())["rows"] if path.exists() else []
+    new = {_key(r): r for r in rows}
+    merged = [new.pop(_key(r), r) for r in kept] + list(new.values())
+    order = {name: i for i, name in enumerate(MODELS)}
+    return sorted(
+        merged,
+        key=lambda r: (order[r["model"]], _scope(r) != "model", r["batch"],
+                       PRECISIONS.index(r["precision"]), -r["budget"]),
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -240,42 +287,60 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    parser.add_argument("--scopes", default=",".join(SCOPES), help="model, blocks")
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="keep the recorded rows of settings not run now (the results file's other rows)",
+    )  # fmt: skip
     args = parser.parse_args()
     models = ["mlp", "llama"] if args.quick else args.models.split(",")
     batches = (4,) if args.quick else tuple(int(b) for b in args.batches.split(","))
     precisions = ("fp32",) if args.quick else tuple(args.precisions.split(","))
     budgets = tuple(float(b) for b in args.budgets.split(","))
+    scopes = ("model",) if args.quick else tuple(args.scopes.split(","))
     unknown = [m for m in models if m not in MODELS]
-    if unknown or any(p not in PRECISIONS for p in precisions):
-        parser.error(f"--models from {', '.join(MODELS)}; --precisions from fp32, bf16")
+    if (
+        unknown
+        or any(p not in PRECISIONS for p in precisions)
+        or any(s not in SCOPES for s in scopes)
+    ):
+        parser.error(
+            f"--models from {', '.join(MODELS)}; --precisions from fp32, bf16; "
+            "--scopes from model, blocks"
+        )
     started = time.perf_counter()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in models:
         build, make_inputs = MODELS[name]
         torch.manual_seed(0)
         model = build()
         model_batches, model_precisions = SHAPES.get(name, (batches, precisions))
-        for batch in (b for b in batches if b in model_batches):
-            inputs = make_inputs(batch)
-            profile = profile_model(model, inputs=inputs, device="cpu", cache=False)
-            for precision in (p for p in precisions if p in model_precisions):
-                for budget in budgets:
-                    rows.append(_row(name, model, profile, inputs, batch, precision, budget))
-                    r = rows[-1]
-                    print(
-                        f"{name:20s} B={batch} {precision:5s} budget={budget:<4} "
-                        f"compiled={r['compiled_peak_bytes']:>12,} "
-                        f"est={r['estimated_peak_bytes']:>12,} ratio={r['peak_ratio']:.4f} "
-                        f"saved={'exact' if r['saved_exact'] else 'DIFFERS'} "
-                        f"{r['seconds']:.0f} s",
-                        flush=True,
-                    )
-        # each model's rows written as they are done; the grid named at the end
-        extra = {"grid": "partial", "budget_order": budget_order(rows)}
-        write_results("accuracy_compile", rows, summarize(rows), started, extra=extra)
-    grid = "quick" if args.quick else "full"
-    extra = {"grid": grid, "budget_order": budget_order(rows)}
-    write_results("accuracy_compile", rows, summarize(rows), started, extra=extra)
+        for scope in (s for s in scopes if s in SCOPES_OF.get(name, SCOPES)):
+            for batch in (b for b in batches if b in model_batches):
+                inputs = make_inputs(batch)
+                profile = profile_model(model, inputs=inputs, device="cpu", cache=False)
+                for precision in (p for p in precisions if p in model_precisions):
+                    for budget in budgets:
+                        rows.append(
+                            _row(name, model, profile, inputs, batch, precision, budget, scope)
+                        )
+                        r = rows[-1]
+                        print(
+                            f"{name:20s} {scope:6s} B={batch} {precision:5s} "
+                            f"budget={budget:<4} compiled={r['compiled_peak_bytes']:>12,} "
+                            f"est={r['estimated_peak_bytes']:>12,} ratio={r['peak_ratio']:.4f} "
+                            f"saved={'exact' if r['saved_exact'] else 'DIFFERS'} "
+                            f"{r['seconds']:.0f} s",
+                            flush=True,
+                        )
+            # each model's rows written as they are done; the grid named at the end
+            out = _merged(rows) if args.merge else rows
+            extra = {"grid": "partial", "budget_order": budget_order(out)}
+            write_results("accuracy_compile", out, summarize(out), started, extra=extra)
+    out = _merged(rows) if args.merge else rows
+    grid = "quick" if args.quick else ("merged" if args.merge else "full")
+    extra = {"grid": grid, "budget_order": budget_order(out)}
+    write_results("accuracy_compile", out, summarize(out), started, extra=extra)
 
 
 if __name__ == "__main__":

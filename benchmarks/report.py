@@ -588,13 +588,16 @@ def _accuracy_compile() -> str:
         "quick": "the quick grid only (`--quick`: the MLP and Llama, batch 4, fp32)",
         "full": f"the full grid ({models})",
         "partial": f"the grid's first models only ({models}); the others are still to be run",
+        "merged": f"the full grid ({models}), its settings run in several invocations "
+        "(`--merge`; the minutes are the last one's)",
     }.get(data.get("grid", ""), "an earlier grid (AdamW, batch 4)")
     head = (
         f"{len(data['rows'])} configurations, {grid}; torch {data['torch']}, transformers "
         f"{data['transformers']}, {data['cpus']} CPUs, {data['seconds'] / 60:.0f} minutes. "
-        "Peaks in bytes (allocated, CPU), AdamW; compiled: `measure(compile=True)`, "
-        "Inductor's generated code; graphs: the same partitioned graphs run node by node; "
-        'estimate: `profile_model(device="cpu").estimate(compile=True, '
+        "Peaks in bytes (allocated, CPU), AdamW; compiled: `measure(compile=...)` with "
+        '`True` (the whole model, "model") or `"blocks"` (each repeated block), Inductor\'s '
+        "generated code; graphs: the same partitioned graphs run node by node; "
+        'estimate: `profile_model(device="cpu").estimate(compile=..., '
         "activation_memory_budget=...)`; saved: what the forward leaves for the backward, "
         "less its outputs. Targets: the peak and the saved set to the byte."
     )

@@ -138,6 +138,35 @@ def test_dynamo_refusal_gives_its_reason(batch: torch.Tensor) -> None:
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
+class TorchLayers(nn.Module):
+    """Two of torch's own ``nn.TransformerEncoderLayer`` (width 8) in a ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            [nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True) for _ in "ab"]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_blocks_of_torch_modules_refused_with_dynamos_reason() -> None:
+    """Dynamo compiles no frame of a torch.nn layer compiled on its own (its forward is in
+    dynamo's skip list): a ValueError with dynamo's message and the way out, from the
+    measured step and from the estimate, not dynamo's RuntimeError."""
+    x = torch.randn(2, 4, 8)
+    match = r"could not compile this model: .*found no compiled frames.*compile=True"
+    with pytest.raises(ValueError, match=match):
+        measure(TorchLayers(), x, optimizer="sgd", compile="blocks")
+    with pytest.raises(ValueError, match=match):
+        _profile(TorchLayers(), x).estimate(2, optimizer="sgd", compile="blocks")
+    # the whole model compiles: dynamo inlines the layers from the model's own forward
+    assert measure(TorchLayers(), x, optimizer="sgd", compile=True).peak_bytes > 0
+
+
 def test_blocks_needs_repeated_blocks(batch: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="no such list; use compile=True"):
         measure(SinCos(), batch, compile="blocks")

@@ -113,6 +113,25 @@ _RECOMPILE_LIMIT = (
 )
 
 
+# torch/_dynamo/eval_frame.py (compile_wrapper) raises a plain RuntimeError when a
+# fullgraph=True compile traced no frame at all: a block that is one of torch's own
+# modules (nn.TransformerEncoderLayer) has every frame of its forward in dynamo's skip list
+# when it is compiled on its own; reached from a model's own forward, dynamo inlines it.
+_NO_FRAMES = "torch.compile with fullgraph=True found no compiled frames"
+
+
+def _no_frames_reason(text: str) -> str:
+    """Dynamo's "no compiled frames" message in one line: its head, the first skipped
+    frame and what to use instead."""
+    skipped = [line.strip(" -") for line in text.splitlines()[1:] if line.strip()]
+    first = f" (first: {skipped[0]})" if skipped else ""
+    return (
+        f"{_NO_FRAMES}{first}: each frame of the block's forward is in dynamo's skip list, as "
+        "torch's own modules compiled on their own are; compile=True compiles the whole "
+        "model, whose forward reaches them from traced code"
+    )
+
+
 def _compiler_reason(exc: BaseException) -> str | None:
     """Dynamo's (or Inductor's) own message for a compile failure, up to its first blank
     line (where its developer context and links start); None for any other exception."""
@@ -126,6 +145,8 @@ def _compiler_reason(exc: BaseException) -> str | None:
     # FailOnRecompileLimitHit derives from Exception, not TorchDynamoException
     if type(exc).__name__ == "FailOnRecompileLimitHit":
         return _RECOMPILE_LIMIT.format(limit=torch._dynamo.config.recompile_limit)
+    if type(exc) is RuntimeError and str(exc).startswith(_NO_FRAMES):
+        return _no_frames_reason(str(exc))
     if not isinstance(exc, failures):
         return None
     text = str(exc).strip()
