@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._estimating.communication import Collective
 from .._estimating.options import (
     OptimizerChoice,
     OptimizerImplementation,
@@ -362,11 +363,17 @@ class StagePeak:
         buffers and the last stage's outputs of the step before.
     parameter_bytes : int
         The stage's parameters.
+    collectives : tuple of Collective
+        What the stage's rank sends and receives in the step, in order: each
+        micro-batch's activations to the next stage and its input's gradient to the one
+        before (``torch.distributed.pipelining``'s point-to-point ops), as recorded on the
+        fake process group (``collectives.CollectiveLog``).
     """
 
     peak_bytes: int
     resident_bytes: int
     parameter_bytes: int
+    collectives: tuple[Collective, ...] = ()
 
 
 def _steady_static(sched: Any) -> None:
@@ -426,9 +433,11 @@ def stage_peak(
             k: torch.empty(v.shape, dtype=v.dtype, device="cpu") for k, v in inputs.items()
         }
     config = _config(model)
+    from .collectives import CollectiveLog
     from .probe import KernelProbe
 
     counter = LiveBytes(KernelProbe())
+    log = CollectiveLog()
     with fake_process_group(pp, rank=stage), mode:
         rank = _rank(
             module, stage, pp, schedule, microbatches, fake_inputs, optimizer,
@@ -443,9 +452,10 @@ def stage_peak(
             gc.collect()
             resident = counter.live_bytes
             counter.reset_peak()
-            rank.iterate()
+            with log:  # innermost: it sees each op before the counter and the fake mode
+                rank.iterate()
         params = sum(p.untyped_storage().nbytes() for p in set(module.parameters()))
-    return StagePeak(counter.peak_with_workspaces(), resident, params)
+    return StagePeak(counter.peak_with_workspaces(), resident, params, tuple(log.collectives))
 
 
 def measure_stage(
