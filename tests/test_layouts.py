@@ -46,6 +46,15 @@ def test_data_parallel_layouts_by_hand(mlp: ModelProfile) -> None:
     assert {k: r.traffic_params for k, r in rows.items()} == {
         "ddp": 2.0, "zero1": 3.0, "zero2": 2.0, "zero3": 3.0, "hsdp": 3.0,
     }  # fmt: skip
+    # the same in bytes over 2 ranks, (k - 1) / k = 1/2 of those copies of 789,504 B
+    # (every parameter trains: the gradients are as many bytes): 789,504 and 1,184,256 B
+    assert {k: r.communication_sent_bytes for k, r in rows.items()} == {
+        "ddp": 789_504, "zero1": 1_184_256, "zero2": 789_504, "zero3": 1_184_256,
+        "hsdp": 1_184_256,
+    }  # fmt: skip
+    assert dict(rows["zero2"].communication_sent_bytes_by_kind) == {
+        "all_gather": 394_752, "reduce_scatter": 394_752,
+    }  # fmt: skip
 
 
 def test_order_fits_first_then_traffic_then_bytes(mlp: ModelProfile) -> None:
@@ -80,6 +89,7 @@ def test_nothing_fits_and_one_gpu(mlp: ModelProfile) -> None:
     assert [row.label for row in single.layouts] == ["dp=1"] and single.refused == ()
     assert single.layouts[0].peak_bytes == mlp.estimate(8).peak_bytes
     assert single.layouts[0].traffic_params == 0.0
+    assert single.layouts[0].communication_sent_bytes == 0
 
 
 def test_a_batch_the_ranks_do_not_split_is_refused(mlp: ModelProfile) -> None:
@@ -142,9 +152,24 @@ def test_llama_has_tensor_and_pipeline_rows() -> None:
     assert gpipe.peak_bytes == gpipe.estimate.stage_peak_bytes[1]
     for label in ("tp=2", "pp=2 gpipe m=2", "pp=2 1f1b m=2"):
         assert rows[label].traffic_params is None and rows[label].communication_bytes is None
-    # all fit 64 MiB: the data-parallel ones first, then the pipelines, then tensor parallel
+    # the bytes a rank sends per step (fp32, batch 4 x 16 tokens, hidden 64):
+    # a pipeline stage sends 2 micro-batches' hidden states (or their gradients),
+    # 2 x (2 x 16 x 64 x 4 B) = 16,384 B; the tensor-parallel rank 16 all-reduces of a
+    # hidden state, 16 x 2 x 1/2 x 16,384 B = 262,144 B, and the logits gathered once,
+    # 1/2 x 4 x 16 x 1,000 x 4 B = 128,000 B (tests/test_communication.py checks both
+    # against gloo); DDP all-reduces the 808,192 B of gradients: 2 x 1/2 x 808,192 B
+    sent = {label: row.communication_sent_bytes for label, row in rows.items()}
+    assert sent["pp=2 gpipe m=2"] == sent["pp=2 1f1b m=2"] == 16_384
+    assert sent["tp=2"] == 262_144 + 128_000
+    assert sent["dp=2 ddp"] == 808_192
+    # zero2: 1/2 x (808,192 + 808,192); zero1, zero3 and hsdp (2 ranks, one node): 3/2 x
+    assert sent["dp=2 zero2"] == 808_192
+    assert sent["dp=2 zero1"] == sent["dp=2 zero3"] == sent["dp=2 hsdp"] == 1_212_288
+    # all fit 64 MiB: the fewest bytes sent first, the pipelines, then tensor parallel,
+    # then the data-parallel layouts
     assert all(row.fits for row in plan.layouts)
     order = [row.label for row in plan.layouts]
-    assert order.index("dp=2 zero1") < order.index("pp=2 gpipe m=2") < order.index("tp=2")
+    assert order.index("pp=2 1f1b m=2") < order.index("tp=2") < order.index("dp=2 ddp")
+    assert order.index("dp=2 ddp") < order.index("dp=2 zero1")
     assert [row.label for row in plan.refused] == ["pp=2 interleaved-1f1b m=2"]
     assert "zero3: the root" in rows["dp=2 zero3"].warnings[0]  # kept, not issued

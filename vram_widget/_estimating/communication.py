@@ -122,22 +122,23 @@ class CommunicationVolume:
     collective_count: int
 
 
-def volume_of(collectives: Iterable[Collective], repeat: int = 1) -> CommunicationVolume:
-    """The volume of ``collectives``, issued ``repeat`` times per step (the micro-batches
-    of an accumulated step, each issuing the ones recorded once).
+def volume_of(collectives: Iterable[Collective]) -> CommunicationVolume:
+    """The volume of ``collectives``.
 
     Examples
     --------
     >>> v = volume_of([Collective(CollectiveKind.ALL_REDUCE, 4096, 2),
-    ...                Collective(CollectiveKind.SEND, 100, 2)], repeat=2)
-    >>> v.sent_bytes, dict(v.sent_bytes_by_kind), v.collective_count  # 2 * (4096 + 100)
-    (8392, {'all_reduce': 8192, 'send': 200}, 4)
+    ...                Collective(CollectiveKind.SEND, 100, 2)])
+    >>> v.sent_bytes, v.collective_count  # 2 x 1/2 x 4096 + 100
+    (4196, 2)
+    >>> {str(kind): sent for kind, sent in v.sent_bytes_by_kind.items()}
+    {'all_reduce': 4096, 'send': 100}
     """
     by_kind: dict[CollectiveKind, int] = {}
     count = 0
     for c in collectives:
-        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes * repeat
-        count += repeat
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes
+        count += 1
     by_kind = {k: v for k, v in by_kind.items() if v or k is not CollectiveKind.RECV}
     return CommunicationVolume(sum(by_kind.values()), by_kind, count)
 
