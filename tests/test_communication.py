@@ -69,6 +69,8 @@ def test_data_parallel_volume_by_hand() -> None:
         Strategy.HSDP: 2_000,
     }
     assert data_parallel_volume(None, 1, P, G, 8).sent_bytes == 0
+    # zero3 gathering bf16 copies of fp32 weights, 600 B: 3/4 x (2 x 600 + 800) = 1,500
+    assert data_parallel_volume(Strategy.ZERO3, 4, P, G, 8, gather_bytes=600).sent_bytes == 1_500
 
 
 @pytest.fixture

@@ -173,3 +173,17 @@ def test_llama_has_tensor_and_pipeline_rows() -> None:
     assert order.index("dp=2 ddp") < order.index("dp=2 zero1")
     assert [row.label for row in plan.refused] == ["pp=2 interleaved-1f1b m=2"]
     assert "zero3: the root" in rows["dp=2 zero3"].warnings[0]  # kept, not issued
+
+
+def test_fsdp_gathers_autocast_copies(mlp: ModelProfile) -> None:
+    plan = mlp.plan_layouts(
+        2**30, gpus=2, batch_size=8, precision="amp-bf16", strategies=["zero2", "ddp"]
+    )
+    rows = {row.strategy.value: row for row in plan.layouts if row.strategy is not None}
+    # amp-bf16 keeps fp32 weights and gradients, 789,504 B each; FSDP2's
+    # MixedPrecisionPolicy gathers bf16 copies, 394,752 B: zero2 sends 1/2 of them and
+    # 1/2 of the fp32 gradients reduce-scattered, 197,376 + 394,752 = 592,128 B; ddp
+    # all-reduces the fp32 gradients, 2 x 1/2 x 789,504 B
+    assert rows["zero2"].communication_sent_bytes == 592_128
+    assert rows["ddp"].communication_sent_bytes == 789_504
+    assert [row.label for row in plan.layouts] == ["dp=2 zero2", "dp=2 ddp"]

@@ -163,11 +163,15 @@ def data_parallel_volume(
     parameter_bytes: int,
     gradient_bytes: int,
     gpus_per_node: int,
+    gather_bytes: int | None = None,
 ) -> CommunicationVolume:
     """What one of ``dp`` data-parallel ranks sends per optimizer step, from the whole
     model's ``parameter_bytes`` and ``gradient_bytes`` (the trainable parameters'
     gradients) by the strategy's collectives (``layouts.DATA_PARALLEL_TRAFFIC`` counts the
-    same collectives in copies of the parameters, ``k`` large):
+    same collectives in copies of the parameters, ``k`` large). FSDP2 all-gathers
+    ``gather_bytes`` of parameters (default ``parameter_bytes``; under autocast its
+    ``MixedPrecisionPolicy`` gathers them in the autocast dtype, ``sharding.
+    FSDP_PARAM_DTYPE``: half the fp32 bytes):
 
     - ddp: an all-reduce of the gradients (DistributedDataParallel's buckets);
     - zero1: the same, then ZeroRedundancyOptimizer broadcasts each rank's updated shard
@@ -187,7 +191,8 @@ def data_parallel_volume(
     """
     if strategy is None or dp == 1:
         return volume_of(())
-    K, P, G = CollectiveKind, parameter_bytes, gradient_bytes
+    K, G = CollectiveKind, gradient_bytes
+    P = parameter_bytes if gather_bytes is None else gather_bytes
     collectives: list[Collective]
     if strategy is Strategy.DDP:
         collectives = [Collective(K.ALL_REDUCE, G, dp)]

@@ -44,6 +44,7 @@ from .recipe.parallel import ParallelSettings
 from .recipe.recipe import default
 from .recipe.weights import Weights
 from .sharding import (
+    FSDP_PARAM_DTYPE,
     resolve_parallel,
 )
 from .tradeoff import Frontier, batch_seq_frontier, length_grid
@@ -617,12 +618,16 @@ def _layout_row(
         sent: int | None = est.communication_sent_bytes
         by_kind = est.communication_sent_bytes_by_kind
     else:  # the strategy's collectives over the one-device step's parameters and gradients
+        gather = whole.parameter_bytes
+        if est.precision in FSDP_PARAM_DTYPE:  # fp32 weights gathered in 2-byte bf16 / fp16
+            gather //= 2
         volume = data_parallel_volume(
             c.strategy if est.mode is Mode.TRAIN else None,
             c.dp,
             whole.parameter_bytes,
             whole.gradient_bytes,
             gpus_per_node,
+            gather,
         )
         sent, by_kind = volume.sent_bytes, volume.sent_bytes_by_kind
     return Layout(
