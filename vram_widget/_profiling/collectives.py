@@ -82,10 +82,10 @@ def _group(name_or_group: object) -> Any:
     if isinstance(name_or_group, str):
         from torch._C._distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(name_or_group)
+        return _resolve_process_group(name_or_group)  # type: ignore[arg-type]
     if isinstance(name_or_group, dist.ProcessGroup):
         return name_or_group
-    return dist.ProcessGroup.unbox(name_or_group)
+    return dist.ProcessGroup.unbox(name_or_group)  # type: ignore[arg-type]
 
 
 def _functional(name: str, kind: CollectiveKind, args: tuple[Any, ...]) -> Collective:
