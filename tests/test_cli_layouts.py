@@ -24,6 +24,13 @@ def test_json_is_the_python_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert [r["layout"] for r in out["layouts"]] == [r.label for r in plan.layouts]
     assert [r["peak_bytes"] for r in out["layouts"]] == [r.peak_bytes for r in plan.layouts]
     assert [r["fits"] for r in out["layouts"]] == [r.fits for r in plan.layouts]
+    assert [r["communication_sent_bytes"] for r in out["layouts"]] == [
+        r.communication_sent_bytes for r in plan.layouts
+    ]
+    # ddp over 2 ranks all-reduces the gradients once: 2 x 1/2 x the parameters' bytes
+    ddp = next(r for r in out["layouts"] if r["layout"] == "dp=2 ddp")
+    params = profile.estimate(8).parameter_bytes
+    assert ddp["communication_sent_bytes_by_kind"] == {"all_reduce": params}
     # 12 MiB: the FSDP2 layouts (about 10.2 MiB a rank) fit, DDP's and ZeRO-1's do not
     assert out["best"] == "dp=2 zero2" == plan.layouts[0].label
     assert {r["layout"] for r in out["refused"]} == {
@@ -41,6 +48,7 @@ def test_text_table(capsys: pytest.CaptureFixture[str]) -> None:
     # HSDP 3), then DDP (2) and ZeRO-1 (3), which do not fit
     assert [row[2] for row in rows] == ["zero2", "zero3", "hsdp", "ddp", "zero1"]
     assert [row[8] for row in rows] == ["yes", "yes", "yes", "no", "no"]
+    assert "sent/step" in out and "sent/step: bytes a rank sends per step" in out
     assert rows[0][3] == "4"  # 8 samples over 2 data-parallel ranks
     assert "best: dp=2 zero2" in out
     assert "tp=2: tp=2: Sequential has no tensor-parallel plan" in out

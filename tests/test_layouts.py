@@ -46,6 +46,15 @@ def test_data_parallel_layouts_by_hand(mlp: ModelProfile) -> None:
     assert {k: r.traffic_params for k, r in rows.items()} == {
         "ddp": 2.0, "zero1": 3.0, "zero2": 2.0, "zero3": 3.0, "hsdp": 3.0,
     }  # fmt: skip
+    # the same in bytes over 2 ranks, (k - 1) / k = 1/2 of those copies of 789,504 B
+    # (every parameter trains: the gradients are as many bytes): 789,504 and 1,184,256 B
+    assert {k: r.communication_sent_bytes for k, r in rows.items()} == {
+        "ddp": 789_504, "zero1": 1_184_256, "zero2": 789_504, "zero3": 1_184_256,
+        "hsdp": 1_184_256,
+    }  # fmt: skip
+    assert dict(rows["zero2"].communication_sent_bytes_by_kind) == {
+        "all_gather": 394_752, "reduce_scatter": 394_752,
+    }  # fmt: skip
 
 
 def test_order_fits_first_then_traffic_then_bytes(mlp: ModelProfile) -> None:
@@ -80,6 +89,7 @@ def test_nothing_fits_and_one_gpu(mlp: ModelProfile) -> None:
     assert [row.label for row in single.layouts] == ["dp=1"] and single.refused == ()
     assert single.layouts[0].peak_bytes == mlp.estimate(8).peak_bytes
     assert single.layouts[0].traffic_params == 0.0
+    assert single.layouts[0].communication_sent_bytes == 0
 
 
 def test_a_batch_the_ranks_do_not_split_is_refused(mlp: ModelProfile) -> None:
@@ -142,12 +152,46 @@ def test_llama_has_tensor_and_pipeline_rows() -> None:
     assert gpipe.peak_bytes == gpipe.estimate.stage_peak_bytes[1]
     for label in ("tp=2", "pp=2 gpipe m=2", "pp=2 1f1b m=2"):
         assert rows[label].traffic_params is None and rows[label].communication_bytes is None
-    # all fit 64 MiB: the data-parallel ones first, then the pipelines, then tensor parallel
+    # the bytes a rank sends per step (fp32, batch 4 x 16 tokens, hidden 64):
+    # a pipeline stage sends 2 micro-batches' hidden states (or their gradients),
+    # 2 x (2 x 16 x 64 x 4 B) = 16,384 B; the tensor-parallel rank 16 all-reduces of a
+    # hidden state, 16 x 2 x 1/2 x 16,384 B = 262,144 B, and the logits gathered once,
+    # 1/2 x 4 x 16 x 1,000 x 4 B = 128,000 B (tests/test_communication.py checks both
+    # against gloo); DDP all-reduces the 808,192 B of gradients: 2 x 1/2 x 808,192 B
+    sent = {label: row.communication_sent_bytes for label, row in rows.items()}
+    assert sent["pp=2 gpipe m=2"] == sent["pp=2 1f1b m=2"] == 16_384
+    assert sent["tp=2"] == 262_144 + 128_000
+    assert sent["dp=2 ddp"] == 808_192
+    # zero2: 1/2 x (808,192 + 808,192); zero1, zero3 and hsdp (2 ranks, one node): 3/2 x
+    assert sent["dp=2 zero2"] == 808_192
+    assert sent["dp=2 zero1"] == sent["dp=2 zero3"] == sent["dp=2 hsdp"] == 1_212_288
+    # all fit 64 MiB: the fewest bytes sent first, the pipelines, then tensor parallel,
+    # then the data-parallel layouts
     assert all(row.fits for row in plan.layouts)
     order = [row.label for row in plan.layouts]
-    assert order.index("dp=2 zero1") < order.index("pp=2 gpipe m=2") < order.index("tp=2")
+    assert order.index("pp=2 1f1b m=2") < order.index("tp=2") < order.index("dp=2 ddp")
+    assert order.index("dp=2 ddp") < order.index("dp=2 zero1")
     assert plan.refused == ()
     # ScheduleInterleaved1F1B's two stages a rank: rank r holds stages r and r + 2
     interleaved = rows["pp=2 interleaved-1f1b m=2"].estimate
     assert (interleaved.pp_schedule, interleaved.stages_per_rank) == ("interleaved-1f1b", 2)
+    # stages 0 -> 1 -> 2 -> 3 over ranks 0, 1, 0, 1: rank 0 sends stage 0's and stage 2's
+    # outputs forward and stage 2's input gradient back, 3 x 2 micro-batches x 8,192 B
+    assert sent["pp=2 interleaved-1f1b m=2"] == 3 * 2 * 8_192
+    assert order.index("pp=2 1f1b m=2") < order.index("pp=2 interleaved-1f1b m=2")
+    assert order.index("pp=2 interleaved-1f1b m=2") < order.index("tp=2")
     assert "zero3: the root" in rows["dp=2 zero3"].warnings[0]  # kept, not issued
+
+
+def test_fsdp_gathers_autocast_copies(mlp: ModelProfile) -> None:
+    plan = mlp.plan_layouts(
+        2**30, gpus=2, batch_size=8, precision="amp-bf16", strategies=["zero2", "ddp"]
+    )
+    rows = {row.strategy.value: row for row in plan.layouts if row.strategy is not None}
+    # amp-bf16 keeps fp32 weights and gradients, 789,504 B each; FSDP2's
+    # MixedPrecisionPolicy gathers bf16 copies, 394,752 B: zero2 sends 1/2 of them and
+    # 1/2 of the fp32 gradients reduce-scattered, 197,376 + 394,752 = 592,128 B; ddp
+    # all-reduces the fp32 gradients, 2 x 1/2 x 789,504 B
+    assert rows["zero2"].communication_sent_bytes == 592_128
+    assert rows["ddp"].communication_sent_bytes == 789_504
+    assert [row.label for row in plan.layouts] == ["dp=2 zero2", "dp=2 ddp"]

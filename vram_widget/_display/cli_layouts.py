@@ -18,7 +18,14 @@ if TYPE_CHECKING:
 TRAFFIC_MEANS = (
     "data-parallel collectives per rank and step, in copies of the parameters, as the ZeRO "
     "paper counts them (ddp and zero2 2, zero1 and zero3 3); '-' for tensor and pipeline "
-    "layouts, whose activation traffic is not estimated"
+    "layouts (their bytes are in 'sent/step')"
+)
+SENT_MEANS = (
+    "bytes a rank sends per step, each collective counted as a ring moves it (all-reduce "
+    "2(k-1)/k of the tensor, all-gather and reduce-scatter (k-1)/k of the whole tensor, a "
+    "send all of it): recorded from the rank's step for tensor and pipeline layouts (the "
+    "stage that sends most), the strategy's collectives over the parameters and gradients "
+    "for data-parallel ones"
 )
 BUFFERS_MEANS = (
     "communication buffers the rank keeps resident (DDP's gradient buckets); '-' where "
@@ -66,13 +73,14 @@ def plan_lines(plan: LayoutPlan, gpu_name: str, precision: str) -> list[str]:
     lines = [
         f"layouts of {plan.gpus} GPUs of {gpu_name} ({_bytes(plan.capacity_bytes)} each), "
         f"{precision}, batch {plan.batch_size:,} a step; best first: those that fit, then "
-        "the least data-parallel traffic, then the least memory; each figure is the worst "
+        "the fewest bytes sent per rank and step, then the least memory; each figure is "
+        "the worst "
         f"rank's (or pipeline stage's); 'compared' is the figure held against the capacity "
         f"on the {plan.basis.value} basis (device bytes on CUDA; allocated plus extras on "
         "the CPU)",
     ]
     header = ["#", "layout", "batch/rank", "allocated", "compared", "fits"]
-    header += ["comm buffers", "DP traffic"]
+    header += ["comm buffers", "DP traffic", "sent/step"]
     rows = [_row(i, layout) for i, layout in enumerate(plan.layouts, 1)]
     if rows:
         widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
@@ -87,6 +95,7 @@ def plan_lines(plan: LayoutPlan, gpu_name: str, precision: str) -> list[str]:
         lines.append("no layout of these GPUs is estimated")
     lines.append(f"comm buffers: {BUFFERS_MEANS}")
     lines.append(f"DP traffic: {TRAFFIC_MEANS}")
+    lines.append(f"sent/step: {SENT_MEANS}")
     best = plan.best
     lines.append(f"best: {best.label}" if best is not None else "none fits: more GPUs, or levers")
     warned = dict.fromkeys(w for layout in plan.layouts for w in layout.warnings)
@@ -104,6 +113,7 @@ def plan_lines(plan: LayoutPlan, gpu_name: str, precision: str) -> list[str]:
 def _row(i: int, layout: Layout) -> list[str]:
     buffers = layout.communication_bytes
     traffic = layout.traffic_params
+    sent = layout.communication_sent_bytes
     return [
         str(i),
         layout.label,
@@ -113,6 +123,7 @@ def _row(i: int, layout: Layout) -> list[str]:
         "yes" if layout.fits else "no",
         "-" if buffers is None else _bytes(buffers),
         "-" if traffic is None else f"{traffic:g}",
+        "-" if sent is None else _bytes(sent),
     ]
 
 
@@ -125,6 +136,7 @@ def plan_json(plan: LayoutPlan, gpu_name: str) -> dict[str, Any]:
         "basis": plan.basis.value,
         "communication_bytes_means": BUFFERS_MEANS,
         "traffic_params_means": TRAFFIC_MEANS,
+        "communication_sent_bytes_means": SENT_MEANS,
         "best": None if plan.best is None else plan.best.label,
         "layouts": [
             {
@@ -141,6 +153,11 @@ def plan_json(plan: LayoutPlan, gpu_name: str) -> dict[str, Any]:
                 "fits": layout.fits,
                 "communication_bytes": layout.communication_bytes,
                 "traffic_params": layout.traffic_params,
+                "communication_sent_bytes": layout.communication_sent_bytes,
+                "communication_sent_bytes_by_kind": {
+                    str(kind): sent
+                    for kind, sent in layout.communication_sent_bytes_by_kind.items()
+                },
                 "warnings": list(layout.warnings),
             }
             for layout in plan.layouts

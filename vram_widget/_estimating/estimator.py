@@ -30,6 +30,7 @@ from .allocator import (
     align_allocations,
     replay,
 )
+from .communication import CollectiveKind
 from .decoding import Generation, Recording, StepEvents, step_of, unroll
 from .gpus import Gpu, parse_capacity
 from .levers import NO_LEVERS, Levers
@@ -184,6 +185,13 @@ class MemoryEstimate:
     stage_peak_bytes: tuple[int, ...] = ()
     stage_resident_bytes: tuple[int, ...] = ()
     stages_per_rank: int = 1
+    # the bytes the rank sends per step (communication.py: ring counts of each collective
+    # it issues), recorded from its step on the fake process group with tp, ep or pp > 1
+    # (with pp, the stage that sends most); and the same by collective kind. None and {}
+    # where not estimated (one device, data-parallel strategies: LayoutPlan's rows have
+    # theirs)
+    communication_sent_bytes: int | None = None
+    communication_sent_bytes_by_kind: Mapping[CollectiveKind, int] = field(default_factory=dict)
     # NCCL's own buffers on the rank (CUDA, more than one GPU): outside the allocator, so
     # in no total here; shown beside them with the defaults they assume
     nccl: NcclBuffers | None = None

@@ -6,8 +6,9 @@ No torch here; the estimates themselves are the profile's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
+from .communication import CollectiveKind
 from .estimator import MemoryEstimate
 from .options import FitBasis, PipelineSchedule, Strategy
 
@@ -26,8 +27,10 @@ from .options import FitBasis, PipelineSchedule, Strategy
 #   nodes (``foreach_reduce``'s ``all_reduce`` on the replicate group): 2 / gpus_per_node
 #   more past one node.
 # A step of ``grad_accumulation`` micro-batches repeats FSDP2's gathers and reduce-scatters
-# per micro-batch; these count one. Tensor and pipeline parallelism move activations, whose
-# volume the estimate does not count: None.
+# per micro-batch; these count one. Tensor and pipeline parallelism move activations: None
+# here; their bytes are the estimate's ``communication_sent_bytes``, recorded from the rank's
+# step. The same collectives in bytes, with the ring's (k-1)/k: communication.py's
+# ``data_parallel_volume``.
 DATA_PARALLEL_TRAFFIC = {
     Strategy.DDP: 2.0,
     Strategy.ZERO1: 3.0,
@@ -106,11 +109,20 @@ class Layout:
     traffic_params : float or None
         The data-parallel collectives' volume per rank and optimizer step, in copies of the
         parameters (``DATA_PARALLEL_TRAFFIC``, the ZeRO paper's count); 0 for one rank. None
-        with ``tp`` or ``pp`` above 1: the activations they move are not estimated.
+        with ``tp`` or ``pp`` above 1 (their volume is in ``communication_sent_bytes``).
     estimate : MemoryEstimate
         The worst rank's estimate itself.
     warnings : tuple of str
         What the estimate warned of for this layout, once each.
+    communication_sent_bytes : int or None
+        The bytes a rank sends per step (``communication.py``: each collective's ring
+        count). With ``tp`` or ``pp`` above 1, the estimate's own, recorded from the rank's
+        step (the pipeline stage that sends most); for a data-parallel layout, its
+        strategy's collectives over the whole model's parameter and gradient bytes
+        (``communication.data_parallel_volume``); 0 for one device. None where not
+        estimated.
+    communication_sent_bytes_by_kind : Mapping[CollectiveKind, int]
+        The same by collective kind.
     """
 
     dp: int
@@ -127,6 +139,10 @@ class Layout:
     traffic_params: float | None
     estimate: MemoryEstimate = dataclasses.field(repr=False, compare=False)
     warnings: tuple[str, ...] = ()
+    communication_sent_bytes: int | None = None
+    communication_sent_bytes_by_kind: Mapping[CollectiveKind, int] = dataclasses.field(
+        default_factory=dict, compare=False
+    )
 
     @property
     def label(self) -> str:
@@ -258,33 +274,29 @@ def traffic_params(candidate: Candidate, gpus_per_node: int) -> float | None:
     return volume
 
 
-def layout_order(layout: Layout) -> tuple[bool, bool, float, int, int, int]:
-    """The plan's order, as a sort key: layouts that fit first; then the least
-    data-parallel traffic (``traffic_params``), those whose traffic is not estimated
-    (``tp`` or ``pp`` above 1) after every data-parallel one, pipelines before tensor
-    parallelism (a pipeline sends one micro-batch's activations between neighbouring
-    stages; tensor parallelism all-reduces activations in every layer, twice forward and
-    twice backward per transformer layer: Shoeybi et al. 2019, arXiv:1909.08053, section
-    3); then the lowest ``fit_bytes``; then the fewest model-parallel ranks.
+def layout_order(layout: Layout) -> tuple[bool, bool, int, int, int]:
+    """The plan's order, as a sort key: layouts that fit first; then the fewest bytes a
+    rank sends per step (``communication_sent_bytes``; layouts where it is not estimated
+    after the others); then the lowest ``fit_bytes``; then the fewest model-parallel
+    ranks.
 
     Examples
     --------
     >>> from vram_widget import profile_model, zoo
     >>> est = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(1)
-    >>> def row(strategy, traffic, fit_bytes):
+    >>> def row(strategy, sent, fit_bytes):
     ...     return Layout(2, 1, 1, strategy, None, None, 1, fit_bytes, fit_bytes, True,
-    ...                   0, traffic, est)
-    >>> rows = [row(Strategy.ZERO3, 3.0, 10), row(Strategy.DDP, 2.0, 30),
-    ...         row(Strategy.ZERO2, 2.0, 20)]
+    ...                   0, None, est, communication_sent_bytes=sent)
+    >>> rows = [row(Strategy.ZERO3, 300, 10), row(Strategy.DDP, 200, 30),
+    ...         row(Strategy.ZERO2, 200, 20), row(Strategy.ZERO1, None, 5)]
     >>> [r.strategy.value for r in sorted(rows, key=layout_order)]
-    ['zero2', 'ddp', 'zero3']
+    ['zero2', 'ddp', 'zero3', 'zero1']
     """
-    unknown = layout.traffic_params is None
+    sent = layout.communication_sent_bytes
     return (
         not layout.fits,
-        unknown,
-        0.0 if layout.traffic_params is None else layout.traffic_params,
-        layout.tp,  # among unknown traffic: pipelines (tp = 1) before tensor parallelism
+        sent is None,
+        0 if sent is None else sent,
         layout.fit_bytes,
         layout.tp * layout.pp,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from .communication import volume_of
 from .estimator import MemoryEstimate
 from .float8 import check_float8
 from .levers import Levers
@@ -276,8 +277,12 @@ class RungsMixin:
                          stages_per_rank=None)
         )  # fmt: skip
         worst = max(stages, key=lambda s: s.peak_bytes)
+        # what each stage's rank sends: the estimate's is the stage that sends most
+        sent = max((volume_of(s.collectives) for s in stages), key=lambda v: v.sent_bytes)
         return dataclasses.replace(
             whole,
+            communication_sent_bytes=sent.sent_bytes,
+            communication_sent_bytes_by_kind=sent.sent_bytes_by_kind,
             peak_bytes=worst.peak_bytes,
             parameter_bytes=worst.parameter_bytes,
             gpus=par.gpus,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .communication import data_parallel_volume
 from .estimator import MemoryEstimate
 from .gpus import Gpu, resolve_gpu
 from .layouts import (
@@ -43,6 +44,7 @@ from .recipe.parallel import ParallelSettings
 from .recipe.recipe import default
 from .recipe.weights import Weights
 from .sharding import (
+    FSDP_PARAM_DTYPE,
     resolve_parallel,
 )
 from .tradeoff import Frontier, batch_seq_frontier, length_grid
@@ -273,10 +275,10 @@ class SearchesMixin:
         -------
         LayoutPlan
             ``layouts`` best first (:func:`~vram_widget._estimating.layouts.layout_order`):
-            those that fit first, then the least data-parallel traffic per step
-            (``Layout.traffic_params``, the ZeRO paper's count in copies of the
-            parameters; tensor and pipeline layouts, whose activation traffic is not
-            estimated, after the data-parallel ones, pipelines first), then the lowest
+            those that fit first, then the fewest bytes a rank sends per step
+            (``Layout.communication_sent_bytes``: recorded from a tensor-parallel rank's
+            or each pipeline stage's step, from the strategy's collectives over the
+            parameters and gradients for a data-parallel one), then the lowest
             ``fit_bytes``. ``best`` is the first that fits.
 
         Raises
@@ -312,7 +314,8 @@ class SearchesMixin:
         _check_no_layout(base.parallel)
         microbatches = base.parallel.microbatches
         one = base.with_(microbatches=None)
-        _check_above_context(self.estimate(recipe=one), capacity)  # and the settings
+        whole = self.estimate(recipe=one)  # one device: the model's whole step
+        _check_above_context(whole, capacity)  # and the settings
         rows: list[Layout] = []
         refused: list[RefusedLayout] = []
         for c in candidates(n, batch, microbatches, tuple(dict.fromkeys(shares))):
@@ -330,7 +333,7 @@ class SearchesMixin:
                     )
                 )
                 continue
-            row = _layout_row(c, est, capacity, fit_basis, base.parallel.gpus_per_node)
+            row = _layout_row(c, est, capacity, fit_basis, base.parallel.gpus_per_node, whole)
             said = tuple(dict.fromkeys(str(w.message) for w in caught))
             rows.append(dataclasses.replace(row, warnings=said))
         return LayoutPlan(
@@ -604,9 +607,30 @@ def _layout_recipe(one: Recipe, gpus: int, c: Candidate) -> Recipe:
 
 
 def _layout_row(
-    c: Candidate, est: MemoryEstimate, capacity: int, basis: FitBasis, gpus_per_node: int
+    c: Candidate,
+    est: MemoryEstimate,
+    capacity: int,
+    basis: FitBasis,
+    gpus_per_node: int,
+    whole: MemoryEstimate,
 ) -> Layout:
     model_parallel = c.tp > 1 or c.pp > 1
+    if model_parallel:  # recorded from the rank's step (None where it was not)
+        sent: int | None = est.communication_sent_bytes
+        by_kind = est.communication_sent_bytes_by_kind
+    else:  # the strategy's collectives over the one-device step's parameters and gradients
+        gather = whole.parameter_bytes
+        if est.precision in FSDP_PARAM_DTYPE:  # fp32 weights gathered in 2-byte bf16 / fp16
+            gather //= 2
+        volume = data_parallel_volume(
+            c.strategy if est.mode is Mode.TRAIN else None,
+            c.dp,
+            whole.parameter_bytes,
+            whole.gradient_bytes,
+            gpus_per_node,
+            gather,
+        )
+        sent, by_kind = volume.sent_bytes, volume.sent_bytes_by_kind
     return Layout(
         dp=c.dp,
         tp=c.tp,
@@ -621,6 +645,8 @@ def _layout_row(
         communication_bytes=None if model_parallel else est.communication_bytes,
         traffic_params=traffic_params(c, gpus_per_node),
         estimate=est,
+        communication_sent_bytes=sent,
+        communication_sent_bytes_by_kind=by_kind,
     )
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._estimating.communication import Collective
 from .._estimating.options import (
     OptimizerChoice,
     OptimizerImplementation,
@@ -475,11 +476,17 @@ class StagePeak:
         buffers and the last stage's outputs of the step before.
     parameter_bytes : int
         The stage's parameters.
+    collectives : tuple of Collective
+        What the stage's rank sends and receives in the step, in order: each
+        micro-batch's activations to the next stage and its input's gradient to the one
+        before (``torch.distributed.pipelining``'s point-to-point ops), as recorded on the
+        fake process group (``collectives.CollectiveLog``).
     """
 
     peak_bytes: int
     resident_bytes: int
     parameter_bytes: int
+    collectives: tuple[Collective, ...] = ()
 
 
 def _steady_static(sched: Any) -> None:
@@ -544,9 +551,11 @@ def stage_peak(
             k: torch.empty(v.shape, dtype=v.dtype, device="cpu") for k, v in inputs.items()
         }
     config = _config(model)
+    from .collectives import CollectiveLog
     from .probe import KernelProbe
 
     counter = LiveBytes(KernelProbe())
+    log = CollectiveLog()
     with fake_process_group(pp, rank=rank), mode:
         run = _rank(
             modules, rank, layout, fake_inputs, optimizer, implementation, _loss_fn(model),
@@ -563,10 +572,11 @@ def stage_peak(
             gc.collect()
             resident = counter.live_bytes
             counter.reset_peak()
-            run.iterate()
+            with log:  # innermost: it sees each op before the counter and the fake mode
+                run.iterate()
         params = {p.untyped_storage(): None for module in modules for p in module.parameters()}
         param_bytes = sum(storage.nbytes() for storage in params)
-    return StagePeak(counter.peak_with_workspaces(), resident, param_bytes)
+    return StagePeak(counter.peak_with_workspaces(), resident, param_bytes, tuple(log.collectives))
 
 
 def measure_stage(

@@ -104,6 +104,9 @@ class Profiler(OptimizerStateRuns):
             tuple[Precision, str | None, bool],
             tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[Any, ...]]],
         ] = {}
+        # a mode entered innermost around a run's step (collectives.CollectiveLog, which
+        # records a parallel rank's collectives); None for the profile's own runs
+        self.innermost: contextlib.AbstractContextManager[Any] | None = None
 
     def _state(
         self, precision: Precision
@@ -300,6 +303,8 @@ class Profiler(OptimizerStateRuns):
                     stack.enter_context(in_backward.hooked())
             else:
                 rec.set_phase(Phase.INFERENCE)
+            if self.innermost is not None:
+                stack.enter_context(self.innermost)
             step_starts: tuple[int, ...] = ()
             step_flops = np.zeros((0, 0), np.int64)
             try:

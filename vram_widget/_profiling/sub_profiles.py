@@ -12,9 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._estimating.communication import CommunicationVolume, scaled, volume_of
+from .._estimating.levers import NO_LEVERS, Levers
 from .._estimating.loading import LoadLayout
 from .._estimating.options import (
     Device,
+    Mode,
     OptimizerChoice,
     OptimizerImplementation,
     Precision,
@@ -22,6 +25,7 @@ from .._estimating.options import (
 from .._estimating.profile import ModelProfile
 from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.weights import WeightFormat, Weights
+from .collectives import CollectiveLog
 from .expert_parallel import expert_parallelized, resolve_ep_plan
 from .float8 import float8_copy
 from .loading import load_layout
@@ -202,7 +206,16 @@ class SubProfiles:
                 copy_ = shard(meta_copy(self.profiler.subject.model), mesh)
                 # not cached: the profile key does not read the mesh (or the routing)
                 sub = self._sub_profile(copy_, cache=False)
-                return sub._estimate(recipe)
+                asked = _timelines_asked(sub)
+                est = sub._estimate(recipe)
+                if not asked:  # answered without a step's timeline: nothing to record
+                    return est
+                volume = _step_communication(sub, recipe.step.batch_size, *asked[-1])
+                return dataclasses.replace(
+                    est,
+                    communication_sent_bytes=volume.sent_bytes,
+                    communication_sent_bytes_by_kind=volume.sent_bytes_by_kind,
+                )
 
     def expert_parallel_estimate(self: _Source, ep: int, recipe: Any) -> Any:  # type: ignore[misc]
         """One of ``ep`` expert-parallel ranks' estimate of ``recipe`` (rank 0): a meta copy
@@ -318,6 +331,55 @@ class SubProfiles:
             self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
             optimizer, implementation, split, stages_per_rank,
         )  # fmt: skip
+
+
+def _timelines_asked(sub: ModelProfile) -> list[tuple[Any, ...]]:
+    """The (precision, mode, seq_len, levers) of each timeline ``sub`` is asked for from
+    now on, in order (the estimate's own step is the last)."""
+    asked: list[tuple[Any, ...]] = []
+    original = sub.timeline
+
+    def timeline(
+        precision: Precision, mode: Mode, seq_len: int | None = None, levers: Levers = NO_LEVERS
+    ) -> Any:
+        asked.append((precision, mode, seq_len, levers))
+        return original(precision, mode, seq_len, levers)
+
+    sub.timeline = timeline  # type: ignore[method-assign]
+    return asked
+
+
+def _step_communication(
+    sub: ModelProfile,
+    batch_size: int,
+    precision: Precision,
+    mode: Mode,
+    seq_len: int | None,
+    levers: Levers,
+) -> CommunicationVolume:
+    """What one rank of ``sub`` (a model laid out over the fake process group that is up)
+    sends in the step the estimate read: that step run once more on fake tensors at
+    ``batch_size`` and ``seq_len``, with the same levers, its collectives recorded
+    (``collectives.CollectiveLog``). An accumulated step of ``k`` micro-batches is
+    profiled with two (``Levers.profiled_micro_batches``), each issuing the same
+    collectives: the two count ``k / 2`` times."""
+    source = getattr(sub._source, "inner", sub._source)  # under a DiskCachedSource
+    assert isinstance(source, SourceRuns)
+    profiler = source.profiler
+    train = mode is Mode.TRAIN
+    profiled = levers.for_profiling() if train else NO_LEVERS
+    log = CollectiveLog()
+    profiler.seq_len, profiler.levers, profiler.innermost = seq_len, profiled, log
+    try:
+        with source._as_every_run():
+            profiler.run(precision, batch_size, mode, flops=False)
+    finally:
+        profiler.seq_len, profiler.levers, profiler.innermost = None, NO_LEVERS, None
+    volume = volume_of(log.collectives)
+    asked_micro = levers.grad_accumulation if train else 1
+    if asked_micro > profiled.grad_accumulation:
+        volume = scaled(volume, asked_micro, profiled.grad_accumulation)
+    return volume
 
 
 def _with_fixed_dtypes(sub: ModelProfile, fixed: dict[str, str]) -> ModelProfile:

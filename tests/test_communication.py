@@ -1,0 +1,227 @@
+"""The bytes a rank sends per step: the ring counts of each collective, hand-worked; the
+collectives a tensor-parallel rank and each pipeline stage issue, recorded on the fake
+process group, against those the real gloo process group runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from models import hf_llama, hf_tokens
+
+from vram_widget import profile_model
+from vram_widget._estimating.communication import (
+    Collective,
+    CollectiveKind,
+    data_parallel_volume,
+    sent_bytes,
+    volume_of,
+)
+from vram_widget._estimating.options import Strategy
+
+pytestmark = pytest.mark.timeout(300)
+
+K = CollectiveKind
+
+
+def test_ring_counts_by_hand() -> None:
+    # all-reduce of 1,000 B over 4 ranks: 2 x 3/4 x 1,000 = 1,500; all-gather of a gathered
+    # 1,000 B: 3/4 x 1,000 = 750; reduce-scatter alike; all-to-all of 1,000 B keeping 250:
+    # 750; a send: all of it; a receive: nothing; 1 rank: nothing moves
+    assert sent_bytes(K.ALL_REDUCE, 1_000, 4) == 1_500
+    assert sent_bytes(K.ALL_GATHER, 1_000, 4) == 750
+    assert sent_bytes(K.REDUCE_SCATTER, 1_000, 4) == 750
+    assert sent_bytes(K.ALL_TO_ALL, 1_000, 4, own_bytes=250) == 750
+    assert sent_bytes(K.SEND, 1_000, 2) == 1_000
+    assert sent_bytes(K.RECV, 1_000, 2) == 0
+    assert sent_bytes(K.ALL_REDUCE, 1_000, 1) == 0
+    # 3 ranks: 2 x 2/3 x 100 = 133.3 -> 133 (rounded down per collective)
+    assert sent_bytes(K.ALL_REDUCE, 100, 3) == 133
+    with pytest.raises(ValueError, match="group_size >= 1"):
+        sent_bytes(K.ALL_REDUCE, 100, 0)
+    volume = volume_of(
+        [Collective(K.ALL_REDUCE, 1_000, 4), Collective(K.RECV, 10, 4), Collective(K.SEND, 10, 4)]
+    )
+    assert volume.sent_bytes == 1_510 and volume.collective_count == 3
+    assert dict(volume.sent_bytes_by_kind) == {K.ALL_REDUCE: 1_500, K.SEND: 10}
+
+
+def test_data_parallel_volume_by_hand() -> None:
+    # P = 1,200 B of parameters, G = 800 B of gradients (a frozen part), 4 ranks:
+    # ddp: all-reduce G: 2 x 3/4 x 800 = 1,200
+    # zero1: + the updated shards, 3/4 x 800 = 600: 1,800
+    # zero2: all-gather P once + reduce-scatter G: 3/4 x (1,200 + 800) = 1,500
+    # zero3: P twice: 3/4 x (2,400 + 800) = 2,400
+    # hsdp, 2 per node (2 nodes): zero3 within a node, 1/2 x 3,200 = 1,600, then the node's
+    # gradient shard 800 / 2 = 400 all-reduced over 2 nodes: 2 x 1/2 x 400 = 400: 2,000
+    P, G = 1_200, 800
+    got = {s: data_parallel_volume(s, 4, P, G, gpus_per_node=2).sent_bytes for s in Strategy}
+    assert got == {
+        Strategy.DDP: 1_200,
+        Strategy.ZERO1: 1_800,
+        Strategy.ZERO2: 1_500,
+        Strategy.ZERO3: 2_400,
+        Strategy.HSDP: 2_000,
+    }
+    assert data_parallel_volume(None, 1, P, G, 8).sent_bytes == 0
+    # zero3 gathering bf16 copies of fp32 weights, 600 B: 3/4 x (2 x 600 + 800) = 1,500
+    assert data_parallel_volume(Strategy.ZERO3, 4, P, G, 8, gather_bytes=600).sent_bytes == 1_500
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rowwise_linear_all_reduces_its_output(one_thread: None) -> None:
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 24))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    profile = profile_model(model, inputs=torch.randn(4, 32), device="cpu")
+    est = profile.estimate(6, optimizer="sgd", gpus=2, tp=2, tp_plan=plan)
+    # the one collective of the step: the rowwise Linear's partial sums all-reduced in the
+    # forward, batch 6 x 24 outputs x 4 B = 576 B over 2 ranks: 2 x 1/2 x 576 = 576 B sent.
+    # (The colwise Linear's input needs no gradient: no all-reduce in the backward.)
+    assert dict(est.communication_sent_bytes_by_kind) == {K.ALL_REDUCE: 576}
+    assert est.communication_sent_bytes == 576
+    inference = profile.estimate(6, mode="inference", gpus=2, tp=2, tp_plan=plan)
+    assert inference.communication_sent_bytes == 576
+    assert profile.estimate(6).communication_sent_bytes is None  # one device
+
+
+# The real side: the collectives gloo itself runs, from the profiler's record of its ops
+# (``gloo:all_reduce``, ``gloo:all_gather``, ``gloo:send``...: ProcessGroupGloo's
+# RECORD_FUNCTION with its input tensors), not from the package's recording.
+_GLOO_KINDS = {
+    "gloo:all_reduce": K.ALL_REDUCE,
+    "gloo:all_gather": K.ALL_GATHER,
+    "gloo:reduce_scatter": K.REDUCE_SCATTER,
+    "gloo:all_to_all": K.ALL_TO_ALL,
+    "gloo:broadcast": K.BROADCAST,
+    "gloo:send": K.SEND,
+    "gloo:recv": K.RECV,
+}
+_ITEM_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8}
+
+
+def _gloo_collectives(step: Callable[[], None], world: int) -> list[tuple[str, int]]:
+    """(kind, payload bytes) of each collective gloo runs in ``step``, in order. The
+    1-byte all-reduce that the measuring harness queues behind each collective
+    (``distributed._fence``) is left out; an all-gather's payload is its gathered
+    output, ``world`` times the rank's input."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+    ) as prof:
+        step()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    out = []
+    events = sorted(trace["traceEvents"], key=lambda e: e.get("args", {}).get("Ev Idx", 0))
+    for e in events:
+        kind = _GLOO_KINDS.get(e.get("name", ""))
+        if kind is None:
+            continue
+        args = e["args"]
+        dims, dtype = args["Input Dims"][0], args["Input type"][0]
+        if dtype == "unsigned char" and dims == [1]:
+            continue  # the harness's fence
+        numel = 1
+        for d in dims:
+            numel *= d
+        payload = numel * _ITEM_BYTES[dtype]
+        out.append((kind.value, payload * world if kind is K.ALL_GATHER else payload))
+    return out
+
+
+def _sent_by_kind(collectives: list[tuple[str, int]], world: int) -> dict[CollectiveKind, int]:
+    records = [Collective(K(kind), payload, world) for kind, payload in collectives]
+    return dict(volume_of(records).sent_bytes_by_kind)
+
+
+def test_tensor_parallel_collectives_match_gloo(one_thread: None) -> None:
+    pytest.importorskip("transformers")
+    from vram_widget._profiling.distributed import run_ranks
+    from vram_widget._profiling.tensor_parallel import rank_setup, resolve_plan
+
+    torch.manual_seed(0)
+    model, inputs = hf_llama(), hf_tokens(4)
+    est = profile_model(model, inputs=inputs, device="cpu").estimate(
+        4, optimizer="adamw", gpus=2, tp=2
+    )
+    setup = rank_setup(resolve_plan(model, 2))
+
+    def rank_step(_rank: int, world: int) -> list[tuple[str, int]]:
+        sharded = setup.wrap_model(model, None, None)  # type: ignore[arg-type]
+        opt = torch.optim.AdamW(sharded.parameters())
+
+        def step() -> None:
+            sharded(**inputs).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()  # the optimizer's state made
+        return _gloo_collectives(step, world)
+
+    ranks = run_ranks(rank_step, 2, timeout_s=120)
+    assert ranks[0] == ranks[1]
+    # Llama's plan (fp32, batch 4 x 16 tokens, hidden 64, vocab 1,000): each all-reduce is
+    # a hidden state of 4 x 16 x 64 x 4 B = 16,384 B (2 x 1/2 of it sent); the output
+    # head's logits, 4 x 16 x 1,000 x 4 B = 256,000 B, are gathered once (1/2 sent)
+    real = _sent_by_kind(ranks[0], 2)
+    assert dict(est.communication_sent_bytes_by_kind) == real
+    assert real[K.ALL_GATHER] == 128_000 and real[K.ALL_REDUCE] % 16_384 == 0
+    assert est.communication_sent_bytes == sum(real.values())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_sends_match_gloo(one_thread: None, schedule: str) -> None:
+    pytest.importorskip("transformers")
+    from vram_widget._estimating.options import OptimizerName, PipelineSchedule
+    from vram_widget._profiling.distributed import run_ranks
+    from vram_widget._profiling.pipeline_parallel import _config, _Layout, _loss_fn, _rank
+
+    torch.manual_seed(0)
+    model, inputs = hf_llama(), hf_tokens(4)
+    est = profile_model(model, inputs=inputs, device="cpu").estimate(
+        4, optimizer="adamw", gpus=2, pp=2, microbatches=2, pp_schedule=schedule
+    )
+    config = _config(model)
+
+    def rank_step(stage: int, world: int) -> list[tuple[str, int]]:
+        layout = _Layout(world, PipelineSchedule(schedule), 2)
+        module = layout.copy(model, stage, meta=False)
+        module.train()
+        rank: Any = _rank(
+            [module], stage, layout, dict(inputs), OptimizerName.ADAMW, None,
+            _loss_fn(model), config.hidden_size, config.vocab_size, torch.float32,
+        )  # fmt: skip
+        rank.iterate()
+        rank.iterate()
+        return _gloo_collectives(rank.iterate, world)
+
+    ranks = run_ranks(rank_step, 2, timeout_s=120)
+    # 2 micro-batches of 2 x 16 tokens x 64 x 4 B = 8,192 B: stage 0 sends each one's
+    # hidden states forward, stage 1 each one's gradient back: 16,384 B each
+    sent = [_sent_by_kind(r, 2) for r in ranks]
+    assert sent == [{K.SEND: 16_384}, {K.SEND: 16_384}]
+    assert dict(est.communication_sent_bytes_by_kind) == {K.SEND: 16_384}
+    assert est.communication_sent_bytes == 16_384
