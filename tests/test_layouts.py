@@ -87,7 +87,7 @@ def test_a_batch_the_ranks_do_not_split_is_refused(mlp: ModelProfile) -> None:
     refused = {row.label: row.reason for row in plan.refused}
     assert "batch_size=6 is not split evenly over dp=4" in refused["dp=4 ddp"]
     # 6 over 2 ranks is even: that layout is tried, and the estimate's own reason kept
-    assert "data parallelism over tensor-parallel ranks" in refused["dp=2 ddp x tp=2"]
+    assert "with strategy='ddp': 2 data-parallel ranks" in refused["dp=2 ddp x tp=2"]
     assert plan.layouts == ()
 
 
@@ -148,3 +148,31 @@ def test_llama_has_tensor_and_pipeline_rows() -> None:
     assert order.index("dp=2 zero1") < order.index("pp=2 gpipe m=2") < order.index("tp=2")
     assert [row.label for row in plan.refused] == ["pp=2 interleaved-1f1b m=2"]
     assert "zero3: the root" in rows["dp=2 zero3"].warnings[0]  # kept, not issued
+
+
+@pytest.mark.timeout(300)
+def test_llama_has_fsdp_over_tensor_parallel_rows() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    profile = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+    plan = profile.plan_layouts(
+        "64 MiB", gpus=4, batch_size=4, optimizer="adamw", strategies=["ddp", "zero2", "zero3"]
+    )
+    rows = {row.label: row for row in plan.layouts}
+    refused = {row.label: row.reason for row in plan.refused}
+    assert {"dp=2 zero2 x tp=2", "dp=2 zero3 x tp=2"} <= set(rows)
+    assert "FSDP2 over the tensor-parallel ranks" in refused["dp=2 ddp x tp=2"]
+    for strategy, count in (("zero2", 2.0), ("zero3", 3.0)):
+        row = rows[f"dp=2 {strategy} x tp=2"]
+        # each of the 2 tensor-parallel groups takes half the batch; the row is estimate's
+        assert row.rank_batch_size == 2
+        direct = profile.estimate(2, optimizer="adamw", gpus=4, tp=2, strategy=strategy)
+        assert row.peak_bytes == direct.peak_bytes
+        # FSDP2's count over the rank's own tp shard: 1 / 2 of the parameters
+        assert row.traffic_params == count / 2
+        assert row.communication_bytes is None
+    # the data-parallel layouts first, then the model-parallel ones, among which dp x tp
+    # rows come by their data-parallel traffic
+    order = [row.label for row in plan.layouts]
+    assert order.index("dp=4 zero3") < order.index("dp=2 zero2 x tp=2")
+    assert order.index("dp=2 zero2 x tp=2") < order.index("dp=2 zero3 x tp=2")

@@ -27,7 +27,11 @@ from .options import FitBasis, PipelineSchedule, Strategy
 #   more past one node.
 # A step of ``grad_accumulation`` micro-batches repeats FSDP2's gathers and reduce-scatters
 # per micro-batch; these count one. Tensor and pipeline parallelism move activations, whose
-# volume the estimate does not count: None.
+# volume the estimate does not count: None. FSDP2 over tensor-parallel ranks (dp x tp,
+# zero2 / zero3) gathers and reduce-scatters the rank's own tp shard of the parameters only
+# (FSDP2 shards each DTensor's local tensor): the same count over 1 / tp of the model
+# (a parameter the plan replicates, such as a norm's weight, is counted at 1 / tp of its
+# size too), and the tp collectives' activations beside it are not counted.
 DATA_PARALLEL_TRAFFIC = {
     Strategy.DDP: 2.0,
     Strategy.ZERO1: 3.0,
@@ -105,8 +109,11 @@ class Layout:
         step, not counted apart.
     traffic_params : float or None
         The data-parallel collectives' volume per rank and optimizer step, in copies of the
-        parameters (``DATA_PARALLEL_TRAFFIC``, the ZeRO paper's count); 0 for one rank. None
-        with ``tp`` or ``pp`` above 1: the activations they move are not estimated.
+        parameters (``DATA_PARALLEL_TRAFFIC``, the ZeRO paper's count); 0 for one rank.
+        With ``dp`` and ``tp`` above 1 (FSDP2 over tensor-parallel ranks) the count over
+        the rank's own tp shard, ``1 / tp`` of the parameters; the activations tensor
+        parallelism moves are not in it. None for ``tp`` alone and with ``pp`` above 1:
+        the activations they move are not estimated.
     estimate : MemoryEstimate
         The worst rank's estimate itself.
     warnings : tuple of str
@@ -240,28 +247,35 @@ def candidates(
 
 def traffic_params(candidate: Candidate, gpus_per_node: int) -> float | None:
     """The data-parallel collectives' volume of ``candidate`` per rank and step, in copies
-    of the parameters (``DATA_PARALLEL_TRAFFIC``); None with ``tp`` or ``pp`` above 1.
+    of the parameters (``DATA_PARALLEL_TRAFFIC``); with ``dp`` and ``tp`` above 1, FSDP2's
+    count over the rank's own tp shard (``1 / tp`` of the parameters); None for ``tp``
+    alone and with ``pp`` above 1.
 
     Examples
     --------
     >>> c = Candidate(16, 1, 1, Strategy.HSDP, None, None, 1)
     >>> traffic_params(c, gpus_per_node=8)  # 3 within a node + 2 / 8 across the 2 nodes
     3.25
+    >>> traffic_params(Candidate(2, 2, 1, Strategy.ZERO3, None, None, 1), 8)  # 3 / tp
+    1.5
     """
-    if candidate.tp > 1 or candidate.pp > 1:
+    if candidate.pp > 1 or (candidate.tp > 1 and candidate.strategy is None):
         return None
     if candidate.strategy is None:
         return 0.0
+    if candidate.tp > 1:  # FSDP2 over the tp ranks: the rank's own tp shard is gathered
+        return DATA_PARALLEL_TRAFFIC[candidate.strategy] / candidate.tp
     volume = DATA_PARALLEL_TRAFFIC[candidate.strategy]
     if candidate.strategy is Strategy.HSDP and candidate.dp > gpus_per_node:
         volume += 2.0 / gpus_per_node
     return volume
 
 
-def layout_order(layout: Layout) -> tuple[bool, bool, float, int, int, int]:
+def layout_order(layout: Layout) -> tuple[bool, bool, int, float, int, int]:
     """The plan's order, as a sort key: layouts that fit first; then the least
     data-parallel traffic (``traffic_params``), those whose traffic is not estimated
-    (``tp`` or ``pp`` above 1) after every data-parallel one, pipelines before tensor
+    in full (``tp`` or ``pp`` above 1: a dp x tp layout's count leaves out its
+    activations) after every data-parallel one, pipelines before tensor
     parallelism (a pipeline sends one micro-batch's activations between neighbouring
     stages; tensor parallelism all-reduces activations in every layer, twice forward and
     twice backward per transformer layer: Shoeybi et al. 2019, arXiv:1909.08053, section
@@ -279,12 +293,12 @@ def layout_order(layout: Layout) -> tuple[bool, bool, float, int, int, int]:
     >>> [r.strategy.value for r in sorted(rows, key=layout_order)]
     ['zero2', 'ddp', 'zero3']
     """
-    unknown = layout.traffic_params is None
+    unknown = layout.traffic_params is None or layout.tp > 1 or layout.pp > 1
     return (
         not layout.fits,
         unknown,
-        0.0 if layout.traffic_params is None else layout.traffic_params,
         layout.tp,  # among unknown traffic: pipelines (tp = 1) before tensor parallelism
+        0.0 if layout.traffic_params is None else layout.traffic_params,
         layout.fit_bytes,
         layout.tp * layout.pp,
     )

@@ -301,8 +301,17 @@ def _expert_parallel_question(recipe: Recipe) -> Recipe:
 
 
 def _tensor_parallel_question(recipe: Recipe) -> Recipe:
-    """The single-rank Recipe a ``tp`` > 1 estimate profiles (its layout and settings
-    checked first, each refusal a ValueError naming it)."""
+    """The Recipe a ``tp`` > 1 estimate asks of one tensor-parallel rank's sub-profile (its
+    layout and settings checked first, each refusal a ValueError naming it): one device,
+    or with ``gpus = dp x tp`` (dp > 1), FSDP2 over ``dp`` data-parallel ranks of that
+    sub-profile. FSDP2 applied after tensor parallelism shards each DTensor parameter's
+    local tensor (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: ``_init_sharding_spec_tp``
+    returns ``param._local_tensor``, which ``_init_sharded_param`` chunks on dim 0 over the
+    dp_shard ranks with ``_chunk_with_empty``, rank 0's chunk padded), so FSDP2's rules
+    (``sharding.fsdp_step_edits``) over the tp rank's local parameters (the sub-profile's
+    parameter shapes are the local ones) are the rank's layout."""
     check_tensor_parallel(recipe.parallel)
     check_tensor_parallel_settings(recipe)
-    return recipe.with_(tp=1, tp_plan=None, gpus=1, rank=None)
+    par = recipe.parallel
+    dp = par.gpus // par.tp
+    return recipe.with_(tp=1, tp_plan=None, gpus=dp, rank=None)
