@@ -25,7 +25,11 @@ Megatron does (torchtitan's own tensor parallelism is a ``sharding_config`` per 
 ``Module.parallelize`` applies, which ``tp_plan`` does not take). Tensor parallelism on 2
 ranks (and 4 where the heads divide) x fp32 and bf16 x AdamW training and inference;
 pipeline parallelism on 2 stages x GPipe and 1F1B x 2 and 4 micro-batches x fp32 and bf16,
-AdamW training. Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
+AdamW training. FSDP2 over tensor-parallel ranks (``gpus=4, tp=2, strategy="zero3"``: a 2-D
+mesh, dp_shard=2 x tp=2, the plan on the tp sub-mesh, then ``fully_shard`` per decoder layer
+and on the root over dp_shard, as torchtitan composes them) on the Hugging Face Llama and
+torchtitan's Llama x fp32 and bf16, AdamW training, each rank against its own estimate
+(``rank=r``). Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
 and bf16 x training and inference, on the Mixtral with each router's rows set to ``[w, -w,
 u, -u]`` (every token picks one expert of each rank: balanced routing, the case the estimate
 is for; its ``ep_worst_case_bytes`` is kept in the rows). A batch of 4 (16 tokens); every
@@ -36,6 +40,7 @@ refuses is a row with its reason.
     python benchmarks/accuracy_parallel.py           # about 10 minutes on 2 cores
     python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
     python benchmarks/accuracy_parallel.py --models hf_mixtral_balanced   # ep rows, ~1 minute
+    python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 x tp rows, ~2 minutes
 
 Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
 results/accuracy_parallel.json (``--quick``: results/accuracy_parallel_quick.json) and prints
@@ -137,17 +142,19 @@ class Case:
     pp: bool
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     ep: tuple[int, ...] = ()  # expert-parallel degrees (gpus = ep)
+    dp_tp: bool = False  # FSDP2 (zero3) over dp_shard=2 groups of tp=2 ranks, training
 
 
 CASES: dict[str, Case] = {
-    "hf_llama": Case(_hf.llama, _hf.tokens, (2, 4), {"own plan": None}, True),
+    "hf_llama": Case(_hf.llama, _hf.tokens, (2, 4), {"own plan": None}, True, dp_tp=True),
     "hf_llama_mha": Case(_hf.llama_mha, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_mixtral": Case(_hf.mixtral, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_mixtral_balanced": Case(_hf.mixtral_balanced, _hf.tokens, (), {}, False, ep=(2,)),
     "mlp_block": Case(block, block_inputs, (2, 4), {"colwise/rowwise": tp_plan,
                                                     "sequence parallel": sp_plan}, False),
     "torchtitan_llama3": Case(models.torchtitan_llama3, models.titan_tokens, (2,),
-                              {"FFN colwise/rowwise": titan_ffn_plan}, True, titan_loss),
+                              {"FFN colwise/rowwise": titan_ffn_plan}, True, titan_loss,
+                              dp_tp=True),
 }  # fmt: skip
 
 
@@ -179,6 +186,11 @@ def compare(
     except ValueError as exc:  # a layout the estimate refuses, by name
         return [_refused(label, layout, precision, mode, exc)]
     estimates = list(est.stage_peak_bytes) or [est.peak_bytes] * settings["gpus"]
+    if settings.get("strategy") is not None:  # FSDP2 over tp groups: each rank's own
+        estimates = [
+            profile.estimate(BATCH, rank=rank, **kwargs).peak_bytes
+            for rank in range(settings["gpus"])
+        ]
     t0 = time.perf_counter()
     real = measure(model, make(BATCH), loss_fn, timeout_s=180, **kwargs)
     seconds = time.perf_counter() - t0
@@ -222,6 +234,12 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
                 settings["tp_plan"] = plan()
             for mode in MODES:
                 out.append((f"tp={tp} {plan_label}", mode, settings))
+    if case.dp_tp:  # the ranks as a 2-D mesh (dp_shard, tp), as torchtitan lays them out
+        for plan_label, plan in case.plans.items():
+            settings = {"gpus": 4, "tp": 2, "strategy": "zero3"}
+            if plan is not None:
+                settings["tp_plan"] = plan()
+            out.append((f"dp_shard=2 zero3 x tp=2 {plan_label}", "train", settings))
     for ep in case.ep:
         for mode in MODES:
             out.append((f"ep={ep} balanced router", mode, {"gpus": ep, "ep": ep}))
@@ -236,7 +254,9 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
 QUICK_CASES = ("hf_llama", "mlp_block")
 
 
-def run(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
+def run(
+    quick: bool, only: list[str] | None = None, layouts: list[str] | None = None
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for label, case in CASES.items():
         if (quick and label not in QUICK_CASES) or (only and label not in only):
@@ -247,6 +267,8 @@ def run(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
             model, inputs=case.make(PROFILE_BATCH), loss_fn=case.loss_fn, device="cpu"
         )
         for layout, mode, settings in _layouts(case, quick):
+            if layouts and not any(part in layout for part in layouts):
+                continue
             for precision in PRECISIONS[:1] if quick else PRECISIONS:
                 rows += compare(label, layout, profile, model, case.make, precision, mode,
                                 settings, case.loss_fn)  # fmt: skip
@@ -302,12 +324,14 @@ def main() -> None:
                         "GPipe with 2 micro-batches; Llama and the MLP block)")  # fmt: skip
     parser.add_argument("--models", nargs="+", choices=list(CASES), help="these models' rows "
                         "only (written to results/accuracy_parallel_selected.json)")  # fmt: skip
+    parser.add_argument("--layouts", nargs="+", help="the layouts whose label holds one of "
+                        "these texts only (\"dp_shard\": FSDP2 over tp ranks)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    rows = run(args.quick, args.models)
+    rows = run(args.quick, args.models, args.layouts)
     name = "accuracy_parallel_quick" if args.quick else "accuracy_parallel"
-    if args.models:
+    if args.models or args.layouts:
         name = "accuracy_parallel_selected"
     extra = {"basis": BASIS, "batch_size": BATCH, "profile_batch_size": PROFILE_BATCH}
     write_results(name, rows, summarize(rows), started, extra)

@@ -5,6 +5,7 @@ refused before any profiling or rank."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -55,6 +56,8 @@ def test_layouts_refused_before_any_profile_or_rank() -> None:
         measure(model, inputs, gpus=2, tp=2, strategy="zero3")
     with pytest.raises(ValueError, match=r"tp=2 with lora_rank: not estimated"):
         profile.estimate(2, gpus=4, tp=2, strategy="zero3", lora_rank=4)
+    with pytest.raises(ValueError, match=r"FSDP2 over tensor-parallel ranks\) with checkpoint"):
+        profile.estimate(2, gpus=4, tp=2, strategy="zero3", checkpoint="auto")
     assert time.monotonic() - t0 < 10  # nothing profiled, no rank started
     assert not dist.is_initialized()
 
@@ -88,6 +91,15 @@ def test_a_rank_holds_the_dp_shard_of_its_tp_shard(one_thread: None) -> None:
         assert abs(peak - est.peak_bytes) <= FSDP_TP_SLACK_BYTES, (rank, peak, est.peak_bytes)
     # rank 0 (dp rank 0: the padded, never short chunks) is the worst
     assert real.rank_peak_bytes[0] == max(real.rank_peak_bytes)
+    # ranks 2 and 3 are dp rank 1 (tp the mesh's inner dimension): its chunks are short
+    # (16 rows of 0.weight's 33) but FSDP2 keeps every shard padded to rank 0's size, so
+    # its parameter bytes are the same
+    for rank in (2, 3):
+        other = profile_model(model, inputs=x, device="cpu").estimate(4, rank=rank, **kwargs)
+        assert (other.rank, other.parameter_bytes) == (rank, 4_420)
+        assert abs(real.rank_peak_bytes[rank] - other.peak_bytes) <= FSDP_TP_SLACK_BYTES
+    with pytest.raises(ValueError, match=r"rank must be None .* in \[0, 4\) for gpus=4"):
+        profile_model(model, inputs=x, device="cpu").estimate(4, rank=4, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -121,5 +133,30 @@ def test_llama_ranks_against_real_fsdp_over_tp_ranks(
     real = measure(model, inputs, timeout_s=120, **kwargs)
     assert_model_unchanged(model, before)
     assert (real.gpus, real.tp, real.strategy) == (4, 2, strategy)
+    for rank, peak in enumerate(real.rank_peak_bytes):
+        assert abs(peak - est.peak_bytes) <= FSDP_TP_SLACK_BYTES, (rank, peak, est.peak_bytes)
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [
+        {"mode": "inference", "optimizer": None},
+        {"trainable": ["lm_head.*"]},
+        {"grad_accumulation": 2},
+    ],
+    ids=["inference", "frozen", "accumulation"],
+)
+def test_llama_levers_against_real_fsdp_over_tp_ranks(
+    one_thread: None, levers: dict[str, object]
+) -> None:
+    # inference is not wrapped (each tp group holds its shards); a frozen subset's units
+    # never reduce-scatter; each micro-batch gathers and reduce-scatters again
+    torch.manual_seed(0)
+    model, inputs = hf_llama(), hf_tokens(2)
+    kwargs = {"optimizer": "adamw", "gpus": 4, "tp": 2, "strategy": "zero3", **levers}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"zero3: the root", UserWarning)
+        est = profile_model(model, inputs=inputs, device="cpu").estimate(2, **kwargs)
+    real = measure(model, inputs, timeout_s=120, **kwargs)
     for rank, peak in enumerate(real.rank_peak_bytes):
         assert abs(peak - est.peak_bytes) <= FSDP_TP_SLACK_BYTES, (rank, peak, est.peak_bytes)

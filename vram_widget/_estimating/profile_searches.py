@@ -236,8 +236,9 @@ class SearchesMixin:
         each schedule, at ``microbatches`` micro-batches (a keyword in ``settings``;
         default ``pp``). Each is one :meth:`estimate` (the worst rank, or the worst
         pipeline stage, decides); what it refuses (tensor parallelism without a plan or
-        beside data parallelism, a model that is not a Hugging Face decoder with ``pp``,
-        a setting not checked against real ranks...) is listed in ``refused`` with the
+        beside a data-parallel strategy other than zero2 / zero3, a model that is not a
+        Hugging Face decoder with ``pp``, a setting not checked against real ranks...) is
+        listed in ``refused`` with the
         estimate's own message. Data-parallel layouts are numpy on the cached profile
         (milliseconds); each tensor-parallel layout is one profiling run of a rank and
         each pipeline layout one of every stage (seconds each for a small model, minutes
@@ -276,7 +277,8 @@ class SearchesMixin:
             those that fit first, then the least data-parallel traffic per step
             (``Layout.traffic_params``, the ZeRO paper's count in copies of the
             parameters; tensor and pipeline layouts, whose activation traffic is not
-            estimated, after the data-parallel ones, pipelines first), then the lowest
+            estimated, after the data-parallel ones, pipelines first; a dp x tp row's
+            traffic is FSDP2's count over the rank's own tp shard), then the lowest
             ``fit_bytes``. ``best`` is the first that fits.
 
         Raises
