@@ -134,6 +134,8 @@ def test_tensor_parallel_degree(tmp_path: Path) -> None:
     with pytest.warns(RecipeSettingIgnored):
         r = _read(tmp_path, fsdp_tp)
     assert (r.get("gpus"), r.get("tp"), r.get("strategy")) == (4, 2, "zero3")
+    # fully_shard's MixedPrecisionPolicy(param_dtype=bfloat16), as with FSDP2 alone
+    assert r.step.precision.value == "amp-bf16"
     with pytest.warns(RecipeSettingIgnored):
         r = _read(tmp_path, fsdp_tp + 'fsdp_reshard_after_forward = "never"\n')
     assert r.get("strategy") == "zero2"

@@ -49,9 +49,9 @@ Refactor: TOML to Python Dataclass Registry"), which this reader does not run.
   ``gpus=k``, sharded by the model's own plan (torchtitan 0.3.0's ``ParallelismConfig``,
   ``torchtitan/config/configs.py``); with ``data_parallel_shard_degree`` d > 1 beside it,
   ``gpus=d*k, tp=k`` with FSDP2's strategy as above (FSDP2 over the tensor-parallel groups);
-  with ``data_parallel_replicate_degree`` > 1, refused (not estimated yet). Under ``tp``, torchtitan's sequence parallelism
-  (``enable_sequence_parallel``, on by default) and its vocabulary-parallel loss
-  (``_LossParallelCrossEntropy``, ``torchtitan/components/loss.py``; 0.2's
+  with ``data_parallel_replicate_degree`` > 1, refused (not estimated yet). Under ``tp``,
+  torchtitan's sequence parallelism (``enable_sequence_parallel``, on by default) and its
+  vocabulary-parallel loss (``_LossParallelCrossEntropy``, ``torchtitan/components/loss.py``; 0.2's
   ``disable_loss_parallel=false``) are listed as ignored, as is async tensor parallelism
   (``compile.enable_async_tensor_parallel`` in 0.3.0, ``parallelism.`` in 0.2; it needs
   torch.compile, which is listed too). Pipeline, context and expert parallelism degrees > 1
