@@ -319,8 +319,11 @@ def rank_setup(plan: TensorParallelPlan, tp: int, reshard_after_forward: bool | 
 
         world = dist.get_world_size()
         dp = world // tp
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-        tp_mesh = mesh["tp"] if dp > 1 else init_device_mesh("cpu", (world,))
+        if dp > 1:
+            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+            tp_mesh = mesh["tp"]
+        else:
+            tp_mesh = init_device_mesh("cpu", (world,))
         # inference is not wrapped (as estimate takes it): each group holds its tp shards
         sharding = reshard_after_forward is not None and dp > 1 and model.training
         sharded = parallelized(meta_copy(model), plan, tp_mesh).to_empty(device="cpu")
