@@ -27,7 +27,11 @@ Megatron does (torchtitan's own tensor parallelism is a ``sharding_config`` per 
 ranks (and 4 where the heads divide) x fp32 and bf16 x AdamW training and inference;
 pipeline parallelism on 2 ranks x GPipe, 1F1B and interleaved 1F1B (2 stages a rank, the
 layers split as torchtitan counts them) x 2 and 4 micro-batches x fp32 and bf16, AdamW
-training. Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
+training. FSDP2 over tensor-parallel ranks (``gpus=4, tp=2, strategy="zero3"``: a 2-D
+mesh, dp_shard=2 x tp=2, the plan on the tp sub-mesh, then ``fully_shard`` per decoder layer
+and on the root over dp_shard, as torchtitan composes them) on the Hugging Face Llama and
+torchtitan's Llama x fp32 and bf16, AdamW training, each rank against its own estimate
+(``rank=r``). Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
 and bf16 x training and inference, on the Mixtral with each router's rows set to ``[w, -w,
 u, -u]`` (every token picks one expert of each rank: balanced routing, the case the estimate
 is for; its ``ep_worst_case_bytes`` is kept in the rows). A batch of 4 (16 tokens); every
@@ -39,6 +43,7 @@ refuses is a row with its reason.
     python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
     python benchmarks/accuracy_parallel.py --models hf_mixtral_balanced   # ep rows, ~1 minute
     python benchmarks/accuracy_parallel.py --models hf_llama --layouts interleaved   # 4 runs
+    python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 x tp rows, ~2 minutes
 
 Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
 results/accuracy_parallel.json (``--quick``: results/accuracy_parallel_quick.json) and prints
@@ -140,17 +145,19 @@ class Case:
     pp: bool
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     ep: tuple[int, ...] = ()  # expert-parallel degrees (gpus = ep)
+    dp_tp: bool = False  # FSDP2 (zero3) over dp_shard=2 groups of tp=2 ranks, training
 
 
 CASES: dict[str, Case] = {
-    "hf_llama": Case(_hf.llama, _hf.tokens, (2, 4), {"own plan": None}, True),
+    "hf_llama": Case(_hf.llama, _hf.tokens, (2, 4), {"own plan": None}, True, dp_tp=True),
     "hf_llama_mha": Case(_hf.llama_mha, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_mixtral": Case(_hf.mixtral, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_mixtral_balanced": Case(_hf.mixtral_balanced, _hf.tokens, (), {}, False, ep=(2,)),
     "mlp_block": Case(block, block_inputs, (2, 4), {"colwise/rowwise": tp_plan,
                                                     "sequence parallel": sp_plan}, False),
     "torchtitan_llama3": Case(models.torchtitan_llama3, models.titan_tokens, (2,),
-                              {"FFN colwise/rowwise": titan_ffn_plan}, True, titan_loss),
+                              {"FFN colwise/rowwise": titan_ffn_plan}, True, titan_loss,
+                              dp_tp=True),
 }  # fmt: skip
 
 
@@ -182,6 +189,11 @@ def compare(
     except ValueError as exc:  # a layout the estimate refuses, by name
         return [_refused(label, layout, precision, mode, exc)]
     estimates = list(est.stage_peak_bytes) or [est.peak_bytes] * settings["gpus"]
+    if settings.get("strategy") is not None:  # FSDP2 over tp groups: each rank's own
+        estimates = [
+            profile.estimate(BATCH, rank=rank, **kwargs).peak_bytes
+            for rank in range(settings["gpus"])
+        ]
     t0 = time.perf_counter()
     real = measure(model, make(BATCH), loss_fn, timeout_s=180, **kwargs)
     seconds = time.perf_counter() - t0
@@ -225,6 +237,12 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
                 settings["tp_plan"] = plan()
             for mode in MODES:
                 out.append((f"tp={tp} {plan_label}", mode, settings))
+    if case.dp_tp:  # the ranks as a 2-D mesh (dp_shard, tp), as torchtitan lays them out
+        for plan_label, plan in case.plans.items():
+            settings = {"gpus": 4, "tp": 2, "strategy": "zero3"}
+            if plan is not None:
+                settings["tp_plan"] = plan()
+            out.append((f"dp_shard=2 zero3 x tp=2 {plan_label}", "train", settings))
     for ep in case.ep:
         for mode in MODES:
             out.append((f"ep={ep} balanced router", mode, {"gpus": ep, "ep": ep}))

@@ -97,7 +97,7 @@ def test_a_batch_the_ranks_do_not_split_is_refused(mlp: ModelProfile) -> None:
     refused = {row.label: row.reason for row in plan.refused}
     assert "batch_size=6 is not split evenly over dp=4" in refused["dp=4 ddp"]
     # 6 over 2 ranks is even: that layout is tried, and the estimate's own reason kept
-    assert "data parallelism over tensor-parallel ranks" in refused["dp=2 ddp x tp=2"]
+    assert "with strategy='ddp': 2 data-parallel ranks" in refused["dp=2 ddp x tp=2"]
     assert plan.layouts == ()
 
 
@@ -195,3 +195,31 @@ def test_fsdp_gathers_autocast_copies(mlp: ModelProfile) -> None:
     assert rows["zero2"].communication_sent_bytes == 592_128
     assert rows["ddp"].communication_sent_bytes == 789_504
     assert [row.label for row in plan.layouts] == ["dp=2 zero2", "dp=2 ddp"]
+
+
+@pytest.mark.timeout(300)
+def test_llama_has_fsdp_over_tensor_parallel_rows() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    profile = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+    plan = profile.plan_layouts(
+        "64 MiB", gpus=4, batch_size=4, optimizer="adamw", strategies=["ddp", "zero3"]
+    )
+    rows = {row.label: row for row in plan.layouts}
+    refused = {row.label: row.reason for row in plan.refused}
+    assert "FSDP2 over the tensor-parallel ranks" in refused["dp=2 ddp x tp=2"]
+    row = rows["dp=2 zero3 x tp=2"]
+    # each of the 2 tensor-parallel groups takes half the batch; the row is estimate's
+    assert row.rank_batch_size == 2
+    direct = profile.estimate(2, optimizer="adamw", gpus=4, tp=2, strategy="zero3")
+    assert row.peak_bytes == direct.peak_bytes
+    # zero3's 3 copies, over the rank's own tp shard: 1 / 2 of the parameters
+    assert row.traffic_params == 3.0 / 2
+    assert row.communication_bytes is None
+    # sent: the tp rank's recorded collectives plus zero3's over the rank's tp shard of the
+    # parameters and gradients (1 / tp of the model's): 3 x 1/2 x (whole / 2)
+    whole = profile.estimate(4, optimizer="adamw")
+    tp_alone = profile.estimate(2, optimizer="adamw", gpus=2, tp=2)
+    assert tp_alone.communication_sent_bytes is not None
+    shard = whole.parameter_bytes // 2
+    assert row.communication_sent_bytes == tp_alone.communication_sent_bytes + 3 * shard // 2

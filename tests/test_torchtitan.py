@@ -129,11 +129,19 @@ def test_tensor_parallel_degree(tmp_path: Path) -> None:
     named = " ".join(r.ignored)
     for item in ("enable_sequence_parallel", "vocabulary-parallel loss", "compile.enable_async"):
         assert item in named
-    # data parallelism beside tp: refused by name, before any profiling
-    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 with 2 data-parallel ranks"):
-        _read(
-            tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\ntensor_parallel_degree = 2\n"
-        )
+    # FSDP2 beside tp: dp_shard x tp ranks (parallelize_llama: tp, then fully_shard)
+    fsdp_tp = "[parallelism]\ndata_parallel_shard_degree = 2\ntensor_parallel_degree = 2\n"
+    with pytest.warns(RecipeSettingIgnored):
+        r = _read(tmp_path, fsdp_tp)
+    assert (r.get("gpus"), r.get("tp"), r.get("strategy")) == (4, 2, "zero3")
+    # fully_shard's MixedPrecisionPolicy(param_dtype=bfloat16), as with FSDP2 alone
+    assert r.step.precision.value == "amp-bf16"
+    with pytest.warns(RecipeSettingIgnored):
+        r = _read(tmp_path, fsdp_tp + 'fsdp_reshard_after_forward = "never"\n')
+    assert r.get("strategy") == "zero2"
+    # replicated data parallelism beside tp: refused by name, before any profiling
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 with data_parallel_replicate"):
+        _read(tmp_path, fsdp_tp + "data_parallel_replicate_degree = 2\n")
 
 
 @pytest.mark.parametrize(

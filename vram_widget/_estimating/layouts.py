@@ -30,7 +30,10 @@ from .options import FitBasis, PipelineSchedule, Strategy
 # per micro-batch; these count one. Tensor and pipeline parallelism move activations: None
 # here; their bytes are the estimate's ``communication_sent_bytes``, recorded from the rank's
 # step. The same collectives in bytes, with the ring's (k-1)/k: communication.py's
-# ``data_parallel_volume``.
+# ``data_parallel_volume``. FSDP2 over tensor-parallel ranks (dp x tp, zero2 / zero3)
+# gathers and reduce-scatters the rank's own tp shard of the parameters only (FSDP2 shards
+# each DTensor's local tensor): the same count over 1 / tp of the model (a parameter the
+# plan replicates, such as a norm's weight, is counted at 1 / tp of its size too).
 DATA_PARALLEL_TRAFFIC = {
     Strategy.DDP: 2.0,
     Strategy.ZERO1: 3.0,
@@ -108,8 +111,10 @@ class Layout:
         step, not counted apart.
     traffic_params : float or None
         The data-parallel collectives' volume per rank and optimizer step, in copies of the
-        parameters (``DATA_PARALLEL_TRAFFIC``, the ZeRO paper's count); 0 for one rank. None
-        with ``tp`` or ``pp`` above 1 (their volume is in ``communication_sent_bytes``).
+        parameters (``DATA_PARALLEL_TRAFFIC``, the ZeRO paper's count); 0 for one rank.
+        With ``dp`` and ``tp`` above 1 (FSDP2 over tensor-parallel ranks) the count over
+        the rank's own tp shard, ``1 / tp`` of the parameters. None for ``tp`` alone and
+        with ``pp`` above 1 (their volume is in ``communication_sent_bytes``).
     estimate : MemoryEstimate
         The worst rank's estimate itself.
     warnings : tuple of str
@@ -256,18 +261,24 @@ def candidates(
 
 def traffic_params(candidate: Candidate, gpus_per_node: int) -> float | None:
     """The data-parallel collectives' volume of ``candidate`` per rank and step, in copies
-    of the parameters (``DATA_PARALLEL_TRAFFIC``); None with ``tp`` or ``pp`` above 1.
+    of the parameters (``DATA_PARALLEL_TRAFFIC``); with ``dp`` and ``tp`` above 1, FSDP2's
+    count over the rank's own tp shard (``1 / tp`` of the parameters); None for ``tp``
+    alone and with ``pp`` above 1.
 
     Examples
     --------
     >>> c = Candidate(16, 1, 1, Strategy.HSDP, None, None, 1)
     >>> traffic_params(c, gpus_per_node=8)  # 3 within a node + 2 / 8 across the 2 nodes
     3.25
+    >>> traffic_params(Candidate(2, 2, 1, Strategy.ZERO3, None, None, 1), 8)  # 3 / tp
+    1.5
     """
-    if candidate.tp > 1 or candidate.pp > 1:
+    if candidate.pp > 1 or (candidate.tp > 1 and candidate.strategy is None):
         return None
     if candidate.strategy is None:
         return 0.0
+    if candidate.tp > 1:  # FSDP2 over the tp ranks: the rank's own tp shard is gathered
+        return DATA_PARALLEL_TRAFFIC[candidate.strategy] / candidate.tp
     volume = DATA_PARALLEL_TRAFFIC[candidate.strategy]
     if candidate.strategy is Strategy.HSDP and candidate.dp > gpus_per_node:
         volume += 2.0 / gpus_per_node

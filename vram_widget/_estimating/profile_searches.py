@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .communication import data_parallel_volume
+from .communication import CollectiveKind, data_parallel_volume
 from .estimator import MemoryEstimate
 from .gpus import Gpu, resolve_gpu
 from .layouts import (
@@ -238,8 +238,9 @@ class SearchesMixin:
         each schedule, at ``microbatches`` micro-batches (a keyword in ``settings``;
         default ``pp``). Each is one :meth:`estimate` (the worst rank, or the worst
         pipeline stage, decides); what it refuses (tensor parallelism without a plan or
-        beside data parallelism, a model that is not a Hugging Face decoder with ``pp``,
-        a setting not checked against real ranks...) is listed in ``refused`` with the
+        beside a data-parallel strategy other than zero2 / zero3, a model that is not a
+        Hugging Face decoder with ``pp``, a setting not checked against real ranks...) is
+        listed in ``refused`` with the
         estimate's own message. Data-parallel layouts are numpy on the cached profile
         (milliseconds); each tensor-parallel layout is one profiling run of a rank and
         each pipeline layout one of every stage (seconds each for a small model, minutes
@@ -278,7 +279,8 @@ class SearchesMixin:
             those that fit first, then the fewest bytes a rank sends per step
             (``Layout.communication_sent_bytes``: recorded from a tensor-parallel rank's
             or each pipeline stage's step, from the strategy's collectives over the
-            parameters and gradients for a data-parallel one), then the lowest
+            parameters and gradients for a data-parallel one, both for FSDP2 over
+            tensor-parallel ranks, over the rank's own tp shard), then the lowest
             ``fit_bytes``. ``best`` is the first that fits.
 
         Raises
@@ -615,22 +617,28 @@ def _layout_row(
     whole: MemoryEstimate,
 ) -> Layout:
     model_parallel = c.tp > 1 or c.pp > 1
+    recorded = (est.communication_sent_bytes, dict(est.communication_sent_bytes_by_kind))
+    sent: int | None = 0
+    by_kind: dict[CollectiveKind, int] = {}
     if model_parallel:  # recorded from the rank's step (None where it was not)
-        sent: int | None = est.communication_sent_bytes
-        by_kind = est.communication_sent_bytes_by_kind
-    else:  # the strategy's collectives over the one-device step's parameters and gradients
-        gather = whole.parameter_bytes
+        sent, by_kind = recorded
+    if c.dp > 1 and sent is not None:
+        # the strategy's collectives over the one-device step's parameters and gradients;
+        # over tensor-parallel ranks, FSDP2 shards each rank's own tp shard (1 / tp)
+        gather = whole.parameter_bytes // c.tp
         if est.precision in FSDP_PARAM_DTYPE:  # fp32 weights gathered in 2-byte bf16 / fp16
             gather //= 2
         volume = data_parallel_volume(
             c.strategy if est.mode is Mode.TRAIN else None,
             c.dp,
-            whole.parameter_bytes,
-            whole.gradient_bytes,
+            whole.parameter_bytes // c.tp,
+            whole.gradient_bytes // c.tp,
             gpus_per_node,
             gather,
         )
-        sent, by_kind = volume.sent_bytes, volume.sent_bytes_by_kind
+        sent += volume.sent_bytes
+        for kind, nbytes in volume.sent_bytes_by_kind.items():
+            by_kind[kind] = by_kind.get(kind, 0) + nbytes
     return Layout(
         dp=c.dp,
         tp=c.tp,

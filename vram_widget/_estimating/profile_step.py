@@ -130,7 +130,9 @@ class StepMixin:
         if par.tp > 1:  # one rank's sub-profile under DTensor (tensor_parallel.py)
             plain = _tensor_parallel_question(recipe)
             est = self._source.tensor_parallel_estimate(par.tp, par.tp_plan, plain)
-            return dataclasses.replace(est, gpus=par.gpus, tp=par.tp)
+            # the asked rank of the world; unasked, rank 0 of dp rank 0's group (the worst)
+            rank = est.rank if par.rank is None or plain.parallel.gpus == 1 else par.rank
+            return dataclasses.replace(est, gpus=par.gpus, tp=par.tp, rank=rank)
         parallel = self._parallel_of(recipe)
         asked_rank = check_rank(par.rank, parallel.gpus)
         if recipe.weights.quantized:

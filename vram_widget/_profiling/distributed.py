@@ -323,14 +323,7 @@ def fsdp_wrapped(
     def wrap(model: torch.nn.Module, parallel: Parallel, precision: Precision) -> torch.nn.Module:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy()
-        cast = parallel.param_dtype(precision)
-        if cast is not None:
-            policy = MixedPrecisionPolicy(
-                param_dtype=getattr(torch, cast), reduce_dtype=torch.float32
-            )
         world = dist.get_world_size()
         if parallel.strategy is Strategy.HSDP:
             group = parallel.shard_ranks
@@ -339,19 +332,40 @@ def fsdp_wrapped(
             )
         else:
             mesh = init_device_mesh("cpu", (world,))
-        modules = dict(model.named_modules())
-        for name in fsdp_units_of(model, parallel):
-            fully_shard(
-                modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward,
-                mp_policy=policy,
-            )  # fmt: skip
-        # The root with the library's default under zero3 (None: "for the root, do not
-        # reshard after forward", _fsdp_state._lazy_init), as fully_shard(model) gives it.
-        root_reshard = None if reshard_after_forward else False
-        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
-        return model
+        return fully_sharded(model, parallel, precision, mesh, reshard_after_forward)
 
     return wrap
+
+
+def fully_sharded(
+    model: torch.nn.Module,
+    parallel: Parallel,
+    precision: Precision,
+    mesh: Any,
+    reshard_after_forward: bool,
+) -> torch.nn.Module:
+    """``model`` with FSDP2's ``fully_shard`` on each unit (:func:`fsdp_units_of`), then
+    on the root, over ``mesh`` (the data-parallel ranks' mesh; a tensor-parallel model's
+    DTensors are sharded on their local tensors): ``reshard_after_forward`` for the
+    units, the library's default for the root under zero3, and under autocast precisions
+    ``MixedPrecisionPolicy(param_dtype=<the autocast dtype>, reduce_dtype=torch.float32)``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    cast = parallel.param_dtype(precision)
+    if cast is not None:
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, cast), reduce_dtype=torch.float32)
+    modules = dict(model.named_modules())
+    for name in fsdp_units_of(model, parallel):
+        fully_shard(
+            modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward,
+            mp_policy=policy,
+        )  # fmt: skip
+    # The root with the library's default under zero3 (None: "for the root, do not
+    # reshard after forward", _fsdp_state._lazy_init), as fully_shard(model) gives it.
+    root_reshard = None if reshard_after_forward else False
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
+    return model
 
 
 def zero_optimizer(
@@ -398,6 +412,8 @@ class RankSetup:
     ) = None
     # the model's experts split over the ranks (expert_parallel.rank_setup), not a tp plan
     expert_parallel: bool = False
+    # tensor-parallel ranks of a group (tensor_parallel.rank_setup); the world is dp x tp
+    tp: int = 1
 
 
 # strategy -> how its libraries set up a rank (the strategies sharding models)

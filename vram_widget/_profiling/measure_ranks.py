@@ -13,6 +13,7 @@ import torch
 from .._estimating.options import (
     Mode,
     Precision,
+    Strategy,
     parse_optimizer_choice,
     parse_option,
 )
@@ -76,8 +77,9 @@ def _measure_ranks(
     return dataclasses.replace(
         worst,
         gpus=parallel.gpus,
-        strategy=None if tp_setup is not None else parallel.strategy,
-        tp=parallel.gpus if tp_setup is not None and not ep else 1,
+        # tp alone and ep: no data-parallel strategy; dp x tp: FSDP2's over the tp groups
+        strategy=parallel.strategy if tp_setup is None or 1 < tp_setup.tp < parallel.gpus else None,
+        tp=tp_setup.tp if tp_setup is not None else 1,
         ep=parallel.gpus if ep else 1,
         rank_peak_bytes=tuple(m.peak_bytes for m in ranks),
     )
@@ -163,7 +165,9 @@ def _tensor_parallel_setup(
             f"tp={tp} with {', '.join(refused)}: not measured with tensor parallelism yet; "
             "leave tp at 1 for these"
         )
-    return rank_setup(resolve_plan(model, tp, settings["tp_plan"]))
+    # zero2 / zero3 over dp = gpus / tp groups of tensor-parallel ranks (check_tensor_parallel)
+    reshard = {Strategy.ZERO2: False, Strategy.ZERO3: True}.get(par.strategy)
+    return rank_setup(resolve_plan(model, tp, settings["tp_plan"]), tp, reshard)
 
 
 def _expert_parallel_setup(

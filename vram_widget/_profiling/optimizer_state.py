@@ -105,7 +105,10 @@ class OptimizerStateRuns:
             if shard is not None:
                 params = {
                     name: torch.empty(
-                        local_shard_shape(tuple(p.shape), *shard), dtype=p.dtype, device=device
+                        # a tensor-parallel rank's DTensor: FSDP2 shards its local tensor
+                        local_shard_shape(tuple(local_part(p).shape), *shard),
+                        dtype=p.dtype,
+                        device=device,
                     ).requires_grad_(p.requires_grad)
                     for name, p in params.items()
                 }

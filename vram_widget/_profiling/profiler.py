@@ -62,6 +62,7 @@ from .subject import (
     find_seq_axes,
     position_limit,
 )
+from .tensor_parallel import local_part
 
 
 class _Source(SourceRuns, SubProfiles):
@@ -245,7 +246,8 @@ def profile_model(
         generation_limit=limit,
         cache_implementation=cache_implementation,
         param_names=tuple(name for name, _p, _row in subject._params),
-        param_shapes=tuple(tuple(p.shape) for _name, p, _row in subject._params),
+        # a tensor-parallel rank's DTensor holds its local shard: FSDP2 and DDP see that
+        param_shapes=tuple(tuple(local_part(p).shape) for _name, p, _row in subject._params),
         param_trainable=tuple(p.requires_grad for _name, p, _row in subject._params),
         checkpoint_blocks=auto_blocks,
         hf_checkpointing=hf_auto,

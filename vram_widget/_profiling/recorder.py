@@ -198,7 +198,8 @@ class Recorder(TorchDispatchMode):
         return ids
 
     def storage_id(self, t: torch.Tensor) -> int | None:
-        return self._live.get(id(t.untyped_storage()))
+        # a DTensor (a tensor-parallel rank's gradient) holds no storage: its local shard does
+        return self._live.get(id(local_part(t).untyped_storage()))
 
     def _new_storage(self, st: Any, record: StorageRecord) -> int:
         sid = len(self.storages)

@@ -290,24 +290,43 @@ def parallelized(model: torch.nn.Module, plan: TensorParallelPlan, mesh: Any) ->
     return parallelize_module(model, mesh, plan.styles)
 
 
-def rank_setup(plan: TensorParallelPlan) -> Any:
+def rank_setup(plan: TensorParallelPlan, tp: int, reshard_after_forward: bool | None = None) -> Any:
     """How a real tensor-parallel rank of ``measure(gpus=k, tp=k)`` shards its copy: the
     plan applied by its library on a 1-D CPU mesh of the gloo group's ranks, to a meta copy
     of the model (so each rank holds its shards only, never the whole weights), then
     materialized (``to_empty``) with the copy's buffers and a seeded N(0, 0.02) fill of the
     shards (the step's memory does not read the weights' values). Each collective drops
     its buffers on the rank's own thread (``distributed._collectives_release_on_caller``),
-    so every measured step reads the same bytes."""
+    so every measured step reads the same bytes.
+
+    With ``reshard_after_forward`` (not None: ``"zero3"`` True, ``"zero2"`` False) and a
+    world of ``dp x tp`` ranks, the ranks form a 2-D mesh ``("dp_shard", "tp")``, tp the
+    inner dimension, as torchtitan 0.3 lays its dense mesh out (``ParallelDims.build_mesh``,
+    torchtitan/distributed/parallel_dims.py:237, ``["pp", "dp_replicate", "fsdp", "tp"]``);
+    the plan is applied on the ``tp`` sub-mesh first (torchtitan/models/llama3/parallelize.py:53,
+    ``model.parallelize(parallel_dims)``), then a training copy is wrapped by FSDP2 on the
+    ``dp_shard`` sub-mesh, each block then the root (parallelize.py:77-80, ``apply_fsdp_to_decoder``
+    on ``get_mesh(["fsdp"])``; torchtitan/distributed/fsdp.py:209 and 310), by the units and
+    policy ``measure``'s FSDP ranks use (``distributed.fully_sharded``)."""
     from .distributed import RankSetup
 
-    def wrap(model: torch.nn.Module, _parallel: Any, _precision: Any) -> torch.nn.Module:
+    def wrap(model: torch.nn.Module, parallel: Any, precision: Any) -> torch.nn.Module:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        from .distributed import fully_sharded
         from .step import meta_copy
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        sharded = parallelized(meta_copy(model), plan, mesh).to_empty(device="cpu")
+        world = dist.get_world_size()
+        dp = world // tp
+        if dp > 1:
+            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+            tp_mesh = mesh["tp"]
+        else:
+            tp_mesh = init_device_mesh("cpu", (world,))
+        # inference is not wrapped (as estimate takes it): each group holds its tp shards
+        sharding = reshard_after_forward is not None and dp > 1 and model.training
+        sharded = parallelized(meta_copy(model), plan, tp_mesh).to_empty(device="cpu")
         buffers = dict(model.named_buffers())
         generator = torch.Generator().manual_seed(dist.get_rank())
         with torch.no_grad():
@@ -317,6 +336,11 @@ def rank_setup(plan: TensorParallelPlan) -> Any:
                 local = local_part(p)
                 local.copy_(torch.randn(local.shape, generator=generator) * 0.02)
         sharded.train(model.training)
+        if sharding:
+            assert reshard_after_forward is not None
+            return fully_sharded(
+                sharded, parallel, precision, mesh["dp_shard"], reshard_after_forward
+            )
         return sharded
 
-    return RankSetup(wrap)
+    return RankSetup(wrap, tp=tp)

@@ -94,12 +94,17 @@ class ParallelSettings:
 def check_tensor_parallel(parallel: ParallelSettings) -> None:
     """A clear error for a tensor-parallel layout that is not estimated (yet).
 
+    ``gpus = dp x tp``: with ``dp`` > 1 the data-parallel ranks shard the tensor-parallel
+    ranks' parameters with FSDP2 (``strategy="zero2"`` or ``"zero3"``) on a 2-D mesh
+    ``("dp_shard", "tp")``, as torchtitan composes them.
+
     Examples
     --------
+    >>> check_tensor_parallel(ParallelSettings(gpus=4, tp=2, strategy="zero3"))
     >>> check_tensor_parallel(ParallelSettings(gpus=4, tp=2))
     Traceback (most recent call last):
     ...
-    ValueError: tp=2 on gpus=4 asks for 2 data-parallel ranks of tp=2 each; ...
+    ValueError: tp=2 on gpus=4 with strategy='ddp': ...
     """
     tp, gpus = parallel.tp, parallel.gpus
     if tp == 1:
@@ -107,17 +112,24 @@ def check_tensor_parallel(parallel: ParallelSettings) -> None:
     if tp > gpus or gpus % tp:
         raise ValueError(
             f"tp={tp} with gpus={gpus}: gpus is the world size, data-parallel x tensor-parallel "
-            f"ranks, so tp must divide it; give gpus={tp} for tensor parallelism alone"
+            f"ranks, so tp must divide it; give gpus={tp} for tensor parallelism alone, or a "
+            f"multiple of {tp} with strategy='zero2' or 'zero3'"
         )
-    if gpus != tp:
+    strategy = parallel.strategy
+    fsdp = (Strategy.ZERO2, Strategy.ZERO3)
+    if gpus == tp and strategy is not Strategy.DDP:
         raise ValueError(
-            f"tp={tp} on gpus={gpus} asks for {gpus // tp} data-parallel ranks of tp={tp} each; "
-            f"data parallelism over tensor-parallel ranks is not estimated yet: give gpus={tp}"
+            f"tp={tp} on gpus={gpus} with strategy={strategy.value!r}: every rank is a "
+            "tensor-parallel rank, so there are no data-parallel ranks to shard over; leave "
+            f"strategy at its default, or give gpus a multiple of {tp} (dp x tp)"
         )
-    if parallel.strategy is not Strategy.DDP:
+    if gpus > tp and strategy not in fsdp:
         raise ValueError(
-            f"tp={tp} with strategy={parallel.strategy.value!r}: tensor parallelism does not "
-            "compose with a data-parallel strategy yet; leave strategy at its default"
+            f"tp={tp} on gpus={gpus} with strategy={strategy.value!r}: {gpus // tp} "
+            f"data-parallel ranks of tp={tp} each are estimated with FSDP2 over the "
+            "tensor-parallel ranks (a 2-D mesh, dp_shard x tp) only: give strategy='zero2' "
+            "or 'zero3' (ddp, zero1 and hsdp over tensor-parallel ranks are not estimated "
+            f"yet), or gpus={tp} for tensor parallelism alone"
         )
 
 

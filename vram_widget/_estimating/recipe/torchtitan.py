@@ -47,10 +47,11 @@ Refactor: TOML to Python Dataclass Registry"), which this reader does not run.
   parallelize.py``), replicate > 1 alone DDP, both HSDP (sharded within groups of the shard
   degree: ``gpus_per_node``). ``tensor_parallel_degree`` k > 1 is our ``tp=k`` on
   ``gpus=k``, sharded by the model's own plan (torchtitan 0.3.0's ``ParallelismConfig``,
-  ``torchtitan/config/configs.py``); with data parallelism beside it, refused (not
-  estimated yet). Under ``tp``, torchtitan's sequence parallelism
-  (``enable_sequence_parallel``, on by default) and its vocabulary-parallel loss
-  (``_LossParallelCrossEntropy``, ``torchtitan/components/loss.py``; 0.2's
+  ``torchtitan/config/configs.py``); with ``data_parallel_shard_degree`` d > 1 beside it,
+  ``gpus=d*k, tp=k`` with FSDP2's strategy as above (FSDP2 over the tensor-parallel groups);
+  with ``data_parallel_replicate_degree`` > 1, refused (not estimated yet). Under ``tp``,
+  torchtitan's sequence parallelism (``enable_sequence_parallel``, on by default) and its
+  vocabulary-parallel loss (``_LossParallelCrossEntropy``, ``torchtitan/components/loss.py``; 0.2's
   ``disable_loss_parallel=false``) are listed as ignored, as is async tensor parallelism
   (``compile.enable_async_tensor_parallel`` in 0.3.0, ``parallelism.`` in 0.2; it needs
   torch.compile, which is listed too). Pipeline, context and expert parallelism degrees > 1
@@ -274,26 +275,26 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
                 "a data-parallel one over the whole model)"
             )
     dp = replicate * shard
+    pp = others["pipeline_parallel_degree"]
     if tp > 1:
-        if dp > 1:
+        if replicate > 1:
             raise refuse(
                 SOURCE,
-                f"parallelism.tensor_parallel_degree={tp} with {dp} data-parallel ranks",
-                "data parallelism over tensor-parallel ranks is not estimated yet; set "
-                "data_parallel_shard_degree = 1 and data_parallel_replicate_degree = 1 to "
-                "estimate one tensor-parallel group",
+                f"parallelism.tensor_parallel_degree={tp} with data_parallel_replicate_degree"
+                f"={replicate}",
+                "DDP and HSDP over tensor-parallel ranks are not estimated yet; set "
+                "data_parallel_replicate_degree = 1 (FSDP2 over them, "
+                "data_parallel_shard_degree, is)",
             )
+        if shard > 1:  # FSDP2 on the dp_shard sub-mesh over tp groups (parallelize_llama)
+            return {"gpus": shard * tp, "tp": tp, "strategy": _fsdp_strategy(section, pp)}
         return {"gpus": tp, "tp": tp}
     if dp == 1:
         return {"gpus": 1}
     if shard == 1:
         return {"gpus": dp, "strategy": "ddp"}
+    strategy = _fsdp_strategy(section, pp)
     reshard = section.get("fsdp_reshard_after_forward", "default")
-    if reshard not in ("default", "always", "never"):
-        raise ValueError(
-            f"{SOURCE}: parallelism.fsdp_reshard_after_forward={reshard!r}; torchtitan's "
-            "are 'default', 'always' and 'never'"
-        )
     if replicate > 1:
         if reshard == "never":
             ignored.append(
@@ -301,9 +302,20 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
                 "resharded after the forward)"
             )
         return {"gpus": dp, "strategy": "hsdp", "gpus_per_node": shard}
-    # "default": reshard_after_forward = not pp_enabled (apply_fsdp)
-    never = reshard == "never" or (reshard == "default" and others["pipeline_parallel_degree"] > 1)
-    return {"gpus": dp, "strategy": "zero2" if never else "zero3"}
+    return {"gpus": dp, "strategy": strategy}
+
+
+def _fsdp_strategy(section: Mapping[str, Any], pp: int) -> str:
+    """``"zero2"`` or ``"zero3"``: FSDP2's ``reshard_after_forward`` by
+    ``fsdp_reshard_after_forward`` ("default": not pp_enabled, ``apply_fsdp``)."""
+    reshard = section.get("fsdp_reshard_after_forward", "default")
+    if reshard not in ("default", "always", "never"):
+        raise ValueError(
+            f"{SOURCE}: parallelism.fsdp_reshard_after_forward={reshard!r}; torchtitan's "
+            "are 'default', 'always' and 'never'"
+        )
+    never = reshard == "never" or (reshard == "default" and pp > 1)
+    return "zero2" if never else "zero3"
 
 
 def _tensor_parallel(
