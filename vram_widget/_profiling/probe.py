@@ -290,9 +290,7 @@ class TensorSpec:
         self.numel_bytes = self._span_bytes()
 
     @classmethod
-    def of(
-        cls, shape: tuple[int, ...], stride: tuple[int, ...], like: TensorSpec
-    ) -> TensorSpec:
+    def of(cls, shape: tuple[int, ...], stride: tuple[int, ...], like: TensorSpec) -> TensorSpec:
         """A tensor of ``like``'s dtype with this shape and these strides."""
         spec = cls.__new__(cls)
         spec.shape, spec.stride = shape, stride

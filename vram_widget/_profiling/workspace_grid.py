@@ -22,6 +22,7 @@ alone, no fake step.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,7 +117,8 @@ def refined_workspaces(
     grid = [int(b) for b in timeline.workspace_grid]
     by_batch = {t.batch_size: t for t in traces}
     n_ws = timeline.workspace_bytes.shape[0]
-    segments = [(lo, hi) for lo, hi in zip(grid[:-2], grid[1:-1], strict=True) if hi - lo > 1]
+    # all but the last segment: beyond the grid the table continues that one's slope
+    segments = [(lo, hi) for lo, hi in itertools.pairwise(grid[:-1]) if hi - lo > 1]
     if not n_ws or not segments or any(b not in by_batch for b in grid):
         return timeline
     if any(len(by_batch[b].workspace_signatures) != n_ws for b in grid):
