@@ -52,6 +52,9 @@ _HALF_ONLY_OPS: frozenset[Any] = frozenset(
         aten.addmm.out,
         aten.bmm.out,
         aten.baddbmm.out,
+        # the CPU grouped mm (a Mixtral's experts in transformers >= 5) runs one mm per
+        # group, each packing bf16 as mm does: its scratch is the largest group's
+        *([aten._grouped_mm.default] if hasattr(aten, "_grouped_mm") else []),
     }
 )
 PROBED_OPS: frozenset[Any] = _HALF_ONLY_OPS | {
@@ -99,9 +102,29 @@ def _rnn_backward_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[A
     return tuple(new), kwargs
 
 
+def _grouped_mm_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``offs`` split evenly: zeros would make every group empty, and the fake run has no
+    token counts. The cumulative ends split the dimension the groups share: the
+    contraction for 2D x 2D (the weight gradient), ``mat_a``'s rows for 2D x 3D, ``mat_b``'s
+    columns for 3D x 2D (the output shapes of torch/_meta_registrations.py,
+    ``_create_grouped_mm_output_tensor``). The scratch of the real step's groups, of
+    uneven sizes, can differ from the even split's by a little (4 experts, 2 per token:
+    37,120 to 39,424 B per group, measured with torch 2.13)."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    if not isinstance(offs, torch.Tensor) or offs.numel() == 0:
+        return args, kwargs
+    total = a.shape[1] if a.dim() == b.dim() == 2 else a.shape[0] if a.dim() == 2 else b.shape[1]
+    groups = offs.numel()
+    ends = torch.arange(1, groups + 1, dtype=torch.int64) * total // groups
+    offs.copy_(ends.to(offs.dtype))
+    return args, kwargs
+
+
 # Ops whose real arguments must be rebuilt before a probe can run them.
 _PREPARE: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, Any]]] = {
     aten.mkldnn_rnn_layer_backward.default: _rnn_backward_args,
+    **({aten._grouped_mm.default: _grouped_mm_args} if hasattr(aten, "_grouped_mm") else {}),
 }
 
 
@@ -125,6 +148,8 @@ def _signature(
     def key(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad)
+        if isinstance(x, TensorSpec):  # the same key as the tensor it describes
+            return ("T", x.shape, x.stride, x.dtype, x.requires_grad)
         if isinstance(x, (list, tuple)):
             return tuple(key(v) for v in x)
         return repr(x)
@@ -140,6 +165,12 @@ def _signature(
         autocast,
         torch.is_grad_enabled(),
     )
+
+
+def call_key(call: tuple[Any, tuple[Any, ...], dict[str, Any]]) -> tuple[Any, ...]:
+    """The op, argument and keyword part of a call's signature (grad mode and autocast
+    left out), for a call of :class:`TensorSpec`s."""
+    return _signature(*call, None)[:3]
 
 
 # Measurements shared by every profile of the process: a kernel's workspace for one call
@@ -162,6 +193,9 @@ class KernelProbe:
         self._outputs: dict[tuple[Any, ...], tuple[int, ...]] = {}
         self._retained: dict[tuple[Any, ...], int] = {}
         self._pending: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
+        # every call noted, as (func, args, kwargs) of TensorSpecs: workspace_grid derives
+        # the same call at other batch sizes from them
+        self._calls: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
 
     def request(
         self,
@@ -172,11 +206,32 @@ class KernelProbe:
     ) -> tuple[Any, ...]:
         """Note a call (its tensors' metadata only) and return its key."""
         sig = _signature(func, args, kwargs, autocast)
-        if sig not in self._cache and sig not in self._pending:
+        if sig not in self._calls:
             meta = tree_map(
-                lambda x: _TensorSpec(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+                lambda x: TensorSpec(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
             )
-            self._pending[sig] = (func, *meta)
+            self._calls[sig] = (func, *meta)
+        if sig not in self._cache and sig not in self._pending:
+            self._pending[sig] = self._calls[sig]
+        return sig
+
+    def call_of(self, sig: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        """The call noted under ``sig``: (func, args, kwargs), tensors as :class:`TensorSpec`."""
+        return self._calls[sig]
+
+    def request_spec(
+        self, call: tuple[Any, tuple[Any, ...], dict[str, Any]], like: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
+        """Note a call made of :class:`TensorSpec`s (one no fake run made: the same op at
+        another batch size), in the grad mode and autocast state of the call ``like`` was
+        noted in; return its key for :meth:`workspace_bytes`."""
+        func, args, kwargs = call
+        autocast, grad = like[-2], like[-1]
+        with torch.set_grad_enabled(grad):
+            sig = _signature(func, args, kwargs, autocast)
+        self._calls.setdefault(sig, call)
+        if sig not in self._cache and sig not in self._pending:
+            self._pending[sig] = call
         return sig
 
     def workspace_bytes(self, sig: tuple[Any, ...]) -> int:
@@ -222,7 +277,7 @@ class KernelProbe:
                 _MEASURED[(sig, env)] = (workspace, outputs, retained)
 
 
-class _TensorSpec:
+class TensorSpec:
     """Shape, strides and dtype of a tensor seen in the fake run (no reference to it)."""
 
     __slots__ = ("dtype", "numel_bytes", "requires_grad", "shape", "stride")
@@ -232,8 +287,22 @@ class _TensorSpec:
         self.stride = tuple(int(s) for s in t.stride())
         self.dtype = t.dtype
         self.requires_grad = t.requires_grad
+        self.numel_bytes = self._span_bytes()
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], stride: tuple[int, ...], like: TensorSpec) -> TensorSpec:
+        """A tensor of ``like``'s dtype with this shape and these strides."""
+        spec = cls.__new__(cls)
+        spec.shape, spec.stride = shape, stride
+        spec.dtype, spec.requires_grad = like.dtype, like.requires_grad
+        spec.numel_bytes = spec._span_bytes()
+        return spec
+
+    def _span_bytes(self) -> int:
+        if 0 in self.shape:
+            return 0
         span = sum((d - 1) * s for d, s in zip(self.shape, self.stride, strict=True)) + 1
-        self.numel_bytes = 0 if 0 in self.shape else span * t.element_size()
+        return span * self.dtype.itemsize
 
     def make(self, leaf_grad: bool = False) -> torch.Tensor:
         """Zeros, not empty (uninitialised memory can hold denormals that slow kernels
@@ -247,7 +316,7 @@ class _TensorSpec:
 
 
 def _call_bytes(call: tuple[Any, ...]) -> int:
-    return sum(x.numel_bytes for x in tree_flatten(call[1:])[0] if isinstance(x, _TensorSpec))
+    return sum(x.numel_bytes for x in tree_flatten(call[1:])[0] if isinstance(x, TensorSpec))
 
 
 @contextlib.contextmanager
@@ -302,7 +371,7 @@ def _measure_workspaces(
             )
             leaf_grad = autocast_dtype is not None and not sig[-1]
             real_args, real_kwargs = tree_map(
-                lambda x, grad=leaf_grad: x.make(grad) if isinstance(x, _TensorSpec) else x,
+                lambda x, grad=leaf_grad: x.make(grad) if isinstance(x, TensorSpec) else x,
                 (args, kwargs),
             )
             prepare = _PREPARE.get(func)

@@ -661,6 +661,11 @@ class Recorder(TorchDispatchMode):
         interpolates them over a grid of batch sizes."""
         return [sid for sid, _sig, _pos in self._probe_slots]
 
+    def workspace_signatures(self) -> list[tuple[Any, ...] | None]:
+        """The probe signature of each of :meth:`workspace_storages` that is a kernel's
+        scratch (None for a placeholder output or autocast's retained casts)."""
+        return [sig if pos == -1 else None for _sid, sig, pos in self._probe_slots]
+
     def apply_probes(self) -> None:
         """Measure the workspaces and placeholder outputs requested during the run and write
         their sizes into the events (each storage: + at its allocation, - at its free)."""

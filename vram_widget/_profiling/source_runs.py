@@ -60,6 +60,7 @@ from .subject import (
     RawTrace,
     _preserved_model_state,
 )
+from .workspace_grid import refined_workspaces
 
 if TYPE_CHECKING:
     from .profiler import _Source
@@ -168,6 +169,8 @@ class SourceRuns:
                 UserWarning,
                 stacklevel=4,
             )
+        if grid and self.profiler.probe is not None:  # workspaces between the grid's points
+            timeline = refined_workspaces(timeline, [*fit, third, *grid], self.profiler.probe)
         return self._with_batch_one(timeline, fit[0], one, grid)
 
     def _batch_one(self, precision: Precision, mode: Mode, grid: list[RawTrace]) -> RawTrace | None:

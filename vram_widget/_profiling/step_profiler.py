@@ -374,6 +374,7 @@ class Profiler(OptimizerStateRuns):
             flops_backward=rec.flops_backward,
             output_shapes=tuple(rec.output_shapes),
             workspace_storages=np.asarray(rec.workspace_storages(), dtype=np.int64),
+            workspace_signatures=tuple(rec.workspace_signatures()),
             backward_start=marks.get("backward", n_events),
             optimizer_at=marks.get("optimizer", n_events),
             uses_matmul=rec.uses_matmul,

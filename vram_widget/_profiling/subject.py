@@ -82,6 +82,9 @@ class RawTrace:
     # torch.compile: why a compiled graph ran node by node instead of as Inductor's
     # generated code (compiled_inductor.py), one line each; () where none did
     compile_fallbacks: tuple[str, ...] = ()
+    # the probe signature of each workspace storage that is a kernel's scratch (None: an
+    # output placeholder or retained casts), in ``workspace_storages`` order
+    workspace_signatures: tuple[Any, ...] = ()
 
 
 @dataclass
