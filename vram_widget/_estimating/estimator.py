@@ -182,6 +182,10 @@ class MemoryEstimate:
     microbatches: int | None = None
     stage_peak_bytes: tuple[int, ...] = ()
     stage_resident_bytes: tuple[int, ...] = ()
+    # context-parallel ranks (1: none): the estimate is one rank's (rank 0), its step at
+    # seq_len / cp tokens with torch's ring attention (seq_len stays the whole sequence's);
+    # UNCONFIRMED against a real CUDA run (docs/known-gaps.md)
+    cp: int = 1
     # NCCL's own buffers on the rank (CUDA, more than one GPU): outside the allocator, so
     # in no total here; shown beside them with the defaults they assume
     nccl: NcclBuffers | None = None

@@ -104,6 +104,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "microbatches": ("parallel", "microbatches"),
     "pp_split": ("parallel", "pp_split"),
     "ep": ("parallel", "ep"),
+    "cp": ("parallel", "cp"),
     "new_tokens": ("generation", "new_tokens"),
     "weights": ("weights", ""),
     "float8": ("float8", ""),
