@@ -106,3 +106,33 @@ def test_a_step_without_sdpa_is_refused() -> None:
     with pytest.raises(ValueError, match=r"ran no F.scaled_dot_product_attention"):
         prof.estimate(2, gpus=2, cp=2)
     assert not dist.is_initialized()
+
+
+def test_cp_flag_is_the_cp_keyword_checked_before_profiling(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from vram_widget._display.cli import main
+
+    config = (
+        "num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+        "intermediate_size=128,vocab_size=1000,bos_token_id=0,eos_token_id=0"
+    )
+    argv = ["--transformers", "llama", "--config", config, "--seq-len", "32", "--device",
+            "cuda", "--batch-size", "2", "--precision", "bf16", "--json"]  # fmt: skip
+    for bad, message in (
+        (["--gpus", "4", "--cp", "2"], "--cp: cp=2 with gpus=4"),
+        (["--gpus", "3", "--cp", "3"], "--cp: cp=3 with seq_len=32"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, *bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    # the flags parsed (no model built): the estimate's keywords, the same as estimate()'s
+    from vram_widget._display.cli import _estimate_keywords
+    from vram_widget._display.cli_args import build_parser, validate
+
+    parser = build_parser()
+    args = validate(parser, parser.parse_args([*argv, "--gpus", "2", "--cp", "2"]))
+    keywords = _estimate_keywords(args)
+    assert (keywords["gpus"], keywords["cp"]) == (2, 2)

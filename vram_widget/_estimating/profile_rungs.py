@@ -307,6 +307,11 @@ def _context_parallel_question(recipe: Recipe, seq_len: int | None) -> Recipe:
     ``seq_len`` being the whole sequence's (its layout and settings checked first, each
     refusal a ValueError naming it)."""
     check_context_parallel(recipe.parallel, seq_len)
+    if seq_len is None:
+        raise ValueError(
+            f"cp={recipe.parallel.cp}: context parallelism shards the sequence, and this "
+            "profile has no sequence axis; profile token inputs (or give seq_axis=...)"
+        )
     refused = context_parallel_refusals(recipe)
     if refused:
         raise ValueError(

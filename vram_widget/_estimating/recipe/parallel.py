@@ -158,7 +158,7 @@ def check_expert_parallel(parallel: ParallelSettings) -> None:
 
 def check_context_parallel(parallel: ParallelSettings, seq_len: int | None) -> None:
     """A clear error for a context-parallel layout that is not estimated (yet), before any
-    profiling; ``seq_len`` is the step's whole sequence length (None: no sequence axis).
+    profiling; ``seq_len`` is the step's whole sequence length (None: not known yet).
 
     Examples
     --------
@@ -186,11 +186,8 @@ def check_context_parallel(parallel: ParallelSettings, seq_len: int | None) -> N
             f"cp={cp} with gpus={gpus}: the cp ranks share one batch and are the whole world "
             f"(data parallelism over context-parallel groups is not estimated yet); give gpus={cp}"
         )
-    if seq_len is None:
-        raise ValueError(
-            f"cp={cp}: context parallelism shards the sequence, and this profile has no "
-            "sequence axis; profile token inputs (or give seq_axis=...)"
-        )
+    if seq_len is None:  # not known yet (the command line's model default)
+        return
     # context_parallel shards each buffer with DTensor's Shard(seq_dim) (torch/distributed/
     # tensor/experimental/_context_parallel/_attention.py, _context_parallel_buffers) and its
     # ring attention reshapes every rotated K/V block to the local shape: equal shards only
