@@ -136,3 +136,11 @@ def test_cp_flag_is_the_cp_keyword_checked_before_profiling(
     args = validate(parser, parser.parse_args([*argv, "--gpus", "2", "--cp", "2"]))
     keywords = _estimate_keywords(args)
     assert (keywords["gpus"], keywords["cp"]) == (2, 2)
+
+
+def test_measure_refuses_a_context_parallel_recipe() -> None:
+    from vram_widget import Recipe, measure
+
+    recipe = Recipe.from_keywords(gpus=2, cp=2)
+    with pytest.raises(ValueError, match=r"the recipe's cp=2: context parallelism is not measured"):
+        measure(hf_llama(), hf_tokens(2), recipe=recipe)
