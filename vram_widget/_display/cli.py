@@ -212,6 +212,8 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords.update(gpus=args.gpus, tp=args.tp)
     if args.ep is not None and args.ep > 1:  # one expert-parallel rank, training or not
         keywords.update(gpus=args.gpus, ep=args.ep)
+    if args.cp is not None and args.cp > 1:  # one context-parallel rank, training or not
+        keywords.update(gpus=args.gpus, cp=args.cp)
     if args.pp is not None and args.pp > 1:  # each pipeline stage (training only)
         keywords.update(gpus=args.gpus, pp=args.pp, pp_schedule=args.pp_schedule or "gpipe")
         keywords["microbatches"] = args.microbatches
@@ -330,6 +332,7 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "gpus": est.gpus,
         "tp": est.tp,
         "ep": est.ep,
+        "cp": est.cp,
         "ep_worst_case_bytes": est.ep_worst_case_bytes,
         "pp": est.pp,
         "pp_schedule": est.pp_schedule,

@@ -650,6 +650,15 @@ def _parallel_flags(parallel: argparse._ArgumentGroup) -> None:
         "experts; training or --mode inference (default: 1, none)",
     )
     parallel.add_argument(
+        "--cp",
+        type=positive_int,
+        metavar="K",
+        help="context-parallel ranks (--gpus K) that each hold --seq-len / K tokens of every "
+        "sequence, with torch's ring attention in place of SDPA (context_parallel); --device "
+        "cuda, an SDPA model without an attention mask; UNCONFIRMED against a real CUDA run; "
+        "training or --mode inference (default: 1, none)",
+    )
+    parallel.add_argument(
         "--pp",
         type=positive_int,
         metavar="K",
@@ -839,7 +848,7 @@ def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--new-tokens is for --mode generate; got --mode {mode.value}")
     if mode is not Mode.TRAIN:
         given = [flag for dest, flag in _TRAIN_ONLY if getattr(args, dest) is not None]
-        if (args.tp is not None or args.ep is not None) and mode is Mode.INFERENCE:
+        if (args.tp, args.ep, args.cp) != (None, None, None) and mode is Mode.INFERENCE:
             # tensor- or expert-parallel inference runs on --gpus ranks
             given = [flag for flag in given if flag != "--gpus"]
         if given:
@@ -922,6 +931,19 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             )
         except ValueError as exc:
             parser.error(f"--ep: {exc}")
+    if args.cp is not None:
+        from .._estimating.recipe.parallel import ParallelSettings, check_context_parallel
+
+        try:
+            check_context_parallel(
+                ParallelSettings(
+                    gpus, Strategy(strategy), tp=args.tp or 1, pp=args.pp or 1,
+                    ep=args.ep or 1, cp=args.cp,
+                ),
+                args.seq_len,
+            )  # fmt: skip
+        except ValueError as exc:
+            parser.error(f"--cp: {exc}")
     pipeline = (args.pp_schedule, args.microbatches, args.pp_split, args.stages_per_rank)
     if args.pp is not None or any(x is not None for x in pipeline):
         from .._estimating.options import PipelineSchedule
@@ -954,7 +976,7 @@ def _check_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         for dest, flag in (
             ("gpus", "--gpus"), ("strategy", "--strategy"), ("tp", "--tp"), ("pp", "--pp"),
             ("pp_schedule", "--pp-schedule"), ("pp_split", "--pp-split"), ("rank", "--rank"),
-            ("ep", "--ep"), ("stages_per_rank", "--stages-per-rank"),
+            ("ep", "--ep"), ("stages_per_rank", "--stages-per-rank"), ("cp", "--cp"),
         )
         if getattr(args, dest) is not None
     ]  # fmt: skip

@@ -192,6 +192,10 @@ class MemoryEstimate:
     # theirs)
     communication_sent_bytes: int | None = None
     communication_sent_bytes_by_kind: Mapping[CollectiveKind, int] = field(default_factory=dict)
+    # context-parallel ranks (1: none): the estimate is one rank's (rank 0), its step at
+    # seq_len / cp tokens with torch's ring attention (seq_len stays the whole sequence's);
+    # UNCONFIRMED against a real CUDA run (docs/known-gaps.md)
+    cp: int = 1
     # NCCL's own buffers on the rank (CUDA, more than one GPU): outside the allocator, so
     # in no total here; shown beside them with the defaults they assume
     nccl: NcclBuffers | None = None

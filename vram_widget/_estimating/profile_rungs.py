@@ -19,11 +19,13 @@ from .options import (
 from .recipe import Recipe
 from .recipe.float8 import Float8
 from .recipe.parallel import (
+    check_context_parallel,
     check_expert_parallel,
     check_pipeline_parallel,
     check_pipeline_parallel_settings,
     check_tensor_parallel,
     check_tensor_parallel_settings,
+    context_parallel_refusals,
     pipeline_microbatches,
     pipeline_stages_per_rank,
     tensor_parallel_refusals,
@@ -308,6 +310,26 @@ def _expert_parallel_question(recipe: Recipe) -> Recipe:
             "parallelism yet; leave ep at 1 for these"
         )
     return recipe.with_(ep=1, gpus=1, rank=None)
+
+
+def _context_parallel_question(recipe: Recipe, seq_len: int | None) -> Recipe:
+    """The single-rank Recipe a ``cp`` > 1 estimate profiles at its own (local) length,
+    ``seq_len`` being the whole sequence's (its layout and settings checked first, each
+    refusal a ValueError naming it)."""
+    check_context_parallel(recipe.parallel, seq_len)
+    if seq_len is None:
+        raise ValueError(
+            f"cp={recipe.parallel.cp}: context parallelism shards the sequence, and this "
+            "profile has no sequence axis; profile token inputs (or give seq_axis=...)"
+        )
+    refused = context_parallel_refusals(recipe)
+    if refused:
+        raise ValueError(
+            f"cp={recipe.parallel.cp} with {', '.join(refused)}: not estimated with context "
+            "parallelism yet (trainable, grad_accumulation and every precision are); leave "
+            "cp at 1 for these"
+        )
+    return recipe.with_(cp=1, gpus=1, rank=None, seq_len=None)
 
 
 def _tensor_parallel_question(recipe: Recipe) -> Recipe:

@@ -37,7 +37,11 @@ from .options import (
     Phase,
     Precision,
 )
-from .profile_rungs import _expert_parallel_question, _tensor_parallel_question
+from .profile_rungs import (
+    _context_parallel_question,
+    _expert_parallel_question,
+    _tensor_parallel_question,
+)
 from .quantized import check_quantized, check_weights_device, int8_outlier_note
 from .recipe import Accelerator, LeverSettings, Recipe
 from .recipe.float8 import Float8
@@ -120,6 +124,14 @@ class StepMixin:
                 "expandable_segments is a setting of the CUDA caching allocator; this profile "
                 'is for device="cpu", which has none: profile with device="cuda"'
             )
+        if (
+            par.cp > 1
+        ):  # one rank's sub-profile at seq_len / cp, ring attention (context_parallel.py)
+            whole = seq_len if seq_len is not None else self.seq_len
+            plain = _context_parallel_question(recipe, whole)
+            assert whole is not None  # checked: a profile without a sequence axis is refused
+            est = self._source.context_parallel_estimate(par.cp, whole, plain)
+            return dataclasses.replace(est, gpus=par.gpus, cp=par.cp, seq_len=whole)
         if par.ep > 1:  # one rank's sub-profiles, experts sharded (expert_parallel.py)
             plain = _expert_parallel_question(recipe)
             est = self._source.expert_parallel_estimate(par.ep, plain)

@@ -588,6 +588,10 @@ class DiskCachedSource:
         # one expert-parallel rank's sub-profiles under a fake process group
         return self.inner.expert_parallel_estimate(*args)
 
+    def context_parallel_estimate(self, *args: Any) -> Any:
+        # one context-parallel rank's sub-profile under a fake process group
+        return self.inner.context_parallel_estimate(*args)
+
     def expert_parallel_refusal(self, ep: int) -> str | None:
         refusal: str | None = self.inner.expert_parallel_refusal(ep)
         return refusal

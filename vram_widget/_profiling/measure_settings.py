@@ -97,6 +97,13 @@ def _refuse_unmeasured(recipe: Recipe, batch_size: int) -> None:
             f"{batch_size}: measure runs the inputs it is given; build them at that batch "
             "(or leave the recipe's batch_size at 1)"
         )
+    if recipe.parallel.cp > 1:
+        # torch's ring attention has no CPU kernel (context_parallel.py's docstring)
+        raise ValueError(
+            f"the recipe's cp={recipe.parallel.cp}: context parallelism is not measured (torch's "
+            "ring attention runs the CUDA SDPA kernels only, and a CPU step raises "
+            "NotImplementedError); leave cp at 1"
+        )
     refused = {
         "seq_len": step.seq_len is not None,
         "rank": recipe.parallel.rank is not None,

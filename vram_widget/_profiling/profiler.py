@@ -85,15 +85,27 @@ class _Source(SourceRuns, SubProfiles):
             self._reduced[n] = source
         return self._reduced[n]
 
-    def _sub_profile(self, model: torch.nn.Module, cache: object) -> ModelProfile:
+    def _sub_profile(
+        self, model: torch.nn.Module, cache: object, seq_len: int | None = None
+    ) -> ModelProfile:
         """A deferred profile of a meta copy of the model (LoRA's, the quantized one) with
         the same inputs, loss, device and sequence axis; the parent profile ran the model
-        already, so no run is made here."""
+        already, so no run is made here. With ``seq_len``, the example at that length
+        (its values tiled, ``Subject.make_inputs``)."""
         subject = self.profiler.subject
+        input_size, inputs = subject.input_size, subject.inputs
+        if seq_len is not None and inputs is not None:
+            n = inputs.batch_size()
+            inputs = subject.make_inputs(n, Precision.FP32, real=True, seq_len=seq_len)
+        elif seq_len is not None and input_size is not None:
+            sizes = [1, *input_size]
+            for dim in subject.seq_axes.values():
+                sizes[dim] = seq_len
+            input_size = tuple(sizes[1:])
         return profile_model(
             model,
-            input_size=subject.input_size,
-            inputs=subject.inputs,
+            input_size=input_size,
+            inputs=inputs,
             loss_fn=subject.loss_fn,
             device=subject.device.value,
             seq_axis=dict(subject.seq_axes) or False,

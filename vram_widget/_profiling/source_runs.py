@@ -89,6 +89,8 @@ class SourceRuns:
         # (tp, the plan's id, the single-rank Recipe) -> (the plan, one rank's estimate)
         self._tensor_parallel: dict[tuple[Any, ...], tuple[object, Any]] = {}
         self._expert_parallel: dict[tuple[Any, ...], Any] = {}
+        # (cp, the whole sequence's length, the single-rank Recipe) -> one rank's estimate
+        self._context_parallel: dict[tuple[Any, ...], Any] = {}
         # the arguments of pipeline_stage_peaks -> each stage's StagePeak
         self._pipeline: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 

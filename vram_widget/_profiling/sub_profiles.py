@@ -26,6 +26,12 @@ from .._estimating.profile import ModelProfile
 from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.weights import WeightFormat, Weights
 from .collectives import CollectiveLog
+from .context_parallel import (
+    check_context_parallel_model,
+    local_length,
+    no_ring_refusal,
+    ring_attention,
+)
 from .expert_parallel import expert_parallelized, resolve_ep_plan
 from .float8 import float8_copy
 from .loading import load_layout
@@ -58,8 +64,8 @@ if TYPE_CHECKING:
 
 class SubProfiles:
     """The sub-profiles of :class:`~.profiler._Source` (``self`` is the source): LoRA,
-    quantized weights, float8, one tensor-parallel rank, the pipeline's stages, and the
-    load layout."""
+    quantized weights, float8, one tensor- or context-parallel rank, the pipeline's stages,
+    and the load layout."""
 
     def lora_profile(  # type: ignore[misc]
         self: _Source, rank: int, targets: tuple[str, ...] | None, dtype: str | None = None
@@ -216,6 +222,35 @@ class SubProfiles:
                     communication_sent_bytes=volume.sent_bytes,
                     communication_sent_bytes_by_kind=volume.sent_bytes_by_kind,
                 )
+
+    def context_parallel_estimate(self: _Source, cp: int, seq_len: int, recipe: Any) -> Any:  # type: ignore[misc]
+        """One of ``cp`` context-parallel ranks' estimate (rank 0) of ``recipe``: a meta copy
+        of the model profiled at ``seq_len / cp`` tokens under torch's ``context_parallel``
+        on a fake process group, its SDPA calls run as ring attention (``context_parallel.
+        ring_attention``); the model and inputs checked first (``context_parallel.
+        check_context_parallel_model``). Kept per (cp, seq_len, recipe)."""
+        key = (cp, seq_len, recipe)
+        if key not in self._context_parallel:
+            subject = self.profiler.subject
+            names = [name for name, _ in subject.inputs.named_tensors()] if subject.inputs else []
+            check_context_parallel_model(subject.model, names, subject.device)
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", InputShapeWarning)
+                warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
+                with fake_process_group(cp) as mesh, ring_attention(mesh, seq_len) as ran:
+                    copy_ = meta_copy(subject.model)
+                    # not cached: the profile key does not read the mesh
+                    sub = self._sub_profile(copy_, cache=False, seq_len=local_length(seq_len, cp))
+                    try:
+                        estimate = sub._estimate(recipe)
+                    except (NotImplementedError, RuntimeError) as exc:
+                        raise ValueError(
+                            f"cp={cp}: torch's ring attention refused this model's attention: {exc}"
+                        ) from exc
+            if not ran:
+                raise ValueError(no_ring_refusal(cp))
+            self._context_parallel[key] = estimate
+        return self._context_parallel[key]
 
     def expert_parallel_estimate(self: _Source, ep: int, recipe: Any) -> Any:  # type: ignore[misc]
         """One of ``ep`` expert-parallel ranks' estimate of ``recipe`` (rank 0): a meta copy

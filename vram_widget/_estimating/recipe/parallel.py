@@ -50,6 +50,10 @@ class ParallelSettings:
         ``ep`` ranks that share one batch, the dense modules whole on each (transformers'
         ``base_model_ep_plan`` alone, ``DistributedConfig(enable_expert_parallel=True)``);
         ``gpus = ep``.
+    cp : int
+        Context-parallel ranks (1: none): each holds ``seq_len / cp`` of every sequence and
+        runs ``torch.distributed.tensor.experimental.context_parallel``'s ring attention in
+        place of ``F.scaled_dot_product_attention``; ``gpus = cp``.
 
     Examples
     --------
@@ -70,6 +74,7 @@ class ParallelSettings:
     pp_split: tuple[str, ...] | None = None
     ep: int = 1
     stages_per_rank: int | None = None
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.pp_split, (list, str)):
@@ -79,7 +84,7 @@ class ParallelSettings:
         object.__setattr__(
             self, "pp_schedule", parse_option(PipelineSchedule, self.pp_schedule, "pp_schedule")
         )
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number of ranks >= 1, got {value!r}")
@@ -170,6 +175,49 @@ def check_expert_parallel(parallel: ParallelSettings) -> None:
         )
 
 
+def check_context_parallel(parallel: ParallelSettings, seq_len: int | None) -> None:
+    """A clear error for a context-parallel layout that is not estimated (yet), before any
+    profiling; ``seq_len`` is the step's whole sequence length (None: not known yet).
+
+    Examples
+    --------
+    >>> check_context_parallel(ParallelSettings(gpus=2, cp=2), 127)
+    Traceback (most recent call last):
+    ...
+    ValueError: cp=2 with seq_len=127: ...
+    """
+    cp, gpus = parallel.cp, parallel.gpus
+    if cp == 1:
+        return
+    for name in ("tp", "pp", "ep"):
+        if getattr(parallel, name) > 1:
+            raise ValueError(
+                f"cp={cp} with {name}={getattr(parallel, name)}: context parallelism combined "
+                f"with other layouts is not estimated yet; give {name}=1 (cp alone)"
+            )
+    if parallel.strategy is not Strategy.DDP:
+        raise ValueError(
+            f"cp={cp} with strategy={parallel.strategy.value!r}: context parallelism does not "
+            "compose with a data-parallel strategy yet; leave strategy at its default"
+        )
+    if gpus != cp:
+        raise ValueError(
+            f"cp={cp} with gpus={gpus}: the cp ranks share one batch and are the whole world "
+            f"(data parallelism over context-parallel groups is not estimated yet); give gpus={cp}"
+        )
+    if seq_len is None:  # not known yet (the command line's model default)
+        return
+    # context_parallel shards each buffer with DTensor's Shard(seq_dim) (torch/distributed/
+    # tensor/experimental/_context_parallel/_attention.py, _context_parallel_buffers) and its
+    # ring attention reshapes every rotated K/V block to the local shape: equal shards only
+    if seq_len % cp:
+        raise ValueError(
+            f"cp={cp} with seq_len={seq_len}: each rank holds seq_len / cp tokens, so cp must "
+            f"divide the sequence length; give a seq_len that is a multiple of {cp} (of "
+            f"{2 * cp} for the head-tail load balancing of a causal mask)"
+        )
+
+
 def tensor_parallel_refusals(recipe: Any) -> list[str]:
     """The settings of ``recipe`` (a :class:`~vram_widget.Recipe`) not estimated with
     ``tp > 1`` yet, by name: those not checked against real tensor-parallel ranks
@@ -193,6 +241,21 @@ def tensor_parallel_refusals(recipe: Any) -> list[str]:
         "mode='generate'": step.mode.value == "generate",
     }
     return [name for name, on in asked.items() if on]
+
+
+def context_parallel_refusals(recipe: Any) -> list[str]:
+    """The settings of ``recipe`` not estimated with ``cp > 1`` yet, by name: those
+    :func:`tensor_parallel_refusals` finds and activation checkpointing (its recompute would
+    run the ring attention again in the backward, not checked).
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.recipe import Recipe
+    >>> context_parallel_refusals(Recipe.from_keywords(gpus=2, cp=2, checkpoint="auto"))
+    ['checkpoint']
+    """
+    checkpoint = recipe.levers.checkpoint not in (None, False)
+    return ["checkpoint"] * checkpoint + tensor_parallel_refusals(recipe)
 
 
 def check_tensor_parallel_settings(recipe: Any) -> None:

@@ -105,6 +105,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "pp_split": ("parallel", "pp_split"),
     "stages_per_rank": ("parallel", "stages_per_rank"),
     "ep": ("parallel", "ep"),
+    "cp": ("parallel", "cp"),
     "new_tokens": ("generation", "new_tokens"),
     "weights": ("weights", ""),
     "float8": ("float8", ""),
