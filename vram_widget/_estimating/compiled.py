@@ -211,8 +211,9 @@ def check_compile_parallel(
     if parallel.reshard_after_forward is None:  # DDP, ZeRO-1: the parameters whole
         raise ValueError(
             f"compile={scope.value!r} with strategy={strategy!r}: not estimated (nor "
-            "measured) yet; a compiled step is estimated across GPUs with FSDP2 (strategy='zero2', 'zero3' "
-            "or 'hsdp', compile='blocks'), or on one device (gpus=1)"
+            "measured) yet; a compiled step is estimated across GPUs with FSDP2 "
+            "(strategy='zero2', 'zero3' or 'hsdp', compile='blocks'), or on one device "
+            "(gpus=1)"
         )
     if scope is CompileScope.MODEL:
         raise ValueError(
@@ -231,9 +232,10 @@ def check_compile_parallel(
     if asked:
         raise ValueError(
             f"compile={scope.value!r} with strategy={strategy!r} and {', '.join(asked)}: "
-            "not estimated (nor measured) yet; the compiled blocks under FSDP2 are estimated in fp32 and "
-            "bf16, with FSDP2's default units (each compiled block, then the root) and "
-            "without checkpointing, LoRA, a trainable subset or gradient accumulation"
+            "not estimated (nor measured) yet; the compiled blocks under FSDP2 are "
+            "estimated in fp32 and bf16, with FSDP2's default units (each compiled block, "
+            "then the root) and without checkpointing, LoRA, a trainable subset or "
+            "gradient accumulation"
         )
 
 
