@@ -51,6 +51,10 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
     Build it with :func:`vram_widget.profile_model`.
     """
 
+    # why compile="blocks" cannot run under FSDP2 (set per instance; the class's "" for a
+    # profile cached before the field existed)
+    compile_fsdp_refusal: str = ""
+
     def __init__(
         self,
         rows: ModuleRows,
