@@ -10,11 +10,13 @@ import dataclasses
 import math
 
 from .levers import Levers
-from .options import Mode, StrEnum
+from .options import Mode, Precision, StrEnum
 from .sharding import Parallel
 
 __all__ = [
+    "FSDP_COMPILE_PRECISIONS",
     "CompileScope",
+    "check_compile_parallel",
     "compile_levers",
     "decided_at",
     "parse_activation_memory_budget",
@@ -141,19 +143,100 @@ def compile_levers(
     blocking = {
         "loss_chunks": levers.loss_chunks is not None,
         "offload_activations": levers.offload_activations is not None,
-        f"strategy={parallel.strategy.value!r}": parallel.distributed,
     }
     asked = [name for name, on in blocking.items() if on]
     if asked:
         raise ValueError(
             f"compile={scope.value!r} with {', '.join(asked)}: not estimated yet (the pairs "
-            "not estimated are compile with loss_chunks, with offload_activations and with "
-            "more than one GPU); the compiled step is estimated on one device with "
-            "checkpointing and its policies, LoRA, trainable subsets, gradient accumulation "
-            "and the optimizer settings (leave those unset, or compile=None for the eager "
-            "step)"
+            "not estimated are compile with loss_chunks and with offload_activations); the "
+            "compiled step is estimated with checkpointing and its policies, LoRA, trainable "
+            "subsets, gradient accumulation and the optimizer settings on one device, and "
+            "per block under FSDP2 (leave those unset, or compile=None for the eager step)"
         )
+    check_compile_parallel(
+        scope,
+        parallel,
+        levers={
+            "checkpoint": bool(levers.checkpoint),
+            "lora_rank": levers.lora_rank is not None,
+            "trainable": levers.trainable is not None,
+            "grad_accumulation": levers.grad_accumulation != 1,
+        },
+    )
     return dataclasses.replace(levers, compile=scope.value, activation_memory_budget=fraction)
+
+
+# The precisions the per-block compiled step under FSDP2 is checked in against real gloo
+# ranks (tests/test_compile_fsdp.py); under autocast FSDP2 casts the gathered parameters
+# (MixedPrecisionPolicy), not checked with compiled blocks yet.
+FSDP_COMPILE_PRECISIONS = (Precision.FP32, Precision.BF16)
+
+
+def check_compile_parallel(
+    scope: CompileScope,
+    parallel: Parallel,
+    *,
+    precision: Precision | None = None,
+    levers: dict[str, bool] | None = None,
+) -> None:
+    """A ValueError where ``scope`` is not estimated (or measured) across ``parallel``'s
+    GPUs: compile across GPUs is FSDP2's (``"zero2"``, ``"zero3"``, ``"hsdp"``) with each
+    repeated block compiled, as torchtitan composes them, on its default units (each
+    block, then the root), in fp32 or bf16 (:data:`FSDP_COMPILE_PRECISIONS`), without
+    the levers in ``levers`` that are set (name -> asked).
+
+    torchtitan 0.3.0's ``parallelize_llama`` (torchtitan/models/llama3/parallelize.py)
+    calls ``apply_compile`` (torchtitan/distributed/compile.py: ``for layer_id,
+    transformer_block in model.layers.named_children(): transformer_block.compile(
+    backend=backend, fullgraph=True)``) "after AC wrapping and before FSDP", then
+    ``apply_fsdp_to_decoder`` (``fully_shard`` on each block and the root); it never
+    compiles the whole model.
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.options import Strategy
+    >>> check_compile_parallel(CompileScope.BLOCKS, Parallel(2, Strategy.ZERO3))
+    >>> check_compile_parallel(CompileScope.MODEL, Parallel(2, Strategy.ZERO3))
+    Traceback (most recent call last):
+    ...
+    ValueError: compile='model' with strategy='zero3': torchtitan compiles each block ...
+    >>> check_compile_parallel(CompileScope.BLOCKS, Parallel(2, Strategy.DDP))
+    Traceback (most recent call last):
+    ...
+    ValueError: compile='blocks' with strategy='ddp': not estimated (nor measured) yet; ...
+    """
+    if not parallel.distributed:
+        return
+    strategy = parallel.strategy.value
+    if parallel.reshard_after_forward is None:  # DDP, ZeRO-1: the parameters whole
+        raise ValueError(
+            f"compile={scope.value!r} with strategy={strategy!r}: not estimated (nor "
+            "measured) yet; a compiled step is estimated across GPUs with FSDP2 "
+            "(strategy='zero2', 'zero3' or 'hsdp', compile='blocks'), or on one device "
+            "(gpus=1)"
+        )
+    if scope is CompileScope.MODEL:
+        raise ValueError(
+            f"compile={scope.value!r} with strategy={strategy!r}: torchtitan compiles each "
+            "block before fully_shard wraps it (torchtitan/distributed/compile.py, "
+            "apply_compile: transformer_block.compile(fullgraph=True)) and never the whole "
+            "model; a whole-model compile would trace the model around FSDP2's hooks, "
+            "which dynamo does not trace (torch.distributed.fsdp's _dynamo_disable), so it "
+            "would break into regions at every unit; use compile='blocks'"
+        )
+    asked = [name for name, on in (levers or {}).items() if on]
+    if parallel.fsdp_units is not None:
+        asked.append("fsdp_units")
+    if precision is not None and precision not in FSDP_COMPILE_PRECISIONS:
+        asked.append(f"precision={precision.value!r}")
+    if asked:
+        raise ValueError(
+            f"compile={scope.value!r} with strategy={strategy!r} and {', '.join(asked)}: "
+            "not estimated (nor measured) yet; the compiled blocks under FSDP2 are "
+            "estimated in fp32 and bf16, with FSDP2's default units (each compiled block, "
+            "then the root) and without checkpointing, LoRA, a trainable subset or "
+            "gradient accumulation"
+        )
 
 
 def decided_at(levers: Levers, batch_size: int) -> Levers:

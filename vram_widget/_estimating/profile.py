@@ -51,6 +51,10 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
     Build it with :func:`vram_widget.profile_model`.
     """
 
+    # why compile="blocks" cannot run under FSDP2 (set per instance; the class's "" for a
+    # profile cached before the field existed)
+    compile_fsdp_refusal: str = ""
+
     def __init__(
         self,
         rows: ModuleRows,
@@ -73,6 +77,7 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
         checkpoint_blocks: tuple[str, ...] = (),
         hf_checkpointing: bool = False,
         loss_chunks_refusal: str = CHUNKING_UNKNOWN,
+        compile_fsdp_refusal: str = "",
     ) -> None:
         self.rows = rows
         self.device = device
@@ -109,6 +114,9 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
         self.hf_checkpointing = hf_checkpointing
         # why ``loss_chunks`` cannot be applied to the model ("": it can; chunked_loss.py)
         self.loss_chunks_refusal = loss_chunks_refusal
+        # why compile="blocks" cannot run under FSDP2 ("": it can; _profiling/compiled.py,
+        # fsdp_blocks_refusal)
+        self.compile_fsdp_refusal = compile_fsdp_refusal
         # Every cache is per (precision, mode, levers); inference has no levers.
         self._timelines: dict[tuple[Precision, Mode, Levers], Timeline] = {}
         # the timeline as a polynomial in (batch, seq), made on the first other length

@@ -14,7 +14,7 @@ import numpy as np
 
 from .accelerator import CudaContext, cuda_context, given_cuda_context
 from .chunked_loss import chunked_loss_levers
-from .compiled import compile_levers, decided_at
+from .compiled import CompileScope, check_compile_parallel, compile_levers, decided_at
 from .decoding import (
     DECODE_STEPS_ACROSS_WINDOW,
     PROMPT_BEFORE_WINDOW,
@@ -102,7 +102,17 @@ class StepMixin:
         levers = chunked_loss_levers(
             levers, lv.loss_chunks, self.loss_chunks_refusal, length or self.seq_len, parallel
         )
-        return compile_levers(levers, lv.compile, lv.activation_memory_budget, run_mode, parallel)
+        levers = compile_levers(levers, lv.compile, lv.activation_memory_budget, run_mode, parallel)
+        if levers.compile is not None and parallel.distributed:
+            scope = CompileScope(levers.compile)
+            check_compile_parallel(scope, parallel, precision=recipe.step.precision)
+            if self.compile_fsdp_refusal:
+                raise ValueError(
+                    f"compile={scope.value!r} with strategy={parallel.strategy.value!r}: "
+                    f"{self.compile_fsdp_refusal}; leave compile=None for this model, or "
+                    "estimate it on one device (gpus=1)"
+                )
+        return levers
 
     def _estimate(self: ModelProfile, recipe: Recipe) -> MemoryEstimate:  # type: ignore[misc]
         """:meth:`estimate` of one resolved Recipe."""
@@ -495,6 +505,7 @@ class StepMixin:
             n_rows=n_rows,
             accumulate_frees=accumulated,
             zero_grad_frees=zero_grad,
+            compiled_units=levers.compile is not None,  # per block (compiled.py)
         )
         self._step_edits[key] = edits
         return edits

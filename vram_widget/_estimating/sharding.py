@@ -313,6 +313,7 @@ def fsdp_step_edits(
     n_rows: int,
     accumulate_frees: Sequence[tuple[int, int, int, int]] = (),
     zero_grad_frees: Sequence[tuple[int, int, int, int]] = (),
+    compiled_units: bool = False,
 ) -> StepEdits:
     """FSDP2's events in one rank's training step, in the order its hooks run them.
 
@@ -365,6 +366,9 @@ def fsdp_step_edits(
       into the gradient shards in place and dropped (``foreach_reduce``: ``_local_tensor
       += new_sharded_grad``).
     * ``zero_grad`` drops the gradient shards, not whole gradients.
+    * ``compiled_units``: each unit is a compiled block (``torch.compile`` per block, then
+      ``fully_shard``), whose events the timeline gives to the block's own row, its
+      gradients included; a unit's last gradient is then found on the unit's row too.
     """
     n_units = len(unit_rows)
     world = world_size
@@ -491,7 +495,8 @@ def fsdp_step_edits(
             last = next((p for p in reversed(by_unit[u]) if p.trainable), None)
             if last is not None:
                 nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.gathered_itemsize
-                match = [g for g in grads if g[2] == last.row and g[1] == nbytes_last]
+                rows = {last.row, unit_rows[u]} if compiled_units else {last.row}
+                match = [g for g in grads if g[2] in rows and g[1] == nbytes_last]
                 late = match[-1:]
             for grad in grads:
                 if grad not in late:

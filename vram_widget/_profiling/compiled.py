@@ -33,6 +33,7 @@ __all__ = [
     "WatchedForward",
     "compiled_forward",
     "compiled_run",
+    "fsdp_blocks_refusal",
     "output_tensors",
     "storage_bytes_of",
 ]
@@ -66,6 +67,42 @@ def compiled_forward(model: torch.nn.Module, scope: CompileScope) -> Callable[..
     for name in names:
         modules[name].compile(backend=backend, fullgraph=True)
     return model
+
+
+def fsdp_blocks_refusal(model: torch.nn.Module) -> str:
+    """Why ``compile="blocks"`` cannot run under FSDP2 for ``model`` ("" where it can, or
+    where it has no repeated blocks: ``compiled_forward`` says so).
+
+    ``fully_shard`` registers forward hooks on each block that dynamo does not trace
+    (torch/distributed/fsdp/_fully_shard/_fsdp_common.py: ``_dynamo_disable``), so the
+    compiled ``_call_impl`` of a block breaks at them, its frame is skipped and dynamo
+    compiles the block's ``forward`` as a frame of its own, with FSDP2's hooks eager
+    around it. Where that ``forward`` is torch's own code (``torch.nn.
+    TransformerEncoderLayer``), dynamo's skip list leaves it uncompiled: it lets in a
+    ``torch.nn`` class's forward only while the module has hooks and its class is
+    defined in ``torch.nn`` (torch/_dynamo/trace_rules.py, ``check_verbose``), and
+    ``fully_shard`` swaps the block's class for ``FSDP<name>``, defined in
+    torch.distributed.fsdp (``_fsdp_init._apply_to_module``); with ``fullgraph=True`` the
+    call then fails ("torch.compile with fullgraph=True found no compiled frames"), as
+    torchtitan's ``apply_compile`` would.
+    """
+    from torch._dynamo import trace_rules
+
+    modules = dict(model.named_modules())
+    names = repeated_blocks(tuple(modules), tuple(type(m).__name__ for m in modules.values()))
+    if not names:
+        return ""
+    cls = type(modules[names[0]])
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    if code is None or not trace_rules.check(code):
+        return ""
+    return (
+        f"each {cls.__name__}'s forward is torch's own code, which dynamo skips once "
+        "fully_shard has wrapped the block (FSDP2's hooks are not traced, so dynamo "
+        "compiles the block's forward as a frame of its own, and torch.nn's forward is in "
+        "its skip list unless the module's class is torch.nn's, where fully_shard's "
+        f"FSDP{cls.__name__} is not): with fullgraph=True nothing is compiled"
+    )
 
 
 @contextlib.contextmanager

@@ -29,7 +29,12 @@ from typing import Any
 
 import torch
 
-from .._estimating.compiled import CompileScope, parse_activation_memory_budget, parse_compile
+from .._estimating.compiled import (
+    CompileScope,
+    check_compile_parallel,
+    parse_activation_memory_budget,
+    parse_compile,
+)
 from .._estimating.decoding import check_generation
 from .._estimating.levers import parse_lora_dtype, resolve_lora
 from .._estimating.offloading import resolve_offload
@@ -48,10 +53,12 @@ from .._estimating.recipe.recipe import default, given
 from .._estimating.recipe.weights import WeightFormat, parse_weights
 from .._estimating.sharding import (
     DEFAULT_GPUS_PER_NODE,
+    Parallel,
     resolve_fsdp_units,
     resolve_parallel,
 )
 from .._estimating.stepping import IN_BACKWARD_ACCUMULATION
+from .compiled import fsdp_blocks_refusal
 from .float8 import checked_float8
 from .generation import generation_limit, prompt_inputs
 from .measure_ranks import (
@@ -406,6 +413,9 @@ def measure(
         resolve_fsdp_units(names, types, fsdp_units)  # a clear error before any rank starts
         units = (fsdp_units,) if isinstance(fsdp_units, str) else tuple(fsdp_units)  # type: ignore[arg-type]
         parallel = dataclasses.replace(parallel, fsdp_units=units)
+    distributed = parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN
+    if scope is not None and distributed:
+        _check_compiled_ranks(model, scope, parallel, precision, settings)
     stepping = _check_stepping(optimizer_in_backward, set_to_none, grad_accumulation)
     protocol = _check_protocol(outputs, loss_scaled, clip_grad_norm, optimizer_in_backward)
     carry = Step(carried_scalars=carried_scalars).carried_scalars  # checked as the Recipe does
@@ -416,7 +426,6 @@ def measure(
     tp_setup = _tensor_parallel_setup(model, settings, gpus, strategy, mode)
     if settings.get("ep", 1) not in (None, 1):
         tp_setup = _expert_parallel_setup(model, settings, gpus, strategy)
-    distributed = parallel.distributed and parse_option(Mode, mode, "mode") is Mode.TRAIN
     if tp_setup is not None or distributed:
         if (
             stepping != (False, True)
@@ -435,7 +444,7 @@ def measure(
             )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
-            levers, tp_setup, parse_option(Mode, mode, "mode"),
+            levers, tp_setup, parse_option(Mode, mode, "mode"), (scope, budget),
         )  # fmt: skip
     return _measure(
         model,
@@ -461,12 +470,15 @@ def measure(
 
 
 def _check_compiled(scope: CompileScope | None, settings: dict[str, Any]) -> None:
-    """``compile`` with the settings it is measured with (one process, no generation, no
-    chunked loss, no offloading), a ValueError naming the conflict."""
+    """``compile`` with the settings it is measured with (one process or FSDP2's data
+    parallelism, no generation, no chunked loss, no offloading), a ValueError naming the
+    conflict (the data-parallel layout: ``_check_compiled_ranks``)."""
     if scope is None:
         return
     conflicts = {
-        "gpus > 1": settings["gpus"] != 1,
+        "tp > 1": settings["tp"] not in (None, 1),
+        "pp > 1": settings["pp"] not in (None, 1),
+        "ep > 1": settings.get("ep", 1) not in (None, 1),
         "mode='generate'": str(given(settings["mode"])) == "generate",
         "loss_chunks": settings["loss_chunks"] is not None,
         "offload_activations": resolve_offload(settings["offload_activations"]) is not None,
@@ -475,7 +487,37 @@ def _check_compiled(scope: CompileScope | None, settings: dict[str, Any]) -> Non
     if asked:
         raise ValueError(
             f"compile={scope.value!r} with {', '.join(asked)}: a compiled step is measured "
-            "for one process's training step or inference pass only; leave compile=False"
+            "for one process's training step or inference pass, or per block on FSDP2's "
+            "ranks (gpus > 1, strategy='zero2', 'zero3' or 'hsdp'); leave compile=False"
+        )
+
+
+def _check_compiled_ranks(
+    model: torch.nn.Module,
+    scope: CompileScope,
+    parallel: Parallel,
+    precision: object,
+    settings: dict[str, Any],
+) -> None:
+    """``compile`` across data-parallel ranks, refused as the estimate refuses it
+    (``compiled.check_compile_parallel``), and where the blocks cannot compile under
+    FSDP2 (``fsdp_blocks_refusal``), before any rank starts."""
+    check_compile_parallel(
+        scope,
+        parallel,
+        precision=parse_option(Precision, precision, "precision"),
+        levers={
+            "checkpoint": settings["checkpoint"] not in (None, False, ()),
+            "lora_rank": settings["lora_rank"] is not None,
+            "trainable": settings["trainable"] is not None,
+            "grad_accumulation": settings["grad_accumulation"] != 1,
+        },
+    )
+    refusal = fsdp_blocks_refusal(model)
+    if refusal:
+        raise ValueError(
+            f"compile={scope.value!r} with strategy={parallel.strategy.value!r}: {refusal}; "
+            "leave compile=False for this model, or run it on one process (gpus=1)"
         )
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._estimating.compiled import CompileScope
 from .._estimating.options import (
     Mode,
     Precision,
@@ -44,6 +45,7 @@ def _measure_ranks(
     levers: dict[str, Any],
     tp_setup: RankSetup | None = None,
     mode: Mode = Mode.TRAIN,
+    compiled: tuple[CompileScope | None, float | None] = (None, None),
 ) -> Measurement:
     """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``): each wraps
     its copy as the strategy's library does, or shards it by ``tp_setup``'s plan."""
@@ -69,7 +71,7 @@ def _measure_ranks(
     def rank_step(_rank: int, _world: int) -> Measurement:
         return _measure(
             model, inputs, loss_fn, optimizer, precision, mode, grad_accumulation,
-            setup=setup, parallel=parallel, **levers,
+            setup=setup, parallel=parallel, compiled=compiled, **levers,
         )[0]  # fmt: skip
 
     ranks = run_ranks(rank_step, parallel.gpus, timeout_s)

@@ -246,10 +246,22 @@ class _Session:
         if compile_scope is not None:  # checkpointing inside compiled regions (compiled.py)
             levers = dataclasses.replace(levers, compile=compile_scope.value)
         apply_levers(self.model, levers)  # the copy, as the libraries apply them, then compiled
+        # the copy compiled (compiled.py) before any wrapper, as torchtitan's
+        # parallelize_llama calls apply_compile (each block's Module.compile) before
+        # apply_fsdp_to_decoder (fully_shard per block and on the root); FSDP2's hooks on a
+        # compiled block are not traced (torch/distributed/fsdp/_fully_shard/
+        # _fsdp_common.py, _dynamo_disable), so dynamo skips the block's _call_impl frame
+        # and compiles its forward, the hooks running eagerly around it
+        # (compiled.fsdp_blocks_refusal)
+        compiled = None if compile_scope is None else compiled_forward(self.model, compile_scope)
         if setup is not None:  # a data-parallel rank: DistributedDataParallel(copy), ...
             self.model = setup.wrap_model(
                 self.model, parallel or Parallel(2, Strategy.DDP), precision
             )
+        # per block, the blocks were compiled in place: the (wrapped) model is the forward
+        self.forward: Callable[..., Any] = (
+            compiled if compile_scope is CompileScope.MODEL and compiled is not None else self.model
+        )
         self.micro_batches = levers.grad_accumulation
         self.inputs = inputs.map(lambda t: _copy_input(t, dtype, device))
         self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
@@ -285,9 +297,6 @@ class _Session:
             else None
         )
         self.loss_fn = loss_fn
-        self.forward: Callable[..., Any] = self.model
-        if compile_scope is not None:  # the copy compiled (compiled.py)
-            self.forward = compiled_forward(self.model, compile_scope)
         if loss_chunks is not None:  # torchtune's chunked output and loss
             self.forward, self.loss_fn = chunked_step(self.model, loss_chunks)
         if offload is not None:  # the forward inside the real hooks (offloading.py)

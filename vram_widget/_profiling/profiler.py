@@ -24,6 +24,7 @@ from .._estimating.options import (
 from .._estimating.profile import ModelProfile
 from .._estimating.profile_source import ProfilingError
 from .chunked_loss import chunked_loss_refusal
+from .compiled import fsdp_blocks_refusal
 from .data_dependent import graph_randomness
 from .disk_cache import cached_source
 from .fake import (
@@ -264,6 +265,7 @@ def profile_model(
         checkpoint_blocks=auto_blocks,
         hf_checkpointing=hf_auto,
         loss_chunks_refusal=chunked_loss_refusal(model, model_inputs, loss_fn),
+        compile_fsdp_refusal=fsdp_blocks_refusal(model),
     )
     if precisions is None and not _made_before(source) and not inner.check_runs():
         # the check cannot tell: the fp32 profile says whether (and how) the model runs
