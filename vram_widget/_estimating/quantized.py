@@ -175,7 +175,8 @@ def check_quantized(
 ) -> None:
     """Refuse, before any profiling, the steps with quantized weights that are not
     estimated (``estimating``) or measured: int8 training, a 4-bit training step without
-    LoRA adapters, generation on torchao's formats, more than one GPU.
+    LoRA adapters, more than one GPU. Generation is estimated on every format: its decode
+    steps run on the quantized copy, as inference does.
 
     Examples
     --------
@@ -217,11 +218,6 @@ def check_quantized(
             "are frozen (replace_with_bnb_linear makes them requires_grad=False) and "
             "transformers' Trainer refuses to fine-tune a purely quantized model; QLoRA "
             "trains LoRA adapters on them (lora_rank=8, ...), or use mode='inference'"
-        )
-    if mode is Mode.GENERATE and weights.torchao:
-        raise ValueError(
-            f"weights={fmt.value!r} with mode='generate' is not estimated yet (bitsandbytes' "
-            "'nf4', 'fp4' and 'int8' are); mode='inference' estimates one forward pass"
         )
     if gpus > 1:
         raise ValueError(f"weights={fmt.value!r} is estimated on one GPU (gpus=1) for now")
