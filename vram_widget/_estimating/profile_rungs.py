@@ -8,15 +8,19 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from .decoding import check_generation
 from .estimator import MemoryEstimate
 from .float8 import check_float8
+from .kv_cache import check_quantized_cache
 from .levers import Levers
 from .loading import LOAD_DTYPES, LoadEstimate, load_estimate
 from .options import (
+    Mode,
     Precision,
 )
 from .recipe import Recipe
 from .recipe.float8 import Float8
+from .recipe.generation import Generation
 from .recipe.parallel import (
     check_expert_parallel,
     check_pipeline_parallel,
@@ -87,6 +91,30 @@ class RungsMixin:
             self._quantized_profiles[key] = self._source.quantized_profile(*key)
         sub = self._quantized_profiles[key]
         return sub, {} if rank is None else self._lora_levers(levers)
+
+    def _kv_cache(self: ModelProfile, recipe: Recipe) -> tuple[ModelProfile, Recipe]:  # type: ignore[misc]
+        """The profile of a meta copy of the model whose generation config asks for the
+        recipe's KV cache (made on first use, cached per setting; refused by name before
+        any profiling where the generation is not estimated: ``kv_cache.py``) and the recipe
+        to ask it: the same, with the model's own cache setting (now the copy's)."""
+        gen = recipe.generation
+        mode = recipe.step.mode
+        if mode is not Mode.GENERATE:
+            raise ValueError(
+                f"kv_cache={gen.kv_cache.value if gen.kv_cache else None!r} is the KV cache of "
+                f"mode='generate'; got mode={mode.value!r}"
+            )
+        name = self.model_name or "the model"
+        prompt = self.seq_len if recipe.step.seq_len is None else recipe.step.seq_len
+        tokens = check_generation(
+            name, self.generates, self.generation_limit, prompt, gen.new_tokens
+        )
+        check_quantized_cache(name, gen.cache_config(), tokens)
+        key = dataclasses.replace(gen, new_tokens=None)
+        if key not in self._kv_cache_profiles:
+            self._kv_cache_profiles[key] = self._source.kv_cache_profile(gen.cache_config())
+        plain = dataclasses.replace(recipe, generation=Generation(new_tokens=tokens))
+        return self._kv_cache_profiles[key], plain
 
     def _float8(self: ModelProfile, recipe: Recipe) -> tuple[ModelProfile, Recipe]:  # type: ignore[misc]
         """The profile of the model converted to float8 training by torchao (made on first
