@@ -21,6 +21,7 @@ Both replacements apply to fake tensors only; a real tensor takes optimum-quanto
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,3 +92,25 @@ def quanto_on_fake() -> Iterator[None]:
     finally:
         weight_cls.__init__ = init
         packed_cls.unpack = unpack
+
+
+@contextlib.contextmanager
+def asking_kv_cache(model: Any, cache_config: dict[str, object]) -> Iterator[None]:
+    """``model``'s generation config asking for transformers' ``QuantizedCache`` with
+    ``cache_config`` (``cache_implementation="quantized"``, as generate reads it) for the
+    block; the model's own config restored after, whatever happens."""
+    require_quanto()
+    before = getattr(model, "generation_config", None)
+    if before is None or not callable(getattr(model, "generate", None)):
+        raise ValueError(
+            f"kv_cache='quantized' is the KV cache of generate(): {type(model).__name__} "
+            "has no generate() and generation_config"
+        )
+    config = copy.deepcopy(before)
+    config.cache_implementation = "quantized"
+    config.cache_config = dict(cache_config)
+    model.generation_config = config
+    try:
+        yield
+    finally:
+        model.generation_config = before
