@@ -105,6 +105,13 @@ def test_llama_generate_equals_quantized_cache(llama: tuple[torch.nn.Module, Mod
         real = measure(model, prompts, recipe=recipe.with_(seq_len=None))
         assert est.peak_bytes == real.peak_bytes, (batch, precision, tokens, bits)
         assert est.new_tokens == tokens
+        if (batch, bits, tokens) == (1, 4, 6):
+            # tiny Llama: 2 layers x keys and values x 2 heads x 16 dims. The prompt's 16
+            # tokens quantized: 512 values in 8 groups of 64, packed 2 a byte (4 x 64 =
+            # 256 B) with 8 float32 scales and 8 shifts: 320 B x 4 tensors = 1,280; the
+            # residual of the 5 decode steps' tokens in fp32: 5 x 4 x 2 x 16 x 4 B = 2,560
+            assert est.kv_cache_bytes == 1280 + 2560
+            assert est.kv_cache_bytes_per_token == 2 * 2 * 2 * 16 * 4
     assert_model_unchanged(model, before)
     assert model.generation_config.to_dict() == config_before
 

@@ -88,9 +88,17 @@ class GenerationValues(TorchDispatchMode):
 
 def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """The tensors a cache object holds: Hugging Face's Cache classes (their layers' keys and
-    values, an encoder-decoder's two caches) or the legacy tuples of tuples."""
+    values, an encoder-decoder's two caches) or the legacy tuples of tuples; a tensor
+    subclass's inner tensors (``__tensor_flatten__``) in its place."""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        flatten = getattr(obj, "__tensor_flatten__", None)
+        if flatten is None or isinstance(obj, FakeTensor) or depth > 5:
+            yield obj
+            return
+        # a tensor subclass (optimum-quanto's quantized keys and values: packed codes,
+        # scales, shifts) holds its bytes in its inner tensors
+        for name in flatten()[0]:
+            yield from _tensors_in(getattr(obj, name), depth + 1)
     elif depth > 5:
         return
     elif isinstance(obj, (list, tuple)):
