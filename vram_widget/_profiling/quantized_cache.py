@@ -74,12 +74,12 @@ def quanto_on_fake() -> Iterator[None]:
     init = weight_cls.__init__
     unpack = packed_cls.unpack
 
-    def packed_init(self, qtype, axis, group_size, size, stride, data, scale, shift, *rest):  # type: ignore[no-untyped-def]
+    def packed_init(self, qtype, axis, group_size, size, stride, data, scale, shift, *rest):
         if isinstance(data, FakeTensor):
             data = packed_cls.pack(data, qtype.bits)
         init(self, qtype, axis, group_size, size, stride, data, scale, shift, *rest)
 
-    def cpp_unpack(self):  # type: ignore[no-untyped-def]
+    def cpp_unpack(self):
         if not isinstance(self._data, FakeTensor):
             return unpack(self)
         # PackedTensor.unpack: the unpacked rows cut to the tensor's first dimension

@@ -153,7 +153,7 @@ class SubProfiles:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", InputShapeWarning)
             copy_ = meta_copy(subject.model)
-            config = copy.deepcopy(copy_.generation_config)
+            config: Any = copy.deepcopy(copy_.generation_config)
             config.cache_implementation = "quantized"
             config.cache_config = dict(cache_config)
             copy_.generation_config = config
