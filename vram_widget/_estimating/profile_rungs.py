@@ -18,6 +18,7 @@ from .options import (
     Mode,
     Precision,
 )
+from .quantized import check_weights_device
 from .recipe import Recipe
 from .recipe.float8 import Float8
 from .recipe.generation import Generation
@@ -31,7 +32,7 @@ from .recipe.parallel import (
     tensor_parallel_refusals,
 )
 from .recipe.recipe import default
-from .recipe.weights import Weights
+from .recipe.weights import WeightFormat, Weights
 
 if TYPE_CHECKING:
     from .profile import ModelProfile
@@ -190,15 +191,14 @@ class RungsMixin:
         424
         """
         asked = self._load_asked(recipe, precision, weights)
-        if asked.weights.torchao:
-            fmt = asked.weights.format
-            assert fmt is not None
+        if asked.weights.format is WeightFormat.NF4_TORCHAO:
             raise ValueError(
-                f"load_bytes with weights={fmt.value!r} is not estimated yet: "
-                "it follows from_pretrained's bitsandbytes loading (weights='nf4', 'fp4' or "
-                "'int8') or no quantization; estimate(..., weights=...) gives torchao's "
-                "stored bytes as parameter_bytes"
+                "load_bytes with weights='nf4-torchao' is not estimated yet: torchtune's "
+                "loader builds its FrozenNF4Linear layers (and LoRA adapters) itself; "
+                "estimate(..., weights=...) gives torchao's stored bytes as parameter_bytes"
             )
+        if asked.weights.torchao:
+            check_weights_device(asked.weights, self.device)
         dtype = LOAD_DTYPES[asked.step.precision]
         key = (dtype, asked.weights)
         if key not in self._load_layouts:

@@ -144,7 +144,9 @@ def quantized_bytes(
     return QuantizedBytes(codes, blocks, state)
 
 
-def quantized_tensor_bytes(shape: tuple[int, ...], weights: Weights) -> tuple[int, ...]:
+def quantized_tensor_bytes(
+    shape: tuple[int, ...], weights: Weights, itemsize: int = _F32
+) -> tuple[int, ...]:
     """The bytes of each tensor bitsandbytes stores for a weight of ``shape``, codes first:
     each its own storage (one allocation; the 4-bit code table and the nested 8-bit map are
     copies per weight, ``quantize_4bit``: ``code.to(A.device)``, ``quantize_blockwise``:
@@ -160,9 +162,15 @@ def quantized_tensor_bytes(shape: tuple[int, ...], weights: Weights) -> tuple[in
     >>> quantized_tensor_bytes((40, 96), Weights("int8"))  # codes, one float32 scale a row
     (3840, 160)
     """
-    b = quantized_bytes(shape, weights)
+    b = quantized_bytes(shape, weights, itemsize)
     if weights.format is WeightFormat.INT8:
         return (b.codes_bytes, b.scales_bytes)
+    if weights.format is WeightFormat.INT8_TORCHAO:  # Int8Tensor: qdata, scale, zero_point
+        return (b.codes_bytes, b.scales_bytes, b.state_bytes)
+    if weights.format is WeightFormat.INT4_TORCHAO:  # Int4OpaqueTensor: qdata, scale_and_zero
+        return (b.codes_bytes, b.scales_bytes)
+    if weights.format is WeightFormat.NF4_TORCHAO:
+        raise ValueError("quantized_tensor_bytes: 'nf4-torchao' is laid out by torchtune")
     code = _F32 * _CODE_4BIT
     if not weights.double_quant:
         return (b.codes_bytes, b.scales_bytes, code)

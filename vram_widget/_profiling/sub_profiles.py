@@ -48,7 +48,7 @@ from .tensor_parallel import (
     parallelized,
     resolve_plan,
 )
-from .torchao_weights import torchao_copy
+from .torchao_weights import torchao_copy, torchao_modules
 
 if TYPE_CHECKING:
     from .profiler import _Source
@@ -165,7 +165,9 @@ class SubProfiles:
         (``loading.load_layout``; the model itself untouched), the quantized modules
         checked first (a ValueError where there are none)."""
         model = self.profiler.subject.model
-        if weights.quantized:
+        if weights.torchao:
+            torchao_modules(model, weights)
+        elif weights.quantized:
             quantized_modules(model, weights)
         return load_layout(model, dtype, weights)
 
