@@ -173,7 +173,10 @@ class RungsMixin:
             ``"bf16"`` / ``"fp16"`` load the weights in that dtype, ``"fp32"`` and the
             ``"amp-*"`` precisions in float32 (autocast keeps float32 weights).
         weights : str, Weights or transformers.BitsAndBytesConfig, optional
-            bitsandbytes' quantization of the Linear weights (as ``estimate`` takes it).
+            bitsandbytes' quantization of the Linear weights, or torchao's
+            ``"int8-torchao"`` / ``"int4-torchao"`` (``quantize_`` on the loaded model; int4
+            on ``device="cpu"`` only), as ``estimate`` takes it; ``"nf4-torchao"``
+            (torchtune's loader) is refused.
 
         Returns
         -------
