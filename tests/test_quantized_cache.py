@@ -156,3 +156,18 @@ def test_refusals_name_the_setting(llama: tuple[torch.nn.Module, ModelProfile]) 
         Generation(kv_cache="int8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="residual_length=0: a positive int"):
         Generation(residual_length=0)
+
+
+def test_with_quantized_weights(llama: tuple[torch.nn.Module, ModelProfile]) -> None:
+    # both rungs at once: torchao's int8 weights and the 4-bit cache, to the byte
+    pytest.importorskip("torchao")
+    model, profile = llama
+    recipe = _kv_recipe(1, "fp32", 6, 4, 128).with_(weights="int8-torchao")
+    est = profile.estimate(recipe=recipe)
+    real = measure(
+        model, {"input_ids": hf_tokens(1, 16)["input_ids"]}, recipe=recipe.with_(seq_len=None)
+    )
+    assert est.peak_bytes == real.peak_bytes
+    plain = profile.estimate(recipe=_kv_recipe(1, "fp32", 6, 4, 128))
+    assert est.kv_cache_bytes == plain.kv_cache_bytes
+    assert est.parameter_bytes < plain.parameter_bytes
