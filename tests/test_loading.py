@@ -180,10 +180,60 @@ def test_bad_input_is_refused() -> None:
         profile.load_bytes(weights="int4")
     with pytest.raises(ValueError, match="precision"):
         profile.load_bytes(precision="fp8")
-    # torchao's formats are estimated for a step, not for a load yet
+    # torchtune's NF4 layers are built by its own loader: not estimated
     stack = profile_model(_stack(), input_size=(256,), device="cpu")
-    with pytest.raises(ValueError, match="'int8-torchao' is not estimated yet"):
-        stack.load_bytes(weights="int8-torchao")
+    with pytest.raises(ValueError, match="'nf4-torchao' is not estimated yet: torchtune"):
+        stack.load_bytes(weights="nf4-torchao")
+    # int4-torchao is torchao's CPU packing
+    on_cuda = profile_model(_stack(), input_size=(256,), device="cuda")
+    with pytest.raises(ValueError, match="'int4-torchao' is estimated on device='cpu' only"):
+        on_cuda.load_bytes(weights="int4-torchao")
+
+
+TORCHAO = {"int8": Weights("int8-torchao"), "int4": Weights("int4-torchao", group_size=32)}
+
+
+def _torchao_loaded(model: torch.nn.Module, dtype: torch.dtype, weights: Weights) -> int:
+    """The real load with torchao: the model built at the dtype (as _built_and_quantized),
+    its Linear layers quantized by torchao's own quantize_, the CPU allocator's bytes."""
+    from vram_widget._profiling.torchao_weights import real_torchao
+
+    def load() -> torch.nn.Module:
+        if isinstance(model, transformers.PreTrainedModel):
+            built = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
+            built.load_state_dict(model.state_dict())
+        else:
+            built = copy.deepcopy(model).to(dtype)
+        return real_torchao(built, weights)
+
+    load()  # torchao's and torch's first-use caches made outside the measured load
+    return int(loaded_cpu_bytes(load)[1])  # type: ignore[call-overload]
+
+
+def test_torchao_load_by_hand_and_on_the_cpu_allocator() -> None:
+    pytest.importorskip("torchao")
+    profile = profile_model(_stack(), input_size=(256,), device="cpu")
+    # int8-torchao in bf16: per layer n int8 codes, one float32 scale and one int8 zero
+    # point a row: 32,768 + 128 x 5 = 33,408; 8,192 + 64 x 5 = 8,512; 640 + 10 x 5 = 690;
+    # the biases in bf16: (128 + 64 + 10) x 2 = 404
+    est = profile.load_bytes(precision="bf16", weights="int8-torchao")
+    assert est.quantized_bytes == 32_768 + 8_192 + 640
+    assert est.allocated_bytes == 33_408 + 8_512 + 690 + 404 == 43_014
+    assert dict(est.dtype_bytes) == {"int8-torchao": 42_610, "bfloat16": 404}
+    # against torchao's real quantize_ of a loaded copy, to the byte; int4 keeps the last
+    # layer (10 outputs: torch's CPU int4 packing needs a multiple of 16)
+    stack_int4 = Weights("int4-torchao", group_size=32, skip_modules=("4",))
+    torch.manual_seed(0)
+    llama = hf_llama()
+    llama_profile = profile_model(llama, inputs=hf_tokens(2), device="cpu")
+    cases = [(_stack(), profile, TORCHAO["int8"]), (_stack(), profile, stack_int4)]
+    cases += [(llama, llama_profile, w) for w in TORCHAO.values()]
+    for model, prof, weights in cases:
+        for precision in ("fp32", "bf16"):
+            est = prof.load_bytes(precision=precision, weights=weights)
+            real = _torchao_loaded(model, DTYPES[precision], weights)
+            assert est.allocated_bytes == real, (type(model).__name__, weights, precision)
+            assert est.quantized_bytes > 0
 
 
 def test_shown_in_the_cli_and_the_widget(capsys: pytest.CaptureFixture[str]) -> None:

@@ -146,6 +146,32 @@ def test_hf_inference_equals_torchao(build, weights: Weights, hf_profiles: _HFPr
     _check_inference(*_hf(hf_profiles, build), hf_tokens, weights)
 
 
+# (batch, precision) of each generation, prompt 16 and 6 new tokens: batch 1 in fp32 and
+# batch 2 in bf16, where each decode step's matmuls are a row or two
+_GENERATIONS = ((1, "fp32"), (2, "bf16"))
+
+
+@pytest.mark.parametrize("weights", [INT8, INT4_32], ids=["int8", "int4"])
+def test_llama_generate_equals_torchao(weights: Weights, hf_profiles: _HFProfiles) -> None:
+    # Hugging Face's generate on torchao's quantize_ copy (the prefill and each decode step
+    # through the quantized Linear layers) to the byte; the KV cache is the plain model's,
+    # and the quantized weights are fewer bytes than the plain ones
+    model, profile = _hf(hf_profiles, hf_llama)
+    before = snapshot_model(model)
+    for batch, precision in _GENERATIONS:
+        settings = {"mode": "generate", "seq_len": 16, "new_tokens": 6}
+        est = profile.estimate(batch, precision, weights=weights, **settings)  # type: ignore[arg-type]
+        prompts = {"input_ids": hf_tokens(batch, 16)["input_ids"]}
+        real = measure(
+            model, prompts, precision=precision, mode="generate", new_tokens=6, weights=weights
+        )
+        assert est.peak_bytes == real.peak_bytes, (batch, precision)
+        plain = profile.estimate(batch, precision, **settings)  # type: ignore[arg-type]
+        assert est.kv_cache_bytes == plain.kv_cache_bytes > 0
+        assert est.parameter_bytes < plain.parameter_bytes
+    assert_model_unchanged(model, before)
+
+
 def test_training_is_refused(mlp: tuple[torch.nn.Module, ModelProfile]) -> None:
     model, profile = mlp
     for fmt in ("int8-torchao", "int4-torchao"):

@@ -215,9 +215,10 @@ def load_estimate(
     params = codes = state = buffers = 0
     by_dtype: dict[str, int] = {}
     allocations: list[int] = []
+    itemsize = ITEMSIZE[LOAD_DTYPES[precision]]
     for t in layout.tensors:
         if t.quantized:
-            sizes = quantized_tensor_bytes(t.shape, weights)
+            sizes = quantized_tensor_bytes(t.shape, weights, itemsize)
             codes += sizes[0]
             state += sum(sizes[1:])
             assert weights.format is not None

@@ -34,6 +34,7 @@ from .profile_step import (
 from .profile_timelines import TimelinesMixin
 from .recipe import Recipe
 from .recipe.float8 import Float8
+from .recipe.generation import Generation
 from .recipe.ignored import warn_ignored
 from .recipe.recipe import default
 from .recipe.weights import Weights
@@ -71,6 +72,7 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
         generates: bool = False,
         generation_limit: int | None = None,
         cache_implementation: str | None = None,
+        cache_config: tuple[tuple[str, object], ...] = (),
         param_names: tuple[str, ...] = (),
         param_shapes: tuple[tuple[int, ...], ...] = (),
         param_trainable: tuple[bool, ...] = (),
@@ -101,6 +103,8 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
         self.generation_limit = generation_limit
         # the model's generation_config.cache_implementation (None: DynamicCache)
         self.cache_implementation = cache_implementation
+        # its generation_config.cache_config, as sorted items (QuantizedCache's settings)
+        self.cache_config = cache_config
         # the parameters' qualified names (tied ones once), which ``trainable`` patterns match
         self.param_names = param_names
         self.param_shapes = param_shapes
@@ -145,6 +149,9 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
         self._quantized_profiles: dict[
             tuple[Weights, int | None, tuple[str, ...] | None, str | None], ModelProfile
         ] = {}
+        # transformers' quantized KV cache: the profile of a meta copy whose generation
+        # config asks for it, per Generation (its kv_* settings; new_tokens None)
+        self._kv_cache_profiles: dict[Generation, ModelProfile] = {}
         # float8 training: the profile of torchao's float8 conversion of a meta copy
         self._float8_profiles: dict[Float8, ModelProfile] = {}
         # data parallelism: (precision, levers, ranks, rank) -> buffers, optimizer shards

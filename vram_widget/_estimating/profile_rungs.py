@@ -9,15 +9,20 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from .communication import volume_of
+from .decoding import check_generation
 from .estimator import MemoryEstimate
 from .float8 import check_float8
+from .kv_cache import check_quantized_cache
 from .levers import Levers
 from .loading import LOAD_DTYPES, LoadEstimate, load_estimate
 from .options import (
+    Mode,
     Precision,
 )
+from .quantized import check_weights_device
 from .recipe import Recipe
 from .recipe.float8 import Float8
+from .recipe.generation import Generation
 from .recipe.parallel import (
     check_context_parallel,
     check_expert_parallel,
@@ -31,7 +36,7 @@ from .recipe.parallel import (
     tensor_parallel_refusals,
 )
 from .recipe.recipe import default
-from .recipe.weights import Weights
+from .recipe.weights import WeightFormat, Weights
 from .sharding import check_rank
 
 if TYPE_CHECKING:
@@ -93,6 +98,30 @@ class RungsMixin:
         sub = self._quantized_profiles[key]
         return sub, {} if rank is None else self._lora_levers(levers)
 
+    def _kv_cache(self: ModelProfile, recipe: Recipe) -> tuple[ModelProfile, Recipe]:  # type: ignore[misc]
+        """The profile of a meta copy of the model whose generation config asks for the
+        recipe's KV cache (made on first use, cached per setting; refused by name before
+        any profiling where the generation is not estimated: ``kv_cache.py``) and the recipe
+        to ask it: the same, with the model's own cache setting (now the copy's)."""
+        gen = recipe.generation
+        mode = recipe.step.mode
+        if mode is not Mode.GENERATE:
+            raise ValueError(
+                f"kv_cache={gen.kv_cache.value if gen.kv_cache else None!r} is the KV cache of "
+                f"mode='generate'; got mode={mode.value!r}"
+            )
+        name = self.model_name or "the model"
+        prompt = self.seq_len if recipe.step.seq_len is None else recipe.step.seq_len
+        tokens = check_generation(
+            name, self.generates, self.generation_limit, prompt, gen.new_tokens
+        )
+        check_quantized_cache(name, gen.cache_config(), tokens)
+        key = dataclasses.replace(gen, new_tokens=None)
+        if key not in self._kv_cache_profiles:
+            self._kv_cache_profiles[key] = self._source.kv_cache_profile(gen.cache_config())
+        plain = dataclasses.replace(recipe, generation=Generation(new_tokens=tokens))
+        return self._kv_cache_profiles[key], plain
+
     def _float8(self: ModelProfile, recipe: Recipe) -> tuple[ModelProfile, Recipe]:  # type: ignore[misc]
         """The profile of the model converted to float8 training by torchao (made on first
         use, cached per setting; refused by name before any profiling where the step is not
@@ -149,7 +178,10 @@ class RungsMixin:
             ``"bf16"`` / ``"fp16"`` load the weights in that dtype, ``"fp32"`` and the
             ``"amp-*"`` precisions in float32 (autocast keeps float32 weights).
         weights : str, Weights or transformers.BitsAndBytesConfig, optional
-            bitsandbytes' quantization of the Linear weights (as ``estimate`` takes it).
+            bitsandbytes' quantization of the Linear weights, or torchao's
+            ``"int8-torchao"`` / ``"int4-torchao"`` (``quantize_`` on the loaded model; int4
+            on ``device="cpu"`` only), as ``estimate`` takes it; ``"nf4-torchao"``
+            (torchtune's loader) is refused.
 
         Returns
         -------
@@ -167,15 +199,14 @@ class RungsMixin:
         424
         """
         asked = self._load_asked(recipe, precision, weights)
-        if asked.weights.torchao:
-            fmt = asked.weights.format
-            assert fmt is not None
+        if asked.weights.format is WeightFormat.NF4_TORCHAO:
             raise ValueError(
-                f"load_bytes with weights={fmt.value!r} is not estimated yet: "
-                "it follows from_pretrained's bitsandbytes loading (weights='nf4', 'fp4' or "
-                "'int8') or no quantization; estimate(..., weights=...) gives torchao's "
-                "stored bytes as parameter_bytes"
+                "load_bytes with weights='nf4-torchao' is not estimated yet: torchtune's "
+                "loader builds its FrozenNF4Linear layers (and LoRA adapters) itself; "
+                "estimate(..., weights=...) gives torchao's stored bytes as parameter_bytes"
             )
+        if asked.weights.torchao:
+            check_weights_device(asked.weights, self.device)
         dtype = LOAD_DTYPES[asked.step.precision]
         key = (dtype, asked.weights)
         if key not in self._load_layouts:

@@ -25,6 +25,7 @@ from .decoding import (
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .float8 import check_float8
+from .kv_cache import check_quantized_cache
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks
 from .offloading import offload_levers
 from .options import (
@@ -116,6 +117,9 @@ class StepMixin:
 
     def _estimate(self: ModelProfile, recipe: Recipe) -> MemoryEstimate:  # type: ignore[misc]
         """:meth:`estimate` of one resolved Recipe."""
+        if recipe.generation.kv_cache is not None:  # the copy whose generate asks for it
+            sub, plain = self._kv_cache(recipe)
+            return sub._estimate(plain)
         if recipe.float8.enabled:  # torchao's float8 copy answers
             sub, plain = self._float8(recipe)
             est = sub._estimate(plain)
@@ -331,18 +335,9 @@ class StepMixin:
         name = self.model_name or "the model"
         tokens = check_generation(name, self.generates, self.generation_limit, prompt, new_tokens)
         if self.cache_implementation == "quantized":
-            # transformers/cache_utils.py, QuantizedLayer.update: every decode step
-            # dequantizes the whole quantized cache and concatenates it with the unquantized
-            # residual; once the residual reaches residual_length (QuantizedCache's default
-            # 128) everything is quantized again (QuantoQuantizedLayer._quantize)
-            raise ValueError(
-                f"{name}'s generation_config.cache_implementation='quantized' (transformers' "
-                "QuantizedCache) is not estimated yet: each decode step dequantizes the whole "
-                "cache, and every residual_length tokens (128 by default) it quantizes all of "
-                "it again, so its decode steps are not one pattern in the cache length; "
-                "measure(model, inputs, mode='generate', new_tokens=T) measures it with the "
-                "model's generation_config.cache_config"
-            )
+            # transformers' QuantizedCache: estimated between two of its flushes (kv_cache.py)
+            check_quantized_cache(name, dict(self.cache_config), tokens)
+            return tokens
         if self.cache_implementation not in (None, "static"):
             raise ValueError(
                 f"{name}'s generation_config.cache_implementation="

@@ -144,7 +144,9 @@ def quantized_bytes(
     return QuantizedBytes(codes, blocks, state)
 
 
-def quantized_tensor_bytes(shape: tuple[int, ...], weights: Weights) -> tuple[int, ...]:
+def quantized_tensor_bytes(
+    shape: tuple[int, ...], weights: Weights, itemsize: int = _F32
+) -> tuple[int, ...]:
     """The bytes of each tensor bitsandbytes stores for a weight of ``shape``, codes first:
     each its own storage (one allocation; the 4-bit code table and the nested 8-bit map are
     copies per weight, ``quantize_4bit``: ``code.to(A.device)``, ``quantize_blockwise``:
@@ -160,9 +162,15 @@ def quantized_tensor_bytes(shape: tuple[int, ...], weights: Weights) -> tuple[in
     >>> quantized_tensor_bytes((40, 96), Weights("int8"))  # codes, one float32 scale a row
     (3840, 160)
     """
-    b = quantized_bytes(shape, weights)
+    b = quantized_bytes(shape, weights, itemsize)
     if weights.format is WeightFormat.INT8:
         return (b.codes_bytes, b.scales_bytes)
+    if weights.format is WeightFormat.INT8_TORCHAO:  # Int8Tensor: qdata, scale, zero_point
+        return (b.codes_bytes, b.scales_bytes, b.state_bytes)
+    if weights.format is WeightFormat.INT4_TORCHAO:  # Int4OpaqueTensor: qdata, scale_and_zero
+        return (b.codes_bytes, b.scales_bytes)
+    if weights.format is WeightFormat.NF4_TORCHAO:
+        raise ValueError("quantized_tensor_bytes: 'nf4-torchao' is laid out by torchtune")
     code = _F32 * _CODE_4BIT
     if not weights.double_quant:
         return (b.codes_bytes, b.scales_bytes, code)
@@ -175,7 +183,8 @@ def check_quantized(
 ) -> None:
     """Refuse, before any profiling, the steps with quantized weights that are not
     estimated (``estimating``) or measured: int8 training, a 4-bit training step without
-    LoRA adapters, generation on torchao's formats, more than one GPU.
+    LoRA adapters, more than one GPU. Generation is estimated on every format: its decode
+    steps run on the quantized copy, as inference does.
 
     Examples
     --------
@@ -217,11 +226,6 @@ def check_quantized(
             "are frozen (replace_with_bnb_linear makes them requires_grad=False) and "
             "transformers' Trainer refuses to fine-tune a purely quantized model; QLoRA "
             "trains LoRA adapters on them (lora_rank=8, ...), or use mode='inference'"
-        )
-    if mode is Mode.GENERATE and weights.torchao:
-        raise ValueError(
-            f"weights={fmt.value!r} with mode='generate' is not estimated yet (bitsandbytes' "
-            "'nf4', 'fp4' and 'int8' are); mode='inference' estimates one forward pass"
         )
     if gpus > 1:
         raise ValueError(f"weights={fmt.value!r} is estimated on one GPU (gpus=1) for now")

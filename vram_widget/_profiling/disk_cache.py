@@ -619,6 +619,10 @@ class DiskCachedSource:
         # a profile of torchao's float8 conversion of a meta copy, made by the wrapped source
         return self.inner.float8_profile(*args)
 
+    def kv_cache_profile(self, *args: Any) -> Any:
+        # a profile of a meta copy with the quantized KV cache, made by the wrapped source
+        return self.inner.kv_cache_profile(*args)
+
     def load_layout(self, *args: Any) -> Any:
         # read from a meta build of the model, no run: not cached on disk
         return self.inner.load_layout(*args)

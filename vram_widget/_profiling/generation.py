@@ -21,6 +21,7 @@ the loop does not stop before the pre-hook ends it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ import torch
 from .._estimating.decoding import DECODE_STEPS_PROFILED
 from .._estimating.options import Category, Phase, Precision
 from .fake import FakeTensor, TorchDispatchMode, quieted
+from .quantized_cache import quanto_on_fake
 from .recorder import Recorder
 from .step import ModelInputs, generate_pass, restored_modules
 
@@ -86,9 +88,17 @@ class GenerationValues(TorchDispatchMode):
 
 def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """The tensors a cache object holds: Hugging Face's Cache classes (their layers' keys and
-    values, an encoder-decoder's two caches) or the legacy tuples of tuples."""
+    values, an encoder-decoder's two caches) or the legacy tuples of tuples; a tensor
+    subclass's inner tensors (``__tensor_flatten__``) in its place."""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        flatten = getattr(obj, "__tensor_flatten__", None)
+        if flatten is None or isinstance(obj, FakeTensor) or depth > 5:
+            yield obj
+            return
+        # a tensor subclass (optimum-quanto's quantized keys and values: packed codes,
+        # scales, shifts) holds its bytes in its inner tensors
+        for name in flatten()[0]:
+            yield from _tensors_in(getattr(obj, name), depth + 1)
     elif depth > 5:
         return
     elif isinstance(obj, (list, tuple)):
@@ -163,7 +173,9 @@ def _generate(
     which the pre-hook stops it after)."""
     # generate's notes to the user (no attention mask, pad token set to eos) are about the
     # user's own calls; a profiling run is not one
-    with quieted("transformers", logging.ERROR), GenerationValues():
+    quantized = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
+    packing = quanto_on_fake() if quantized == "quantized" else contextlib.nullcontext()
+    with quieted("transformers", logging.ERROR), GenerationValues(), packing:
         generate_pass(
             model,
             inputs,
@@ -180,6 +192,16 @@ def prompt_inputs(inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return {k: v for k, v in inputs.items() if k != "labels"}
     return inputs
+
+
+def cache_config_of(model: Any) -> tuple[tuple[str, object], ...]:
+    """The model's ``generation_config.cache_config`` (the settings of its cache
+    implementation: ``QuantizedCache``'s backend, nbits, residual_length...) as sorted
+    items; () where it has none."""
+    config = getattr(getattr(model, "generation_config", None), "cache_config", None)
+    if not isinstance(config, dict):
+        config = getattr(config, "__dict__", None) or {}
+    return tuple(sorted((str(k), v) for k, v in config.items() if k != "config"))
 
 
 def generation_limit(model: Any) -> tuple[bool, int | None, str | None]:

@@ -33,6 +33,7 @@ from .._estimating.loading import LoadedTensor, LoadLayout
 from .._estimating.recipe.weights import Weights
 from .quantized import bnb_config, is_quantized_param, modules_kept, require_bitsandbytes
 from .step import meta_copy
+from .torchao_weights import torchao_modules
 
 FROM_PRETRAINED = "from_pretrained"
 MODEL_TO = "model.to"
@@ -55,7 +56,12 @@ def load_layout(model: torch.nn.Module, dtype: str, weights: Weights) -> LoadLay
             )
         loader, kept_fp32 = MODEL_TO, None
         built = meta_copy(model).to(torch_dtype)
-    if weights.quantized:
+    torchao_weights: set[str] = set()
+    if weights.torchao:
+        # quantize_ replaces each chosen Linear's weight by its tensor subclass (a new
+        # Parameter), the other tensors kept as loaded (torchao_weights.real_torchao)
+        torchao_weights = {f"{name}.weight" for name in torchao_modules(built, weights)}
+    elif weights.quantized:
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
         require_bitsandbytes()
@@ -71,7 +77,8 @@ def load_layout(model: torch.nn.Module, dtype: str, weights: Weights) -> LoadLay
     persistent = set(built.state_dict(keep_vars=True))
     tensors: list[LoadedTensor] = []
     for name, p in built.named_parameters():
-        kind = "" if is_quantized_param(p) else _loaded_dtype(name, p, kept_fp32, persistent)
+        quantized = is_quantized_param(p) or name in torchao_weights
+        kind = "" if quantized else _loaded_dtype(name, p, kept_fp32, persistent)
         tensors.append(LoadedTensor(name, tuple(p.shape), kind))
     for name, b in built.named_buffers():
         kind = _loaded_dtype(name, b, kept_fp32, persistent)

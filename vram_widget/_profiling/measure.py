@@ -48,7 +48,7 @@ from .._estimating.options import (
     parse_option,
 )
 from .._estimating.quantized import check_quantized, check_weights_device
-from .._estimating.recipe import Optimizer, Recipe, Step
+from .._estimating.recipe import Generation, Optimizer, Recipe, Step
 from .._estimating.recipe.recipe import default, given
 from .._estimating.recipe.weights import WeightFormat, parse_weights
 from .._estimating.sharding import (
@@ -78,6 +78,7 @@ from .quantized import (
     quantized_modules,
     require_bitsandbytes,
 )
+from .quantized_cache import asking_kv_cache
 from .step import (
     ModelInputs,
 )
@@ -342,6 +343,17 @@ def measure(
     >>> model.weight.grad is None  # the model passed in is untouched
     True
     """
+    if recipe is not None and recipe.generation.kv_cache is not None:
+        # the recipe's KV cache asked for as generate reads it: the model's generation
+        # config (on the copy measure makes; the model's own restored after)
+        asked = {k: v for k, v in locals().items() if k not in ("model", "recipe")}
+        if recipe.step.mode is not Mode.GENERATE and str(given(mode)) != "generate":
+            raise ValueError("kv_cache is the KV cache of mode='generate'")
+        plain = dataclasses.replace(
+            recipe, generation=Generation(new_tokens=recipe.generation.new_tokens)
+        )
+        with asking_kv_cache(model, recipe.generation.cache_config()):
+            return measure(model, recipe=plain, **asked)
     scope = parse_compile(compile)
     budget = parse_activation_memory_budget(activation_memory_budget, scope)
     batch = ModelInputs.from_user(inputs).batch_size() if recipe is not None else 1

@@ -32,7 +32,7 @@ from .fake import (
     quiet_fake_tensor_log,
     quiet_third_party,
 )
-from .generation import generation_limit
+from .generation import cache_config_of, generation_limit
 from .hub import model_or_name
 from .repeated import (
     BlockStack,
@@ -258,6 +258,7 @@ def profile_model(
         generates=generates,
         generation_limit=limit,
         cache_implementation=cache_implementation,
+        cache_config=cache_config_of(model),
         param_names=tuple(name for name, _p, _row in subject._params),
         # a tensor-parallel rank's DTensor holds its local shard: FSDP2 and DDP see that
         param_shapes=tuple(tuple(local_part(p).shape) for _name, p, _row in subject._params),

@@ -5,6 +5,7 @@ training, one tensor-parallel rank, and each pipeline stage's step; and the load
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from .quantized import (
     quantized_copy,
     quantized_modules,
 )
+from .quantized_cache import require_quanto
 from .source_runs import SourceRuns
 from .step import (
     PEFT_PREFIX,
@@ -56,7 +58,7 @@ from .tensor_parallel import (
     parallelized,
     resolve_plan,
 )
-from .torchao_weights import torchao_copy
+from .torchao_weights import torchao_copy, torchao_modules
 
 if TYPE_CHECKING:
     from .profiler import _Source
@@ -151,12 +153,31 @@ class SubProfiles:
             # not cached: the profile key does not read the float8 setting
             return self._sub_profile(copy_, cache=False)
 
+    def kv_cache_profile(self: _Source, cache_config: dict[str, object]) -> ModelProfile:  # type: ignore[misc]
+        """The profile of a meta copy of the model whose generation config asks for
+        transformers' ``QuantizedCache`` with ``cache_config`` (``cache_implementation=
+        "quantized"``, as generate reads it; the model itself untouched), recorded with
+        optimum-quanto's packing made on fake tensors (``quantized_cache.quanto_on_fake``)."""
+        require_quanto()
+        subject = self.profiler.subject
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", InputShapeWarning)
+            copy_ = meta_copy(subject.model)
+            config: Any = copy.deepcopy(copy_.generation_config)
+            config.cache_implementation = "quantized"
+            config.cache_config = dict(cache_config)
+            copy_.generation_config = config
+            # not cached: the profile key does not read the generation config
+            return self._sub_profile(copy_, cache=False)
+
     def load_layout(self: _Source, dtype: str, weights: Weights) -> LoadLayout:  # type: ignore[misc]
         """The tensors the model holds once loaded in ``dtype`` with ``weights``
         (``loading.load_layout``; the model itself untouched), the quantized modules
         checked first (a ValueError where there are none)."""
         model = self.profiler.subject.model
-        if weights.quantized:
+        if weights.torchao:
+            torchao_modules(model, weights)
+        elif weights.quantized:
             quantized_modules(model, weights)
         return load_layout(model, dtype, weights)
 

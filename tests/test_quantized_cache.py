@@ -1,0 +1,173 @@
+"""transformers' quantized KV cache (``QuantizedCache``, quanto backend) in generation:
+optimum-quanto's packing on fake tensors against its real tensors, the estimate against the
+real generate on the CPU to the byte (within the residual), and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from models import assert_model_unchanged, hf_llama, hf_tokens, snapshot_model
+
+from vram_widget import ModelProfile, Recipe, measure, profile_model
+from vram_widget._estimating.recipe.generation import Generation
+
+pytest.importorskip("transformers")
+pytest.importorskip("optimum.quanto")
+
+from optimum.quanto import MaxOptimizer, qint2, qint4, quantize_weight
+
+from vram_widget._profiling.fake import new_fake_mode
+from vram_widget._profiling.quantized_cache import _unpack_as_cpp, quanto_on_fake
+
+
+def _quantized(t: torch.Tensor, bits: int) -> torch.Tensor:
+    # what QuantoQuantizedLayer._quantize does (transformers/cache_utils.py): axis 0,
+    # groups of 64 (QuantizedLayer's defaults)
+    qtype = qint4 if bits == 4 else qint2
+    scale, shift = MaxOptimizer()(t, qtype, 0, 64)
+    return quantize_weight(t, qtype, 0, scale, shift, 64)
+
+
+def _layout(q: torch.Tensor) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+    out = []
+    for name in q.__tensor_flatten__()[0]:
+        inner = getattr(q, name)
+        inner = getattr(inner, "_data", inner)  # a PackedTensor holds its bytes in _data
+        out.append((name, tuple(inner.shape), inner.dtype, inner.untyped_storage().nbytes()))
+    return out
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("shape", [(1, 2, 16, 32), (2, 2, 17, 32), (1, 4, 21, 16)])
+def test_fake_packing_is_quantos_own(bits: int, shape: tuple[int, ...]) -> None:
+    # a key cache of B x heads x tokens x head_dim quantized as QuantizedCache does: the fake
+    # tensor's packed codes, scales and shifts are the real ones' shapes, dtypes and bytes.
+    # 4 bits, (1, 2, 16, 32): 1,024 codes in 16 groups of 64 -> 8 x 64 packed bytes (two a
+    # byte), 16 float32 scales and 16 shifts: 512 + 64 + 64
+    real = _quantized(torch.randn(shape), bits)
+    with quanto_on_fake(), new_fake_mode():
+        fake = _quantized(torch.randn(shape), bits)
+    assert _layout(fake) == _layout(real)
+    if shape == (1, 2, 16, 32):
+        codes = 1024 // (8 // bits)
+        assert [n for *_, n in _layout(real)] == [codes, 64, 64]
+    # without the packing, optimum-quanto keeps a fake tensor's codes one a byte
+    with new_fake_mode():
+        unpacked = _quantized(torch.randn(shape), bits)
+    assert _layout(unpacked)[0][3] == math.prod(shape)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_unpack_order_gives_quantos_values(bits: int) -> None:
+    # the fake unpacking follows the C++ kernel's order; on real bytes it gives the kernel's
+    # values (every 2- or 4-bit code back in its own byte)
+    packed = torch.randint(0, 256, (8, 64), dtype=torch.uint8)
+    assert torch.equal(_unpack_as_cpp(packed, bits), torch.ops.quanto.unpack(packed, bits))
+
+
+def _kv_recipe(batch: int, precision: str, tokens: int, bits: int, residual: int) -> Recipe:
+    recipe = Recipe.from_keywords(
+        batch_size=batch, precision=precision, mode="generate", seq_len=16
+    )
+    generation = Generation(
+        new_tokens=tokens, kv_cache="quantized", kv_bits=bits, residual_length=residual
+    )
+    return dataclasses.replace(recipe, generation=generation)
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[torch.nn.Module, ModelProfile]:
+    torch.manual_seed(0)
+    model = hf_llama()
+    return model, profile_model(model, inputs=hf_tokens(2), device="cpu")
+
+
+# (batch, precision, new tokens, bits, residual_length): 4 bits at transformers' default
+# residual, 2 bits at a residual of 8 filled to its last token before the flush
+_SETTINGS = [(1, "fp32", 6, 4, 128), (2, "bf16", 12, 4, 128), (1, "fp32", 8, 2, 8)]
+
+
+def test_llama_generate_equals_quantized_cache(llama: tuple[torch.nn.Module, ModelProfile]) -> None:
+    # Hugging Face's generate with QuantizedCache (quanto), prompt 16: the prefill quantizes
+    # the prompt's keys and values, each decode step dequantizes them beside the residual;
+    # the estimate is the real CPU generation's peak to the byte
+    model, profile = llama
+    before = snapshot_model(model)
+    config_before = model.generation_config.to_dict()
+    for batch, precision, tokens, bits, residual in _SETTINGS:
+        recipe = _kv_recipe(batch, precision, tokens, bits, residual)
+        est = profile.estimate(recipe=recipe)
+        prompts = {"input_ids": hf_tokens(batch, 16)["input_ids"]}
+        # measure takes the prompt's length from the prompt itself
+        real = measure(model, prompts, recipe=recipe.with_(seq_len=None))
+        assert est.peak_bytes == real.peak_bytes, (batch, precision, tokens, bits)
+        assert est.new_tokens == tokens
+        if (batch, bits, tokens) == (1, 4, 6):
+            # tiny Llama: 2 layers x keys and values x 2 heads x 16 dims. The prompt's 16
+            # tokens quantized: 512 values in 8 groups of 64, packed 2 a byte (4 x 64 =
+            # 256 B) with 8 float32 scales and 8 shifts: 320 B x 4 tensors = 1,280; the
+            # residual of the 5 decode steps' tokens in fp32: 5 x 4 x 2 x 16 x 4 B = 2,560
+            assert est.kv_cache_bytes == 1280 + 2560
+            assert est.kv_cache_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert_model_unchanged(model, before)
+    assert model.generation_config.to_dict() == config_before
+
+
+def test_models_own_generation_config_is_estimated() -> None:
+    # a model whose generation_config asks for the quantized cache is estimated as the
+    # recipe's setting is, and measured with its own config
+    torch.manual_seed(0)
+    model = hf_llama()
+    model.generation_config.cache_implementation = "quantized"
+    model.generation_config.cache_config = {"backend": "quanto", "nbits": 2}
+    profile = profile_model(model, inputs=hf_tokens(2), device="cpu")
+    est = profile.estimate(1, "fp32", mode="generate", seq_len=16, new_tokens=6)
+    prompts = {"input_ids": hf_tokens(1, 16)["input_ids"]}
+    real = measure(model, prompts, precision="fp32", mode="generate", new_tokens=6)
+    assert est.peak_bytes == real.peak_bytes
+    # refused: a generation across the flush, another backend
+    with pytest.raises(ValueError, match="new_tokens=129 crosses that flush"):
+        profile.estimate(1, "fp32", mode="generate", seq_len=16, new_tokens=129)
+    model.generation_config.cache_config = {"backend": "hqq", "nbits": 2}
+    hqq = profile_model(model, inputs=hf_tokens(2), device="cpu")
+    with pytest.raises(ValueError, match="backend='hqq' is not estimated"):
+        hqq.estimate(1, "fp32", mode="generate", seq_len=16, new_tokens=6)
+
+
+def test_refusals_name_the_setting(llama: tuple[torch.nn.Module, ModelProfile]) -> None:
+    _model, profile = llama
+    # a flush inside the generation: measured (tiny Llama, prompt 16, residual 8, 20 new
+    # tokens: the real peak is 188 B below the steps' pattern), not estimated
+    with pytest.raises(ValueError, match=r"new_tokens=20 crosses that flush.*<= 8"):
+        profile.estimate(recipe=_kv_recipe(1, "fp32", 20, 4, 8))
+    with pytest.raises(ValueError, match=r"residual_length=4 is not estimated"):
+        profile.estimate(recipe=_kv_recipe(1, "fp32", 3, 4, 4))
+    inference = dataclasses.replace(
+        Recipe.from_keywords(mode="inference"), generation=Generation(kv_cache="quantized")
+    )
+    with pytest.raises(ValueError, match="KV cache of mode='generate'"):
+        profile.estimate(recipe=inference)
+    with pytest.raises(ValueError, match=r"kv_bits=8: .* takes 2 or 4 bits"):
+        Generation(kv_cache="quantized", kv_bits=8)
+    with pytest.raises(ValueError, match=r"unknown kv_cache 'int8'; valid: None .* 'quantized'"):
+        Generation(kv_cache="int8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="residual_length=0: a positive int"):
+        Generation(residual_length=0)
+
+
+def test_with_quantized_weights(llama: tuple[torch.nn.Module, ModelProfile]) -> None:
+    # both rungs at once: torchao's int8 weights and the 4-bit cache, to the byte
+    pytest.importorskip("torchao")
+    model, profile = llama
+    recipe = _kv_recipe(1, "fp32", 6, 4, 128).with_(weights="int8-torchao")
+    est = profile.estimate(recipe=recipe)
+    real = measure(
+        model, {"input_ids": hf_tokens(1, 16)["input_ids"]}, recipe=recipe.with_(seq_len=None)
+    )
+    assert est.peak_bytes == real.peak_bytes
+    plain = profile.estimate(recipe=_kv_recipe(1, "fp32", 6, 4, 128))
+    assert est.kv_cache_bytes == plain.kv_cache_bytes
+    assert est.parameter_bytes < plain.parameter_bytes
