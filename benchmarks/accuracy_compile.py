@@ -103,15 +103,19 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any]]] = {
 
 
 def saved_outputs_bytes(capture: GraphCapture) -> int:
-    """The bytes of the model's outputs that the partitioner saves for the backward, in the
-    measured step's partitioned graphs: ``measure``'s saved bytes leave the outputs out, the
-    estimate's ``saved_bytes`` count the saved ones (a causal LM's logits and KV cache,
-    where the budget keeps them rather than recomputing them)."""
+    """The bytes of the model's outputs that the backward keeps, in the measured step:
+    saved by the partitioner (a causal LM's logits and KV cache, where the budget keeps
+    them rather than recomputing them) or by the eager code between compiled regions
+    (with ``compile="blocks"``: BERT's pooler keeps its output, tanh's result, and its
+    input, a view of the last hidden state). ``measure``'s saved bytes leave the outputs
+    out; the estimate's ``saved_bytes`` count the kept ones."""
     unique: dict[Any, int] = {}
     for call in capture.forward_calls:
         unique.update(call.saved())
     outputs = capture.model_outputs - capture.model_inputs
-    return sum(nbytes for key, nbytes in unique.items() if key in outputs)
+    kept = sum(nbytes for key, nbytes in unique.items() if key in outputs)
+    eager = outputs & capture.eager_saved - set(unique)
+    return kept + sum(capture.model_output_bytes[key] for key in eager)
 
 
 def _row(name: str, model: nn.Module, profile: ModelProfile, inputs: Any, batch: int,

@@ -218,6 +218,10 @@ class GraphCapture:
         self.forward_calls: list[_Call] = []
         self.model_inputs: set[Any] = set()
         self.model_outputs: set[Any] = set()
+        self.model_output_bytes: dict[Any, int] = {}
+        # the storages the eager autograd nodes of the last forward save (the code between
+        # compiled regions: compile="blocks", graph breaks)
+        self.eager_saved: set[Any] = set()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         from torch._functorch import config as functorch_config
@@ -278,7 +282,36 @@ class GraphCapture:
         outputs' storages."""
         self.forward_calls, self._calls[:] = list(self._calls), []
         self.model_inputs = {key for key, _ in map(_storage, output_tensors(args))}
-        self.model_outputs = {key for key, _ in map(_storage, output_tensors(out))}
+        self.model_output_bytes = dict(map(_storage, output_tensors(out)))
+        self.model_output_bytes.pop(None, None)
+        self.model_outputs = set(self.model_output_bytes)
+        self.eager_saved = _eager_saved(output_tensors(out))
+
+
+def _eager_saved(outputs: list[torch.Tensor]) -> set[Any]:
+    """The storages saved by the autograd nodes reachable from ``outputs`` that expose
+    them (eager ATen ops' ``_saved_*`` attributes; a compiled region's node keeps its own,
+    which the partitioner's saved set holds)."""
+    found: set[Any] = set()
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # freed already, or not unpackable
+                    continue
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    key, _ = _storage(t)
+                    if key is not None:
+                        found.add(key)
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return found
 
 
 def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
