@@ -167,7 +167,7 @@ def test_tensor_parallel_collectives_match_gloo(one_thread: None) -> None:
     est = profile_model(model, inputs=inputs, device="cpu").estimate(
         4, optimizer="adamw", gpus=2, tp=2
     )
-    setup = rank_setup(resolve_plan(model, 2))
+    setup = rank_setup(resolve_plan(model, 2), 2)
 
     def rank_step(_rank: int, world: int) -> list[tuple[str, int]]:
         sharded = setup.wrap_model(model, None, None)  # type: ignore[arg-type]
