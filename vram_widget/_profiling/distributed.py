@@ -71,6 +71,7 @@ def _rank_main(
     # rank computes on one thread, as DataLoader workers do (torch/utils/data/_utils/
     # worker.py, _worker_loop: torch.set_num_threads(1)).
     torch.set_num_threads(1)
+    _fresh_compile_pool()
     _one_gloo_worker()
     _collectives_release_on_caller()
     code = 0
@@ -91,6 +92,21 @@ def _rank_main(
         code = 1
     finally:
         os._exit(code)
+
+
+def _fresh_compile_pool() -> None:
+    """Forget Inductor's compile thread pool made before the fork: its threads do not
+    exist in the child, so a compile in the rank would wait forever on a future none of
+    them runs. torch's own at-fork hook resets the process pool only
+    (torch/_inductor/async_compile.py, ``after_fork``: ``process_pool.cache_clear()``;
+    ``AsyncCompile.pool`` is an ``lru_cache`` too, left as it was), so a parent that
+    compiled before (Inductor's C++ kernels on a thread pool) hung its ranks'
+    ``compile="blocks"``."""
+    import sys
+
+    module = sys.modules.get("torch._inductor.async_compile")
+    if module is not None:  # not imported: no pool was made
+        module.AsyncCompile.pool.cache_clear()
 
 
 def _collectives_release_on_caller() -> None:
