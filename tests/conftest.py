@@ -5,6 +5,7 @@ tests/test_disk_cache.py turns the cache on for its own tests."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,21 @@ def _own_profile_cache(
     monkeypatch.setenv("VRAM_WIDGET_CACHE_DIR", str(directory))
     monkeypatch.setenv("VRAM_WIDGET_CACHE", "0")
     return directory
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test: forked gloo ranks compute on one (a fork does not
+    keep OpenMP's pool), and CPU kernel scratch can depend on the thread count, so the
+    profile's CPU probes run on one too."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

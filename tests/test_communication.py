@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -71,16 +71,6 @@ def test_data_parallel_volume_by_hand() -> None:
     assert data_parallel_volume(None, 1, P, G, 8).sent_bytes == 0
     # zero3 gathering bf16 copies of fp32 weights, 600 B: 3/4 x (2 x 600 + 800) = 1,500
     assert data_parallel_volume(Strategy.ZERO3, 4, P, G, 8, gather_bytes=600).sent_bytes == 1_500
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_rowwise_linear_all_reduces_its_output(one_thread: None) -> None:

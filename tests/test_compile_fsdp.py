@@ -15,7 +15,6 @@ is stopped by its PID (``distributed.run_ranks``).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,18 +27,6 @@ from vram_widget._estimating.options import Precision, Strategy
 from vram_widget._estimating.sharding import Parallel
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """The ranks compute on one thread (a fork does not keep OpenMP's pool); the profile's
-    CPU probes run on one too (as tests/test_distributed.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class Block(nn.Module):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,18 +18,6 @@ from vram_widget import measure, profile_model, zoo
 from vram_widget._profiling.distributed import DistributedError, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """The ranks compute on one thread (a fork does not keep OpenMP's pool), and CPU kernel
-    scratch can depend on the thread count: the profile's CPU probes run on one too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _alive(pid: int) -> bool:

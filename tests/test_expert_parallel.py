@@ -4,8 +4,6 @@ and the layouts refused before any profiling."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -101,17 +99,6 @@ def test_a_dense_model_is_refused() -> None:
     profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
     with pytest.raises(ValueError, match=r"ep=2: Sequential has no experts .*Mixtral"):
         profile.estimate(2, gpus=2, ep=2)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """The ranks compute on one thread (a fork does not keep OpenMP's pool)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def routed(rows: str) -> torch.nn.Module:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,18 +20,6 @@ pytest.importorskip("transformers")
 # activation of these models. Measured here: 0 B on every Llama rank, 16 B on the MLP's
 # ranks 0 and 1 (the same 16 B as plain FSDP2 on the tp-local shapes, gpus=2).
 FSDP_TP_SLACK_BYTES = 1024
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """The ranks compute on one thread (a fork does not keep OpenMP's pool), and CPU kernel
-    scratch can depend on the thread count: the profile's CPU probes run on one too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_layouts_refused_before_any_profile_or_rank() -> None:

@@ -3,8 +3,6 @@ fake tensors, against real gloo ranks; the layouts refused before any profiling.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from models import hf_llama, hf_tokens
@@ -19,18 +17,6 @@ pytest.importorskip("transformers")
 def llama_profile():  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     return profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """The ranks compute on one thread, and the bf16 matmuls' packing the probe measures
-    depends on the thread count: the estimate's probes run on one too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_stages_split_as_torchtitan_splits_a_decoder() -> None:

@@ -3,8 +3,6 @@ fake process group, and the layouts refused before any profiling."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from models import assert_model_unchanged, hf_llama, hf_tokens, snapshot_model
@@ -84,18 +82,6 @@ def test_the_fake_group_never_leaks() -> None:
             pass
         assert dist.is_initialized()
     assert not dist.is_initialized()
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """The ranks compute on one thread (a fork does not keep OpenMP's pool), and CPU kernel
-    scratch can depend on the thread count: the profile's CPU probes run on one too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # Every rank's measured peak against its estimate: measured 0 B apart in each case below
