@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from models import hf_llama, hf_tokens
-from test_distributed import FSDP_SLACK_BYTES, one_thread  # noqa: F401  (a fixture)
+from test_distributed import FSDP_SLACK_BYTES
 
 from vram_widget import profile_model
 from vram_widget._profiling.chunked_loss import torchtune_chunked_loss
