@@ -408,6 +408,7 @@ def nf4_storage_bytes(model: torch.nn.Module, weights: Weights) -> dict[str, tup
             if not quantized:
                 continue
             weight = model.get_submodule(name).weight
+            assert isinstance(weight, torch.Tensor)
             source = torch.empty(tuple(int(d) for d in weight.shape), dtype=weight.dtype)
             nf4 = torchtune_nf4().to_nf4(source, **_quantization_kwargs(weights))
             inner = [getattr(nf4, attr) for attr in nf4.__tensor_flatten__()[0]]
