@@ -26,8 +26,8 @@ from .decoding import DECODE_STEPS_PROFILED
 from .recipe.generation import KV_BITS, RESIDUAL_LENGTH_DEFAULT
 
 # The most decode steps a generation across a flush is recorded through: each is a fake step
-# of the whole model (tiny Llama of tests/models.py, fitted in the batch: about 1 s a step on
-# one loaded CPU core), so a long generation is refused rather than recorded for minutes.
+# of the whole model (tiny Llama of tests/models.py, fitted in the batch: about 1.3 s a step
+# on a loaded 2-core CPU), so a long generation is refused rather than recorded for minutes.
 DECODE_STEPS_ACROSS_FLUSH_MAX = 32
 
 
