@@ -153,6 +153,10 @@ def test_llama_generate_across_flushes(llama: tuple[torch.nn.Module, ModelProfil
         assert est.kv_cache_bytes == kv
         # one more token: one more unquantized residual token, 2 x 2 x 2 x 16 x 4 B
         assert est.kv_cache_bytes_per_token == 512
+        # the recording is of these 9 decode steps: 11 new tokens would need another
+        sub = profile._kv_cache(recipe)[0]
+        assert sub.is_cached("fp32", "generate", seq_len=prompt, new_tokens=10)
+        assert not sub.is_cached("fp32", "generate", seq_len=prompt, new_tokens=11)
 
 
 def test_models_own_generation_config_is_estimated() -> None:
