@@ -194,3 +194,25 @@ def test_generation_settings_name_the_problem(
     with pytest.raises(ValueError, match=message):
         check_generation("Net", generates, 64, 16, tokens)
     assert check_generation("Net", True, 64, 16, 48) == 48
+
+
+def test_growth_per_token_past_a_shrinking_step() -> None:
+    # a quantized cache's flush: the prefill keeps 100 B, decode steps 1-3 add a 10-byte
+    # token each to the residual, step 4 quantizes the 30 residual bytes into 5 (-25). The
+    # steps follow no pattern, so one more token adds what the last step that did not
+    # shrink the cache added: 10 B, 5 a sequence at batch 2
+    events = [(16, TMP), (100, KV), (10, KV), (10, KV), (10, KV), (-25, KV)]
+    n = len(events)
+    recorded = StepEvents(
+        nbytes=np.asarray([b for b, _c in events], np.int64),
+        module=np.zeros(n, np.int32),
+        phase=np.full(n, PHASE_CODE[Phase.DECODE], np.int8),
+        category=np.asarray([c for _b, c in events], np.int8),
+        op=np.full(n, -1, np.int32),
+    )
+    run = Recording(recorded, (1, 2, 3, 4, 5, 6), 8, np.zeros((6, 1), np.int64))
+    _out, generation, _flops = unroll(run, 5, batch_size=2)
+    assert generation.kv_cache_bytes == 100 + 3 * 10 - 25
+    assert generation.kv_cache_bytes_per_token == 10 // 2
+    with pytest.raises(DecodePatternError, match="do not grow by the same amount"):
+        unroll(run, 6, batch_size=2)

@@ -180,9 +180,9 @@ def test_bad_input_is_refused() -> None:
         profile.load_bytes(weights="int4")
     with pytest.raises(ValueError, match="precision"):
         profile.load_bytes(precision="fp8")
-    # torchtune's NF4 layers are built by its own loader: not estimated
+    # torchao's to_nf4 takes weights of whole blocks x scaler blocks (64 x 256) only
     stack = profile_model(_stack(), input_size=(256,), device="cpu")
-    with pytest.raises(ValueError, match="'nf4-torchao' is not estimated yet: torchtune"):
+    with pytest.raises(ValueError, match=r"'nf4-torchao'.*multiple of block_size x scaler"):
         stack.load_bytes(weights="nf4-torchao")
     # int4-torchao is torchao's CPU packing
     on_cuda = profile_model(_stack(), input_size=(256,), device="cuda")
@@ -234,6 +234,53 @@ def test_torchao_load_by_hand_and_on_the_cpu_allocator() -> None:
             real = _torchao_loaded(model, DTYPES[precision], weights)
             assert est.allocated_bytes == real, (type(model).__name__, weights, precision)
             assert est.quantized_bytes > 0
+
+
+def _nf4_loaded(model: torch.nn.Module, dtype: torch.dtype, weights: Weights) -> int:
+    """The real load with torchtune's FrozenNF4Linear: the model built at the dtype (as
+    _torchao_loaded), each quantized Linear replaced by torchtune's own module with torchao's
+    to_nf4 of its weight, the CPU allocator's bytes."""
+    from vram_widget._profiling.nf4_torchao import real_nf4
+
+    def load() -> torch.nn.Module:
+        if isinstance(model, transformers.PreTrainedModel):
+            built = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
+            built.load_state_dict(model.state_dict())
+        else:
+            built = copy.deepcopy(model).to(dtype)
+        return real_nf4(built, weights, None, None, None)
+
+    load()  # torchao's and torch's first-use caches made outside the measured load
+    return int(loaded_cpu_bytes(load)[1])  # type: ignore[call-overload]
+
+
+def test_nf4_torchao_load_by_hand_and_on_the_cpu_allocator() -> None:
+    pytest.importorskip("torchao")
+    profile = profile_model(_stack(), input_size=(256,), device="cpu")
+    # blocks of 64, scaler blocks of 128, the last layer kept (640 values: no whole block).
+    # In fp32, 0 (128 x 256 = 32,768 values): 16,384 B of codes (two a byte), 512 int8
+    # scalers (one a block), 4 float32 factors (one a scaler block: 16 B), the float32
+    # scaler mean (4) and the 16-value float32 table (64) = 16,980. 2 (64 x 128 = 8,192):
+    # 4,096 + 128 scalers + one factor, held in a 128-value float32 storage as to_nf4 leaves
+    # it (512: the real tensor's storage, which the fake run gives) + 4 + 64 = 4,804. The
+    # biases and the kept layer in fp32: (128 + 64 + 640 + 10) x 4 = 3,368
+    weights = Weights("nf4-torchao", scaler_blocksize=128, skip_modules=("4",))
+    est = profile.load_bytes(precision="fp32", weights=weights)
+    assert est.quantized_bytes == 16_384 + 4_096
+    assert est.allocated_bytes == 16_980 + 4_804 + 3_368 == 25_152
+    assert dict(est.dtype_bytes) == {"nf4-torchao": 21_784, "float32": 3_368}
+    # against torchtune's FrozenNF4Linear on a loaded copy (torchao's to_nf4), to the byte
+    torch.manual_seed(0)
+    llama = hf_llama()
+    llama_profile = profile_model(llama, inputs=hf_tokens(2), device="cpu")
+    small_blocks = Weights("nf4-torchao", blocksize=32, scaler_blocksize=64)
+    cases = [(_stack(), profile, weights, p) for p in ("fp32", "bf16")]
+    cases.append((llama, llama_profile, small_blocks, "bf16"))
+    for model, prof, w, precision in cases:
+        est = prof.load_bytes(precision=precision, weights=w)
+        real = _nf4_loaded(model, DTYPES[precision], w)
+        assert est.allocated_bytes == real, (type(model).__name__, precision)
+        assert est.quantized_bytes > 0
 
 
 def test_shown_in_the_cli_and_the_widget(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,6 +24,7 @@ curve is exact at every event it has, and its maximum is the generation's peak.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -360,6 +361,21 @@ def _last_step(plan: list[_Segment]) -> tuple[np.ndarray, np.ndarray]:
     return last + seg.m2 * slope, run.step(run.forwards - 1)[3]
 
 
+def _recorded_growth(out: StepEvents) -> int:
+    """The KV cache's growth in the last decode step of ``out`` (recorded steps only) that
+    did not shrink it; the last step's where every one did. A quantized cache's flush
+    (``kv_cache.py``) shrinks it, as its residual is quantized: the step after grows by one
+    unquantized token, as the steps before it did."""
+    bounds = [*out.step_at.tolist(), len(out.nbytes)]
+    growth = [
+        int(out.nbytes[lo:hi][out.category[lo:hi] == _KV].sum())
+        for lo, hi in itertools.pairwise(bounds)
+    ]
+    decode = [g for g, number in zip(growth, out.step_number.tolist(), strict=True) if number]
+    grown = [g for g in decode if g >= 0]
+    return grown[-1] if grown else (decode or growth)[-1]
+
+
 def unroll(
     run: Recording, new_tokens: int, batch_size: int, across: Recording | None = None
 ) -> tuple[StepEvents, Generation, np.ndarray]:
@@ -369,13 +385,14 @@ def unroll(
     cache and its FLOPs per row."""
     plan = _plan(run, new_tokens, across)
     out = _emit(plan)
+    flops = _plan_flops(plan)
     kv = int(out.nbytes[out.category == _KV].sum())
     try:  # what one more token adds: the step after the last
         after, category = _last_step(_plan(run, new_tokens + 1, across))
-    except DecodePatternError:  # no pattern to take it from: the last step's growth
-        after, category = _last_step(plan)
+    except DecodePatternError:  # no pattern to take it from: the recorded steps' growth
+        return out, Generation(new_tokens, kv, _recorded_growth(out) // batch_size), flops
     per_token = int(after[category == _KV].sum()) // batch_size
-    return out, Generation(new_tokens, kv, per_token), _plan_flops(plan)
+    return out, Generation(new_tokens, kv, per_token), flops
 
 
 def at_new_tokens(timelines: tuple[Timeline, ...], new_tokens: int) -> Timeline:

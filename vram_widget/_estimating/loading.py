@@ -66,12 +66,18 @@ class LoadedTensor:
         Its torch dtype's name; ``""`` for a quantized weight (its layout is bitsandbytes').
     buffer : bool
         A buffer (else a parameter).
+    storage_bytes : tuple of int
+        A quantized weight's storages as the profiling run made them, codes first (torchao's
+        ``NF4Tensor``: its inner tensors, made by ``to_nf4`` on a fake tensor); empty where
+        its layout is computed (:func:`~vram_widget._estimating.quantized
+        .quantized_tensor_bytes`).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     buffer: bool = False
+    storage_bytes: tuple[int, ...] = ()
 
     @property
     def quantized(self) -> bool:
@@ -218,7 +224,7 @@ def load_estimate(
     itemsize = ITEMSIZE[LOAD_DTYPES[precision]]
     for t in layout.tensors:
         if t.quantized:
-            sizes = quantized_tensor_bytes(t.shape, weights, itemsize)
+            sizes = t.storage_bytes or quantized_tensor_bytes(t.shape, weights, itemsize)
             codes += sizes[0]
             state += sum(sizes[1:])
             assert weights.format is not None

@@ -163,6 +163,9 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
         self._step_edits: dict[tuple[int, Precision, Levers, Parallel], StepEdits] = {}
         # generation across a sliding window: a run at a prompt just below it, per precision
         self._across_windows: dict[Precision, Timeline] = {}
+        # generation with the quantized cache across a flush: recorded through its decode
+        # steps, per (precision, prompt length, decode steps)
+        self._across_flushes: dict[tuple[Precision, int | None, int], Timeline] = {}
         # generation with a StaticCache: runs at STATIC_CACHE_TOKENS, per precision and prompt
         self._static_caches: dict[tuple[Precision, int | None], tuple[Timeline, ...]] = {}
         self.name_prefix = ""

@@ -36,7 +36,7 @@ from .recipe.parallel import (
     tensor_parallel_refusals,
 )
 from .recipe.recipe import default
-from .recipe.weights import WeightFormat, Weights
+from .recipe.weights import Weights
 from .sharding import check_rank
 
 if TYPE_CHECKING:
@@ -180,8 +180,10 @@ class RungsMixin:
         weights : str, Weights or transformers.BitsAndBytesConfig, optional
             bitsandbytes' quantization of the Linear weights, or torchao's
             ``"int8-torchao"`` / ``"int4-torchao"`` (``quantize_`` on the loaded model; int4
-            on ``device="cpu"`` only), as ``estimate`` takes it; ``"nf4-torchao"``
-            (torchtune's loader) is refused.
+            on ``device="cpu"`` only), as ``estimate`` takes it; ``"nf4-torchao"``:
+            torchtune's ``FrozenNF4Linear`` in place of each quantized Linear, its weight
+            the ``NF4Tensor`` torchao's ``to_nf4`` makes (no LoRA adapters: they are not
+            part of the load, as with the other formats).
 
         Returns
         -------
@@ -199,12 +201,6 @@ class RungsMixin:
         424
         """
         asked = self._load_asked(recipe, precision, weights)
-        if asked.weights.format is WeightFormat.NF4_TORCHAO:
-            raise ValueError(
-                "load_bytes with weights='nf4-torchao' is not estimated yet: torchtune's "
-                "loader builds its FrozenNF4Linear layers (and LoRA adapters) itself; "
-                "estimate(..., weights=...) gives torchao's stored bytes as parameter_bytes"
-            )
         if asked.weights.torchao:
             check_weights_device(asked.weights, self.device)
         dtype = LOAD_DTYPES[asked.step.precision]

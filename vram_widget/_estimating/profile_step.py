@@ -25,7 +25,7 @@ from .decoding import (
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
 from .float8 import check_float8
-from .kv_cache import check_quantized_cache
+from .kv_cache import check_quantized_cache, decode_steps_across_flush
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks
 from .offloading import offload_levers
 from .options import (
@@ -179,6 +179,8 @@ class StepMixin:
         across = None
         if tokens is not None and self.cache_implementation == "static":
             timeline = self._static_cache_timeline(prec, length, tokens)
+        elif tokens is not None and self._flush_steps(tokens) is not None:
+            timeline = self._across_flush_timeline(prec, length, tokens)
         else:
             timeline = self.timeline(
                 prec, run_mode, length, _step_levers(levers, run_mode, parallel, prec)
@@ -370,6 +372,28 @@ class StepMixin:
                 for t in STATIC_CACHE_TOKENS
             )
         return at_new_tokens(self._static_caches[key], new_tokens)
+
+    def _flush_steps(self: ModelProfile, new_tokens: int) -> int | None:  # type: ignore[misc]
+        """The decode steps a generation of ``new_tokens`` with this profile's quantized
+        cache is recorded through where it crosses a flush (``kv_cache.py``); None where the
+        profile's own recorded steps and their pattern answer it."""
+        if self.cache_implementation != "quantized":
+            return None
+        return decode_steps_across_flush(dict(self.cache_config), new_tokens)
+
+    def _across_flush_timeline(  # type: ignore[misc]
+        self: ModelProfile, precision: Precision, seq_len: int | None, new_tokens: int
+    ) -> Timeline:
+        """The generation with the quantized cache recorded through all its decode steps,
+        flushes included (once per precision, prompt length and new tokens)."""
+        steps = self._flush_steps(new_tokens)
+        assert steps is not None
+        key = (precision, seq_len, steps)
+        if key not in self._across_flushes:
+            self._across_flushes[key] = self._source.generation(
+                precision, seq_len, decode_steps=steps
+            )
+        return self._across_flushes[key]
 
     def _across_window(self: ModelProfile, precision: Precision) -> tuple[Timeline, int]:  # type: ignore[misc]
         """The generation recorded across the model's sliding window (profiled once per

@@ -76,6 +76,11 @@ class TimelinesMixin:
         if run_mode is Mode.GENERATE and self.cache_implementation == "static":
             length = None if seq_len == self.seq_len else seq_len
             return (prec, length) in self._static_caches
+        if run_mode is Mode.GENERATE and new_tokens is not None:
+            steps = self._flush_steps(new_tokens)
+            if steps is not None:  # recorded through its flushes
+                length = None if seq_len == self.seq_len else seq_len
+                return (prec, length, steps) in self._across_flushes
         levers = _step_levers(levers, run_mode, parallel, prec)
         key = (prec, run_mode, _profiled(levers, run_mode))
         if key not in self._timelines:

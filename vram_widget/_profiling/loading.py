@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from .._estimating.loading import LoadedTensor, LoadLayout
-from .._estimating.recipe.weights import Weights
+from .._estimating.recipe.weights import WeightFormat, Weights
+from .nf4_torchao import nf4_storage_bytes
 from .quantized import bnb_config, is_quantized_param, modules_kept, require_bitsandbytes
 from .step import meta_copy
 from .torchao_weights import torchao_modules
@@ -57,7 +58,12 @@ def load_layout(model: torch.nn.Module, dtype: str, weights: Weights) -> LoadLay
         loader, kept_fp32 = MODEL_TO, None
         built = meta_copy(model).to(torch_dtype)
     torchao_weights: set[str] = set()
-    if weights.torchao:
+    nf4_weights: dict[str, tuple[int, ...]] = {}
+    if weights.format is WeightFormat.NF4_TORCHAO:
+        # torchtune's FrozenNF4Linear in place of each quantized Linear: its weight an
+        # NF4Tensor of torchao's to_nf4, its bias and the other tensors as loaded
+        nf4_weights = nf4_storage_bytes(built, weights)
+    elif weights.torchao:
         # quantize_ replaces each chosen Linear's weight by its tensor subclass (a new
         # Parameter), the other tensors kept as loaded (torchao_weights.real_torchao)
         torchao_weights = {f"{name}.weight" for name in torchao_modules(built, weights)}
@@ -77,9 +83,11 @@ def load_layout(model: torch.nn.Module, dtype: str, weights: Weights) -> LoadLay
     persistent = set(built.state_dict(keep_vars=True))
     tensors: list[LoadedTensor] = []
     for name, p in built.named_parameters():
-        quantized = is_quantized_param(p) or name in torchao_weights
+        quantized = is_quantized_param(p) or name in torchao_weights or name in nf4_weights
         kind = "" if quantized else _loaded_dtype(name, p, kept_fp32, persistent)
-        tensors.append(LoadedTensor(name, tuple(p.shape), kind))
+        tensors.append(
+            LoadedTensor(name, tuple(p.shape), kind, storage_bytes=nf4_weights.get(name, ()))
+        )
     for name, b in built.named_buffers():
         kind = _loaded_dtype(name, b, kept_fp32, persistent)
         tensors.append(LoadedTensor(name, tuple(b.shape), kind, buffer=True))

@@ -390,3 +390,31 @@ def real_nf4(
     torchao's ``copy_`` of a plain tensor into an ``NF4Tensor``)."""
     _replace(model, weights, rank, targets, lora_dtype, real=True)
     return model
+
+
+def nf4_storage_bytes(model: torch.nn.Module, weights: Weights) -> dict[str, tuple[int, ...]]:
+    """The bytes of the storages each ``NF4Tensor`` weight of ``model`` (built in its loaded
+    dtype, on any device) holds once torchtune's ``FrozenNF4Linear`` layers replace its
+    Linear layers (no adapters: a load, :func:`nf4_layers` with no rank), by qualified
+    weight name, its 4-bit codes first: made by torchao's ``to_nf4`` itself on a fake tensor
+    of each weight's shape and dtype, so each is the storage the real tensor holds (a
+    one-value ``quantization_factor`` may sit in a larger storage), not a count of values."""
+    from .fake import new_fake_mode
+
+    layers = nf4_layers(model, weights, None, None, None)
+    out: dict[str, tuple[int, ...]] = {}
+    with new_fake_mode():
+        for name, (_lora, quantized) in layers.items():
+            if not quantized:
+                continue
+            weight = model.get_submodule(name).weight
+            assert isinstance(weight, torch.Tensor)
+            source = torch.empty(tuple(int(d) for d in weight.shape), dtype=weight.dtype)
+            nf4 = torchtune_nf4().to_nf4(source, **_quantization_kwargs(weights))
+            inner = [getattr(nf4, attr) for attr in nf4.__tensor_flatten__()[0]]
+            storages: dict[int, int] = {}
+            for t in [nf4.quantized_data, *inner]:  # one storage each, shared ones once
+                storage = t.untyped_storage()
+                storages.setdefault(storage._cdata, storage.nbytes())
+            out[f"{name}.weight"] = tuple(storages.values())
+    return out

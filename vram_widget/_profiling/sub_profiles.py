@@ -36,7 +36,7 @@ from .context_parallel import (
 from .expert_parallel import expert_parallelized, resolve_ep_plan
 from .float8 import float8_copy
 from .loading import load_layout
-from .nf4_torchao import nf4_copy
+from .nf4_torchao import nf4_copy, nf4_layers
 from .quantized import (
     kept_dtypes,
     qlora_wrapped,
@@ -175,7 +175,9 @@ class SubProfiles:
         (``loading.load_layout``; the model itself untouched), the quantized modules
         checked first (a ValueError where there are none)."""
         model = self.profiler.subject.model
-        if weights.torchao:
+        if weights.format is WeightFormat.NF4_TORCHAO:
+            nf4_layers(model, weights, None, None, None)
+        elif weights.torchao:
             torchao_modules(model, weights)
         elif weights.quantized:
             quantized_modules(model, weights)
