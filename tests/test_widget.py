@@ -253,8 +253,14 @@ class _Spy:
     def tensor_parallel_refusal(self, tp: int) -> object:
         return self.source.tensor_parallel_refusal(tp)  # type: ignore[attr-defined]
 
-    def pipeline_parallel_refusal(self, pp: int) -> object:
-        return self.source.pipeline_parallel_refusal(pp)  # type: ignore[attr-defined]
+    def pipeline_parallel_refusal(self, pp: int, *rest: int) -> object:
+        return self.source.pipeline_parallel_refusal(pp, *rest)  # type: ignore[attr-defined]
+
+    def expert_parallel_refusal(self, ep: int) -> object:
+        return self.source.expert_parallel_refusal(ep)  # type: ignore[attr-defined]
+
+    def context_parallel_refusal(self) -> object:
+        return self.source.context_parallel_refusal()  # type: ignore[attr-defined]
 
 
 def _usable(w: MemoryWidget) -> bool:
