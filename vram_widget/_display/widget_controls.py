@@ -5,9 +5,11 @@ A tab per question: **Step** (what one step is: batch, sequence length, precisio
 tokens), **Optimizer** (:mod:`.optimizer_control`), **Memory levers** (what trades compute
 for memory: checkpointing and its policy, the parameters that train, micro-batches, LoRA,
 the chunked output and loss, activation offloading) and **GPUs** (the card, its
-allocator's ``expandable_segments`` setting, and data parallelism); how the figure groups
-modules is a display setting, in a small "Display" section apart from the questions. Every
-control has a visible label and a tooltip saying what it changes.
+allocator's ``expandable_segments`` setting, and the parallel layouts: data, tensor, expert
+and context parallelism (:mod:`.widget_parallel`), pipeline stages
+(:mod:`.widget_pipeline`)); how the figure groups modules is a display setting, in a small
+"Display" section apart from the questions. Every control has a visible label and a
+tooltip saying what it changes.
 
 The controls are views of the widget's traits (the truth): a control writes its trait, and
 :meth:`ControlsMixin._sync_controls` shows the traits on the controls without feeding back.
@@ -276,8 +278,10 @@ class ControlsMixin:
         self._tp_dropdown = widgets.Dropdown(
             options=self._tp_options(), layout={"width": "110px"}, disabled=bool(self._tp_refusal)
         )
-        # pp, its schedule and micro-batches (widget_pipeline)
+        # pp, its schedule, stages a rank and micro-batches (widget_pipeline); ep and cp
+        # (widget_parallel)
         self._pipeline_controls = self._build_pipeline_controls()
+        self._rank_controls = self._build_rank_controls()
         max_depth = (
             int(self._estimate.layers.depth.max()) if len(self._estimate.layers.depth) else 0
         )
@@ -434,6 +438,7 @@ class ControlsMixin:
             c["strategy"],
             self._per_node_box,
             self._tp_dropdown,
+            *self._rank_controls,
             *self._pipeline_controls,
             self._tokens_slider,
             self._tokens_box,
@@ -466,6 +471,7 @@ class ControlsMixin:
             c["strategy"],
             self._per_node_box,
             self._tp_dropdown,
+            *self._rank_controls,
             *self._pipeline_controls,
         )
         gpus = widgets.VBox([_row(c["gpu"], self._custom_box, c["expandable"]), self._parallel_row])
@@ -517,6 +523,7 @@ class ControlsMixin:
             self._budget_dropdown.disabled = self.compile == COMPILE_OFF
             self._tp_dropdown.disabled = bool(self._tp_refusal)
             self._pp_dropdown.disabled = bool(self._pp_refusal)
+            self._cp_dropdown.disabled = bool(self._cp_refusal)
             self._weights_dropdown.disabled = self._weights_held
 
     def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
@@ -544,6 +551,7 @@ class ControlsMixin:
             self._sync_lever_choices()
             self._sync_compile_controls()
             self._sync_pipeline_controls()
+            self._sync_rank_controls()
             self._sync_weights_control()
         finally:
             self._syncing = False
