@@ -85,9 +85,7 @@ def test_ep_control_estimates_one_rank_and_refuses_other_layouts() -> None:
     asked_recipe = Recipe.from_keywords(None, batch_size=4, **w._settings())
     assert (asked_recipe.parallel.ep, asked_recipe.parallel.gpus) == (2, 2)
     cc = w.target.compute_capability
-    asked = profile.estimate(
-        4, mode="inference", seq_len=16, gpus=2, ep=2, compute_capability=cc
-    )
+    asked = profile.estimate(4, mode="inference", seq_len=16, gpus=2, ep=2, compute_capability=cc)
     assert len(spy.asked) == 1
     assert w.figure.data[PEAK].y[0] == asked.peak_bytes == w.estimate.peak_bytes
     # each rank keeps 2 of the 4 experts: gate_up_proj 4 x 256 x 64 and down_proj 4 x 64 x

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
+import traitlets
 
 from .._estimating.estimator import MemoryEstimate
 from .._estimating.options import PipelineSchedule
@@ -165,8 +166,22 @@ class PipelineMixin:
         return {"pp": self.pp, "pp_schedule": self.pp_schedule, "microbatches": None, **given}
 
     def _pipeline_key(self: MemoryWidget) -> tuple[Any, ...]:  # type: ignore[misc]
-        # the card's compute capability sets the extras only, never a stage's run
-        return (self.batch_size, *self._settings_key("compute_capability", card=False))
+        # the card's compute capability sets the extras only, never a stage's run; the
+        # stages a rank as the stages are run (the default, None, is 2 or 1)
+        stages = self.stages_per_rank or (2 if self.pp_schedule == _INTERLEAVED else 1)
+        leave_out = ("compute_capability", "stages_per_rank")
+        return (self.batch_size, stages, *self._settings_key(*leave_out, card=False))
+
+    @traitlets.validate("stages_per_rank")
+    def _valid_stages_per_rank(self: MemoryWidget, proposal: dict[str, Any]) -> int | None:
+        """Stages a rank the model's layers can be split into at the current ``pp`` (the
+        schedule and the micro-batches are the estimate's to check), else refused."""
+        value = proposal["value"]
+        if value is not None and value > 1 and self.pp > 1:
+            refusal = self._profile.pipeline_parallel_refusal(self.pp, value)
+            if refusal:
+                raise traitlets.TraitError(refusal)
+        return value
 
     def _pipeline_needs_profiling(self: MemoryWidget) -> bool:  # type: ignore[misc]
         """Whether the estimate at this setting (pp > 1) runs the stages: not for a
