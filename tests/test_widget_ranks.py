@@ -99,8 +99,8 @@ def test_ep_control_estimates_one_rank_and_refuses_other_layouts() -> None:
     assert "Data parallel" not in summary and "GPUs needed" not in summary
 
     # a combination the estimate does not take: refused at once, the setting kept
-    w.tp = 2
-    assert w.tp == 1 and len(spy.seen) == 1
+    w._tp_dropdown.value = 2
+    assert w.tp == 1 and w._tp_dropdown.value == 1 and len(spy.seen) == 1
     assert "ep=2 with tp=2: experts split over tensor-parallel ranks" in w.headline_html
     assert "kept tp = 1" in w.headline_html
     assert w.figure.data[PEAK].y[0] == asked.peak_bytes

@@ -273,10 +273,21 @@ class ControlsMixin:
             options=list(self.traits()["strategy"].values or []), layout={"width": "200px"}
         )
         self._per_node_box = widgets.BoundedIntText(min=1, max=GPUS_MAX, layout={"width": "150px"})
-        # tp: disabled, the reason in its tooltip, where the model has no plan
+        # tp: disabled, the reason in its tooltip, where the model has no plan. A view of
+        # its trait, not a link: a tp the estimate refuses with the other layouts (ep, cp,
+        # pp) puts the trait back, and the sync puts the dropdown back with it
         self._tp_refusal = self._profile.tensor_parallel_refusal(2)
         self._tp_dropdown = widgets.Dropdown(
-            options=self._tp_options(), layout={"width": "110px"}, disabled=bool(self._tp_refusal)
+            options=self._tp_options(),
+            value=self.tp,
+            description="tp",
+            tooltip=TOOLTIPS["tp"],
+            style={"description_width": "initial"},
+            layout={"width": "110px"},
+            disabled=bool(self._tp_refusal),
+        )
+        self._tp_dropdown.observe(
+            lambda change: self._set_from_control("tp", change["new"]), "value"
         )
         # pp, its schedule, stages a rank and micro-batches (widget_pipeline); ep and cp
         # (widget_parallel)
@@ -299,7 +310,6 @@ class ControlsMixin:
             (expandable, "expandable_segments", "expandable_segments"),
             (strategy, "strategy", "strategy"),
             (self._per_node_box, "gpus_per_node", "per node"),
-            (self._tp_dropdown, "tp", "tp"),
         ):
             control.description = label
             control.tooltip = TOOLTIPS[name]
@@ -546,7 +556,7 @@ class ControlsMixin:
             self._per_node_box.layout.display = None if self.strategy == "hsdp" else "none"
             if list(self._tp_dropdown.options) != self._tp_options():
                 self._tp_dropdown.options = self._tp_options()
-                self._tp_dropdown.value = self.tp
+            self._tp_dropdown.value = self.tp
             self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
             self._sync_lever_choices()
             self._sync_compile_controls()
