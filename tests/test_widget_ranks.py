@@ -103,6 +103,9 @@ def test_ep_control_estimates_one_rank_and_refuses_other_layouts() -> None:
     assert w.tp == 1 and w._tp_dropdown.value == 1 and len(spy.seen) == 1
     assert "ep=2 with tp=2: experts split over tensor-parallel ranks" in w.headline_html
     assert "kept tp = 1" in w.headline_html
+    w._strategy_dropdown.value = "zero2"
+    assert w.strategy == w._strategy_dropdown.value == "ddp" and len(spy.seen) == 1
+    assert "ep=2 with strategy='zero2'" in w.headline_html.replace("&#x27;", "'")
     assert w.figure.data[PEAK].y[0] == asked.peak_bytes
 
     dropdown.value = 1  # GPUs back to one; the figure is the whole model's again

@@ -269,9 +269,17 @@ class ControlsMixin:
         expandable = widgets.Checkbox(indent=False, layout={"width": "220px"})
         if self._profile.device is not Device.CUDA:  # no caching allocator to replay
             expandable.layout.display = "none"
-        strategy = widgets.Dropdown(
-            options=list(self.traits()["strategy"].values or []), layout={"width": "200px"}
+        # a view of its trait (as tp's, below): a strategy refused beside tp, ep, cp or pp
+        # goes back on the dropdown too
+        self._strategy_dropdown = strategy = widgets.Dropdown(
+            options=list(self.traits()["strategy"].values or []),
+            value=self.strategy,
+            description="strategy",
+            tooltip=TOOLTIPS["strategy"],
+            style={"description_width": "initial"},
+            layout={"width": "200px"},
         )
+        strategy.observe(lambda change: self._set_from_control("strategy", change["new"]), "value")
         self._per_node_box = widgets.BoundedIntText(min=1, max=GPUS_MAX, layout={"width": "150px"})
         # tp: disabled, the reason in its tooltip, where the model has no plan. A view of
         # its trait, not a link: a tp the estimate refuses with the other layouts (ep, cp,
@@ -308,7 +316,6 @@ class ControlsMixin:
             (accumulation, "grad_accumulation", "micro-batches"),
             (lora, "lora_rank", "LoRA rank"),
             (expandable, "expandable_segments", "expandable_segments"),
-            (strategy, "strategy", "strategy"),
             (self._per_node_box, "gpus_per_node", "per node"),
         ):
             control.description = label
@@ -554,6 +561,7 @@ class ControlsMixin:
             )
             self._generation_row.layout.display = None if self._generating else "none"
             self._per_node_box.layout.display = None if self.strategy == "hsdp" else "none"
+            self._strategy_dropdown.value = self.strategy
             if list(self._tp_dropdown.options) != self._tp_options():
                 self._tp_dropdown.options = self._tp_options()
             self._tp_dropdown.value = self.tp
