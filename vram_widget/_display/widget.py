@@ -537,11 +537,10 @@ class MemoryWidget(
     @property
     def _per_batch(self) -> bool:
         """Whether each batch is a profiling run of its own: the compiled step (compiled.
-        decided_at), a tensor-parallel rank's sub-profile and the pipeline stages' steps,
-        whose keys hold the batch."""
-        return (
-            self._compiled or self._tensor_parallel or self._pipeline_parallel
-        ) or self._rank_parallel
+        decided_at), a tensor-, expert- or context-parallel rank's sub-profile and the
+        pipeline stages' steps, whose keys hold the batch."""
+        layouts = (self._tensor_parallel, self._pipeline_parallel, self._rank_parallel)
+        return self._compiled or any(layouts)
 
     def _settings_key(self, *leave_out: str, card: bool = True) -> tuple[Any, ...]:
         """Every setting an estimate takes (but ``leave_out``) and, with ``card``, the card's
