@@ -253,15 +253,21 @@ class _Spy:
     def tensor_parallel_refusal(self, tp: int) -> object:
         return self.source.tensor_parallel_refusal(tp)  # type: ignore[attr-defined]
 
-    def pipeline_parallel_refusal(self, pp: int) -> object:
-        return self.source.pipeline_parallel_refusal(pp)  # type: ignore[attr-defined]
+    def pipeline_parallel_refusal(self, pp: int, *rest: int) -> object:
+        return self.source.pipeline_parallel_refusal(pp, *rest)  # type: ignore[attr-defined]
+
+    def expert_parallel_refusal(self, ep: int) -> object:
+        return self.source.expert_parallel_refusal(ep)  # type: ignore[attr-defined]
+
+    def context_parallel_refusal(self) -> object:
+        return self.source.context_parallel_refusal()  # type: ignore[attr-defined]
 
 
 def _usable(w: MemoryWidget) -> bool:
     """Every control enabled (the custom-GiB box only while the custom GPU is chosen, the
     optimizer's implementation only for an optimizer that has several, the loss chunks only
     for a model that can be chunked, the offloading only on a CUDA profile, the compile
-    budget only with compile on)."""
+    budget only with compile on, tp, pp and cp only where the model can take them)."""
     implementation = w._optimizer_controls.implementation
     conditional = (
         w._custom_box,
@@ -271,6 +277,7 @@ def _usable(w: MemoryWidget) -> bool:
         w._budget_dropdown,
         w._tp_dropdown,
         w._pp_dropdown,
+        w._cp_dropdown,
     )
     implementations = w._optimizer_controls.groups.get(split_choice(w.optimizer)[0])
     return (
@@ -282,6 +289,7 @@ def _usable(w: MemoryWidget) -> bool:
         and w._budget_dropdown.disabled == (w.compile == "off")
         and w._tp_dropdown.disabled == bool(w.profile.tensor_parallel_refusal(2))
         and w._pp_dropdown.disabled == bool(w._pp_refusal)
+        and w._cp_dropdown.disabled == bool(w.profile.context_parallel_refusal())
     )
 
 
@@ -1362,8 +1370,11 @@ def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelPro
             "strategy",
             "per node",
             "tp",
+            "ep",
+            "cp",
             "pp",
             "schedule",
+            "stages a rank",
             "pp micro-batches",
         ],
         "Display": ["group depth"],

@@ -127,6 +127,25 @@ def test_pipeline_controls_estimate_and_stage_bars() -> None:
     assert list(w.figure.data[STAGES].y) == list(interleaved.stage_peak_bytes)
     assert list(w.figure.layout.xaxis3.ticktext) == ["rank 0", "rank 1"]
     assert len(spy.seen) == 4
+    # the stages a rank, shown under interleaved-1f1b, offering what the layers split
+    # into: torchtitan counts 2 layers + embedding + head = 4, so 2 ranks x 2 stages fit
+    # and 2 x 3 = 6 stages do not
+    stages = w._stages_dropdown
+    assert stages in w.control_groups["GPUs"] and stages.layout.display is None
+    assert list(stages.options) == [("= 2", 0), ("2", 2)]
+    stages.value = 2  # the default's count: the same stages, answered from memory
+    assert (w.stages_per_rank, w.estimate.stages_per_rank) == (2, 2)
+    assert Recipe.from_keywords(None, **w._settings()).parallel.stages_per_rank == 2
+    assert "profil" not in w._status.value and len(spy.seen) == 4
+    assert list(w.figure.data[STAGES].y) == list(interleaved.stage_peak_bytes)
+    w.stages_per_rank = None
+    w._set_from_control("stages_per_rank", 3)  # a count the layers refuse: kept
+    assert w.stages_per_rank is None and len(spy.seen) == 4
+    assert "6 pipeline stages need at least 4 decoder layers" in w.headline_html
+    w.stages_per_rank = 2
+    w._schedule_dropdown.value = "gpipe"  # asked before; the stages a rank back to default
+    assert (w.stages_per_rank, w.estimate.stages_per_rank) == (None, 1)
+    assert stages.layout.display == "none" and len(spy.seen) == 4
 
     w.pp = 1  # GPUs back to tp; the panel hidden, the waterfall whole again
     assert (w.gpus, w.estimate.pp, w.estimate.stage_peak_bytes) == (1, 1, ())

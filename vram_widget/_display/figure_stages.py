@@ -7,7 +7,9 @@ are always in the figure, in the order of :data:`STAGE_TRACE_NAMES`, after the w
 with ``pp = 1`` they are hidden and empty, the panel's axes hidden, and the waterfall takes
 the whole width again, so a figure updated in place keeps the same traces whatever the
 setting. The waterfall of a ``pp > 1`` estimate is the whole model's one-device step, for
-reference (``ModelProfile.estimate``): the title says so and names the worst stage.
+reference (``ModelProfile.estimate``): the title says so and names the worst stage. With
+tensor, expert or context parallelism the figure is one rank's, which its title names
+(:func:`ranks_title`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "STAGE_TRACE_NAMES",
     "WATERFALL_DOMAIN",
     "add_stage_traces",
+    "ranks_title",
     "stage_layout_updates",
     "stage_trace_updates",
     "stage_unit",
@@ -202,3 +205,26 @@ def stage_layout_updates(est: MemoryEstimate, capacity_bytes: int | None) -> dic
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
+
+
+def ranks_title(est: MemoryEstimate) -> str:
+    """Which rank of a tensor-, expert- or context-parallel layout the figure is, for its
+    title ("" for one device and data parallelism, whose ranks the details describe).
+
+    Examples
+    --------
+    >>> import dataclasses
+    >>> from vram_widget import profile_model, zoo
+    >>> est = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(2)
+    >>> ranks_title(est), ranks_title(dataclasses.replace(est, gpus=2, ep=2))
+    ('', ' · rank 0 of ep=2, tokens routed evenly')
+    >>> ranks_title(dataclasses.replace(est, gpus=2, cp=2, seq_len=32))
+    ' · rank 0 of cp=2, 16 of 32 tokens a sequence (UNCONFIRMED)'
+    """
+    if est.ep > 1:
+        return f" · rank 0 of ep={est.ep}, tokens routed evenly"
+    if est.cp > 1:
+        seq = est.seq_len or 0
+        share = f"{seq // est.cp} of {seq} tokens a sequence"
+        return f" · rank 0 of cp={est.cp}, {share} (UNCONFIRMED)"
+    return f" · one rank of tp={est.tp}" if est.tp > 1 else ""

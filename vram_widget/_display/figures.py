@@ -41,6 +41,7 @@ from .._estimating.tradeoff import Frontier
 from .figure_stages import (
     STAGE_TRACE_NAMES,
     add_stage_traces,
+    ranks_title,
     stage_layout_updates,
     stage_trace_updates,
 )
@@ -451,6 +452,7 @@ def _layout_updates(
         + f" ({where})<br><sup>{est.mode.value}, batch {est.batch_size}, "
         f"{est.precision.value}"
         + (f", {est.optimizer.value}" if est.optimizer is not None else "")
+        + ranks_title(est)
         + (f" · {gpu_name}" if capacity_bytes is not None and gpu_name else "")
         + "</sup>"
     )

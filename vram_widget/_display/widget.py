@@ -63,6 +63,7 @@ from .widget_controls import (
     ControlsMixin,
 )
 from .widget_levers import LeversMixin
+from .widget_parallel import RanksMixin, check_rank_forms
 from .widget_pipeline import PP_CHOICES, PP_SCHEDULES, PipelineMixin, check_pipeline_forms
 from .widget_recipe import recipe_settings
 from .widget_settings import OffloadTrait as _OffloadTrait
@@ -101,6 +102,7 @@ class MemoryWidget(
     LeversMixin,
     CompileMixin,
     PipelineMixin,
+    RanksMixin,
     WeightsMixin,
     widgets.VBox,
 ):
@@ -180,6 +182,13 @@ class MemoryWidget(
     pp = traitlets.Enum(list(PP_CHOICES), default_value=1)
     pp_schedule = traitlets.Enum(list(PP_SCHEDULES), default_value="gpipe")
     microbatches = traitlets.Int(None, allow_none=True, min=1)
+    # the stages a pipeline rank holds with "interleaved-1f1b" (None: 2, torchtitan's default)
+    stages_per_rank = traitlets.Int(None, allow_none=True, min=1)
+    # expert-parallel ranks (1: none) of a model with experts, and context-parallel ranks
+    # (1: none), each holding seq_len / cp tokens: the whole world, so moving either sets
+    # gpus to it (widget_parallel); each new question with ep or cp > 1 profiles one rank
+    ep = traitlets.Int(1, min=1)
+    cp = traitlets.Int(1, min=1)
 
     # set in __init__; declared here for the mixins (widget_controls, widget_summary), whose
     # methods take a MemoryWidget as self
@@ -216,6 +225,7 @@ class MemoryWidget(
         self._seq_cache: dict[tuple[Any, ...], int | None] = {}
         self._gpus_cache: dict[tuple[Any, ...], int | None] = {}
         self._pipeline_answered = set()
+        self._ranks_answered = set()
         self._at_rest_pending: asyncio.TimerHandle | None = None
         # why the last setting could not be estimated (shown in the headline until a move)
         self._error = ""
@@ -233,9 +243,11 @@ class MemoryWidget(
         if "precision" not in settings and Precision.FP32 not in profile.precisions:
             # a model with a kernel that runs in some dtypes only: start where it runs
             settings = {**settings, "precision": profile.precisions[0].value}
-        if settings.get("pp", 1) != 1 and "gpus" not in settings:
-            # the world size, as moving the pp control sets it (widget_pipeline)
-            settings = {**settings, "gpus": settings["pp"] * settings.get("tp", 1)}
+        if any(settings.get(n, 1) != 1 for n in ("pp", "ep", "cp")) and "gpus" not in settings:
+            # the world size, as moving the pp, ep or cp control sets it (widget_pipeline,
+            # widget_parallel)
+            world = math.prod(settings.get(n, 1) for n in ("pp", "tp", "ep", "cp"))
+            settings = {**settings, "gpus": world}
         if "gpu" in settings:
             # any form a capacity takes: a catalog name, "80GiB", bytes (custom size)
             settings = {**settings, **_gpu_settings(settings["gpu"])}
@@ -250,6 +262,7 @@ class MemoryWidget(
             self._pair_checkpoint(None)
         self._estimate = self._compute()
         self._pipeline_answered_now()
+        self._ranks_answered_now()
         figure = build_figure(
             self._estimate,
             depth=self.depth,
@@ -466,6 +479,7 @@ class MemoryWidget(
             "gpus_per_node": self.gpus_per_node,
             "tp": self.tp,
             **self._pipeline_settings(),
+            **self._rank_settings(),
             **self._fixed,
         }
 
@@ -482,6 +496,8 @@ class MemoryWidget(
         in the length) still has to be profiled (torch)."""
         if self._pipeline_parallel:  # each new question runs every stage
             return self._pipeline_needs_profiling()
+        if self._rank_parallel:  # each new question is one ep or cp rank's sub-profile
+            return self._ranks_need_profiling()
         if self._tensor_parallel:  # each new question is a sub-profile of its own
             return not self._profile.tensor_parallel_cached(self.batch_size, **self._settings())
         levers = self._step_levers()
@@ -521,9 +537,10 @@ class MemoryWidget(
     @property
     def _per_batch(self) -> bool:
         """Whether each batch is a profiling run of its own: the compiled step (compiled.
-        decided_at), a tensor-parallel rank's sub-profile and the pipeline stages' steps,
-        whose keys hold the batch."""
-        return self._compiled or self._tensor_parallel or self._pipeline_parallel
+        decided_at), a tensor-, expert- or context-parallel rank's sub-profile and the
+        pipeline stages' steps, whose keys hold the batch."""
+        layouts = (self._tensor_parallel, self._pipeline_parallel, self._rank_parallel)
+        return self._compiled or any(layouts)
 
     def _settings_key(self, *leave_out: str, card: bool = True) -> tuple[Any, ...]:
         """Every setting an estimate takes (but ``leave_out``) and, with ``card``, the card's
@@ -578,6 +595,7 @@ class MemoryWidget(
         partners = [
             *([] if checkpoint_partner is None else [checkpoint_partner]),
             *self._pair_pipeline(change["name"]),
+            *self._pair_world(change["name"]),
             *filter(None, [self._pair_weights(change["name"])]),
         ]
         # The batch and the grouping depth are in no profile's or frontier's key: a move of
@@ -617,6 +635,7 @@ class MemoryWidget(
             return
         self._error = ""
         self._pipeline_answered_now()
+        self._ranks_answered_now()
         if profiling and change["name"] in ("weights", "float8"):
             # the loaded layout of the new weights, beside their sub-profile (a meta build)
             with contextlib.suppress(ValueError, TypeError, ImportError):
@@ -656,6 +675,7 @@ class MemoryWidget(
             + (f" + {self.new_tokens} new" if self._generating else "")
             + (f" / {levers.describe()}" if levers is not None and levers.active else "")
             + (f" / tp={self.tp}" if self._tensor_parallel else "")
+            + "".join(f" / {k}={v}" for k, v in self._rank_settings().items())
             + (
                 f" / pp={self.pp} {self.pp_schedule} x {self.microbatches or self.pp}"
                 if self._pipeline_parallel
@@ -760,6 +780,9 @@ _SETTINGS: tuple[str, ...] = (
     "pp",
     "pp_schedule",
     "microbatches",
+    "stages_per_rank",
+    "ep",
+    "cp",
 )
 
 
@@ -846,7 +869,13 @@ def show_memory(
         4, 8}: pipeline stages of a Hugging Face decoder on a CPU profile, one a GPU, with
         ``gpus`` = ``pp`` x ``tp``: moving the control, or giving ``pp`` without
         ``gpus``, sets ``gpus`` so), ``pp_schedule``
-        ({"gpipe", "1f1b"}) and ``microbatches`` (int >= 1, or None: ``pp``).
+        ({"gpipe", "1f1b", "interleaved-1f1b"}), ``microbatches`` (int >= 1, or None:
+        ``pp``) and ``stages_per_rank`` (int >= 2 with "interleaved-1f1b", or None: 2), and
+        ``ep`` (int >= 1: expert-parallel ranks of a model with experts, dividing their
+        number; its control shows for such a model) and ``cp`` (int >= 1: context-parallel
+        ranks of a ``device="cuda"`` profile of an SDPA model, dividing ``seq_len``;
+        UNCONFIRMED against a real CUDA run), each the whole world: given without
+        ``gpus``, ``gpus`` is ``pp x tp x ep x cp``, as moving their controls sets it.
 
     Returns
     -------
@@ -918,6 +947,7 @@ def show_memory(
     _check_optimizer_settings(initial_settings)
     _check_lever_forms(initial_settings, device)
     check_pipeline_forms(initial_settings)
+    check_rank_forms(initial_settings)
     profile = profile_model(
         model,
         input_size=input_size,

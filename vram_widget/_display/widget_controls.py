@@ -5,9 +5,11 @@ A tab per question: **Step** (what one step is: batch, sequence length, precisio
 tokens), **Optimizer** (:mod:`.optimizer_control`), **Memory levers** (what trades compute
 for memory: checkpointing and its policy, the parameters that train, micro-batches, LoRA,
 the chunked output and loss, activation offloading) and **GPUs** (the card, its
-allocator's ``expandable_segments`` setting, and data parallelism); how the figure groups
-modules is a display setting, in a small "Display" section apart from the questions. Every
-control has a visible label and a tooltip saying what it changes.
+allocator's ``expandable_segments`` setting, and the parallel layouts: data, tensor, expert
+and context parallelism (:mod:`.widget_parallel`), pipeline stages
+(:mod:`.widget_pipeline`)); how the figure groups modules is a display setting, in a small
+"Display" section apart from the questions. Every control has a visible label and a
+tooltip saying what it changes.
 
 The controls are views of the widget's traits (the truth): a control writes its trait, and
 :meth:`ControlsMixin._sync_controls` shows the traits on the controls without feeding back.
@@ -267,17 +269,38 @@ class ControlsMixin:
         expandable = widgets.Checkbox(indent=False, layout={"width": "220px"})
         if self._profile.device is not Device.CUDA:  # no caching allocator to replay
             expandable.layout.display = "none"
-        strategy = widgets.Dropdown(
-            options=list(self.traits()["strategy"].values or []), layout={"width": "200px"}
+        # a view of its trait (as tp's, below): a strategy refused beside tp, ep, cp or pp
+        # goes back on the dropdown too
+        self._strategy_dropdown = strategy = widgets.Dropdown(
+            options=list(self.traits()["strategy"].values or []),
+            value=self.strategy,
+            description="strategy",
+            tooltip=TOOLTIPS["strategy"],
+            style={"description_width": "initial"},
+            layout={"width": "200px"},
         )
+        strategy.observe(lambda change: self._set_from_control("strategy", change["new"]), "value")
         self._per_node_box = widgets.BoundedIntText(min=1, max=GPUS_MAX, layout={"width": "150px"})
-        # tp: disabled, the reason in its tooltip, where the model has no plan
+        # tp: disabled, the reason in its tooltip, where the model has no plan. A view of
+        # its trait, not a link: a tp the estimate refuses with the other layouts (ep, cp,
+        # pp) puts the trait back, and the sync puts the dropdown back with it
         self._tp_refusal = self._profile.tensor_parallel_refusal(2)
         self._tp_dropdown = widgets.Dropdown(
-            options=self._tp_options(), layout={"width": "110px"}, disabled=bool(self._tp_refusal)
+            options=self._tp_options(),
+            value=self.tp,
+            description="tp",
+            tooltip=TOOLTIPS["tp"],
+            style={"description_width": "initial"},
+            layout={"width": "110px"},
+            disabled=bool(self._tp_refusal),
         )
-        # pp, its schedule and micro-batches (widget_pipeline)
+        self._tp_dropdown.observe(
+            lambda change: self._set_from_control("tp", change["new"]), "value"
+        )
+        # pp, its schedule, stages a rank and micro-batches (widget_pipeline); ep and cp
+        # (widget_parallel)
         self._pipeline_controls = self._build_pipeline_controls()
+        self._rank_controls = self._build_rank_controls()
         max_depth = (
             int(self._estimate.layers.depth.max()) if len(self._estimate.layers.depth) else 0
         )
@@ -293,9 +316,7 @@ class ControlsMixin:
             (accumulation, "grad_accumulation", "micro-batches"),
             (lora, "lora_rank", "LoRA rank"),
             (expandable, "expandable_segments", "expandable_segments"),
-            (strategy, "strategy", "strategy"),
             (self._per_node_box, "gpus_per_node", "per node"),
-            (self._tp_dropdown, "tp", "tp"),
         ):
             control.description = label
             control.tooltip = TOOLTIPS[name]
@@ -434,6 +455,7 @@ class ControlsMixin:
             c["strategy"],
             self._per_node_box,
             self._tp_dropdown,
+            *self._rank_controls,
             *self._pipeline_controls,
             self._tokens_slider,
             self._tokens_box,
@@ -466,6 +488,7 @@ class ControlsMixin:
             c["strategy"],
             self._per_node_box,
             self._tp_dropdown,
+            *self._rank_controls,
             *self._pipeline_controls,
         )
         gpus = widgets.VBox([_row(c["gpu"], self._custom_box, c["expandable"]), self._parallel_row])
@@ -517,6 +540,7 @@ class ControlsMixin:
             self._budget_dropdown.disabled = self.compile == COMPILE_OFF
             self._tp_dropdown.disabled = bool(self._tp_refusal)
             self._pp_dropdown.disabled = bool(self._pp_refusal)
+            self._cp_dropdown.disabled = bool(self._cp_refusal)
             self._weights_dropdown.disabled = self._weights_held
 
     def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
@@ -537,13 +561,15 @@ class ControlsMixin:
             )
             self._generation_row.layout.display = None if self._generating else "none"
             self._per_node_box.layout.display = None if self.strategy == "hsdp" else "none"
+            self._strategy_dropdown.value = self.strategy
             if list(self._tp_dropdown.options) != self._tp_options():
                 self._tp_dropdown.options = self._tp_options()
-                self._tp_dropdown.value = self.tp
+            self._tp_dropdown.value = self.tp
             self._frontier_panel.selected_index = 0 if self._frontier_shown() else None
             self._sync_lever_choices()
             self._sync_compile_controls()
             self._sync_pipeline_controls()
+            self._sync_rank_controls()
             self._sync_weights_control()
         finally:
             self._syncing = False

@@ -1,13 +1,17 @@
-"""Pipeline parallelism in the widget: the ``pp``, ``pp_schedule`` and ``microbatches``
-traits as ``estimate`` takes them, their controls in the GPUs group, the world size that
-follows ``pp``, and whether a setting still has to be profiled.
+"""Pipeline parallelism in the widget: the ``pp``, ``pp_schedule``, ``microbatches`` and
+``stages_per_rank`` traits as ``estimate`` takes them, their controls in the GPUs group, the
+world size that follows ``pp``, and whether a setting still has to be profiled.
 
 ``gpus`` is the world size, pipeline stages x tensor-parallel ranks (``estimate`` refuses
 any other with ``pp > 1``: ``check_pipeline_parallel``), so moving ``pp`` moves ``gpus`` to
-``pp x tp`` (back to ``tp`` at ``pp = 1``), and ``pp = 1`` puts ``microbatches`` back to its
-default (``pp``); a refused ``pp`` puts both back with it. Each batch with ``pp > 1`` is a
-profiling run of every stage (``ModelProfile.estimate``), so the searches over the batch are
-not run (:data:`PP_NOT_SEARCHED`), as with ``tp > 1``.
+``pp x tp`` (back to ``tp`` at ``pp = 1``; ``ep`` and ``cp`` ranks multiply it likewise,
+:mod:`.widget_parallel`), and ``pp = 1`` puts ``microbatches`` and ``stages_per_rank``
+back to their defaults (``pp``; 2 under ``"interleaved-1f1b"``), as a schedule other than
+``"interleaved-1f1b"`` puts ``stages_per_rank`` back; a refused move puts them back with
+it. The stages-a-rank control shows under ``"interleaved-1f1b"`` only, offering the counts
+the model's layers can be split into at the current ``pp``. Each batch with ``pp > 1`` is
+a profiling run of every stage (``ModelProfile.estimate``), so the searches over the batch
+are not run (:data:`PP_NOT_SEARCHED`), as with ``tp > 1``.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
+import traitlets
 
 from .._estimating.estimator import MemoryEstimate
+from .._estimating.options import PipelineSchedule
 from .._estimating.recipe import Recipe
 from .._estimating.recipe.parallel import (
     check_pipeline_parallel,
     check_pipeline_parallel_settings,
+    pipeline_stages_per_rank,
 )
 from .figure_stages import stage_unit
 from .widget_text import format_bytes
@@ -36,6 +43,7 @@ __all__ = [
     "PP_NOT_SEARCHED",
     "PP_SCHEDULES",
     "PP_TOOLTIPS",
+    "STAGES_PER_RANK_CHOICES",
     "PipelineMixin",
     "check_pipeline_forms",
     "stages_text",
@@ -48,6 +56,11 @@ PP_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
 PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 # the micro-batch counts offered; the dropdown's 0 is the default, pp (the trait's None)
 MICROBATCH_CHOICES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+# the stages a rank tried under "interleaved-1f1b" (those the model's layers can be split
+# into at the current pp are offered); the dropdown's 0 is the default (the trait's None):
+# 2, torchtitan's (pipeline_stages_per_rank)
+STAGES_PER_RANK_CHOICES: tuple[int, ...] = (2, 3, 4, 6, 8)
+_INTERLEAVED = PipelineSchedule.INTERLEAVED_1F1B.value
 # in place of a search with pp > 1, where each batch is a profiling run of its own
 PP_NOT_SEARCHED = "not searched with pp > 1 (each batch is a profiling run of its own)"
 
@@ -65,6 +78,10 @@ PP_TOOLTIPS: dict[str, str] = {
     "microbatches": "micro-batches the batch is split into (the batch is the whole step's; "
     "each micro-batch is batch / micro-batches, which must divide it); = pp: as many as "
     "stages",
+    "stages_per_rank": "stages each pipeline rank holds under interleaved-1f1b (rank r "
+    "holding stages r, r + pp, ...; pp x stages-a-rank stages, the layers split as "
+    "torchtitan counts them); = 2: torchtitan's default. Only the counts the model's layers "
+    "can be split into at this pp are offered; the bars are then one a rank",
 }
 """What each pipeline control changes (its tooltip), by the trait it sets."""
 
@@ -93,6 +110,12 @@ def check_pipeline_forms(settings: Mapping[str, Any]) -> None:
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise ValueError(
             f"invalid setting: microbatches={m!r}; give a whole number >= 1, or None for pp"
+        )
+    v = settings.get("stages_per_rank")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(
+            f"invalid setting: stages_per_rank={v!r}; give a whole number >= 2 (with "
+            "pp_schedule='interleaved-1f1b'), or None for its default, 2"
         )
 
 
@@ -133,13 +156,32 @@ class PipelineMixin:
     def _pipeline_settings(self: MemoryWidget) -> dict[str, Any]:  # type: ignore[misc]
         """The pipeline traits as ``estimate`` takes them: none at ``pp = 1`` (but a
         micro-batch count, which the estimate refuses there by name)."""
+        given = {
+            name: getattr(self, name)
+            for name in ("microbatches", "stages_per_rank")
+            if getattr(self, name) is not None
+        }
         if self.pp == 1:
-            return {} if self.microbatches is None else {"microbatches": self.microbatches}
-        return {"pp": self.pp, "pp_schedule": self.pp_schedule, "microbatches": self.microbatches}
+            return given
+        return {"pp": self.pp, "pp_schedule": self.pp_schedule, "microbatches": None, **given}
 
     def _pipeline_key(self: MemoryWidget) -> tuple[Any, ...]:  # type: ignore[misc]
-        # the card's compute capability sets the extras only, never a stage's run
-        return (self.batch_size, *self._settings_key("compute_capability", card=False))
+        # the card's compute capability sets the extras only, never a stage's run; the
+        # stages a rank as the stages are run (the default, None, is 2 or 1)
+        stages = self.stages_per_rank or (2 if self.pp_schedule == _INTERLEAVED else 1)
+        leave_out = ("compute_capability", "stages_per_rank")
+        return (self.batch_size, stages, *self._settings_key(*leave_out, card=False))
+
+    @traitlets.validate("stages_per_rank")
+    def _valid_stages_per_rank(self: MemoryWidget, proposal: dict[str, Any]) -> int | None:
+        """Stages a rank the model's layers can be split into at the current ``pp`` (the
+        schedule and the micro-batches are the estimate's to check), else refused."""
+        value = proposal["value"]
+        if value is not None and value > 1 and self.pp > 1:
+            refusal = self._profile.pipeline_parallel_refusal(self.pp, value)
+            if refusal:
+                raise traitlets.TraitError(refusal)
+        return value
 
     def _pipeline_needs_profiling(self: MemoryWidget) -> bool:  # type: ignore[misc]
         """Whether the estimate at this setting (pp > 1) runs the stages: not for a
@@ -153,7 +195,8 @@ class PipelineMixin:
             check_pipeline_parallel_settings(asked)
         except (TypeError, ValueError):  # refused at once: nothing is profiled
             return False
-        return self._profile.pipeline_parallel_refusal(self.pp) is None
+        stages = pipeline_stages_per_rank(asked.parallel)
+        return self._profile.pipeline_parallel_refusal(self.pp, stages) is None
 
     def _pipeline_answered_now(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Note the current setting's stages as profiled (after its estimate)."""
@@ -161,13 +204,19 @@ class PipelineMixin:
             self._pipeline_answered.add(self._pipeline_key())
 
     def _pair_pipeline(self: MemoryWidget, moved: str | None) -> list[tuple[str, Any]]:  # type: ignore[misc]
-        """After a move of ``pp`` (not a revert): GPUs to ``pp x tp``, and at ``pp = 1``
-        the micro-batches to their default. Returns each partner's name and old value."""
-        if moved != "pp" or self._reverting:
+        """After a move of ``pp`` (not a revert): GPUs to the world size (``pp x tp``, and
+        any ep or cp ranks), and at ``pp = 1`` the micro-batches and the stages a rank to
+        their defaults; after a move of the schedule away from ``"interleaved-1f1b"``, the
+        stages a rank to its default. Returns each partner's name and old value."""
+        if moved not in ("pp", "pp_schedule") or self._reverting:
             return []
-        moves: list[tuple[str, Any]] = [("gpus", self.pp * self.tp)]
-        if self.pp == 1:
+        moves: list[tuple[str, Any]] = []
+        if moved == "pp":
+            moves.append(("gpus", self._world_size()))
+        if moved == "pp" and self.pp == 1:
             moves.append(("microbatches", None))
+        if self.pp == 1 or self.pp_schedule != _INTERLEAVED:
+            moves.append(("stages_per_rank", None))
         partners = []
         for name, value in moves:
             old = getattr(self, name)
@@ -219,19 +268,36 @@ class PipelineMixin:
             style=style,
             layout={"width": "210px"},
         )
+        # the stages a rank each pp offers (its layers' split), found once per pp
+        self._stages_offered: dict[int, list[int]] = {}
+        self._stages_dropdown = widgets.Dropdown(
+            options=self._stages_options(),
+            value=self.stages_per_rank or 0,
+            description="stages a rank",
+            tooltip=PP_TOOLTIPS["stages_per_rank"],
+            style=style,
+            layout={"width": "190px"},
+        )
+        defaults = ("microbatches", "stages_per_rank")  # the dropdowns' 0 is the trait's None
         for control, name in (
             (self._pp_dropdown, "pp"),
             (self._schedule_dropdown, "pp_schedule"),
             (self._microbatch_dropdown, "microbatches"),
+            (self._stages_dropdown, "stages_per_rank"),
         ):
             control.observe(
                 lambda change, name=name: self._set_from_control(
-                    name, (change["new"] or None) if name == "microbatches" else change["new"]
+                    name, (change["new"] or None) if name in defaults else change["new"]
                 ),
                 "value",
             )
         self._sync_pipeline_controls()
-        return [self._pp_dropdown, self._schedule_dropdown, self._microbatch_dropdown]
+        return [
+            self._pp_dropdown,
+            self._schedule_dropdown,
+            self._stages_dropdown,
+            self._microbatch_dropdown,
+        ]
 
     def _pp_options(self: MemoryWidget) -> list[int]:  # type: ignore[misc]
         return sorted({*self._pp_offered, self.pp})
@@ -239,6 +305,19 @@ class PipelineMixin:
     def _microbatch_options(self: MemoryWidget) -> list[tuple[str, int]]:  # type: ignore[misc]
         counts = sorted({*MICROBATCH_CHOICES, self.microbatches or 1})
         return [(f"= pp ({self.pp})", 0), *((str(m), m) for m in counts)]
+
+    def _stages_options(self: MemoryWidget) -> list[tuple[str, int]]:  # type: ignore[misc]
+        """The default, and the stages a rank the model's layers can be split into at the
+        current pp (and the current count); none but the default at pp = 1."""
+        if self.pp > 1 and self.pp not in self._stages_offered:
+            self._stages_offered[self.pp] = [
+                v
+                for v in STAGES_PER_RANK_CHOICES
+                if self._profile.pipeline_parallel_refusal(self.pp, v) is None
+            ]
+        offered = self._stages_offered.get(self.pp, [])
+        counts = sorted({*offered, *([self.stages_per_rank] if self.stages_per_rank else [])})
+        return [("= 2", 0), *((str(v), v) for v in counts)]
 
     def _sync_pipeline_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the pipeline traits on their controls (no feedback: the caller holds
@@ -250,6 +329,13 @@ class PipelineMixin:
         if list(self._microbatch_dropdown.options) != self._microbatch_options():
             self._microbatch_dropdown.options = self._microbatch_options()
         self._microbatch_dropdown.value = self.microbatches or 0
+        if list(self._stages_dropdown.options) != self._stages_options():
+            self._stages_dropdown.options = self._stages_options()
+        self._stages_dropdown.value = self.stages_per_rank or 0
         shown = None if self.pp > 1 or self.microbatches is not None else "none"
         self._schedule_dropdown.layout.display = shown
         self._microbatch_dropdown.layout.display = shown
+        interleaved = self.pp > 1 and self.pp_schedule == _INTERLEAVED
+        self._stages_dropdown.layout.display = (
+            None if interleaved or self.stages_per_rank is not None else "none"
+        )

@@ -26,7 +26,7 @@ CONTROLLED: tuple[str, ...] = (
     "set_to_none", "expandable_segments", "checkpoint", "checkpoint_policy", "trainable",
     "grad_accumulation", "lora_rank", "loss_chunks", "offload_activations", "gpus", "strategy",
     "gpus_per_node", "new_tokens", "compile", "activation_memory_budget", "tp", "pp",
-    "pp_schedule", "microbatches", "weights", "float8",
+    "pp_schedule", "microbatches", "stages_per_rank", "ep", "cp", "weights", "float8",
 )  # fmt: skip
 # (compute_capability is the chosen GPU's, which the "GPU" control sets.)
 _NO_CONTROL = ("rank", "base_quantization", "compute_capability")

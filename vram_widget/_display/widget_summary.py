@@ -16,6 +16,7 @@ from .._estimating.sharding import resolve_parallel
 from .optimizer_control import split_choice
 from .widget_compile import NOT_SEARCHED
 from .widget_controls import GPUS_MAX, SEQ_SLIDER_MAX
+from .widget_parallel import context_parallel_text, expert_parallel_text
 from .widget_pipeline import PP_NOT_SEARCHED, stages_text
 from .widget_settings import weights_arg
 from .widget_text import (
@@ -168,6 +169,8 @@ class SummaryMixin:
             note = TP_NOT_SEARCHED
         elif self._pipeline_parallel:
             note = PP_NOT_SEARCHED
+        elif self._rank_parallel:
+            note = self._ranks_note
         if largest is None and (at_rest or below) and not self._per_batch:
             largest = self.largest_batch()
         largest_note = "" if below else note
@@ -293,7 +296,10 @@ class SummaryMixin:
 
     def _min_gpus_text(self: MemoryWidget, est: MemoryEstimate) -> str:  # type: ignore[misc]
         # data-parallel ranks only
+        # (the ep or cp ranks are the whole world: no data-parallel ranks to add)
         if est.mode is not Mode.TRAIN or self._tensor_parallel or self._pipeline_parallel:
+            return ""
+        if self._rank_parallel:
             return ""
         card = html.escape(self.target.name)
         try:
@@ -365,6 +371,10 @@ class SummaryMixin:
             rows.append(host)
         if est.pp > 1:  # each stage's peak; the batch is the whole step's
             rows.append(("Pipeline stages", stages_text(est)))
+        elif est.ep > 1:  # one rank's, the tokens routed evenly; the skewed bound beside it
+            rows.append(("Expert parallel", expert_parallel_text(est)))
+        elif est.cp > 1:  # one rank's share of the sequence; UNCONFIRMED
+            rows.append(("Context parallel", context_parallel_text(est)))
         elif est.gpus > 1:
             rows.append(("Data parallel", data_parallel_text(est)))
         rows.append(("Extras (reserve)", extras_text(est)))
@@ -383,6 +393,7 @@ class SummaryMixin:
             NOT_SEARCHED if self._compiled
             else TP_NOT_SEARCHED if self._tensor_parallel
             else PP_NOT_SEARCHED if self._pipeline_parallel
+            else self._ranks_note if self._rank_parallel
             else format_bytes(self.bytes_per_sample())
         )  # fmt: skip
         rows.append((f"Memory per extra {sample}", per_sample))

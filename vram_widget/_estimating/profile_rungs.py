@@ -253,10 +253,13 @@ class RungsMixin:
         """
         return self._source.tensor_parallel_refusal(tp)
 
-    def pipeline_parallel_refusal(self: ModelProfile, pp: int = 2) -> str | None:  # type: ignore[misc]
-        """Why this model cannot be split into ``pp`` pipeline stages (not a Hugging Face
-        decoder, ``pp`` not dividing its layers, inputs other than ids and labels, a profile
-        not made with ``device="cpu"``), or None; checked without profiling.
+    def pipeline_parallel_refusal(  # type: ignore[misc]
+        self: ModelProfile, pp: int = 2, stages_per_rank: int = 1
+    ) -> str | None:
+        """Why this model cannot be split into ``pp`` pipeline ranks of ``stages_per_rank``
+        stages each (not a Hugging Face decoder, ``pp`` not dividing its layers, too few
+        layers for the stages, inputs other than ids and labels, a profile not made with
+        ``device="cpu"``), or None; checked without profiling.
 
         Examples
         --------
@@ -265,7 +268,36 @@ class RungsMixin:
         >>> "splits a Hugging Face decoder" in profile.pipeline_parallel_refusal(2)
         True
         """
-        return self._source.pipeline_parallel_refusal(pp)
+        return self._source.pipeline_parallel_refusal(pp, stages_per_rank)
+
+    def expert_parallel_refusal(self: ModelProfile, ep: int = 2) -> str | None:  # type: ignore[misc]
+        """Why this model's experts cannot be split over ``ep`` ranks by its own plan (it
+        has no experts, or ``ep`` does not divide their number), or None; checked without
+        profiling.
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> "has no experts to split" in profile.expert_parallel_refusal(2)
+        True
+        """
+        return self._source.expert_parallel_refusal(ep)
+
+    def context_parallel_refusal(self: ModelProfile) -> str | None:  # type: ignore[misc]
+        """Why this model or its inputs cannot run torch's ring attention over
+        context-parallel ranks (a ``device="cpu"`` profile, attention other than SDPA, a
+        mask input), or None; checked without profiling (the layout and the sequence length
+        are :meth:`estimate`'s to check).
+
+        Examples
+        --------
+        >>> from vram_widget import profile_model, zoo
+        >>> profile = profile_model(zoo.mlp(4, hidden=(8,)), input_size=(4,), device="cpu")
+        >>> "device='cuda' profiles only" in profile.context_parallel_refusal()
+        True
+        """
+        return self._source.context_parallel_refusal()
 
     def tensor_parallel_cached(self: ModelProfile, batch_size: int = 1, **settings: Any) -> bool:  # type: ignore[misc]
         """Whether :meth:`estimate` with these arguments needs no profiling run: True for

@@ -603,8 +603,12 @@ class DiskCachedSource:
         refusal: str | None = self.inner.tensor_parallel_refusal(tp)
         return refusal
 
-    def pipeline_parallel_refusal(self, pp: int) -> str | None:
-        refusal: str | None = self.inner.pipeline_parallel_refusal(pp)
+    def context_parallel_refusal(self) -> str | None:
+        refusal: str | None = self.inner.context_parallel_refusal()
+        return refusal
+
+    def pipeline_parallel_refusal(self, pp: int, stages_per_rank: int = 1) -> str | None:
+        refusal: str | None = self.inner.pipeline_parallel_refusal(pp, stages_per_rank)
         return refusal
 
     def pipeline_stage_peaks(self, *args: Any) -> Any:

@@ -275,6 +275,18 @@ class SubProfiles:
             self._context_parallel[key] = estimate
         return self._context_parallel[key]
 
+    def context_parallel_refusal(self: _Source) -> str | None:  # type: ignore[misc]
+        """Why the model or its inputs cannot run torch's ring attention (a CPU profile,
+        attention other than SDPA, a mask input), or None; the layout and the sequence
+        length are the estimate's to check."""
+        subject = self.profiler.subject
+        names = [name for name, _ in subject.inputs.named_tensors()] if subject.inputs else []
+        try:
+            check_context_parallel_model(subject.model, names, subject.device)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def expert_parallel_estimate(self: _Source, ep: int, recipe: Any) -> Any:  # type: ignore[misc]
         """One of ``ep`` expert-parallel ranks' estimate of ``recipe`` (rank 0): a meta copy
         of the model with its experts sharded by its own plan (``expert_parallel.
@@ -350,10 +362,11 @@ class SubProfiles:
                 )
         return self._pipeline[key]
 
-    def pipeline_parallel_refusal(self: _Source, pp: int) -> str | None:  # type: ignore[misc]
-        """Why the model or its inputs cannot be split into ``pp`` stages, or None."""
+    def pipeline_parallel_refusal(self: _Source, pp: int, stages_per_rank: int = 1) -> str | None:  # type: ignore[misc]
+        """Why the model or its inputs cannot be split into ``pp`` ranks of
+        ``stages_per_rank`` stages each, or None."""
         try:
-            self._pipeline_inputs(pp, None, 1)
+            self._pipeline_inputs(pp, None, stages_per_rank)
         except ValueError as exc:
             return str(exc)
         return None
