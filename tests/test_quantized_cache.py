@@ -207,6 +207,17 @@ def test_refusals_name_the_setting(llama: tuple[torch.nn.Module, ModelProfile]) 
         Generation(residual_length=0)
 
 
+def test_sliding_window_layers_are_refused_by_name() -> None:
+    # transformers' QuantizedCache takes full-attention layers only; Mistral's sliding window
+    # makes its layers "sliding_attention": refused by name, not a profiling failure
+    from models import hf_mistral
+
+    profile = profile_model(hf_mistral(), inputs=hf_tokens(2), device="cpu")
+    with pytest.raises(ValueError, match="MistralForCausalLM has sliding_attention layers"):
+        profile.estimate(1, mode="generate", new_tokens=4, kv_cache="quantized")
+    assert profile._kv_cache_profiles == {}
+
+
 def test_with_quantized_weights(llama: tuple[torch.nn.Module, ModelProfile]) -> None:
     # both rungs at once: torchao's int8 weights and the 4-bit cache, to the byte
     pytest.importorskip("torchao")

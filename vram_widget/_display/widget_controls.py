@@ -209,6 +209,7 @@ class ControlsMixin:
         self._generation_row = _row(
             self._tokens_slider,
             self._tokens_box,
+            self._build_kv_cache_control(),  # widget_kv_cache
             display=None if self._generating else "none",
         )
         # Data parallelism: the ranks (a log slider like the batch's, and a box)
@@ -437,6 +438,7 @@ class ControlsMixin:
             *self._pipeline_controls,
             self._tokens_slider,
             self._tokens_box,
+            self._kv_cache_dropdown,
         )
         step = widgets.VBox(
             [
@@ -545,6 +547,7 @@ class ControlsMixin:
             self._sync_compile_controls()
             self._sync_pipeline_controls()
             self._sync_weights_control()
+            self._sync_kv_cache_control()
         finally:
             self._syncing = False
         self._custom_box.disabled = self.gpu != CUSTOM_GPU
