@@ -192,6 +192,8 @@ class MemoryWidget(
     _estimate: MemoryEstimate
     # set while a moved setting's partner is being set (no second estimate)
     _pairing: bool
+    # set while the controls show the traits (no feedback into them)
+    _syncing: bool
     _headline: widgets.HTML
     _bar: widgets.HTML
     _details: widgets.HTML

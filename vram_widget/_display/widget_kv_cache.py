@@ -200,7 +200,7 @@ def _check_bits(value: object) -> int:
         raise traitlets.TraitError(
             f"kv_bits={value!r}: the quantized KV cache (quanto backend) takes 2 or 4 bits"
         )
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 class KVBitsTrait(traitlets.Int):

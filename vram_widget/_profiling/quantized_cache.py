@@ -104,7 +104,7 @@ def check_full_attention(model: Any) -> None:
         from transformers.cache_utils import get_layer_types_and_kwargs
     except ImportError:  # an older transformers: its QuantizedCache says so when run
         return
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     try:
         layer_types, _kwargs = get_layer_types_and_kwargs(config)
     except (AttributeError, TypeError, ValueError):  # no decoder config to type
