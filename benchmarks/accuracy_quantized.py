@@ -1,5 +1,6 @@
-"""Quantized weights and float8 training: the estimate from the *plain* model's profile
-(``device="cpu"``) against ``measure()`` of the real libraries' step on the CPU.
+"""Quantized weights, float8 training and the quantized KV cache: the estimate from the
+*plain* model's profile (``device="cpu"``) against ``measure()`` of the real libraries' step
+on the CPU.
 
 Truth, per format (``measure(weights=...)`` / ``measure(float8=...)`` applies each by the
 library that implements it, on a copy of the model):
@@ -15,6 +16,12 @@ library that implements it, on a copy of the model):
   ``FrozenNF4Linear`` (torchtune's QLoRA);
 * torchao's float8 training with emulation on the CPU (``convert_to_float8_training``,
   ``float8-tensorwise`` / ``float8-rowwise``);
+* transformers' quantized KV cache in generation (``QuantizedCache``, optimum-quanto's
+  backend, the flat keywords ``kv_cache="quantized"``, ``kv_bits``, ``residual_length``):
+  ``kv-quanto-4`` (4 bits, transformers' default residual of 128 tokens) and ``kv-quanto-2``
+  (2 bits, a residual of 8 tokens that the 8 new tokens fill to its last one before the
+  flush), the model's weights in the precision's dtype; ``measure`` generates with the same
+  ``cache_config``;
 * training with a quantized base is PEFT's QLoRA (``prepare_model_for_kbit_training``,
   ``get_peft_model``, LoRA rank 8) for bitsandbytes' formats and torchtune's ``LoRALinear``
   for ``nf4-torchao``; AdamW over the adapters (float8: over every parameter).
@@ -63,7 +70,7 @@ import torch
 from _results import RESULTS, write_results
 from torch import nn
 
-from vram_widget import Float8, ModelProfile, Weights, profile_model, zoo
+from vram_widget import Float8, ModelProfile, Recipe, Weights, profile_model, zoo
 from vram_widget._estimating.quantized import quantized_bytes
 from vram_widget._profiling.measure import measure
 from vram_widget._profiling.nf4_torchao import nf4_layers, real_nf4
@@ -117,6 +124,13 @@ def _float8(recipe: str) -> Callable[[str], Float8]:
     return make
 
 
+# the quantized KV cache's rows (generation only): estimate's flat keywords, which measure
+# takes as a Recipe's Generation
+KV_CACHES: dict[str, dict[str, Any]] = {
+    "kv-quanto-4": {"kv_cache": "quantized", "kv_bits": 4},
+    "kv-quanto-2": {"kv_cache": "quantized", "kv_bits": 2, "residual_length": NEW_TOKENS},
+}
+
 # format -> its setting on each model
 FORMATS: dict[str, Callable[[str], Weights | Float8]] = {
     "nf4": lambda m: Weights("nf4", compute_dtype="bf16"),
@@ -130,6 +144,8 @@ FORMATS: dict[str, Callable[[str], Weights | Float8]] = {
     "float8-tensorwise": _float8("tensorwise"),
     "float8-rowwise": _float8("rowwise"),
 }
+
+ALL_FORMATS: list[str] = [*FORMATS, *KV_CACHES]
 
 
 def _inputs(model: str, setting: str, batch: int, tokens: int | None) -> Any:
@@ -152,6 +168,8 @@ def _lora_targets(model: str, fmt: str) -> object:
 
 def _keywords(model: str, fmt: str, setting: str) -> dict[str, Any]:
     """The keywords ``estimate`` and ``measure`` share for one format and setting."""
+    if fmt in KV_CACHES:
+        return {"mode": setting, "new_tokens": NEW_TOKENS, **KV_CACHES[fmt]}
     obj = FORMATS[fmt](model)
     kw: dict[str, Any] = {"float8": obj} if isinstance(obj, Float8) else {"weights": obj}
     if setting == "train":
@@ -242,7 +260,9 @@ def run(models: list[str], formats: list[str], batches: tuple[int, ...],
         settings = SETTINGS if name != "mlp" else ("train", "inference")
         storage_cache: dict[tuple[str, str], tuple[dict[str, int], dict[str, int]] | str] = {}
         for fmt in formats:
-            for setting in settings:
+            if fmt in KV_CACHES and name == "mlp":  # a KV cache needs a model that generates
+                continue
+            for setting in ("generate",) if fmt in KV_CACHES else settings:
                 kw = _keywords(name, fmt, setting)
                 profile = profiles["train" if setting == "train" else "prompt"]
                 for precision in precisions:
@@ -279,7 +299,7 @@ def _row(name: str, model: nn.Module, profile: ModelProfile, fmt: str, setting: 
     if setting == "generate":
         row["new_tokens"] = NEW_TOKENS
     try:
-        real = measure(model, _inputs(name, setting, batch, tokens), precision=precision, **kw)
+        real = _measure(model, _inputs(name, setting, batch, tokens), precision, batch, kw)
     except Exception as exc:  # one row's failure is recorded, the rest go on
         row["error"] = f"{type(exc).__name__}: {exc}"[:600]
         row["traceback"] = traceback.format_exc()[-1500:]
@@ -333,6 +353,15 @@ def _row(name: str, model: nn.Module, profile: ModelProfile, fmt: str, setting: 
     return row
 
 
+def _measure(model: nn.Module, inputs: Any, precision: str, batch: int,
+             kw: dict[str, Any]) -> Any:  # fmt: skip
+    """``measure`` of one row: the KV cache's settings as a Recipe (measure's way to them)."""
+    if "kv_cache" not in kw:
+        return measure(model, inputs, precision=precision, **kw)
+    recipe = Recipe.from_keywords(batch_size=batch, precision=precision, **kw)
+    return measure(model, inputs, recipe=recipe)
+
+
 def _pct(values: list[float]) -> tuple[str, str]:
     if not values:
         return "", ""
@@ -346,7 +375,7 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         "| storage to the byte |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for fmt in FORMATS:
+    for fmt in ALL_FORMATS:
         these = [r for r in measured if r["format"] == fmt]
         errors = [r for r in rows if r["format"] == fmt and "error" in r]
         if not these and not errors:
@@ -355,7 +384,9 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         resident = sum(r["resident_exact"] for r in these)
         stored = [r for r in these if "storage_exact" in r]
         storage = f"{sum(r['storage_exact'] for r in stored)} / {len(stored)}" if stored else "-"
-        label = f"{fmt} (no outlier column assumed)" if fmt == "int8-t6" else fmt
+        label = {"int8-t6": f"{fmt} (no outlier column assumed)"}.get(fmt, fmt)
+        if fmt in KV_CACHES:
+            label = f"{fmt} (KV cache, generation)"
         failed = f" (+{len(errors)} failed)" if errors else ""
         lines.append(
             f"| {label} | {len(these)}{failed} | {median} | {worst} | {resident} / "
@@ -408,7 +439,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=list(FORMATS),
+        choices=ALL_FORMATS,
         help="run only this format (repeatable); its rows of the models run replace those in "
         "the results, the other rows are kept",
     )
@@ -421,7 +452,7 @@ def main() -> None:
     if unknown or any(p not in DTYPES for p in precisions):
         parser.error(f"--models from {', '.join(MODELS)}; --precisions from bf16, fp32")
     batches, lengths = ((1,), (16,)) if args.quick else (BATCHES, LENGTHS)
-    formats = args.only or list(FORMATS)
+    formats = args.only or ALL_FORMATS
     started = time.perf_counter()
     rows = run(models, formats, batches, lengths, precisions)
     grid = "quick" if args.quick else "full"
@@ -437,7 +468,7 @@ def main() -> None:
         kept = [
             r for r in before["rows"] if r["format"] not in args.only or r["model"] not in models
         ]
-        model_order, format_order = list(MODELS), list(FORMATS)
+        model_order, format_order = list(MODELS), ALL_FORMATS
         rows = sorted(
             kept + rows,
             key=lambda r: (model_order.index(r["model"]), format_order.index(r["format"])),

@@ -36,6 +36,8 @@ _GPT2 = [
     "--seq-len",
     "16",
 ]
+# generation with transformers' quantized KV cache
+_KV_GENERATE = ["--mode", "generate", "--kv-cache", "quantized"]
 
 
 @pytest.fixture
@@ -521,6 +523,24 @@ def test_new_tokens_flag_is_estimate_generate(capsys: pytest.CaptureFixture[str]
     assert setting["kv_cache_bytes"] == est.kv_cache_bytes == 3 * 20 * 256
 
 
+def test_kv_cache_flags_are_estimate_keywords(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("optimum.quanto")
+    argv = [*_GPT2, "--device", "cpu", "--precision", "fp32", "--batch-size", "3"]
+    generate = ["--mode", "generate", "--new-tokens", "5", "--kv-cache", "quantized"]
+    out = _run_json([*argv, *generate, "--kv-bits", "2", "--residual-length", "64"], capsys)
+    assert out["kv_cache"] == {
+        "backend": "quanto", "nbits": 2, "q_group_size": 64, "residual_length": 64,
+    }  # fmt: skip
+    (setting,) = out["settings"]
+    # one layer's keys and values of 3 sequences x 2 heads x 16 prompt tokens x 16 dims:
+    # 1,536 values in 24 groups of 64, packed 4 a byte (384 B) with 24 float32 scales and
+    # 24 shifts (96 + 96 B): 576 B x 2 = 1,152; the residual of the 4 decode steps' tokens
+    # in fp32: 4 x 3 x 2 x 32 x 4 B = 3,072
+    assert setting["kv_cache_bytes"] == 1152 + 3072
+    assert setting["kv_cache_bytes_per_token"] == 2 * 32 * 4
+
+
 def test_weights_flags(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("transformers")
@@ -616,6 +636,21 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--new-tokens", "8"], "--new-tokens is for --mode generate"),
         (["--mode", "generate"], "--mode generate needs --new-tokens T"),
         (["--mode", "generate", "--new-tokens", "4"], "a Hugging Face model with generate()"),
+        (["--kv-cache", "quantized"], "--kv-cache is for --mode generate; got --mode train"),
+        (["--kv-bits", "2", "--q-group-size", "32"], "--kv-bits, --q-group-size: settings of"),
+        (["--kv-bits", "3"], "argument --kv-bits: invalid choice: 3 (choose from 4, 2)"),
+        (["--kv-cache", "int8"], "invalid choice: 'int8' (choose from 'quantized')"),
+        (["--residual-length", "0"], "0 is below 1: give a whole number >= 1"),
+        (
+            [*_KV_GENERATE, "--new-tokens", "200"],
+            "--new-tokens 200 and --residual-length 128: the model's quantized KV cache "
+            "quantizes all of it again once 128 new tokens",
+        ),
+        (
+            [*_KV_GENERATE, "--new-tokens", "40", "--residual-length", "4"],
+            "--new-tokens 40 and --residual-length 4: the model's quantized KV cache "
+            "quantizes all of it again once 4 new tokens",
+        ),
         (["--mode", "inference", "--checkpoint", "auto"], "--checkpoint: training only"),
         (["--mode", "inference", "--optimizer", "sgd"], "--optimizer: training only"),
         (["--mode", "inference", "--gpus", "2"], "--gpus: training only"),

@@ -159,6 +159,54 @@ def test_llama_generate_across_flushes(llama: tuple[torch.nn.Module, ModelProfil
         assert not sub.is_cached("fp32", "generate", seq_len=prompt, new_tokens=11)
 
 
+def test_flat_keywords(llama: tuple[torch.nn.Module, ModelProfile]) -> None:
+    # estimate's flat keywords are the Recipe's Generation: tiny Llama (2 layers x keys and
+    # values x 2 heads x 16 dims), prompt 16, fp32, 2 bits, residual 8, 8 new tokens. The
+    # prompt's 512 values per tensor in 8 groups of 64, packed 4 a byte (128 B) with 8
+    # float32 scales and 8 shifts (32 + 32 B): 192 B x 4 tensors = 768; the residual of the
+    # 7 decode steps' tokens: 7 x 4 x 2 x 16 x 4 B = 3,584
+    _model, profile = llama
+    flat = dict(mode="generate", seq_len=16, new_tokens=8, kv_cache="quantized", kv_bits=2)
+    est = profile.estimate(1, "fp32", residual_length=8, **flat)
+    assert est.kv_cache_bytes == 768 + 3584
+    assert est.peak_bytes == profile.estimate(recipe=_kv_recipe(1, "fp32", 8, 2, 8)).peak_bytes
+    # groups of 32: 16 scales and 16 shifts a tensor, 64 B more each: 4 x 64 = 256 B more
+    grouped = profile.estimate(1, "fp32", residual_length=8, q_group_size=32, **flat)
+    assert grouped.kv_cache_bytes == est.kv_cache_bytes + 256
+    # the recipe's setting, given again flat, agrees; another value conflicts by name
+    recipe = _kv_recipe(1, "fp32", 8, 2, 8)
+    assert profile.estimate(recipe=recipe, kv_bits=2).peak_bytes == est.peak_bytes
+    with pytest.raises(ValueError, match=r"kv_bits=4 conflicts with the recipe's generation"):
+        profile.estimate(recipe=recipe, kv_bits=4)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"kv_bits": 3}, r"kv_bits=3: the quantized KV cache \(quanto backend\) takes 2 or 4"),
+        ({"kv_bits": True}, r"kv_bits=True: .* takes 2 or 4"),
+        ({"kv_cache": "int8"}, r"unknown kv_cache 'int8'; valid: None .* or 'quantized'"),
+        ({"residual_length": 0}, r"residual_length=0: a positive int"),
+        ({"q_group_size": "64"}, r"q_group_size='64': a positive int"),
+        ({"kv_cache": None, "kv_bits": 2}, r"kv_bits=2: settings of the quantized KV cache"),
+        ({"kv_cache": None, "residual_length": 64}, r"residual_length=64: settings of the"),
+        ({"new_tokens": 129}, r"new_tokens=129 crosses that flush.*<= 128"),
+        ({"mode": "inference"}, r"KV cache of mode='generate'; got mode='inference'"),
+    ],
+)
+def test_flat_keyword_refusals(
+    llama: tuple[torch.nn.Module, ModelProfile], keywords: dict[str, object], message: str
+) -> None:
+    # each bad value is a ValueError naming it and the valid forms, before any profiling
+    _model, profile = llama
+    asked: dict[str, object] = {"mode": "generate", "new_tokens": 4, "kv_cache": "quantized"}
+    asked.update(keywords)
+    profiled = dict(profile._kv_cache_profiles)
+    with pytest.raises(ValueError, match=message):
+        profile.estimate(1, "fp32", **asked)  # type: ignore[arg-type]
+    assert profile._kv_cache_profiles == profiled
+
+
 def test_models_own_generation_config_is_estimated() -> None:
     # a model whose generation_config asks for the quantized cache is estimated as the
     # recipe's setting is, and measured with its own config
@@ -196,6 +244,17 @@ def test_refusals_name_the_setting(llama: tuple[torch.nn.Module, ModelProfile]) 
         Generation(kv_cache="int8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="residual_length=0: a positive int"):
         Generation(residual_length=0)
+
+
+def test_sliding_window_layers_are_refused_by_name() -> None:
+    # transformers' QuantizedCache takes full-attention layers only; Mistral's sliding window
+    # makes its layers "sliding_attention": refused by name, not a profiling failure
+    from models import hf_mistral
+
+    profile = profile_model(hf_mistral(), inputs=hf_tokens(2), device="cpu")
+    with pytest.raises(ValueError, match="MistralForCausalLM has sliding_attention layers"):
+        profile.estimate(1, mode="generate", new_tokens=4, kv_cache="quantized")
+    assert profile._kv_cache_profiles == {}
 
 
 def test_with_quantized_weights(llama: tuple[torch.nn.Module, ModelProfile]) -> None:

@@ -1350,6 +1350,7 @@ def test_controls_grouped_by_question_with_labels_and_tooltips(profile: ModelPro
             "compile",
             "memory budget",
             "new tokens",
+            "KV cache",
         ],
         "Optimizer": ["optimizer", "implementation", "in backward", "keep grads"],
         "Memory levers": [

@@ -23,6 +23,7 @@ from .._estimating.loading import LoadEstimate
 from .._estimating.options import Device, Mode, OptimizerChoice
 from .._estimating.recipe.weights import Weights, parse_weights, weight_format
 from .cli_args import DEFAULT_GPU, LAYER_ROWS, PROG, build_parser, validate
+from .cli_generation import kv_cache_config, kv_cache_keywords, kv_cache_line
 from .cli_models import (
     DEFAULT_MODEL,
     ModelSpec,
@@ -193,6 +194,7 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         keywords["seq_len"] = args.seq_len  # a --transformers model is profiled at its length
     if args.new_tokens is not None:
         keywords["new_tokens"] = args.new_tokens
+    keywords.update(kv_cache_keywords(args))
     if args.weights is not None:
         keywords["weights"] = Weights(
             weight_format(args.weights),
@@ -281,6 +283,8 @@ def _as_json(
         "input_shape": profile.input_shape,
         "device": device.value,
         "gpu": None if gpu is None else {"name": gpu.name, "memory_bytes": gpu.memory_bytes},
+        # the quantized KV cache's cache_config (transformers' names); null: the model's own
+        "kv_cache": kv_cache_config(args),
         "assumed": assumed,
         "peak_bytes_means": f"allocated: {ALLOCATED_MEANS[device]}",
         "reserved_bytes_means": f"reserved: {RESERVED_MEANS}; null on --device cpu",
@@ -325,6 +329,7 @@ def _setting_json(s: _Setting, gpu: Gpu | None) -> dict[str, Any]:
         "peak_op": est.peak_op,
         "peak_step": est.peak_step,
         "kv_cache_bytes": est.kv_cache_bytes,
+        "kv_cache_bytes_per_token": est.kv_cache_bytes_per_token,
         "flops": est.flops,
         "levers": est.levers.describe(),
         "weights": est.weights or None,
@@ -361,6 +366,9 @@ def _layer_frame(est: MemoryEstimate) -> Any:
 def _print_text(args: argparse.Namespace, profile: ModelProfile, settings: list[_Setting]) -> None:
     print(profile)
     first = settings[0].estimate
+    kv_line = kv_cache_line(args)
+    if kv_line:
+        print(kv_line)
     if first.weights:
         print(f"weights: {first.weights}")
     if first.float8:

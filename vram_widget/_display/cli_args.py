@@ -24,6 +24,7 @@ from .._estimating.options import (
     parse_option,
 )
 from .._estimating.sharding import DEFAULT_GPUS_PER_NODE, check_rank, resolve_parallel
+from .cli_generation import check_kv_cache, kv_cache_flags
 from .cli_models import (
     CALLABLE_FORM,
     DEFAULT_MODEL,
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_flags(parser.add_argument_group("model"))
     _input_flags(parser.add_argument_group("inputs"))
+    kv_cache_flags(parser.add_argument_group("KV cache (--mode generate)"), positive_int)
     _setting_flags(parser.add_argument_group("settings"))
     _recipe_flags(parser.add_argument_group("recipe (training)"))
     _lever_flags(parser.add_argument_group("memory levers (training)"))
@@ -737,6 +739,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     chosen = [p for group in (args.precision or [list(DEFAULT_PRECISIONS)]) for p in group]
     args.precisions = list(dict.fromkeys(chosen))  # repeated ones once, in order
     _check_mode(parser, args)
+    check_kv_cache(parser, args)
     _check_levers(parser, args)
     _check_parallel(parser, args)
     _check_gpu(parser, args)

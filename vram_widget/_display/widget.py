@@ -62,6 +62,7 @@ from .widget_controls import (
     TP_CHOICES,
     ControlsMixin,
 )
+from .widget_kv_cache import KVBitsTrait, KVCacheMixin, KVCacheTrait, check_kv_cache_forms
 from .widget_levers import LeversMixin
 from .widget_parallel import RanksMixin, check_rank_forms
 from .widget_pipeline import PP_CHOICES, PP_SCHEDULES, PipelineMixin, check_pipeline_forms
@@ -104,6 +105,7 @@ class MemoryWidget(
     PipelineMixin,
     RanksMixin,
     WeightsMixin,
+    KVCacheMixin,
     widgets.VBox,
 ):
     """Interactive memory / FLOPs view of one profiled model (see :func:`show_memory`).
@@ -126,6 +128,10 @@ class MemoryWidget(
     # generation (mode "generate"): the tokens generated after the prompt, whose length is
     # seq_len (the sequence slider reads "prompt length" then)
     new_tokens = traitlets.Int(DEFAULT_NEW_TOKENS, min=1)
+    # the KV cache generate keeps: None (the model's own) or "quantized" (transformers'
+    # QuantizedCache, optimum-quanto backend) at kv_bits 4 or 2 (widget_kv_cache)
+    kv_cache = KVCacheTrait(None, allow_none=True)
+    kv_bits = KVBitsTrait()
     gpu = traitlets.Enum([*GPUS, CUSTOM_GPU], default_value="H100 SXM 80GB")
     custom_gib = traitlets.Float(24.0)
     depth = traitlets.Int(1, min=0)
@@ -195,6 +201,8 @@ class MemoryWidget(
     _estimate: MemoryEstimate
     # set while a moved setting's partner is being set (no second estimate)
     _pairing: bool
+    # set while the controls show the traits (no feedback into them)
+    _syncing: bool
     _headline: widgets.HTML
     _bar: widgets.HTML
     _details: widgets.HTML
@@ -481,6 +489,7 @@ class MemoryWidget(
             **self._pipeline_settings(),
             **self._rank_settings(),
             **self._fixed,
+            **self._kv_cache_settings(),
         }
 
     @property
@@ -503,6 +512,9 @@ class MemoryWidget(
         levers = self._step_levers()
         if levers is None:  # refused by the estimate at once, nothing profiled
             return False
+        quantized_cache = self._kv_cache_needs_profiling()
+        if quantized_cache is not None:  # the quantized KV cache: a sub-profile answers
+            return quantized_cache
         weighted = self._weights_needs_profiling()
         if weighted is not None:  # quantized weights or float8: a sub-profile answers
             return weighted
@@ -575,7 +587,8 @@ class MemoryWidget(
         return capacity <= self._estimate.extras.cuda_context_bytes  # the same at any setting
 
     def _compute(self) -> MemoryEstimate:
-        refusal = self._weights_refusal()  # a library not installed, said before profiling
+        # a library not installed, said before profiling
+        refusal = self._weights_refusal() or self._kv_cache_refusal()
         if refusal:
             raise ValueError(refusal)
         return self._profile.estimate(self.batch_size, **self._settings())
@@ -673,6 +686,7 @@ class MemoryWidget(
             + (f" / {self.optimizer}" if self.mode == Mode.TRAIN.value else "")
             + (f" / {self.seq_len} tokens" if self.seq_len is not None else "")
             + (f" + {self.new_tokens} new" if self._generating else "")
+            + (f" / KV cache {self.kv_cache} {self.kv_bits}-bit" if self._kv_cache_active else "")
             + (f" / {levers.describe()}" if levers is not None and levers.active else "")
             + (f" / tp={self.tp}" if self._tensor_parallel else "")
             + "".join(f" / {k}={v}" for k, v in self._rank_settings().items())
@@ -757,6 +771,8 @@ _SETTINGS: tuple[str, ...] = (
     "set_to_none",
     "mode",
     "new_tokens",
+    "kv_cache",
+    "kv_bits",
     "gpu",
     "custom_gib",
     "depth",
@@ -843,7 +859,11 @@ def show_memory(
         one clears the other), ``mode``
         ({"train", "inference", "generate"}: generation
         where the model has ``generate()``, the sequence slider then the prompt's length),
-        ``new_tokens`` (int >= 1, the tokens a generation adds after the prompt), ``gpu``
+        ``new_tokens`` (int >= 1, the tokens a generation adds after the prompt),
+        ``kv_cache`` (None, the model's own cache, or ``"quantized"``: transformers'
+        ``QuantizedCache`` with optimum-quanto, estimated while ``new_tokens`` stays within
+        its ``residual_length``, 128) and ``kv_bits`` (4 or 2; its dropdown shows in mode
+        generate), ``gpu``
         (a GPU name of the catalog, ``"H100"``, ``"custom"``, or a capacity in any form
         ``MemoryEstimate.fits`` takes: ``"80GiB"``, ``"80G"``, ``"24 GB"`` (10**9) or bytes,
         which selects the custom size), ``custom_gib`` (float), ``depth``
@@ -948,6 +968,7 @@ def show_memory(
     _check_lever_forms(initial_settings, device)
     check_pipeline_forms(initial_settings)
     check_rank_forms(initial_settings)
+    check_kv_cache_forms(initial_settings)
     profile = profile_model(
         model,
         input_size=input_size,

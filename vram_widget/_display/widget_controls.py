@@ -211,6 +211,7 @@ class ControlsMixin:
         self._generation_row = _row(
             self._tokens_slider,
             self._tokens_box,
+            self._build_kv_cache_control(),  # widget_kv_cache
             display=None if self._generating else "none",
         )
         # Data parallelism: the ranks (a log slider like the batch's, and a box)
@@ -459,6 +460,7 @@ class ControlsMixin:
             *self._pipeline_controls,
             self._tokens_slider,
             self._tokens_box,
+            self._kv_cache_dropdown,
         )
         step = widgets.VBox(
             [
@@ -571,6 +573,7 @@ class ControlsMixin:
             self._sync_pipeline_controls()
             self._sync_rank_controls()
             self._sync_weights_control()
+            self._sync_kv_cache_control()
         finally:
             self._syncing = False
         self._custom_box.disabled = self.gpu != CUSTOM_GPU

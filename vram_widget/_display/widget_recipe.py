@@ -25,8 +25,8 @@ CONTROLLED: tuple[str, ...] = (
     "batch_size", "seq_len", "precision", "mode", "optimizer", "optimizer_in_backward",
     "set_to_none", "expandable_segments", "checkpoint", "checkpoint_policy", "trainable",
     "grad_accumulation", "lora_rank", "loss_chunks", "offload_activations", "gpus", "strategy",
-    "gpus_per_node", "new_tokens", "compile", "activation_memory_budget", "tp", "pp",
-    "pp_schedule", "microbatches", "stages_per_rank", "ep", "cp", "weights", "float8",
+    "gpus_per_node", "new_tokens", "kv_cache", "kv_bits", "compile", "activation_memory_budget",
+    "tp", "pp", "pp_schedule", "microbatches", "stages_per_rank", "ep", "cp", "weights", "float8",
 )  # fmt: skip
 # (compute_capability is the chosen GPU's, which the "GPU" control sets.)
 _NO_CONTROL = ("rank", "base_quantization", "compute_capability")

@@ -389,7 +389,7 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
             ``max_position_embeddings``. A generation whose steps cross the model's sliding
             window costs one more profiling run the first time (per precision): a run across
             the window, joined to the prompt's own. A model whose ``generation_config`` asks
-            for another cache than the dynamic one is refused by name (not estimated yet).
+            for another cache than the dynamic, static or quantized one is refused by name.
         recipe : Recipe, optional
             The whole setup as one value; the keywords above build one (a keyword that
             asks for something else than ``recipe`` holds is a ValueError).
@@ -398,6 +398,13 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
             (:meth:`Recipe.with_ <vram_widget.Recipe.with_>`), e.g.
             ``optimizer_in_backward=True``, ``set_to_none=False``, ``lora_dtype="bf16"``,
             ``context_bytes=...``; an unknown name is a TypeError listing the valid ones.
+            ``kv_cache="quantized"`` (with ``mode="generate"``) is transformers'
+            ``QuantizedCache`` (quanto backend) in place of the model's own cache, with
+            ``kv_bits`` (4 or 2), ``residual_length`` and ``q_group_size`` (transformers'
+            ``cache_config`` names; defaults 4, 128 and 64, its own): estimated while
+            ``new_tokens <= residual_length`` (a generation across the cache's flush is
+            refused by name), on a meta copy whose generation config asks for it (once per
+            setting); the three without ``kv_cache="quantized"`` are a ValueError.
             ``tp=k`` (with ``gpus=k``) estimates one of ``k`` tensor-parallel ranks, in
             training or inference: a meta copy of the model sharded by its own plan (a
             Hugging Face model's ``base_model_tp_plan``) or ``tp_plan={pattern:

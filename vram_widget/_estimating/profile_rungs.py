@@ -98,11 +98,14 @@ class RungsMixin:
         sub = self._quantized_profiles[key]
         return sub, {} if rank is None else self._lora_levers(levers)
 
-    def _kv_cache(self: ModelProfile, recipe: Recipe) -> tuple[ModelProfile, Recipe]:  # type: ignore[misc]
+    def _kv_cache(  # type: ignore[misc]
+        self: ModelProfile, recipe: Recipe, make: bool = True
+    ) -> tuple[ModelProfile | None, Recipe]:
         """The profile of a meta copy of the model whose generation config asks for the
         recipe's KV cache (made on first use, cached per setting; refused by name before
         any profiling where the generation is not estimated: ``kv_cache.py``) and the recipe
-        to ask it: the same, with the model's own cache setting (now the copy's)."""
+        to ask it: the same, with the model's own cache setting (now the copy's). With
+        ``make=False``, None where it is not made yet (nothing is profiled)."""
         gen = recipe.generation
         mode = recipe.step.mode
         if mode is not Mode.GENERATE:
@@ -117,10 +120,10 @@ class RungsMixin:
         )
         check_quantized_cache(name, gen.cache_config(), tokens)
         key = dataclasses.replace(gen, new_tokens=None)
-        if key not in self._kv_cache_profiles:
+        if key not in self._kv_cache_profiles and make:
             self._kv_cache_profiles[key] = self._source.kv_cache_profile(gen.cache_config())
         plain = dataclasses.replace(recipe, generation=Generation(new_tokens=tokens))
-        return self._kv_cache_profiles[key], plain
+        return self._kv_cache_profiles.get(key), plain
 
     def _float8(self: ModelProfile, recipe: Recipe) -> tuple[ModelProfile, Recipe]:  # type: ignore[misc]
         """The profile of the model converted to float8 training by torchao (made on first

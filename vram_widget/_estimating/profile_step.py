@@ -119,6 +119,7 @@ class StepMixin:
         """:meth:`estimate` of one resolved Recipe."""
         if recipe.generation.kv_cache is not None:  # the copy whose generate asks for it
             sub, plain = self._kv_cache(recipe)
+            assert sub is not None  # made
             return sub._estimate(plain)
         if recipe.float8.enabled:  # torchao's float8 copy answers
             sub, plain = self._float8(recipe)
@@ -259,10 +260,10 @@ class StepMixin:
         self: ModelProfile, batch_size: int = 1, recipe: Recipe | None = None, **keywords: Any
     ) -> bool:
         """Whether :meth:`estimate` with these arguments needs no further profiling run for
-        its quantized weights (``weights=``) or float8 training (``float8=``): the
-        sub-profile of that setting is made and holds the step. With neither, whether the
-        step itself is in this profile (as :meth:`is_cached` says). A question the estimate
-        refuses raises its ValueError.
+        its quantized weights (``weights=``), float8 training (``float8=``) or quantized KV
+        cache (``kv_cache=``): the sub-profile of that setting is made and holds the step.
+        With none, whether the step itself is in this profile (as :meth:`is_cached` says).
+        A question the estimate refuses raises its ValueError.
 
         Examples
         --------
@@ -275,6 +276,9 @@ class StepMixin:
         True
         """
         asked = Recipe.from_keywords(recipe, batch_size=batch_size, **keywords)
+        if asked.generation.kv_cache is not None:  # the copy whose generate asks for it
+            sub, plain = self._kv_cache(asked, make=False)
+            return sub is not None and sub.weights_cached(batch_size, recipe=plain)
         if asked.float8.enabled:
             check_float8(
                 asked.float8,

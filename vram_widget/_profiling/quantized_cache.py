@@ -94,6 +94,31 @@ def quanto_on_fake() -> Iterator[None]:
         packed_cls.unpack = unpack
 
 
+def check_full_attention(model: Any) -> None:
+    """Refuse, by name, a model whose layers are not all full attention: transformers'
+    ``QuantizedCache.__init__`` (transformers/cache_utils.py) raises "`QuantizedCache` is only
+    supported for models with only full attention layers" for any other layer type, as its
+    ``get_layer_types_and_kwargs(config)`` reads them (a ``sliding_window`` makes
+    ``"sliding_attention"`` layers). Models that transformers' version cannot type pass."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # an older transformers: its QuantizedCache says so when run
+        return
+    config: Any = getattr(model, "config", None)
+    try:
+        layer_types, _kwargs = get_layer_types_and_kwargs(config)
+    except (AttributeError, TypeError, ValueError):  # no decoder config to type
+        return
+    other = sorted(set(layer_types) - {"full_attention"})
+    if other:
+        raise ValueError(
+            f"kv_cache='quantized' is transformers' QuantizedCache, which takes models whose "
+            f"layers all have full attention (QuantizedCache.__init__, transformers/"
+            f"cache_utils.py); {type(model).__name__} has {', '.join(other)} layers "
+            "(config.layer_types, or its sliding_window): leave kv_cache=None for it"
+        )
+
+
 @contextlib.contextmanager
 def asking_kv_cache(model: Any, cache_config: dict[str, object]) -> Iterator[None]:
     """``model``'s generation config asking for transformers' ``QuantizedCache`` with
@@ -106,6 +131,7 @@ def asking_kv_cache(model: Any, cache_config: dict[str, object]) -> Iterator[Non
             f"kv_cache='quantized' is the KV cache of generate(): {type(model).__name__} "
             "has no generate() and generation_config"
         )
+    check_full_attention(model)
     config = copy.deepcopy(before)
     config.cache_implementation = "quantized"
     config.cache_config = dict(cache_config)

@@ -43,7 +43,7 @@ from .quantized import (
     quantized_copy,
     quantized_modules,
 )
-from .quantized_cache import require_quanto
+from .quantized_cache import check_full_attention, require_quanto
 from .source_runs import SourceRuns
 from .step import (
     PEFT_PREFIX,
@@ -160,6 +160,7 @@ class SubProfiles:
         optimum-quanto's packing made on fake tensors (``quantized_cache.quanto_on_fake``)."""
         require_quanto()
         subject = self.profiler.subject
+        check_full_attention(subject.model)  # refused by name before any run
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", InputShapeWarning)
             copy_ = meta_copy(subject.model)

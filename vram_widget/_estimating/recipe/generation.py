@@ -13,6 +13,12 @@ KV_BITS_DEFAULT = 4
 KV_BITS = (2, 4)
 Q_GROUP_SIZE_DEFAULT = 64
 RESIDUAL_LENGTH_DEFAULT = 128
+# the quantized cache's settings and their defaults (set only with kv_cache="quantized")
+QUANTIZED_DEFAULTS: dict[str, int] = {
+    "kv_bits": KV_BITS_DEFAULT,
+    "residual_length": RESIDUAL_LENGTH_DEFAULT,
+    "q_group_size": Q_GROUP_SIZE_DEFAULT,
+}
 
 
 class KVCache(StrEnum):
@@ -56,6 +62,10 @@ class Generation:
     Traceback (most recent call last):
     ...
     ValueError: kv_bits=8: the quantized KV cache (quanto backend) takes 2 or 4 bits
+    >>> Generation(kv_bits=2)
+    Traceback (most recent call last):
+    ...
+    ValueError: kv_bits=2: settings of the quantized KV cache, which kv_cache=None ...
     """
 
     new_tokens: int | None = None
@@ -83,6 +93,18 @@ class Generation:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: a positive int")
+        if self.kv_cache is None:  # settings of a cache not asked for: never dropped silently
+            given = [
+                f"{name}={getattr(self, name)!r}"
+                for name, default in QUANTIZED_DEFAULTS.items()
+                if getattr(self, name) != default
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: settings of the quantized KV cache, which "
+                    "kv_cache=None (the model's own cache) does not take; add "
+                    "kv_cache='quantized', or leave them out"
+                )
 
     def cache_config(self) -> dict[str, object]:
         """``generation_config.cache_config`` of this quantized cache, as generate takes it

@@ -107,6 +107,10 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "ep": ("parallel", "ep"),
     "cp": ("parallel", "cp"),
     "new_tokens": ("generation", "new_tokens"),
+    "kv_cache": ("generation", "kv_cache"),
+    "kv_bits": ("generation", "kv_bits"),
+    "residual_length": ("generation", "residual_length"),
+    "q_group_size": ("generation", "q_group_size"),
     "weights": ("weights", ""),
     "float8": ("float8", ""),
 }
@@ -127,7 +131,7 @@ class Recipe:
     (checkpointing, trainable subsets, LoRA, gradient accumulation), :class:`Weights`
     (bitsandbytes' quantized base weights), :class:`Float8` (torchao's float8 training of
     the Linear layers), :class:`ParallelSettings` (data-parallel ranks
-    and strategy), :class:`Generation` (new tokens) and :class:`Accelerator` (compute
+    and strategy), :class:`Generation` (new tokens, the KV cache) and :class:`Accelerator` (compute
     capability, allocator settings).
     ``ModelProfile.estimate(recipe=...)``, its searches and ``measure(recipe=...)`` take
     one; their flat keywords build one with :meth:`from_keywords`.
