@@ -38,18 +38,19 @@ def test_kv_cache_dropdown_drives_the_estimate() -> None:
     assert w.estimate.kv_cache_bytes == 1536 + 7168
     asked = dict(mode="generate", new_tokens=8, kv_cache="quantized", residual_length=8)
     assert w.figure.data[PEAK].y[0] == profile.estimate(1, kv_bits=2, **asked).peak_bytes
-    # a generation across the flush (9 new tokens, residual 8) is refused by name: kept
-    w.new_tokens = 9
+    # a generation across the flush past what is recorded step by step (40 new tokens,
+    # residual 8; kv_cache.DECODE_STEPS_ACROSS_FLUSH_MAX) is refused by name: kept
+    w.new_tokens = 40
     assert w.new_tokens == 8
-    assert "new_tokens=9 crosses that flush" in w._status.value
+    assert "new_tokens=40 crosses that flush" in w._status.value
     # the model's own cache: the recipe's residual_length waits with the quantized cache
     dropdown.value = "own"
     assert (w.kv_cache, w.estimate.kv_cache_bytes) == (None, (16 + 7) * 4 * 64 * 4)
     assert "profiled fp32 / generate / 16 tokens + 8 new in" in w._status.value
-    w.new_tokens = 20
-    dropdown.value = "quantized-4"  # 20 new tokens cross the flush: refused, kept
-    assert (w.kv_cache, dropdown.value, w.new_tokens) == (None, "own", 20)
-    assert "new_tokens=20 crosses that flush" in w._status.value
+    w.new_tokens = 40
+    dropdown.value = "quantized-4"  # 40 new tokens cross the flush: refused, kept
+    assert (w.kv_cache, dropdown.value, w.new_tokens) == (None, "own", 40)
+    assert "new_tokens=40 crosses that flush" in w._status.value
     w.new_tokens = 8
     dropdown.value = "quantized-4"  # profiles the 4-bit copy once, behind the label
     assert (w.kv_cache, w.kv_bits) == ("quantized", 4)
