@@ -547,6 +547,47 @@ class StagePeak:
     collectives: tuple[Collective, ...] = ()
 
 
+class _HeldSend:
+    """A send's ``Work`` that holds the sent tensor as gloo's does (its ``SendWork`` keeps
+    the tensor, ``ProcessGroupGloo::send`` in torch/csrc/distributed/c10d/ProcessGroupGloo.cpp),
+    where the fake process group's work holds nothing."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work = work
+        self.tensor = tensor
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def _sends_held() -> Iterator[None]:
+    """While active, each ``isend``'s work holds its tensor until the schedule drops the
+    work: a micro-batch's activations (or input gradient) stay alive after the stage lets go
+    of them, to the wait the schedule makes at the end of its step
+    (torch/distributed/pipelining/schedules.py, ``ScheduleGPipe._step_microbatches``:
+    ``fwd_sends_to_wait`` / ``bwd_sends_to_wait``), as on real gloo ranks. Both names are
+    patched: ``P2POp`` and ``batch_isend_irecv`` look ``isend`` up in distributed_c10d, the
+    stage in ``torch.distributed``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.isend
+
+    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = original(tensor, *args, **kwargs)
+        return None if work is None else _HeldSend(work, tensor)
+
+    dist.isend = distributed_c10d.isend = isend
+    try:
+        yield
+    finally:
+        dist.isend = distributed_c10d.isend = original
+
+
 def _steady_static(sched: Any) -> None:
     """Skip the schedule's first-step vote on how to learn the stages' shapes (a tensor
     ``.item()`` the fake tensors have no value for): every stage here was given its
@@ -612,11 +653,16 @@ def stage_peak(
         }
     config = _config(model)
     from .collectives import CollectiveLog
+    from .data_dependent import example_mask_values
     from .probe import KernelProbe
 
     counter = LiveBytes(KernelProbe())
     log = CollectiveLog()
-    with fake_process_group(pp, rank=rank), mode:
+    # Hugging Face's mask and packed-sequence tests read values a fake tensor has not: they
+    # answer as the example's tensors would (no padding mask, one sequence a row), so each
+    # stage runs SDPA with is_causal and no (S, S) mask, as the real ranks do
+    masks = example_mask_values(model, (), inputs)
+    with fake_process_group(pp, rank=rank), mode, masks, _sends_held():
         run = _rank(
             modules, rank, layout, fake_inputs, optimizer, implementation, _loss_fn(model),
             config.hidden_size, config.vocab_size, dtype,
