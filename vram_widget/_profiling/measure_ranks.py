@@ -116,9 +116,9 @@ def _measure_pipeline(
     stages_per_rank = pipeline_stages_per_rank(par)
     check_pipeline_model(model, inputs, par.pp, par.pp_split, stages_per_rank)
     lv = recipe.levers
-    asked = model_levers(model, lv.checkpoint, None, 1, checkpoint_policy=lv.checkpoint_policy)
+    levers = model_levers(model, lv.checkpoint, None, 1, checkpoint_policy=lv.checkpoint_policy)
     names = [name for name, _m in model.named_modules()]
-    checkpoint = pipeline_checkpoint_layers(asked.checkpoint, names)
+    checkpoint = pipeline_checkpoint_layers(levers.checkpoint, names)
     if _model_device(model).type != "cpu":
         raise ValueError(
             f"measure(pp={par.pp}) runs its ranks on the CPU with gloo; this model is on CUDA"

@@ -367,7 +367,8 @@ def checkpoint_layers(stage: StageModule) -> None:
     """
     from .fake import checkpoint_wrapped
 
-    layers = stage.model.model.layers
+    layers = stage.model.get_submodule("model.layers")
+    assert isinstance(layers, nn.ModuleList)
     for index, layer in enumerate(layers):
         layers[index] = checkpoint_wrapped(layer)
 
