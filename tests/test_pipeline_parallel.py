@@ -58,7 +58,7 @@ def test_each_stage_holds_its_layers_and_buffers(llama_profile) -> None:  # type
     assert one.stage_peak_bytes[1] < gpipe.stage_peak_bytes[1]
 
 
-def test_checkpointed_stages_hold_no_more(llama_profile) -> None:  # type: ignore[no-untyped-def]
+def test_each_stage_checkpoints_its_own_layers() -> None:
     from vram_widget._profiling.pipeline_parallel import checkpoint_layers, stage_copy
 
     # each stage's decoder layers wrapped after the split, as torchtitan's apply_ac wraps
@@ -68,14 +68,6 @@ def test_checkpointed_stages_hold_no_more(llama_profile) -> None:  # type: ignor
     checkpoint_layers(stage)
     assert [type(m).__name__ for m in stage.model.model.layers] == ["CheckpointWrapper"]
     assert type(model.model.layers[1]).__name__ == "LlamaDecoderLayer"
-    kwargs = {"optimizer": "adamw", "gpus": 2, "pp": 2, "microbatches": 4}
-    plain = llama_profile.estimate(8, **kwargs)
-    ckpt = llama_profile.estimate(8, checkpoint="auto", **kwargs)
-    # the same weights, optimizer state and buffers between steps; GPipe's last stage
-    # keeps 4 micro-batches' layer inputs instead of their activations
-    assert ckpt.stage_resident_bytes == plain.stage_resident_bytes
-    assert ckpt.stage_peak_bytes[1] < plain.stage_peak_bytes[1]
-    assert ckpt.peak_bytes == max(ckpt.stage_peak_bytes)
 
 
 def test_bad_layouts_are_refused_by_name(llama_profile) -> None:  # type: ignore[no-untyped-def]
