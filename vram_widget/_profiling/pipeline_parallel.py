@@ -20,7 +20,11 @@ torchtitan/distributed/activation_checkpoint.py wraps every child of ``layers``)
 A rank's memory is that of the real schedule over its ``PipelineStage`` objects: the
 estimate runs that schedule for one rank on fake tensors on PyTorch's fake process group
 (no communication, receive buffers left as they are), and counts the live storages of every
-op's outputs (:class:`LiveBytes`); ``measure`` runs it on real gloo ranks.
+op's outputs (:class:`LiveBytes`); ``measure`` runs it on real gloo ranks. Where the fake run
+would differ from a rank, it is made to hold what the rank holds: each send's tensor until
+the schedule waits for it (:func:`_sends_held`), no (S, S) mask where Hugging Face's tests
+would drop it (``data_dependent.example_mask_values``), the Python numbers ops wrap and the
+CPU generator states checkpointing keeps (:class:`LiveBytes`).
 """
 
 from __future__ import annotations
