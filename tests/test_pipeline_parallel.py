@@ -58,6 +58,18 @@ def test_each_stage_holds_its_layers_and_buffers(llama_profile) -> None:  # type
     assert one.stage_peak_bytes[1] < gpipe.stage_peak_bytes[1]
 
 
+def test_each_stage_checkpoints_its_own_layers() -> None:
+    from vram_widget._profiling.pipeline_parallel import checkpoint_layers, stage_copy
+
+    # each stage's decoder layers wrapped after the split, as torchtitan's apply_ac wraps
+    # each model part's layers; the model itself untouched
+    model = hf_llama()
+    stage = stage_copy(model, 1, 2, meta=True)
+    checkpoint_layers(stage)
+    assert [type(m).__name__ for m in stage.model.model.layers] == ["CheckpointWrapper"]
+    assert type(model.model.layers[1]).__name__ == "LlamaDecoderLayer"
+
+
 def test_bad_layouts_are_refused_by_name(llama_profile) -> None:  # type: ignore[no-untyped-def]
     from vram_widget import zoo
 
@@ -75,8 +87,13 @@ def test_bad_layouts_are_refused_by_name(llama_profile) -> None:  # type: ignore
         llama_profile.estimate(4, gpus=2, pp=2, pp_schedule="zigzag")
     with pytest.raises(ValueError, match=r"microbatches splits a pipeline-parallel step"):
         llama_profile.estimate(4, microbatches=2)
-    with pytest.raises(ValueError, match=r"pp=2 with checkpoint, precision='amp-bf16'"):
+    with pytest.raises(ValueError, match=r"pp=2 with precision='amp-bf16'"):
         llama_profile.estimate(4, gpus=2, pp=2, checkpoint="auto", precision="amp-bf16")
+    # every decoder layer checkpointed whole is estimated; a policy or a subset is not
+    with pytest.raises(ValueError, match=r"pp=2 with checkpoint_policy='op'"):
+        llama_profile.estimate(4, gpus=2, pp=2, checkpoint="auto", checkpoint_policy="op")
+    with pytest.raises(ValueError, match=r"pp > 1 with checkpoint=\['model.layers.0'\]"):
+        llama_profile.estimate(4, gpus=2, pp=2, checkpoint=["model.layers.0"])
     with pytest.raises(ValueError, match=r"pp=2 with mode='inference'"):
         llama_profile.estimate(4, gpus=2, pp=2, mode="inference")
     entry = zoo.ZOO["mlp"]
@@ -97,6 +114,8 @@ def test_measure_refuses_bad_layouts_before_any_rank() -> None:
         measure(model, hf_tokens(4), gpus=2, pp=2, microbatches=3)
     with pytest.raises(ValueError, match=r"pp=2 with lora_rank"):
         measure(model, hf_tokens(4), gpus=2, pp=2, lora_rank=4)
+    with pytest.raises(ValueError, match=r"pp > 1 with checkpoint=\['model.layers.1'\]"):
+        measure(model, hf_tokens(4), gpus=2, pp=2, checkpoint=["model.layers.1"])
     with pytest.raises(ValueError, match=r"pp_split=\['layers.0'\] does not split"):
         measure(model, hf_tokens(4), gpus=2, pp=2, pp_split=["layers.0"])
     with pytest.raises(ValueError, match=r"takes inputs=\{'input_ids'"):
@@ -104,21 +123,23 @@ def test_measure_refuses_bad_layouts_before_any_rank() -> None:
     assert time.monotonic() - t0 < 10  # no rank started
 
 
-# Each rank's measured peak against its estimate (fp32 and bf16, GPipe and 1F1B, 2 and 4
-# micro-batches of a batch of 4: measured 0.0 % to +0.71 % above, the first stage 10 B
-# below; interleaved 1F1B's last rank -0.76 % to +0.50 %; docs/guides/multi-gpu.md): a
-# bound of 1 %
+# The Mixtral's stages against its ranks (fp32, GPipe, 2 micro-batches; its bf16 first
+# stage is 2.9-4.3 % under, docs/known-gaps.md): a bound of 1 %
 PP_RELATIVE_SLACK = 0.01
 
 
 @pytest.mark.parametrize(
-    ("precision", "schedule", "microbatches"),
-    [("fp32", "gpipe", 2), ("bf16", "1f1b", 4), ("fp32", "interleaved-1f1b", 2),
-     ("bf16", "interleaved-1f1b", 4)],
+    ("precision", "schedule", "microbatches", "checkpoint"),
+    [("fp32", "gpipe", 2, None), ("bf16", "1f1b", 4, None),
+     ("fp32", "interleaved-1f1b", 2, None), ("bf16", "interleaved-1f1b", 4, None),
+     ("fp32", "gpipe", 4, "auto"), ("fp32", "1f1b", 2, "auto")],
 )  # fmt: skip
 def test_stages_against_real_pipeline_ranks(
-    one_thread: None, precision: str, schedule: str, microbatches: int
+    one_thread: None, precision: str, schedule: str, microbatches: int, checkpoint: str | None
 ) -> None:
+    # every rank to the byte: the stage's fake step holds what the real rank holds (each
+    # send's tensor to the schedule's wait, no (S, S) mask, the Python numbers AdamW wraps,
+    # with checkpoint each layer's CPU generator state)
     from models import assert_model_unchanged, snapshot_model
 
     from vram_widget import measure
@@ -127,13 +148,13 @@ def test_stages_against_real_pipeline_ranks(
     model = hf_llama()
     before = snapshot_model(model)
     kwargs = {"optimizer": "adamw", "precision": precision, "gpus": 2, "pp": 2,
-              "pp_schedule": schedule, "microbatches": microbatches}  # fmt: skip
+              "pp_schedule": schedule, "microbatches": microbatches,
+              "checkpoint": checkpoint}  # fmt: skip
     est = profile_model(model, inputs=hf_tokens(2), device="cpu").estimate(4, **kwargs)
     real = measure(model, hf_tokens(4), timeout_s=60, **kwargs)
     assert_model_unchanged(model, before)
     assert (real.gpus, real.pp, len(real.rank_peak_bytes)) == (2, 2, 2)
-    for estimated, measured in zip(est.stage_peak_bytes, real.rank_peak_bytes, strict=True):
-        assert abs(estimated / measured - 1) <= PP_RELATIVE_SLACK, (estimated, measured)
+    assert est.stage_peak_bytes == real.rank_peak_bytes
 
 
 def test_stages_split_where_asked(llama_profile) -> None:  # type: ignore[no-untyped-def]

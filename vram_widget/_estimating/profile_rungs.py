@@ -31,6 +31,7 @@ from .recipe.parallel import (
     check_tensor_parallel,
     check_tensor_parallel_settings,
     context_parallel_refusals,
+    pipeline_checkpoint_layers,
     pipeline_microbatches,
     pipeline_stages_per_rank,
     tensor_parallel_refusals,
@@ -330,12 +331,15 @@ class RungsMixin:
         par, step = recipe.parallel, recipe.step
         check_pipeline_parallel(par, step.batch_size)
         check_pipeline_parallel_settings(recipe)
+        lv = recipe.levers
+        asked = self.levers(checkpoint=lv.checkpoint, checkpoint_policy=lv.checkpoint_policy)
+        checkpoint = pipeline_checkpoint_layers(asked.checkpoint, self.rows.names)
         m = pipeline_microbatches(par)
         opt_name = recipe.optimizer.name
         stages = self._source.pipeline_stage_peaks(
             par.pp, par.pp_schedule, m, step.batch_size, step.seq_len, step.precision,
             opt_name, recipe.optimizer.implementation, par.pp_split,
-            pipeline_stages_per_rank(par),
+            pipeline_stages_per_rank(par), checkpoint,
         )  # fmt: skip
         whole = self._estimate(
             recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None,

@@ -90,6 +90,7 @@ class ProfileSource(Protocol):
         implementation: OptimizerImplementation | None,
         split: tuple[str, ...] | None = None,
         stages_per_rank: int = 1,
+        checkpoint: bool = False,
     ) -> tuple[Any, ...]: ...
 
     def generation(

@@ -30,6 +30,7 @@ from .measurement import Measurement
 from .step import (
     ModelInputs,
     check_model,
+    model_levers,
 )
 
 
@@ -96,6 +97,7 @@ def _measure_pipeline(
     from .._estimating.recipe.parallel import (
         check_pipeline_parallel,
         check_pipeline_parallel_settings,
+        pipeline_checkpoint_layers,
         pipeline_microbatches,
         pipeline_stages_per_rank,
     )
@@ -113,6 +115,10 @@ def _measure_pipeline(
     check_pipeline_parallel_settings(recipe)
     stages_per_rank = pipeline_stages_per_rank(par)
     check_pipeline_model(model, inputs, par.pp, par.pp_split, stages_per_rank)
+    lv = recipe.levers
+    levers = model_levers(model, lv.checkpoint, None, 1, checkpoint_policy=lv.checkpoint_policy)
+    names = [name for name, _m in model.named_modules()]
+    checkpoint = pipeline_checkpoint_layers(levers.checkpoint, names)
     if _model_device(model).type != "cpu":
         raise ValueError(
             f"measure(pp={par.pp}) runs its ranks on the CPU with gloo; this model is on CUDA"
@@ -124,7 +130,7 @@ def _measure_pipeline(
     def rank_step(_rank: int, _world: int) -> tuple[int, int]:
         return measure_stage(
             model, inputs, par.pp_schedule, m, precision, optimizer, implementation,
-            par.pp_split, stages_per_rank,
+            par.pp_split, stages_per_rank, checkpoint,
         )  # fmt: skip
 
     ranks = run_ranks(rank_step, par.gpus, timeout_s)

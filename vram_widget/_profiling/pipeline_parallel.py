@@ -11,15 +11,25 @@ between, each stage a copy of the model with the other stages' modules removed).
 rank, rank r holding stages r, r + pp, ...) they are split as torchtitan counts them, the
 embedding and the head each weighing one layer (:func:`stage_layer_ranges`). Every stage
 keeps the rotary embedding (a buffer, as torchtitan keeps ``rotary_emb`` on every stage).
+With ``checkpoint``, each decoder layer of a stage is wrapped in torch's non-reentrant
+``checkpoint_wrapper`` after the split, as torchtitan applies activation checkpointing to
+each model part (torchtitan/distributed/pipeline_parallel.py, ``pipeline_llm``: each of the
+``model_parts`` goes through ``parallelize_fn``, whose ``apply_ac`` in
+torchtitan/distributed/activation_checkpoint.py wraps every child of ``layers``).
 
 A rank's memory is that of the real schedule over its ``PipelineStage`` objects: the
 estimate runs that schedule for one rank on fake tensors on PyTorch's fake process group
 (no communication, receive buffers left as they are), and counts the live storages of every
-op's outputs (:class:`LiveBytes`); ``measure`` runs it on real gloo ranks.
+op's outputs (:class:`LiveBytes`); ``measure`` runs it on real gloo ranks. Where the fake run
+would differ from a rank, it is made to hold what the rank holds: each send's tensor until
+the schedule waits for it (:func:`_sends_held`), no (S, S) mask where Hugging Face's tests
+would drop it (``data_dependent.example_mask_values``), the Python numbers ops wrap and the
+CPU generator states checkpointing keeps (:class:`LiveBytes`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -45,6 +55,7 @@ __all__ = [
     "LiveBytes",
     "StagePeak",
     "check_pipeline_model",
+    "checkpoint_layers",
     "measure_stage",
     "rank_stage_indices",
     "stage_copy",
@@ -329,13 +340,41 @@ class _Layout:
     microbatches: int
     stages_per_rank: int = 1
     split: tuple[str, ...] | None = None
+    checkpoint: bool = False
 
     @property
     def stages(self) -> int:
         return self.pp * self.stages_per_rank
 
     def copy(self, model: nn.Module, stage: int, meta: bool) -> StageModule:
-        return stage_copy(model, stage, self.stages, meta, self.split, self.stages_per_rank > 1)
+        out = stage_copy(model, stage, self.stages, meta, self.split, self.stages_per_rank > 1)
+        if self.checkpoint:
+            checkpoint_layers(out)
+        return out
+
+
+def checkpoint_layers(stage: StageModule) -> None:
+    """Wrap each decoder layer of ``stage`` in place in torch's non-reentrant
+    ``checkpoint_wrapper`` (``fake.checkpoint_wrapped``, the wrapper the ``checkpoint``
+    lever puts around a block), as torchtitan's ``apply_ac`` wraps each child of a model
+    part's ``layers`` (module docstring).
+
+    Examples
+    --------
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32,
+    ...     num_attention_heads=2, intermediate_size=64, vocab_size=100)
+    >>> s = stage_copy(transformers.LlamaForCausalLM(config), 0, 2, meta=True)
+    >>> checkpoint_layers(s)
+    >>> type(s.model.model.layers[0]).__name__
+    'CheckpointWrapper'
+    """
+    from .fake import checkpoint_wrapped
+
+    layers = stage.model.get_submodule("model.layers")
+    assert isinstance(layers, nn.ModuleList)
+    for index, layer in enumerate(layers):
+        layers[index] = checkpoint_wrapped(layer)
 
 
 def _pipeline_stage(
@@ -447,9 +486,28 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
 
+    @contextlib.contextmanager
+    def rng_states(self) -> Iterator[None]:
+        """Count the CPU generator states ``torch.get_rng_state()`` hands out in the block:
+        ``torch.utils.checkpoint`` keeps one a checkpointed region to its recompute
+        (``preserve_rng_state=True``; 5,056 bytes each, made in C++ outside the dispatcher,
+        which a CPU step's allocator sees: ``recorder.tracked_rng_states``)."""
+        original = torch.get_rng_state
+
+        def get_rng_state() -> torch.Tensor:
+            state = original()
+            self.track(state)
+            return state
+
+        torch.get_rng_state = get_rng_state
+        try:
+            yield
+        finally:
+            torch.get_rng_state = original
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from .probe import wants_probe
-        from .recorder import _ANY_DTYPE_OPS
+        from .recorder import _ANY_DTYPE_OPS, _promotion_copy_bytes, _wrapped_scalar_bytes
 
         kwargs = kwargs or {}
         # ops whose meta kernels refuse dtypes their kernels run (a Mixtral's fp32
@@ -458,6 +516,11 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **kwargs) if any_dtype is None else any_dtype(func, args, kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             self.track(t)
+        # the Python numbers the op wraps and the copies it casts live through the call,
+        # beside its outputs (as the profile's recorder counts them, CPU semantics): 12 B
+        # at AdamW's ``denom`` on the first stage's peak
+        scalars = _wrapped_scalar_bytes(func, args) + _promotion_copy_bytes(func, args, out)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + scalars)
         if self.probe is not None and wants_probe(func, args):
             self._probed.append((self.live_bytes, self.probe.request(func, args, kwargs)))
         return out
@@ -489,6 +552,47 @@ class StagePeak:
     collectives: tuple[Collective, ...] = ()
 
 
+class _HeldSend:
+    """A send's ``Work`` that holds the sent tensor as gloo's does (its ``SendWork`` keeps
+    the tensor, ``ProcessGroupGloo::send`` in torch/csrc/distributed/c10d/ProcessGroupGloo.cpp),
+    where the fake process group's work holds nothing."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work = work
+        self.tensor = tensor
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def _sends_held() -> Iterator[None]:
+    """While active, each ``isend``'s work holds its tensor until the schedule drops the
+    work: a micro-batch's activations (or input gradient) stay alive after the stage lets go
+    of them, to the wait the schedule makes at the end of its step
+    (torch/distributed/pipelining/schedules.py, ``ScheduleGPipe._step_microbatches``:
+    ``fwd_sends_to_wait`` / ``bwd_sends_to_wait``), as on real gloo ranks. Both names are
+    patched: ``P2POp`` and ``batch_isend_irecv`` look ``isend`` up in distributed_c10d, the
+    stage in ``torch.distributed``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.isend
+
+    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = original(tensor, *args, **kwargs)
+        return None if work is None else _HeldSend(work, tensor)
+
+    dist.isend = distributed_c10d.isend = isend
+    try:
+        yield
+    finally:
+        dist.isend = distributed_c10d.isend = original
+
+
 def _steady_static(sched: Any) -> None:
     """Skip the schedule's first-step vote on how to learn the stages' shapes (a tensor
     ``.item()`` the fake tensors have no value for): every stage here was given its
@@ -515,19 +619,21 @@ def stage_peak(
     implementation: OptimizerImplementation | None = None,
     split: tuple[str, ...] | None = None,
     stages_per_rank: int = 1,
+    checkpoint: bool = False,
 ) -> StagePeak:
     """Rank ``rank``'s step (its ``stages_per_rank`` stages) as ``torch.distributed.pipelining``
     runs it, on fake tensors and PyTorch's fake process group
     (``tensor_parallel.fake_process_group``): a meta copy of each stage's layers made fake,
     the schedule's third step counted by :class:`LiveBytes` (the first two make the receive
-    buffers and the optimizer state)."""
+    buffers and the optimizer state); with ``checkpoint``, every decoder layer checkpointed
+    (:func:`checkpoint_layers`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .step import storage_dtype
     from .tensor_parallel import fake_process_group
 
     dtype = storage_dtype(precision)
-    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split)
+    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split, checkpoint)
     modules = [
         layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
     ]
@@ -552,11 +658,16 @@ def stage_peak(
         }
     config = _config(model)
     from .collectives import CollectiveLog
+    from .data_dependent import example_mask_values
     from .probe import KernelProbe
 
     counter = LiveBytes(KernelProbe())
     log = CollectiveLog()
-    with fake_process_group(pp, rank=rank), mode:
+    # Hugging Face's mask and packed-sequence tests read values a fake tensor has not: they
+    # answer as the example's tensors would (no padding mask, one sequence a row), so each
+    # stage runs SDPA with is_causal and no (S, S) mask, as the real ranks do
+    masks = example_mask_values(model, (), inputs)
+    with fake_process_group(pp, rank=rank), mode, masks, _sends_held():
         run = _rank(
             modules, rank, layout, fake_inputs, optimizer, implementation, _loss_fn(model),
             config.hidden_size, config.vocab_size, dtype,
@@ -566,7 +677,7 @@ def stage_peak(
             for t in (*module.parameters(), *module.buffers()):
                 counter.track(t)
         counter.track(run.batch)
-        with counter:
+        with counter, counter.rng_states():
             run.iterate()
             run.iterate()
             gc.collect()
@@ -589,6 +700,7 @@ def measure_stage(
     implementation: OptimizerImplementation | None = None,
     split: tuple[str, ...] | None = None,
     stages_per_rank: int = 1,
+    checkpoint: bool = False,
 ) -> tuple[int, int]:
     """On a real gloo rank of ``measure(gpus=pp, pp=pp)``: this rank's stages (copies of
     their layers only, in the precision's dtype) stepped by the schedule, two steps first,
@@ -603,7 +715,7 @@ def measure_stage(
     rank, pp = dist.get_rank(), dist.get_world_size()
     dtype = storage_dtype(precision)
     config = _config(model)
-    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split)
+    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split, checkpoint)
 
     def session() -> _Rank:
         modules = []

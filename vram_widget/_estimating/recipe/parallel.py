@@ -4,6 +4,8 @@ it into a :class:`~vram_widget._estimating.sharding.Parallel`)."""
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from ..options import PipelineSchedule, Precision, Strategy, parse_option
@@ -379,12 +381,14 @@ def pipeline_parallel_refusals(recipe: Any) -> list[str]:
     Examples
     --------
     >>> from vram_widget._estimating.recipe import Recipe
-    >>> pipeline_parallel_refusals(Recipe.from_keywords(gpus=2, pp=2, checkpoint="auto"))
-    ['checkpoint']
+    >>> pipeline_parallel_refusals(Recipe.from_keywords(gpus=2, pp=2, checkpoint_policy="op"))
+    ["checkpoint_policy='op'"]
     """
     lv, step = recipe.levers, recipe.step
+    policy = lv.checkpoint_policy
     asked = {
-        "checkpoint": lv.checkpoint not in (None, False),
+        # full checkpointing of every decoder layer is estimated (pipeline_checkpoint_layers)
+        f"checkpoint_policy={policy!r}": policy not in (None, "full"),
         "trainable": lv.trainable is not None,
         "grad_accumulation": lv.grad_accumulation != 1,
         f"precision={step.precision.value!r}": step.precision
@@ -395,12 +399,44 @@ def pipeline_parallel_refusals(recipe: Any) -> list[str]:
     return refused + [n for n in tensor_parallel_refusals(recipe) if n not in refused]
 
 
+def pipeline_checkpoint_layers(checkpoint: Sequence[str], module_names: Sequence[str]) -> bool:
+    """Whether ``checkpoint`` (the resolved names of the modules to checkpoint) asks for
+    every decoder layer of a pipeline-split decoder (``model.layers.K``), each recomputed
+    whole: True for all of them, False for none, a ValueError for any other set (each
+    stage's layers are wrapped as torchtitan's ``apply_ac`` wraps the blocks of each model
+    part; a subset or other modules are not estimated with pipeline stages yet).
+
+    Examples
+    --------
+    >>> names = ["", "model", "model.layers", "model.layers.0", "model.layers.1"]
+    >>> pipeline_checkpoint_layers(("model.layers.0", "model.layers.1"), names)
+    True
+    >>> pipeline_checkpoint_layers((), names)
+    False
+    >>> pipeline_checkpoint_layers(("model.layers.0",), names)
+    Traceback (most recent call last):
+    ...
+    ValueError: pp > 1 with checkpoint=['model.layers.0']: ...
+    """
+    if not checkpoint:
+        return False
+    layers = {n for n in module_names if re.fullmatch(r"model\.layers\.\d+", n)}
+    if set(checkpoint) != layers:
+        raise ValueError(
+            f"pp > 1 with checkpoint={list(checkpoint)}: with pipeline stages, activation "
+            f"checkpointing is estimated for every decoder layer ({len(layers)} of them, "
+            "each wrapped in its stage); give checkpoint='auto', or leave pp at 1 for "
+            "other modules"
+        )
+    return True
+
+
 def check_pipeline_parallel_settings(recipe: Any) -> None:
     """A ValueError naming the settings :func:`pipeline_parallel_refusals` finds."""
     refused = pipeline_parallel_refusals(recipe)
     if refused and recipe.parallel.pp > 1:
         raise ValueError(
             f"pp={recipe.parallel.pp} with {', '.join(refused)}: not estimated with pipeline "
-            "parallelism yet (fp32 and bf16 training with any torch.optim optimizer are); "
-            "leave pp at 1 for these"
+            "parallelism yet (fp32 and bf16 training with any torch.optim optimizer, and "
+            "checkpoint='auto', are); leave pp at 1 for these"
         )
