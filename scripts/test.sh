@@ -30,8 +30,8 @@ python3 -m pytest --durations=25
 export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 python3 -c 'import torch; print("narrowed ISA: ATen", torch.backends.cpu.get_cpu_capability())'
 same_process=()
-for f in widget widget_pipeline widget_weights plotly_widget figures notebooks binder cli \
-    cli_layouts layouts recipe recipe_conflicts allocator replaying; do
+for f in widget widget_pipeline widget_weights widget_ranks widget_kv_cache plotly_widget figures \
+    notebooks binder cli cli_layouts layouts recipe recipe_conflicts allocator replaying; do
     same_process+=(--ignore="tests/test_$f.py")
 done
 python3 -m pytest tests -m "not browser and not slow" -q --durations=15 "${same_process[@]}"
