@@ -26,12 +26,15 @@ python3 -m pytest --durations=25
 # ATEN_CPU_CAPABILITY: aten/src/ATen/native/DispatchStub.cpp (compute_cpu_capability).
 # Left out of this pass too: the files that check the widget, the figures, the command line,
 # the Recipe and the allocator replay against the estimate made in the same process (or plain
-# numpy), which the instruction set does not change; the first pass runs them.
+# numpy), and those whose figures are sizes no kernel chooses (a loaded model's storages,
+# the bytes a collective sends, an estimate read back from the disk cache), which the
+# instruction set does not change; the first pass runs them.
 export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 python3 -c 'import torch; print("narrowed ISA: ATen", torch.backends.cpu.get_cpu_capability())'
 same_process=()
 for f in widget widget_pipeline widget_weights widget_ranks widget_kv_cache plotly_widget figures \
-    notebooks binder cli cli_layouts layouts recipe recipe_conflicts allocator replaying; do
+    notebooks binder cli cli_layouts layouts recipe recipe_conflicts allocator replaying \
+    loading communication disk_cache; do
     same_process+=(--ignore="tests/test_$f.py")
 done
 python3 -m pytest tests -m "not browser and not slow" -q --durations=15 "${same_process[@]}"
