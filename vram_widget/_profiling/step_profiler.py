@@ -29,6 +29,7 @@ from .._estimating.profile_source import ProfilingError
 from .carried import CarriedScalars
 from .checkpoint_policy import CheckpointPolicyError
 from .chunked_loss import chunked_step
+from .collectives import CollectiveLog
 from .composites import real_run_composites, rules_hold
 from .errors import entry_codes, user_traceback
 from .fake import (
@@ -104,9 +105,10 @@ class Profiler(OptimizerStateRuns):
             tuple[Precision, str | None, bool],
             tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[Any, ...]]],
         ] = {}
-        # a mode entered innermost around a run's step (collectives.CollectiveLog, which
-        # records a parallel rank's collectives); None for the profile's own runs
-        self.innermost: contextlib.AbstractContextManager[Any] | None = None
+        # whether each run records the collectives it issues (a parallel rank's step on the
+        # fake process group: collectives.CollectiveLog, the innermost mode), kept in its
+        # trace; the profile's own runs issue none
+        self.record_collectives = False
 
     def _state(
         self, precision: Precision
@@ -303,8 +305,7 @@ class Profiler(OptimizerStateRuns):
                     stack.enter_context(in_backward.hooked())
             else:
                 rec.set_phase(Phase.INFERENCE)
-            if self.innermost is not None:
-                stack.enter_context(self.innermost)
+            log = stack.enter_context(CollectiveLog()) if self.record_collectives else None
             step_starts: tuple[int, ...] = ()
             step_flops = np.zeros((0, 0), np.int64)
             try:
@@ -382,6 +383,7 @@ class Profiler(OptimizerStateRuns):
             step_flops=step_flops,
             host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
             compile_fallbacks=tuple(compile_fallbacks),
+            collectives=None if log is None else tuple(log.collectives),
         )
 
     def _structured(
