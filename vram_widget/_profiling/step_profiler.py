@@ -29,7 +29,6 @@ from .._estimating.profile_source import ProfilingError
 from .carried import CarriedScalars
 from .checkpoint_policy import CheckpointPolicyError
 from .chunked_loss import chunked_step
-from .collectives import CollectiveLog
 from .composites import real_run_composites, rules_hold
 from .errors import entry_codes, user_traceback
 from .fake import (
@@ -106,8 +105,8 @@ class Profiler(OptimizerStateRuns):
             tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[Any, ...]]],
         ] = {}
         # whether each run records the collectives it issues (a parallel rank's step on the
-        # fake process group: collectives.CollectiveLog, the innermost mode), kept in its
-        # trace; the profile's own runs issue none
+        # fake process group: its recorder reads them, collectives.collective_of), kept in
+        # its trace; the profile's own runs issue none
         self.record_collectives = False
 
     def _state(
@@ -181,6 +180,8 @@ class Profiler(OptimizerStateRuns):
             count_flops=flops,
         )
         rec.meta_is_shape_only = any(is_dtensor(p) for p in params.values())
+        if self.record_collectives:
+            rec.collectives = []
         # a torchao weight is a size-only wrapper: its inner tensors are the memory
         inner = {n: torchao_inner(p) for n, p in params.items()}
         plain = [
@@ -305,7 +306,6 @@ class Profiler(OptimizerStateRuns):
                     stack.enter_context(in_backward.hooked())
             else:
                 rec.set_phase(Phase.INFERENCE)
-            log = stack.enter_context(CollectiveLog()) if self.record_collectives else None
             step_starts: tuple[int, ...] = ()
             step_flops = np.zeros((0, 0), np.int64)
             try:
@@ -383,7 +383,7 @@ class Profiler(OptimizerStateRuns):
             step_flops=step_flops,
             host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
             compile_fallbacks=tuple(compile_fallbacks),
-            collectives=None if log is None else tuple(log.collectives),
+            collectives=None if rec.collectives is None else tuple(rec.collectives),
         )
 
     def _structured(
