@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from models import hf_llama, hf_tokens
@@ -215,3 +216,99 @@ def test_pipeline_sends_match_gloo(one_thread: None, schedule: str) -> None:
     assert sent == [{K.SEND: 16_384}, {K.SEND: 16_384}]
     assert dict(est.communication_sent_bytes_by_kind) == {K.SEND: 16_384}
     assert est.communication_sent_bytes == 16_384
+
+
+def _run(batch: int, *collectives: Collective) -> Any:
+    """A stand-in for a recorded run: its batch size and its collectives."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(batch_size=batch, collectives=collectives)
+
+
+def test_collectives_fitted_in_the_batch_by_hand() -> None:
+    from vram_widget._estimating.collective_fit import fit_collectives
+    from vram_widget._estimating.table import Poly
+
+    def fitted(*runs: Any) -> Any:
+        batches = tuple(r.batch_size for r in runs[:-1])
+        return fit_collectives(runs[:-1], lambda values: Poly.fit(batches, values), runs[-1])
+
+    # an all-reduce of 96 B a sample (a hidden state of 24 fp32 values) and an all-to-all
+    # of 32 B a sample keeping 16 B a sample, then a 1,000 B all-gather whatever the batch
+    def step(batch: int, reduced: int | None = None) -> Any:
+        return _run(
+            batch,
+            Collective(K.ALL_REDUCE, reduced or 96 * batch, 2),
+            Collective(K.ALL_TO_ALL, 32 * batch, 2, own_bytes=16 * batch),
+            Collective(K.ALL_GATHER, 1_000, 2),
+        )
+
+    fit = fitted(step(2), step(3), step(5))
+    # at batch 6: 576 B all-reduced (576 sent), 192 B all-to-all less 96 kept, 1,000 / 2
+    assert fit.at(6) == step(6).collectives
+    assert volume_of(fit.at(6)).sent_bytes == 576 + 96 + 500
+    assert fitted(step(2), step(3), step(5, reduced=481)) is None  # not a line: the check fails
+    assert fitted(step(2), step(3), _run(5, *step(5).collectives[:2])) is None  # one fewer
+    other = _run(5, Collective(K.BROADCAST, 480, 2), *step(5).collectives[1:])
+    assert fitted(step(2), step(3), other) is None  # another kind
+    assert fitted(step(2), _run(3, *step(3).collectives[:0]), step(5)) is None
+    unrecorded = _run(3, *step(3).collectives)
+    unrecorded.collectives = None
+    assert fitted(step(2), unrecorded, step(5)) is None
+
+
+def test_collectives_fitted_in_the_length_by_hand() -> None:
+    from vram_widget._estimating.collective_fit import StepCollectives, collectives_across
+    from vram_widget._estimating.table import Poly
+
+    # an all-reduce of a (batch, seq, 1) fp32 tensor: 64 B a sample at 16 tokens, 132 B at 33
+    def at_length(per_sample: int) -> StepCollectives:
+        zero = np.zeros(1, np.int64)
+        return StepCollectives(
+            (K.ALL_REDUCE,),
+            (2,),
+            Poly.affine(zero, np.asarray([per_sample])),
+            Poly.affine(zero, zero),
+        )
+
+    def fit(polys: tuple[Poly, ...]) -> Poly:
+        return Poly.across((16, 33), polys)
+
+    fits = (at_length(64), at_length(132))
+    check = _run(5, Collective(K.ALL_REDUCE, 5 * 50 * 4, 2))  # batch 5 of 50 tokens: 1,000 B
+    across = collectives_across(fits, fit, check, 50)
+    assert across is not None
+    assert across.at(3, 40) == (Collective(K.ALL_REDUCE, 3 * 40 * 4, 2),)  # 480 B
+    assert collectives_across(fits, fit, _run(5, Collective(K.ALL_REDUCE, 999, 2)), 50) is None
+    assert collectives_across((fits[0], None), fit, check, 50) is None
+
+
+def test_a_rank_estimate_runs_what_a_one_device_estimate_runs(
+    one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The collectives come from the runs the rank's timeline is fitted from: the rank's
+    # estimate runs the batch sizes a one-device estimate runs, none at the asked batch.
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from vram_widget._profiling.step_profiler import Profiler
+
+    batches: list[int] = []
+    original = Profiler.run
+
+    def counting(self: Profiler, precision: Any, batch_size: int, *args: Any) -> Any:
+        batches.append(batch_size)
+        return original(self, precision, batch_size, *args)
+
+    monkeypatch.setattr(Profiler, "run", counting)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 24))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    x = torch.randn(4, 32)
+    profile_model(model, inputs=x, device="cpu", cache=False).estimate(6, optimizer="sgd")
+    one_device, batches[:] = list(batches), []
+    profile = profile_model(model, inputs=x, device="cpu", cache=False)
+    est = profile.estimate(6, optimizer="sgd", gpus=2, tp=2, tp_plan=plan)
+    assert len(one_device) >= 3  # a line through two batch sizes, checked at a third
+    assert batches == one_device and 6 not in batches
+    assert est.communication_sent_bytes == 576  # 6 x 24 x 4 B all-reduced over 2 ranks

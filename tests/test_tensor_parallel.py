@@ -34,6 +34,35 @@ def test_rank_holds_its_shard_of_the_parameters(llama_profile) -> None:  # type:
     assert not dist.is_initialized()  # the fake group is gone
 
 
+def test_rank_gradients_are_the_real_ranks_grads(one_thread: None, llama_profile) -> None:  # type: ignore[no-untyped-def]
+    # Every gradient is its parameter's local shard (404,736 B in all, as the parameters
+    # above) but the embedding's: its weight is vocabulary-parallel (500 x 64 rows here),
+    # and DTensor hands back its gradient Replicate, the whole 1,000 x 64 x 4 B = 256,000 B
+    # on every rank (torch/distributed/tensor/_ops/_embedding_ops.py,
+    # embedding_dense_backward_strategy: a gradient sharded on dim 1 or Partial, never on
+    # the rows; with the output's gradient and the ids replicated, all-Replicate is taken).
+    # 404,736 + (256,000 - 128,000) = 532,736 B, what the gloo ranks' .grad tensors hold.
+    from vram_widget._profiling.distributed import run_ranks
+    from vram_widget._profiling.tensor_parallel import local_part, rank_setup, resolve_plan
+
+    est = llama_profile.estimate(2, optimizer="sgd", gpus=2, tp=2)
+    assert est.parameter_bytes == 404_736
+    assert est.gradient_bytes == 404_736 + 128_000
+    torch.manual_seed(0)
+    model = hf_llama()
+    setup = rank_setup(resolve_plan(model, 2), 2)
+
+    def rank_grads(_rank: int, _world: int) -> dict[str, tuple[tuple[int, ...], int]]:
+        sharded = setup.wrap_model(model, None, None)  # type: ignore[arg-type]
+        sharded(**hf_tokens(2)).loss.backward()
+        grads = {n: local_part(p.grad) for n, p in sharded.named_parameters()}
+        return {n: (tuple(g.shape), g.untyped_storage().nbytes()) for n, g in grads.items()}
+
+    for grads in run_ranks(rank_grads, 2, timeout_s=120):
+        assert grads["model.embed_tokens.weight"] == ((1_000, 64), 256_000)
+        assert sum(nbytes for _shape, nbytes in grads.values()) == est.gradient_bytes
+
+
 def test_bad_layouts_are_refused_by_name(llama_profile) -> None:  # type: ignore[no-untyped-def]
     import torch.distributed as dist
 

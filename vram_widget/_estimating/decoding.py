@@ -453,6 +453,7 @@ def at_new_tokens(timelines: tuple[Timeline, ...], new_tokens: int) -> Timeline:
         step_flops=poly(a.step_flops, b.step_flops, c.step_flops),
         workspace_bytes=line(a.workspace_bytes, b.workspace_bytes, c.workspace_bytes),
         batch_one=batch_one,
+        collectives=None,  # not unrolled: unknown for other numbers of new tokens
     )
 
 

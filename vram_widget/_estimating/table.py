@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .collective_fit import StepCollectives, collectives_across, fit_collectives
 from .options import CATEGORIES, CATEGORY_CODE, Category
 
 N_CATEGORIES = len(CATEGORIES)
@@ -329,6 +330,9 @@ class Timeline:
     host_bytes: Poly | None = None
     # torch.compile: why a compiled graph ran node by node (the profile's RawTrace)
     compile_fallbacks: tuple[str, ...] = ()
+    # a parallel rank's collectives, fitted as the events are (collective_fit.py; None:
+    # not recorded, or no such polynomial)
+    collectives: StepCollectives | None = None
 
     @property
     def seq_degree(self) -> int:
@@ -575,6 +579,7 @@ def fit_timeline(fit: tuple[_Trace, ...], check: _Trace, grid: tuple[_Trace, ...
         ),
         host_bytes=host,
         compile_fallbacks=tuple(getattr(t1, "compile_fallbacks", ())),
+        collectives=fit_collectives(fit, lambda values: Poly.fit(batches, values), check),
     )
 
 
@@ -638,10 +643,14 @@ def across_lengths(
         check_host = host.at(check.batch_size, check_seq) if host is not None else None
         if check_host is None or not np.array_equal(check_host, _host_peak(check)):
             return None
+    collectives = collectives_across(
+        tuple(tl.collectives for tl in timelines), fit, check, check_seq
+    )
     return dataclasses.replace(
         first,
         event_bytes=events,
         storage_bytes=storage,
+        collectives=collectives,
         dims_across_lengths=dims,
         flops_forward=forward,
         flops_backward=backward,

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._estimating.communication import Collective, CollectiveKind
 
-__all__ = ["CollectiveLog", "collectives_recorded"]
+__all__ = ["CollectiveLog", "collective_of", "collectives_recorded"]
 
 K = CollectiveKind
 
@@ -126,37 +126,56 @@ def _c10d(name: str, kind: CollectiveKind, args: tuple[Any, ...]) -> Collective:
     return Collective(kind, payload, size, own)
 
 
+# op overload -> (its name, whether functional) for the collectives, None for every other
+# op: filled as ops are first seen, so that each later op costs one dictionary look-up
+_SEEN: dict[Any, tuple[str, bool] | None] = {}
+
+
+def collective_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """The ``communication.Collective`` that the op ``func`` issues with these arguments,
+    or None for an op that is no collective."""
+    if func in _SEEN:
+        known = _SEEN[func]
+    else:
+        name = func._schema.name
+        known = (name, True) if name in _FUNCTIONAL else (name, False) if name in _C10D else None
+        _SEEN[func] = known
+    if known is None:
+        return None
+    name, functional = known
+    placed = _positional(func, args, kwargs or {})
+    if functional:
+        return _functional(name, _FUNCTIONAL[name], placed)
+    return _c10d(name, _C10D[name], placed)
+
+
+def _positional(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The op's arguments in schema order, keywords placed."""
+    if not kwargs:
+        return tuple(args)
+    names = [a.name for a in func._schema.arguments]
+    out = list(args)
+    for name in names[len(args) :]:
+        if name not in kwargs:
+            break
+        out.append(kwargs[name])
+    return tuple(out)
+
+
 class CollectiveLog(TorchDispatchMode):
     """Records every collective that dispatches through it, in order (``collectives``);
-    the op runs as it would without it."""
+    the op runs as it would without it. (A profiled run records its collectives in its
+    recorder instead: ``Recorder.collectives``.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self.collectives: list[Collective] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = func._schema.name
-        if name in _FUNCTIONAL:
-            placed = self._positional(func, args, kwargs)
-            self.collectives.append(_functional(name, _FUNCTIONAL[name], placed))
-        elif name in _C10D:
-            placed = self._positional(func, args, kwargs)
-            self.collectives.append(_c10d(name, _C10D[name], placed))
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _positional(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The op's arguments in schema order, keywords placed."""
-        if not kwargs:
-            return tuple(args)
-        names = [a.name for a in func._schema.arguments]
-        out = list(args)
-        for name in names[len(args) :]:
-            if name not in kwargs:
-                break
-            out.append(kwargs[name])
-        return tuple(out)
+        collective = collective_of(func, args, kwargs)
+        if collective is not None:
+            self.collectives.append(collective)
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .._estimating.options import CATEGORY_CODE, PHASE_CODE, Category, Phase
+from .collectives import collective_of
 from .compiled_graphs import graph_running
 from .cpu_rules import batch_norm_scratch_bytes, gloo_staging_bytes, unallocated_outputs
 from .fake import (
@@ -174,6 +175,8 @@ class Recorder(TorchDispatchMode):
         # a tensor-parallel run (tensor_parallel.py): outputs on the meta device are shapes
         # only (DTensor takes a global stride from a meta tensor), not memory
         self.meta_is_shape_only = False
+        # a parallel rank's run: the collectives its ops issue, in order (None: not recorded)
+        self.collectives: list[Any] | None = None
 
     # -- storages -------------------------------------------------------------------------
     def register_resident(
@@ -505,6 +508,10 @@ class Recorder(TorchDispatchMode):
             # DTensor's own storage stands for the global tensor, not for memory.
             return NotImplemented
         kwargs = kwargs or {}
+        if self.collectives is not None:
+            collective = collective_of(func, args, kwargs)
+            if collective is not None:
+                self.collectives.append(collective)
         if self._pending_sum is not None:
             self._settle_pending_sum()
         row = self._current_row()

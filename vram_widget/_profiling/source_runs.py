@@ -377,6 +377,8 @@ class SourceRuns:
         subject = profiler.subject
         if not self.use_repeated or profiler.real or profiler.probe is not None:
             return None
+        if profiler.record_collectives:  # each run's own collectives: run in full
+            return None
         if mode not in (Mode.TRAIN, Mode.INFERENCE) or subject.fixed_dtypes:
             return None
         if self._stack is False:

@@ -104,9 +104,10 @@ class Profiler(OptimizerStateRuns):
             tuple[Precision, str | None, bool],
             tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[Any, ...]]],
         ] = {}
-        # a mode entered innermost around a run's step (collectives.CollectiveLog, which
-        # records a parallel rank's collectives); None for the profile's own runs
-        self.innermost: contextlib.AbstractContextManager[Any] | None = None
+        # whether each run records the collectives it issues (a parallel rank's step on the
+        # fake process group: its recorder reads them, collectives.collective_of), kept in
+        # its trace; the profile's own runs issue none
+        self.record_collectives = False
 
     def _state(
         self, precision: Precision
@@ -179,6 +180,8 @@ class Profiler(OptimizerStateRuns):
             count_flops=flops,
         )
         rec.meta_is_shape_only = any(is_dtensor(p) for p in params.values())
+        if self.record_collectives:
+            rec.collectives = []
         # a torchao weight is a size-only wrapper: its inner tensors are the memory
         inner = {n: torchao_inner(p) for n, p in params.items()}
         plain = [
@@ -303,8 +306,6 @@ class Profiler(OptimizerStateRuns):
                     stack.enter_context(in_backward.hooked())
             else:
                 rec.set_phase(Phase.INFERENCE)
-            if self.innermost is not None:
-                stack.enter_context(self.innermost)
             step_starts: tuple[int, ...] = ()
             step_flops = np.zeros((0, 0), np.int64)
             try:
@@ -382,6 +383,7 @@ class Profiler(OptimizerStateRuns):
             step_flops=step_flops,
             host_peak_bytes=0 if offload is None else offload.host_peak_bytes,
             compile_fallbacks=tuple(compile_fallbacks),
+            collectives=None if rec.collectives is None else tuple(rec.collectives),
         )
 
     def _structured(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._estimating.communication import CommunicationVolume, scaled, volume_of
+from .._estimating.communication import Collective, CommunicationVolume, scaled, volume_of
 from .._estimating.levers import NO_LEVERS, Levers
 from .._estimating.loading import LoadLayout
 from .._estimating.options import (
@@ -26,7 +26,6 @@ from .._estimating.options import (
 from .._estimating.profile import ModelProfile
 from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.weights import WeightFormat, Weights
-from .collectives import CollectiveLog
 from .context_parallel import (
     check_context_parallel_model,
     local_length,
@@ -236,6 +235,7 @@ class SubProfiles:
                 copy_ = shard(meta_copy(self.profiler.subject.model), mesh)
                 # not cached: the profile key does not read the mesh (or the routing)
                 sub = self._sub_profile(copy_, cache=False)
+                _runs_of(sub).profiler.record_collectives = True
                 asked = _timelines_asked(sub)
                 est = sub._estimate(recipe)
                 if not asked:  # answered without a step's timeline: nothing to record
@@ -423,6 +423,13 @@ def _timelines_asked(sub: ModelProfile) -> list[tuple[Any, ...]]:
     return asked
 
 
+def _runs_of(sub: ModelProfile) -> SourceRuns:
+    """The source that runs ``sub``'s steps (under a DiskCachedSource, the wrapped one)."""
+    source = getattr(sub._source, "inner", sub._source)
+    assert isinstance(source, SourceRuns)
+    return source
+
+
 def _step_communication(
     sub: ModelProfile,
     batch_size: int,
@@ -431,37 +438,57 @@ def _step_communication(
     seq_len: int | None,
     levers: Levers,
 ) -> CommunicationVolume:
-    """What one rank of ``sub`` (a model laid out over the fake process group that is up)
-    sends in the step the estimate read: that step run once more on fake tensors at
-    ``batch_size`` and ``seq_len``, with the same levers, its collectives recorded
-    (``collectives.CollectiveLog``). An accumulated step of ``k`` micro-batches is
-    profiled with two (``Levers.profiled_micro_batches``), each issuing the same
-    collectives: the two count ``k / 2`` times."""
-    source = getattr(sub._source, "inner", sub._source)  # under a DiskCachedSource
-    assert isinstance(source, SourceRuns)
-    profiler = source.profiler
+    """What one rank of ``sub`` (a model laid out over the fake process group that is up,
+    its runs recording their collectives) sends in the step the estimate read: the
+    collectives of that step's timeline (the runs it was fitted from, fitted and checked
+    in the batch and length as its memory is: ``collective_fit.py``) at ``batch_size``
+    and ``seq_len``. Where they are no such polynomial, the step is run once more at that
+    point. An accumulated step of ``k`` micro-batches is profiled with two
+    (``Levers.profiled_micro_batches``), each issuing the same collectives: the two count
+    ``k / 2`` times."""
     train = mode is Mode.TRAIN
     profiled = levers.for_profiling() if train else NO_LEVERS
-    log = CollectiveLog()
-    profiler.seq_len, profiler.levers, profiler.innermost = seq_len, profiled, log
-    try:
-        with source._as_every_run():
-            profiler.run(precision, batch_size, mode, flops=False)
-    finally:
-        profiler.seq_len, profiler.levers, profiler.innermost = None, NO_LEVERS, None
-    volume = volume_of(log.collectives)
+    timeline = sub.timeline(precision, mode, seq_len, levers)  # the estimate's: no run
+    if batch_size == 1 and timeline.batch_one is not None:
+        timeline = timeline.batch_one  # the step at batch 1 as profiled there
+    fitted = timeline.collectives
+    if fitted is not None:
+        collectives = fitted.at(batch_size, seq_len or 1)
+    else:
+        collectives = _collectives_run(sub, batch_size, precision, mode, seq_len, profiled)
+    volume = volume_of(collectives)
     asked_micro = levers.grad_accumulation if train else 1
     if asked_micro > profiled.grad_accumulation:
         volume = scaled(volume, asked_micro, profiled.grad_accumulation)
     return volume
 
 
+def _collectives_run(
+    sub: ModelProfile,
+    batch_size: int,
+    precision: Precision,
+    mode: Mode,
+    seq_len: int | None,
+    profiled: Levers,
+) -> tuple[Collective, ...]:
+    """The collectives of ``sub``'s step run once more on fake tensors at ``batch_size``
+    and ``seq_len`` with the ``profiled`` levers."""
+    source = _runs_of(sub)
+    profiler = source.profiler
+    profiler.seq_len, profiler.levers = seq_len, profiled
+    try:
+        with source._as_every_run():
+            trace = profiler.run(precision, batch_size, mode, flops=False)
+    finally:
+        profiler.seq_len, profiler.levers = None, NO_LEVERS
+    assert trace.collectives is not None
+    return trace.collectives
+
+
 def _with_fixed_dtypes(sub: ModelProfile, fixed: dict[str, str]) -> ModelProfile:
     """``sub`` with the parameters whose dtype no precision changes (adapters kept in fp32,
     bitsandbytes' packed storage): in its runs, and for their gradients (DDP buckets them
     apart)."""
-    source = getattr(sub._source, "inner", sub._source)  # under a DiskCachedSource
-    assert isinstance(source, SourceRuns)
-    source.profiler.subject.fixed_dtypes = frozenset(fixed)
+    _runs_of(sub).profiler.subject.fixed_dtypes = frozenset(fixed)
     sub.fixed_param_dtypes = fixed
     return sub

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._estimating.communication import Collective
 from .._estimating.levers import Levers
 from .._estimating.options import (
     Device,
@@ -85,6 +86,9 @@ class RawTrace:
     # the probe signature of each workspace storage that is a kernel's scratch (None: an
     # output placeholder or retained casts), in ``workspace_storages`` order
     workspace_signatures: tuple[Any, ...] = ()
+    # a parallel rank's collectives, in order (``Profiler.record_collectives``; None: not
+    # recorded)
+    collectives: tuple[Collective, ...] | None = None
 
 
 @dataclass

@@ -140,6 +140,29 @@ def check_tensor_parallel(parallel: ParallelSettings) -> None:
         )
 
 
+def _check_sharing_one_batch(
+    parallel: ParallelSettings, name: str, kind: str, refused: dict[str, str]
+) -> None:
+    """The checks of a layout whose ``name`` ranks share one batch (expert and context
+    parallelism): none of the ``refused`` layouts beside it (each with its reason), no
+    data-parallel strategy over it, and its ranks the whole world."""
+    degree, gpus = getattr(parallel, name), parallel.gpus
+    for other, why in refused.items():
+        if getattr(parallel, other) > 1:
+            raise ValueError(f"{name}={degree} with {other}={getattr(parallel, other)}: {why}")
+    if parallel.strategy is not Strategy.DDP:
+        raise ValueError(
+            f"{name}={degree} with strategy={parallel.strategy.value!r}: {kind} parallelism "
+            "does not compose with a data-parallel strategy yet; leave strategy at its default"
+        )
+    if gpus != degree:
+        raise ValueError(
+            f"{name}={degree} with gpus={gpus}: the {name} ranks share one batch and are the "
+            f"whole world (data parallelism over {kind}-parallel groups is not estimated yet); "
+            f"give gpus={degree}"
+        )
+
+
 def check_expert_parallel(parallel: ParallelSettings) -> None:
     """A clear error for an expert-parallel layout that is not estimated (yet); the model's
     side (experts, their number) is checked by the profile (``expert_parallel.resolve_ep_plan``).
@@ -151,30 +174,16 @@ def check_expert_parallel(parallel: ParallelSettings) -> None:
     ...
     ValueError: ep=2 with gpus=4: ...
     """
-    ep, gpus = parallel.ep, parallel.gpus
-    if ep == 1:
+    if parallel.ep == 1:
         return
-    if parallel.tp > 1:
-        raise ValueError(
-            f"ep={ep} with tp={parallel.tp}: experts split over tensor-parallel ranks are not "
-            "estimated yet; give tp=1 (ep alone) or ep=1 (tp alone)"
-        )
-    if parallel.pp > 1:
-        raise ValueError(
-            f"ep={ep} with pp={parallel.pp}: pipeline stages of expert-parallel ranks are not "
-            "estimated yet (transformers refuses token dispatch with pipeline parallelism, "
-            "DistributedConfig._validate_resolved_ep_plan); give pp=1"
-        )
-    if parallel.strategy is not Strategy.DDP:
-        raise ValueError(
-            f"ep={ep} with strategy={parallel.strategy.value!r}: expert parallelism does not "
-            "compose with a data-parallel strategy yet; leave strategy at its default"
-        )
-    if gpus != ep:
-        raise ValueError(
-            f"ep={ep} with gpus={gpus}: the ep ranks share one batch and are the whole world "
-            f"(data parallelism over expert-parallel groups is not estimated yet); give gpus={ep}"
-        )
+    refused = {
+        "tp": "experts split over tensor-parallel ranks are not estimated yet; give tp=1 "
+        "(ep alone) or ep=1 (tp alone)",
+        "pp": "pipeline stages of expert-parallel ranks are not estimated yet (transformers "
+        "refuses token dispatch with pipeline parallelism, DistributedConfig."
+        "_validate_resolved_ep_plan); give pp=1",
+    }
+    _check_sharing_one_batch(parallel, "ep", "expert", refused)
 
 
 def check_context_parallel(parallel: ParallelSettings, seq_len: int | None) -> None:
@@ -188,25 +197,12 @@ def check_context_parallel(parallel: ParallelSettings, seq_len: int | None) -> N
     ...
     ValueError: cp=2 with seq_len=127: ...
     """
-    cp, gpus = parallel.cp, parallel.gpus
+    cp = parallel.cp
     if cp == 1:
         return
-    for name in ("tp", "pp", "ep"):
-        if getattr(parallel, name) > 1:
-            raise ValueError(
-                f"cp={cp} with {name}={getattr(parallel, name)}: context parallelism combined "
-                f"with other layouts is not estimated yet; give {name}=1 (cp alone)"
-            )
-    if parallel.strategy is not Strategy.DDP:
-        raise ValueError(
-            f"cp={cp} with strategy={parallel.strategy.value!r}: context parallelism does not "
-            "compose with a data-parallel strategy yet; leave strategy at its default"
-        )
-    if gpus != cp:
-        raise ValueError(
-            f"cp={cp} with gpus={gpus}: the cp ranks share one batch and are the whole world "
-            f"(data parallelism over context-parallel groups is not estimated yet); give gpus={cp}"
-        )
+    combined = "context parallelism combined with other layouts is not estimated yet"
+    refused = {name: f"{combined}; give {name}=1 (cp alone)" for name in ("tp", "pp", "ep")}
+    _check_sharing_one_batch(parallel, "cp", "context", refused)
     if seq_len is None:  # not known yet (the command line's model default)
         return
     # context_parallel shards each buffer with DTensor's Shard(seq_dim) (torch/distributed/
