@@ -169,6 +169,29 @@ def test_a_plan_of_parallel_styles(one_thread: None) -> None:
         profile.estimate(4, gpus=2, tp=2, tp_plan={"nope": ColwiseParallel()})
 
 
+def test_a_foreach_step_over_dtensors_and_plain_tensors_is_refused() -> None:
+    # A plan that leaves a parameter plain (the LayerNorm's) gives the rank a parameter
+    # group mixing DTensors and plain tensors: torch.optim's foreach step (its default on
+    # CUDA) and its fused step raise "got mixed torch.Tensor and DTensor" on such a group, in
+    # torch's own step as in the fake one; the for-loop step takes one parameter at a time.
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.LayerNorm(32))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    profile = profile_model(model, inputs=torch.randn(4, 32), device="cuda")
+    layout = {"gpus": 2, "tp": 2, "tp_plan": plan}
+    for optimizer, kind in (("adamw", "foreach"), ("adamw-fused", "fused")):
+        with pytest.raises(ValueError, match=rf"with torch.optim's {kind} step cannot step") as e:
+            profile.estimate(4, optimizer=optimizer, **layout)
+        assert "plain tensors (3.weight, 3.bias)" in str(e.value)
+        assert "optimizer='adamw-forloop'" in str(e.value)
+    est = profile.estimate(4, optimizer="adamw-forloop", **layout)
+    # colwise and rowwise as above (8,448 B) and the LayerNorm's 2 x 32 x 4 B = 256 B, whole
+    assert est.parameter_bytes == 8_448 + 256
+
+
 def test_measure_refuses_bad_layouts_before_any_rank() -> None:
     import time
 

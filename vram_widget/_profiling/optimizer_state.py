@@ -29,6 +29,7 @@ from .fake import (
 )
 from .optimizers import (
     OpWatch,
+    check_mixed_dtensors,
     cpu_kernels,
     cuda_default_foreach,
     each_state,
@@ -138,6 +139,9 @@ class OptimizerStateRuns:
         # the CPU kernels of bitsandbytes' ops, where their fake implementations (CUDA's
         # allocation-free kernels) are not what a CPU step does
         kernels = cpu_kernels(opt) if not cuda else contextlib.nullcontext()
+        # a foreach or fused step over DTensors and plain tensors fails in torch's own step
+        # (optimizers.check_mixed_dtensors); other optimizers' failing steps say so too
+        check_mixed_dtensors(optimizer, trainable, implementation and implementation.value)
         with named_failure(optimizer, watch), eager_step(opt), shortcuts, watch, kernels:
             opt.step()  # first step: creates the state
         rec = Recorder(

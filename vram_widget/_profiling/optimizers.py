@@ -47,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._estimating.options import (
+    OPTIMIZER_PACKAGES,
     CustomOptimizer,
     OptimizerChoice,
     OptimizerName,
@@ -274,6 +275,55 @@ class OpWatch(TorchDispatchMode):
             raise
 
 
+# DTensor's dispatch refuses an op over a list mixing DTensors and plain tensors
+# (torch/distributed/tensor/_dispatch.py: "got mixed torch.Tensor and DTensor"); a foreach or
+# fused step runs one op over each group of parameters of one device and dtype
+# (torch/optim/optimizer.py, ``_group_tensors_by_device_and_dtype``), so a group that mixes
+# a tensor-parallel plan's DTensors with the parameters it leaves plain fails in torch's own
+# step, on any device. A for-loop step runs one parameter at a time and steps them.
+_MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
+
+
+def mixed_dtensor_refusal(choice: OptimizerChoice, plain: list[str], kind: str) -> str:
+    """Why a ``kind`` ("foreach" or "fused") step of ``choice`` cannot step parameters of
+    which ``plain`` (names) are plain tensors and the others DTensors."""
+    label = choice.value
+    shown = ", ".join(plain[:3]) + (f" and {len(plain) - 3} more" if len(plain) > 3 else "")
+    forloop = f"optimizer='{label}-forloop'" if f"{label}-forloop" in _forloop_names() else (
+        "a for-loop step (a callable optimizer= that builds it with foreach=False)"
+    )
+    return (
+        f"optimizer {label!r} with torch.optim's {kind} step cannot step this rank: its "
+        f"parameters mix DTensors (the tensor-parallel plan's) and plain tensors ({shown}), "
+        f"and a {kind} step over one group mixing them raises {_MIXED_DTENSOR!r} in torch's "
+        "own step too (DTensor's dispatch). Ask for " + forloop + ", or a plan that makes "
+        "every parameter a DTensor"
+    )
+
+
+def _forloop_names() -> tuple[str, ...]:
+    from .._estimating.options import optimizer_names
+
+    return tuple(name for name in optimizer_names() if name.endswith("-forloop"))
+
+
+def check_mixed_dtensors(
+    choice: OptimizerChoice, named: list[tuple[str, torch.Tensor]], kind: str | None
+) -> None:
+    """Refuse (ValueError, :func:`mixed_dtensor_refusal`) a foreach or fused step (``kind``;
+    None or "forloop": nothing to check) over ``named`` parameters that mix DTensors and
+    plain tensors."""
+    if kind not in ("foreach", "fused"):
+        return
+    if not isinstance(choice, OptimizerName) or choice in OPTIMIZER_PACKAGES:
+        return  # not torch.optim's: its own step says what it cannot take (named_failure)
+    from .tensor_parallel import DTENSOR_TYPES
+
+    plain = [name for name, p in named if type(p) not in DTENSOR_TYPES]
+    if plain and len(plain) < len(named):
+        raise ValueError(mixed_dtensor_refusal(choice, plain, kind))
+
+
 @contextlib.contextmanager
 def named_failure(choice: OptimizerChoice, watch: OpWatch) -> Iterator[None]:
     """Re-raise a failing ``step()`` of a user's (or a library's) optimizer on fake
@@ -285,6 +335,14 @@ def named_failure(choice: OptimizerChoice, watch: OpWatch) -> Iterator[None]:
         raise
     except Exception as exc:
         label = choice.value
+        if _MIXED_DTENSOR in str(exc):  # an optimizer whose own default is a foreach step
+            raise ValueError(
+                f"optimizer {label!r} cannot step this rank: its step runs one op over "
+                f"parameters that mix DTensors (the tensor-parallel plan's) and plain "
+                f"tensors, which raises {_MIXED_DTENSOR!r} in torch's own step too "
+                "(DTensor's dispatch). Ask for a step that takes one parameter at a time, "
+                "or a plan that makes every parameter a DTensor"
+            ) from exc
         at = f" at {watch.failed}" if watch.failed else ""
         raise ProfilingError(
             f"optimizer {label!r} failed in its step() on fake tensors{at}: "
