@@ -289,8 +289,10 @@ def mixed_dtensor_refusal(choice: OptimizerChoice, plain: list[str], kind: str) 
     which ``plain`` (names) are plain tensors and the others DTensors."""
     label = choice.value
     shown = ", ".join(plain[:3]) + (f" and {len(plain) - 3} more" if len(plain) > 3 else "")
-    forloop = f"optimizer='{label}-forloop'" if f"{label}-forloop" in _forloop_names() else (
-        "a for-loop step (a callable optimizer= that builds it with foreach=False)"
+    forloop = (
+        f"optimizer='{label}-forloop'"
+        if f"{label}-forloop" in _forloop_names()
+        else ("a for-loop step (a callable optimizer= that builds it with foreach=False)")
     )
     return (
         f"optimizer {label!r} with torch.optim's {kind} step cannot step this rank: its "
