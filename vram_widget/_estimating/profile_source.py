@@ -89,6 +89,8 @@ class ProfileSource(Protocol):
         implementation: OptimizerImplementation | None,
         split: tuple[str, ...] | None = None,
         stages_per_rank: int = 1,
+        dp: int = 1,
+        reshard_after_forward: bool | None = None,
     ) -> tuple[Any, ...]: ...
 
     def generation(

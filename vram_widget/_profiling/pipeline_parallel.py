@@ -20,6 +20,7 @@ op's outputs (:class:`LiveBytes`); ``measure`` runs it on real gloo ranks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -40,6 +41,7 @@ from .._estimating.options import (
     PipelineSchedule,
     Precision,
 )
+from .tensor_parallel import local_part
 
 __all__ = [
     "LiveBytes",
@@ -329,13 +331,38 @@ class _Layout:
     microbatches: int
     stages_per_rank: int = 1
     split: tuple[str, ...] | None = None
+    # FSDP2 over dp data-parallel ranks of each stage (pipeline_fsdp.py): None, none
+    reshard_after_forward: bool | None = None
+    dp: int = 1
 
     @property
     def stages(self) -> int:
         return self.pp * self.stages_per_rank
 
+    @property
+    def sharded(self) -> bool:
+        return self.reshard_after_forward is not None and self.dp > 1
+
     def copy(self, model: nn.Module, stage: int, meta: bool) -> StageModule:
         return stage_copy(model, stage, self.stages, meta, self.split, self.stages_per_rank > 1)
+
+
+def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> Any:
+    """The pipeline ranks' process group of a world of ``pp x dp`` ranks (None where the
+    world is the pipeline), each of ``modules`` sharded over the stage's data-parallel
+    ranks where the layout shards them (``pipeline_fsdp.shard_stage``); ``meshes`` the
+    world's ``pipeline_fsdp.pipeline_meshes`` (None for ``dp=1``)."""
+    from .pipeline_fsdp import shard_stage
+
+    if meshes is None:
+        return None
+    pp_mesh, dp_mesh = meshes
+    if layout.sharded:
+        assert layout.reshard_after_forward is not None
+        for module in modules:
+            layers = module.model.model.layers  # the stage's decoder layers (stage_copy)
+            shard_stage(module, layers, dp_mesh, layout.reshard_after_forward)
+    return pp_mesh.get_group()
 
 
 def _pipeline_stage(
@@ -347,9 +374,10 @@ def _pipeline_stage(
     hidden_size: int,
     vocab_size: int,
     dtype: torch.dtype,
+    group: Any = None,
 ) -> Any:
-    """The ``PipelineStage`` over ``module``, with its inputs' and outputs' shapes given
-    (so no shape inference runs)."""
+    """The ``PipelineStage`` over ``module`` on ``group`` (the pipeline ranks; None: the
+    world), with its inputs' and outputs' shapes given (so no shape inference runs)."""
     from torch.distributed.pipelining import PipelineStage
 
     ids = inputs["input_ids"]
@@ -364,8 +392,9 @@ def _pipeline_stage(
     example_out.requires_grad_(True)
     device = torch.device("cpu")
     return PipelineStage(
-        module, stage, stages, device, input_args=(example_in,), output_args=(example_out,)
-    )
+        module, stage, stages, device, input_args=(example_in,), output_args=(example_out,),
+        group=group,
+    )  # fmt: skip
 
 
 def _rank(
@@ -379,16 +408,19 @@ def _rank(
     hidden_size: int,
     vocab_size: int,
     dtype: torch.dtype,
+    group: Any = None,
 ) -> _Rank:
-    """The rank's ``PipelineStage`` objects over ``modules`` (its stages, in order) and the
-    schedule over them; one optimizer a stage, as torchtitan's ``OptimizersContainer``
-    builds at least one a model part (torchtitan/components/optimizer/optimizer.py)."""
+    """Pipeline rank ``rank``'s ``PipelineStage`` objects over ``modules`` (its stages, in
+    order; on ``group``, the pipeline ranks) and the schedule over them; one optimizer a
+    stage, as torchtitan's ``OptimizersContainer`` builds at least one a model part
+    (torchtitan/components/optimizer/optimizer.py). Where the layout shards the stages
+    (FSDP2 over data-parallel ranks), ``modules`` are sharded already."""
     from .step import make_optimizer
 
     micro = inputs["input_ids"].shape[0] // layout.microbatches
     indices = rank_stage_indices(rank, layout.pp, layout.stages_per_rank)
     pipes = [
-        _pipeline_stage(m, i, layout.stages, inputs, micro, hidden_size, vocab_size, dtype)
+        _pipeline_stage(m, i, layout.stages, inputs, micro, hidden_size, vocab_size, dtype, group)
         for m, i in zip(modules, indices, strict=True)
     ]
     schedule_class = _schedule_class(layout.schedule)
@@ -408,15 +440,48 @@ def _rank(
 class LiveBytes(TorchDispatchMode):
     """The bytes of the storages live now, and their peak: each op's output storages
     counted once from their first sight until their Python object dies (fake tensors keep
-    one storage object per storage, as ``torch.distributed._tools.mem_tracker`` relies on)."""
+    one storage object per storage, as ``torch.distributed._tools.mem_tracker`` relies on),
+    at their size of the moment: FSDP2 frees and remakes its unsharded parameters by
+    resizing their storages (``free_storage`` / ``alloc_storage``,
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py), which no dispatch mode sees, so
+    ``UntypedStorage.resize_`` is followed while the mode is on (as ``mem_tracker``'s
+    ``_track_resize`` does). A DTensor counts as its local shard."""
 
     def __init__(self, probe: Any = None) -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._seen: Any = torch.utils.weak.WeakIdKeyDictionary()
+        self._seen: Any = torch.utils.weak.WeakIdKeyDictionary()  # storage -> [its bytes]
         self.probe = probe  # a probe.KernelProbe: CPU kernels' workspaces (device="cpu")
         self._probed: list[tuple[int, Any]] = []  # (live bytes after the call, signature)
+        self._resize: list[Any] = []  # UntypedStorage.resize_ as it was, while on
+        # gloo's staging copies of each collective of FSDP2's (pipeline_fsdp.GLOO_STAGING)
+        self.staging: dict[Any, Callable[[Any, Any], int]] = {}
+
+    def __enter__(self) -> LiveBytes:
+        original = torch.UntypedStorage.resize_
+        self._resize.append(original)
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize.pop()  # type: ignore[method-assign]
+        super().__exit__(*args)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        cell = self._seen.get(storage)
+        if cell is None:
+            return
+        nbytes = storage.nbytes()
+        self.live_bytes += nbytes - cell[0]
+        cell[0] = nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def reset_peak(self) -> None:
         """Count the peak from now on."""
@@ -433,19 +498,22 @@ class LiveBytes(TorchDispatchMode):
         return peak
 
     def track(self, t: object) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor):
+            return
+        t = local_part(t)
+        if t.device.type == "meta":
             return
         storage = t.untyped_storage()
         if storage in self._seen:
             return
-        nbytes = storage.nbytes()
-        self._seen[storage] = nbytes
-        self.live_bytes += nbytes
+        cell = [storage.nbytes()]
+        self._seen[storage] = cell
+        self.live_bytes += cell[0]
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._free, nbytes)
+        weakref.finalize(storage, self._free, cell)
 
-    def _free(self, nbytes: int) -> None:
-        self.live_bytes -= nbytes
+    def _free(self, cell: list[int]) -> None:
+        self.live_bytes -= cell[0]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from .probe import wants_probe
@@ -458,6 +526,9 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **kwargs) if any_dtype is None else any_dtype(func, args, kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             self.track(t)
+        staged = self.staging.get(func)
+        if staged is not None:  # freed within the call: beside what is live at it
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes + staged(args, kwargs))
         if self.probe is not None and wants_probe(func, args):
             self._probed.append((self.live_bytes, self.probe.request(func, args, kwargs)))
         return out
@@ -515,19 +586,25 @@ def stage_peak(
     implementation: OptimizerImplementation | None = None,
     split: tuple[str, ...] | None = None,
     stages_per_rank: int = 1,
+    dp: int = 1,
+    reshard_after_forward: bool | None = None,
 ) -> StagePeak:
-    """Rank ``rank``'s step (its ``stages_per_rank`` stages) as ``torch.distributed.pipelining``
-    runs it, on fake tensors and PyTorch's fake process group
-    (``tensor_parallel.fake_process_group``): a meta copy of each stage's layers made fake,
-    the schedule's third step counted by :class:`LiveBytes` (the first two make the receive
-    buffers and the optimizer state)."""
+    """Pipeline rank ``rank``'s step (its ``stages_per_rank`` stages) as
+    ``torch.distributed.pipelining`` runs it, on fake tensors and PyTorch's fake process
+    group (``tensor_parallel.fake_process_group``): a meta copy of each stage's layers made
+    fake, the schedule's third step counted by :class:`LiveBytes` (the first two make the
+    receive buffers and the optimizer state). With ``dp`` > 1 and ``reshard_after_forward``
+    (not None), the stages are sharded by FSDP2 over ``dp`` data-parallel ranks
+    (``pipeline_fsdp``), as data-parallel rank 0 of the stage holds them (its shards are
+    padded, never short), on a world of ``pp x dp`` ranks; each collective's gloo staging
+    copies counted beside what is live at it (``pipeline_fsdp.GLOO_STAGING``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .step import storage_dtype
     from .tensor_parallel import fake_process_group
 
     dtype = storage_dtype(precision)
-    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split)
+    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split, reshard_after_forward, dp)
     modules = [
         layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
     ]
@@ -556,10 +633,20 @@ def stage_peak(
 
     counter = LiveBytes(KernelProbe())
     log = CollectiveLog()
-    with fake_process_group(pp, rank=rank), mode:
+    from .pipeline_fsdp import pipeline_meshes
+
+    with fake_process_group(pp * dp, rank=rank * dp), contextlib.ExitStack() as stack:
+        # the meshes before the fake mode: a mesh reads its ranks' values
+        meshes = pipeline_meshes(pp, dp) if dp > 1 else None
+        stack.enter_context(mode)
+        group = _shard_stages(modules, layout, meshes)
+        if layout.sharded:
+            from .pipeline_fsdp import GLOO_STAGING
+
+            counter.staging = dict(GLOO_STAGING)
         run = _rank(
             modules, rank, layout, fake_inputs, optimizer, implementation, _loss_fn(model),
-            config.hidden_size, config.vocab_size, dtype,
+            config.hidden_size, config.vocab_size, dtype, group,
         )  # fmt: skip
         _steady_static(run.schedule)
         for module in modules:
@@ -574,7 +661,9 @@ def stage_peak(
             counter.reset_peak()
             with log:  # innermost: it sees each op before the counter and the fake mode
                 run.iterate()
-        params = {p.untyped_storage(): None for module in modules for p in module.parameters()}
+        params = {
+            local_part(p).untyped_storage(): None for module in modules for p in module.parameters()
+        }
         param_bytes = sum(storage.nbytes() for storage in params)
     return StagePeak(counter.peak_with_workspaces(), resident, param_bytes, tuple(log.collectives))
 
@@ -589,21 +678,27 @@ def measure_stage(
     implementation: OptimizerImplementation | None = None,
     split: tuple[str, ...] | None = None,
     stages_per_rank: int = 1,
+    dp: int = 1,
+    reshard_after_forward: bool | None = None,
 ) -> tuple[int, int]:
-    """On a real gloo rank of ``measure(gpus=pp, pp=pp)``: this rank's stages (copies of
-    their layers only, in the precision's dtype) stepped by the schedule, two steps first,
+    """On a real gloo rank of ``measure(gpus=pp x dp, pp=pp)``: this rank's stages (copies
+    of their layers only, in the precision's dtype; with ``dp`` > 1 sharded by FSDP2 over
+    the stage's data-parallel ranks, ``pipeline_fsdp``) stepped by the schedule, two steps first,
     then five measured by the CPU profiler; (resident bytes, the least measured peak). The
     least: a send's buffer that gloo's worker thread drops last is a free the profiler, which
     records the calling thread, never sees (``distributed._collectives_release_on_caller``)."""
     import torch.distributed as dist
 
     from .measure_session import _run_cpu
+    from .pipeline_fsdp import pipeline_meshes, pipeline_rank
     from .step import storage_dtype
 
-    rank, pp = dist.get_rank(), dist.get_world_size()
+    rank, _dp_rank = pipeline_rank(dist.get_rank(), dp)
+    pp = dist.get_world_size() // dp
     dtype = storage_dtype(precision)
     config = _config(model)
-    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split)
+    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split, reshard_after_forward, dp)
+    meshes = pipeline_meshes(pp, dp) if dp > 1 else None
 
     def session() -> _Rank:
         modules = []
@@ -611,10 +706,11 @@ def measure_stage(
             module = layout.copy(model, i, meta=False).to(dtype)
             module.train()
             modules.append(module)
+        group = _shard_stages(modules, layout, meshes)
         ids = {k: v.clone() for k, v in inputs.items()}
         return _rank(
             modules, rank, layout, ids, optimizer, implementation, _loss_fn(model),
-            config.hidden_size, config.vocab_size, dtype,
+            config.hidden_size, config.vocab_size, dtype, group,
         )  # fmt: skip
 
     resident, trace = _run_cpu(session, warmups=2, repeats=5)  # type: ignore[arg-type]
