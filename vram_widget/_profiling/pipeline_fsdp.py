@@ -45,16 +45,17 @@ def _nbytes(t: torch.Tensor) -> int:
 
 # gloo (the CPU backend the estimate is checked against) stages each of FSDP2's collectives
 # through copies it frees within the call: each all-gather through two flat temporaries of
-# the output's size, each reduce-scatter through one of the input's (measured on torch
-# 2.13's ProcessGroupGloo, torch/csrc/distributed/c10d/ProcessGroupGloo.cpp; the rule
-# sharding.fsdp_step_edits applies for FSDP2 alone). The fake process group stages nothing,
-# so the estimate adds them at each call (c10d op -> its staging bytes, from the call's
-# arguments: (output, input, group, ...), torch/csrc/distributed/c10d/Ops.cpp).
+# the output's size, one after the other (the first freed before the second is made: one
+# output's size above what is live), each reduce-scatter through one of the input's
+# (measured on torch 2.13's ProcessGroupGloo, torch/csrc/distributed/c10d/ProcessGroupGloo.cpp;
+# the rule sharding.fsdp_step_edits applies for FSDP2 alone). The fake process group stages
+# nothing, so the estimate adds them at each call (c10d op -> its staging bytes, from the
+# call's arguments: (output, input, group, ...), torch/csrc/distributed/c10d/Ops.cpp).
 def _staging() -> dict[Any, Callable[[Any, Any], int]]:
     try:
         ops = torch.ops.c10d
         return {
-            ops._allgather_base_.default: lambda args, _kw: 2 * _nbytes(args[0]),
+            ops._allgather_base_.default: lambda args, _kw: _nbytes(args[0]),
             ops._reduce_scatter_base_.default: lambda args, _kw: _nbytes(args[1]),
         }
     except (AttributeError, RuntimeError):  # a torch built without distributed

@@ -560,6 +560,47 @@ class StagePeak:
     collectives: tuple[Collective, ...] = ()
 
 
+class _HeldSend:
+    """A send's ``Work`` on the fake process group that keeps its tensor until it dies, as
+    gloo's does (``ProcessGroupGloo::SendWork`` holds its ``buffer_`` for the work's life,
+    torch/csrc/distributed/c10d/ProcessGroupGloo.hpp): the schedules keep their send works
+    in lists until the step's micro-batches are done (``_step_microbatches``,
+    torch/distributed/pipelining/schedules.py), so a real rank frees a micro-batch's sent
+    activations there, not after that micro-batch's backward (measured on gloo ranks: both
+    of the first stage's sends freed as GPipe's step returns)."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work = work
+        self.tensor = tensor
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _sends_held() -> Iterator[None]:
+    """The schedules' point-to-point sends as :class:`_HeldSend` works, while on."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        works = original(p2p_ops, desc)
+        if len(works) != len(p2p_ops):  # coalesced: one work for the batch
+            return works
+        return [
+            _HeldSend(w, op.tensor) if op.op is dist.isend else w
+            for w, op in zip(works, p2p_ops, strict=True)
+        ]
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
+
+
 def _steady_static(sched: Any) -> None:
     """Skip the schedule's first-step vote on how to learn the stages' shapes (a tensor
     ``.item()`` the fake tensors have no value for): every stage here was given its
@@ -635,7 +676,11 @@ def stage_peak(
     log = CollectiveLog()
     from .pipeline_fsdp import pipeline_meshes
 
-    with fake_process_group(pp * dp, rank=rank * dp), contextlib.ExitStack() as stack:
+    with (
+        fake_process_group(pp * dp, rank=rank * dp),
+        _sends_held(),
+        contextlib.ExitStack() as stack,
+    ):
         # the meshes before the fake mode: a mesh reads its ranks' values
         meshes = pipeline_meshes(pp, dp) if dp > 1 else None
         stack.enter_context(mode)
