@@ -347,6 +347,12 @@ class _Layout:
         return stage_copy(model, stage, self.stages, meta, self.split, self.stages_per_rank > 1)
 
 
+def _decoder_layers(module: StageModule) -> Any:
+    """A stage's decoder layers (``stage_copy`` keeps them at ``model.model.layers``)."""
+    base: Any = module.model.model
+    return base.layers
+
+
 def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> Any:
     """The pipeline ranks' process group of a world of ``pp x dp`` ranks (None where the
     world is the pipeline), each of ``modules`` sharded over the stage's data-parallel
@@ -360,7 +366,7 @@ def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> A
     if layout.sharded:
         assert layout.reshard_after_forward is not None
         for module in modules:
-            layers = module.model.model.layers  # the stage's decoder layers (stage_copy)
+            layers: Any = _decoder_layers(module)
             shard_stage(module, layers, dp_mesh, layout.reshard_after_forward)
     return pp_mesh.get_group()
 
@@ -468,7 +474,7 @@ class LiveBytes(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
-        return super().__enter__()  # type: ignore[no-any-return]
+        return super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
         torch.UntypedStorage.resize_ = self._resize.pop()  # type: ignore[method-assign]
