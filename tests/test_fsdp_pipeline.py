@@ -57,6 +57,8 @@ def test_layouts_refused_before_any_rank(llama) -> None:  # type: ignore[no-unty
     interleaved = r"pp_schedule='interleaved-1f1b': FSDP2 over the stages of a multi-stage"
     with pytest.raises(ValueError, match=interleaved):
         profile.estimate(4, gpus=4, pp=2, strategy="zero3", pp_schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match=r"with fsdp_units: FSDP2 over pipeline stages wraps"):
+        profile.estimate(4, gpus=4, pp=2, strategy="zero3", fsdp_units=["LlamaDecoderLayer"])
     with pytest.raises(ValueError, match=r"pp=2 with gpus=5: .* pp must divide it"):
         profile.estimate(4, gpus=5, pp=2, strategy="zero3")
     with pytest.raises(ValueError, match=r"no data-parallel ranks to shard over"):

@@ -381,6 +381,12 @@ def _check_pipeline_data_parallel(parallel: ParallelSettings) -> None:
             f"ranks of each stage are estimated with FSDP2 only (strategy='zero2' or "
             f"'zero3'); {reasons[strategy]}; or give gpus={pp} for the pipeline alone"
         )
+    if parallel.fsdp_units is not None:
+        raise ValueError(
+            f"pp={pp} on gpus={gpus} with fsdp_units: FSDP2 over pipeline stages wraps each "
+            "stage's decoder layers, then the stage, as torchtitan does; leave fsdp_units "
+            "at None"
+        )
     if parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
         raise ValueError(
             f"pp={pp} on gpus={gpus} with pp_schedule='interleaved-1f1b': FSDP2 over the "
