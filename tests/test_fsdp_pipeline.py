@@ -111,3 +111,25 @@ def test_llama_ranks_against_real_fsdp_over_pipeline_stages(
         last - LAST_STAGE_BELOW_BYTES,
         last - LAST_STAGE_BELOW_BYTES,
     )
+
+
+def test_live_bytes_follow_a_storage_resized_in_place() -> None:
+    # FSDP2 frees and remakes its gathered parameters with UntypedStorage.resize_, which no
+    # dispatch mode sees: the count follows it while on, and leaves resize_ as it was
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vram_widget._profiling.pipeline_parallel import LiveBytes
+
+    original = torch.UntypedStorage.resize_
+    counter = LiveBytes()
+    with FakeTensorMode():
+        with counter:
+            t = torch.empty(100)  # 100 x 4 B = 400 B, tracked as an op's output
+            assert counter.live_bytes == 400
+            t.untyped_storage().resize_(0)  # free_storage
+            assert counter.live_bytes == 0
+            t.untyped_storage().resize_(400)  # alloc_storage
+            assert (counter.live_bytes, counter.peak_bytes) == (400, 400)
+        del t
+    assert counter.live_bytes == 0  # freed at its last size
+    assert torch.UntypedStorage.resize_ is original
