@@ -47,10 +47,12 @@ def _nbytes(t: torch.Tensor) -> int:
 # through copies it frees within the call: each all-gather through two flat temporaries of
 # the output's size, one after the other (the first freed before the second is made: one
 # output's size above what is live), each reduce-scatter through one of the input's, and
-# with ReduceOp.AVG a wrapped number beside it (_reduce_scatter_staging) (measured on torch 2.13's ProcessGroupGloo, torch/csrc/distributed/c10d/ProcessGroupGloo.cpp;
-# the rule sharding.fsdp_step_edits applies for FSDP2 alone). The fake process group stages
-# nothing, so the estimate adds them at each call (c10d op -> its staging bytes, from the
-# call's arguments: (output, input, group, ...), torch/csrc/distributed/c10d/Ops.cpp).
+# with ReduceOp.AVG a wrapped number beside it (_reduce_scatter_staging); measured on torch
+# 2.13's ProcessGroupGloo (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp). The copies
+# are the rule sharding.fsdp_step_edits applies for FSDP2 alone, which leaves the wrapped
+# number out (docs/known-gaps.md). The fake process group stages nothing,
+# so the estimate adds them at each call (c10d op -> its staging bytes, from the call's
+# arguments: (output, input, group, ...), torch/csrc/distributed/c10d/Ops.cpp).
 def _staging() -> dict[Any, Callable[[Any, Any], int]]:
     try:
         ops = torch.ops.c10d
