@@ -73,7 +73,7 @@ def test_each_stage_checkpoints_its_own_layers() -> None:
 def test_bad_layouts_are_refused_by_name(llama_profile) -> None:  # type: ignore[no-untyped-def]
     from vram_widget import zoo
 
-    with pytest.raises(ValueError, match=r"pp=2 x tp=1 != gpus=1"):
+    with pytest.raises(ValueError, match=r"pp=2 with gpus=1: gpus is the world size"):
         llama_profile.estimate(4, pp=2)
     with pytest.raises(ValueError, match=r"pp_schedule='1f1b' with microbatches=1 < pp=2"):
         llama_profile.estimate(4, gpus=2, pp=2, pp_schedule="1f1b", microbatches=1)

@@ -117,8 +117,8 @@ def test_pipeline_controls_estimate_and_stage_bars() -> None:
     w.microbatches = 1  # Schedule1F1B needs a micro-batch a stage
     assert w.microbatches is None and len(spy.seen) == 3
     assert "pp_schedule=&#x27;1f1b&#x27; with microbatches=1 &lt; pp=2" in w.headline_html
-    w.gpus = 4  # the world size is pp x tp
-    assert w.gpus == 2 and "pp=2 x tp=1 != gpus=4" in w.headline_html
+    w.gpus = 4  # dp x pp ranks are FSDP2's only (strategy zero2 or zero3)
+    assert w.gpus == 2 and "pp=2 on gpus=4 with strategy=&#x27;ddp&#x27;" in w.headline_html
     # ScheduleInterleaved1F1B, 2 stages a rank: a new question, one run; a bar a rank
     assert list(w._schedule_dropdown.options) == ["gpipe", "1f1b", "interleaved-1f1b"]
     w._schedule_dropdown.value = "interleaved-1f1b"

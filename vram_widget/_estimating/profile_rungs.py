@@ -32,7 +32,9 @@ from .recipe.parallel import (
     check_tensor_parallel_settings,
     context_parallel_refusals,
     pipeline_checkpoint_layers,
+    pipeline_data_parallel,
     pipeline_microbatches,
+    pipeline_reshard_after_forward,
     pipeline_stages_per_rank,
     tensor_parallel_refusals,
 )
@@ -336,16 +338,20 @@ class RungsMixin:
         checkpoint = pipeline_checkpoint_layers(asked.checkpoint, self.rows.names)
         m = pipeline_microbatches(par)
         opt_name = recipe.optimizer.name
+        dp, reshard = pipeline_data_parallel(par), pipeline_reshard_after_forward(par)
+        rank = check_rank(par.rank, par.gpus)
         stages = self._source.pipeline_stage_peaks(
             par.pp, par.pp_schedule, m, step.batch_size, step.seq_len, step.precision,
             opt_name, recipe.optimizer.implementation, par.pp_split,
-            pipeline_stages_per_rank(par), checkpoint,
+            pipeline_stages_per_rank(par), checkpoint, dp, reshard,
         )  # fmt: skip
         whole = self._estimate(
             recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None,
-                         stages_per_rank=None)
+                         stages_per_rank=None, strategy="ddp", rank=None)
         )  # fmt: skip
-        worst = max(stages, key=lambda s: s.peak_bytes)
+        # rank r of the (pp, dp_shard) mesh holds stage r // dp (pipeline_fsdp); its
+        # data-parallel ranks hold the same bytes (FSDP2 pads every shard to rank 0's size)
+        worst = max(stages, key=lambda s: s.peak_bytes) if rank is None else stages[rank // dp]
         # what each stage's rank sends: the estimate's is the stage that sends most
         sent = max((volume_of(s.collectives) for s in stages), key=lambda v: v.sent_bytes)
         return dataclasses.replace(
@@ -355,6 +361,8 @@ class RungsMixin:
             peak_bytes=worst.peak_bytes,
             parameter_bytes=worst.parameter_bytes,
             gpus=par.gpus,
+            strategy=par.strategy if dp > 1 else None,
+            rank=rank,
             pp=par.pp,
             pp_schedule=par.pp_schedule.value,
             microbatches=m,

@@ -91,6 +91,8 @@ class ProfileSource(Protocol):
         split: tuple[str, ...] | None = None,
         stages_per_rank: int = 1,
         checkpoint: bool = False,
+        dp: int = 1,
+        reshard_after_forward: bool | None = None,
     ) -> tuple[Any, ...]: ...
 
     def generation(

@@ -92,13 +92,16 @@ def _measure_pipeline(
     model: torch.nn.Module, inputs: Any, settings: dict[str, Any], timeout_s: float
 ) -> Measurement:
     """``measure`` with ``pp > 1``: each stage on its own gloo rank
-    (``pipeline_parallel.measure_stage``), the layout and settings checked first."""
+    (``pipeline_parallel.measure_stage``), or with ``gpus = dp x pp`` on ``dp`` ranks each,
+    sharded by FSDP2 over them (``pipeline_fsdp``); the layout and settings checked first."""
     from .._estimating.recipe import Recipe
     from .._estimating.recipe.parallel import (
         check_pipeline_parallel,
         check_pipeline_parallel_settings,
         pipeline_checkpoint_layers,
+        pipeline_data_parallel,
         pipeline_microbatches,
+        pipeline_reshard_after_forward,
         pipeline_stages_per_rank,
     )
     from .distributed import run_ranks
@@ -126,11 +129,12 @@ def _measure_pipeline(
     m = pipeline_microbatches(par)
     precision, optimizer = recipe.step.precision, recipe.optimizer.name
     implementation = recipe.optimizer.implementation
+    dp, reshard = pipeline_data_parallel(par), pipeline_reshard_after_forward(par)
 
     def rank_step(_rank: int, _world: int) -> tuple[int, int]:
         return measure_stage(
             model, inputs, par.pp_schedule, m, precision, optimizer, implementation,
-            par.pp_split, stages_per_rank, checkpoint,
+            par.pp_split, stages_per_rank, checkpoint, dp, reshard,
         )  # fmt: skip
 
     ranks = run_ranks(rank_step, par.gpus, timeout_s)
@@ -146,6 +150,7 @@ def _measure_pipeline(
         gpus=par.gpus,
         rank_peak_bytes=tuple(peak for _resident, peak in ranks),
         pp=par.pp,
+        strategy=par.strategy if dp > 1 else None,
     )
 
 

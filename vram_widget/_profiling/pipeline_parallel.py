@@ -20,11 +20,11 @@ torchtitan/distributed/activation_checkpoint.py wraps every child of ``layers``)
 A rank's memory is that of the real schedule over its ``PipelineStage`` objects: the
 estimate runs that schedule for one rank on fake tensors on PyTorch's fake process group
 (no communication, receive buffers left as they are), and counts the live storages of every
-op's outputs (:class:`LiveBytes`); ``measure`` runs it on real gloo ranks. Where the fake run
+op's outputs (``live_bytes.LiveBytes``); ``measure`` runs it on real gloo ranks. Where the fake run
 would differ from a rank, it is made to hold what the rank holds: each send's tensor until
-the schedule waits for it (:func:`_sends_held`), no (S, S) mask where Hugging Face's tests
+the schedule waits for it (``live_bytes.sends_held``), no (S, S) mask where Hugging Face's tests
 would drop it (``data_dependent.example_mask_values``), the Python numbers ops wrap and the
-CPU generator states checkpointing keeps (:class:`LiveBytes`).
+CPU generator states checkpointing keeps (``live_bytes.LiveBytes``).
 """
 
 from __future__ import annotations
@@ -35,13 +35,11 @@ import dataclasses
 import gc
 import itertools
 import re
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._estimating.communication import Collective
 from .._estimating.options import (
@@ -50,9 +48,10 @@ from .._estimating.options import (
     PipelineSchedule,
     Precision,
 )
+from .live_bytes import LiveBytes, sends_held
+from .tensor_parallel import local_part
 
 __all__ = [
-    "LiveBytes",
     "StagePeak",
     "check_pipeline_model",
     "checkpoint_layers",
@@ -341,10 +340,17 @@ class _Layout:
     stages_per_rank: int = 1
     split: tuple[str, ...] | None = None
     checkpoint: bool = False
+    # FSDP2 over dp data-parallel ranks of each stage (pipeline_fsdp.py): None, none
+    reshard_after_forward: bool | None = None
+    dp: int = 1
 
     @property
     def stages(self) -> int:
         return self.pp * self.stages_per_rank
+
+    @property
+    def sharded(self) -> bool:
+        return self.reshard_after_forward is not None and self.dp > 1
 
     def copy(self, model: nn.Module, stage: int, meta: bool) -> StageModule:
         out = stage_copy(model, stage, self.stages, meta, self.split, self.stages_per_rank > 1)
@@ -377,6 +383,30 @@ def checkpoint_layers(stage: StageModule) -> None:
         layers[index] = checkpoint_wrapped(layer)
 
 
+def _decoder_layers(module: StageModule) -> Any:
+    """A stage's decoder layers (``stage_copy`` keeps them at ``model.model.layers``)."""
+    base: Any = module.model.model
+    return base.layers
+
+
+def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> Any:
+    """The pipeline ranks' process group of a world of ``pp x dp`` ranks (None where the
+    world is the pipeline), each of ``modules`` sharded over the stage's data-parallel
+    ranks where the layout shards them (``pipeline_fsdp.shard_stage``); ``meshes`` the
+    world's ``pipeline_fsdp.pipeline_meshes`` (None for ``dp=1``)."""
+    from .pipeline_fsdp import shard_stage
+
+    if meshes is None:
+        return None
+    pp_mesh, dp_mesh = meshes
+    if layout.sharded:
+        assert layout.reshard_after_forward is not None
+        for module in modules:
+            layers: Any = _decoder_layers(module)
+            shard_stage(module, layers, dp_mesh, layout.reshard_after_forward)
+    return pp_mesh.get_group()
+
+
 def _pipeline_stage(
     module: StageModule,
     stage: int,
@@ -386,9 +416,10 @@ def _pipeline_stage(
     hidden_size: int,
     vocab_size: int,
     dtype: torch.dtype,
+    group: Any = None,
 ) -> Any:
-    """The ``PipelineStage`` over ``module``, with its inputs' and outputs' shapes given
-    (so no shape inference runs)."""
+    """The ``PipelineStage`` over ``module`` on ``group`` (the pipeline ranks; None: the
+    world), with its inputs' and outputs' shapes given (so no shape inference runs)."""
     from torch.distributed.pipelining import PipelineStage
 
     ids = inputs["input_ids"]
@@ -403,8 +434,9 @@ def _pipeline_stage(
     example_out.requires_grad_(True)
     device = torch.device("cpu")
     return PipelineStage(
-        module, stage, stages, device, input_args=(example_in,), output_args=(example_out,)
-    )
+        module, stage, stages, device, input_args=(example_in,), output_args=(example_out,),
+        group=group,
+    )  # fmt: skip
 
 
 def _rank(
@@ -418,16 +450,19 @@ def _rank(
     hidden_size: int,
     vocab_size: int,
     dtype: torch.dtype,
+    group: Any = None,
 ) -> _Rank:
-    """The rank's ``PipelineStage`` objects over ``modules`` (its stages, in order) and the
-    schedule over them; one optimizer a stage, as torchtitan's ``OptimizersContainer``
-    builds at least one a model part (torchtitan/components/optimizer/optimizer.py)."""
+    """Pipeline rank ``rank``'s ``PipelineStage`` objects over ``modules`` (its stages, in
+    order; on ``group``, the pipeline ranks) and the schedule over them; one optimizer a
+    stage, as torchtitan's ``OptimizersContainer`` builds at least one a model part
+    (torchtitan/components/optimizer/optimizer.py). Where the layout shards the stages
+    (FSDP2 over data-parallel ranks), ``modules`` are sharded already."""
     from .step import make_optimizer
 
     micro = inputs["input_ids"].shape[0] // layout.microbatches
     indices = rank_stage_indices(rank, layout.pp, layout.stages_per_rank)
     pipes = [
-        _pipeline_stage(m, i, layout.stages, inputs, micro, hidden_size, vocab_size, dtype)
+        _pipeline_stage(m, i, layout.stages, inputs, micro, hidden_size, vocab_size, dtype, group)
         for m, i in zip(modules, indices, strict=True)
     ]
     schedule_class = _schedule_class(layout.schedule)
@@ -442,88 +477,6 @@ def _rank(
             opts.append(make_optimizer(optimizer, params, implementation))
     batch = inputs["input_ids"] if rank == 0 else inputs["labels"]
     return _Rank(modules, sched, opts, batch, rank == 0, rank == layout.pp - 1)
-
-
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the storages live now, and their peak: each op's output storages
-    counted once from their first sight until their Python object dies (fake tensors keep
-    one storage object per storage, as ``torch.distributed._tools.mem_tracker`` relies on)."""
-
-    def __init__(self, probe: Any = None) -> None:
-        super().__init__()
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self._seen: Any = torch.utils.weak.WeakIdKeyDictionary()
-        self.probe = probe  # a probe.KernelProbe: CPU kernels' workspaces (device="cpu")
-        self._probed: list[tuple[int, Any]] = []  # (live bytes after the call, signature)
-
-    def reset_peak(self) -> None:
-        """Count the peak from now on."""
-        self.peak_bytes = self.live_bytes
-        self._probed.clear()
-
-    def peak_with_workspaces(self) -> int:
-        """The peak, where a CPU kernel's workspace (measured once per call signature by the
-        probe on real zero tensors, ``probe.py``) lives beside what was live at its call."""
-        assert self.probe is not None
-        peak = self.peak_bytes
-        for live, sig in self._probed:
-            peak = max(peak, live + max(self.probe.workspace_bytes(sig), 0))
-        return peak
-
-    def track(self, t: object) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        storage = t.untyped_storage()
-        if storage in self._seen:
-            return
-        nbytes = storage.nbytes()
-        self._seen[storage] = nbytes
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._free, nbytes)
-
-    def _free(self, nbytes: int) -> None:
-        self.live_bytes -= nbytes
-
-    @contextlib.contextmanager
-    def rng_states(self) -> Iterator[None]:
-        """Count the CPU generator states ``torch.get_rng_state()`` hands out in the block:
-        ``torch.utils.checkpoint`` keeps one a checkpointed region to its recompute
-        (``preserve_rng_state=True``; 5,056 bytes each, made in C++ outside the dispatcher,
-        which a CPU step's allocator sees: ``recorder.tracked_rng_states``)."""
-        original = torch.get_rng_state
-
-        def get_rng_state() -> torch.Tensor:
-            state = original()
-            self.track(state)
-            return state
-
-        torch.get_rng_state = get_rng_state
-        try:
-            yield
-        finally:
-            torch.get_rng_state = original
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from .probe import wants_probe
-        from .recorder import _ANY_DTYPE_OPS, _promotion_copy_bytes, _wrapped_scalar_bytes
-
-        kwargs = kwargs or {}
-        # ops whose meta kernels refuse dtypes their kernels run (a Mixtral's fp32
-        # ``_grouped_mm``), run as the profile's recorder runs them
-        any_dtype = _ANY_DTYPE_OPS.get(func)
-        out = func(*args, **kwargs) if any_dtype is None else any_dtype(func, args, kwargs)
-        for t in torch.utils._pytree.tree_leaves(out):
-            self.track(t)
-        # the Python numbers the op wraps and the copies it casts live through the call,
-        # beside its outputs (as the profile's recorder counts them, CPU semantics): 12 B
-        # at AdamW's ``denom`` on the first stage's peak
-        scalars = _wrapped_scalar_bytes(func, args) + _promotion_copy_bytes(func, args, out)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes + scalars)
-        if self.probe is not None and wants_probe(func, args):
-            self._probed.append((self.live_bytes, self.probe.request(func, args, kwargs)))
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,47 +503,6 @@ class StagePeak:
     resident_bytes: int
     parameter_bytes: int
     collectives: tuple[Collective, ...] = ()
-
-
-class _HeldSend:
-    """A send's ``Work`` that holds the sent tensor as gloo's does (its ``SendWork`` keeps
-    the tensor, ``ProcessGroupGloo::send`` in torch/csrc/distributed/c10d/ProcessGroupGloo.cpp),
-    where the fake process group's work holds nothing."""
-
-    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
-        self.work = work
-        self.tensor = tensor
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        return self.work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.work, name)
-
-
-@contextlib.contextmanager
-def _sends_held() -> Iterator[None]:
-    """While active, each ``isend``'s work holds its tensor until the schedule drops the
-    work: a micro-batch's activations (or input gradient) stay alive after the stage lets go
-    of them, to the wait the schedule makes at the end of its step
-    (torch/distributed/pipelining/schedules.py, ``ScheduleGPipe._step_microbatches``:
-    ``fwd_sends_to_wait`` / ``bwd_sends_to_wait``), as on real gloo ranks. Both names are
-    patched: ``P2POp`` and ``batch_isend_irecv`` look ``isend`` up in distributed_c10d, the
-    stage in ``torch.distributed``."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    original = distributed_c10d.isend
-
-    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        work = original(tensor, *args, **kwargs)
-        return None if work is None else _HeldSend(work, tensor)
-
-    dist.isend = distributed_c10d.isend = isend
-    try:
-        yield
-    finally:
-        dist.isend = distributed_c10d.isend = original
 
 
 def _steady_static(sched: Any) -> None:
@@ -620,20 +532,28 @@ def stage_peak(
     split: tuple[str, ...] | None = None,
     stages_per_rank: int = 1,
     checkpoint: bool = False,
+    dp: int = 1,
+    reshard_after_forward: bool | None = None,
 ) -> StagePeak:
-    """Rank ``rank``'s step (its ``stages_per_rank`` stages) as ``torch.distributed.pipelining``
-    runs it, on fake tensors and PyTorch's fake process group
-    (``tensor_parallel.fake_process_group``): a meta copy of each stage's layers made fake,
-    the schedule's third step counted by :class:`LiveBytes` (the first two make the receive
-    buffers and the optimizer state); with ``checkpoint``, every decoder layer checkpointed
-    (:func:`checkpoint_layers`)."""
+    """Pipeline rank ``rank``'s step (its ``stages_per_rank`` stages) as
+    ``torch.distributed.pipelining`` runs it, on fake tensors and PyTorch's fake process
+    group (``tensor_parallel.fake_process_group``): a meta copy of each stage's layers made
+    fake, the schedule's third step counted by ``live_bytes.LiveBytes`` (the first two make the
+    receive buffers and the optimizer state); with ``checkpoint``, every decoder layer
+    checkpointed (:func:`checkpoint_layers`). With ``dp`` > 1 and ``reshard_after_forward``
+    (not None), the stages are sharded by FSDP2 over ``dp`` data-parallel ranks
+    (``pipeline_fsdp``), as data-parallel rank 0 of the stage holds them (its shards are
+    padded, never short), on a world of ``pp x dp`` ranks; each collective's gloo staging
+    copies counted beside what is live at it (``pipeline_fsdp.GLOO_STAGING``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .step import storage_dtype
     from .tensor_parallel import fake_process_group
 
     dtype = storage_dtype(precision)
-    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split, checkpoint)
+    layout = _Layout(
+        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp
+    )
     modules = [
         layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
     ]
@@ -663,14 +583,29 @@ def stage_peak(
 
     counter = LiveBytes(KernelProbe())
     log = CollectiveLog()
+    from .pipeline_fsdp import pipeline_meshes
+
     # Hugging Face's mask and packed-sequence tests read values a fake tensor has not: they
     # answer as the example's tensors would (no padding mask, one sequence a row), so each
     # stage runs SDPA with is_causal and no (S, S) mask, as the real ranks do
     masks = example_mask_values(model, (), inputs)
-    with fake_process_group(pp, rank=rank), mode, masks, _sends_held():
+    with (
+        fake_process_group(pp * dp, rank=rank * dp),
+        sends_held(),
+        contextlib.ExitStack() as stack,
+    ):
+        # the meshes before the fake mode: a mesh reads its ranks' values
+        meshes = pipeline_meshes(pp, dp) if dp > 1 else None
+        stack.enter_context(mode)
+        stack.enter_context(masks)
+        group = _shard_stages(modules, layout, meshes)
+        if layout.sharded:
+            from .pipeline_fsdp import GLOO_STAGING
+
+            counter.staging = dict(GLOO_STAGING)
         run = _rank(
             modules, rank, layout, fake_inputs, optimizer, implementation, _loss_fn(model),
-            config.hidden_size, config.vocab_size, dtype,
+            config.hidden_size, config.vocab_size, dtype, group,
         )  # fmt: skip
         _steady_static(run.schedule)
         for module in modules:
@@ -685,7 +620,9 @@ def stage_peak(
             counter.reset_peak()
             with log:  # innermost: it sees each op before the counter and the fake mode
                 run.iterate()
-        params = {p.untyped_storage(): None for module in modules for p in module.parameters()}
+        params = {
+            local_part(p).untyped_storage(): None for module in modules for p in module.parameters()
+        }
         param_bytes = sum(storage.nbytes() for storage in params)
     return StagePeak(counter.peak_with_workspaces(), resident, param_bytes, tuple(log.collectives))
 
@@ -701,21 +638,29 @@ def measure_stage(
     split: tuple[str, ...] | None = None,
     stages_per_rank: int = 1,
     checkpoint: bool = False,
+    dp: int = 1,
+    reshard_after_forward: bool | None = None,
 ) -> tuple[int, int]:
-    """On a real gloo rank of ``measure(gpus=pp, pp=pp)``: this rank's stages (copies of
-    their layers only, in the precision's dtype) stepped by the schedule, two steps first,
+    """On a real gloo rank of ``measure(gpus=pp x dp, pp=pp)``: this rank's stages (copies
+    of their layers only, in the precision's dtype; with ``dp`` > 1 sharded by FSDP2 over
+    the stage's data-parallel ranks, ``pipeline_fsdp``) stepped by the schedule, two steps first,
     then five measured by the CPU profiler; (resident bytes, the least measured peak). The
     least: a send's buffer that gloo's worker thread drops last is a free the profiler, which
     records the calling thread, never sees (``distributed._collectives_release_on_caller``)."""
     import torch.distributed as dist
 
     from .measure_session import _run_cpu
+    from .pipeline_fsdp import pipeline_meshes, pipeline_rank
     from .step import storage_dtype
 
-    rank, pp = dist.get_rank(), dist.get_world_size()
+    rank, _dp_rank = pipeline_rank(dist.get_rank(), dp)
+    pp = dist.get_world_size() // dp
     dtype = storage_dtype(precision)
     config = _config(model)
-    layout = _Layout(pp, schedule, microbatches, stages_per_rank, split, checkpoint)
+    layout = _Layout(
+        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp
+    )
+    meshes = pipeline_meshes(pp, dp) if dp > 1 else None
 
     def session() -> _Rank:
         modules = []
@@ -723,10 +668,11 @@ def measure_stage(
             module = layout.copy(model, i, meta=False).to(dtype)
             module.train()
             modules.append(module)
+        group = _shard_stages(modules, layout, meshes)
         ids = {k: v.clone() for k, v in inputs.items()}
         return _rank(
             modules, rank, layout, ids, optimizer, implementation, _loss_fn(model),
-            config.hidden_size, config.vocab_size, dtype,
+            config.hidden_size, config.vocab_size, dtype, group,
         )  # fmt: skip
 
     resident, trace = _run_cpu(session, warmups=2, repeats=5)  # type: ignore[arg-type]

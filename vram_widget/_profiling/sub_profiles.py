@@ -332,12 +332,16 @@ class SubProfiles:
         split: tuple[str, ...] | None = None,
         stages_per_rank: int = 1,
         checkpoint: bool = False,
+        dp: int = 1,
+        reshard_after_forward: bool | None = None,
     ) -> tuple[Any, ...]:
         """Each of ``pp`` pipeline ranks' step (its ``stages_per_rank`` stages) at
         ``batch_size`` (the whole step's batch), as ``torch.distributed.pipelining`` runs
         ``schedule`` over ``microbatches``, on fake tensors (``pipeline_parallel.stage_peak``),
-        with ``checkpoint`` every decoder layer checkpointed; the model and inputs checked
-        first (``pipeline_parallel.check_pipeline_model``). Kept per question."""
+        with ``checkpoint`` every decoder layer checkpointed; with ``dp`` > 1 and
+        ``reshard_after_forward``, each stage sharded by FSDP2 over its ``dp`` data-parallel
+        ranks; the model and inputs checked first (``pipeline_parallel.check_pipeline_model``).
+        Kept per question."""
         kwargs = self._pipeline_inputs(pp, split, stages_per_rank)
         key = (
             pp,
@@ -351,6 +355,8 @@ class SubProfiles:
             split,
             stages_per_rank,
             checkpoint,
+            dp,
+            reshard_after_forward,
         )
         if key not in self._pipeline:
             length = seq_len or kwargs["input_ids"].shape[1]
@@ -400,10 +406,11 @@ class SubProfiles:
         from .pipeline_parallel import stage_peak
 
         pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation = key[:8]
-        split, stages_per_rank, checkpoint = key[8:]
+        split, stages_per_rank, checkpoint, dp, reshard_after_forward = key[8:]
         return stage_peak(
             self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
-            optimizer, implementation, split, stages_per_rank, checkpoint,
+            optimizer, implementation, split, stages_per_rank, checkpoint, dp,
+            reshard_after_forward,
         )  # fmt: skip
 
 

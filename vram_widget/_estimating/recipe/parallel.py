@@ -318,6 +318,82 @@ def _check_stages_per_rank(parallel: ParallelSettings, m: int) -> None:
         )
 
 
+def pipeline_data_parallel(parallel: ParallelSettings) -> int:
+    """The data-parallel ranks of each pipeline stage: ``gpus / pp`` (1: the pipeline
+    alone).
+
+    Examples
+    --------
+    >>> pipeline_data_parallel(ParallelSettings(gpus=4, pp=2, strategy="zero3"))
+    2
+    """
+    return parallel.gpus // parallel.pp
+
+
+def pipeline_reshard_after_forward(parallel: ParallelSettings) -> bool | None:
+    """FSDP2's ``reshard_after_forward`` for the decoder layers of each stage of
+    ``gpus = dp x pp`` (dp > 1): ``"zero3"`` True, ``"zero2"`` False; None where the
+    stages are not sharded (the pipeline alone).
+
+    Examples
+    --------
+    >>> pipeline_reshard_after_forward(ParallelSettings(gpus=4, pp=2, strategy="zero2"))
+    False
+    """
+    if parallel.pp == 1 or pipeline_data_parallel(parallel) == 1:
+        return None
+    return parallel.strategy is Strategy.ZERO3
+
+
+def _check_pipeline_data_parallel(parallel: ParallelSettings) -> None:
+    """``gpus = dp x pp``: the pipeline alone (``dp=1``, no strategy), or FSDP2 over the
+    ``dp`` data-parallel ranks of each stage (``"zero2"`` / ``"zero3"``), one stage a rank;
+    what is not estimated is refused by name, with the reason."""
+    pp, gpus, strategy = parallel.pp, parallel.gpus, parallel.strategy
+    if gpus % pp:
+        raise ValueError(
+            f"pp={pp} with gpus={gpus}: gpus is the world size, data-parallel ranks x "
+            f"pipeline stages, so pp must divide it; give gpus={pp} for the pipeline alone, "
+            f"or a multiple of {pp} with strategy='zero2' or 'zero3'"
+        )
+    dp = gpus // pp
+    if dp == 1:
+        if strategy is not Strategy.DDP:
+            raise ValueError(
+                f"pp={pp} on gpus={gpus} with strategy={strategy.value!r}: every rank is a "
+                "pipeline stage, so there are no data-parallel ranks to shard over; leave "
+                f"strategy at its default, or give gpus a multiple of {pp} (dp x pp)"
+            )
+        return
+    # the FSDP2 that torchtitan composes with pipelining (its parallelize functions wrap
+    # each stage's model part: torchtitan/distributed/pipeline_parallel.py, pipeline_llm)
+    reasons = {
+        Strategy.DDP: "DistributedDataParallel over stages is not estimated yet (the schedule "
+        "defers its all-reduce with no_sync to the last micro-batch, not checked)",
+        Strategy.ZERO1: "ZeroRedundancyOptimizer over stages is not estimated yet",
+        Strategy.HSDP: "HSDP over stages (a replicate x shard mesh per stage) is not estimated yet",
+    }
+    if strategy in reasons:
+        raise ValueError(
+            f"pp={pp} on gpus={gpus} with strategy={strategy.value!r}: {dp} data-parallel "
+            f"ranks of each stage are estimated with FSDP2 only (strategy='zero2' or "
+            f"'zero3'); {reasons[strategy]}; or give gpus={pp} for the pipeline alone"
+        )
+    if parallel.fsdp_units is not None:
+        raise ValueError(
+            f"pp={pp} on gpus={gpus} with fsdp_units: FSDP2 over pipeline stages wraps each "
+            "stage's decoder layers, then the stage, as torchtitan does; leave fsdp_units "
+            "at None"
+        )
+    if parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
+        raise ValueError(
+            f"pp={pp} on gpus={gpus} with pp_schedule='interleaved-1f1b': FSDP2 over the "
+            "stages of a multi-stage schedule is not estimated yet (each rank's several "
+            "FSDP2 roots, not checked against real ranks); give pp_schedule='gpipe' or "
+            f"'1f1b', or gpus={pp} for the pipeline alone"
+        )
+
+
 def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None:
     """A clear error for a pipeline-parallel layout that is not estimated (yet), before
     any profiling.
@@ -339,21 +415,17 @@ def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None
         if parallel.stages_per_rank is not None:
             raise ValueError("stages_per_rank counts pipeline stages a rank: give pp=... too")
         return
-    if pp * tp != gpus:
-        raise ValueError(
-            f"pp={pp} x tp={tp} != gpus={gpus}: gpus is the world size, pipeline stages x "
-            f"tensor-parallel ranks (no data parallelism over pipelines yet); give gpus={pp * tp}"
-        )
     if tp > 1:
+        if pp * tp != gpus:
+            raise ValueError(
+                f"pp={pp} x tp={tp} != gpus={gpus}: gpus is the world size, pipeline stages "
+                f"x tensor-parallel ranks; give gpus={pp * tp}"
+            )
         raise ValueError(
             f"pp={pp} with tp={tp}: pipeline stages of tensor-parallel ranks are not "
             "estimated yet; leave tp at 1"
         )
-    if parallel.strategy is not Strategy.DDP:
-        raise ValueError(
-            f"pp={pp} with strategy={parallel.strategy.value!r}: a pipeline stage with a "
-            "data-parallel strategy is not estimated yet; leave strategy at its default"
-        )
+    _check_pipeline_data_parallel(parallel)
     _check_stages_per_rank(parallel, m)
     # Schedule1F1B.__init__ (torch/distributed/pipelining/schedules.py): "Number of
     # microbatches ... must be greater than or equal to the number of stages"

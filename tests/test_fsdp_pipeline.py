@@ -1,0 +1,155 @@
+"""FSDP2 over pipeline stages (``gpus = dp x pp``, ``strategy="zero2"|"zero3"``): each
+stage's step on fake tensors with ``fully_shard`` over the stage's data-parallel ranks,
+against 4 real gloo ranks running torch's ``PipelineStage`` and schedule on FSDP2-sharded
+stages; the layouts refused before any profiling or rank."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from models import assert_model_unchanged, hf_llama, hf_tokens, snapshot_model
+
+from vram_widget import measure, profile_model
+
+pytestmark = pytest.mark.timeout(300)
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = hf_llama()
+    return model, profile_model(model, inputs=hf_tokens(2), device="cpu")
+
+
+def test_layouts_refused_before_any_rank(llama) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    model, profile = llama
+    inputs = hf_tokens(4)
+    t0 = time.monotonic()
+    for strategy, why in (
+        ("ddp", "DistributedDataParallel over stages"),
+        ("zero1", "ZeroRedundancyOptimizer over stages"),
+        ("hsdp", "HSDP over stages"),
+    ):
+        match = rf"pp=2 on gpus=4 with strategy='{strategy}': 2 data-parallel ranks .* {why}"
+        with pytest.raises(ValueError, match=match):
+            profile.estimate(4, gpus=4, pp=2, strategy=strategy)
+        with pytest.raises(ValueError, match=match):
+            measure(model, inputs, gpus=4, pp=2, strategy=strategy)
+    interleaved = r"pp_schedule='interleaved-1f1b': FSDP2 over the stages of a multi-stage"
+    with pytest.raises(ValueError, match=interleaved):
+        profile.estimate(4, gpus=4, pp=2, strategy="zero3", pp_schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match=r"with fsdp_units: FSDP2 over pipeline stages wraps"):
+        profile.estimate(4, gpus=4, pp=2, strategy="zero3", fsdp_units=["LlamaDecoderLayer"])
+    with pytest.raises(ValueError, match=r"pp=2 with gpus=5: .* pp must divide it"):
+        profile.estimate(4, gpus=5, pp=2, strategy="zero3")
+    with pytest.raises(ValueError, match=r"no data-parallel ranks to shard over"):
+        measure(model, inputs, gpus=2, pp=2, strategy="zero3")
+    with pytest.raises(ValueError, match=r"rank must be None .* in \[0, 4\) for gpus=4"):
+        profile.estimate(4, gpus=4, pp=2, strategy="zero3", rank=4)
+    assert time.monotonic() - t0 < 5  # no stage run, no rank started
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("precision", "strategy", "schedule", "checkpoint"),
+    [("fp32", "zero3", "gpipe", None), ("bf16", "zero2", "1f1b", "auto")],
+)
+def test_llama_ranks_against_real_fsdp_over_pipeline_stages(
+    one_thread: None,
+    llama,  # type: ignore[no-untyped-def]
+    precision: str,
+    strategy: str,
+    schedule: str,
+    checkpoint: str | None,
+) -> None:
+    # every rank to the byte; the other precision x strategy x schedule pairs, with and
+    # without checkpointing, measured the same way (docs/guides/multi-gpu.md)
+    import torch.distributed as dist
+
+    model, profile = llama
+    before = snapshot_model(model)
+    kwargs = {"optimizer": "adamw", "gpus": 4, "pp": 2, "strategy": strategy,
+              "pp_schedule": schedule, "microbatches": 2, "precision": precision,
+              "checkpoint": checkpoint}  # fmt: skip
+    est = profile.estimate(4, **kwargs)
+    assert not dist.is_initialized()  # the fake group is gone
+    itemsize = 4 if precision == "fp32" else 2
+    # stage 0 on data-parallel rank 0: FSDP2 halves each parameter on dim 0 (every dim 0
+    # of the embedding, 1,000 x 64, and of the layer's 9 tensors is even): (64,000 +
+    # 36,992) / 2 = 50,496 elements, and AdamW's two moments of each shard 2 x 50,496; 2
+    # gradient receive buffers of a micro-batch's hidden states 2 x (2 x 16 x 64) = 4,096
+    # elements and the rotary embedding's two 8-element buffers, all in the precision's
+    # dtype; 10 step counts in fp32 (torch/optim/optimizer.py, _get_scalar_dtype: 40 B) and
+    # the ids 4 x 16 x 8 B = 512: 622,952 B in fp32, 311,752 B in bf16
+    resident = (3 * 50_496 + 4_096 + 16) * itemsize + 40 + 512
+    assert est.stage_resident_bytes[0] == resident
+    assert precision != "fp32" or resident == 622_952
+    # the worst stage is the last (its lm_head's logits); its parameters are the estimate's
+    # ((36,992 + 64 + 64,000) / 2 = 50,528 elements)
+    assert est.peak_bytes == est.stage_peak_bytes[1] > est.stage_peak_bytes[0]
+    assert est.parameter_bytes == 50_528 * itemsize
+    assert (est.gpus, est.pp, est.strategy, est.pp_schedule) == (4, 2, strategy, schedule)
+    # rank r holds stage r // 2 (the (pp, dp_shard) mesh, pp outer): rank 1 is stage 0
+    assert profile.estimate(4, rank=1, **kwargs).peak_bytes == est.stage_peak_bytes[0]
+
+    real = measure(model, hf_tokens(4), timeout_s=120, **kwargs)
+    assert_model_unchanged(model, before)
+    assert (real.gpus, real.pp, real.strategy, len(real.rank_peak_bytes)) == (4, 2, strategy, 4)
+    first, last = est.stage_peak_bytes
+    assert real.rank_peak_bytes == (first, first, last, last)
+
+
+def test_live_bytes_follow_a_storage_resized_in_place() -> None:
+    # FSDP2 frees and remakes its gathered parameters with UntypedStorage.resize_, which no
+    # dispatch mode sees: the count follows it while on, and leaves resize_ as it was
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vram_widget._profiling.live_bytes import LiveBytes
+
+    original = torch.UntypedStorage.resize_
+    counter = LiveBytes()
+    with FakeTensorMode():
+        with counter:
+            t = torch.empty(100)  # 100 x 4 B = 400 B, tracked as an op's output
+            assert counter.live_bytes == 400
+            t.untyped_storage().resize_(0)  # free_storage
+            assert counter.live_bytes == 0
+            t.untyped_storage().resize_(400)  # alloc_storage
+            assert (counter.live_bytes, counter.peak_bytes) == (400, 400)
+        del t
+    assert counter.live_bytes == 0  # freed at its last size
+    assert torch.UntypedStorage.resize_ is original
+
+
+@pytest.mark.parametrize(("dtype", "averaged_bytes"), [(torch.float32, 12), (torch.bfloat16, 10)])
+def test_gloo_reduce_scatter_staging_counts_its_average(
+    dtype: torch.dtype, averaged_bytes: int
+) -> None:
+    # gloo reduces a copy of the input, then with ReduceOp.AVG divides it by the group's
+    # size in place: an 8-byte wrapped number and its cast to the dtype (4 B fp32, 2 B bf16)
+    # beside the copy. A 1,000-element input over 2 ranks: its copy 1,000 x itemsize, the
+    # output 500 x itemsize live from the call on
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vram_widget._profiling.live_bytes import LiveBytes
+    from vram_widget._profiling.pipeline_fsdp import GLOO_STAGING
+    from vram_widget._profiling.tensor_parallel import fake_process_group
+
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    with fake_process_group(2), FakeTensorMode():
+        inp = torch.empty(1_000, dtype=dtype)
+        for op, extra in ((dist.ReduceOp.SUM, 0), (dist.ReduceOp.AVG, averaged_bytes)):
+            counter = LiveBytes()
+            counter.staging = dict(GLOO_STAGING)
+            counter.track(inp)
+            with counter:
+                out = torch.empty(500, dtype=dtype)
+                dist.reduce_scatter_single(out, inp, op=op)  # as FSDP2 calls it
+            assert counter.peak_bytes == 1_500 * itemsize + 1_000 * itemsize + extra
+            del out

@@ -1,0 +1,185 @@
+"""What the fake step of a pipeline rank counts, and what it holds as a real rank does.
+
+:class:`LiveBytes` counts the live storages of every op's outputs on fake tensors (with the
+bytes an op makes and frees within its call beside them); :func:`sends_held` keeps each
+``isend``'s tensor alive until the schedule drops its work, as gloo's does. Both serve
+``pipeline_parallel.stage_peak``, the pipeline alone or its stages sharded by FSDP2
+(``pipeline_fsdp``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .tensor_parallel import local_part
+
+__all__ = ["HeldSend", "LiveBytes", "sends_held"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages live now, and their peak: each op's output storages
+    counted once from their first sight until their Python object dies (fake tensors keep
+    one storage object per storage, as ``torch.distributed._tools.mem_tracker`` relies on),
+    at their size of the moment: FSDP2 frees and remakes its unsharded parameters by
+    resizing their storages (``free_storage`` / ``alloc_storage``,
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py), which no dispatch mode sees, so
+    ``UntypedStorage.resize_`` is followed while the mode is on (as ``mem_tracker``'s
+    ``_track_resize`` does). A DTensor counts as its local shard."""
+
+    def __init__(self, probe: Any = None) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._seen: Any = torch.utils.weak.WeakIdKeyDictionary()  # storage -> [its bytes]
+        self.probe = probe  # a probe.KernelProbe: CPU kernels' workspaces (device="cpu")
+        self._probed: list[tuple[int, Any]] = []  # (live bytes after the call, signature)
+        self._resize: list[Any] = []  # UntypedStorage.resize_ as it was, while on
+        # gloo's staging copies of each collective of FSDP2's (pipeline_fsdp.GLOO_STAGING)
+        self.staging: dict[Any, Callable[[Any, Any], int]] = {}
+
+    def __enter__(self) -> LiveBytes:
+        original = torch.UntypedStorage.resize_
+        self._resize.append(original)
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize.pop()  # type: ignore[method-assign]
+        super().__exit__(*args)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        cell = self._seen.get(storage)
+        if cell is None:
+            return
+        nbytes = storage.nbytes()
+        self.live_bytes += nbytes - cell[0]
+        cell[0] = nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def reset_peak(self) -> None:
+        """Count the peak from now on."""
+        self.peak_bytes = self.live_bytes
+        self._probed.clear()
+
+    def peak_with_workspaces(self) -> int:
+        """The peak, where a CPU kernel's workspace (measured once per call signature by the
+        probe on real zero tensors, ``probe.py``) lives beside what was live at its call."""
+        assert self.probe is not None
+        peak = self.peak_bytes
+        for live, sig in self._probed:
+            peak = max(peak, live + max(self.probe.workspace_bytes(sig), 0))
+        return peak
+
+    def track(self, t: object) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        t = local_part(t)
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        if storage in self._seen:
+            return
+        cell = [storage.nbytes()]
+        self._seen[storage] = cell
+        self.live_bytes += cell[0]
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._free, cell)
+
+    def _free(self, cell: list[int]) -> None:
+        self.live_bytes -= cell[0]
+
+    @contextlib.contextmanager
+    def rng_states(self) -> Iterator[None]:
+        """Count the CPU generator states ``torch.get_rng_state()`` hands out in the block:
+        ``torch.utils.checkpoint`` keeps one a checkpointed region to its recompute
+        (``preserve_rng_state=True``; 5,056 bytes each, made in C++ outside the dispatcher,
+        which a CPU step's allocator sees: ``recorder.tracked_rng_states``)."""
+        original = torch.get_rng_state
+
+        def get_rng_state() -> torch.Tensor:
+            state = original()
+            self.track(state)
+            return state
+
+        torch.get_rng_state = get_rng_state
+        try:
+            yield
+        finally:
+            torch.get_rng_state = original
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from .probe import wants_probe
+        from .recorder import _ANY_DTYPE_OPS, _promotion_copy_bytes, _wrapped_scalar_bytes
+
+        kwargs = kwargs or {}
+        # ops whose meta kernels refuse dtypes their kernels run (a Mixtral's fp32
+        # ``_grouped_mm``), run as the profile's recorder runs them
+        any_dtype = _ANY_DTYPE_OPS.get(func)
+        out = func(*args, **kwargs) if any_dtype is None else any_dtype(func, args, kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            self.track(t)
+        # the Python numbers the op wraps and the copies it casts live through the call,
+        # beside its outputs (as the profile's recorder counts them, CPU semantics): 12 B
+        # at AdamW's ``denom`` on the first stage's peak; and gloo's staging copies of a
+        # collective of FSDP2's, freed within the call (``staging``)
+        within = _wrapped_scalar_bytes(func, args) + _promotion_copy_bytes(func, args, out)
+        staged = self.staging.get(func)
+        if staged is not None:
+            within += staged(args, kwargs)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + within)
+        if self.probe is not None and wants_probe(func, args):
+            self._probed.append((self.live_bytes, self.probe.request(func, args, kwargs)))
+        return out
+
+
+class HeldSend:
+    """A send's ``Work`` that holds the sent tensor as gloo's does (its ``SendWork`` keeps
+    the tensor, ``ProcessGroupGloo::send`` in torch/csrc/distributed/c10d/ProcessGroupGloo.cpp),
+    where the fake process group's work holds nothing."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work = work
+        self.tensor = tensor
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def sends_held() -> Iterator[None]:
+    """While active, each ``isend``'s work holds its tensor until the schedule drops the
+    work: a micro-batch's activations (or input gradient) stay alive after the stage lets go
+    of them, to the wait the schedule makes at the end of its step
+    (torch/distributed/pipelining/schedules.py, ``ScheduleGPipe._step_microbatches``:
+    ``fwd_sends_to_wait`` / ``bwd_sends_to_wait``), as on real gloo ranks. Both names are
+    patched: ``P2POp`` and ``batch_isend_irecv`` look ``isend`` up in distributed_c10d, the
+    stage in ``torch.distributed``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.isend
+
+    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = original(tensor, *args, **kwargs)
+        return None if work is None else HeldSend(work, tensor)
+
+    dist.isend = distributed_c10d.isend = isend
+    try:
+        yield
+    finally:
+        dist.isend = distributed_c10d.isend = original
