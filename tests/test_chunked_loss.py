@@ -107,12 +107,14 @@ def test_upcast_is_one_chunk_at_a_time_hand_worked() -> None:
     ("name", "precision", "batch", "seq", "k"),
     [
         ("gpt2", "fp32", 1, 16, 4),
-        ("gpt2", "bf16", 4, 32, 8),
+        # slow: left to the first CI pass; the narrowed-ISA pass keeps one row of each
+        # model in bf16 and a fp32 row
+        pytest.param("gpt2", "bf16", 4, 32, 8, marks=pytest.mark.slow),
         ("gpt2", "bf16", 4, 30, 4),  # chunks of 8, 8, 8 and 6 positions
         ("llama", "fp32", 4, 32, 4),
         ("llama", "bf16", 1, 16, 8),
         ("qwen2", "bf16", 4, 16, 4),
-        ("qwen2", "fp32", 1, 32, 8),
+        pytest.param("qwen2", "fp32", 1, 32, 8, marks=pytest.mark.slow),
     ],
 )
 def test_estimate_equals_torchtunes_real_step(

@@ -153,6 +153,8 @@ class TorchLayers(nn.Module):
         return x
 
 
+# slow: a refusal, the same under any instruction set; left to the first CI pass
+@pytest.mark.slow
 def test_blocks_of_torch_modules_refused_with_dynamos_reason() -> None:
     """Dynamo compiles no frame of a torch.nn layer compiled on its own (its forward is in
     dynamo's skip list): a ValueError with dynamo's message and the way out, from the

@@ -1400,6 +1400,8 @@ class _NoShortcuts(contextlib.nullcontext):  # type: ignore[type-arg]
     """Stands in for fake.MetaShortcuts: every meta kernel runs in full."""
 
 
+# slow: meta tensors only (no CPU kernel runs), so the narrowed-ISA pass would repeat it as is
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cuda", "cpu"])  # foreach and single-tensor optimizers
 def test_meta_shortcuts_leave_the_optimizer_trace_unchanged(
     device: str, monkeypatch: pytest.MonkeyPatch
