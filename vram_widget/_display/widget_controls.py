@@ -545,6 +545,14 @@ class ControlsMixin:
             self._cp_dropdown.disabled = bool(self._cp_refusal)
             self._weights_dropdown.disabled = self._weights_held
 
+    def _show_quietly(self: MemoryWidget, control: Any, value: object) -> None:  # type: ignore[misc]
+        """Show ``value`` on ``control`` without feeding back into the traits."""
+        syncing, self._syncing = self._syncing, True
+        try:
+            control.value = value
+        finally:
+            self._syncing = syncing
+
     def _sync_controls(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the integer settings on their sliders and boxes without feeding back."""
         self._syncing = True

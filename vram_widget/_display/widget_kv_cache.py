@@ -127,11 +127,8 @@ class KVCacheMixin:
 
     def _sync_kv_cache_control(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the traits on the dropdown, without feedback."""
-        syncing, self._syncing = self._syncing, True
-        try:
-            self._kv_cache_dropdown.value = kv_cache_control_value(self.kv_cache, self.kv_bits)
-        finally:
-            self._syncing = syncing
+        value = kv_cache_control_value(self.kv_cache, self.kv_bits)
+        self._show_quietly(self._kv_cache_dropdown, value)
 
     @property
     def _kv_cache_active(self: MemoryWidget) -> bool:  # type: ignore[misc]

@@ -197,11 +197,8 @@ class WeightsMixin:
 
     def _sync_weights_control(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Show the traits on the dropdown, without feedback."""
-        syncing, self._syncing = self._syncing, True
-        try:
-            self._weights_dropdown.value = weights_control_value(self.weights, self.float8)
-        finally:
-            self._syncing = syncing
+        value = weights_control_value(self.weights, self.float8)
+        self._show_quietly(self._weights_dropdown, value)
 
     def _pair_weights(self: MemoryWidget, moved: str | None) -> tuple[str, Any] | None:  # type: ignore[misc]
         """After ``weights`` or ``float8`` moved to a value, clear the other (an estimate

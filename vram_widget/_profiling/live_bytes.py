@@ -100,24 +100,13 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, cell: list[int]) -> None:
         self.live_bytes -= cell[0]
 
-    @contextlib.contextmanager
-    def rng_states(self) -> Iterator[None]:
-        """Count the CPU generator states ``torch.get_rng_state()`` hands out in the block:
-        ``torch.utils.checkpoint`` keeps one a checkpointed region to its recompute
-        (``preserve_rng_state=True``; 5,056 bytes each, made in C++ outside the dispatcher,
-        which a CPU step's allocator sees: ``recorder.tracked_rng_states``)."""
-        original = torch.get_rng_state
+    def rng_states(self) -> contextlib.AbstractContextManager[None]:
+        """Count the CPU generator states ``torch.get_rng_state()`` hands out in the block
+        (``torch.utils.checkpoint`` keeps one a checkpointed region to its recompute, made in
+        C++ outside the dispatcher, which a CPU step's allocator sees)."""
+        from .recorder import tracked_rng_states
 
-        def get_rng_state() -> torch.Tensor:
-            state = original()
-            self.track(state)
-            return state
-
-        torch.get_rng_state = get_rng_state
-        try:
-            yield
-        finally:
-            torch.get_rng_state = original
+        return tracked_rng_states(self.track)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from .probe import wants_probe

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -1004,7 +1004,7 @@ def _wrapped_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
 
 
 @contextmanager
-def tracked_rng_states(recorder: Recorder) -> Iterator[None]:
+def tracked_rng_states(track: Callable[[torch.Tensor], object]) -> Iterator[None]:
     """Count the CPU generator states that ``torch.get_rng_state()`` hands out while a run is
     recorded (CPU semantics).
 
@@ -1019,7 +1019,7 @@ def tracked_rng_states(recorder: Recorder) -> Iterator[None]:
 
     def get_rng_state() -> torch.Tensor:
         state = original()
-        recorder.track_host_tensor(state)
+        track(state)
         return state
 
     torch.get_rng_state = get_rng_state

@@ -289,7 +289,7 @@ class Profiler(OptimizerStateRuns):
                 self._structured(stack, state, levers)
             stack.enter_context(checkpoint_recompute_context(_recompute_context(context, rec)))
             if subject.device is Device.CPU:  # the RNG states checkpoint keeps are CPU memory
-                stack.enter_context(tracked_rng_states(rec))
+                stack.enter_context(tracked_rng_states(rec.track_host_tensor))
             if train:
                 saved_hooks: tuple[Callable[[Any], Any], Callable[[Any], Any]]
                 if compiled is None:
