@@ -439,24 +439,26 @@ def measure(
     if settings.get("ep", 1) not in (None, 1):
         tp_setup = _expert_parallel_setup(model, settings, gpus, strategy)
     if tp_setup is not None or distributed:
+        # torchtune's chunked loss is measured on tensor-parallel ranks (tp alone) too
+        tp_alone = tp_setup is not None and not tp_setup.expert_parallel and tp_setup.tp == gpus
         if (
             stepping != (False, True)
             or protocol != (False, False, None)
             or decay_split
             or carry
-            or settings["loss_chunks"] is not None
+            or (settings["loss_chunks"] is not None and not tp_alone)
             or resolve_offload(settings["offload_activations"]) is not None
         ):
             raise ValueError(
                 "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled, "
                 "carried_scalars, clip_grad_norm, param_groups='decay-split' and "
-                "loss_chunks and offload_activations are measured "
-                "on one process "
-                "(gpus=1) only for now"
+                "offload_activations are measured on one process (gpus=1) only for now, "
+                "loss_chunks on one process or on tensor-parallel ranks (gpus=tp)"
             )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
             levers, tp_setup, parse_option(Mode, mode, "mode"), (scope, budget),
+            settings["loss_chunks"],
         )  # fmt: skip
     return _measure(
         model,
