@@ -184,6 +184,11 @@ def _tensor_parallel_setup(
             f"tp={tp} with weights: not measured with tensor parallelism yet; leave tp at 1 "
             "for these"
         )
+    if settings["loss_chunks"] is not None and gpus != tp:
+        raise ValueError(
+            f"loss_chunks with tp={tp} on gpus={gpus}: the chunked loss with FSDP2 over "
+            f"tensor-parallel ranks is not measured yet; it is with tp alone (gpus={tp})"
+        )
     rank, targets = resolve_lora(settings["lora_rank"], settings["lora_targets"])
     lora = None
     if rank is not None:
