@@ -170,8 +170,10 @@ def measure(
         The memory levers, as ``ModelProfile.estimate`` takes them, applied to the model copy
         the way the libraries apply them: PEFT's ``get_peft_model`` for LoRA (the adapters
         upcast to fp32 by default; ``lora_dtype="base"``: ``autocast_adapter_dtype=False``,
-        the base's dtype; ``"bf16"`` etc.: that, then the adapters cast), Hugging Face's
-        ``activation_checkpointing_enable`` (non-reentrant) for its models' ``"auto"``,
+        the base's dtype; ``"bf16"`` etc.: that, then the adapters cast; on tensor-parallel
+        ranks, after the plan sharded the copy: ``tensor_parallel.tensor_parallel_lora``),
+        Hugging Face's ``activation_checkpointing_enable`` (non-reentrant) for its models'
+        ``"auto"``,
         torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
         module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
         and ``grad_accumulation`` forward and backward passes before the optimizer step.
@@ -277,7 +279,7 @@ def measure(
         sequence: its body's hidden states chunked, the output projection on each, the
         labels shifted as torchtune's recipes shift them and torchtune's own
         ``CEWithChunkedOutputLoss`` (``chunked_loss.py``). Needs labels in ``inputs`` and
-        no ``loss_fn``; one process only.
+        no ``loss_fn``; one process, or tensor-parallel ranks alone (``gpus=tp``).
     offload_activations : None, bool or str
         The forward run inside the real offloading hooks: True or ``"torchtune"``,
         torchtune's own ``OffloadActivations()`` (one for the loop, its defaults) with its
