@@ -31,12 +31,12 @@ from .recipe.parallel import (
     check_tensor_parallel,
     check_tensor_parallel_settings,
     context_parallel_refusals,
+    parallel_refusals,
     pipeline_checkpoint_layers,
     pipeline_data_parallel,
     pipeline_microbatches,
     pipeline_reshard_after_forward,
     pipeline_stages_per_rank,
-    tensor_parallel_refusals,
 )
 from .recipe.recipe import default
 from .recipe.weights import Weights
@@ -377,7 +377,7 @@ def _expert_parallel_question(recipe: Recipe) -> Recipe:
     checked first, each refusal a ValueError naming it: the settings not checked against
     real ranks are those ``tp`` refuses)."""
     check_expert_parallel(recipe.parallel)
-    refused = tensor_parallel_refusals(recipe)
+    refused = parallel_refusals(recipe)
     if refused:
         raise ValueError(
             f"ep={recipe.parallel.ep} with {', '.join(refused)}: not estimated with expert "

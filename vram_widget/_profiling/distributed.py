@@ -430,6 +430,8 @@ class RankSetup:
     expert_parallel: bool = False
     # tensor-parallel ranks of a group (tensor_parallel.rank_setup); the world is dp x tp
     tp: int = 1
+    # the wrapper applies PEFT's LoRA itself, after sharding (tensor_parallel.rank_setup)
+    applies_lora: bool = False
 
 
 # strategy -> how its libraries set up a rank (the strategies sharding models)
