@@ -53,10 +53,12 @@ def check_float8(
     lora_rank: int | None,
     gpus: int,
     compile_scope: object = None,
+    estimating: bool = True,
 ) -> None:
     """Refuse, before any profiling, the float8 steps that are not estimated or measured:
-    inference and generation, quantized base weights, autocast, LoRA, more than one GPU
-    and ``compile``.
+    inference and generation, quantized base weights, autocast, LoRA, ``compile``,
+    ``float8_all_gather`` on one GPU, and (``estimating``) more than one GPU, which
+    ``measure`` runs on gloo ranks but the estimate does not model yet.
 
     Examples
     --------
@@ -96,11 +98,20 @@ def check_float8(
             f"{asked} with lora_rank={lora_rank}: float8 training of LoRA adapters is not "
             "estimated yet; choose one of the two"
         )
-    if gpus > 1:
+    if float8.all_gather and gpus == 1:
         raise ValueError(
-            f"{asked} is estimated on one GPU (gpus=1) for now: with FSDP torchao can "
-            "all-gather the weights in float8 (enable_fsdp_float8_all_gather), which the "
-            "data-parallel estimate does not model"
+            f"{asked} with float8_all_gather=True: that is FSDP2's all-gather of the "
+            "weights in float8 (torchao's enable_fsdp_float8_all_gather), and gpus=1 "
+            "gathers nothing; give gpus=N with strategy='zero2', 'zero3' or 'hsdp', or "
+            "leave float8_all_gather=False"
+        )
+    if gpus > 1 and estimating:
+        raise ValueError(
+            f"{asked} is estimated on one GPU (gpus=1) for now: the data-parallel "
+            "estimate does not model torchao's float8 layers under a data-parallel "
+            "wrapper, nor FSDP2's float8 all-gather (float8_all_gather=True); "
+            f"measure(model, inputs, gpus={gpus}, strategy=..., float8=...) runs it on "
+            "real gloo ranks"
         )
     if compile_scope not in (None, False):
         raise ValueError(

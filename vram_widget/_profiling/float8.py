@@ -70,11 +70,14 @@ def require_torchao() -> ModuleType:
 
 
 def torchao_config(float8: Float8, emulate: bool) -> Any:
-    """torchao's ``Float8LinearConfig`` of ``float8``'s recipe, with ``emulate`` set."""
+    """torchao's ``Float8LinearConfig`` of ``float8``'s recipe, with ``emulate`` and
+    ``enable_fsdp_float8_all_gather`` (``float8.all_gather``) set."""
     ao = require_torchao()
     assert float8.recipe is not None
     config = ao.Float8LinearConfig.from_recipe_name(float8.recipe.value)
-    return dataclasses.replace(config, emulate=emulate)
+    return dataclasses.replace(
+        config, emulate=emulate, enable_fsdp_float8_all_gather=float8.all_gather
+    )
 
 
 def _kept(name: str, float8: Float8) -> bool:
@@ -146,18 +149,49 @@ def checked_float8(
     float8 = parse_float8(settings["float8"])
     if not float8.enabled:
         return float8
+    gpus = int(settings["gpus"])
     check_float8(
         float8,
         parse_option(Mode, settings["mode"], "mode"),
         parse_option(Precision, settings["precision"], "precision"),
         weights,
         settings["lora_rank"],
-        int(settings["gpus"]),
+        gpus,
         compile_scope,
+        estimating=False,
     )
+    if gpus > 1:
+        _check_float8_ranks(float8, settings)
     require_torchao()
     converted_layers(model, float8)
     return float8
+
+
+# the strategies whose ranks measure a float8 model: the data-parallel wrappers; FSDP2's
+# (which float8_all_gather needs: fsdp_pre_all_gather is FSDP2's extension point,
+# torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
+_RANKS = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+_FSDP2 = ("zero2", "zero3", "hsdp")
+
+
+def _check_float8_ranks(float8: Float8, settings: dict[str, Any]) -> None:
+    """``measure``'s float8 ranks: a data-parallel strategy without tp / pp / ep, and
+    ``float8_all_gather`` under FSDP2's only; a ValueError naming the setting otherwise."""
+    asked = f"float8={float8.recipe.value if float8.recipe else None!r}"
+    strategy = str(getattr(settings["strategy"], "value", settings["strategy"]))
+    layouts = {k: settings.get(k) for k in ("tp", "pp", "ep")}
+    other = [f"{k}={v}" for k, v in layouts.items() if v not in (None, 1)]
+    if other or strategy not in _RANKS:
+        shown = ", ".join(other) or f"strategy={strategy!r}"
+        raise ValueError(
+            f"{asked} with {shown}: float8 ranks are measured with a data-parallel "
+            f"strategy ({', '.join(map(repr, _RANKS))}) and no tp, pp or ep"
+        )
+    if float8.all_gather and strategy not in _FSDP2:
+        raise ValueError(
+            f"{asked} with float8_all_gather=True and strategy={strategy!r}: the float8 "
+            f"all-gather is FSDP2's; use strategy {', '.join(map(repr, _FSDP2))}"
+        )
 
 
 def has_float8(model: torch.nn.Module) -> bool:

@@ -457,6 +457,7 @@ def measure(
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
             levers, tp_setup, parse_option(Mode, mode, "mode"), (scope, budget),
+            float8_setting,
         )  # fmt: skip
     return _measure(
         model,

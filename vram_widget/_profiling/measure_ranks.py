@@ -18,6 +18,7 @@ from .._estimating.options import (
     parse_optimizer_choice,
     parse_option,
 )
+from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.weights import parse_weights
 from .._estimating.sharding import (
     Parallel,
@@ -47,9 +48,11 @@ def _measure_ranks(
     tp_setup: RankSetup | None = None,
     mode: Mode = Mode.TRAIN,
     compiled: tuple[CompileScope | None, float | None] = (None, None),
+    float8: Float8 | None = None,
 ) -> Measurement:
     """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``): each wraps
-    its copy as the strategy's library does, or shards it by ``tp_setup``'s plan."""
+    its copy (converted to float8 training first, where ``float8`` asks) as the strategy's
+    library does, or shards it by ``tp_setup``'s plan."""
     from .distributed import SETUPS, run_ranks
 
     if _model_device(model).type != "cpu":
@@ -72,7 +75,7 @@ def _measure_ranks(
     def rank_step(_rank: int, _world: int) -> Measurement:
         return _measure(
             model, inputs, loss_fn, optimizer, precision, mode, grad_accumulation,
-            setup=setup, parallel=parallel, compiled=compiled, **levers,
+            setup=setup, parallel=parallel, compiled=compiled, float8=float8, **levers,
         )[0]  # fmt: skip
 
     ranks = run_ranks(rank_step, parallel.gpus, timeout_s)
