@@ -47,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .._estimating.float8 import DIM_MULTIPLE, check_float8, indivisible
+from .._estimating.float8 import DIM_MULTIPLE, check_float8, check_float8_layout, indivisible
 from .._estimating.options import Mode, Precision, parse_option
 from .._estimating.recipe.float8 import Float8, parse_float8
 from .._estimating.recipe.weights import Weights
@@ -147,6 +147,8 @@ def checked_float8(
     """``measure``'s ``float8`` setting, refused as the estimate refuses it, before the
     copy is made: the step (``check_float8``), torchao missing, the layers' shapes."""
     float8 = parse_float8(settings["float8"])
+    if settings.get("float8_all_gather"):  # checked by Float8 itself (tensorwise, float8 on)
+        float8 = dataclasses.replace(float8, all_gather=True)
     if not float8.enabled:
         return float8
     gpus = int(settings["gpus"])
@@ -158,40 +160,13 @@ def checked_float8(
         settings["lora_rank"],
         gpus,
         compile_scope,
-        estimating=False,
     )
-    if gpus > 1:
-        _check_float8_ranks(float8, settings)
+    strategy = str(getattr(settings["strategy"], "value", settings["strategy"]))
+    layouts = {k: settings.get(k) for k in ("tp", "pp", "ep")}
+    check_float8_layout(float8, gpus, strategy, layouts, estimating=False)
     require_torchao()
     converted_layers(model, float8)
     return float8
-
-
-# the strategies whose ranks measure a float8 model: the data-parallel wrappers; FSDP2's
-# (which float8_all_gather needs: fsdp_pre_all_gather is FSDP2's extension point,
-# torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
-_RANKS = ("ddp", "zero1", "zero2", "zero3", "hsdp")
-_FSDP2 = ("zero2", "zero3", "hsdp")
-
-
-def _check_float8_ranks(float8: Float8, settings: dict[str, Any]) -> None:
-    """``measure``'s float8 ranks: a data-parallel strategy without tp / pp / ep, and
-    ``float8_all_gather`` under FSDP2's only; a ValueError naming the setting otherwise."""
-    asked = f"float8={float8.recipe.value if float8.recipe else None!r}"
-    strategy = str(getattr(settings["strategy"], "value", settings["strategy"]))
-    layouts = {k: settings.get(k) for k in ("tp", "pp", "ep")}
-    other = [f"{k}={v}" for k, v in layouts.items() if v not in (None, 1)]
-    if other or strategy not in _RANKS:
-        shown = ", ".join(other) or f"strategy={strategy!r}"
-        raise ValueError(
-            f"{asked} with {shown}: float8 ranks are measured with a data-parallel "
-            f"strategy ({', '.join(map(repr, _RANKS))}) and no tp, pp or ep"
-        )
-    if float8.all_gather and strategy not in _FSDP2:
-        raise ValueError(
-            f"{asked} with float8_all_gather=True and strategy={strategy!r}: the float8 "
-            f"all-gather is FSDP2's; use strategy {', '.join(map(repr, _FSDP2))}"
-        )
 
 
 def has_float8(model: torch.nn.Module) -> bool:
