@@ -278,8 +278,8 @@ class WeightsMixin:
 def recipe_weights_choice(key: str, value: object, precision: str) -> str | None:
     """A Recipe's ``weights`` (a Weights) or ``float8`` (a Float8) as the trait holds it,
     or None where the control has no such choice (a Weights with its own block size,
-    compute dtype or modules kept; a Float8 with ``filter_fqns``): the widget holds those
-    as the Recipe gives them.
+    compute dtype or modules kept; a Float8 with ``filter_fqns`` or ``all_gather``): the
+    widget holds those as the Recipe gives them.
 
     Examples
     --------
@@ -291,7 +291,7 @@ def recipe_weights_choice(key: str, value: object, precision: str) -> str | None
     'rowwise'
     """
     if isinstance(value, Float8):
-        if key != "float8" or value.filter_fqns or value.recipe is None:
+        if key != "float8" or value.filter_fqns or value.all_gather or value.recipe is None:
             return None
         return value.recipe.value
     if key != "weights" or not isinstance(value, Weights):
