@@ -19,6 +19,8 @@ What a float8 training step keeps, per converted ``nn.Linear`` of an ``out x in`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .options import Mode, Precision
 from .recipe.float8 import Float8
 from .recipe.weights import Weights
@@ -125,7 +127,7 @@ def check_float8_layout(
     float8: Float8,
     gpus: int,
     strategy: str,
-    layouts: dict[str, int | None],
+    layouts: Mapping[str, int | None],
     estimating: bool = True,
 ) -> None:
     """Refuse, before any profiling, a float8 model on ``gpus > 1`` ranks laid out in a way

@@ -186,7 +186,7 @@ def _bytes_of_float8(tree: _T) -> _T:
     def as_bytes(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8) if t.dtype in _FLOAT8_DTYPES else t
 
-    return tree_map_only(torch.Tensor, as_bytes, tree)  # type: ignore[no-any-return]
+    return tree_map_only(torch.Tensor, as_bytes, tree)
 
 
 # torch.distributed._functional_collectives' ops (torch.ops._c10d_functional), each
