@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 import traitlets
 
-from .._estimating.float8 import check_float8
+from .._estimating.float8 import check_float8, check_float8_layout
 from .._estimating.options import Mode, Precision
 from .._estimating.quantized import check_quantized, check_weights_device
 from .._estimating.recipe.float8 import Float8, float8_recipe
@@ -249,6 +249,8 @@ class WeightsMixin:
                     self.gpus,
                     self._compile_settings().get("compile"),
                 )
+                layouts = {"tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp}
+                check_float8_layout(Float8(self.float8), self.gpus, self.strategy, layouts)
             else:
                 weights = weights_arg(self.weights, self.precision)
                 assert weights is not None
