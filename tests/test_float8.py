@@ -291,11 +291,16 @@ def test_fsdp2_ranks_against_their_estimate(one_thread: None) -> None:
         assert abs(est.peak_bytes - peak) <= FSDP_SLACK_BYTES, (est.peak_bytes, peak)
     # float8 costs memory on each rank, as on one device (the casts; test above)
     assert est.peak_bytes > profile.estimate(4, **asked).peak_bytes
-    # DDP and ZeRO-1 wrap the converted model too (ZeRO-1's ranks differ: the worst)
-    for strategy in ("ddp", "zero1"):
-        other = {**asked, "strategy": strategy, "fsdp_units": None}
+    # DDP, ZeRO-1 and HSDP wrap the converted model too (ZeRO-1's ranks differ: the worst;
+    # HSDP on 2 nodes of 2 ranks, sharded within a node)
+    others = [
+        {**asked, "strategy": "ddp", "fsdp_units": None},
+        {**asked, "strategy": "zero1", "fsdp_units": None},
+        {**asked, "strategy": "hsdp", "gpus": 4, "gpus_per_node": 2},
+    ]
+    for other in others:
         peak = measure(model, x, float8=True, **other).peak_bytes
-        assert profile.estimate(4, float8=True, **other).peak_bytes == peak, strategy
+        assert profile.estimate(4, float8=True, **other).peak_bytes == peak, other
 
     # float8_all_gather: each unit's only all-gather input is float8, which gloo moves as
     # uint8 views; the shards stay fp32 (the same resident bytes), and the gathered weights

@@ -113,10 +113,8 @@ def check_float8(
 
 
 # The strategies a float8 model is estimated and measured with on N ranks: the
-# data-parallel wrappers, each checked against real gloo ranks (tests/test_float8.py).
-# ``hsdp`` (FSDP2 on a 2-D mesh) is measured but not yet checked against its estimate.
-FLOAT8_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-FLOAT8_MEASURED_STRATEGIES = (*FLOAT8_STRATEGIES, "hsdp")
+# data-parallel wrappers, each checked against real gloo ranks (tests/test_float8.py)
+FLOAT8_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 # FSDP2's strategies, whose all-gather torchao's float8 weights take part in
 # (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, torchao/float8/fsdp_utils.py, are
 # FSDP2's extension points: torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
@@ -147,14 +145,13 @@ def check_float8_layout(
     if not float8.enabled or gpus == 1:
         return
     asked = f"float8={float8.recipe.value if float8.recipe else None!r}"
-    strategies = FLOAT8_STRATEGIES if estimating else FLOAT8_MEASURED_STRATEGIES
     other = [f"{k}={v}" for k, v in layouts.items() if v not in (None, 1)]
-    if other or strategy not in strategies:
+    if other or strategy not in FLOAT8_STRATEGIES:
         shown = ", ".join(other) or f"strategy={strategy!r}"
         raise ValueError(
             f"{asked} with {shown}: float8 on {gpus} GPUs is "
             f"{'estimated' if estimating else 'measured'} with the data-parallel strategies "
-            f"{', '.join(map(repr, strategies))} only, without tp, pp, ep or cp"
+            f"{', '.join(map(repr, FLOAT8_STRATEGIES))} only, without tp, pp, ep or cp"
         )
     if float8.all_gather and strategy not in FSDP2_STRATEGIES:
         raise ValueError(

@@ -337,7 +337,7 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
             ``"tensorwise"``. The weights, their gradients and the optimizer state stay in
             the precision's dtype; the casts to float8 are added. Training only, in fp32,
             bf16 or fp16, on one GPU or on data-parallel ranks (``strategy="ddp"``,
-            ``"zero1"``, ``"zero2"``, ``"zero3"``; FSDP2 gathering the high-precision
+            ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"hsdp"``; FSDP2 gathering the high-precision
             weights, torchao's default); a Linear whose dims are not multiples of 16 is
             refused by name. ``float8_all_gather=True`` (FSDP2 gathering the weights in
             float8) is refused by name: ``measure`` runs it. ``device="cpu"`` runs
