@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .communication import volume_of
 from .decoding import check_generation
 from .estimator import MemoryEstimate
-from .float8 import check_float8
+from .float8 import check_float8, check_float8_layout
 from .kv_cache import check_quantized_cache
 from .levers import Levers
 from .loading import LOAD_DTYPES, LoadEstimate, load_estimate
@@ -143,6 +143,9 @@ class RungsMixin:
             recipe.parallel.gpus,
             recipe.levers.compile,
         )
+        par = recipe.parallel
+        layouts = {"tp": par.tp, "pp": par.pp, "ep": par.ep, "cp": par.cp}
+        check_float8_layout(float8, par.gpus, par.strategy.value, layouts)
         if float8 not in self._float8_profiles:
             self._float8_profiles[float8] = self._source.float8_profile(float8)
         return self._float8_profiles[float8], dataclasses.replace(recipe, float8=Float8())

@@ -104,6 +104,7 @@ def measure(
     lora_dtype: str | None = default(None),
     weights: object = default(None),
     float8: object = default(None),
+    float8_all_gather: bool = default(False),
     snapshot: bool = False,
     gpus: int = default(1),
     strategy: str | Strategy = default("ddp"),
@@ -193,7 +194,13 @@ def measure(
         The copy's Linear layers swapped for torchao's ``Float8Linear`` by
         ``convert_to_float8_training`` (``float8.py``), with ``emulate=True`` on a CPU (its
         float8 matmul in float32 ops) and torchao's ``torch._scaled_mm`` on CUDA. Training
-        only. As ``ModelProfile.estimate`` takes it.
+        only. As ``ModelProfile.estimate`` takes it; with ``gpus=N`` the copy is converted
+        in each rank before the strategy wraps it.
+    float8_all_gather : bool
+        True: torchao's ``enable_fsdp_float8_all_gather``, FSDP2 (``strategy="zero2"``,
+        ``"zero3"``, ``"hsdp"``) all-gathering each float8 weight in float8
+        (``Float8(True, all_gather=True)``); gloo moves the float8 bytes as ``uint8``
+        views (``distributed._bytes_of_float8``). Not estimated yet.
     checkpoint_policy : None, "full", "op", int or callable
         How each checkpointed block is checkpointed, as ``ModelProfile.estimate`` takes it:
         ``"op"`` is torchtitan's op-level policy around each block
@@ -366,7 +373,7 @@ def measure(
             "trainable": trainable,
             "grad_accumulation": grad_accumulation, "lora_rank": lora_rank,
             "lora_targets": lora_targets, "lora_dtype": lora_dtype, "weights": weights,
-            "float8": float8,
+            "float8": float8, "float8_all_gather": float8_all_gather,
             "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
             "tp": tp, "tp_plan": tp_plan,
@@ -461,6 +468,7 @@ def measure(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
             levers, tp_setup, parse_option(Mode, mode, "mode"), (scope, budget),
             settings["loss_chunks"],
+            float8_setting,
         )  # fmt: skip
     return _measure(
         model,

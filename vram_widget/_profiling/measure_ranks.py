@@ -18,6 +18,7 @@ from .._estimating.options import (
     parse_optimizer_choice,
     parse_option,
 )
+from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.weights import parse_weights
 from .._estimating.sharding import (
     Parallel,
@@ -48,10 +49,12 @@ def _measure_ranks(
     mode: Mode = Mode.TRAIN,
     compiled: tuple[CompileScope | None, float | None] = (None, None),
     loss_chunks: int | None = None,
+    float8: Float8 | None = None,
 ) -> Measurement:
     """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``): each wraps
-    its copy as the strategy's library does, or shards it by ``tp_setup``'s plan (and runs
-    torchtune's chunked loss on the sharded copy with ``loss_chunks``)."""
+    its copy (converted to float8 training first, where ``float8`` asks) as the strategy's
+    library does, or shards it by ``tp_setup``'s plan (and runs torchtune's chunked loss on
+    the sharded copy with ``loss_chunks``)."""
     from .distributed import SETUPS, run_ranks
 
     if _model_device(model).type != "cpu":
@@ -75,7 +78,7 @@ def _measure_ranks(
         return _measure(
             model, inputs, loss_fn, optimizer, precision, mode, grad_accumulation,
             setup=setup, parallel=parallel, compiled=compiled, loss_chunks=loss_chunks,
-            **levers,
+            float8=float8, **levers,
         )[0]  # fmt: skip
 
     ranks = run_ranks(rank_step, parallel.gpus, timeout_s)

@@ -348,7 +348,10 @@ class _Session:
     def resident_tensors(self) -> Iterator[torch.Tensor]:
         """Parameters, buffers, optimizer state and inputs (repeats and views included)."""
         for p in self.model.parameters():  # a torchao weight: its inner tensors
-            yield from torchao_inner(p) or [p]
+            # under FSDP2 a DTensor around its shard, which may be torchao's too (float8
+            # all-gather: WeightWithDynamicFloat8CastTensor, torchao/float8/fsdp_utils.py)
+            shard = p.to_local() if hasattr(p, "to_local") else p
+            yield from torchao_inner(shard) or [p]
         yield from self.model.buffers()
         yield from module_state_tensors(self.model)  # bitsandbytes' quant state
         if self.optimizer is not None:
