@@ -31,6 +31,7 @@ from .context_parallel import (
     local_length,
     no_ring_refusal,
     ring_attention,
+    ring_refusal_in,
 )
 from .expert_parallel import expert_parallelized, resolve_ep_plan
 from .float8 import float8_copy
@@ -268,6 +269,9 @@ class SubProfiles:
                     try:
                         estimate = sub._estimate(recipe)
                     except (NotImplementedError, RuntimeError) as exc:
+                        refusal = ring_refusal_in(exc)
+                        if refusal is not None:  # named before the call ran
+                            raise ValueError(str(refusal)) from None
                         raise ValueError(
                             f"cp={cp}: torch's ring attention refused this model's attention: {exc}"
                         ) from exc
