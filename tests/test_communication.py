@@ -93,6 +93,28 @@ def test_rowwise_linear_all_reduces_its_output(one_thread: None) -> None:
     assert profile.estimate(6).communication_sent_bytes is None  # one device
 
 
+def test_a_rank_sends_what_its_step_sends_at_the_asked_length(one_thread: None) -> None:
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 24))
+    plan = {"1": ColwiseParallel(), "3": RowwiseParallel()}
+    profile = profile_model(
+        model, inputs=torch.randint(0, 50, (4, 8)), loss_fn=lambda out: out.mean(), device="cpu"
+    )
+    # batch 6 of 8 tokens: the rowwise Linear's output all-reduced in the forward, 6 x 8 x 24
+    # x 4 B = 4,608 B, and the colwise Linear's input gradient in the backward (the
+    # embedding trains), 6 x 8 x 32 x 4 B = 6,144 B; over 2 ranks each all-reduce sends its
+    # size (2 x 1/2): 10,752 B
+    at_8 = profile.estimate(6, optimizer="sgd", gpus=2, tp=2, tp_plan=plan)
+    assert dict(at_8.communication_sent_bytes_by_kind) == {K.ALL_REDUCE: 10_752}
+    # 16 tokens: both payloads double, 21,504 B (the optimizer's trace asks for the step at
+    # the example's 8 tokens after the estimate's own step: not the one sent)
+    at_16 = profile.estimate(6, optimizer="sgd", gpus=2, tp=2, tp_plan=plan, seq_len=16)
+    assert dict(at_16.communication_sent_bytes_by_kind) == {K.ALL_REDUCE: 21_504}
+
+
 # The real side: the collectives gloo itself runs, from the profiler's record of its ops
 # (``gloo:all_reduce``, ``gloo:all_gather``, ``gloo:send``...: ProcessGroupGloo's
 # RECORD_FUNCTION with its input tensors), not from the package's recording.

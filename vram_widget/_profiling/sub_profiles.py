@@ -241,7 +241,9 @@ class SubProfiles:
                 est = sub._estimate(recipe)
                 if not asked:  # answered without a step's timeline: nothing to record
                     return est
-                volume = _step_communication(sub, recipe.step.batch_size, *asked[-1])
+                volume = _step_communication(
+                    sub, recipe.step.batch_size, *_step_asked(asked, sub, recipe)
+                )
                 return dataclasses.replace(
                     est,
                     communication_sent_bytes=volume.sent_bytes,
@@ -420,7 +422,7 @@ class SubProfiles:
 
 def _timelines_asked(sub: ModelProfile) -> list[tuple[Any, ...]]:
     """The (precision, mode, seq_len, levers) of each timeline ``sub`` is asked for from
-    now on, in order (the estimate's own step is the last)."""
+    now on, in order (``_step_asked`` picks the estimate's own step)."""
     asked: list[tuple[Any, ...]] = []
     original = sub.timeline
 
@@ -432,6 +434,17 @@ def _timelines_asked(sub: ModelProfile) -> list[tuple[Any, ...]]:
 
     sub.timeline = timeline  # type: ignore[method-assign]
     return asked
+
+
+def _step_asked(asked: list[tuple[Any, ...]], sub: ModelProfile, recipe: Any) -> tuple[Any, ...]:
+    """The estimate's own step among the timelines ``sub`` was ``asked`` for: the last one
+    of the recipe's precision, mode and length (None: the example's). The optimizer's trace
+    asks for the training step at the example's length after it (``optimizer_trace``: which
+    parameters get a gradient), so the last one asked is not the step's at another length."""
+    step = recipe.step
+    length = None if step.seq_len == sub.seq_len else step.seq_len
+    matching = [a for a in asked if (a[0], a[1], a[2]) == (step.precision, step.mode, length)]
+    return matching[-1] if matching else asked[-1]
 
 
 def _runs_of(sub: ModelProfile) -> SourceRuns:
