@@ -31,6 +31,7 @@ from .context_parallel import (
     local_length,
     no_ring_refusal,
     ring_attention,
+    ring_refusal_in,
 )
 from .expert_parallel import expert_parallelized, resolve_ep_plan
 from .float8 import float8_copy
@@ -250,7 +251,7 @@ class SubProfiles:
                 est = sub._estimate(recipe)
                 if not asked:  # answered without a step's timeline: nothing to record
                     return est
-                stepped, precision, mode, seq_len, levers = asked[-1]
+                stepped, precision, mode, seq_len, levers = _step_asked(asked, sub, recipe)
                 volume = _step_communication(
                     stepped, precision, mode, seq_len, levers, recipe.step.batch_size
                 )
@@ -281,6 +282,9 @@ class SubProfiles:
                     try:
                         estimate = sub._estimate(recipe)
                     except (NotImplementedError, RuntimeError) as exc:
+                        refusal = ring_refusal_in(exc)
+                        if refusal is not None:  # named before the call ran
+                            raise ValueError(str(refusal)) from None
                         raise ValueError(
                             f"cp={cp}: torch's ring attention refused this model's attention: {exc}"
                         ) from exc
@@ -429,8 +433,8 @@ class SubProfiles:
 
 def _timelines_asked(sub: ModelProfile) -> list[tuple[Any, ...]]:
     """The (profile, precision, mode, seq_len, levers) of each timeline ``sub``, or a LoRA
-    sub-profile it makes (``_source.lora_profile``), is asked for from now on, in order (the
-    estimate's own step is the last)."""
+    sub-profile it makes (``_source.lora_profile``), is asked for from now on, in order
+    (``_step_asked`` picks the estimate's own step)."""
     asked: list[tuple[Any, ...]] = []
 
     def watched(profile: ModelProfile) -> ModelProfile:
@@ -453,6 +457,17 @@ def _timelines_asked(sub: ModelProfile) -> list[tuple[Any, ...]]:
     source.lora_profile = lambda *args, **kwargs: watched(make_lora(*args, **kwargs))
     watched(sub)
     return asked
+
+
+def _step_asked(asked: list[tuple[Any, ...]], sub: ModelProfile, recipe: Any) -> tuple[Any, ...]:
+    """The estimate's own step among the timelines ``sub`` was ``asked`` for: the last one
+    of the recipe's precision, mode and length (None: the example's). The optimizer's trace
+    asks for the training step at the example's length after it (``optimizer_trace``: which
+    parameters get a gradient), so the last one asked is not the step's at another length."""
+    step = recipe.step
+    length = None if step.seq_len == sub.seq_len else step.seq_len
+    matching = [a for a in asked if (a[1], a[2], a[3]) == (step.precision, step.mode, length)]
+    return matching[-1] if matching else asked[-1]
 
 
 def _runs_of(sub: ModelProfile) -> SourceRuns:
