@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from models import hf_llama, hf_tokens
+from models import hf_llama, hf_mixtral, hf_tokens
 
 from vram_widget import profile_model
 from vram_widget._estimating.communication import (
@@ -93,6 +93,28 @@ def test_rowwise_linear_all_reduces_its_output(one_thread: None) -> None:
     assert profile.estimate(6).communication_sent_bytes is None  # one device
 
 
+def test_a_rank_sends_what_its_step_sends_at_the_asked_length(one_thread: None) -> None:
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 24))
+    plan = {"1": ColwiseParallel(), "3": RowwiseParallel()}
+    profile = profile_model(
+        model, inputs=torch.randint(0, 50, (4, 8)), loss_fn=lambda out: out.mean(), device="cpu"
+    )
+    # batch 6 of 8 tokens: the rowwise Linear's output all-reduced in the forward, 6 x 8 x 24
+    # x 4 B = 4,608 B, and the colwise Linear's input gradient in the backward (the
+    # embedding trains), 6 x 8 x 32 x 4 B = 6,144 B; over 2 ranks each all-reduce sends its
+    # size (2 x 1/2): 10,752 B
+    at_8 = profile.estimate(6, optimizer="sgd", gpus=2, tp=2, tp_plan=plan)
+    assert dict(at_8.communication_sent_bytes_by_kind) == {K.ALL_REDUCE: 10_752}
+    # 16 tokens: both payloads double, 21,504 B (the optimizer's trace asks for the step at
+    # the example's 8 tokens after the estimate's own step: not the one sent)
+    at_16 = profile.estimate(6, optimizer="sgd", gpus=2, tp=2, tp_plan=plan, seq_len=16)
+    assert dict(at_16.communication_sent_bytes_by_kind) == {K.ALL_REDUCE: 21_504}
+
+
 # The real side: the collectives gloo itself runs, from the profiler's record of its ops
 # (``gloo:all_reduce``, ``gloo:all_gather``, ``gloo:send``...: ProcessGroupGloo's
 # RECORD_FUNCTION with its input tensors), not from the package's recording.
@@ -108,11 +130,18 @@ _GLOO_KINDS = {
 _ITEM_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8}
 
 
-def _gloo_collectives(step: Callable[[], None], world: int) -> list[tuple[str, int]]:
-    """(kind, payload bytes) of each collective gloo runs in ``step``, in order. The
-    1-byte all-reduce that the measuring harness queues behind each collective
-    (``distributed._fence``) is left out; an all-gather's payload is its gathered
-    output, ``world`` times the rank's input."""
+def _gloo_collectives(step: Callable[[], None], world: int) -> list[tuple[str, int, int]]:
+    """(kind, payload bytes, bytes the rank keeps) of each collective gloo runs in
+    ``step``, in order. The 1-byte all-reduce that the measuring harness queues behind each
+    collective (``distributed._fence``) is left out; an all-gather's payload is its gathered
+    output, ``world`` times the rank's input. An all-to-all keeps the rows of its input split
+    for this rank, which gloo's record does not carry: they are read from the
+    ``c10d::alltoall_base_`` call that issued it (the same one in time order; its arguments
+    are (output, input, group, output_split_sizes, input_split_sizes, ...), an empty split
+    list being an even split); the other kinds keep nothing."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
     ) as prof:
@@ -125,6 +154,15 @@ def _gloo_collectives(step: Callable[[], None], world: int) -> list[tuple[str, i
             trace = json.load(f)
     finally:
         os.unlink(path)
+    by_time = sorted(trace["traceEvents"], key=lambda e: e.get("ts", 0))
+    issued = [e for e in by_time if e.get("name") == "c10d::alltoall_base_"]
+    gloo_a2a = [e for e in by_time if e.get("name") == "gloo:all_to_all"]
+    assert len(issued) == len(gloo_a2a)
+    kept_rows = {}
+    for gloo, call in zip(gloo_a2a, issued, strict=True):
+        rows = call["args"]["Input Dims"][1][0]
+        splits = json.loads(call["args"]["Concrete Inputs"][4])
+        kept_rows[id(gloo)] = (splits[rank] if splits else rows // world, rows)
     out = []
     events = sorted(trace["traceEvents"], key=lambda e: e.get("args", {}).get("Ev Idx", 0))
     for e in events:
@@ -139,12 +177,16 @@ def _gloo_collectives(step: Callable[[], None], world: int) -> list[tuple[str, i
         for d in dims:
             numel *= d
         payload = numel * _ITEM_BYTES[dtype]
-        out.append((kind.value, payload * world if kind is K.ALL_GATHER else payload))
+        own = 0
+        if kind is K.ALL_TO_ALL:
+            kept, rows = kept_rows[id(e)]
+            own = payload * kept // rows
+        out.append((kind.value, payload * world if kind is K.ALL_GATHER else payload, own))
     return out
 
 
-def _sent_by_kind(collectives: list[tuple[str, int]], world: int) -> dict[CollectiveKind, int]:
-    records = [Collective(K(kind), payload, world) for kind, payload in collectives]
+def _sent_by_kind(collectives: list[tuple[str, int, int]], world: int) -> dict[CollectiveKind, int]:
+    records = [Collective(K(kind), payload, world, own) for kind, payload, own in collectives]
     return dict(volume_of(records).sent_bytes_by_kind)
 
 
@@ -160,7 +202,7 @@ def test_tensor_parallel_collectives_match_gloo(one_thread: None) -> None:
     )
     setup = rank_setup(resolve_plan(model, 2), 2)
 
-    def rank_step(_rank: int, world: int) -> list[tuple[str, int]]:
+    def rank_step(_rank: int, world: int) -> list[tuple[str, int, int]]:
         sharded = setup.wrap_model(model, None, None)  # type: ignore[arg-type]
         opt = torch.optim.AdamW(sharded.parameters())
 
@@ -197,7 +239,7 @@ def test_pipeline_sends_match_gloo(one_thread: None, schedule: str) -> None:
     )
     config = _config(model)
 
-    def rank_step(stage: int, world: int) -> list[tuple[str, int]]:
+    def rank_step(stage: int, world: int) -> list[tuple[str, int, int]]:
         layout = _Layout(world, PipelineSchedule(schedule), 2)
         module = layout.copy(model, stage, meta=False)
         module.train()
@@ -216,6 +258,72 @@ def test_pipeline_sends_match_gloo(one_thread: None, schedule: str) -> None:
     assert sent == [{K.SEND: 16_384}, {K.SEND: 16_384}]
     assert dict(est.communication_sent_bytes_by_kind) == {K.SEND: 16_384}
     assert est.communication_sent_bytes == 16_384
+
+
+def _balanced_mixtral() -> torch.nn.Module:
+    """The Mixtral of tests/models.py with each router's rows ``[w, -w, u, -u]``: a token's
+    logits are ``a, -a, b, -b``, whose top 2 are one of experts 0-1 (rank 0's) and one of
+    experts 2-3 (rank 1's), so every rank's experts receive half of each rank's pairs: the
+    routing the estimate assumes (``expert_parallel.routed_sizes``, "balanced")."""
+    torch.manual_seed(0)
+    model = hf_mixtral()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                w, u = torch.randn(2, module.weight.shape[1])
+                module.weight.copy_(torch.stack([w, -w, u, -u]))
+    return model
+
+
+def test_expert_parallel_collectives_match_gloo(one_thread: None) -> None:
+    pytest.importorskip("transformers")
+    from vram_widget._profiling.distributed import run_ranks
+    from vram_widget._profiling.expert_parallel import rank_setup, resolve_ep_plan
+
+    model, inputs = _balanced_mixtral(), hf_tokens(4)
+    profile = profile_model(model, inputs=hf_tokens(2), device="cpu")
+    train = profile.estimate(4, "fp32", optimizer="adamw", gpus=2, ep=2)
+    inference = profile.estimate(4, "fp32", mode="inference", gpus=2, ep=2)
+    setup = rank_setup(resolve_ep_plan(model, 2))
+
+    def rank_step(_rank: int, world: int) -> tuple[list[tuple[str, int, int]], ...]:
+        sharded = setup.wrap_model(model, None, None)  # type: ignore[arg-type]
+        opt = torch.optim.AdamW(sharded.parameters())
+
+        def step() -> None:
+            sharded(**inputs).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def forward() -> None:
+            with torch.no_grad():
+                sharded(**inputs)
+
+        sharded.train()
+        step()  # the optimizer's state made
+        trained = _gloo_collectives(step, world)
+        sharded.eval()
+        return trained, _gloo_collectives(forward, world)
+
+    ranks = run_ranks(rank_step, 2, timeout_s=120)
+    # Training, transformers' AllToAllEP over 4 x 16 = 64 shared tokens, hidden 64, top-2,
+    # fp32; each rank dispatches its 32 tokens' 64 (token, expert) pairs. A layer's forward:
+    # the split counts (2 ranks x 2 experts, int64: 32 B, 16 kept) and the pairs there and
+    # back (64 x 64 x 4 B = 16,384 B each, half kept: 8,192 sent each), then the rank's 32
+    # output rows gathered (16,384 B, 8,192 sent); its backward: the two all-to-alls again
+    # (8,192 sent each) and the gathers of the row gradients of the hidden states (8,192
+    # sent) and of the routing weights (32 x 2 x 4 B per rank: 256 sent).
+    # 2 layers: all-to-all 2 x (16 + 4 x 8,192) = 65,568 B; all-gather 2 x 16,640 = 33,280 B
+    real = [_sent_by_kind(trained, 2) for trained, _ in ranks]
+    assert real == [{K.ALL_TO_ALL: 65_568, K.ALL_GATHER: 33_280}] * 2
+    assert dict(train.communication_sent_bytes_by_kind) == real[0]
+    assert train.communication_sent_bytes == 65_568 + 33_280
+    # Inference, AllReduceEP: every rank's experts see all 64 tokens, masked, and one
+    # all-reduce a layer sums the partial outputs, 64 x 64 x 4 B = 16,384 B: 2 x 1/2 x
+    # 16,384 sent; 2 layers: 32,768 B
+    served = [_sent_by_kind(forward, 2) for _, forward in ranks]
+    assert served == [{K.ALL_REDUCE: 32_768}] * 2
+    assert dict(inference.communication_sent_bytes_by_kind) == served[0]
 
 
 def _run(batch: int, *collectives: Collective) -> Any:

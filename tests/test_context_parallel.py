@@ -86,6 +86,59 @@ def test_models_the_ring_cannot_shard_are_refused() -> None:
         profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu").estimate(2, gpus=2, cp=2)
 
 
+def test_ring_refusal_names_the_backends_the_ring_cannot_run() -> None:
+    from vram_widget._profiling.context_parallel import ring_refusal
+    from vram_widget._profiling.cuda_rules import SdpaBackend
+
+    def qk(seq: int, kv_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.empty(2, 4, seq, 16, dtype=dtype, device="meta")
+        return q, torch.empty(2, kv_heads, seq, 16, dtype=dtype, device="meta")
+
+    # fp32 with 4 query heads over 2 key/value heads: math (the ring has no math op)
+    math = ring_refusal(2, SdpaBackend.MATH, *qk(32, 2, torch.float32), True)
+    assert math is not None and "math backend" in math
+    assert "mem-efficient refuses grouped-query heads" in math
+    assert "got mixed torch.Tensor and DTensor" in math
+    # mem-efficient pads its logsumexp to 32 rows; causal and load-balanced, each rank runs
+    # q blocks of its whole local sequence and of its half:
+    # seq 64 / cp 2 = 32 tokens, halves of 16: 16 % 32 != 0, refused; the nearest length
+    # that works is 32 rows x 2 halves x 2 ranks = 128
+    short = ring_refusal(2, SdpaBackend.EFFICIENT, *qk(64, 4, torch.float32), True)
+    assert short is not None and "q blocks of 32 and 16 rows" in short
+    assert "a multiple of 128" in short
+    # seq 128 / cp 2 = 64 tokens, halves of 32: both multiples of 32
+    assert ring_refusal(2, SdpaBackend.EFFICIENT, *qk(128, 4, torch.float32), True) is None
+    # seq 256 / cp 4 = 64 tokens, halves of 32: runs; seq 128 / cp 4 = 32, halves of 16: not
+    assert ring_refusal(4, SdpaBackend.EFFICIENT, *qk(256, 4, torch.float32), True) is None
+    assert ring_refusal(4, SdpaBackend.EFFICIENT, *qk(128, 4, torch.float32), True)
+    # flash and cuDNN return unpadded logsumexps
+    for backend in (SdpaBackend.FLASH, SdpaBackend.CUDNN):
+        assert ring_refusal(2, backend, *qk(32, 2, torch.bfloat16), True) is None
+
+
+def test_fp32_runs_the_backend_an_h100_picks(llama_profile) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+    import transformers
+
+    # Llama's 4 query heads over 2 key/value heads in fp32: math on CUDA, refused by name
+    # before the ring runs (a real step raises inside torch's math composite)
+    with pytest.raises(ValueError, match=r"runs SDPA's math backend on CUDA \(float32, 4 query"):
+        llama_profile.estimate(2, "fp32", optimizer="adamw", seq_len=32, gpus=2, cp=2)
+    assert not dist.is_initialized()
+    # Equal heads in fp32: the mem-efficient ring, where its logsumexp padding allows
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**_LLAMA_SHAPE, "num_key_value_heads": 4})
+    prof = profile_model(transformers.LlamaForCausalLM(config), inputs=hf_tokens(2), device="cuda")
+    with pytest.raises(ValueError, match=r"cp=2 with seq_len=64: .* mem-efficient kernel"):
+        prof.estimate(2, "fp32", optimizer="adamw", seq_len=64, gpus=2, cp=2)
+    est = prof.estimate(2, "fp32", optimizer="adamw", seq_len=128, gpus=2, cp=2)
+    # each rank's MLP keeps (batch 2, 128 / 2 = 64 tokens, intermediate 128) fp32 tensors:
+    # 2 x 64 x 128 x 4 B = 65,536 B a row
+    for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.act_fn", "mlp"):
+        assert _row(est, f"model.layers.0.{name}") == 2 * 64 * 128 * 4
+    assert not dist.is_initialized()
+
+
 class _NoAttention(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -201,7 +201,10 @@ def test_llama_output_layer_is_refused_by_name(
         ({"weights": "nf4"}, "choose one of the two"),
         ({"precision": "amp-bf16"}, "autocast"),
         ({"lora_rank": 8, "lora_targets": ["0"]}, "LoRA"),
-        ({"gpus": 2}, "one GPU"),
+        ({"float8_all_gather": True}, "gpus=1 gathers nothing"),
+        ({"gpus": 2, "strategy": "zero3", "float8_all_gather": True}, "not estimated yet"),
+        ({"gpus": 2, "strategy": "zero1", "float8_all_gather": True}, "all-gather is FSDP2's"),
+        ({"gpus": 2, "strategy": "ddp", "pp": 2}, "without tp, pp, ep or cp"),
     ],
 )
 def test_refused_steps(settings: dict[str, object], message: str, plain_mlp_profile: Any) -> None:
@@ -233,3 +236,76 @@ def test_recipe_conflict_names_both(plain_mlp_profile: Any) -> None:
     with pytest.raises(ValueError, match=r"float8='tensorwise' conflicts.*'rowwise'"):
         plain_mlp_profile.estimate(recipe=recipe, float8="tensorwise")
     assert not plain_mlp_profile._float8_profiles
+
+
+def test_float8_all_gather_settings() -> None:
+    # torchao all-gathers float8 with the tensorwise recipe only (config.py's assert), and
+    # the setting means nothing with float8 off
+    assert Recipe().with_(float8=True, float8_all_gather=True).float8 == Float8(
+        "tensorwise", all_gather=True
+    )
+    with pytest.raises(ValueError, match="tensorwise' recipe only"):
+        Float8("rowwise", all_gather=True)
+    with pytest.raises(ValueError, match="float8 is off"):
+        Recipe().with_(float8_all_gather=True)
+    with pytest.raises(TypeError, match="True or False"):
+        Float8(True, all_gather="yes")  # type: ignore[arg-type]
+
+
+def test_measure_refuses_float8_all_gather_outside_fsdp2() -> None:
+    # refused before any rank starts: DDP has no all-gather of the weights
+    with pytest.raises(ValueError, match="all-gather is FSDP2's"):
+        measure(_mlp(), mlp_input(2, 64), gpus=2, strategy="ddp", float8=True,
+                float8_all_gather=True)  # fmt: skip
+
+
+def _blocks() -> torch.nn.Module:
+    """Three bias-free Linear layers (64 -> 96 -> 96 -> 64), each its own FSDP2 unit
+    (``fsdp_units=UNITS``): a unit's only all-gather input is then a float8 weight."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 96, bias=False), torch.nn.ReLU(),
+        torch.nn.Linear(96, 96, bias=False), torch.nn.ReLU(),
+        torch.nn.Linear(96, 64, bias=False),
+    )  # fmt: skip
+
+
+UNITS = ["0", "2", "4"]
+# FSDP2 estimates against real ranks: measured 0-48 B apart (tests/test_distributed.py)
+FSDP_SLACK_BYTES = 1024
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_ranks_against_their_estimate(one_thread: None) -> None:
+    # float8 under FSDP2 (zero3, fp32 AdamW) on two real gloo ranks: torchao converts each
+    # rank's copy, then fully_shard wraps it; the estimate is the float8 profile under
+    # FSDP2's rule, and every rank's measured step is it
+    model = _blocks()
+    x = mlp_input(4, 64)
+    before = snapshot_model(model)
+    profile = profile_model(model, inputs=x, device="cpu")
+    asked = {"optimizer": "adamw", "gpus": 2, "strategy": "zero3", "fsdp_units": UNITS}
+    real = measure(model, x, float8=True, **asked)
+    est = profile.estimate(4, float8=True, **asked)
+    for peak in real.rank_peak_bytes:
+        assert abs(est.peak_bytes - peak) <= FSDP_SLACK_BYTES, (est.peak_bytes, peak)
+    # float8 costs memory on each rank, as on one device (the casts; test above)
+    assert est.peak_bytes > profile.estimate(4, **asked).peak_bytes
+    # DDP, ZeRO-1 and HSDP wrap the converted model too (ZeRO-1's ranks differ: the worst;
+    # HSDP on 2 nodes of 2 ranks, sharded within a node)
+    others = [
+        {**asked, "strategy": "ddp", "fsdp_units": None},
+        {**asked, "strategy": "zero1", "fsdp_units": None},
+        {**asked, "strategy": "hsdp", "gpus": 4, "gpus_per_node": 2},
+    ]
+    for other in others:
+        peak = measure(model, x, float8=True, **other).peak_bytes
+        assert profile.estimate(4, float8=True, **other).peak_bytes == peak, other
+
+    # float8_all_gather: each unit's only all-gather input is float8, which gloo moves as
+    # uint8 views; the shards stay fp32 (the same resident bytes), and the gathered weights
+    # take 1 B a value instead of 4 and are not cast again: the step peaks lower
+    gathered = measure(model, x, float8=True, float8_all_gather=True, **asked)
+    assert gathered.resident_bytes == real.resident_bytes
+    assert max(gathered.rank_peak_bytes) < max(real.rank_peak_bytes)
+    assert_model_unchanged(model, before)

@@ -41,8 +41,10 @@ def test_layouts_refused_before_any_profile_or_rank() -> None:
             measure(model, inputs, gpus=4, tp=2, strategy=strategy)
     with pytest.raises(ValueError, match=r"no data-parallel ranks to shard over"):
         measure(model, inputs, gpus=2, tp=2, strategy="zero3")
-    with pytest.raises(ValueError, match=r"tp=2 with lora_rank: not estimated"):
+    with pytest.raises(ValueError, match=r"lora_rank with tp=2 on gpus=4: LoRA with FSDP2"):
         profile.estimate(2, gpus=4, tp=2, strategy="zero3", lora_rank=4)
+    with pytest.raises(ValueError, match=r"loss_chunks with tp=2 on gpus=4"):
+        measure(model, inputs, gpus=4, tp=2, strategy="zero3", loss_chunks=2)
     with pytest.raises(ValueError, match=r"FSDP2 over tensor-parallel ranks\) with checkpoint"):
         profile.estimate(2, gpus=4, tp=2, strategy="zero3", checkpoint="auto")
     assert time.monotonic() - t0 < 10  # nothing profiled, no rank started

@@ -210,15 +210,66 @@ def test_measure_refuses_bad_layouts_before_any_rank() -> None:
 
 
 def test_levers_not_checked_against_real_ranks_are_refused(llama_profile) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=r"tp=2 with offload_activations, optimizer_in_backward"):
+        llama_profile.estimate(
+            2, gpus=2, tp=2, loss_chunks=2, offload_activations=True, optimizer_in_backward=True
+        )
+    with pytest.raises(ValueError, match=r"loss_chunks with tp=2 on gpus=4: the chunked loss"):
+        llama_profile.estimate(2, gpus=4, tp=2, strategy="zero3", loss_chunks=2)
+    with pytest.raises(ValueError, match=r"tp=2 with compile: not estimated"):
+        llama_profile.estimate(2, gpus=2, tp=2, lora_rank=4, compile=True)
+
+
+def test_lora_layouts_peft_does_not_shard_are_refused(llama_profile) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     from vram_widget import measure
 
-    with pytest.raises(ValueError, match=r"tp=2 with lora_rank: not estimated"):
-        llama_profile.estimate(2, gpus=2, tp=2, lora_rank=4)
-    with pytest.raises(ValueError, match=r"tp=2 with loss_chunks, optimizer_in_backward"):
-        llama_profile.estimate(2, gpus=2, tp=2, loss_chunks=2, optimizer_in_backward=True)
+    plan = {"model.layers.*.self_attn.q_proj": ColwiseParallel()}
+    with pytest.raises(ValueError, match=r"lora_rank with tp=2 and a tp_plan of your own"):
+        llama_profile.estimate(2, gpus=2, tp=2, tp_plan=plan, lora_rank=4)
+    with pytest.raises(ValueError, match=r"lora_rank with tp=2 on gpus=4: LoRA with FSDP2"):
+        llama_profile.estimate(2, gpus=4, tp=2, strategy="zero3", lora_rank=4)
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match=r"tp=2 with lora_rank: not measured"):
-        measure(hf_llama(), hf_tokens(2), gpus=2, tp=2, lora_rank=4)
+    with pytest.raises(ValueError, match=r"lora_rank with tp=2 and a tp_plan of your own"):
+        measure(hf_llama(), hf_tokens(2), gpus=2, tp=2, tp_plan=plan, lora_rank=4)
+    # the plan's head gathers its output ('colwise_gather_output'): PEFT makes no layout
+    with pytest.raises(ValueError, match=r"lm_head is sharded by 'colwise_gather_output'"):
+        llama_profile.estimate(2, gpus=2, tp=2, lora_rank=4, lora_targets=["lm_head"])
+
+
+def test_lora_and_chunked_loss_on_tensor_parallel_ranks(one_thread: None) -> None:
+    # PEFT (0.21.2, add_lora_tp_hooks_dtensor) shards the adapter on a sharded layer's
+    # sharded side. Its Llama targets, q_proj and v_proj, are colwise: lora_A (4 x 64) whole
+    # on each rank, lora_B Shard(0) of q's 64 / 2 and v's 32 / 2 rows x 4. A layer holds
+    # 256 + 32 x 4 + 256 + 16 x 4 = 704 floats, 2 layers 1,408 x 4 B = 5,632 B: the
+    # gradients (the base is frozen) and, beside the 404,736 B of base shards, the
+    # parameters; AdamW's two moments 11,264 B and its 8 fp32 step counts 32 B.
+    # The plan's lm_head is 'colwise_gather_output': each rank all-gathers its 500 of the
+    # 1,000 vocabulary columns, so every rank holds whole logits, a chunk at a time with
+    # loss_chunks; it sends its 2 x 16 x 500 x 4 B = 64,000 B of logits either way (two
+    # gathers of 32,000 B when chunked).
+    from vram_widget import measure
+    from vram_widget._estimating.communication import CollectiveKind
+
+    torch.manual_seed(0)
+    model, inputs = hf_llama(), hf_tokens(2)
+    kwargs = {"optimizer": "adamw", "gpus": 2, "tp": 2, "lora_rank": 4}
+    profile = profile_model(model, inputs=inputs, device="cpu")
+    est = profile.estimate(2, **kwargs)
+    assert est.gradient_bytes == 5_632
+    assert est.parameter_bytes == 404_736 + 5_632
+    assert est.optimizer_state_bytes == 11_264 + 32
+    chunked = profile.estimate(2, loss_chunks=2, **kwargs)
+    for e in (est, chunked):
+        assert e.communication_sent_bytes_by_kind[CollectiveKind.ALL_GATHER] == 64_000
+    assert chunked.peak_bytes < est.peak_bytes  # the peak is in the loss's backward
+    snapshot = snapshot_model(model)
+    real = measure(model, inputs, timeout_s=120, **kwargs)
+    assert real.rank_peak_bytes == (est.peak_bytes, est.peak_bytes)
+    real = measure(model, inputs, timeout_s=120, loss_chunks=2, **kwargs)
+    assert real.rank_peak_bytes == (chunked.peak_bytes, chunked.peak_bytes)
+    assert_model_unchanged(model, snapshot)
 
 
 @pytest.mark.parametrize(

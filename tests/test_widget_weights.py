@@ -121,11 +121,11 @@ def test_refused_choice_is_kept_back_with_the_reason(mlp: tuple[Any, Any]) -> No
         # nf4 in training without a LoRA rank: refused at once too
         w._weights_dropdown.value = "nf4"
         assert w.weights is None and "needs lora_rank" in w.headline_html
-        # float8 across GPUs: refused before any profiling
-        w.gpus = 2
+        # float8 under autocast: refused before any profiling
+        w.precision = "amp-bf16"
         w._weights_dropdown.value = "float8-rowwise"
         assert w.float8 is None and w._weights_dropdown.value == "off"
-        assert "estimated on one GPU" in w.headline_html
+        assert "autocast" in w.headline_html
         assert spy.made == []  # no sub-profile run, no busy label
     finally:
         profile._source = spy.source

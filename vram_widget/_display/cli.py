@@ -204,6 +204,8 @@ def _estimate_keywords(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.float8 is not None:
         keywords["float8"] = args.float8
+    if args.float8_all_gather:
+        keywords["float8_all_gather"] = True
     if args.expandable_segments:
         keywords["expandable_segments"] = True
     if args.context_bytes is not None:

@@ -417,6 +417,13 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         "with that recipe (training only; needs `pip install torchao`)",
     )
     settings.add_argument(
+        "--float8-all-gather",
+        action="store_true",
+        help="with --float8 tensorwise and FSDP2 (--strategy zero2 / zero3 / hsdp): the "
+        "weights all-gathered in float8 (torchao's enable_fsdp_float8_all_gather); "
+        "measured on gloo ranks, refused by the estimate for now",
+    )
+    settings.add_argument(
         "--int8-threshold",
         type=float,
         metavar="T",

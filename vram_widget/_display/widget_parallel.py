@@ -33,7 +33,7 @@ from .._estimating.recipe.parallel import (
     check_context_parallel,
     check_expert_parallel,
     context_parallel_refusals,
-    tensor_parallel_refusals,
+    parallel_refusals,
 )
 from .widget_text import format_bytes
 
@@ -209,7 +209,7 @@ class RanksMixin:
         except (TypeError, ValueError):  # refused at once: nothing is profiled
             return False
         # the settings not estimated with ep or cp > 1 yet are refused at once too
-        refusals = context_parallel_refusals if self.cp > 1 else tensor_parallel_refusals
+        refusals = context_parallel_refusals if self.cp > 1 else parallel_refusals
         return not refusals(asked)
 
     def _ranks_answered_now(self: MemoryWidget) -> None:  # type: ignore[misc]

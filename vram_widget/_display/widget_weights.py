@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 import traitlets
 
-from .._estimating.float8 import check_float8
+from .._estimating.float8 import check_float8, check_float8_layout
 from .._estimating.options import Mode, Precision
 from .._estimating.quantized import check_quantized, check_weights_device
 from .._estimating.recipe.float8 import Float8, float8_recipe
@@ -246,6 +246,8 @@ class WeightsMixin:
                     self.gpus,
                     self._compile_settings().get("compile"),
                 )
+                layouts = {"tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp}
+                check_float8_layout(Float8(self.float8), self.gpus, self.strategy, layouts)
             else:
                 weights = weights_arg(self.weights, self.precision)
                 assert weights is not None
@@ -275,8 +277,8 @@ class WeightsMixin:
 def recipe_weights_choice(key: str, value: object, precision: str) -> str | None:
     """A Recipe's ``weights`` (a Weights) or ``float8`` (a Float8) as the trait holds it,
     or None where the control has no such choice (a Weights with its own block size,
-    compute dtype or modules kept; a Float8 with ``filter_fqns``): the widget holds those
-    as the Recipe gives them.
+    compute dtype or modules kept; a Float8 with ``filter_fqns`` or ``all_gather``): the
+    widget holds those as the Recipe gives them.
 
     Examples
     --------
@@ -288,7 +290,7 @@ def recipe_weights_choice(key: str, value: object, precision: str) -> str | None
     'rowwise'
     """
     if isinstance(value, Float8):
-        if key != "float8" or value.filter_fqns or value.recipe is None:
+        if key != "float8" or value.filter_fqns or value.all_gather or value.recipe is None:
             return None
         return value.recipe.value
     if key != "weights" or not isinstance(value, Weights):

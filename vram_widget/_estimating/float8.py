@@ -19,6 +19,8 @@ What a float8 training step keeps, per converted ``nn.Linear`` of an ``out x in`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .options import Mode, Precision
 from .recipe.float8 import Float8
 from .recipe.weights import Weights
@@ -55,8 +57,8 @@ def check_float8(
     compile_scope: object = None,
 ) -> None:
     """Refuse, before any profiling, the float8 steps that are not estimated or measured:
-    inference and generation, quantized base weights, autocast, LoRA, more than one GPU
-    and ``compile``.
+    inference and generation, quantized base weights, autocast, LoRA, ``compile`` and
+    ``float8_all_gather`` on one GPU (the layouts of more: :func:`check_float8_layout`).
 
     Examples
     --------
@@ -96,14 +98,73 @@ def check_float8(
             f"{asked} with lora_rank={lora_rank}: float8 training of LoRA adapters is not "
             "estimated yet; choose one of the two"
         )
-    if gpus > 1:
+    if float8.all_gather and gpus == 1:
         raise ValueError(
-            f"{asked} is estimated on one GPU (gpus=1) for now: with FSDP torchao can "
-            "all-gather the weights in float8 (enable_fsdp_float8_all_gather), which the "
-            "data-parallel estimate does not model"
+            f"{asked} with float8_all_gather=True: that is FSDP2's all-gather of the "
+            "weights in float8 (torchao's enable_fsdp_float8_all_gather), and gpus=1 "
+            "gathers nothing; give gpus=N with strategy='zero2', 'zero3' or 'hsdp', or "
+            "leave float8_all_gather=False"
         )
     if compile_scope not in (None, False):
         raise ValueError(
             f"{asked} with compile={compile_scope!r}: a compiled float8 step (Inductor "
             "fuses the casts) is not estimated yet; leave compile=None (the eager step)"
+        )
+
+
+# The strategies a float8 model is estimated and measured with on N ranks: the
+# data-parallel wrappers, each checked against real gloo ranks (tests/test_float8.py)
+FLOAT8_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+# FSDP2's strategies, whose all-gather torchao's float8 weights take part in
+# (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, torchao/float8/fsdp_utils.py, are
+# FSDP2's extension points: torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
+FSDP2_STRATEGIES = ("zero2", "zero3", "hsdp")
+
+
+def check_float8_layout(
+    float8: Float8,
+    gpus: int,
+    strategy: str,
+    layouts: Mapping[str, int | None],
+    estimating: bool = True,
+) -> None:
+    """Refuse, before any profiling, a float8 model on ``gpus > 1`` ranks laid out in a way
+    that is not estimated (``estimating``) or measured: a strategy other than the
+    data-parallel ones, tensor / pipeline / expert / context parallelism (``layouts``:
+    name -> degree), ``float8_all_gather`` outside FSDP2, and, for the estimate,
+    ``float8_all_gather`` at all (``measure`` runs it on gloo ranks).
+
+    Examples
+    --------
+    >>> check_float8_layout(Float8(True), 2, "zero3", {"tp": 1})
+    >>> check_float8_layout(Float8(True, all_gather=True), 2, "ddp", {}, estimating=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: float8='tensorwise' with float8_all_gather=True and strategy='ddp': ...
+    """
+    if not float8.enabled or gpus == 1:
+        return
+    asked = f"float8={float8.recipe.value if float8.recipe else None!r}"
+    other = [f"{k}={v}" for k, v in layouts.items() if v not in (None, 1)]
+    if other or strategy not in FLOAT8_STRATEGIES:
+        shown = ", ".join(other) or f"strategy={strategy!r}"
+        raise ValueError(
+            f"{asked} with {shown}: float8 on {gpus} GPUs is "
+            f"{'estimated' if estimating else 'measured'} with the data-parallel strategies "
+            f"{', '.join(map(repr, FLOAT8_STRATEGIES))} only, without tp, pp, ep or cp"
+        )
+    if float8.all_gather and strategy not in FSDP2_STRATEGIES:
+        raise ValueError(
+            f"{asked} with float8_all_gather=True and strategy={strategy!r}: the float8 "
+            f"all-gather is FSDP2's; use strategy {', '.join(map(repr, FSDP2_STRATEGIES))}"
+        )
+    if float8.all_gather and estimating:
+        raise ValueError(
+            f"{asked} with float8_all_gather=True is not estimated yet: FSDP2 then gathers "
+            "each weight in float8 (1 byte a value and a float32 scale, cast from the shard "
+            "by torchao's fsdp_pre_all_gather), and the forward and backward no longer cast "
+            "it, which the estimate does not model; "
+            f"measure(model, inputs, gpus={gpus}, strategy={strategy!r}, "
+            "float8=Float8(True, all_gather=True)) runs it on real gloo ranks, and "
+            "float8_all_gather=False (torchao's default) is estimated"
         )

@@ -336,10 +336,14 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
             ``Float8LinearConfig.from_recipe_name(recipe)``; True is torchao's default,
             ``"tensorwise"``. The weights, their gradients and the optimizer state stay in
             the precision's dtype; the casts to float8 are added. Training only, in fp32,
-            bf16 or fp16, on one GPU; a Linear whose dims are not multiples of 16 is refused
-            by name. ``device="cpu"`` runs torchao's ``emulate=True`` (what ``measure``
-            runs on a CPU); ``device="cuda"`` its ``torch._scaled_mm`` path (the kernel's
-            workspace UNCONFIRMED). Needs ``pip install torchao``.
+            bf16 or fp16, on one GPU or on data-parallel ranks (``strategy="ddp"``,
+            ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"hsdp"``; FSDP2 gathering the high-precision
+            weights, torchao's default); a Linear whose dims are not multiples of 16 is
+            refused by name. ``float8_all_gather=True`` (FSDP2 gathering the weights in
+            float8) is refused by name: ``measure`` runs it. ``device="cpu"`` runs
+            torchao's ``emulate=True`` (what ``measure`` runs on a CPU); ``device="cuda"``
+            its ``torch._scaled_mm`` path (the kernel's workspace UNCONFIRMED). Needs
+            ``pip install torchao``.
             ``pip install torchao``. ``"nf4-torchao"``: torchao's ``NF4Tensor`` as
             torchtune's QLoRA applies it: its ``LoRALinear(..., quantize_base=True)`` on the
             ``lora_targets``, ``FrozenNF4Linear`` on the other Linear layers (on a

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .communication import volume_of
 from .decoding import check_generation
 from .estimator import MemoryEstimate
-from .float8 import check_float8
+from .float8 import check_float8, check_float8_layout
 from .kv_cache import check_quantized_cache
 from .levers import Levers
 from .loading import LOAD_DTYPES, LoadEstimate, load_estimate
@@ -31,12 +31,12 @@ from .recipe.parallel import (
     check_tensor_parallel,
     check_tensor_parallel_settings,
     context_parallel_refusals,
+    parallel_refusals,
     pipeline_checkpoint_layers,
     pipeline_data_parallel,
     pipeline_microbatches,
     pipeline_reshard_after_forward,
     pipeline_stages_per_rank,
-    tensor_parallel_refusals,
 )
 from .recipe.recipe import default
 from .recipe.weights import Weights
@@ -143,6 +143,9 @@ class RungsMixin:
             recipe.parallel.gpus,
             recipe.levers.compile,
         )
+        par = recipe.parallel
+        layouts = {"tp": par.tp, "pp": par.pp, "ep": par.ep, "cp": par.cp}
+        check_float8_layout(float8, par.gpus, par.strategy.value, layouts)
         if float8 not in self._float8_profiles:
             self._float8_profiles[float8] = self._source.float8_profile(float8)
         return self._float8_profiles[float8], dataclasses.replace(recipe, float8=Float8())
@@ -377,7 +380,7 @@ def _expert_parallel_question(recipe: Recipe) -> Recipe:
     checked first, each refusal a ValueError naming it: the settings not checked against
     real ranks are those ``tp`` refuses)."""
     check_expert_parallel(recipe.parallel)
-    refused = tensor_parallel_refusals(recipe)
+    refused = parallel_refusals(recipe)
     if refused:
         raise ValueError(
             f"ep={recipe.parallel.ep} with {', '.join(refused)}: not estimated with expert "

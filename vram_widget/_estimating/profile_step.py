@@ -24,7 +24,7 @@ from .decoding import (
     crosses_window,
 )
 from .estimator import DEFAULT_COMPUTE_CAPABILITY, MemoryEstimate, estimate
-from .float8 import check_float8
+from .float8 import check_float8, check_float8_layout
 from .kv_cache import check_quantized_cache, decode_steps_across_flush
 from .levers import NO_LEVERS, Levers, parse_lora_dtype, repeated_blocks
 from .offloading import offload_levers
@@ -289,6 +289,9 @@ class StepMixin:
                 asked.parallel.gpus,
                 asked.levers.compile,
             )
+            par = asked.parallel
+            layouts = {"tp": par.tp, "pp": par.pp, "ep": par.ep, "cp": par.cp}
+            check_float8_layout(asked.float8, par.gpus, par.strategy.value, layouts)
             sub = self._float8_profiles.get(asked.float8)
             return sub is not None and sub._step_cached(dataclasses.replace(asked, float8=Float8()))
         if not asked.weights.quantized:

@@ -29,6 +29,26 @@ _attention.py``; checked on this CPU build):
   which the ring then runs on the local blocks through its meta kernel. What the ring
   allocates is what torch's code allocates; the CUDA kernels' own workspaces are those the
   emulation models. It is UNCONFIRMED against a real CUDA run (docs/known-gaps.md).
+* The backend is chosen on the DTensors' whole-sequence shapes (``attention.cpp ·
+  scaled_dot_product_attention`` calls ``_fused_sdp_choice_stub`` with the DTensor query), and
+  two choices cannot run the ring, so a real step raises; ``ring_refusal`` names them at the
+  first attention call, before it runs (``cuda_rules.sdpa_backend_checked``):
+
+  - *math*: fp32 attention with grouped-query heads (Hugging Face passes the fewer key/value
+    heads with ``enable_gqa=True``, ``transformers/integrations/sdpa_attention.py ·
+    use_gqa_in_sdpa``): flash and cuDNN take fp16/bf16 only and mem-efficient refuses
+    grouped-query heads (``cuda/sdp_utils.cpp · can_use_mem_efficient_attention``,
+    ``check_batch_size_and_num_heads_dense<false>``). The math composite is no ring op; with
+    ``is_causal`` it builds its mask as a plain tensor (``attention.cpp ·
+    _scaled_dot_product_attention_math``, ``at::ones_symint({L, S}, ...).tril()``) and adds
+    it to the DTensor scores: ``aten.add.Tensor got mixed torch.Tensor and DTensor``.
+  - *mem-efficient* (fp32 with equal heads): its logsumexp rows are padded to a multiple of 32
+    (``cuda/attention.cu · _efficient_attention_forward``, ``kAlignLSE``; the same in
+    ``torch/_meta_registrations.py · meta__scaled_dot_product_efficient_attention``), while
+    ``_SDPAMerger._merge_one`` combines each block's logsumexp with its unpadded output rows
+    and ``_partial_update`` halves it: every q block the ring runs must be a multiple of 32
+    rows (the local sequence and, load-balanced, its half), or the step raises a broadcast
+    error.
 """
 
 from __future__ import annotations
@@ -40,6 +60,12 @@ from typing import Any
 import torch
 
 from .._estimating.options import Device
+from .cuda_rules import SdpaBackend, sdpa_backend_checked
+
+_HALF = (torch.float16, torch.bfloat16)
+
+# the mem-efficient kernel's logsumexp row alignment (cuda/attention.cu, kAlignLSE)
+_EFFICIENT_LSE_ROWS = 32
 
 # the SDPA forward ops context parallelism hands to its ring (_attention.py, custom_ops)
 _RING_FORWARD_OPS = (
@@ -101,6 +127,109 @@ def local_length(seq_len: int, cp: int) -> int:
     return seq_len // cp
 
 
+class RingRefusal(ValueError):
+    """An attention call torch's ring cannot run, named before it runs (``ring_refusal``)."""
+
+
+def _load_balanced(is_causal: bool) -> bool:
+    # the ring halves q and the merged logsumexp where load balancing is on and the attention
+    # is causal (_attention.py · _templated_ring_attention; _cp_options.enable_load_balance,
+    # True by default)
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    return bool(_cp_options.enable_load_balance) and is_causal
+
+
+def ring_refusal(
+    cp: int,
+    backend: SdpaBackend,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    is_causal: bool,
+) -> str | None:
+    """Why torch's ring attention over ``cp`` ranks cannot run an SDPA call that picked
+    ``backend`` for ``query`` and ``key`` (their whole-sequence shapes, ``(B, H, S, D)``),
+    or None (module docstring).
+
+    Examples
+    --------
+    >>> q = torch.empty(2, 4, 32, 16, device="meta")
+    >>> kv = torch.empty(2, 2, 32, 16, device="meta")
+    >>> print(ring_refusal(2, SdpaBackend.MATH, q, kv, True)[:53])
+    cp=2: this attention runs SDPA's math backend on CUDA
+    >>> ring_refusal(2, SdpaBackend.FLASH, q, kv, True) is None
+    True
+    """
+    dtype = str(query.dtype).removeprefix("torch.")
+    heads_q, heads_kv, head_dim = query.size(1), key.size(1), query.size(-1)
+    seq = query.size(-2)
+    shape = f"{dtype}, {heads_q} query heads over {heads_kv} key/value heads, head dim {head_dim}"
+    if backend is SdpaBackend.MATH:
+        why = "flash and cuDNN take fp16/bf16 only" if query.dtype not in _HALF else ""
+        if heads_q != heads_kv:
+            why += (", and " if why else "") + (
+                "mem-efficient refuses grouped-query heads (enable_gqa)"
+            )
+        failure = (
+            "the real step raises 'aten.add.Tensor got mixed torch.Tensor and DTensor' (the math "
+            "composite adds its causal mask, a plain tensor, to the DTensor scores: "
+            "attention.cpp _scaled_dot_product_attention_math)"
+            if is_causal
+            else "the ring never runs it"
+        )
+        return (
+            f"cp={cp}: this attention runs SDPA's math backend on CUDA ({shape}"
+            f"{'; ' + why if why else ''}; aten/src/ATen/native/transformers/cuda/sdp_utils.cpp), "
+            "which torch's context parallelism does not shard (it hands only the flash, "
+            "mem-efficient and cuDNN ops to its ring, _context_parallel/_attention.py "
+            f"custom_ops): {failure}; use precision 'bf16' or 'amp-bf16' (flash attention)"
+        )
+    if backend is SdpaBackend.EFFICIENT:
+        local = seq // cp
+        blocks = [local, local // 2] if _load_balanced(is_causal) else [local]
+        if all(rows % _EFFICIENT_LSE_ROWS == 0 for rows in blocks) and local % len(blocks) == 0:
+            return None
+        multiple = _EFFICIENT_LSE_ROWS * len(blocks) * cp
+        return (
+            f"cp={cp} with seq_len={seq}: this attention runs SDPA's mem-efficient kernel on "
+            f"CUDA ({shape}), whose logsumexp rows are padded to a multiple of "
+            f"{_EFFICIENT_LSE_ROWS} (cuda/attention.cu, kAlignLSE), and torch's ring merges "
+            "each block's logsumexp with its unpadded output (_context_parallel/_attention.py "
+            f"_SDPAMerger): each rank's {local} tokens run as q blocks of "
+            f"{' and '.join(map(str, blocks))} rows, which must be multiples of "
+            f"{_EFFICIENT_LSE_ROWS}, or the real step raises a broadcast error; use a seq_len "
+            f"that is a multiple of {multiple}, or precision 'bf16' or 'amp-bf16' (flash "
+            "attention)"
+        )
+    return None
+
+
+def _refusing(cp: int) -> Any:
+    def check(
+        backend: SdpaBackend,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        is_causal: bool,
+        enable_gqa: bool,
+    ) -> None:
+        reason = ring_refusal(cp, backend, query, key, is_causal)
+        if reason is not None:
+            raise RingRefusal(reason)
+
+    return check
+
+
+def ring_refusal_in(exc: BaseException) -> RingRefusal | None:
+    """The ``RingRefusal`` an error of the profiled step was raised from, or None."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, RingRefusal):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 @contextlib.contextmanager
 def ring_attention(mesh: Any, seq_len: int) -> Iterator[list[str]]:
     """``context_parallel`` on ``mesh`` for a sequence of ``seq_len`` tokens (a stand-in
@@ -121,7 +250,8 @@ def ring_attention(mesh: Any, seq_len: int) -> Iterator[list[str]]:
             if op in handlers:
                 counted[op] = _counting(handlers[op], name, ran)
         DTensor._op_dispatcher._custom_op_handlers = counted
-        yield ran
+        with sdpa_backend_checked(_refusing(mesh.size())):
+            yield ran
 
 
 def _counting(handler: Any, name: str, ran: list[str]) -> Any:

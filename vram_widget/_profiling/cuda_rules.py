@@ -30,13 +30,14 @@ than ``cross_entropy``/``nll_loss``/``linalg.norm`` whose inner calls CUDA's aut
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import math
 import re
 import types as types_module
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ __all__ = [
     "Rule",
     "SdpaBackend",
     "SdpaCall",
+    "sdpa_backend_checked",
     "select_sdpa_backend",
 ]
 
@@ -781,6 +783,24 @@ def _pad_last_dim_8(t: torch.Tensor) -> torch.Tensor:
     return t if rest == 0 else F.pad(t, (0, 8 - rest))
 
 
+# check(backend, query, key, value, is_causal, enable_gqa), called on each emulated SDPA call
+# once its backend is chosen and before it runs; it raises to refuse the call
+SdpaCheck = Callable[[SdpaBackend, torch.Tensor, torch.Tensor, torch.Tensor, bool, bool], None]
+_SDPA_CHECKS: list[SdpaCheck] = []
+
+
+@contextlib.contextmanager
+def sdpa_backend_checked(check: SdpaCheck) -> Iterator[None]:
+    """Within the block, ``check`` sees the backend each emulated SDPA call picked (with
+    its inputs, after autocast's casts) before the call runs, and may raise to refuse it:
+    context parallelism's ring runs only some backends (``context_parallel.ring_attention``)."""
+    _SDPA_CHECKS.append(check)
+    try:
+        yield
+    finally:
+        _SDPA_CHECKS.remove(check)
+
+
 def _sdpa_kernel(
     mode: CudaEmulation, func: Callable, types: Sequence[type], args: tuple, kwargs: dict
 ) -> Any:
@@ -792,6 +812,8 @@ def _sdpa_kernel(
     if any(t.is_nested for t in (q, k, v)):
         return mode.passthrough(func, types, args, kwargs)
     backend = select_sdpa_backend(mode.target, q, k, v, mask, dropout_p, is_causal, gqa)
+    for check in _SDPA_CHECKS:
+        check(backend, q, k, v, bool(is_causal), bool(gqa))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     aten = torch.ops.aten
     # GQA (enable_gqa, unequal heads): attention.cpp · scaled_dot_product_attention hands k/v

@@ -134,6 +134,7 @@ def _collectives_release_on_caller() -> None:
         signature = inspect.signature(collective)
 
         def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            args, kwargs = _bytes_of_float8((args, kwargs))
             work = collective(*args, async_op=True, **kwargs)
             if async_op:
                 return work
@@ -157,6 +158,35 @@ def _collectives_release_on_caller() -> None:
     for name in _FUNCTIONAL_COLLECTIVES:
         if hasattr(namespace, name):
             setattr(namespace, name, _SettledCollective(getattr(namespace, name)))
+
+
+_FLOAT8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
+def _bytes_of_float8(tree: _T) -> _T:
+    """``tree`` with each float8 tensor replaced by its bytes (a ``uint8`` view: no copy).
+
+    gloo has no float8 type: its collectives switch on the dtype and raise "Invalid scalar
+    type" for any other (``GENERATE_ALL_TYPES`` in torch/csrc/distributed/c10d/
+    ProcessGroupGloo.cpp). FSDP2 all-gathers in float8 where every all-gather input of a
+    unit is float8 (torchao's ``fsdp_pre_all_gather``; mixed with another dtype, FSDP2
+    itself gathers ``uint8`` views: ``foreach_all_gather`` and
+    ``_get_all_gather_input_metadatas`` in torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py), so float8 reaches gloo there; moving the same bytes as
+    ``uint8`` is what NCCL does with them where it has no float8 type (the ``ncclDataType``
+    map, torch/csrc/distributed/c10d/NCCLUtils.hpp: ``{at::kFloat8_e4m3fn, ncclUint8}``
+    without ``NCCL_SUPPORTS_FP8``); the same bytes either way, and the view allocates
+    nothing."""
+    from torch.utils._pytree import tree_map_only
+
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if t.dtype in _FLOAT8_DTYPES else t
+
+    return tree_map_only(torch.Tensor, as_bytes, tree)
 
 
 # torch.distributed._functional_collectives' ops (torch.ops._c10d_functional), each
@@ -430,6 +460,8 @@ class RankSetup:
     expert_parallel: bool = False
     # tensor-parallel ranks of a group (tensor_parallel.rank_setup); the world is dp x tp
     tp: int = 1
+    # the wrapper applies PEFT's LoRA itself, after sharding (tensor_parallel.rank_setup)
+    applies_lora: bool = False
 
 
 # strategy -> how its libraries set up a rank (the strategies sharding models)

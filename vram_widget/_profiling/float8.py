@@ -47,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .._estimating.float8 import DIM_MULTIPLE, check_float8, indivisible
+from .._estimating.float8 import DIM_MULTIPLE, check_float8, check_float8_layout, indivisible
 from .._estimating.options import Mode, Precision, parse_option
 from .._estimating.recipe.float8 import Float8, parse_float8
 from .._estimating.recipe.weights import Weights
@@ -70,11 +70,14 @@ def require_torchao() -> ModuleType:
 
 
 def torchao_config(float8: Float8, emulate: bool) -> Any:
-    """torchao's ``Float8LinearConfig`` of ``float8``'s recipe, with ``emulate`` set."""
+    """torchao's ``Float8LinearConfig`` of ``float8``'s recipe, with ``emulate`` and
+    ``enable_fsdp_float8_all_gather`` (``float8.all_gather``) set."""
     ao = require_torchao()
     assert float8.recipe is not None
     config = ao.Float8LinearConfig.from_recipe_name(float8.recipe.value)
-    return dataclasses.replace(config, emulate=emulate)
+    return dataclasses.replace(
+        config, emulate=emulate, enable_fsdp_float8_all_gather=float8.all_gather
+    )
 
 
 def _kept(name: str, float8: Float8) -> bool:
@@ -144,17 +147,23 @@ def checked_float8(
     """``measure``'s ``float8`` setting, refused as the estimate refuses it, before the
     copy is made: the step (``check_float8``), torchao missing, the layers' shapes."""
     float8 = parse_float8(settings["float8"])
+    if settings.get("float8_all_gather"):  # checked by Float8 itself (tensorwise, float8 on)
+        float8 = dataclasses.replace(float8, all_gather=True)
     if not float8.enabled:
         return float8
+    gpus = int(settings["gpus"])
     check_float8(
         float8,
         parse_option(Mode, settings["mode"], "mode"),
         parse_option(Precision, settings["precision"], "precision"),
         weights,
         settings["lora_rank"],
-        int(settings["gpus"]),
+        gpus,
         compile_scope,
     )
+    strategy = str(getattr(settings["strategy"], "value", settings["strategy"]))
+    layouts = {k: settings.get(k) for k in ("tp", "pp", "ep")}
+    check_float8_layout(float8, gpus, strategy, layouts, estimating=False)
     require_torchao()
     converted_layers(model, float8)
     return float8

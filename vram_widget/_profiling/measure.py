@@ -104,6 +104,7 @@ def measure(
     lora_dtype: str | None = default(None),
     weights: object = default(None),
     float8: object = default(None),
+    float8_all_gather: bool = default(False),
     snapshot: bool = False,
     gpus: int = default(1),
     strategy: str | Strategy = default("ddp"),
@@ -170,8 +171,10 @@ def measure(
         The memory levers, as ``ModelProfile.estimate`` takes them, applied to the model copy
         the way the libraries apply them: PEFT's ``get_peft_model`` for LoRA (the adapters
         upcast to fp32 by default; ``lora_dtype="base"``: ``autocast_adapter_dtype=False``,
-        the base's dtype; ``"bf16"`` etc.: that, then the adapters cast), Hugging Face's
-        ``activation_checkpointing_enable`` (non-reentrant) for its models' ``"auto"``,
+        the base's dtype; ``"bf16"`` etc.: that, then the adapters cast; on tensor-parallel
+        ranks, after the plan sharded the copy: ``tensor_parallel.tensor_parallel_lora``),
+        Hugging Face's ``activation_checkpointing_enable`` (non-reentrant) for its models'
+        ``"auto"``,
         torch's ``checkpoint_wrapper`` (``CheckpointImpl.NO_REENTRANT``) around each other
         module named, ``requires_grad_(False)`` on the parameters ``trainable`` leaves out,
         and ``grad_accumulation`` forward and backward passes before the optimizer step.
@@ -191,7 +194,13 @@ def measure(
         The copy's Linear layers swapped for torchao's ``Float8Linear`` by
         ``convert_to_float8_training`` (``float8.py``), with ``emulate=True`` on a CPU (its
         float8 matmul in float32 ops) and torchao's ``torch._scaled_mm`` on CUDA. Training
-        only. As ``ModelProfile.estimate`` takes it.
+        only. As ``ModelProfile.estimate`` takes it; with ``gpus=N`` the copy is converted
+        in each rank before the strategy wraps it.
+    float8_all_gather : bool
+        True: torchao's ``enable_fsdp_float8_all_gather``, FSDP2 (``strategy="zero2"``,
+        ``"zero3"``, ``"hsdp"``) all-gathering each float8 weight in float8
+        (``Float8(True, all_gather=True)``); gloo moves the float8 bytes as ``uint8``
+        views (``distributed._bytes_of_float8``). Not estimated yet.
     checkpoint_policy : None, "full", "op", int or callable
         How each checkpointed block is checkpointed, as ``ModelProfile.estimate`` takes it:
         ``"op"`` is torchtitan's op-level policy around each block
@@ -277,7 +286,7 @@ def measure(
         sequence: its body's hidden states chunked, the output projection on each, the
         labels shifted as torchtune's recipes shift them and torchtune's own
         ``CEWithChunkedOutputLoss`` (``chunked_loss.py``). Needs labels in ``inputs`` and
-        no ``loss_fn``; one process only.
+        no ``loss_fn``; one process, or tensor-parallel ranks alone (``gpus=tp``).
     offload_activations : None, bool or str
         The forward run inside the real offloading hooks: True or ``"torchtune"``,
         torchtune's own ``OffloadActivations()`` (one for the loop, its defaults) with its
@@ -364,7 +373,7 @@ def measure(
             "trainable": trainable,
             "grad_accumulation": grad_accumulation, "lora_rank": lora_rank,
             "lora_targets": lora_targets, "lora_dtype": lora_dtype, "weights": weights,
-            "float8": float8,
+            "float8": float8, "float8_all_gather": float8_all_gather,
             "gpus": gpus,
             "strategy": strategy, "gpus_per_node": gpus_per_node, "fsdp_units": fsdp_units,
             "tp": tp, "tp_plan": tp_plan,
@@ -439,24 +448,27 @@ def measure(
     if settings.get("ep", 1) not in (None, 1):
         tp_setup = _expert_parallel_setup(model, settings, gpus, strategy)
     if tp_setup is not None or distributed:
+        # torchtune's chunked loss is measured on tensor-parallel ranks (tp alone) too
+        tp_alone = tp_setup is not None and not tp_setup.expert_parallel and tp_setup.tp == gpus
         if (
             stepping != (False, True)
             or protocol != (False, False, None)
             or decay_split
             or carry
-            or settings["loss_chunks"] is not None
+            or (settings["loss_chunks"] is not None and not tp_alone)
             or resolve_offload(settings["offload_activations"]) is not None
         ):
             raise ValueError(
                 "optimizer_in_backward, set_to_none=False, outputs='freed', loss_scaled, "
                 "carried_scalars, clip_grad_norm, param_groups='decay-split' and "
-                "loss_chunks and offload_activations are measured "
-                "on one process "
-                "(gpus=1) only for now"
+                "offload_activations are measured on one process (gpus=1) only for now, "
+                "loss_chunks on one process or on tensor-parallel ranks (gpus=tp)"
             )
         return _measure_ranks(
             parallel, timeout_s, model, inputs, loss_fn, optimizer, precision, grad_accumulation,
             levers, tp_setup, parse_option(Mode, mode, "mode"), (scope, budget),
+            settings["loss_chunks"],
+            float8_setting,
         )  # fmt: skip
     return _measure(
         model,

@@ -18,6 +18,7 @@ from .._estimating.options import (
     parse_optimizer_choice,
     parse_option,
 )
+from .._estimating.recipe.float8 import Float8
 from .._estimating.recipe.weights import parse_weights
 from .._estimating.sharding import (
     Parallel,
@@ -47,9 +48,13 @@ def _measure_ranks(
     tp_setup: RankSetup | None = None,
     mode: Mode = Mode.TRAIN,
     compiled: tuple[CompileScope | None, float | None] = (None, None),
+    loss_chunks: int | None = None,
+    float8: Float8 | None = None,
 ) -> Measurement:
     """``measure`` on ``parallel.gpus`` gloo ranks (``distributed.run_ranks``): each wraps
-    its copy as the strategy's library does, or shards it by ``tp_setup``'s plan."""
+    its copy (converted to float8 training first, where ``float8`` asks) as the strategy's
+    library does, or shards it by ``tp_setup``'s plan (and runs torchtune's chunked loss on
+    the sharded copy with ``loss_chunks``)."""
     from .distributed import SETUPS, run_ranks
 
     if _model_device(model).type != "cpu":
@@ -72,7 +77,8 @@ def _measure_ranks(
     def rank_step(_rank: int, _world: int) -> Measurement:
         return _measure(
             model, inputs, loss_fn, optimizer, precision, mode, grad_accumulation,
-            setup=setup, parallel=parallel, compiled=compiled, **levers,
+            setup=setup, parallel=parallel, compiled=compiled, loss_chunks=loss_chunks,
+            float8=float8, **levers,
         )[0]  # fmt: skip
 
     ranks = run_ranks(rank_step, parallel.gpus, timeout_s)
@@ -159,7 +165,12 @@ def _tensor_parallel_setup(
 ) -> RankSetup | None:
     """The rank setup of ``tp > 1`` (``tensor_parallel.rank_setup``), its layout and plan
     checked before any rank starts; None for ``tp=1``."""
-    from .._estimating.recipe.parallel import ParallelSettings, check_tensor_parallel
+    from .._estimating.levers import parse_lora_dtype, resolve_lora
+    from .._estimating.recipe.parallel import (
+        ParallelSettings,
+        check_tensor_parallel,
+        check_tensor_parallel_lora,
+    )
     from .tensor_parallel import rank_setup, resolve_plan
 
     tp = settings["tp"]
@@ -171,16 +182,24 @@ def _tensor_parallel_setup(
         raise ValueError("tp_plan is the plan of tp > 1 ranks: give tp=... too")
     if parse_option(Mode, mode, "mode") is Mode.GENERATE:
         raise ValueError("mode='generate' is measured on one device (gpus=1), without tp")
-    refused = [k for k in ("lora_rank",) if settings[k] is not None]
-    refused += ["weights"] if parse_weights(settings["weights"]).quantized else []
-    if refused:
+    if parse_weights(settings["weights"]).quantized:
         raise ValueError(
-            f"tp={tp} with {', '.join(refused)}: not measured with tensor parallelism yet; "
-            "leave tp at 1 for these"
+            f"tp={tp} with weights: not measured with tensor parallelism yet; leave tp at 1 "
+            "for these"
         )
+    if settings["loss_chunks"] is not None and gpus != tp:
+        raise ValueError(
+            f"loss_chunks with tp={tp} on gpus={gpus}: the chunked loss with FSDP2 over "
+            f"tensor-parallel ranks is not measured yet; it is with tp alone (gpus={tp})"
+        )
+    rank, targets = resolve_lora(settings["lora_rank"], settings["lora_targets"])
+    lora = None
+    if rank is not None:
+        check_tensor_parallel_lora(tp, gpus, settings["tp_plan"])
+        lora = (rank, targets, parse_lora_dtype(settings["lora_dtype"]))
     # zero2 / zero3 over dp = gpus / tp groups of tensor-parallel ranks (check_tensor_parallel)
     reshard = {Strategy.ZERO2: False, Strategy.ZERO3: True}.get(par.strategy)
-    return rank_setup(resolve_plan(model, tp, settings["tp_plan"]), tp, reshard)
+    return rank_setup(resolve_plan(model, tp, settings["tp_plan"]), tp, reshard, lora)
 
 
 def _expert_parallel_setup(

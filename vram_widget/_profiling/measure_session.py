@@ -220,6 +220,8 @@ class _Session:
         if float8 is not None and float8.enabled:  # torchao converts the copy (float8.py)
             self.model = converted(self.model, float8, emulate=device.type == "cpu")
         qlora = torchtune_qlora = False
+        # a tensor-parallel rank's PEFT wraps the sharded copy (tensor_parallel.rank_setup)
+        lora_here = setup is None or not setup.applies_lora
         if weights is not None and weights.format is WeightFormat.NF4_TORCHAO:
             # torchtune's LoRALinear / FrozenNF4Linear on torchao's NF4Tensor (nf4_torchao.py)
             self.model = real_nf4(
@@ -239,7 +241,8 @@ class _Session:
             )
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
-        elif levers.lora_rank is not None and not torchtune_qlora:  # PEFT wraps the copy
+        elif levers.lora_rank is not None and not torchtune_qlora and lora_here:
+            # PEFT wraps the copy
             self.model = lora_wrapped(self.model, levers.lora_rank, levers.lora_targets, lora_dtype)
             names = tuple(PEFT_PREFIX + n for n in levers.checkpoint)
             levers = dataclasses.replace(levers, checkpoint=names)
@@ -345,7 +348,10 @@ class _Session:
     def resident_tensors(self) -> Iterator[torch.Tensor]:
         """Parameters, buffers, optimizer state and inputs (repeats and views included)."""
         for p in self.model.parameters():  # a torchao weight: its inner tensors
-            yield from torchao_inner(p) or [p]
+            # under FSDP2 a DTensor around its shard, which may be torchao's too (float8
+            # all-gather: WeightWithDynamicFloat8CastTensor, torchao/float8/fsdp_utils.py)
+            shard = p.to_local() if hasattr(p, "to_local") else p
+            yield from torchao_inner(shard) or [p]
         yield from self.model.buffers()
         yield from module_state_tensors(self.model)  # bitsandbytes' quant state
         if self.optimizer is not None:

@@ -23,6 +23,7 @@ MEASURED_SETTINGS = (
     "lora_dtype",
     "weights",
     "float8",
+    "float8_all_gather",
     "gpus",
     "strategy",
     "gpus_per_node",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -93,6 +93,12 @@ class SourceRuns:
         self._context_parallel: dict[tuple[Any, ...], Any] = {}
         # the arguments of pipeline_stage_peaks -> each stage's StagePeak
         self._pipeline: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        # a new meta copy of the profiled model, for a sub-profile to convert (None:
+        # step.meta_copy of it). A tensor-parallel rank's is the plan applied to a new copy
+        # of the whole model: transformers' styles replace each sharded module's forward by
+        # a closure over that module (transformers/distributed/tensor_parallel.py,
+        # TensorParallelLayer.install_forward), which a deep copy would still call.
+        self.fresh_model: Callable[[], torch.nn.Module] | None = None
 
     def timeline(
         self,

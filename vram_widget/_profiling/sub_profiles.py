@@ -31,6 +31,7 @@ from .context_parallel import (
     local_length,
     no_ring_refusal,
     ring_attention,
+    ring_refusal_in,
 )
 from .expert_parallel import expert_parallelized, resolve_ep_plan
 from .float8 import float8_copy
@@ -54,8 +55,10 @@ from .subject import (
 )
 from .tensor_parallel import (
     fake_process_group,
+    is_dtensor,
     parallelized,
     resolve_plan,
+    tensor_parallel_lora,
 )
 from .torchao_weights import torchao_copy, torchao_modules
 
@@ -82,11 +85,17 @@ class SubProfiles:
             # on a wrapping the user did not do themselves are not theirs to act on
             warnings.simplefilter("ignore", InputShapeWarning)
             warnings.filterwarnings("ignore", module=r"(peft|transformers)(\.|$)")
-            base = meta_copy(subject.model)
+            base = meta_copy(subject.model) if self.fresh_model is None else self.fresh_model()
             base_ids = {id(p) for p in base.parameters()}
-            wrapped = lora_wrapped(base, rank, targets, dtype)
+            # a tensor-parallel rank's copy (its weights DTensor shards): PEFT lays the
+            # adapters out by the model's plan (tensor_parallel_lora)
+            sharded = any(is_dtensor(p) for p in base.parameters())
+            wrap = tensor_parallel_lora if sharded else lora_wrapped
+            wrapped = wrap(base, rank, targets, dtype)
             # the adapters' dtypes are set below, before any run (and any cache entry)
             sub = self._sub_profile(wrapped, self.cache)
+        # a rank's collectives recorded by the profile it is a sub-profile of are its too
+        _runs_of(sub).profiler.record_collectives = self.profiler.record_collectives
         sub.name_prefix = PEFT_PREFIX
         # PEFT keeps the adapters in fp32 on an fp16 / bf16 base (get_peft_model's
         # autocast_adapter_dtype=True, peft/tuners/tuners_utils.py, _cast_adapter_dtype):
@@ -232,15 +241,20 @@ class SubProfiles:
             warnings.simplefilter("ignore", InputShapeWarning)
             warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
             with fake_process_group(world_size) as mesh:
-                copy_ = shard(meta_copy(self.profiler.subject.model), mesh)
+                model = self.profiler.subject.model
+                copy_ = shard(meta_copy(model), mesh)
                 # not cached: the profile key does not read the mesh (or the routing)
                 sub = self._sub_profile(copy_, cache=False)
+                _runs_of(sub).fresh_model = lambda: shard(meta_copy(model), mesh)
                 _runs_of(sub).profiler.record_collectives = True
                 asked = _timelines_asked(sub)
                 est = sub._estimate(recipe)
                 if not asked:  # answered without a step's timeline: nothing to record
                     return est
-                volume = _step_communication(sub, recipe.step.batch_size, *asked[-1])
+                stepped, precision, mode, seq_len, levers = _step_asked(asked, sub, recipe)
+                volume = _step_communication(
+                    stepped, precision, mode, seq_len, levers, recipe.step.batch_size
+                )
                 return dataclasses.replace(
                     est,
                     communication_sent_bytes=volume.sent_bytes,
@@ -268,6 +282,9 @@ class SubProfiles:
                     try:
                         estimate = sub._estimate(recipe)
                     except (NotImplementedError, RuntimeError) as exc:
+                        refusal = ring_refusal_in(exc)
+                        if refusal is not None:  # named before the call ran
+                            raise ValueError(str(refusal)) from None
                         raise ValueError(
                             f"cp={cp}: torch's ring attention refused this model's attention: {exc}"
                         ) from exc
@@ -415,19 +432,42 @@ class SubProfiles:
 
 
 def _timelines_asked(sub: ModelProfile) -> list[tuple[Any, ...]]:
-    """The (precision, mode, seq_len, levers) of each timeline ``sub`` is asked for from
-    now on, in order (the estimate's own step is the last)."""
+    """The (profile, precision, mode, seq_len, levers) of each timeline ``sub``, or a LoRA
+    sub-profile it makes (``_source.lora_profile``), is asked for from now on, in order
+    (``_step_asked`` picks the estimate's own step)."""
     asked: list[tuple[Any, ...]] = []
-    original = sub.timeline
 
-    def timeline(
-        precision: Precision, mode: Mode, seq_len: int | None = None, levers: Levers = NO_LEVERS
-    ) -> Any:
-        asked.append((precision, mode, seq_len, levers))
-        return original(precision, mode, seq_len, levers)
+    def watched(profile: ModelProfile) -> ModelProfile:
+        original = profile.timeline
 
-    sub.timeline = timeline  # type: ignore[method-assign]
+        def timeline(
+            precision: Precision,
+            mode: Mode,
+            seq_len: int | None = None,
+            levers: Levers = NO_LEVERS,
+        ) -> Any:
+            asked.append((profile, precision, mode, seq_len, levers))
+            return original(precision, mode, seq_len, levers)
+
+        profile.timeline = timeline  # type: ignore[method-assign]
+        return profile
+
+    source: Any = sub._source
+    make_lora = source.lora_profile
+    source.lora_profile = lambda *args, **kwargs: watched(make_lora(*args, **kwargs))
+    watched(sub)
     return asked
+
+
+def _step_asked(asked: list[tuple[Any, ...]], sub: ModelProfile, recipe: Any) -> tuple[Any, ...]:
+    """The estimate's own step among the timelines ``sub`` was ``asked`` for: the last one
+    of the recipe's precision, mode and length (None: the example's). The optimizer's trace
+    asks for the training step at the example's length after it (``optimizer_trace``: which
+    parameters get a gradient), so the last one asked is not the step's at another length."""
+    step = recipe.step
+    length = None if step.seq_len == sub.seq_len else step.seq_len
+    matching = [a for a in asked if (a[1], a[2], a[3]) == (step.precision, step.mode, length)]
+    return matching[-1] if matching else asked[-1]
 
 
 def _runs_of(sub: ModelProfile) -> SourceRuns:
@@ -439,11 +479,11 @@ def _runs_of(sub: ModelProfile) -> SourceRuns:
 
 def _step_communication(
     sub: ModelProfile,
-    batch_size: int,
     precision: Precision,
     mode: Mode,
     seq_len: int | None,
     levers: Levers,
+    batch_size: int,
 ) -> CommunicationVolume:
     """What one rank of ``sub`` (a model laid out over the fake process group that is up,
     its runs recording their collectives) sends in the step the estimate read: the

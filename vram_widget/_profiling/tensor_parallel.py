@@ -32,6 +32,7 @@ __all__ = [
     "local_shard_like",
     "parallelized",
     "resolve_plan",
+    "tensor_parallel_lora",
 ]
 
 try:
@@ -290,7 +291,71 @@ def parallelized(model: torch.nn.Module, plan: TensorParallelPlan, mesh: Any) ->
     return parallelize_module(model, mesh, plan.styles)
 
 
-def rank_setup(plan: TensorParallelPlan, tp: int, reshard_after_forward: bool | None = None) -> Any:
+# The styles PEFT gives LoRA adapters a tensor-parallel layout for (peft 0.21.2,
+# peft/tuners/lora/model.py, LoraModel._create_and_replace: ``_SUPPORTED_TP_PLANS =
+# ("colwise", "rowwise", "embedding_rowwise")``); on a base layer of any other style it
+# warns and makes the adapters whole, without tensor-parallel hooks
+PEFT_TP_STYLES = frozenset({"colwise", "rowwise", "embedding_rowwise"})
+
+
+def tensor_parallel_lora(
+    model: torch.nn.Module, rank: int, targets: tuple[str, ...] | None, dtype: str | None
+) -> torch.nn.Module:
+    """PEFT's LoRA on ``model`` as a Hugging Face plan sharded it (in place: give it a copy).
+
+    ``from_pretrained(tp_plan="auto")`` leaves the layout on the model
+    (transformers/distributed/mixin.py, ``maybe_distribute_model``: ``config.
+    distributed_config``, ``_device_mesh``, ``_tp_size``), where PEFT reads it
+    (peft/tuners/lora/model.py, ``get_tp_plan_and_mesh``: the mesh and the base layer's
+    style from ``model.tp_plan``); the same three are set here, then ``get_peft_model``
+    runs (``step.lora_wrapped``). PEFT 0.21.2 then shards the adapter on the sharded side
+    (``add_lora_tp_hooks_dtensor``): a colwise base layer's ``lora_B`` becomes a DTensor
+    ``Shard(0)`` of ``out_features / tp`` rows and its ``lora_A`` stays whole on every
+    rank; a rowwise one's ``lora_A`` a ``Shard(1)`` of ``in_features / tp`` columns and
+    its ``lora_B`` whole; each sharded adapter gets its base layer's style's forward hooks.
+
+    Raises
+    ------
+    ValueError
+        Where an adapter's base layer is sharded by a style PEFT does not lay adapters out
+        for (the Hugging Face plan's ``colwise_gather_output`` head, or a user's plan).
+    """
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    from .step import lora_wrapped
+
+    mesh = next(p.device_mesh for p in model.parameters() if is_dtensor(p))  # type: ignore[attr-defined]
+    tp = mesh.size()
+    config: Any = getattr(model, "config", None)
+    if config is not None:
+        config.distributed_config = DistributedConfig(tp_size=tp)
+    model._device_mesh = mesh
+    model._tp_size = tp
+    wrapped = lora_wrapped(model, rank, targets, dtype)
+    for name, module in wrapped.named_modules():
+        base = getattr(module, "base_layer", None)
+        weight = getattr(base, "weight", None)
+        if not hasattr(module, "lora_A") or not is_dtensor(weight):
+            continue
+        style = getattr(base, "_hf_tp_plan", None)
+        if style not in PEFT_TP_STYLES:
+            short = name.removeprefix("base_model.model.")
+            raise ValueError(
+                f"lora_rank with tp={tp}: {short} is sharded by "
+                f"{'no Hugging Face style' if style is None else repr(style)}, and PEFT lays "
+                "LoRA adapters out over tensor-parallel ranks only on the plan's 'colwise', "
+                "'rowwise' and 'embedding_rowwise' layers (peft/tuners/lora/model.py); "
+                "leave it out of lora_targets"
+            )
+    return wrapped
+
+
+def rank_setup(
+    plan: TensorParallelPlan,
+    tp: int,
+    reshard_after_forward: bool | None = None,
+    lora: tuple[int, tuple[str, ...] | None, str | None] | None = None,
+) -> Any:
     """How a real tensor-parallel rank of ``measure(gpus=k, tp=k)`` shards its copy: the
     plan applied by its library on a 1-D CPU mesh of the gloo group's ranks, to a meta copy
     of the model (so each rank holds its shards only, never the whole weights), then
@@ -307,7 +372,11 @@ def rank_setup(plan: TensorParallelPlan, tp: int, reshard_after_forward: bool | 
     ``model.parallelize(parallel_dims)``), then a training copy is wrapped by FSDP2 on the
     ``dp_shard`` sub-mesh, each block then the root (parallelize.py:77-80, ``apply_fsdp_to_decoder``
     on ``get_mesh(["fsdp"])``; torchtitan/distributed/fsdp.py:209 and 310), by the units and
-    policy ``measure``'s FSDP ranks use (``distributed.fully_sharded``)."""
+    policy ``measure``'s FSDP ranks use (``distributed.fully_sharded``).
+
+    With ``lora`` (rank, targets, dtype), PEFT's LoRA is applied to the sharded copy
+    (:func:`tensor_parallel_lora`), as a model loaded with ``from_pretrained(tp_plan=
+    "auto")`` is wrapped by ``get_peft_model`` after it is sharded."""
     from .distributed import RankSetup
 
     def wrap(model: torch.nn.Module, parallel: Any, precision: Any) -> torch.nn.Module:
@@ -336,6 +405,8 @@ def rank_setup(plan: TensorParallelPlan, tp: int, reshard_after_forward: bool | 
                 local = local_part(p)
                 local.copy_(torch.randn(local.shape, generator=generator) * 0.02)
         sharded.train(model.training)
+        if lora is not None:
+            sharded = tensor_parallel_lora(sharded, *lora)
         if sharding:
             assert reshard_after_forward is not None
             return fully_sharded(
@@ -343,4 +414,4 @@ def rank_setup(plan: TensorParallelPlan, tp: int, reshard_after_forward: bool | 
             )
         return sharded
 
-    return RankSetup(wrap, tp=tp)
+    return RankSetup(wrap, tp=tp, applies_lora=lora is not None)

@@ -12,6 +12,16 @@
 The high-precision weights stay the parameters (``Float8Linear.from_float`` assigns the
 original ``mod.weight``), so their gradients and the optimizer's state are the
 precision's; float8 adds the casts of the input, the weight and the output gradient.
+
+``all_gather`` (``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``, torchtitan's
+``float8.enable_fsdp_float8_all_gather``): under FSDP2 each converted weight is a
+``WeightWithDynamicFloat8CastTensor`` (torchao/float8/float8_linear.py,
+``Float8Linear.from_float``) whose ``fsdp_pre_all_gather`` casts the local shard to float8
+(its amax all-reduced over the mesh) and whose ``fsdp_post_all_gather`` wraps the gathered
+bytes and the scale in a ``Float8TrainingTensor`` (torchao/float8/fsdp_utils.py): the
+all-gather moves, and the unsharded weight holds, one byte per value plus a float32 scale,
+and the forward and backward do not cast that weight again (``tensor_already_casted_to_fp8``,
+float8_linear.py).
 """
 
 from __future__ import annotations
@@ -68,6 +78,11 @@ class Float8:
     ----------
     recipe : Float8Recipe, optional
         ``"tensorwise"`` or ``"rowwise"``; None: no float8 training.
+    all_gather : bool
+        FSDP2 all-gathers the converted weights in float8 (torchao's
+        ``enable_fsdp_float8_all_gather``; the flat keyword ``float8_all_gather``):
+        ``"tensorwise"`` only, as torchao asserts. False: torchao's default, the weights
+        gathered in their own dtype and cast after.
     filter_fqns : tuple of str
         Layers left in high precision: a ``nn.Linear`` whose qualified name contains one of
         these strings is not converted (torchtitan's ``float8.filter_fqns``, a substring
@@ -81,13 +96,17 @@ class Float8:
     <Float8Recipe.ROWWISE: 'rowwise'>
     >>> Float8(True, filter_fqns="lm_head").filter_fqns
     ('lm_head',)
+    >>> Float8(True, all_gather=True).describe()
+    'float8 tensorwise (torchao Float8Linear; all-gathered in float8 by FSDP2)'
     """
 
     recipe: Float8Recipe | None = None
     filter_fqns: tuple[str, ...] = ()
+    all_gather: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipe", float8_recipe(self.recipe))
+        _check_all_gather(self.recipe, self.all_gather)
         fqns = self.filter_fqns
         if isinstance(fqns, str):
             fqns = (fqns,)
@@ -113,7 +132,31 @@ class Float8:
         kept = ""
         if self.filter_fqns:
             kept = "; kept in high precision: " + ", ".join(map(repr, self.filter_fqns))
+        if self.all_gather:
+            kept += "; all-gathered in float8 by FSDP2"
         return f"float8 {self.recipe.value} (torchao Float8Linear{kept})"
+
+
+def _check_all_gather(recipe: Float8Recipe | None, all_gather: object) -> None:
+    """``all_gather``'s own errors: a bool, with float8 on, and the tensorwise recipe."""
+    if not isinstance(all_gather, bool):
+        raise TypeError(f"float8_all_gather must be True or False, got {all_gather!r}")
+    if not all_gather:
+        return
+    if recipe is None:
+        raise ValueError(
+            "float8_all_gather=True all-gathers the float8-trained Linear weights in float8, "
+            "and float8 is off: give float8='tensorwise' (or True) too"
+        )
+    if recipe is not Float8Recipe.TENSORWISE:
+        # torchao/float8/config.py, Float8LinearConfig.__post_init__: "float8 all-gather
+        # only supports tensorwise" (assert not self.enable_fsdp_float8_all_gather)
+        raise ValueError(
+            f"float8_all_gather=True with float8={recipe.value!r}: torchao all-gathers "
+            "float8 weights with the 'tensorwise' recipe only (Float8LinearConfig: "
+            "'enable_fsdp_float8_all_gather only supports tensorwise scaling "
+            "granularity'); use float8='tensorwise', or float8_all_gather=False"
+        )
 
 
 def parse_float8(value: object) -> Float8:

@@ -216,15 +216,16 @@ def check_context_parallel(parallel: ParallelSettings, seq_len: int | None) -> N
         )
 
 
-def tensor_parallel_refusals(recipe: Any) -> list[str]:
+def parallel_refusals(recipe: Any) -> list[str]:
     """The settings of ``recipe`` (a :class:`~vram_widget.Recipe`) not estimated with
-    ``tp > 1`` yet, by name: those not checked against real tensor-parallel ranks
-    (activation checkpointing, a frozen subset, accumulation and the precisions are).
+    ``ep > 1``, ``cp > 1`` or ``pp > 1`` yet, by name: those not checked against real ranks
+    of these layouts (activation checkpointing, a frozen subset, accumulation and the
+    precisions are).
 
     Examples
     --------
     >>> from vram_widget._estimating.recipe import Recipe
-    >>> tensor_parallel_refusals(Recipe.from_keywords(gpus=2, tp=2, lora_rank=8))
+    >>> parallel_refusals(Recipe.from_keywords(gpus=2, ep=2, lora_rank=8))
     ['lora_rank']
     """
     lv, step, optimizer = recipe.levers, recipe.step, recipe.optimizer
@@ -241,9 +242,55 @@ def tensor_parallel_refusals(recipe: Any) -> list[str]:
     return [name for name, on in asked.items() if on]
 
 
+# the settings of parallel_refusals checked against real tensor-parallel ranks
+_TENSOR_PARALLEL_CHECKED = frozenset({"lora_rank", "loss_chunks"})
+
+
+def tensor_parallel_refusals(recipe: Any) -> list[str]:
+    """The settings of ``recipe`` not estimated with ``tp > 1`` yet, by name: those of
+    :func:`parallel_refusals` but PEFT's LoRA (:func:`check_tensor_parallel_lora` says
+    where it is) and torchtune's chunked loss (with tp alone).
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.recipe import Recipe
+    >>> tensor_parallel_refusals(Recipe.from_keywords(gpus=2, tp=2, lora_rank=8, compile=True))
+    ['compile']
+    """
+    return [n for n in parallel_refusals(recipe) if n not in _TENSOR_PARALLEL_CHECKED]
+
+
+def check_tensor_parallel_lora(tp: int, gpus: int, tp_plan: object) -> None:
+    """A clear error for PEFT's LoRA on a tensor-parallel layout not estimated: a plan of
+    the user's own (PEFT lays adapters out by the model's transformers plan only) or FSDP2
+    over the tensor-parallel ranks (``gpus > tp``, not checked against real ranks yet).
+
+    Examples
+    --------
+    >>> check_tensor_parallel_lora(2, 4, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: lora_rank with tp=2 on gpus=4: ...
+    """
+    if tp_plan is not None:
+        # peft 0.21.2, peft/tuners/lora/model.py, get_tp_plan_and_mesh: the base layer's
+        # style is read from model.tp_plan (the transformers plan) and nothing else
+        raise ValueError(
+            f"lora_rank with tp={tp} and a tp_plan of your own: PEFT lays LoRA adapters out "
+            "over tensor-parallel ranks by the model's own transformers plan (model.tp_plan) "
+            "only, and leaves them whole beside a layer sharded otherwise; leave tp_plan at "
+            "None (the model's plan)"
+        )
+    if gpus != tp:
+        raise ValueError(
+            f"lora_rank with tp={tp} on gpus={gpus}: LoRA with FSDP2 over tensor-parallel "
+            f"ranks is not estimated yet; LoRA is estimated with tp alone (gpus={tp})"
+        )
+
+
 def context_parallel_refusals(recipe: Any) -> list[str]:
     """The settings of ``recipe`` not estimated with ``cp > 1`` yet, by name: those
-    :func:`tensor_parallel_refusals` finds and activation checkpointing (its recompute would
+    :func:`parallel_refusals` finds and activation checkpointing (its recompute would
     run the ring attention again in the backward, not checked).
 
     Examples
@@ -253,17 +300,30 @@ def context_parallel_refusals(recipe: Any) -> list[str]:
     ['checkpoint']
     """
     checkpoint = recipe.levers.checkpoint not in (None, False)
-    return ["checkpoint"] * checkpoint + tensor_parallel_refusals(recipe)
+    return ["checkpoint"] * checkpoint + parallel_refusals(recipe)
 
 
 def check_tensor_parallel_settings(recipe: Any) -> None:
-    """A ValueError naming the settings :func:`tensor_parallel_refusals` finds."""
+    """A ValueError naming the settings :func:`tensor_parallel_refusals` finds, LoRA's
+    layouts :func:`check_tensor_parallel_lora` refuses, and the chunked loss with FSDP2
+    over the tensor-parallel ranks."""
+    par = recipe.parallel
+    if par.tp == 1:
+        return
     refused = tensor_parallel_refusals(recipe)
-    if refused and recipe.parallel.tp > 1:
+    if refused:
         raise ValueError(
-            f"tp={recipe.parallel.tp} with {', '.join(refused)}: not estimated with tensor "
-            "parallelism yet (activation checkpointing, trainable, grad_accumulation and "
-            "every precision are); leave tp at 1 for these"
+            f"tp={par.tp} with {', '.join(refused)}: not estimated with tensor "
+            "parallelism yet (activation checkpointing, trainable, grad_accumulation, "
+            "lora_rank and every precision are); leave tp at 1 for these"
+        )
+    if recipe.levers.lora_rank is not None:
+        check_tensor_parallel_lora(par.tp, par.gpus, par.tp_plan)
+    if recipe.levers.loss_chunks is not None and par.gpus != par.tp:
+        raise ValueError(
+            f"loss_chunks with tp={par.tp} on gpus={par.gpus}: the chunked loss with FSDP2 "
+            "over tensor-parallel ranks is not estimated yet; it is estimated with tp alone "
+            f"(gpus={par.tp})"
         )
 
 
@@ -464,7 +524,7 @@ def pipeline_parallel_refusals(recipe: Any) -> list[str]:
         f"mode={step.mode.value!r}": step.mode.value != "train",
     }
     refused = [name for name, on in asked.items() if on]
-    return refused + [n for n in tensor_parallel_refusals(recipe) if n not in refused]
+    return refused + [n for n in parallel_refusals(recipe) if n not in refused]
 
 
 def pipeline_checkpoint_layers(checkpoint: Sequence[str], module_names: Sequence[str]) -> bool:

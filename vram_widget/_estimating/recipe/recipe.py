@@ -113,6 +113,7 @@ KEYWORD_FIELDS: dict[str, tuple[str, str]] = {
     "q_group_size": ("generation", "q_group_size"),
     "weights": ("weights", ""),
     "float8": ("float8", ""),
+    "float8_all_gather": ("float8", "all_gather"),
 }
 
 # Settings that were replaced, and what replaces them: a clear error names the new form.
@@ -307,7 +308,9 @@ class Recipe:
                 changes[group] = parse_weights(fields.pop(""))
                 continue
             if group == "float8":  # the whole record: True, a recipe name or a Float8
-                changes[group] = parse_float8(fields.pop(""))
+                if "" in fields:
+                    record = parse_float8(fields.pop(""))
+                changes[group] = dataclasses.replace(record, **fields)
                 continue
             changes[group] = dataclasses.replace(record, **fields)
         return dataclasses.replace(self, **changes)
