@@ -141,7 +141,13 @@ def test_llama_generate_across_flushes(llama: tuple[torch.nn.Module, ModelProfil
             with pytest.warns(UserWarning, match="not affine in the batch size"):
                 est = profile.estimate(recipe=recipe)
         prompts = {"input_ids": hf_tokens(1, prompt)["input_ids"]}
-        real = measure(model, prompts, recipe=recipe.with_(seq_len=None))
+        if bits == 4:  # measure's flat keywords ask for the same cache as the recipe
+            real = measure(
+                model, prompts, precision="fp32", mode="generate", new_tokens=10,
+                kv_cache="quantized", kv_bits=4, residual_length=4,
+            )  # fmt: skip
+        else:
+            real = measure(model, prompts, recipe=recipe.with_(seq_len=None))
         assert est.peak_bytes == real.peak_bytes, (prompt, bits)
         assert est.peak_step > 4  # past the first flush: its bytes are in the peak
         # after step 9: prompt + 8 tokens quantized (the flush at step 8), one in the
@@ -270,3 +276,20 @@ def test_with_quantized_weights(llama: tuple[torch.nn.Module, ModelProfile]) -> 
     plain = profile.estimate(recipe=_kv_recipe(1, "fp32", 6, 4, 128))
     assert est.kv_cache_bytes == plain.kv_cache_bytes
     assert est.parameter_bytes < plain.parameter_bytes
+
+
+def test_measure_refuses_a_kv_cache_it_cannot_run(
+    llama: tuple[torch.nn.Module, ModelProfile],
+) -> None:
+    # each refused by name before the model is copied or run
+    model, _ = llama
+    prompts = {"input_ids": hf_tokens(1, 4)["input_ids"]}
+    with pytest.raises(ValueError, match="kv_bits=2: settings of the quantized KV cache"):
+        measure(model, prompts, mode="generate", new_tokens=2, kv_bits=2)
+    with pytest.raises(ValueError, match="give mode='generate'"):
+        measure(model, prompts, kv_cache="quantized")
+    with pytest.raises(ValueError, match="takes 2 or 4 bits"):
+        measure(model, prompts, mode="generate", new_tokens=2, kv_cache="quantized", kv_bits=8)
+    recipe = _kv_recipe(1, "fp32", 2, 4, 128, prompt=4).with_(seq_len=None)
+    with pytest.raises(ValueError, match="kv_bits=2 conflicts with the recipe"):
+        measure(model, prompts, recipe=recipe, kv_bits=2)

@@ -49,6 +49,11 @@ from .._estimating.options import (
 )
 from .._estimating.quantized import check_quantized, check_weights_device
 from .._estimating.recipe import Generation, Optimizer, Recipe, Step
+from .._estimating.recipe.generation import (
+    KV_BITS_DEFAULT,
+    Q_GROUP_SIZE_DEFAULT,
+    RESIDUAL_LENGTH_DEFAULT,
+)
 from .._estimating.recipe.recipe import default, given
 from .._estimating.recipe.weights import WeightFormat, parse_weights
 from .._estimating.sharding import (
@@ -86,6 +91,12 @@ from .torchao_weights import torchao_modules
 
 __all__ = ["measure"]
 
+# measure's own arguments that are not passed on when it calls itself with the KV cache asked
+# for in the model's generation config (the cache's keywords, the recipe's, and its locals)
+_KV_CACHE_CALL = (
+    "model", "recipe", "cache", "kv_cache", "kv_bits", "residual_length", "q_group_size",
+)  # fmt: skip
+
 
 def measure(
     model: torch.nn.Module,
@@ -120,6 +131,10 @@ def measure(
     stages_per_rank: int | None = default(None),
     timeout_s: float = 600.0,
     new_tokens: int | None = default(None),
+    kv_cache: str | None = default(None),
+    kv_bits: int = default(KV_BITS_DEFAULT),
+    residual_length: int = default(RESIDUAL_LENGTH_DEFAULT),
+    q_group_size: int = default(Q_GROUP_SIZE_DEFAULT),
     optimizer_in_backward: bool = default(False),
     set_to_none: bool = default(True),
     outputs: str | StepOutputs = default("kept"),
@@ -254,6 +269,13 @@ def measure(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens)`` on the prompt ``inputs``
         (its prefill, then one decode step per new token with the model's own KV cache).
         The peak is that of the whole generation; resident are the weights and the prompt.
+    kv_cache, kv_bits, residual_length, q_group_size : str, int, int, int
+        ``kv_cache="quantized"`` (with ``mode="generate"``): transformers' ``QuantizedCache``
+        (quanto backend) in place of the model's own cache, asked for in the generation
+        config of the copy that generates (``cache_implementation="quantized"`` with
+        ``cache_config={"nbits": kv_bits, "residual_length": ..., "q_group_size": ...}``;
+        defaults 4, 128 and 64, transformers' own), as ``estimate`` takes them. The last
+        three without ``kv_cache="quantized"`` are a ValueError.
     optimizer_in_backward : bool
         Step each parameter in its post-accumulate-grad hook during the backward, with an
         optimizer of its own, and free its gradient there (torchtune's ``optimizer_in_bwd``:
@@ -352,16 +374,25 @@ def measure(
     >>> model.weight.grad is None  # the model passed in is untouched
     True
     """
-    if recipe is not None and recipe.generation.kv_cache is not None:
-        # the recipe's KV cache asked for as generate reads it: the model's generation
-        # config (on the copy measure makes; the model's own restored after)
-        asked = {k: v for k, v in locals().items() if k not in ("model", "recipe")}
-        if recipe.step.mode is not Mode.GENERATE and str(given(mode)) != "generate":
-            raise ValueError("kv_cache is the KV cache of mode='generate'")
-        plain = dataclasses.replace(
+    cache = Recipe.from_keywords(
+        recipe, kv_cache=kv_cache, kv_bits=kv_bits, residual_length=residual_length,
+        q_group_size=q_group_size,
+    ).generation  # fmt: skip
+    if cache.kv_cache is not None:
+        # the KV cache asked for (by the recipe or the keywords, which must agree) as
+        # generate reads it: the model's generation config (on the copy measure makes; the
+        # model's own restored after)
+        asked = {k: v for k, v in locals().items() if k not in _KV_CACHE_CALL}
+        asked_mode = recipe.step.mode if recipe is not None else None
+        if asked_mode is not Mode.GENERATE and str(given(mode)) != "generate":
+            raise ValueError(
+                "kv_cache='quantized' is the KV cache of generate(): give mode='generate' "
+                "(and new_tokens=...) too"
+            )
+        plain = None if recipe is None else dataclasses.replace(
             recipe, generation=Generation(new_tokens=recipe.generation.new_tokens)
-        )
-        with asking_kv_cache(model, recipe.generation.cache_config()):
+        )  # fmt: skip
+        with asking_kv_cache(model, cache.cache_config()):
             return measure(model, recipe=plain, **asked)
     scope = parse_compile(compile)
     budget = parse_activation_memory_budget(activation_memory_budget, scope)
