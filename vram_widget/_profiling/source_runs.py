@@ -99,6 +99,11 @@ class SourceRuns:
         # a closure over that module (transformers/distributed/tensor_parallel.py,
         # TensorParallelLayer.install_forward), which a deep copy would still call.
         self.fresh_model: Callable[[], torch.nn.Module] | None = None
+        # the one batch size the steps are recorded at, as they are there (no slope; None:
+        # fitted over FIT_BATCH_SIZES). An expert-parallel rank's: its tokens are split over
+        # the ranks by torch.chunk (transformers' AllToAllEP), unevenly where the batch's
+        # tokens do not divide, so the step is not one polynomial in the batch
+        self.at_batch: int | None = None
 
     def timeline(
         self,
@@ -118,10 +123,11 @@ class SourceRuns:
                     self.profiler.levers = freeing
                     self._run(precision, FIT_BATCH_SIZES[0], mode, flops=False)
             self.profiler.levers = levers
-            if levers.compile_batch is not None:
-                # the compiled step at the asked batch, as it is there (no slope): the
-                # partition may change with the batch (compiled.decided_at)
-                trace = self._run(precision, levers.compile_batch, mode)
+            # the compiled step at the asked batch, as it is there (no slope): the partition
+            # may change with the batch (compiled.decided_at); or the source's one batch
+            at = levers.compile_batch if levers.compile_batch is not None else self.at_batch
+            if at is not None:
+                trace = self._run(precision, at, mode)
                 return fit_timeline((trace,), trace)
             return self._timeline(precision, mode)
         finally:

@@ -233,10 +233,12 @@ class SubProfiles:
         world_size: int,
         shard: Callable[[torch.nn.Module, Any], torch.nn.Module],
         recipe: Any,
+        at_batch: int | None = None,
     ) -> Any:
         """Rank 0's estimate of ``recipe`` on a meta copy of the model that ``shard`` lays out
         over a fake process group of ``world_size`` ranks, profiled as a sub-profile while
-        the group is up (destroyed after, whatever happens)."""
+        the group is up (destroyed after, whatever happens); at ``at_batch`` only where
+        given (``SourceRuns.at_batch``), else fitted over the batch."""
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore", InputShapeWarning)
             warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
@@ -247,6 +249,7 @@ class SubProfiles:
                 sub = self._sub_profile(copy_, cache=False)
                 _runs_of(sub).fresh_model = lambda: shard(meta_copy(model), mesh)
                 _runs_of(sub).profiler.record_collectives = True
+                _runs_of(sub).at_batch = at_batch
                 asked = _timelines_asked(sub)
                 est = sub._estimate(recipe)
                 if not asked:  # answered without a step's timeline: nothing to record
@@ -333,7 +336,10 @@ class SubProfiles:
         self: _Source, ep: int, plan: dict[str, str], recipe: Any, routing: str
     ) -> Any:
         return self._rank_estimate(
-            ep, lambda m, mesh: expert_parallelized(m, plan, mesh, routing), recipe
+            ep,
+            lambda m, mesh: expert_parallelized(m, plan, mesh, routing),
+            recipe,
+            at_batch=recipe.step.batch_size,
         )
 
     def pipeline_stage_peaks(  # type: ignore[misc]
