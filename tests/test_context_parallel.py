@@ -88,7 +88,7 @@ def test_models_the_ring_cannot_shard_are_refused() -> None:
 
 def test_ring_refusal_names_the_backends_the_ring_cannot_run() -> None:
     from vram_widget._profiling.context_parallel import ring_refusal
-    from vram_widget._profiling.cuda_rules import SdpaBackend
+    from vram_widget._profiling.cuda_sdpa import SdpaBackend
 
     def qk(seq: int, kv_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         q = torch.empty(2, 4, seq, 16, dtype=dtype, device="meta")

@@ -20,14 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vram_widget._profiling.cuda_rules import (
-    RULES,
-    CastPolicy,
-    CudaEmulation,
-    CudaTarget,
-    SdpaBackend,
-    select_sdpa_backend,
-)
+from vram_widget._profiling.cuda_rules import RULES, CastPolicy, CudaEmulation
+from vram_widget._profiling.cuda_sdpa import CudaTarget, SdpaBackend, select_sdpa_backend
 
 # --------------------------------------------------------------------------------------------
 # helpers

@@ -190,7 +190,7 @@ class Poly:
 # (torch/_meta_registrations.py, meta__efficient_attention_forward: "logsumexp = ...
 # math.ceil(max_seqlen_q / 32) * 32" where compute_log_sumexp); an attention mask handed to
 # it is padded to a multiple of 8 in its last dim (aten/src/ATen/native/transformers/
-# attention.cpp, preprocess_mask: pad_bias<8>; cuda_rules._preprocess_mask).
+# attention.cpp, preprocess_mask: pad_bias<8>; cuda_kernels._preprocess_mask).
 PAD_MULTIPLES = (32, 8)
 
 # The functions of the length tried after the powers 1, S, S**2 fail their check: the

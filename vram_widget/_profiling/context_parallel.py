@@ -25,14 +25,14 @@ _attention.py``; checked on this CPU build):
   raises ``NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.
   default does not have a sharding strategy registered`` (on fake and on gloo ranks alike).
   Context parallelism runs on CUDA only, so it is estimated for ``device="cuda"`` profiles:
-  their CPU fake tensors call the backend op CUDA would pick (``cuda_rules._sdpa_kernel``),
+  their CPU fake tensors call the backend op CUDA would pick (``cuda_kernels.sdpa_kernel``),
   which the ring then runs on the local blocks through its meta kernel. What the ring
   allocates is what torch's code allocates; the CUDA kernels' own workspaces are those the
   emulation models. It is UNCONFIRMED against a real CUDA run (docs/known-gaps.md).
 * The backend is chosen on the DTensors' whole-sequence shapes (``attention.cpp ·
   scaled_dot_product_attention`` calls ``_fused_sdp_choice_stub`` with the DTensor query), and
   two choices cannot run the ring, so a real step raises; ``ring_refusal`` names them at the
-  first attention call, before it runs (``cuda_rules.sdpa_backend_checked``):
+  first attention call, before it runs (``cuda_kernels.sdpa_backend_checked``):
 
   - *math*: fp32 attention with grouped-query heads (Hugging Face passes the fewer key/value
     heads with ``enable_gqa=True``, ``transformers/integrations/sdpa_attention.py ·
@@ -60,7 +60,8 @@ from typing import Any
 import torch
 
 from .._estimating.options import Device
-from .cuda_rules import SdpaBackend, sdpa_backend_checked
+from .cuda_kernels import sdpa_backend_checked
+from .cuda_sdpa import SdpaBackend
 
 _HALF = (torch.float16, torch.bfloat16)
 

@@ -146,7 +146,8 @@ class Profiler(OptimizerStateRuns):
         the plain CPU semantics (autocast on the CPU for amp precisions)."""
         if self.subject.device is Device.CPU:
             return None
-        from .cuda_rules import CudaEmulation, CudaTarget
+        from .cuda_rules import CudaEmulation
+        from .cuda_sdpa import CudaTarget
 
         amp = autocast_dtype(precision)
         return lambda: CudaEmulation(CudaTarget(), amp)
