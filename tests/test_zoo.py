@@ -15,7 +15,6 @@ from vram_widget.zoo import (
     LLAMA_TINY,
     ZOO,
     LlamaConfig,
-    RMSNorm,
     SequenceClassifierOutput,
     alexnet,
     causal_decoder,
@@ -28,6 +27,7 @@ from vram_widget.zoo import (
     vgg16,
     zoo_model,
 )
+from vram_widget.zoo.llama import RMSNorm
 
 
 def _param_count(model: torch.nn.Module) -> int:
