@@ -607,7 +607,7 @@ class MemoryWidget(
         checkpoint_partner = self._pair_checkpoint(change["name"])
         partners = [
             *([] if checkpoint_partner is None else [checkpoint_partner]),
-            *self._pair_pipeline(change["name"]),
+            *self._pair_pipeline(change["name"], change.get("old")),
             *self._pair_world(change["name"]),
             *filter(None, [self._pair_weights(change["name"])]),
         ]

@@ -17,6 +17,7 @@ are not run (:data:`PP_NOT_SEARCHED`), as with ``tp > 1``.
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +28,12 @@ from .._estimating.estimator import MemoryEstimate
 from .._estimating.options import PipelineSchedule
 from .._estimating.recipe import Recipe
 from .._estimating.recipe.parallel import (
+    STAGE_DATA_PARALLEL,
     check_pipeline_parallel,
     check_pipeline_parallel_settings,
     pipeline_stages_per_rank,
 )
-from .figure_stages import stage_unit
+from .figure_stages import pipeline_layout, stage_unit
 from .widget_text import format_bytes
 
 if TYPE_CHECKING:
@@ -133,8 +135,17 @@ def stages_text(est: MemoryEstimate) -> str:
         )
     ]
     held = "stages" if est.stages_per_rank == 1 else f"ranks of {est.stages_per_rank} stages"
+    dp = est.gpus // (est.pp * est.tp)
+    ranks = (
+        ""
+        if dp == 1
+        else f" on {est.gpus:,} GPUs, {html.escape(pipeline_layout(est))}: each stage's "
+        f"{dp} data-parallel ranks shard it with FSDP2 and each runs the whole step's batch "
+        f"(global batch {dp:,} x {est.batch_size:,} = {dp * est.batch_size:,}); shown: "
+        "the peak per GPU of each stage"
+    )
     return (
-        f"{est.pp} {held}, {html.escape(str(est.pp_schedule))}, {est.microbatches} "
+        f"{est.pp} {held}{ranks}, {html.escape(str(est.pp_schedule))}, {est.microbatches} "
         f"micro-batches of {est.batch_size // (est.microbatches or 1):,}: "
         + "; ".join(stages)
         + "; the waterfall and the layers are the whole model's one-device step"
@@ -203,16 +214,40 @@ class PipelineMixin:
         if self._pipeline_parallel:
             self._pipeline_answered.add(self._pipeline_key())
 
-    def _pair_pipeline(self: MemoryWidget, moved: str | None) -> list[tuple[str, Any]]:  # type: ignore[misc]
-        """After a move of ``pp`` (not a revert): GPUs to the world size (``pp x tp``, and
-        any ep or cp ranks), and at ``pp = 1`` the micro-batches and the stages a rank to
-        their defaults; after a move of the schedule away from ``"interleaved-1f1b"``, the
-        stages a rank to its default. Returns each partner's name and old value."""
+    def _data_parallel_ranks(self: MemoryWidget, pp: int) -> int:  # type: ignore[misc]
+        """The data-parallel degree of ``gpus`` at ``pp`` stages, kept when ``pp`` moves:
+        ``gpus / (pp x tp x ep x cp)`` where that divides it and the strategy is one the
+        estimate takes over stages (FSDP2, ``STAGE_DATA_PARALLEL``), else 1 (the pipeline
+        alone, as before any data-parallel ranks)."""
+        world = pp * self.tp * self.ep * self.cp
+        if self.strategy not in STAGE_DATA_PARALLEL or self.gpus % world:
+            return 1
+        return self.gpus // world
+
+    def _gpus_step(self: MemoryWidget, asked: float) -> int:  # type: ignore[misc]
+        """The GPUs a move of their control to ``asked`` gives with ``pp > 1``: the next
+        multiple of the world size ``pp x tp`` (x ep x cp) up or down from ``gpus``, in the
+        direction moved, at least the world size."""
+        unit = self._world_size()
+        if asked > self.gpus:
+            return max(unit, -(-math.ceil(asked - 1e-9) // unit) * unit)
+        return max(unit, math.floor(asked + 1e-9) // unit * unit)
+
+    def _pair_pipeline(  # type: ignore[misc]
+        self: MemoryWidget, moved: str | None, old: Any = None
+    ) -> list[tuple[str, Any]]:
+        """After a move of ``pp`` from ``old`` (not a revert): GPUs to ``dp x pp x tp``
+        (and any ep or cp ranks), the data-parallel degree ``dp`` kept under zero2 / zero3
+        (:meth:`_data_parallel_ranks`, else 1), and at ``pp = 1`` the micro-batches and the
+        stages a rank to their defaults; after a move of the schedule away from
+        ``"interleaved-1f1b"``, the stages a rank to its default. Returns each partner's
+        name and old value."""
         if moved not in ("pp", "pp_schedule") or self._reverting:
             return []
         moves: list[tuple[str, Any]] = []
         if moved == "pp":
-            moves.append(("gpus", self._world_size()))
+            dp = self._data_parallel_ranks(old) if old in PP_CHOICES else 1
+            moves.append(("gpus", dp * self._world_size()))
         if moved == "pp" and self.pp == 1:
             moves.append(("microbatches", None))
         if self.pp == 1 or self.pp_schedule != _INTERLEAVED:
