@@ -27,6 +27,7 @@ __all__ = [
     "add_stage_traces",
     "pipeline_layout",
     "ranks_title",
+    "stage_data_parallel",
     "stage_layout_updates",
     "stage_trace_updates",
     "stage_unit",
@@ -181,8 +182,23 @@ def pipeline_layout(est: MemoryEstimate) -> str:
     >>> pipeline_layout(dataclasses.replace(est, gpus=8, pp=2, strategy="zero3"))
     'dp=4 x pp=2 (zero3)'
     """
-    dp = est.gpus // (est.pp * est.tp)
+    dp = stage_data_parallel(est)
     return f"pp={est.pp}" if dp == 1 else f"dp={dp} x pp={est.pp} ({est.strategy})"
+
+
+def stage_data_parallel(est: MemoryEstimate) -> int:
+    """The data-parallel ranks of each pipeline stage, ``gpus / (pp x tp)`` (1 where there
+    are none, or no stages).
+
+    Examples
+    --------
+    >>> import dataclasses
+    >>> from vram_widget import profile_model, zoo
+    >>> est = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(2)
+    >>> stage_data_parallel(est), stage_data_parallel(dataclasses.replace(est, gpus=8, pp=2))
+    (1, 4)
+    """
+    return max(1, est.gpus // (est.pp * est.tp))
 
 
 def stage_layout_updates(est: MemoryEstimate, capacity_bytes: int | None) -> dict[str, Any]:
@@ -217,7 +233,7 @@ def stage_layout_updates(est: MemoryEstimate, capacity_bytes: int | None) -> dic
         "yaxis3.range": [0, high],
         "title.text": (
             f"peak {_size(top)} on {unit} {worst} of {len(peaks)} (worst {unit}"
-            + ("" if est.gpus == est.pp * est.tp else f"; {pipeline_layout(est)}")
+            + ("" if stage_data_parallel(est) == 1 else f"; {pipeline_layout(est)}")
             + ")<br><sup>"
             f"waterfall: the whole model's one-device step at batch {est.batch_size}, for "
             "reference</sup>"

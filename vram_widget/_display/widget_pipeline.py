@@ -2,10 +2,13 @@
 ``stages_per_rank`` traits as ``estimate`` takes them, their controls in the GPUs group, the
 world size that follows ``pp``, and whether a setting still has to be profiled.
 
-``gpus`` is the world size, pipeline stages x tensor-parallel ranks (``estimate`` refuses
-any other with ``pp > 1``: ``check_pipeline_parallel``), so moving ``pp`` moves ``gpus`` to
-``pp x tp`` (back to ``tp`` at ``pp = 1``; ``ep`` and ``cp`` ranks multiply it likewise,
-:mod:`.widget_parallel`), and ``pp = 1`` puts ``microbatches`` and ``stages_per_rank``
+``gpus`` is the world size, data-parallel ranks x pipeline stages x tensor-parallel ranks
+(``estimate`` takes ``dp > 1`` over stages with ``"zero2"`` / ``"zero3"`` only, FSDP2 over
+each stage's ranks, and refuses the rest by name: ``check_pipeline_parallel``), so moving
+``pp`` moves ``gpus`` to ``dp x pp x tp``, ``dp`` kept under those strategies and 1 under
+the others (``pp x tp``, back to ``tp`` at ``pp = 1``; ``ep`` and ``cp`` ranks multiply it
+likewise, :mod:`.widget_parallel`); while ``pp > 1`` the GPUs control steps in multiples of
+``pp x tp``. ``pp = 1`` puts ``microbatches`` and ``stages_per_rank``
 back to their defaults (``pp``; 2 under ``"interleaved-1f1b"``), as a schedule other than
 ``"interleaved-1f1b"`` puts ``stages_per_rank`` back; a refused move puts them back with
 it. The stages-a-rank control shows under ``"interleaved-1f1b"`` only, offering the counts
@@ -33,7 +36,7 @@ from .._estimating.recipe.parallel import (
     check_pipeline_parallel_settings,
     pipeline_stages_per_rank,
 )
-from .figure_stages import pipeline_layout, stage_unit
+from .figure_stages import pipeline_layout, stage_data_parallel, stage_unit
 from .widget_text import format_bytes
 
 if TYPE_CHECKING:
@@ -69,8 +72,9 @@ PP_NOT_SEARCHED = "not searched with pp > 1 (each batch is a profiling run of it
 PP_TOOLTIPS: dict[str, str] = {
     "pp": "pipeline stages, one a GPU: a Hugging Face decoder's layers split evenly, as "
     "torchtitan splits them (a CPU profile, fp32 or bf16 training). Moving it sets GPUs to "
-    "pp x tp, the world size (back to tp at 1). Each new batch or setting with pp > 1 "
-    "profiles every stage (seconds); the largest-batch searches are not run",
+    "pp x tp, the world size (back to tp at 1), or under zero2 / zero3 to dp x pp x tp, "
+    "keeping the data-parallel ranks (FSDP2 over each stage's). Each new batch or setting "
+    "with pp > 1 profiles every stage (seconds); the largest-batch searches are not run",
     "pp_schedule": "how the stages run the micro-batches: gpipe (ScheduleGPipe: every "
     "micro-batch's forward, then the backwards), 1f1b (Schedule1F1B: at most pp "
     "micro-batches' activations held; needs micro-batches >= pp) or interleaved-1f1b "
@@ -135,7 +139,7 @@ def stages_text(est: MemoryEstimate) -> str:
         )
     ]
     held = "stages" if est.stages_per_rank == 1 else f"ranks of {est.stages_per_rank} stages"
-    dp = est.gpus // (est.pp * est.tp)
+    dp = stage_data_parallel(est)
     ranks = (
         ""
         if dp == 1
