@@ -178,6 +178,9 @@ def test_data_parallel_ranks_over_stages_in_the_widget(llama_profile: Any) -> No
             "compute_capability": w.target.compute_capability}  # fmt: skip
     asked = profile.estimate(4, **same)
     assert _same_estimate(w.estimate, asked) and w.headline.error == ""
+    assert "profiled fp32 / train / adamw / 16 tokens / dp=2 zero2 x pp=2 gpipe x 2" in (
+        w._status.value
+    )
     assert list(w.figure.data[STAGES].y) == list(asked.stage_peak_bytes)
     # the layout in the stage panel's axis, the title and the details: 2 ranks a stage,
     # each running the batch of 4, so the global batch is 2 x 4 = 8

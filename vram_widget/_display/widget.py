@@ -692,7 +692,8 @@ class MemoryWidget(
             + (f" / tp={self.tp}" if self._tensor_parallel else "")
             + "".join(f" / {k}={v}" for k, v in self._rank_settings().items())
             + (
-                f" / pp={self.pp} {self.pp_schedule} x {self.microbatches or self.pp}"
+                f" / {self._stage_ranks_text()}pp={self.pp} {self.pp_schedule} x "
+                f"{self.microbatches or self.pp}"
                 if self._pipeline_parallel
                 else ""
             )

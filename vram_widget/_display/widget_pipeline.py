@@ -228,6 +228,12 @@ class PipelineMixin:
             return 1
         return self.gpus // world
 
+    def _stage_ranks_text(self: MemoryWidget) -> str:  # type: ignore[misc]
+        """``"dp=d {strategy} x "`` where ``d > 1`` data-parallel ranks share each stage
+        (FSDP2 over the stages), for the status line; "" for the pipeline alone."""
+        dp = self._data_parallel_ranks(self.pp)
+        return f"dp={dp} {self.strategy} x " if dp > 1 else ""
+
     def _gpus_step(self: MemoryWidget, asked: float) -> int:  # type: ignore[misc]
         """The GPUs a move of their control to ``asked`` gives with ``pp > 1``: the next
         multiple of the world size ``pp x tp`` (x ep x cp) up or down from ``gpus``, in the
