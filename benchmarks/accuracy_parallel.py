@@ -31,7 +31,11 @@ training. FSDP2 over tensor-parallel ranks (``gpus=4, tp=2, strategy="zero3"``: 
 mesh, dp_shard=2 x tp=2, the plan on the tp sub-mesh, then ``fully_shard`` per decoder layer
 and on the root over dp_shard, as torchtitan composes them) on the Hugging Face Llama and
 torchtitan's Llama x fp32 and bf16, AdamW training, each rank against its own estimate
-(``rank=r``). Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
+(``rank=r``). FSDP2 over pipeline stages (``gpus=4, pp=2, strategy="zero2"|"zero3"``: a
+2-D mesh, pp=2 x dp_shard=2, pp outer, each stage's decoder layers then the stage wrapped by
+``fully_shard`` over its dp_shard ranks, as torchtitan composes them) on the Hugging Face
+Llama x GPipe and 1F1B with 2 micro-batches x fp32 and bf16, AdamW training, each rank
+against its own estimate. Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
 and bf16 x training and inference, on the Mixtral with each router's rows set to ``[w, -w,
 u, -u]`` (every token picks one expert of each rank: balanced routing, the case the estimate
 is for; its ``ep_worst_case_bytes`` is kept in the rows). A batch of 4 (16 tokens); every
@@ -43,7 +47,8 @@ refuses is a row with its reason.
     python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
     python benchmarks/accuracy_parallel.py --models hf_mixtral_balanced   # ep rows, ~1 minute
     python benchmarks/accuracy_parallel.py --models hf_llama --layouts interleaved   # 4 runs
-    python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 x tp rows, ~2 minutes
+    python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 x tp and x pp rows
+    python benchmarks/accuracy_parallel.py --models hf_llama --layouts "x pp=2"  # FSDP2 x pp
 
 Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
 results/accuracy_parallel.json (``--quick``: results/accuracy_parallel_quick.json) and prints
@@ -83,6 +88,8 @@ PRECISIONS = ("fp32", "bf16")
 MODES = ("train", "inference")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 MICROBATCHES = (2, 4)
+# FSDP2 over pipeline stages: reshard_after_forward False / True
+STAGE_STRATEGIES = ("zero2", "zero3")
 TARGET_MEDIAN_PCT = 0.5
 TARGET_WORST_PCT = 3.0
 BASIS = "CPU allocator's allocated bytes (torch.profiler memory events), per rank"
@@ -146,10 +153,12 @@ class Case:
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     ep: tuple[int, ...] = ()  # expert-parallel degrees (gpus = ep)
     dp_tp: bool = False  # FSDP2 (zero3) over dp_shard=2 groups of tp=2 ranks, training
+    dp_pp: bool = False  # FSDP2 (zero2, zero3) over dp_shard=2 ranks of each of 2 stages
 
 
 CASES: dict[str, Case] = {
-    "hf_llama": Case(_hf.llama, _hf.tokens, (2, 4), {"own plan": None}, True, dp_tp=True),
+    "hf_llama": Case(_hf.llama, _hf.tokens, (2, 4), {"own plan": None}, True, dp_tp=True,
+                     dp_pp=True),
     "hf_llama_mha": Case(_hf.llama_mha, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_mixtral": Case(_hf.mixtral, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_mixtral_balanced": Case(_hf.mixtral_balanced, _hf.tokens, (), {}, False, ep=(2,)),
@@ -189,7 +198,7 @@ def compare(
     except ValueError as exc:  # a layout the estimate refuses, by name
         return [_refused(label, layout, precision, mode, exc)]
     estimates = list(est.stage_peak_bytes) or [est.peak_bytes] * settings["gpus"]
-    if settings.get("strategy") is not None:  # FSDP2 over tp groups: each rank's own
+    if settings.get("strategy") is not None:  # FSDP2 over tp groups or stages: each rank's own
         estimates = [
             profile.estimate(BATCH, rank=rank, **kwargs).peak_bytes
             for rank in range(settings["gpus"])
@@ -251,6 +260,12 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
             for m in MICROBATCHES[:1] if quick else MICROBATCHES:
                 settings = {"gpus": 2, "pp": 2, "pp_schedule": schedule, "microbatches": m}
                 out.append((f"pp=2 {schedule} m={m}", "train", settings))
+    if case.dp_pp:  # the ranks as a 2-D mesh (pp, dp_shard), pp outer, as torchtitan's
+        for strategy in STAGE_STRATEGIES:
+            for schedule in SCHEDULES[:2]:  # FSDP2 over interleaved stages is refused
+                settings = {"gpus": 4, "pp": 2, "strategy": strategy, "pp_schedule": schedule,
+                            "microbatches": 2}  # fmt: skip
+                out.append((f"dp_shard=2 {strategy} x pp=2 {schedule} m=2", "train", settings))
     return out
 
 

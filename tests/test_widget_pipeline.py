@@ -55,12 +55,17 @@ def _same_estimate(shown: MemoryEstimate, asked: MemoryEstimate) -> bool:
     return all(getattr(shown, f) == getattr(asked, f) for f in fields)
 
 
-def test_pipeline_controls_estimate_and_stage_bars() -> None:
+@pytest.fixture(scope="module")
+def llama_profile() -> Any:
     pytest.importorskip("transformers")
     from models import hf_llama, hf_tokens
 
     torch.manual_seed(0)
-    profile = profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+    return profile_model(hf_llama(), inputs=hf_tokens(2), device="cpu")
+
+
+def test_pipeline_controls_estimate_and_stage_bars(llama_profile: Any) -> None:
+    profile = llama_profile
     spy = _StageSpy(profile._source)
     profile._source = spy  # type: ignore[assignment]
     w = MemoryWidget(profile, batch_size=4, optimizer="adamw", gpus=8)
@@ -158,6 +163,66 @@ def test_pipeline_controls_estimate_and_stage_bars() -> None:
     started = MemoryWidget(profile, batch_size=4, optimizer="adamw", pp=2)
     assert started.gpus == 2 and list(started.figure.data[STAGES].y) == list(peaks)
     assert len(spy.asked) == 4
+    profile._source = spy.source
+
+
+def test_data_parallel_ranks_over_stages_in_the_widget(llama_profile: Any) -> None:
+    # gpus = dp x pp: FSDP2 over each stage's dp ranks (zero2 / zero3); the widget keeps dp
+    # when pp moves, its GPUs control steps in multiples of pp, and the layouts the
+    # estimate refuses over stages are shown as its refusal, the setting kept
+    profile = llama_profile
+    w = MemoryWidget(profile, batch_size=4, optimizer="adamw", strategy="zero2", gpus=2)
+    w._pp_dropdown.value = 2  # dp = 2 / 1 = 2 kept: gpus = 2 x 2
+    assert (w.gpus, w.estimate.gpus, w.estimate.pp, w.estimate.strategy) == (4, 4, 2, "zero2")
+    same = {"optimizer": "adamw", "seq_len": 16, "gpus": 4, "pp": 2, "strategy": "zero2",
+            "compute_capability": w.target.compute_capability}  # fmt: skip
+    asked = profile.estimate(4, **same)
+    assert _same_estimate(w.estimate, asked) and w.headline.error == ""
+    assert "profiled fp32 / train / adamw / 16 tokens / dp=2 zero2 x pp=2 gpipe x 2" in (
+        w._status.value
+    )
+    assert list(w.figure.data[STAGES].y) == list(asked.stage_peak_bytes)
+    # the layout in the stage panel's axis, the title and the details: 2 ranks a stage,
+    # each running the batch of 4, so the global batch is 2 x 4 = 8
+    assert w.figure.layout.xaxis3.title.text == "dp=2 x pp=2 (zero2), gpipe, 2 micro-batches"
+    assert "(worst stage; dp=2 x pp=2 (zero2))" in w.figure.layout.title.text
+    summary = w.summary_html
+    assert "2 stages on 4 GPUs, dp=2 x pp=2 (zero2): each stage's 2 data-parallel" in summary
+    assert "(global batch 2 x 4 = 8)" in summary
+
+    # the GPUs slider one step down (2^1.75 = 3.4 GPUs) goes to the next multiple of pp
+    # below, 2: dp = 1 leaves zero2 nothing to shard over, refused; GPUs and slider kept
+    w._gpus_slider.value = 2**1.75
+    assert (w.gpus, w._gpus_slider.value, w._gpus_box.value) == (4, 4.0, 4)
+    assert "no data-parallel ranks to shard over" in w.headline_html
+    assert "kept gpus = 4" in w.headline_html
+    # refused over stages by name, each kept: ddp, and an interleaved schedule
+    w._strategy_dropdown.value = "ddp"
+    assert (w.strategy, w._strategy_dropdown.value) == ("zero2", "zero2")
+    assert "DistributedDataParallel over stages is not estimated yet" in w.headline_html
+    w._schedule_dropdown.value = "interleaved-1f1b"
+    assert (w.pp_schedule, w._schedule_dropdown.value) == ("gpipe", "gpipe")
+    assert "FSDP2 over the stages of a multi-stage schedule" in w.headline_html
+
+    # pp back to 1 keeps dp = 2 (gpus = 2), and to 2 again (answered from memory)
+    w.pp = 1
+    assert (w.gpus, w.estimate.gpus, w.estimate.pp, w.headline.error) == (2, 2, 1, "")
+    w.pp = 2
+    assert (w.gpus, w.estimate.stage_peak_bytes) == (4, asked.stage_peak_bytes)
+    assert "profil" not in w._status.value
+    # under ddp, dp is not kept: pp alone (gpus = pp), as before
+    w.pp = 1
+    w.strategy = "ddp"
+    w.gpus = 8
+    w.pp = 2
+    assert (w.gpus, w.estimate.gpus, w.estimate.pp) == (2, 2, 2)
+    # the slider one step up from 2 (2^1.25 = 2.4) goes to 4, which ddp is refused; one
+    # step down (2^0.75 = 1.7) has no multiple of pp below 2: no move, the slider shown at 2
+    w._gpus_slider.value = 2**1.25
+    assert (w.gpus, w._gpus_slider.value) == (2, 2.0)
+    assert "pp=2 on gpus=4 with strategy=&#x27;ddp&#x27;" in w.headline_html
+    w._gpus_slider.value = 2**0.75
+    assert (w.gpus, w._gpus_slider.value, w._gpus_box.value) == (2, 2.0, 2)
 
 
 def test_pp_control_off_where_the_model_has_no_decoder() -> None:

@@ -25,7 +25,9 @@ __all__ = [
     "STAGE_TRACE_NAMES",
     "WATERFALL_DOMAIN",
     "add_stage_traces",
+    "pipeline_layout",
     "ranks_title",
+    "stage_data_parallel",
     "stage_layout_updates",
     "stage_trace_updates",
     "stage_unit",
@@ -165,6 +167,40 @@ def stage_unit(est: MemoryEstimate) -> str:
     return "rank" if est.stages_per_rank > 1 else "stage"
 
 
+def pipeline_layout(est: MemoryEstimate) -> str:
+    """The ranks of a pipeline estimate: ``"pp=k"`` for the pipeline alone, ``"dp=d x pp=k
+    (strategy)"`` where ``d`` data-parallel ranks of each stage share it (FSDP2 over the
+    stages, ``gpus = dp x pp``).
+
+    Examples
+    --------
+    >>> import dataclasses
+    >>> from vram_widget import profile_model, zoo
+    >>> est = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(2)
+    >>> pipeline_layout(dataclasses.replace(est, gpus=2, pp=2))
+    'pp=2'
+    >>> pipeline_layout(dataclasses.replace(est, gpus=8, pp=2, strategy="zero3"))
+    'dp=4 x pp=2 (zero3)'
+    """
+    dp = stage_data_parallel(est)
+    return f"pp={est.pp}" if dp == 1 else f"dp={dp} x pp={est.pp} ({est.strategy})"
+
+
+def stage_data_parallel(est: MemoryEstimate) -> int:
+    """The data-parallel ranks of each pipeline stage, ``gpus / (pp x tp)`` (1 where there
+    are none, or no stages).
+
+    Examples
+    --------
+    >>> import dataclasses
+    >>> from vram_widget import profile_model, zoo
+    >>> est = profile_model(zoo.mlp(), input_size=(784,), device="cpu").estimate(2)
+    >>> stage_data_parallel(est), stage_data_parallel(dataclasses.replace(est, gpus=8, pp=2))
+    (1, 4)
+    """
+    return max(1, est.gpus // (est.pp * est.tp))
+
+
 def stage_layout_updates(est: MemoryEstimate, capacity_bytes: int | None) -> dict[str, Any]:
     """The panel's axes shown (and the waterfall narrowed) where ``est`` has stages, hidden
     (the waterfall at full width) where not; the title naming the worst stage."""
@@ -191,12 +227,14 @@ def stage_layout_updates(est: MemoryEstimate, capacity_bytes: int | None) -> dic
         "xaxis3.visible": True,
         "xaxis3.tickvals": list(range(len(peaks))),
         "xaxis3.ticktext": [f"{unit} {i}" for i in range(len(peaks))],
-        "xaxis3.title.text": f"pp={est.pp}, {est.pp_schedule}{m}",
+        "xaxis3.title.text": f"{pipeline_layout(est)}, {est.pp_schedule}{m}",
         "xaxis3.range": [-0.6, len(peaks) - 0.4],
         "yaxis3.visible": True,
         "yaxis3.range": [0, high],
         "title.text": (
-            f"peak {_size(top)} on {unit} {worst} of {len(peaks)} (worst {unit})<br><sup>"
+            f"peak {_size(top)} on {unit} {worst} of {len(peaks)} (worst {unit}"
+            + ("" if stage_data_parallel(est) == 1 else f"; {pipeline_layout(est)}")
+            + ")<br><sup>"
             f"waterfall: the whole model's one-device step at batch {est.batch_size}, for "
             "reference</sup>"
         ),

@@ -182,7 +182,8 @@ class MemoryWidget(
     # tensor-parallel ranks among gpus (1: none), sharded by the model's own plan; each new
     # question with tp > 1 is one rank's profiling run (tensor_parallel.py)
     tp = traitlets.Enum(list(TP_CHOICES), default_value=1)
-    # pipeline stages (1: none), one a GPU: moving pp sets gpus to pp x tp (widget_pipeline);
+    # pipeline stages (1: none), one a GPU: moving pp sets gpus to dp x pp x tp, dp kept
+    # under zero2 / zero3 and 1 under the others (widget_pipeline);
     # the schedule, and the micro-batches the batch is split into (None: pp); each new
     # question with pp > 1 profiles every stage
     pp = traitlets.Enum(list(PP_CHOICES), default_value=1)
@@ -607,7 +608,7 @@ class MemoryWidget(
         checkpoint_partner = self._pair_checkpoint(change["name"])
         partners = [
             *([] if checkpoint_partner is None else [checkpoint_partner]),
-            *self._pair_pipeline(change["name"]),
+            *self._pair_pipeline(change["name"], change.get("old")),
             *self._pair_world(change["name"]),
             *filter(None, [self._pair_weights(change["name"])]),
         ]
@@ -691,7 +692,8 @@ class MemoryWidget(
             + (f" / tp={self.tp}" if self._tensor_parallel else "")
             + "".join(f" / {k}={v}" for k, v in self._rank_settings().items())
             + (
-                f" / pp={self.pp} {self.pp_schedule} x {self.microbatches or self.pp}"
+                f" / {self._stage_ranks_text()}pp={self.pp} {self.pp_schedule} x "
+                f"{self.microbatches or self.pp}"
                 if self._pipeline_parallel
                 else ""
             )
@@ -887,8 +889,9 @@ def show_memory(
         strategy), ``tp`` ({1, 2, 4, 8}: tensor-parallel ranks among ``gpus``, by the
         model's own plan; its control is off where the model has none), and ``pp`` ({1, 2,
         4, 8}: pipeline stages of a Hugging Face decoder on a CPU profile, one a GPU, with
-        ``gpus`` = ``pp`` x ``tp``: moving the control, or giving ``pp`` without
-        ``gpus``, sets ``gpus`` so), ``pp_schedule``
+        ``gpus`` = ``dp`` x ``pp`` x ``tp``: ``dp > 1`` with ``strategy`` "zero2" or
+        "zero3" only; moving the control keeps ``dp`` under those and sets it to 1 under
+        the others, and giving ``pp`` without ``gpus`` sets ``dp`` to 1), ``pp_schedule``
         ({"gpipe", "1f1b", "interleaved-1f1b"}), ``microbatches`` (int >= 1, or None:
         ``pp``) and ``stages_per_rank`` (int >= 2 with "interleaved-1f1b", or None: 2), and
         ``ep`` (int >= 1: expert-parallel ranks of a model with experts, dividing their

@@ -116,7 +116,8 @@ TOOLTIPS: dict[str, str] = {
     "expandable_segments": "replay the caching allocator with PYTORCH_CUDA_ALLOC_CONF="
     "expandable_segments:True (less fragmentation; CUDA profiles)",
     "gpus": "data-parallel ranks: each runs the batch; the estimate is one rank's (with "
-    "tp or pp: the world size, pp x tp; moving pp sets it)",
+    "tp or pp: the world size, dp x pp x tp; with pp > 1 it moves in multiples of pp x tp, "
+    "dp > 1 taken with strategy zero2 or zero3, FSDP2 over each stage's ranks)",
     "strategy": "how the ranks share the step: ddp replicates all; zero1 shards optimizer "
     "state; zero2/zero3 (FSDP2) shard gradients / parameters too; hsdp shards in a node",
     "gpus_per_node": "GPUs in one node: hsdp shards within a node, replicates across nodes",
@@ -526,9 +527,19 @@ class ControlsMixin:
 
     def _control_moved(self: MemoryWidget, name: str, change: dict[str, Any]) -> None:  # type: ignore[misc]
         """A slider or box of an integer setting moved: set the trait (never feeding back
-        while the controls are synced to the traits)."""
-        if not self._syncing and getattr(self, name) is not None:
-            setattr(self, name, max(1, round(change["new"])))
+        while the controls are synced to the traits). With ``pp > 1`` the GPUs go to the
+        next multiple of the world size ``pp x tp`` in the direction moved (``dp x pp x
+        tp``; the estimate says which strategies take ``dp > 1``)."""
+        if self._syncing or getattr(self, name) is None:
+            return
+        value = max(1, round(change["new"]))
+        if name == "gpus" and self.pp > 1:
+            value = self._gpus_step(change["new"])
+            if value == self.gpus:  # no move: the controls show the trait again
+                self._show_quietly(self._gpus_slider, float(value))
+                self._show_quietly(self._gpus_box, value)
+                return
+        setattr(self, name, value)
 
     def _set_busy(self: MemoryWidget, busy: bool) -> None:  # type: ignore[misc]
         """Disable every control while a profiling run blocks the kernel; re-enable after."""

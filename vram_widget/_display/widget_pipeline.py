@@ -2,10 +2,13 @@
 ``stages_per_rank`` traits as ``estimate`` takes them, their controls in the GPUs group, the
 world size that follows ``pp``, and whether a setting still has to be profiled.
 
-``gpus`` is the world size, pipeline stages x tensor-parallel ranks (``estimate`` refuses
-any other with ``pp > 1``: ``check_pipeline_parallel``), so moving ``pp`` moves ``gpus`` to
-``pp x tp`` (back to ``tp`` at ``pp = 1``; ``ep`` and ``cp`` ranks multiply it likewise,
-:mod:`.widget_parallel`), and ``pp = 1`` puts ``microbatches`` and ``stages_per_rank``
+``gpus`` is the world size, data-parallel ranks x pipeline stages x tensor-parallel ranks
+(``estimate`` takes ``dp > 1`` over stages with ``"zero2"`` / ``"zero3"`` only, FSDP2 over
+each stage's ranks, and refuses the rest by name: ``check_pipeline_parallel``), so moving
+``pp`` moves ``gpus`` to ``dp x pp x tp``, ``dp`` kept under those strategies and 1 under
+the others (``pp x tp``, back to ``tp`` at ``pp = 1``; ``ep`` and ``cp`` ranks multiply it
+likewise, :mod:`.widget_parallel`); while ``pp > 1`` the GPUs control steps in multiples of
+``pp x tp``. ``pp = 1`` puts ``microbatches`` and ``stages_per_rank``
 back to their defaults (``pp``; 2 under ``"interleaved-1f1b"``), as a schedule other than
 ``"interleaved-1f1b"`` puts ``stages_per_rank`` back; a refused move puts them back with
 it. The stages-a-rank control shows under ``"interleaved-1f1b"`` only, offering the counts
@@ -17,6 +20,7 @@ are not run (:data:`PP_NOT_SEARCHED`), as with ``tp > 1``.
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +31,12 @@ from .._estimating.estimator import MemoryEstimate
 from .._estimating.options import PipelineSchedule
 from .._estimating.recipe import Recipe
 from .._estimating.recipe.parallel import (
+    STAGE_DATA_PARALLEL,
     check_pipeline_parallel,
     check_pipeline_parallel_settings,
     pipeline_stages_per_rank,
 )
-from .figure_stages import stage_unit
+from .figure_stages import pipeline_layout, stage_data_parallel, stage_unit
 from .widget_text import format_bytes
 
 if TYPE_CHECKING:
@@ -67,8 +72,9 @@ PP_NOT_SEARCHED = "not searched with pp > 1 (each batch is a profiling run of it
 PP_TOOLTIPS: dict[str, str] = {
     "pp": "pipeline stages, one a GPU: a Hugging Face decoder's layers split evenly, as "
     "torchtitan splits them (a CPU profile, fp32 or bf16 training). Moving it sets GPUs to "
-    "pp x tp, the world size (back to tp at 1). Each new batch or setting with pp > 1 "
-    "profiles every stage (seconds); the largest-batch searches are not run",
+    "pp x tp, the world size (back to tp at 1), or under zero2 / zero3 to dp x pp x tp, "
+    "keeping the data-parallel ranks (FSDP2 over each stage's). Each new batch or setting "
+    "with pp > 1 profiles every stage (seconds); the largest-batch searches are not run",
     "pp_schedule": "how the stages run the micro-batches: gpipe (ScheduleGPipe: every "
     "micro-batch's forward, then the backwards), 1f1b (Schedule1F1B: at most pp "
     "micro-batches' activations held; needs micro-batches >= pp) or interleaved-1f1b "
@@ -133,8 +139,17 @@ def stages_text(est: MemoryEstimate) -> str:
         )
     ]
     held = "stages" if est.stages_per_rank == 1 else f"ranks of {est.stages_per_rank} stages"
+    dp = stage_data_parallel(est)
+    ranks = (
+        ""
+        if dp == 1
+        else f" on {est.gpus:,} GPUs, {html.escape(pipeline_layout(est))}: each stage's "
+        f"{dp} data-parallel ranks shard it with FSDP2 and each runs the whole step's batch "
+        f"(global batch {dp:,} x {est.batch_size:,} = {dp * est.batch_size:,}); shown: "
+        "the peak per GPU of each stage"
+    )
     return (
-        f"{est.pp} {held}, {html.escape(str(est.pp_schedule))}, {est.microbatches} "
+        f"{est.pp} {held}{ranks}, {html.escape(str(est.pp_schedule))}, {est.microbatches} "
         f"micro-batches of {est.batch_size // (est.microbatches or 1):,}: "
         + "; ".join(stages)
         + "; the waterfall and the layers are the whole model's one-device step"
@@ -203,16 +218,46 @@ class PipelineMixin:
         if self._pipeline_parallel:
             self._pipeline_answered.add(self._pipeline_key())
 
-    def _pair_pipeline(self: MemoryWidget, moved: str | None) -> list[tuple[str, Any]]:  # type: ignore[misc]
-        """After a move of ``pp`` (not a revert): GPUs to the world size (``pp x tp``, and
-        any ep or cp ranks), and at ``pp = 1`` the micro-batches and the stages a rank to
-        their defaults; after a move of the schedule away from ``"interleaved-1f1b"``, the
-        stages a rank to its default. Returns each partner's name and old value."""
+    def _data_parallel_ranks(self: MemoryWidget, pp: int) -> int:  # type: ignore[misc]
+        """The data-parallel degree of ``gpus`` at ``pp`` stages, kept when ``pp`` moves:
+        ``gpus / (pp x tp x ep x cp)`` where that divides it and the strategy is one the
+        estimate takes over stages (FSDP2, ``STAGE_DATA_PARALLEL``), else 1 (the pipeline
+        alone, as before any data-parallel ranks)."""
+        world = pp * self.tp * self.ep * self.cp
+        if self.strategy not in STAGE_DATA_PARALLEL or self.gpus % world:
+            return 1
+        return self.gpus // world
+
+    def _stage_ranks_text(self: MemoryWidget) -> str:  # type: ignore[misc]
+        """``"dp=d {strategy} x "`` where ``d > 1`` data-parallel ranks share each stage
+        (FSDP2 over the stages), for the status line; "" for the pipeline alone."""
+        dp = self._data_parallel_ranks(self.pp)
+        return f"dp={dp} {self.strategy} x " if dp > 1 else ""
+
+    def _gpus_step(self: MemoryWidget, asked: float) -> int:  # type: ignore[misc]
+        """The GPUs a move of their control to ``asked`` gives with ``pp > 1``: the next
+        multiple of the world size ``pp x tp`` (x ep x cp) up or down from ``gpus``, in the
+        direction moved, at least the world size."""
+        unit = self._world_size()
+        if asked > self.gpus:
+            return max(unit, -(-math.ceil(asked - 1e-9) // unit) * unit)
+        return max(unit, math.floor(asked + 1e-9) // unit * unit)
+
+    def _pair_pipeline(  # type: ignore[misc]
+        self: MemoryWidget, moved: str | None, old: Any = None
+    ) -> list[tuple[str, Any]]:
+        """After a move of ``pp`` from ``old`` (not a revert): GPUs to ``dp x pp x tp``
+        (and any ep or cp ranks), the data-parallel degree ``dp`` kept under zero2 / zero3
+        (:meth:`_data_parallel_ranks`, else 1), and at ``pp = 1`` the micro-batches and the
+        stages a rank to their defaults; after a move of the schedule away from
+        ``"interleaved-1f1b"``, the stages a rank to its default. Returns each partner's
+        name and old value."""
         if moved not in ("pp", "pp_schedule") or self._reverting:
             return []
         moves: list[tuple[str, Any]] = []
         if moved == "pp":
-            moves.append(("gpus", self._world_size()))
+            dp = self._data_parallel_ranks(old) if old in PP_CHOICES else 1
+            moves.append(("gpus", dp * self._world_size()))
         if moved == "pp" and self.pp == 1:
             moves.append(("microbatches", None))
         if self.pp == 1 or self.pp_schedule != _INTERLEAVED:

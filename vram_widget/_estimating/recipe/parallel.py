@@ -34,7 +34,8 @@ class ParallelSettings:
         Module patterns -> ``torch.distributed.tensor.parallel`` styles; None: the
         model's own plan (a Hugging Face model's ``base_model_tp_plan``).
     pp : int
-        Pipeline ranks among ``gpus`` (1: none); ``gpus = pp x tp``.
+        Pipeline ranks among ``gpus`` (1: none); ``gpus = dp x pp x tp`` (``dp > 1``
+        with ``strategy="zero2"`` or ``"zero3"`` only, :data:`STAGE_DATA_PARALLEL`).
     pp_schedule : PipelineSchedule
         ``"gpipe"``, ``"1f1b"`` (one stage a rank) or ``"interleaved-1f1b"``
         (``stages_per_rank`` stages a rank, rank r holding stages r, r + pp, ...).
@@ -405,6 +406,12 @@ def pipeline_reshard_after_forward(parallel: ParallelSettings) -> bool | None:
     return parallel.strategy is Strategy.ZERO3
 
 
+STAGE_DATA_PARALLEL: tuple[Strategy, ...] = (Strategy.ZERO2, Strategy.ZERO3)
+"""The strategies estimated over the ``dp > 1`` data-parallel ranks of each pipeline stage
+(``gpus = dp x pp``): FSDP2, as torchtitan composes it with pipelining; the others are
+refused by name (:func:`check_pipeline_parallel`)."""
+
+
 def _check_pipeline_data_parallel(parallel: ParallelSettings) -> None:
     """``gpus = dp x pp``: the pipeline alone (``dp=1``, no strategy), or FSDP2 over the
     ``dp`` data-parallel ranks of each stage (``"zero2"`` / ``"zero3"``), one stage a rank;
@@ -433,7 +440,7 @@ def _check_pipeline_data_parallel(parallel: ParallelSettings) -> None:
         Strategy.ZERO1: "ZeroRedundancyOptimizer over stages is not estimated yet",
         Strategy.HSDP: "HSDP over stages (a replicate x shard mesh per stage) is not estimated yet",
     }
-    if strategy in reasons:
+    if strategy not in STAGE_DATA_PARALLEL:
         raise ValueError(
             f"pp={pp} on gpus={gpus} with strategy={strategy.value!r}: {dp} data-parallel "
             f"ranks of each stage are estimated with FSDP2 only (strategy='zero2' or "
