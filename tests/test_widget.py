@@ -1653,10 +1653,10 @@ def test_loss_chunks_off_where_the_model_cannot_be_chunked(profile: ModelProfile
 
 def test_a_recipe_starts_the_activation_lever_controls(gpt2_profile: ModelProfile) -> None:
     from vram_widget import Recipe
-    from vram_widget._display.widget import _SETTINGS
+    from vram_widget._display.widget import SETTINGS
     from vram_widget._display.widget_recipe import CONTROLLED, recipe_settings
 
-    assert set(CONTROLLED) <= set(_SETTINGS)  # each held control is a trait
+    assert set(CONTROLLED) <= set(SETTINGS)  # each held control is a trait
     recipe = Recipe().with_(batch_size=2, loss_chunks=4, checkpoint_policy="op")
     settings = recipe_settings(recipe)
     assert dict(settings.controls) == {"batch_size": 2, "loss_chunks": 4, "checkpoint_policy": "op"}

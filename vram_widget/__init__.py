@@ -25,7 +25,8 @@ from ._estimating.options import (
 )
 
 if TYPE_CHECKING:
-    from ._display.widget import MemoryWidget, show_memory
+    from ._display.show import show_memory
+    from ._display.widget import MemoryWidget
     from ._estimating.accelerator import AcceleratorExtras
     from ._estimating.estimator import LayerTable, MemoryEstimate
     from ._estimating.gpus import GPUS, Gpu
@@ -83,7 +84,7 @@ _LAZY = {
     "Float8": "._estimating.recipe",
     "profile_model": "._profiling.profiler",
     "MemoryWidget": "._display.widget",
-    "show_memory": "._display.widget",
+    "show_memory": "._display.show",
 }
 
 __all__ = [
