@@ -121,6 +121,8 @@ class StepMixin:
             sub, plain = self._kv_cache(recipe)
             assert sub is not None  # made
             return sub._estimate(plain)
+        if recipe.float8.all_gather:  # one FSDP2 rank's step run as it is (profile_rungs.py)
+            return self._float8_all_gather_estimate(recipe)
         if recipe.float8.enabled:  # torchao's float8 copy answers
             sub, plain = self._float8(recipe)
             est = sub._estimate(plain)
