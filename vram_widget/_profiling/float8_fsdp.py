@@ -83,7 +83,8 @@ def _fake_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     copy_ = meta_copy(model)
     memo: dict[int, torch.Tensor] = {}
     for sub in copy_.modules():
-        for table in (sub._parameters, sub._buffers):
+        tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+        for table in tables:
             for name, t in list(table.items()):
                 if t is None:
                     continue
@@ -93,7 +94,7 @@ def _fake_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
                     if isinstance(t, nn.Parameter):
                         fake = nn.Parameter(fake, requires_grad=t.requires_grad)
                     memo[id(t)] = fake
-                table[name] = memo[id(t)]  # type: ignore[index]
+                table[name] = memo[id(t)]
     return copy_
 
 
