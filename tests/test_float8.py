@@ -332,17 +332,20 @@ def test_float8_all_gather_ranks_against_their_estimate(precision: str, one_thre
     # again: below the high-precision gather's estimate (which its real ranks match)
     high = profile.estimate(4, float8=True, **asked)
     assert est.peak_bytes < high.peak_bytes
-    # the shards stay in the precision's dtype; beside them FSDP2's unsharded float8 weight
-    # of each of the 3 layers keeps its last float32 scale: 3 x 4 B = 12 B more resident
-    plain = measure(model, x, float8=True, **asked)
-    assert gathered.resident_bytes == plain.resident_bytes + 12
+    # resident, by hand: the 21,504 weights' shards in the precision's dtype (half each),
+    # AdamW's two states like them, its 3 float32 step counters, the 4 x 64 input, and
+    # FSDP2's unsharded float8 weight of each of the 3 layers keeping its last float32
+    # scale: fp32 43,008 + 86,016 + 12 + 1,024 + 12 = 130,072;
+    #        bf16 21,504 + 43,008 + 12 + 512 + 12 = 65,048
+    size = {"fp32": 4, "bf16": 2}[precision]
+    shard = 21_504 * size // 2
+    assert gathered.resident_bytes == shard + 2 * shard + 12 + 4 * 64 * size + 3 * 4
     # bytes sent, by hand (2 ranks: an all-gather or reduce-scatter sends half its full
     # payload, an all-reduce 2 x 1/2 of it). The 21,504 weights are gathered twice
     # (forward, and again for the backward under zero3), 1 B each: 2 x 21,504 / 2 = 21,504.
     # Gradients are reduce-scattered once in the precision's dtype: 21,504 x 4 / 2 = 43,008
     # in fp32, 21,504 in bf16. Before each gather the weight's amax (one value in the
     # precision's dtype) is all-reduced: 6 x 4 = 24 B in fp32, 6 x 2 = 12 B in bf16.
-    size = {"fp32": 4, "bf16": 2}[precision]
     by_kind = {str(k): v for k, v in est.communication_sent_bytes_by_kind.items()}
     assert by_kind == {"all_gather": 21_504, "reduce_scatter": 21_504 * size // 2,
                        "all_reduce": 6 * size}  # fmt: skip

@@ -162,8 +162,26 @@ class RungsMixin:
         float8 profile under FSDP2 with the high-precision gather, for reference, as for a
         pipeline. Refused by name, before any run, where the step is not estimated
         (:func:`~.float8.float8_all_gather_refusals`)."""
+        high, asked = self._float8_all_gather_question(recipe)
+        whole = self._estimate(high)
+        ran = self._source.float8_fsdp_step(*asked)
+        sent = volume_of(ran.collectives)
+        return dataclasses.replace(
+            whole,
+            peak_bytes=ran.peak_bytes,
+            communication_sent_bytes=sent.sent_bytes,
+            communication_sent_bytes_by_kind=sent.sent_bytes_by_kind,
+            float8=recipe.float8.describe(),
+        )
+
+    def _float8_all_gather_question(  # type: ignore[misc]
+        self: ModelProfile, recipe: Recipe
+    ) -> tuple[Recipe, tuple[Any, ...]]:
+        """The checks of a ``float8_all_gather=True`` estimate (each refusal a ValueError
+        naming it, before any run); the same recipe with the high-precision gather (the
+        reference the rank's run replaces the peak of) and the arguments of the source's
+        ``float8_fsdp_step``."""
         float8 = recipe.float8
-        high = dataclasses.replace(recipe, float8=dataclasses.replace(float8, all_gather=False))
         self._check_float8(recipe)
         refused = float8_all_gather_refusals(recipe, self.device.value)
         if refused:
@@ -174,23 +192,16 @@ class RungsMixin:
                 "strategy 'zero2', 'zero3' or 'hsdp', gpus_per_node, fsdp_units, rank); "
                 "float8_all_gather=False (torchao's default) is estimated with all of these"
             )
-        whole = self._estimate(high)
+        high = dataclasses.replace(recipe, float8=dataclasses.replace(float8, all_gather=False))
         parallel = self._parallel_of(recipe)
         rank = check_rank(recipe.parallel.rank, parallel.gpus)
         step = recipe.step
         implementation = recipe.optimizer.resolved_implementation(self.device)
-        ran = self._source.float8_fsdp_step(
+        asked = (
             float8, parallel, step.batch_size, step.seq_len, step.precision,
             recipe.optimizer.name, implementation, 0 if rank is None else rank,
         )  # fmt: skip
-        sent = volume_of(ran.collectives)
-        return dataclasses.replace(
-            whole,
-            peak_bytes=ran.peak_bytes,
-            communication_sent_bytes=sent.sent_bytes,
-            communication_sent_bytes_by_kind=sent.sent_bytes_by_kind,
-            float8=float8.describe(),
-        )
+        return high, asked
 
     def _made_lora(self: ModelProfile, levers: Levers) -> tuple[ModelProfile, Levers] | None:  # type: ignore[misc]
         """The LoRA profile of ``levers`` and the levers to ask it for, where it was made

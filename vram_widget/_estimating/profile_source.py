@@ -106,6 +106,17 @@ class ProfileSource(Protocol):
         implementation: OptimizerImplementation | None,
         rank: int = 0,
     ) -> Any: ...
+    def float8_fsdp_cached(
+        self,
+        float8: Float8,
+        parallel: Parallel,
+        batch_size: int,
+        seq_len: int | None,
+        precision: Precision,
+        optimizer: OptimizerChoice | None,
+        implementation: OptimizerImplementation | None,
+        rank: int = 0,
+    ) -> bool: ...
 
     def generation(
         self,

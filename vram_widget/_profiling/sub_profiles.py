@@ -178,7 +178,7 @@ class SubProfiles:
         from .float8_fsdp import float8_fsdp_rank
 
         key = (float8, parallel, batch_size, seq_len, precision, optimizer, implementation, rank)
-        if key not in self._float8_fsdp:
+        if not self.float8_fsdp_cached(*key):
             subject = self.profiler.subject
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.simplefilter("ignore", InputShapeWarning)
@@ -190,6 +190,11 @@ class SubProfiles:
                     rank,
                 )  # fmt: skip
         return self._float8_fsdp[key]
+
+    def float8_fsdp_cached(self: _Source, *question: Any) -> bool:  # type: ignore[misc]
+        """Whether :meth:`float8_fsdp_step` has the answer to ``question`` (its arguments)
+        kept."""
+        return tuple(question) in self._float8_fsdp
 
     def kv_cache_profile(self: _Source, cache_config: dict[str, object]) -> ModelProfile:  # type: ignore[misc]
         """The profile of a meta copy of the model whose generation config asks for
