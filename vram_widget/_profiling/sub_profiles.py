@@ -183,12 +183,21 @@ class SubProfiles:
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.simplefilter("ignore", InputShapeWarning)
                 warnings.filterwarnings("ignore", module=r"(torchao|torch\.distributed)(\.|$)")
-                self._float8_fsdp[key] = float8_fsdp_rank(
-                    subject.model,
-                    lambda: subject.make_inputs(batch_size, precision, False, seq_len),
-                    subject.loss_fn, float8, parallel, precision, optimizer, implementation,
-                    rank,
-                )  # fmt: skip
+                try:
+                    self._float8_fsdp[key] = float8_fsdp_rank(
+                        subject.model,
+                        lambda: subject.make_inputs(batch_size, precision, False, seq_len),
+                        subject.loss_fn, float8, parallel, precision, optimizer,
+                        implementation, rank,
+                    )  # fmt: skip
+                except (RuntimeError, NotImplementedError, TypeError, AssertionError) as exc:
+                    raise ValueError(
+                        "float8_all_gather=True: the FSDP2 rank's step could not be run on "
+                        f"fake tensors ({type(exc).__name__}: {str(exc)[:300]}); "
+                        f"measure(model, inputs, gpus={parallel.gpus}, "
+                        f"strategy={parallel.strategy.value!r}, float8=True, "
+                        "float8_all_gather=True) runs it on real gloo ranks"
+                    ) from exc
         return self._float8_fsdp[key]
 
     def float8_fsdp_cached(self: _Source, *question: Any) -> bool:  # type: ignore[misc]
