@@ -10,8 +10,9 @@ gathered ``Float8TrainingTensor`` as it is (``tensor_already_casted_to_fp8``,
 torchao/float8/float8_linear.py). These are changes inside each layer's step, not a
 transform of the single-device timeline, so the rank is not derived from the float8
 profile: :func:`float8_fsdp_rank` runs it. A meta copy of the model is made fake in the
-precision's dtype, converted by ``convert_to_float8_training`` (``float8.converted``),
-wrapped by ``fully_shard`` as ``measure``'s ranks wrap it (``distributed.fsdp_wrapped``),
+precision's dtype, converted by ``convert_to_float8_training`` (``float8.converted``,
+``emulate=True`` as a CPU rank runs it), wrapped by ``fully_shard`` on the strategy's mesh
+as ``measure``'s ranks wrap it (``distributed.fsdp_mesh``, ``distributed.fully_sharded``),
 and stepped three times by the same training iteration; the third step is counted by
 ``live_bytes.LiveBytes`` (the first two make the optimizer's state and FSDP2's lazy
 state), each collective's gloo staging copies beside what is live at it
@@ -19,7 +20,8 @@ state), each collective's gloo staging copies beside what is live at it
 (``collectives.CollectiveLog``).
 
 The peak is counted as ``measure`` counts a CPU rank's: above the tensors the rank lists
-as resident at the step's start (parameters' shards, optimizer state, the batch). Beside
+as resident at the step's start, read after it (a steady step ends as it starts):
+parameters' shards, buffers, optimizer state, the batch. Beside
 them FSDP2's unsharded ``Float8TrainingTensor`` of each weight keeps the previous step's
 4-byte scale (``fsdp_post_all_gather`` sets ``out._scale``; resharding frees only the
 gathered data), which ``measure`` lists too (``measure_session._Session.resident_tensors``).
