@@ -131,12 +131,13 @@ def check_float8_layout(
     """Refuse, before any profiling, a float8 model on ``gpus > 1`` ranks laid out in a way
     that is not estimated (``estimating``) or measured: a strategy other than the
     data-parallel ones, tensor / pipeline / expert / context parallelism (``layouts``:
-    name -> degree), ``float8_all_gather`` outside FSDP2, and, for the estimate,
-    ``float8_all_gather`` at all (``measure`` runs it on gloo ranks).
+    name -> degree) and ``float8_all_gather`` outside FSDP2 (the estimate's other limits
+    on it: :func:`float8_all_gather_refusals`).
 
     Examples
     --------
     >>> check_float8_layout(Float8(True), 2, "zero3", {"tp": 1})
+    >>> check_float8_layout(Float8(True, all_gather=True), 2, "zero3", {})
     >>> check_float8_layout(Float8(True, all_gather=True), 2, "ddp", {}, estimating=False)
     Traceback (most recent call last):
     ...
@@ -158,13 +159,43 @@ def check_float8_layout(
             f"{asked} with float8_all_gather=True and strategy={strategy!r}: the float8 "
             f"all-gather is FSDP2's; use strategy {', '.join(map(repr, FSDP2_STRATEGIES))}"
         )
-    if float8.all_gather and estimating:
-        raise ValueError(
-            f"{asked} with float8_all_gather=True is not estimated yet: FSDP2 then gathers "
-            "each weight in float8 (1 byte a value and a float32 scale, cast from the shard "
-            "by torchao's fsdp_pre_all_gather), and the forward and backward no longer cast "
-            "it, which the estimate does not model; "
-            f"measure(model, inputs, gpus={gpus}, strategy={strategy!r}, "
-            "float8=Float8(True, all_gather=True)) runs it on real gloo ranks, and "
-            "float8_all_gather=False (torchao's default) is estimated"
+
+
+# The settings of a float8 all-gather rank's step its run (``_profiling/float8_fsdp.py``)
+# takes: the batch, sequence length, precision, the optimizer and its implementation, and
+# the FSDP2 layout; any other setting at a value not its default is refused by name.
+_ALL_GATHER_RUN = frozenset(
+    {"batch_size", "seq_len", "precision", "mode", "name", "implementation"}
+)
+
+
+def float8_all_gather_refusals(recipe: object, device: str) -> list[str]:
+    """The settings of ``recipe`` (a :class:`~vram_widget.Recipe` with
+    ``float8_all_gather=True`` on FSDP2) that its estimate does not take yet, by name: a
+    profile on a device other than the CPU (``device``; the run emulates torchao's float8
+    matmul as its CPU ranks do, and a CUDA rank's ``_scaled_mm`` path and the caching
+    allocator's rounding are not in it), and each lever, step protocol or optimizer setting
+    not at its default.
+
+    Examples
+    --------
+    >>> from vram_widget._estimating.recipe import Recipe
+    >>> asked = Recipe.from_keywords(gpus=2, strategy="zero3", float8=True,
+    ...                              float8_all_gather=True, checkpoint="auto")
+    >>> float8_all_gather_refusals(asked, "cpu")
+    ['checkpoint']
+    >>> float8_all_gather_refusals(asked.with_(checkpoint=None), "cuda")
+    ["device='cuda'"]
+    """
+    import dataclasses
+
+    refused = [] if device == "cpu" else [f"device={device!r}"]
+    for part in ("levers", "step", "optimizer"):
+        value = getattr(recipe, part)
+        unset = type(value)()
+        refused.extend(
+            f.name
+            for f in dataclasses.fields(value)
+            if f.name not in _ALL_GATHER_RUN and getattr(value, f.name) != getattr(unset, f.name)
         )
+    return refused

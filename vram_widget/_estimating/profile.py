@@ -340,7 +340,9 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
             ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"hsdp"``; FSDP2 gathering the high-precision
             weights, torchao's default); a Linear whose dims are not multiples of 16 is
             refused by name. ``float8_all_gather=True`` (FSDP2 gathering the weights in
-            float8) is refused by name: ``measure`` runs it. ``device="cpu"`` runs
+            float8): the rank's peak and bytes sent from its own step run on fake tensors
+            and the fake process group, for the plain training step of a
+            ``device="cpu"`` profile (other settings refused by name). ``device="cpu"`` runs
             torchao's ``emulate=True`` (what ``measure`` runs on a CPU); ``device="cuda"``
             its ``torch._scaled_mm`` path (the kernel's workspace UNCONFIRMED). Needs
             ``pip install torchao``.

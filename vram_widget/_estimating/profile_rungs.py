@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .communication import volume_of
 from .decoding import check_generation
 from .estimator import MemoryEstimate
-from .float8 import check_float8, check_float8_layout
+from .float8 import check_float8, check_float8_layout, float8_all_gather_refusals
 from .kv_cache import check_quantized_cache
 from .levers import Levers
 from .loading import LOAD_DTYPES, LoadEstimate, load_estimate
@@ -134,6 +134,14 @@ class RungsMixin:
         estimated) and the recipe to ask it: the same, float8 off (the copy has the same
         module names, so the levers apply as they are)."""
         float8 = recipe.float8
+        self._check_float8(recipe)
+        if float8 not in self._float8_profiles:
+            self._float8_profiles[float8] = self._source.float8_profile(float8)
+        return self._float8_profiles[float8], dataclasses.replace(recipe, float8=Float8())
+
+    def _check_float8(self: ModelProfile, recipe: Recipe) -> None:  # type: ignore[misc]
+        """Refuse, before any profiling, the float8 steps that are not estimated."""
+        float8 = recipe.float8
         check_float8(
             float8,
             recipe.step.mode,
@@ -146,9 +154,54 @@ class RungsMixin:
         par = recipe.parallel
         layouts = {"tp": par.tp, "pp": par.pp, "ep": par.ep, "cp": par.cp}
         check_float8_layout(float8, par.gpus, par.strategy.value, layouts)
-        if float8 not in self._float8_profiles:
-            self._float8_profiles[float8] = self._source.float8_profile(float8)
-        return self._float8_profiles[float8], dataclasses.replace(recipe, float8=Float8())
+
+    def _float8_all_gather_estimate(self: ModelProfile, recipe: Recipe) -> MemoryEstimate:  # type: ignore[misc]
+        """``float8_all_gather=True`` on FSDP2: the rank's peak and bytes sent from its step
+        as torchao and FSDP2 run it on fake tensors (``_source.float8_fsdp_step``); the rest
+        of the estimate (per-layer rows, FLOPs, the breakdown and where the peak is) is the
+        float8 profile under FSDP2 with the high-precision gather, for reference, as for a
+        pipeline. Refused by name, before any run, where the step is not estimated
+        (:func:`~.float8.float8_all_gather_refusals`)."""
+        high, asked = self._float8_all_gather_question(recipe)
+        whole = self._estimate(high)
+        ran = self._source.float8_fsdp_step(*asked)
+        sent = volume_of(ran.collectives)
+        return dataclasses.replace(
+            whole,
+            peak_bytes=ran.peak_bytes,
+            communication_sent_bytes=sent.sent_bytes,
+            communication_sent_bytes_by_kind=sent.sent_bytes_by_kind,
+            float8=recipe.float8.describe(),
+        )
+
+    def _float8_all_gather_question(  # type: ignore[misc]
+        self: ModelProfile, recipe: Recipe
+    ) -> tuple[Recipe, tuple[Any, ...]]:
+        """The checks of a ``float8_all_gather=True`` estimate (each refusal a ValueError
+        naming it, before any run); the same recipe with the high-precision gather (the
+        reference the rank's run replaces the peak of) and the arguments of the source's
+        ``float8_fsdp_step``."""
+        float8 = recipe.float8
+        self._check_float8(recipe)
+        refused = float8_all_gather_refusals(recipe, self.device.value)
+        if refused:
+            raise ValueError(
+                f"float8_all_gather=True with {', '.join(refused)}: not estimated yet (the "
+                "rank's step is run for the plain training step of a device='cpu' profile: "
+                "batch_size, seq_len, precision, optimizer and its implementation, gpus, "
+                "strategy 'zero2', 'zero3' or 'hsdp', gpus_per_node, fsdp_units, rank); "
+                "float8_all_gather=False (torchao's default) is estimated with all of these"
+            )
+        high = dataclasses.replace(recipe, float8=dataclasses.replace(float8, all_gather=False))
+        parallel = self._parallel_of(recipe)
+        rank = check_rank(recipe.parallel.rank, parallel.gpus)
+        step = recipe.step
+        implementation = recipe.optimizer.resolved_implementation(self.device)
+        asked = (
+            float8, parallel, step.batch_size, step.seq_len, step.precision,
+            recipe.optimizer.name, implementation, 0 if rank is None else rank,
+        )  # fmt: skip
+        return high, asked
 
     def _made_lora(self: ModelProfile, levers: Levers) -> tuple[ModelProfile, Levers] | None:  # type: ignore[misc]
         """The LoRA profile of ``levers`` and the levers to ask it for, where it was made

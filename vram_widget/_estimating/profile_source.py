@@ -19,6 +19,7 @@ from .options import (
 from .recipe import Recipe
 from .recipe.float8 import Float8
 from .recipe.weights import Weights
+from .sharding import Parallel
 from .table import OptimizerTrace, Timeline
 
 if TYPE_CHECKING:
@@ -94,6 +95,28 @@ class ProfileSource(Protocol):
         dp: int = 1,
         reshard_after_forward: bool | None = None,
     ) -> tuple[Any, ...]: ...
+    def float8_fsdp_step(
+        self,
+        float8: Float8,
+        parallel: Parallel,
+        batch_size: int,
+        seq_len: int | None,
+        precision: Precision,
+        optimizer: OptimizerChoice | None,
+        implementation: OptimizerImplementation | None,
+        rank: int = 0,
+    ) -> Any: ...
+    def float8_fsdp_cached(
+        self,
+        float8: Float8,
+        parallel: Parallel,
+        batch_size: int,
+        seq_len: int | None,
+        precision: Precision,
+        optimizer: OptimizerChoice | None,
+        implementation: OptimizerImplementation | None,
+        rank: int = 0,
+    ) -> bool: ...
 
     def generation(
         self,

@@ -121,6 +121,8 @@ class StepMixin:
             sub, plain = self._kv_cache(recipe)
             assert sub is not None  # made
             return sub._estimate(plain)
+        if recipe.float8.all_gather:  # one FSDP2 rank's step run as it is (profile_rungs.py)
+            return self._float8_all_gather_estimate(recipe)
         if recipe.float8.enabled:  # torchao's float8 copy answers
             sub, plain = self._float8(recipe)
             est = sub._estimate(plain)
@@ -279,6 +281,11 @@ class StepMixin:
         if asked.generation.kv_cache is not None:  # the copy whose generate asks for it
             sub, plain = self._kv_cache(asked, make=False)
             return sub is not None and sub.weights_cached(batch_size, recipe=plain)
+        if asked.float8.all_gather:  # the reference's sub-profile, and the rank's run kept
+            high, question = self._float8_all_gather_question(asked)
+            return self.weights_cached(batch_size, recipe=high) and self._source.float8_fsdp_cached(
+                *question
+            )
         if asked.float8.enabled:
             check_float8(
                 asked.float8,

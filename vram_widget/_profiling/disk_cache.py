@@ -619,6 +619,13 @@ class DiskCachedSource:
         # a profile of bitsandbytes' quantized meta copy, made by the wrapped source
         return self.inner.quantized_profile(*args)
 
+    def float8_fsdp_step(self, *args: Any) -> Any:
+        # one FSDP2 rank's float8 all-gather step on fake tensors, run by the wrapped source
+        return self.inner.float8_fsdp_step(*args)
+
+    def float8_fsdp_cached(self, *args: Any) -> bool:
+        return bool(self.inner.float8_fsdp_cached(*args))
+
     def float8_profile(self, *args: Any) -> Any:
         # a profile of torchao's float8 conversion of a meta copy, made by the wrapped source
         return self.inner.float8_profile(*args)

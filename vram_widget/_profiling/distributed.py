@@ -367,20 +367,26 @@ def fsdp_wrapped(
     (``sharding.FSDP_PARAM_DTYPE``)."""
 
     def wrap(model: torch.nn.Module, parallel: Parallel, precision: Precision) -> torch.nn.Module:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        world = dist.get_world_size()
-        if parallel.strategy is Strategy.HSDP:
-            group = parallel.shard_ranks
-            mesh = init_device_mesh(
-                "cpu", (world // group, group), mesh_dim_names=("replicate", "shard")
-            )
-        else:
-            mesh = init_device_mesh("cpu", (world,))
+        mesh = fsdp_mesh(parallel)
         return fully_sharded(model, parallel, precision, mesh, reshard_after_forward)
 
     return wrap
+
+
+def fsdp_mesh(parallel: Parallel) -> Any:
+    """FSDP2's CPU mesh over the process group's ranks: 1-D, or under ``"hsdp"`` 2-D,
+    (nodes, ``gpus_per_node``), sharded within a node and replicated across. Made outside
+    any fake mode (a mesh reads its ranks' values)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if parallel.strategy is Strategy.HSDP:
+        group = parallel.shard_ranks
+        return init_device_mesh(
+            "cpu", (world // group, group), mesh_dim_names=("replicate", "shard")
+        )
+    return init_device_mesh("cpu", (world,))
 
 
 def fully_sharded(

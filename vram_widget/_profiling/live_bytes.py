@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .tensor_parallel import local_part
+from .torchao_weights import torchao_inner
 
 __all__ = ["HeldSend", "LiveBytes", "sends_held"]
 
@@ -30,7 +31,9 @@ class LiveBytes(TorchDispatchMode):
     resizing their storages (``free_storage`` / ``alloc_storage``,
     torch/distributed/fsdp/_fully_shard/_fsdp_param.py), which no dispatch mode sees, so
     ``UntypedStorage.resize_`` is followed while the mode is on (as ``mem_tracker``'s
-    ``_track_resize`` does). A DTensor counts as its local shard."""
+    ``_track_resize`` does). A DTensor counts as its local shard, a torchao tensor subclass
+    (float8's ``WeightWithDynamicFloat8CastTensor``, ``Float8TrainingTensor``) as the
+    tensors it holds."""
 
     def __init__(self, probe: Any = None) -> None:
         super().__init__()
@@ -86,6 +89,11 @@ class LiveBytes(TorchDispatchMode):
         if not isinstance(t, torch.Tensor):
             return
         t = local_part(t)
+        inner = torchao_inner(t)
+        if inner is not None:  # a torchao tensor subclass: the tensors it holds
+            for x in inner:
+                self.track(x)
+            return
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()

@@ -215,7 +215,8 @@ def measure(
         True: torchao's ``enable_fsdp_float8_all_gather``, FSDP2 (``strategy="zero2"``,
         ``"zero3"``, ``"hsdp"``) all-gathering each float8 weight in float8
         (``Float8(True, all_gather=True)``); gloo moves the float8 bytes as ``uint8``
-        views (``distributed._bytes_of_float8``). Not estimated yet.
+        views (``distributed._bytes_of_float8``). Estimated by running one rank's step
+        on fake tensors (``float8_fsdp.py``).
     checkpoint_policy : None, "full", "op", int or callable
         How each checkpointed block is checkpointed, as ``ModelProfile.estimate`` takes it:
         ``"op"`` is torchtitan's op-level policy around each block

@@ -41,6 +41,7 @@ from .chunked_loss import checked_loss_chunks, chunked_step
 from .compiled import WatchedForward, compiled_forward, compiled_run
 from .cpu_trace import _MARKER, _cpu_trace, _CpuTrace, _storage_bytes
 from .float8 import converted
+from .float8_fsdp import fsdp_held_tensors
 from .measurement import Measurement
 from .nf4_torchao import real_nf4
 from .offloading import offloaded_forward, real_offloading
@@ -353,6 +354,9 @@ class _Session:
             shard = p.to_local() if hasattr(p, "to_local") else p
             yield from torchao_inner(shard) or [p]
         yield from self.model.buffers()
+        # FSDP2's unsharded parameters: with torchao's float8 all-gather each keeps the
+        # last gathered weight's scale between steps (float8_fsdp.fsdp_held_tensors)
+        yield from fsdp_held_tensors(self.model)
         yield from module_state_tensors(self.model)  # bitsandbytes' quant state
         if self.optimizer is not None:
             # a ZeroRedundancyOptimizer keeps its shard's state in its local optimizer

@@ -93,6 +93,8 @@ class SourceRuns:
         self._context_parallel: dict[tuple[Any, ...], Any] = {}
         # the arguments of pipeline_stage_peaks -> each stage's StagePeak
         self._pipeline: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        # the arguments of float8_fsdp_step -> the rank's Float8RankStep
+        self._float8_fsdp: dict[tuple[Any, ...], Any] = {}
         # a new meta copy of the profiled model, for a sub-profile to convert (None:
         # step.meta_copy of it). A tensor-parallel rank's is the plan applied to a new copy
         # of the whole model: transformers' styles replace each sharded module's forward by

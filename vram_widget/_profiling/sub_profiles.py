@@ -161,6 +161,50 @@ class SubProfiles:
             # not cached: the profile key does not read the float8 setting
             return self._sub_profile(copy_, cache=False)
 
+    def float8_fsdp_step(  # type: ignore[misc]
+        self: _Source,
+        float8: Float8,
+        parallel: Any,
+        batch_size: int,
+        seq_len: int | None,
+        precision: Precision,
+        optimizer: OptimizerChoice | None,
+        implementation: OptimizerImplementation | None,
+        rank: int = 0,
+    ) -> Any:
+        """Rank ``rank``'s step under FSDP2 (``parallel``) with torchao's float8 all-gather
+        (``float8.all_gather``) at ``batch_size`` (and ``seq_len``), run on fake tensors
+        and the fake process group (``float8_fsdp.float8_fsdp_rank``). Kept per question."""
+        from .float8_fsdp import float8_fsdp_rank
+
+        key = (float8, parallel, batch_size, seq_len, precision, optimizer, implementation, rank)
+        if not self.float8_fsdp_cached(*key):
+            subject = self.profiler.subject
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", InputShapeWarning)
+                warnings.filterwarnings("ignore", module=r"(torchao|torch\.distributed)(\.|$)")
+                try:
+                    self._float8_fsdp[key] = float8_fsdp_rank(
+                        subject.model,
+                        lambda: subject.make_inputs(batch_size, precision, False, seq_len),
+                        subject.loss_fn, float8, parallel, precision, optimizer,
+                        implementation, rank,
+                    )  # fmt: skip
+                except (RuntimeError, NotImplementedError, TypeError, AssertionError) as exc:
+                    raise ValueError(
+                        "float8_all_gather=True: the FSDP2 rank's step could not be run on "
+                        f"fake tensors ({type(exc).__name__}: {str(exc)[:300]}); "
+                        f"measure(model, inputs, gpus={parallel.gpus}, "
+                        f"strategy={parallel.strategy.value!r}, float8=True, "
+                        "float8_all_gather=True) runs it on real gloo ranks"
+                    ) from exc
+        return self._float8_fsdp[key]
+
+    def float8_fsdp_cached(self: _Source, *question: Any) -> bool:  # type: ignore[misc]
+        """Whether :meth:`float8_fsdp_step` has the answer to ``question`` (its arguments)
+        kept."""
+        return tuple(question) in self._float8_fsdp
+
     def kv_cache_profile(self: _Source, cache_config: dict[str, object]) -> ModelProfile:  # type: ignore[misc]
         """The profile of a meta copy of the model whose generation config asks for
         transformers' ``QuantizedCache`` with ``cache_config`` (``cache_implementation=
