@@ -16,9 +16,10 @@ from vram_widget import measure, profile_model
 pytestmark = pytest.mark.timeout(300)
 pytest.importorskip("transformers")
 
-# The bound test_distributed.py puts on FSDP2's ranks (FSDP_SLACK_BYTES): far below one
-# activation of these models. Measured here: 0 B on every Llama rank, 16 B on the MLP's
-# ranks 0 and 1 (the same 16 B as plain FSDP2 on the tp-local shapes, gpus=2).
+# The bound test_distributed.py puts on FSDP2's ranks (FSDP_SLACK_BYTES) where a rank can
+# peak at the root's reduce-scatter: far below one activation of these models. Measured
+# here: 4 B on every rank of the MLP, whose only unit is the root (the same 4 B as plain
+# FSDP2 on the tp-local shapes, gpus=2; docs/known-gaps.md); the Llama's ranks are exact.
 FSDP_TP_SLACK_BYTES = 1024
 
 
@@ -136,8 +137,7 @@ def test_llama_ranks_against_real_fsdp_over_tp_ranks(
     real = measure(model, inputs, timeout_s=120, **kwargs)
     assert_model_unchanged(model, before)
     assert (real.gpus, real.tp, real.strategy) == (4, 2, strategy)
-    for rank, peak in enumerate(real.rank_peak_bytes):
-        assert abs(peak - est.peak_bytes) <= FSDP_TP_SLACK_BYTES, (rank, peak, est.peak_bytes)
+    assert real.rank_peak_bytes == (est.peak_bytes,) * 4
 
 
 @pytest.mark.parametrize(
@@ -161,8 +161,7 @@ def test_llama_levers_against_real_fsdp_over_tp_ranks(
         warnings.filterwarnings("ignore", r"zero3: the root", UserWarning)
         est = profile_model(model, inputs=inputs, device="cpu").estimate(2, **kwargs)
     real = measure(model, inputs, timeout_s=120, **kwargs)
-    for rank, peak in enumerate(real.rank_peak_bytes):
-        assert abs(peak - est.peak_bytes) <= FSDP_TP_SLACK_BYTES, (rank, peak, est.peak_bytes)
+    assert real.rank_peak_bytes == (est.peak_bytes,) * 4
 
 
 def test_llama_ranks_against_real_hsdp_over_tp_ranks(one_thread: None) -> None:
