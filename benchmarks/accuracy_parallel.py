@@ -27,27 +27,30 @@ Megatron does (torchtitan's own tensor parallelism is a ``sharding_config`` per 
 ranks (and 4 where the heads divide) x fp32 and bf16 x AdamW training and inference;
 pipeline parallelism on 2 ranks x GPipe, 1F1B and interleaved 1F1B (2 stages a rank, the
 layers split as torchtitan counts them) x 2 and 4 micro-batches x fp32 and bf16, AdamW
-training. FSDP2 over tensor-parallel ranks (``gpus=4, tp=2, strategy="zero3"``: a 2-D
-mesh, dp_shard=2 x tp=2, the plan on the tp sub-mesh, then ``fully_shard`` per decoder layer
-and on the root over dp_shard, as torchtitan composes them) on the Hugging Face Llama and
+training. FSDP2 over tensor-parallel ranks (``gpus=4, tp=2, strategy="zero3"``: a 2-D mesh,
+dp_shard=2 x tp=2, the plan on the tp sub-mesh, then ``fully_shard`` per decoder layer and
+on the root over dp_shard, as torchtitan composes them) on the Hugging Face Llama and
 torchtitan's Llama x fp32 and bf16, AdamW training, each rank against its own estimate
-(``rank=r``). FSDP2 over pipeline stages (``gpus=4, pp=2, strategy="zero2"|"zero3"``: a
-2-D mesh, pp=2 x dp_shard=2, pp outer, each stage's decoder layers then the stage wrapped by
-``fully_shard`` over its dp_shard ranks, as torchtitan composes them) on the Hugging Face
-Llama x GPipe and 1F1B with 2 micro-batches x fp32 and bf16, AdamW training, each rank
-against its own estimate. Expert parallelism on 2 ranks (``ep=2``, transformers' own ep plan) x fp32
-and bf16 x training and inference, on the Mixtral with each router's rows set to ``[w, -w,
-u, -u]`` (every token picks one expert of each rank: balanced routing, the case the estimate
-is for; its ``ep_worst_case_bytes`` is kept in the rows). A batch of 4 (16 tokens); every
-rank computes on one thread (the forked ranks must, and CPU kernel scratch can depend on the
-thread count). A layout the estimate
+(``rank=r``); and HSDP over them (``gpus=8, tp=2, strategy="hsdp", gpus_per_node=4``: a 3-D
+mesh, dp_replicate=2 x dp_shard=2 x tp=2, ``fully_shard`` on the 2-D (dp_replicate,
+dp_shard) sub-mesh) on the same two models. FSDP2 over pipeline stages (``gpus=4, pp=2,
+strategy="zero2"|"zero3"``: a 2-D mesh, pp=2 x dp_shard=2, pp outer, each stage's decoder
+layers then the stage wrapped by ``fully_shard`` over its dp_shard ranks, as torchtitan
+composes them) on the Hugging Face Llama x GPipe and 1F1B with 2 micro-batches x fp32 and
+bf16, AdamW training, each rank against its own estimate. Expert parallelism on 2 ranks
+(``ep=2``, transformers' own ep plan) x fp32 and bf16 x training and inference, on the
+Mixtral with each router's rows set to ``[w, -w, u, -u]`` (every token picks one expert of
+each rank: balanced routing, the case the estimate is for; its ``ep_worst_case_bytes`` is
+kept in the rows). A batch of 4 (16 tokens); every rank computes on one thread (the forked
+ranks must, and CPU kernel scratch can depend on the thread count). A layout the estimate
 refuses is a row with its reason.
 
     python benchmarks/accuracy_parallel.py           # about 10 minutes on 2 cores
     python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
     python benchmarks/accuracy_parallel.py --models hf_mixtral_balanced   # ep rows, ~1 minute
     python benchmarks/accuracy_parallel.py --models hf_llama --layouts interleaved   # 4 runs
-    python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 x tp and x pp rows
+    python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 and HSDP x tp and FSDP2 x pp rows
+    python benchmarks/accuracy_parallel.py --layouts hsdp   # HSDP x tp rows (8 ranks), ~3 min
     python benchmarks/accuracy_parallel.py --models hf_llama --layouts "x pp=2"  # FSDP2 x pp
 
 Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
@@ -152,7 +155,7 @@ class Case:
     pp: bool
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     ep: tuple[int, ...] = ()  # expert-parallel degrees (gpus = ep)
-    dp_tp: bool = False  # FSDP2 (zero3) over dp_shard=2 groups of tp=2 ranks, training
+    dp_tp: bool = False  # FSDP2 (zero3, hsdp) over groups of tp=2 ranks, training
     dp_pp: bool = False  # FSDP2 (zero2, zero3) over dp_shard=2 ranks of each of 2 stages
 
 
@@ -252,6 +255,12 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
             if plan is not None:
                 settings["tp_plan"] = plan()
             out.append((f"dp_shard=2 zero3 x tp=2 {plan_label}", "train", settings))
+            # hsdp: a 3-D mesh (dp_replicate, dp_shard, tp) of 2 nodes of 4 GPUs
+            settings = {"gpus": 8, "tp": 2, "strategy": "hsdp", "gpus_per_node": 4}
+            if plan is not None:
+                settings["tp_plan"] = plan()
+            out.append((f"dp_replicate=2 x dp_shard=2 hsdp x tp=2 {plan_label}", "train",
+                        settings))  # fmt: skip
     for ep in case.ep:
         for mode in MODES:
             out.append((f"ep={ep} balanced router", mode, {"gpus": ep, "ep": ep}))

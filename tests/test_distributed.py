@@ -209,7 +209,8 @@ def test_strategies_compose_with_the_levers(
         assert 0 <= peak - est.peak_bytes <= slack + est.buffer_bytes, (rank, peak)
 
 
-# FSDP2 estimates against real ranks: measured 0-48 B apart (docs/accuracy.md); a byte bound far
+# FSDP2 estimates against real ranks: to the byte, but 4 B apart where a rank peaks at the
+# root's reduce-scatter (docs/known-gaps.md); where that can happen, a byte bound far
 # tighter than the 0.5 % target, which a missed buffer (KBs here) cannot slip under
 FSDP_SLACK_BYTES = 1024
 
@@ -234,7 +235,7 @@ def test_fsdp2_ranks_against_their_estimate(one_thread: None) -> None:
         assert abs(real.resident_bytes - sharded) <= padding, (strategy, real.resident_bytes)
         for rank, peak in enumerate(real.rank_peak_bytes):
             est = profile.estimate(2, "fp32", "adamw", gpus=2, strategy=strategy, rank=rank)
-            assert abs(est.peak_bytes - peak) <= FSDP_SLACK_BYTES, (strategy, rank, peak)
+            assert est.peak_bytes == peak, (strategy, rank, peak)
     assert_model_unchanged(model, before)
 
 
@@ -250,7 +251,7 @@ def test_fsdp2_mixed_precision_policy_against_the_estimate(one_thread: None) -> 
             model, inputs, optimizer="adamw", precision="amp-bf16", gpus=2, strategy=strategy
         )
         est = profile.estimate(2, "amp-bf16", "adamw", gpus=2, strategy=strategy)
-        assert abs(est.peak_bytes - real.peak_bytes) <= FSDP_SLACK_BYTES, strategy
+        assert est.peak_bytes == real.peak_bytes, strategy
         plain = profile.estimate(2, "fp32", "adamw", gpus=2, strategy=strategy)
         assert est.parameter_bytes == plain.parameter_bytes  # the shards stay fp32
 
@@ -271,7 +272,7 @@ def test_hsdp_ranks_against_their_estimate(one_thread: None, gpus_per_node: int)
         est = profile.estimate(
             2, "fp32", "adamw", gpus=4, strategy="hsdp", gpus_per_node=gpus_per_node, rank=rank
         )
-        assert abs(est.peak_bytes - peak) <= FSDP_SLACK_BYTES, (rank, peak, est.peak_bytes)
+        assert est.peak_bytes == peak, (rank, peak, est.peak_bytes)
         # a node's shards: the same parameters per rank as zero3 over one node's GPUs
         assert est.parameter_bytes == (
             zero3.parameter_bytes
@@ -293,6 +294,7 @@ def test_fsdp_units_chosen_by_class_and_name(one_thread: None) -> None:
             est = profile.estimate(2, "fp32", "adamw", gpus=2, strategy="zero3", fsdp_units=units)
         real = measure(model, inputs, optimizer="adamw", gpus=2, strategy="zero3",
                        fsdp_units=units)  # fmt: skip
+        # 4 B apart where the peak is the root's reduce-scatter (docs/known-gaps.md)
         assert abs(est.peak_bytes - real.peak_bytes) <= FSDP_SLACK_BYTES, units
     with pytest.raises(ValueError, match="fsdp_units 'Nope' matches no module"):
         measure(model, inputs, gpus=2, strategy="zero3", fsdp_units="Nope")
@@ -308,7 +310,7 @@ def test_fsdp2_composes_with_the_sequence_axis(one_thread: None) -> None:
     real = measure(model, hf_tokens(3, 40, seed=1), optimizer="adamw", gpus=2, strategy="zero3")
     with pytest.warns(UserWarning, match="the root .* holds 63%"):  # a 1,000-word vocabulary
         est = profile.estimate(3, "fp32", "adamw", seq_len=40, gpus=2, strategy="zero3")
-    assert abs(est.peak_bytes - real.peak_bytes) <= FSDP_SLACK_BYTES
+    assert est.peak_bytes == real.peak_bytes
 
 
 def test_zero1_ranks_run_the_asked_implementation(one_thread: None) -> None:

@@ -16,9 +16,10 @@ from vram_widget import measure, profile_model
 pytestmark = pytest.mark.timeout(300)
 pytest.importorskip("transformers")
 
-# The bound test_distributed.py puts on FSDP2's ranks (FSDP_SLACK_BYTES): far below one
-# activation of these models. Measured here: 0 B on every Llama rank, 16 B on the MLP's
-# ranks 0 and 1 (the same 16 B as plain FSDP2 on the tp-local shapes, gpus=2).
+# The bound test_distributed.py puts on FSDP2's ranks (FSDP_SLACK_BYTES) where a rank can
+# peak at the root's reduce-scatter: far below one activation of these models. Measured
+# here: 4 B on every rank of the MLP, whose only unit is the root (the same 4 B as plain
+# FSDP2 on the tp-local shapes, gpus=2; docs/known-gaps.md); the Llama's ranks are exact.
 FSDP_TP_SLACK_BYTES = 1024
 
 
@@ -33,12 +34,21 @@ def test_layouts_refused_before_any_profile_or_rank() -> None:
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"tp=4 with gpus=6: .* tp must divide it"):
         profile.estimate(2, gpus=6, tp=4, strategy="zero3")
-    for strategy in ("ddp", "zero1", "hsdp"):
-        match = rf"tp=2 on gpus=4 with strategy='{strategy}': 2 data-parallel ranks"
-        with pytest.raises(ValueError, match=match):
+    # torchtitan's DDP refuses a mesh of more than one dimension; the reason says so
+    for strategy in ("ddp", "zero1"):
+        match = rf"tp=2 on gpus=4 with strategy='{strategy}': 2 data-parallel ranks.* 'hsdp'"
+        with pytest.raises(ValueError, match=match + r".*more than one dimension"):
             profile.estimate(2, gpus=4, tp=2, strategy=strategy)
         with pytest.raises(ValueError, match=match):
             measure(model, inputs, gpus=4, tp=2, strategy=strategy)
+    # hsdp with a node of one tp group: a shard dimension of 1, not estimated yet
+    replicas = r"gpus_per_node=2: a node holds one tensor-parallel group"
+    with pytest.raises(ValueError, match=replicas):
+        profile.estimate(2, gpus=4, tp=2, strategy="hsdp", gpus_per_node=2)
+    with pytest.raises(ValueError, match=replicas):
+        measure(model, inputs, gpus=4, tp=2, strategy="hsdp", gpus_per_node=2)
+    with pytest.raises(ValueError, match=r"gpus_per_node=3: hsdp shards within a node"):
+        profile.estimate(2, gpus=6, tp=2, strategy="hsdp", gpus_per_node=3)
     with pytest.raises(ValueError, match=r"no data-parallel ranks to shard over"):
         measure(model, inputs, gpus=2, tp=2, strategy="zero3")
     with pytest.raises(ValueError, match=r"lora_rank with tp=2 on gpus=4: LoRA with FSDP2"):
@@ -49,6 +59,11 @@ def test_layouts_refused_before_any_profile_or_rank() -> None:
         profile.estimate(2, gpus=4, tp=2, strategy="zero3", checkpoint="auto")
     assert time.monotonic() - t0 < 10  # nothing profiled, no rank started
     assert not dist.is_initialized()
+    # plan_layouts lists them as refused, with the estimate's reason
+    plan = profile.plan_layouts("1 GiB", gpus=4, batch_size=4, strategies=["ddp", "zero1"])
+    refused = {row.label: row.reason for row in plan.refused}
+    for strategy in ("ddp", "zero1"):
+        assert "more than one dimension" in refused[f"dp=2 {strategy} x tp=2"]
 
 
 def test_a_rank_holds_the_dp_shard_of_its_tp_shard(one_thread: None) -> None:
@@ -122,8 +137,7 @@ def test_llama_ranks_against_real_fsdp_over_tp_ranks(
     real = measure(model, inputs, timeout_s=120, **kwargs)
     assert_model_unchanged(model, before)
     assert (real.gpus, real.tp, real.strategy) == (4, 2, strategy)
-    for rank, peak in enumerate(real.rank_peak_bytes):
-        assert abs(peak - est.peak_bytes) <= FSDP_TP_SLACK_BYTES, (rank, peak, est.peak_bytes)
+    assert real.rank_peak_bytes == (est.peak_bytes,) * 4
 
 
 @pytest.mark.parametrize(
@@ -147,5 +161,33 @@ def test_llama_levers_against_real_fsdp_over_tp_ranks(
         warnings.filterwarnings("ignore", r"zero3: the root", UserWarning)
         est = profile_model(model, inputs=inputs, device="cpu").estimate(2, **kwargs)
     real = measure(model, inputs, timeout_s=120, **kwargs)
-    for rank, peak in enumerate(real.rank_peak_bytes):
-        assert abs(peak - est.peak_bytes) <= FSDP_TP_SLACK_BYTES, (rank, peak, est.peak_bytes)
+    assert real.rank_peak_bytes == (est.peak_bytes,) * 4
+
+
+def test_llama_ranks_against_real_hsdp_over_tp_ranks(one_thread: None) -> None:
+    # hsdp as torchtitan 0.3 composes it with tp: the ranks on a 3-D mesh (dp_replicate,
+    # dp_shard, tp), transformers' plan on the tp sub-mesh, then fully_shard on each decoder
+    # layer and the root over the 2-D (dp_replicate, dp_shard) sub-mesh; AdamW. 4 gloo ranks
+    # of one node (gpus_per_node=8: a mesh of 1 x 2 x 2); 8 ranks on 2 nodes (2 x 2 x 2)
+    # match to the byte as well, fp32 and bf16 (benchmarks/accuracy_parallel.py's grid)
+    torch.manual_seed(0)
+    model, inputs = hf_llama(), hf_tokens(2)
+    kwargs = {"optimizer": "adamw", "gpus": 4, "tp": 2, "strategy": "hsdp"}
+    profile = profile_model(model, inputs=inputs, device="cpu")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"hsdp: the root", UserWarning)
+        est = profile.estimate(2, **kwargs)
+        # ranks 0, 1 and 2, 3 are dp_shard ranks 0 and 1 (tp the inner dimension); the
+        # tp ranks of a group hold the same bytes
+        shards = [profile.estimate(2, rank=r, **kwargs) for r in (0, 2)]
+    # one tp rank's parameters (64 hidden, 4 heads, 2 kv heads of 16, 128 intermediate,
+    # 1,000 words, 2 layers): embed_tokens and lm_head 500 x 64 each = 64,000; a layer
+    # q 32 x 64 + k, v 16 x 64 each + o 64 x 32 + gate, up 64 x 64 each + down 64 x 64
+    # + two norms of 64 = 18,560, two = 37,120; the final norm 64: 101,184 elements.
+    # dp_shard=2 halves each (every dim 0 even): 50,592 x 4 B = 202,368 B
+    assert est.parameter_bytes == 202_368
+    assert (est.gpus, est.tp, est.strategy) == (4, 2, "hsdp")
+    real = measure(model, inputs, timeout_s=120, **kwargs)
+    assert (real.gpus, real.tp, real.strategy, len(real.rank_peak_bytes)) == (4, 2, "hsdp", 4)
+    assert real.rank_peak_bytes == tuple(shards[r // 2].peak_bytes for r in range(4))
+    assert est.peak_bytes == max(real.rank_peak_bytes)

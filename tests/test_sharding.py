@@ -15,7 +15,8 @@ from torch import nn
 
 from vram_widget import Category, profile_model, zoo
 from vram_widget._display.figures import floor_categories, waterfall_data
-from vram_widget._estimating.options import PHASE_CODE, Phase
+from vram_widget._estimating.levers import Levers
+from vram_widget._estimating.options import CATEGORY_CODE, PHASE_CODE, Mode, Phase, Precision
 from vram_widget._estimating.sharding import (
     DDP_BUCKET_CAP_BYTES,
     DDP_FIRST_BUCKET_CAP_BYTES,
@@ -157,7 +158,7 @@ def test_zero1_ranks_hold_their_shard_of_the_optimizer_state() -> None:
         profile.estimate(4, rank=2, **kwargs)
 
 
-def _tiny_fsdp(gloo: bool, reshard_after_forward: bool = True) -> StepEdits:
+def _tiny_fsdp(gloo: bool, reshard_after_forward: bool = True, averaged: bool = False) -> StepEdits:
     # rows: 0 the root, 1 'emb' (root unit), 2 'b' (block unit 1), 3 (loss), 4 (optimizer)
     # events: forward emb, b, b, loss | backward (from 4) loss, b, b (b's grad), emb (emb's
     # grad) | optimizer at 8
@@ -178,6 +179,7 @@ def _tiny_fsdp(gloo: bool, reshard_after_forward: bool = True) -> StepEdits:
         optimizer_at=8,
         gradient_allocs=[(10, 12, 2, 6), (11, 40, 1, 7)],  # whole gradients: 3 x 4, 5 x 2 x 4
         n_rows=5,
+        averaged=averaged,
     )
 
 
@@ -221,6 +223,51 @@ def test_fsdp_zero2_keeps_blocks_and_gloo_stages_collectives() -> None:
     # two flat temporaries per all-gather (3 gathers), one per reduce-scatter (2): +x, -x each
     assert len(gloo.nbytes) == len(_tiny_fsdp(gloo=False).nbytes) + 2 * (2 * 3 + 2)
     assert int(gloo.nbytes.sum()) == int(_tiny_fsdp(gloo=False).nbytes.sum())
+
+
+def _staged(edits: StepEdits) -> tuple[list[int], list[int]]:
+    """The backward's communication buffers kept past their event (the reduce-scatter
+    inputs) and its temporaries (allocated, then freed at once: gloo's staging copies)."""
+    n, sid = edits.nbytes, edits.storage
+    backward = edits.phase == PHASE_CODE[Phase.BACKWARD]
+    comm = edits.category == CATEGORY_CODE[Category.COMMUNICATION]
+    made = np.nonzero(backward & comm & (n > 0))[0]
+    at_once = [i for i in made if i + 1 < len(n) and sid[i + 1] == sid[i] and n[i + 1] == -n[i]]
+    kept = [int(n[i]) for i in made if i not in at_once]
+    return kept, [int(n[i]) for i in at_once]
+
+
+def test_gloo_averages_each_reduce_scatter_beside_its_copy() -> None:
+    # ReduceOp.AVG on gloo: the staging copy of each reduce-scatter's input (block 2 x 8 =
+    # 16 B, root 2 x 24 = 48 B), then an 8 B wrapped divisor and its 4 B fp32 cast beside
+    # it: 16 + 12 = 28, 48 + 12 = 60. Kept: the block's prefetched gather (16) and the two
+    # reduce-scatter inputs; the prefetch's two staging copies (16 each) are unchanged
+    assert _staged(_tiny_fsdp(gloo=True)) == ([16, 16, 48], [16, 16, 16, 48])
+    assert _staged(_tiny_fsdp(gloo=True, averaged=True)) == ([16, 16, 48], [16, 16, 28, 60])
+    # NCCL averages in place: nothing staged, averaged or not
+    assert _staged(_tiny_fsdp(gloo=False, averaged=True)) == ([16, 16, 48], [])
+    assert _tiny_fsdp(gloo=False, averaged=True).nbytes.tolist() == (
+        _tiny_fsdp(gloo=False).nbytes.tolist()
+    )
+
+
+def test_the_average_is_gloos_and_fp32_bf16_only() -> None:
+    # FSDP2 reduce-scatters bf16 gradients with ReduceOp.AVG: on the CPU profile (gloo) the
+    # root's staging copy carries gloo_average_bytes(2) = 8 + 2 B beside the reduce-scatter
+    # input's size; fp16 gradients are summed (FSDP2 divides them itself,
+    # _get_gradient_divide_factors): the bare copy; a CUDA profile (NCCL) stages nothing
+    def staging(device: str, precision: Precision) -> tuple[list[int], list[int]]:
+        profile = profile_model(zoo.mlp(hidden=(8,)), input_size=(784,), device=device)
+        timeline = profile.timeline(precision, Mode.TRAIN)
+        parallel = resolve_parallel(2, "zero2")  # one unit, the root: no warning
+        return _staged(profile._fsdp_edits(timeline, precision, Levers(), parallel))
+
+    # the root, the MLP's only unit, reduce-scatters once
+    ([bf16_input], [bf16_copy]) = staging("cpu", Precision.BF16)
+    assert bf16_copy == bf16_input + 8 + 2
+    ([fp16_input], [fp16_copy]) = staging("cpu", Precision.FP16)
+    assert fp16_copy == fp16_input == bf16_input
+    assert staging("cuda", Precision.BF16) == ([bf16_input], [])
 
 
 def test_local_shards_and_the_fsdp_shards_in_an_estimate() -> None:

@@ -139,9 +139,17 @@ def test_tensor_parallel_degree(tmp_path: Path) -> None:
     with pytest.warns(RecipeSettingIgnored):
         r = _read(tmp_path, fsdp_tp + 'fsdp_reshard_after_forward = "never"\n')
     assert r.get("strategy") == "zero2"
-    # replicated data parallelism beside tp: refused by name, before any profiling
+    # HSDP beside tp: dp_replicate x dp_shard x tp ranks, one replica (dp_shard x tp
+    # ranks) the "node" hsdp shards within
+    with pytest.warns(RecipeSettingIgnored):
+        r = _read(tmp_path, fsdp_tp + "data_parallel_replicate_degree = 2\n")
+    assert (r.get("gpus"), r.get("tp"), r.get("strategy"), r.get("gpus_per_node")) == (
+        8, 2, "hsdp", 4,
+    )  # fmt: skip
+    # replicas of whole tp groups (a shard degree of 1): refused by name, before profiling
+    replicas = "[parallelism]\ndata_parallel_shard_degree = 1\ntensor_parallel_degree = 2\n"
     with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 with data_parallel_replicate"):
-        _read(tmp_path, fsdp_tp + "data_parallel_replicate_degree = 2\n")
+        _read(tmp_path, replicas + "data_parallel_replicate_degree = 2\n")
 
 
 @pytest.mark.parametrize(

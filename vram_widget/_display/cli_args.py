@@ -930,7 +930,9 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         from .._estimating.recipe.parallel import ParallelSettings, check_tensor_parallel
 
         try:
-            check_tensor_parallel(ParallelSettings(gpus, Strategy(strategy), tp=args.tp))
+            check_tensor_parallel(
+                ParallelSettings(gpus, Strategy(strategy), tp=args.tp, gpus_per_node=per_node)
+            )
         except ValueError as exc:
             parser.error(f"--tp: {exc}")
     if args.ep is not None:

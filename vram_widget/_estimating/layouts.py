@@ -30,7 +30,7 @@ from .options import FitBasis, PipelineSchedule, Strategy
 # per micro-batch; these count one. Tensor and pipeline parallelism move activations: None
 # here; their bytes are the estimate's ``communication_sent_bytes``, recorded from the rank's
 # step. The same collectives in bytes, with the ring's (k-1)/k: communication.py's
-# ``data_parallel_volume``. FSDP2 over tensor-parallel ranks (dp x tp, zero2 / zero3)
+# ``data_parallel_volume``. FSDP2 over tensor-parallel ranks (dp x tp, zero2 / zero3 / hsdp)
 # gathers and reduce-scatters the rank's own tp shard of the parameters only (FSDP2 shards
 # each DTensor's local tensor): the same count over 1 / tp of the model (a parameter the
 # plan replicates, such as a norm's weight, is counted at 1 / tp of its size too).
@@ -272,15 +272,18 @@ def traffic_params(candidate: Candidate, gpus_per_node: int) -> float | None:
     3.25
     >>> traffic_params(Candidate(2, 2, 1, Strategy.ZERO3, None, None, 1), 8)  # 3 / tp
     1.5
+    >>> traffic_params(Candidate(4, 2, 1, Strategy.HSDP, None, None, 1), 4)  # 3 / 2 + 2 / 4
+    2.0
     """
     if candidate.pp > 1 or (candidate.tp > 1 and candidate.strategy is None):
         return None
     if candidate.strategy is None:
         return 0.0
-    if candidate.tp > 1:  # FSDP2 over the tp ranks: the rank's own tp shard is gathered
-        return DATA_PARALLEL_TRAFFIC[candidate.strategy] / candidate.tp
-    volume = DATA_PARALLEL_TRAFFIC[candidate.strategy]
-    if candidate.strategy is Strategy.HSDP and candidate.dp > gpus_per_node:
+    # FSDP2 over the tp ranks: the rank's own tp shard is gathered and reduced
+    volume = DATA_PARALLEL_TRAFFIC[candidate.strategy] / candidate.tp
+    if candidate.strategy is Strategy.HSDP and candidate.dp * candidate.tp > gpus_per_node:
+        # the gradient shard all-reduced across the nodes: 1 / gpus_per_node of the
+        # parameters (a node's gpus_per_node / tp shard ranks of a 1 / tp shard)
         volume += 2.0 / gpus_per_node
     return volume
 

@@ -18,6 +18,7 @@ from .loading import LOAD_DTYPES, LoadEstimate, load_estimate
 from .options import (
     Mode,
     Precision,
+    Strategy,
 )
 from .quantized import check_weights_device
 from .recipe import Recipe
@@ -37,6 +38,7 @@ from .recipe.parallel import (
     pipeline_microbatches,
     pipeline_reshard_after_forward,
     pipeline_stages_per_rank,
+    tensor_parallel_hsdp,
 )
 from .recipe.recipe import default
 from .recipe.weights import Weights
@@ -489,4 +491,10 @@ def _tensor_parallel_question(recipe: Recipe) -> Recipe:
     # is data-parallel rank r // tp; every tp rank of a group holds the same bytes
     rank = check_rank(par.rank, par.gpus)
     dp_rank = None if rank is None or dp == 1 else rank // par.tp
+    if par.strategy is Strategy.HSDP and dp > 1:
+        # hsdp on the (dp_replicate, dp_shard, tp) mesh: the data-parallel ranks' 2-D mesh
+        # (dp_replicate, dp_shard) is plain hsdp's (replicate, shard) over a "node" of
+        # dp_shard ranks, and rank r // tp is its rank there (node-major, as plain hsdp's)
+        _replicate, shard = tensor_parallel_hsdp(par)
+        return recipe.with_(tp=1, tp_plan=None, gpus=dp, rank=dp_rank, gpus_per_node=shard)
     return recipe.with_(tp=1, tp_plan=None, gpus=dp, rank=dp_rank)

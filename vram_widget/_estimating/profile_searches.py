@@ -238,7 +238,7 @@ class SearchesMixin:
         each schedule, at ``microbatches`` micro-batches (a keyword in ``settings``;
         default ``pp``). Each is one :meth:`estimate` (the worst rank, or the worst
         pipeline stage, decides); what it refuses (tensor parallelism without a plan or
-        beside a data-parallel strategy other than zero2 / zero3, a model that is not a
+        beside a data-parallel strategy other than zero2, zero3 or hsdp, a model that is not a
         Hugging Face decoder with ``pp``, a setting not checked against real ranks...) is
         listed in ``refused`` with the
         estimate's own message. Data-parallel layouts are numpy on the cached profile

@@ -539,6 +539,11 @@ class StepMixin:
             accumulate_frees=accumulated,
             zero_grad_frees=zero_grad,
             compiled_units=levers.compile is not None,  # per block (compiled.py)
+            # FSDP2 reduces fp32 and bf16 gradients with ReduceOp.AVG, fp16 ones with SUM
+            # and its own divisions (_fsdp_collectives.py, _get_gradient_divide_factors:
+            # overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)); under
+            # amp the reduce dtype is fp32 (FSDP_PARAM_DTYPE's policy)
+            averaged=precision is not Precision.FP16,
         )
         self._step_edits[key] = edits
         return edits

@@ -56,6 +56,7 @@ __all__ = [
     "check_rank",
     "ddp_bucket_bytes",
     "fsdp_step_edits",
+    "gloo_average_bytes",
     "local_shard_shape",
     "resolve_fsdp_units",
     "resolve_parallel",
@@ -204,6 +205,29 @@ def local_shard_shape(shape: tuple[int, ...], world_size: int, rank: int) -> tup
     return (max(0, min(rows, shape[0] - rank * rows)), *shape[1:])
 
 
+# gloo carries out ReduceOp.AVG by reducing with SUM and then dividing its copy in place by
+# the group's size, a Python number: ``aten::div_`` wraps it in an 8-byte (double) scalar
+# tensor and casts that to the copy's dtype, both freed within the call (measured with the
+# CPU profiler inside torch 2.13's ``c10d::_reduce_scatter_base_`` on ProcessGroupGloo:
+# ``aten::clone``, ``gloo:all_reduce``, ``aten::div_`` with 8 B and an ``aten::to`` of 4 B
+# in fp32, 2 B in bf16). NCCL averages natively (torch/csrc/distributed/c10d/
+# ProcessGroupNCCL.cpp, the ``ncclOp`` map: ``{ReduceOp::AVG, ncclAvg}`` from NCCL 2.10):
+# nothing is allocated for it on a GPU.
+GLOO_WRAPPED_NUMBER_BYTES = 8
+
+
+def gloo_average_bytes(itemsize: int) -> int:
+    """The bytes gloo allocates beside its staging copy to average a collective's result
+    (``ReduceOp.AVG``) of ``itemsize``-byte elements: the wrapped divisor and its cast.
+
+    Examples
+    --------
+    >>> gloo_average_bytes(4), gloo_average_bytes(2)  # fp32, bf16
+    (12, 10)
+    """
+    return GLOO_WRAPPED_NUMBER_BYTES + itemsize
+
+
 @dataclass(frozen=True)
 class FsdpParam:
     """One parameter as FSDP2 shards it."""
@@ -314,6 +338,7 @@ def fsdp_step_edits(
     accumulate_frees: Sequence[tuple[int, int, int, int]] = (),
     zero_grad_frees: Sequence[tuple[int, int, int, int]] = (),
     compiled_units: bool = False,
+    averaged: bool = False,
 ) -> StepEdits:
     """FSDP2's events in one rank's training step, in the order its hooks run them.
 
@@ -348,7 +373,9 @@ def fsdp_step_edits(
     * ``gloo`` (the CPU backend) stages each all-gather through two flat temporaries of the
       output's size and each reduce-scatter through one of the input's (measured on torch
       2.13's ``ProcessGroupGloo``, ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``;
-      NCCL works in the buffers themselves).
+      NCCL works in the buffers themselves). With ``averaged`` (FSDP2 reduces with
+      ``ReduceOp.AVG``), gloo divides that copy by the group's size in place, with a
+      wrapped divisor beside it (:func:`gloo_average_bytes`).
     * ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (``gather_itemsize``,
       ``reduce_itemsize``): the shards are first cast into one flat buffer of the gather
       dtype (``_get_param_all_gather_inputs``'s foreach copy; freed when
@@ -375,6 +402,7 @@ def fsdp_step_edits(
     gathered = [0] * n_units  # bytes of a unit's flat all-gather output
     reduced = [0] * n_units  # bytes of a unit's gradient shards (the reduce-scatter output)
     cast_in = [0] * n_units  # MixedPrecisionPolicy: the shards cast to the gather dtype
+    reduced_item = [0] * n_units  # bytes per element of a unit's reduce-scatter (one dtype)
     for p in params:
         shard = p.padded_shard_numel(world)
         gathered[p.unit] += world * shard * p.gathered_itemsize
@@ -382,6 +410,7 @@ def fsdp_step_edits(
             cast_in[p.unit] += shard * p.gathered_itemsize
         if p.trainable:
             reduced[p.unit] += shard * p.reduced_itemsize
+            reduced_item[p.unit] = p.reduced_itemsize
     by_unit: list[list[FsdpParam]] = [[] for _ in range(n_units)]
     for p in params:
         by_unit[p.unit].append(p)
@@ -503,7 +532,8 @@ def fsdp_step_edits(
                     ins.free(at, grad[1], Category.GRADIENT, grad[2], bwd, grad[0])
             output = ins.alloc(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd)
             if gloo and world > 1:
-                ins.temporary(at, nbytes, unit_rows[u], bwd)
+                average = gloo_average_bytes(reduced_item[u]) if averaged else 0
+                ins.temporary(at, nbytes + average, unit_rows[u], bwd)
             for gid, gbytes, row, _at in late:
                 ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
             if accumulating:  # added into the gradient shards; dropped as it returns

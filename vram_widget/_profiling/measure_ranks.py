@@ -176,7 +176,9 @@ def _tensor_parallel_setup(
     tp = settings["tp"]
     if tp == 1 and settings["tp_plan"] is None:
         return None
-    par = ParallelSettings(gpus=gpus, strategy=strategy, tp=tp)
+    par = ParallelSettings(
+        gpus=gpus, strategy=strategy, tp=tp, gpus_per_node=settings["gpus_per_node"]
+    )
     check_tensor_parallel(par)
     if tp == 1:
         raise ValueError("tp_plan is the plan of tp > 1 ranks: give tp=... too")
@@ -197,8 +199,9 @@ def _tensor_parallel_setup(
     if rank is not None:
         check_tensor_parallel_lora(tp, gpus, settings["tp_plan"])
         lora = (rank, targets, parse_lora_dtype(settings["lora_dtype"]))
-    # zero2 / zero3 over dp = gpus / tp groups of tensor-parallel ranks (check_tensor_parallel)
-    reshard = {Strategy.ZERO2: False, Strategy.ZERO3: True}.get(par.strategy)
+    # zero2 / zero3 / hsdp over dp = gpus / tp groups of tensor-parallel ranks
+    # (check_tensor_parallel); hsdp reshards after the forward as zero3 does
+    reshard = {Strategy.ZERO2: False, Strategy.ZERO3: True, Strategy.HSDP: True}.get(par.strategy)
     return rank_setup(resolve_plan(model, tp, settings["tp_plan"]), tp, reshard, lora)
 
 

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._estimating.sharding import gloo_average_bytes
+
 __all__ = ["GLOO_STAGING", "pipeline_meshes", "pipeline_rank", "shard_stage"]
 
 
@@ -49,8 +51,8 @@ def _nbytes(t: torch.Tensor) -> int:
 # output's size above what is live), each reduce-scatter through one of the input's, and
 # with ReduceOp.AVG a wrapped number beside it (_reduce_scatter_staging); measured on torch
 # 2.13's ProcessGroupGloo (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp). The copies
-# are the rule sharding.fsdp_step_edits applies for FSDP2 alone, which leaves the wrapped
-# number out (docs/known-gaps.md). The fake process group stages nothing,
+# and the wrapped number are the rule sharding.fsdp_step_edits applies for FSDP2 alone
+# (sharding.gloo_average_bytes for the latter). The fake process group stages nothing,
 # so the estimate adds them at each call (c10d op -> its staging bytes, from the call's
 # arguments: (output, input, group, ...), torch/csrc/distributed/c10d/Ops.cpp).
 def _staging() -> dict[Any, Callable[[Any, Any], int]]:
@@ -70,7 +72,8 @@ def _reduce_scatter_staging(args: Any, _kwargs: Any) -> int:
     op for fp32 and bf16 gradients, ``_get_gradient_divide_factors``,
     torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) it then divides that copy in
     place by the group's size, a Python number wrapped in an 8-byte tensor and cast to the
-    gradients' dtype (one element) while the copy is live. Measured on torch 2.13's gloo
+    gradients' dtype (one element) while the copy is live (``sharding.gloo_average_bytes``,
+    which FSDP2's rule for one stage applies too). Measured on torch 2.13's gloo
     (the CPU profiler inside ``c10d::_reduce_scatter_base_``: ``aten::clone``,
     ``gloo:all_reduce``, ``aten::div_`` with 8 B and a 4 B ``aten::to`` in fp32, 2 B in
     bf16; nothing after the reduce with ``ReduceOp.SUM``).
@@ -88,7 +91,7 @@ def _reduce_scatter_staging(args: Any, _kwargs: Any) -> int:
     staged = _nbytes(args[1])
     op = getattr(args[3], "op", None) if len(args) > 3 else None
     if callable(op) and op() == _AVG:
-        staged += 8 + args[1].element_size()
+        staged += gloo_average_bytes(args[1].element_size())
     return staged
 
 

@@ -374,9 +374,18 @@ def rank_setup(
     on ``get_mesh(["fsdp"])``; torchtitan/distributed/fsdp.py:209 and 310), by the units and
     policy ``measure``'s FSDP ranks use (``distributed.fully_sharded``).
 
+    Under ``"hsdp"`` (``reshard_after_forward`` True), the ranks form a 3-D mesh
+    ``("dp_replicate", "dp_shard", "tp")``, a node's ``gpus_per_node`` ranks being
+    ``dp_shard x tp`` (torchtitan 0.3.0's ``["pp", "dp_replicate", "fsdp", "tp"]``,
+    parallel_dims.py:329-334), and FSDP2 shards on the 2-D ``("dp_replicate", "dp_shard")``
+    sub-mesh after the plan is applied on ``"tp"`` (parallelize.py:53 then 74-80:
+    ``get_mesh(["dp_replicate", "fsdp"])`` where a replicate degree is set): sharded within
+    ``dp_shard``, the gradient shards all-reduced across ``dp_replicate``.
+
     With ``lora`` (rank, targets, dtype), PEFT's LoRA is applied to the sharded copy
     (:func:`tensor_parallel_lora`), as a model loaded with ``from_pretrained(tp_plan=
     "auto")`` is wrapped by ``get_peft_model`` after it is sharded."""
+    from .._estimating.options import Strategy
     from .distributed import RankSetup
 
     def wrap(model: torch.nn.Module, parallel: Any, precision: Any) -> torch.nn.Module:
@@ -388,9 +397,16 @@ def rank_setup(
 
         world = dist.get_world_size()
         dp = world // tp
-        if dp > 1:
+        dp_mesh = None
+        if dp > 1 and parallel.strategy is Strategy.HSDP:
+            # the nodes replicate; a node's gpus_per_node ranks are dp_shard x tp
+            shard = min(world, parallel.gpus_per_node) // tp
+            names = ("dp_replicate", "dp_shard", "tp")
+            mesh = init_device_mesh("cpu", (dp // shard, shard, tp), mesh_dim_names=names)
+            tp_mesh, dp_mesh = mesh["tp"], mesh["dp_replicate", "dp_shard"]
+        elif dp > 1:
             mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-            tp_mesh = mesh["tp"]
+            tp_mesh, dp_mesh = mesh["tp"], mesh["dp_shard"]
         else:
             tp_mesh = init_device_mesh("cpu", (world,))
         # inference is not wrapped (as estimate takes it): each group holds its tp shards
@@ -409,9 +425,7 @@ def rank_setup(
             sharded = tensor_parallel_lora(sharded, *lora)
         if sharding:
             assert reshard_after_forward is not None
-            return fully_sharded(
-                sharded, parallel, precision, mesh["dp_shard"], reshard_after_forward
-            )
+            return fully_sharded(sharded, parallel, precision, dp_mesh, reshard_after_forward)
         return sharded
 
     return RankSetup(wrap, tp=tp, applies_lora=lora is not None)

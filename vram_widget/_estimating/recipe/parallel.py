@@ -99,16 +99,55 @@ class ParallelSettings:
             object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
 
 
+# torchtitan shares the step among data-parallel groups of tensor-parallel ranks with
+# FSDP2 only: its DDP refuses a mesh of more than one dimension (torchtitan 0.2.2,
+# torchtitan/models/llama3/infra/parallelize.py:150-151, ``if parallel_dims.world_size !=
+# dp_replicate_mesh.size(): raise RuntimeError("DDP has not supported > 1D parallelism")``),
+# torchtitan 0.3.0 runs a replicate degree through ``fully_shard`` on the
+# ("dp_replicate", "fsdp") mesh, whatever the shard degree (torchtitan/models/llama3/
+# parallelize.py:68-80: "Always run apply_fsdp_to_decoder"), and neither has a ZeRO-1
+TP_REFUSED_STRATEGIES: dict[Strategy, str] = {
+    Strategy.DDP: "torchtitan's DDP refuses a mesh of more than one dimension ('DDP has "
+    "not supported > 1D parallelism', torchtitan 0.2.2 models/llama3/infra/parallelize.py:"
+    "151) and torchtitan 0.3 replicates tensor-parallel groups through FSDP2",
+    Strategy.ZERO1: "ZeroRedundancyOptimizer over DDP does not compose with tensor-parallel "
+    "ranks in torchtitan (its DDP refuses a mesh of more than one dimension, and it has no "
+    "ZeRO-1)",
+}
+
+
+def tensor_parallel_hsdp(parallel: ParallelSettings) -> tuple[int, int]:
+    """``(dp_replicate, dp_shard)`` of ``hsdp`` over tensor-parallel ranks: a node of
+    ``gpus_per_node`` GPUs holds ``gpus_per_node / tp`` data-parallel shard ranks of ``tp``
+    tensor-parallel ranks each (one node where ``gpus`` is at most a node's), the nodes
+    replicate.
+
+    Examples
+    --------
+    >>> tensor_parallel_hsdp(ParallelSettings(gpus=8, tp=2, strategy="hsdp", gpus_per_node=4))
+    (2, 2)
+    >>> tensor_parallel_hsdp(ParallelSettings(gpus=8, tp=2, strategy="hsdp", gpus_per_node=8))
+    (1, 4)
+    """
+    node = min(parallel.gpus, parallel.gpus_per_node)
+    shard = node // parallel.tp
+    return parallel.gpus // node, shard
+
+
 def check_tensor_parallel(parallel: ParallelSettings) -> None:
     """A clear error for a tensor-parallel layout that is not estimated (yet).
 
     ``gpus = dp x tp``: with ``dp`` > 1 the data-parallel ranks shard the tensor-parallel
-    ranks' parameters with FSDP2 (``strategy="zero2"`` or ``"zero3"``) on a 2-D mesh
-    ``("dp_shard", "tp")``, as torchtitan composes them.
+    ranks' parameters with FSDP2, as torchtitan composes them: ``strategy="zero2"`` or
+    ``"zero3"`` on a 2-D mesh ``("dp_shard", "tp")``, or ``"hsdp"`` on a 3-D mesh
+    ``("dp_replicate", "dp_shard", "tp")``, a node of ``gpus_per_node`` GPUs holding
+    ``gpus_per_node / tp`` shard ranks (:func:`tensor_parallel_hsdp`). ``"ddp"`` and
+    ``"zero1"`` are refused by name (:data:`TP_REFUSED_STRATEGIES`).
 
     Examples
     --------
     >>> check_tensor_parallel(ParallelSettings(gpus=4, tp=2, strategy="zero3"))
+    >>> check_tensor_parallel(ParallelSettings(gpus=8, tp=2, strategy="hsdp", gpus_per_node=4))
     >>> check_tensor_parallel(ParallelSettings(gpus=4, tp=2))
     Traceback (most recent call last):
     ...
@@ -121,23 +160,53 @@ def check_tensor_parallel(parallel: ParallelSettings) -> None:
         raise ValueError(
             f"tp={tp} with gpus={gpus}: gpus is the world size, data-parallel x tensor-parallel "
             f"ranks, so tp must divide it; give gpus={tp} for tensor parallelism alone, or a "
-            f"multiple of {tp} with strategy='zero2' or 'zero3'"
+            f"multiple of {tp} with strategy='zero2', 'zero3' or 'hsdp'"
         )
     strategy = parallel.strategy
-    fsdp = (Strategy.ZERO2, Strategy.ZERO3)
     if gpus == tp and strategy is not Strategy.DDP:
         raise ValueError(
             f"tp={tp} on gpus={gpus} with strategy={strategy.value!r}: every rank is a "
             "tensor-parallel rank, so there are no data-parallel ranks to shard over; leave "
             f"strategy at its default, or give gpus a multiple of {tp} (dp x tp)"
         )
-    if gpus > tp and strategy not in fsdp:
+    if gpus > tp and strategy in TP_REFUSED_STRATEGIES:
         raise ValueError(
             f"tp={tp} on gpus={gpus} with strategy={strategy.value!r}: {gpus // tp} "
             f"data-parallel ranks of tp={tp} each are estimated with FSDP2 over the "
-            "tensor-parallel ranks (a 2-D mesh, dp_shard x tp) only: give strategy='zero2' "
-            "or 'zero3' (ddp, zero1 and hsdp over tensor-parallel ranks are not estimated "
-            f"yet), or gpus={tp} for tensor parallelism alone"
+            "tensor-parallel ranks only, as torchtitan composes them: give strategy='zero2' "
+            "or 'zero3' (a 2-D mesh, dp_shard x tp), or 'hsdp' (dp_replicate x dp_shard x "
+            f"tp, a node of gpus_per_node GPUs holding gpus_per_node / {tp} shard ranks), "
+            f"or gpus={tp} for tensor parallelism alone; {TP_REFUSED_STRATEGIES[strategy]}"
+        )
+    if strategy is Strategy.HSDP:
+        _check_tensor_parallel_hsdp(parallel)
+
+
+def _check_tensor_parallel_hsdp(parallel: ParallelSettings) -> None:
+    """``hsdp`` over tensor-parallel ranks: each node a whole number of tensor-parallel
+    groups, and ``gpus`` a whole number of nodes."""
+    tp, gpus, node = parallel.tp, parallel.gpus, parallel.gpus_per_node
+    if node % tp:
+        raise ValueError(
+            f"tp={tp} with strategy='hsdp' and gpus_per_node={node}: hsdp shards within a "
+            "node, and a node holds whole tensor-parallel groups (tp the mesh's inner "
+            f"dimension, as torchtitan lays it out); give gpus_per_node a multiple of {tp}"
+        )
+    if gpus > node and gpus % node:
+        raise ValueError(
+            f"tp={tp} on gpus={gpus} with strategy='hsdp': hsdp shards over the "
+            f"{node} GPUs of a node and replicates across nodes, so gpus must be a whole "
+            f"number of nodes of gpus_per_node={node}; give gpus a multiple of it"
+        )
+    if min(gpus, node) == tp:
+        # measured on the Hugging Face Llama of tests/models.py (gpus=4, tp=2, hsdp,
+        # gpus_per_node=2: replicas of one shard each): every real rank 119,808 B (5.4 %)
+        # above this composition, where dp_shard = 2 matches to the byte
+        raise ValueError(
+            f"tp={tp} on gpus={gpus} with strategy='hsdp' and gpus_per_node={node}: a node "
+            "holds one tensor-parallel group, so FSDP2's shard dimension is 1 (replicas "
+            "only); not estimated yet (real ranks hold more than this composition gives); "
+            f"give gpus_per_node a multiple of {tp} above it (dp_shard >= 2)"
         )
 
 

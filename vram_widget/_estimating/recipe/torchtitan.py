@@ -277,15 +277,26 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
     dp = replicate * shard
     pp = others["pipeline_parallel_degree"]
     if tp > 1:
-        if replicate > 1:
+        if replicate > 1 and shard == 1:
             raise refuse(
                 SOURCE,
                 f"parallelism.tensor_parallel_degree={tp} with data_parallel_replicate_degree"
-                f"={replicate}",
-                "DDP and HSDP over tensor-parallel ranks are not estimated yet; set "
-                "data_parallel_replicate_degree = 1 (FSDP2 over them, "
-                "data_parallel_shard_degree, is)",
+                f"={replicate} and data_parallel_shard_degree=1",
+                "replicas of whole tensor-parallel groups (torchtitan 0.3 runs them through "
+                "fully_shard with a shard degree of 1) are not estimated yet; give "
+                "data_parallel_shard_degree >= 2 (HSDP over them is estimated)",
             )
+        if replicate > 1:  # HSDP on the (dp_replicate, fsdp) sub-mesh over tp groups
+            if section.get("fsdp_reshard_after_forward", "default") == "never":
+                ignored.append(
+                    "parallelism.fsdp_reshard_after_forward='never' under HSDP (estimated "
+                    "resharded after the forward)"
+                )
+            # a "node" of hsdp is one replica: dp_shard x tp ranks
+            return {
+                "gpus": replicate * shard * tp, "tp": tp, "strategy": "hsdp",
+                "gpus_per_node": shard * tp,
+            }  # fmt: skip
         if shard > 1:  # FSDP2 on the dp_shard sub-mesh over tp groups (parallelize_llama)
             return {"gpus": shard * tp, "tp": tp, "strategy": _fsdp_strategy(section, pp)}
         return {"gpus": tp, "tp": tp}
