@@ -49,7 +49,7 @@ refuses is a row with its reason.
     python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
     python benchmarks/accuracy_parallel.py --models hf_mixtral_balanced   # ep rows, ~1 minute
     python benchmarks/accuracy_parallel.py --models hf_llama --layouts interleaved   # 4 runs
-    python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 and HSDP x tp and FSDP2 x pp rows
+    python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 or HSDP x tp, FSDP2 x pp
     python benchmarks/accuracy_parallel.py --layouts hsdp   # HSDP x tp rows (8 ranks), ~3 min
     python benchmarks/accuracy_parallel.py --models hf_llama --layouts "x pp=2"  # FSDP2 x pp
 
