@@ -202,7 +202,7 @@ def test_lora_estimate_equals_peft_on_the_real_model() -> None:
     # PEFT's own get_peft_model on measure()'s copy against the estimate from the plain
     # profile (PEFT on a meta copy), on the CPU, to the byte: each adapter's
     # ``lora_B(...) * scaling`` keeps the wrapped 8-byte scaling from its forward until its
-    # MulBackward0 has run (recorder._KEEPS_NUMBER_ARGS), which the estimates once missed
+    # MulBackward0 has run (cpu_rules.KEEPS_NUMBER_ARGS), which the estimates once missed
     # (8 B under per adapter).
     torch.manual_seed(0)
     model = nn.Sequential(

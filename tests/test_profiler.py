@@ -1533,12 +1533,12 @@ def test_mixed_dtype_copies_are_counted_on_the_cpu_only() -> None:
 
     model, make = _dispatch_mode_case("mixed_dtypes")
     with_copies = profile_model(model, inputs=make(2), device="cpu", precisions=("fp32",))
-    original = recorder_module._promotion_copy_bytes
+    original = recorder_module.promotion_copy_bytes
     try:
-        recorder_module._promotion_copy_bytes = lambda *_a: 0  # type: ignore[assignment]
+        recorder_module.promotion_copy_bytes = lambda *_a: 0  # type: ignore[assignment]
         without = profile_model(model, inputs=make(2), device="cpu", precisions=("fp32",))
     finally:
-        recorder_module._promotion_copy_bytes = original  # type: ignore[assignment]
+        recorder_module.promotion_copy_bytes = original  # type: ignore[assignment]
     a = with_copies.estimate(7, "fp32", None, "inference")
     b = without.estimate(7, "fp32", None, "inference")
     copies = (

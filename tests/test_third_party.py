@@ -86,7 +86,7 @@ def _build(name: str) -> Any:
 
 def _assert_to_the_byte(estimated: int, measured: int, *where: object) -> None:
     """The estimate equals the measured peak. (Until the numbers a forward multiplies by were
-    kept into the backward, recorder._KEEPS_NUMBER_ARGS, GPT-2's and T5's Adam steps were
+    kept into the backward, cpu_rules.KEEPS_NUMBER_ARGS, GPT-2's and T5's Adam steps were
     48 and 8 bytes under and these allowed 0.01 %.)"""
     assert estimated == measured, (*where, estimated, measured)
 

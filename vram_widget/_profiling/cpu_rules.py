@@ -25,6 +25,11 @@ BatchNorm (aten/src/ATen/native/Normalization.cpp and cpu/batch_norm_kernel.cpp)
   Channels-last inputs and inputs with one value per sample and channel (a ``BatchNorm1d``
   on ``N x C``) take the channels-last kernels, which allocate the same ``alpha`` and ``beta``.
 
+Eager calls (every op, :func:`promotion_copy_bytes`, :func:`wrapped_scalar_bytes`,
+:func:`kept_scalar_bytes`): TensorIterator's copies of inputs whose dtype is not the
+computation dtype, the 0-dim tensors Python numbers are wrapped in for the call, and those
+autograd keeps into the backward.
+
 Not emulated: the channels-last kernels' reduction buffers in training
 (``batch_norm_cpu_collect_stats_channels_last_impl``: ``threads x C`` beside ``_mean`` and
 ``_var_sum`` when there are more rows than threads, and always for bf16 / fp16, measured;
@@ -35,13 +40,24 @@ workspace grid of ``probe.py``. Nor non-contiguous inputs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
+from .fake import is_in_place
+
 aten = torch.ops.aten
 
-__all__ = ["batch_norm_scratch_bytes", "gloo_staging_bytes", "unallocated_outputs"]
+__all__ = [
+    "KEEPS_NUMBER_ARGS",
+    "batch_norm_scratch_bytes",
+    "gloo_staging_bytes",
+    "kept_scalar_bytes",
+    "promotion_copy_bytes",
+    "unallocated_outputs",
+    "wrapped_scalar_bytes",
+]
 
 # Forward ops whose CPU kernel is batch_norm_cpu_out; the input is argument 0.
 _BATCH_NORM_FORWARD = frozenset(
@@ -169,3 +185,117 @@ def gloo_staging_bytes(func: Any, args: tuple[Any, ...]) -> int:
         return 0
     inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
     return sum(t.numel() * t.element_size() for t in inputs)
+
+
+# Pointwise ops whose listed tensor arguments are not promoted to the computation dtype
+# (the condition of ``where``, the mask of ``masked_fill``).
+_UNPROMOTED_ARGS: dict[Any, frozenset[int]] = {
+    torch.ops.aten.where.self: frozenset({0}),
+    torch.ops.aten.masked_fill.Tensor: frozenset({1}),
+    torch.ops.aten.masked_fill.Scalar: frozenset({1}),
+    torch.ops.aten.masked_fill_.Tensor: frozenset({1}),
+    torch.ops.aten.masked_fill_.Scalar: frozenset({1}),
+}
+
+
+def promotion_copy_bytes(func: Any, args: tuple[Any, ...], out: Any) -> int:
+    """CPU bytes a pointwise op spends casting tensors of mixed dtypes.
+
+    On the CPU, TensorIterator makes a copy of every input whose dtype differs from the
+    computation dtype, and computes an in-place op whose ``self`` has another dtype into a
+    temporary output (``compute_types``: "Creates temporaries for CPU operations",
+    aten/src/ATen/TensorIterator.cpp; CUDA kernels cast as they load, with no copy). Those
+    copies live for the call, beside its output. The computation dtype is the output's for
+    an out-of-place op, else the promotion of the inputs with dimensions (comparisons give
+    bool; in-place ops keep ``self``'s dtype). Measured for 20 ops (mul, div, add_,
+    mul_, where, addcmul, eq, gt, logical_and, clamp, fmod, hypot, threshold_backward, ...):
+    a bf16 input beside an fp32 one costs ``numel * 4`` bytes, 0-dim ones included; an
+    amp-bf16 forward on the CPU hits this wherever a bf16 activation meets an fp32 tensor.
+    """
+    tags = getattr(func, "tags", ())
+    if torch.Tag.pointwise not in tags:
+        return 0
+    skip = _UNPROMOTED_ARGS.get(func, frozenset())
+    tensors = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in skip]
+    if not tensors:
+        return 0
+    in_place = is_in_place(func)
+    if not in_place and isinstance(out, torch.Tensor) and out.dtype is not torch.bool:
+        common = out.dtype
+    else:
+        shaped = [t for t in tensors if t.dim() > 0] or tensors
+        common = functools.reduce(torch.promote_types, (t.dtype for t in shaped))
+    itemsize = common.itemsize
+    total = sum(t.numel() * itemsize for t in tensors if t.dtype != common)
+    if in_place and tensors[0].dtype != common:
+        total += tensors[0].numel() * itemsize  # computed into a temporary, then cast back
+    return total
+
+
+# Ops whose backward node keeps a Python-number argument when the other argument needs a
+# gradient (tools/autograd/derivatives.yaml: ``mul.Tensor: self: mul_tensor_backward(grad,
+# other, ...)``, ``other: mul_tensor_backward(grad, self, ...)``; ``div.Tensor: self:
+# div_tensor_self_backward(grad, other, ...)``, ``other: div_tensor_other_backward(grad, self,
+# other)``; the in-place forms alike). The node keeps the number's wrapped 0-dim tensor
+# (SavedVariable saves a wrapped number as it is, without the saved-tensor hooks), so on the
+# CPU its 8 bytes live until that node's backward has run: measured, ``x * 0.5`` in a forward
+# holds 8 B into the backward, one per LoRA adapter (``lora_B(...) * scaling``).
+KEEPS_NUMBER_ARGS = frozenset(
+    {
+        torch.ops.aten.mul.Tensor,
+        torch.ops.aten.mul_.Tensor,
+        torch.ops.aten.div.Tensor,
+        torch.ops.aten.div_.Tensor,
+    }
+)
+
+
+def kept_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
+    """Bytes of a wrapped Python number that autograd keeps past the call (see
+    ``KEEPS_NUMBER_ARGS``): only where a node is made (grad mode on, the other argument
+    requires grad)."""
+    if func not in KEEPS_NUMBER_ARGS or len(args) < 2 or not torch.is_grad_enabled():
+        return 0
+    for number, tensor in ((args[1], args[0]), (args[0], args[1])):
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            return _wrapped_size(number)
+    return 0
+
+
+def _wrapped_size(value: object) -> int:
+    """Bytes of the 0-dim tensor the argument parser wraps a Python number in: float64 for
+    a float, int64 for an int, bool 1 byte, complex128; 0 for anything else."""
+    if isinstance(value, bool):
+        return 1
+    if isinstance(value, complex):
+        return 16
+    if isinstance(value, (int, float)):
+        return 8
+    return 0
+
+
+def wrapped_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
+    """CPU bytes eager PyTorch spends on Python numbers passed as Tensor arguments.
+
+    ``x / 1.5`` reaches a dispatch mode as ``aten.div.Tensor(x, 1.5)``; in eager mode the
+    argument parser wraps 1.5 in a 0-dim float64 tensor (8 bytes; int64 for ints, bool 1 byte)
+    that lives for the call, and the CPU TensorIterator casts it to the computation dtype (one
+    more element) inside the op. Seen as 12 bytes at Adam's peak on the CPU (``denom``).
+    """
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return 0
+    total = 0
+    common_itemsize = 0
+    for arg_schema, value in zip(schema.arguments, args, strict=False):
+        if isinstance(value, torch.Tensor):
+            common_itemsize = common_itemsize or value.element_size()
+            continue
+        if not isinstance(value, (bool, int, float, complex)):
+            continue
+        if not isinstance(arg_schema.type, torch.TensorType):
+            continue
+        total += _wrapped_size(value)
+    if total and common_itemsize and common_itemsize != total:
+        total += common_itemsize  # the cast copy to the computation dtype
+    return total

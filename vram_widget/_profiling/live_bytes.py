@@ -117,13 +117,14 @@ class LiveBytes(TorchDispatchMode):
         return tracked_rng_states(self.track)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from .cpu_rules import promotion_copy_bytes, wrapped_scalar_bytes
+        from .meta_dtypes import ANY_DTYPE_OPS
         from .probe import wants_probe
-        from .recorder import _ANY_DTYPE_OPS, _promotion_copy_bytes, _wrapped_scalar_bytes
 
         kwargs = kwargs or {}
         # ops whose meta kernels refuse dtypes their kernels run (a Mixtral's fp32
         # ``_grouped_mm``), run as the profile's recorder runs them
-        any_dtype = _ANY_DTYPE_OPS.get(func)
+        any_dtype = ANY_DTYPE_OPS.get(func)
         out = func(*args, **kwargs) if any_dtype is None else any_dtype(func, args, kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             self.track(t)
@@ -131,7 +132,7 @@ class LiveBytes(TorchDispatchMode):
         # beside its outputs (as the profile's recorder counts them, CPU semantics): 12 B
         # at AdamW's ``denom`` on the first stage's peak; and gloo's staging copies of a
         # collective of FSDP2's, freed within the call (``staging``)
-        within = _wrapped_scalar_bytes(func, args) + _promotion_copy_bytes(func, args, out)
+        within = wrapped_scalar_bytes(func, args) + promotion_copy_bytes(func, args, out)
         staged = self.staging.get(func)
         if staged is not None:
             within += staged(args, kwargs)

@@ -22,16 +22,23 @@ import torch
 from .._estimating.options import CATEGORY_CODE, PHASE_CODE, Category, Phase
 from .collectives import collective_of
 from .compiled_graphs import graph_running
-from .cpu_rules import batch_norm_scratch_bytes, gloo_staging_bytes, unallocated_outputs
+from .cpu_rules import (
+    batch_norm_scratch_bytes,
+    gloo_staging_bytes,
+    kept_scalar_bytes,
+    promotion_copy_bytes,
+    unallocated_outputs,
+    wrapped_scalar_bytes,
+)
 from .fake import (
     TorchDispatchMode,
     current_autograd_node_name,
     current_autograd_sequence_nr,
-    is_in_place,
     next_sequence_nr,
     tree_flatten,
 )
 from .flops import op_flops
+from .meta_dtypes import ANY_DTYPE_OPS, AUTOCAST_FUSED_OPS, in_dtype
 from .probe import KernelProbe, wants_probe
 from .tensor_parallel import DTENSOR_TYPES, WAITS_RETURN_INPUT, local_part
 
@@ -108,8 +115,8 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.count_flops = count_flops
         # CPU semantics: a Python number passed where an op takes a Tensor costs a 0-dim
-        # tensor and a cast copy inside the op (_wrapped_scalar_bytes), and a pointwise op
-        # on mixed dtypes copies its inputs to the computation dtype (_promotion_copy_bytes)
+        # tensor and a cast copy inside the op (wrapped_scalar_bytes), and a pointwise op
+        # on mixed dtypes copies its inputs to the computation dtype (promotion_copy_bytes)
         self.cpu_semantics = cpu_semantics
         self.probe = probe
         # CPU autocast of amp precisions covers the forward (and inference) pass only
@@ -161,7 +168,7 @@ class Recorder(TorchDispatchMode):
         self._accumulating_after: int | None = None
         self._pending_sum: _PendingSum | None = None
         # CPU: a Python number autograd keeps for backward (``x * 0.5``), by the sequence
-        # number of the node that keeps it -> its storage id (see _kept_scalar_bytes)
+        # number of the node that keeps it -> its storage id (see kept_scalar_bytes)
         self._kept_scalars: dict[int, int] = {}
         # CPU: gloo's staging copy of a reduce-scatter's input, by the storage of the
         # collective's output -> its storage id, freed at that output's wait_tensor
@@ -518,8 +525,8 @@ class Recorder(TorchDispatchMode):
         if self._recording:
             self._set_op(func)
         try:
-            if func in _ANY_DTYPE_OPS:
-                out = _ANY_DTYPE_OPS[func](func, args, kwargs)
+            if func in ANY_DTYPE_OPS:
+                out = ANY_DTYPE_OPS[func](func, args, kwargs)
             else:
                 out = func(*args, **kwargs)
             if func in WAITS_RETURN_INPUT:
@@ -532,11 +539,11 @@ class Recorder(TorchDispatchMode):
         if not self._recording:
             return out
         if (
-            func in _AUTOCAST_FUSED_OPS
+            func in AUTOCAST_FUSED_OPS
             and self.autocast_dtype is not None
             and self.phase in self._autocast_phases
         ):
-            out = _in_dtype(out, self.autocast_dtype)
+            out = in_dtype(out, self.autocast_dtype)
         if self.phase == _BACKWARD and self._is_buffer_sum(func, args, kwargs):
             st = out.untyped_storage()
             if id(st) not in self._live:
@@ -626,12 +633,12 @@ class Recorder(TorchDispatchMode):
 
     def _count_host_scalars(self, func: Any, args: tuple[Any, ...], out: Any, row: int) -> None:
         """CPU semantics: the Python numbers an op wraps and the copies it casts live for the
-        call (_wrapped_scalar_bytes, _promotion_copy_bytes), but a number the op's backward
-        node keeps (_kept_scalar_bytes) lives until that node has run."""
-        scalar_bytes = _wrapped_scalar_bytes(func, args) + _promotion_copy_bytes(func, args, out)
+        call (wrapped_scalar_bytes, promotion_copy_bytes), but a number the op's backward
+        node keeps (kept_scalar_bytes) lives until that node has run."""
+        scalar_bytes = wrapped_scalar_bytes(func, args) + promotion_copy_bytes(func, args, out)
         # in the backward, nodes are made only by a checkpointed forward's re-run
         keeps = self.phase != _BACKWARD or self._recompute_depth > 0
-        kept = _kept_scalar_bytes(func, args) if keeps else 0
+        kept = kept_scalar_bytes(func, args) if keeps else 0
         if kept:
             # autograd made this op's node before redispatching here: the last number
             # handed out is its sequence number
@@ -751,64 +758,8 @@ class Recorder(TorchDispatchMode):
 _ADD = torch.ops.aten.add.Tensor
 
 
-def _grouped_mm_in_any_dtype(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``aten._grouped_mm`` in any floating dtype. Its meta kernel refuses anything but bf16
-    (torch/_meta_registrations.py, ``_meta_grouped_mm_common``, "Implementing all the checks
-    from _grouped_mm_cuda()"), but the kernels run every dtype: the CUDA one takes its CUTLASS
-    fast path for bf16 on sm90/sm100 and otherwise ``_grouped_mm_fallback``, an mm per group
-    into the output it allocated (aten/src/ATen/native/cuda/GroupedBlas.cpp,
-    ``_grouped_mm_cuda``), and the CPU one runs float32 too (measured, torch 2.13). Either
-    allocates the output alone: the meta kernel's layout in the result dtype."""
-    a, b = args[0], args[1]
-    if a.dtype == b.dtype == torch.bfloat16 or not (
-        a.is_floating_point() and b.is_floating_point()
-    ):
-        return func(*args, **kwargs)
-    out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or a.dtype
-
-    def bf16(x: Any) -> Any:
-        return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-    rest = {k: v for k, v in kwargs.items() if k != "out_dtype"}
-    out = func(
-        bf16(a), bf16(b), *(bf16(x) for x in args[2:4]), **{k: bf16(v) for k, v in rest.items()}
-    )
-    return out.to(out_dtype)
-
-
-# Ops whose kernels take dtypes their meta kernels refuse (torch >= 2.8 has _grouped_mm)
-_ANY_DTYPE_OPS: dict[Any, Any] = (
-    {torch.ops.aten._grouped_mm.default: _grouped_mm_in_any_dtype}
-    if hasattr(torch.ops.aten, "_grouped_mm")
-    else {}
-)
 # Probe slot position of the bytes a call leaves in autocast's cast cache.
 _RETAINED = -2
-
-# Fused CPU kernels that autocast does not cast, but whose inner matmuls it does: under CPU
-# autocast they return the autocast dtype (measured: bf16 from fp32 inputs), where their meta
-# kernels keep the input's dtype. The next layer then gets a bf16 input, as in a real step.
-_AUTOCAST_FUSED_OPS = frozenset(
-    {
-        torch.ops.aten._transformer_encoder_layer_fwd.default,
-        torch.ops.aten._native_multi_head_attention.default,
-    }
-)
-
-
-def _in_dtype(out: Any, dtype: torch.dtype) -> Any:
-    """The op's floating fp32 outputs as new tensors of ``dtype`` (same sizes and strides),
-    made by the mode below the recorder (fake tensors), so nothing is recorded for them
-    but the outputs themselves."""
-
-    def cast(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-            return torch.empty_strided(tuple(t.shape), t.stride(), dtype=dtype, device=t.device)
-        return t
-
-    if isinstance(out, (tuple, list)):
-        return type(out)(cast(t) for t in out)
-    return cast(out)
 
 
 @dataclass
@@ -887,120 +838,6 @@ def describe_args(obj: Any) -> str:
     if isinstance(obj, dict):
         return "{" + ", ".join(f"{k}: {describe_args(v)}" for k, v in obj.items()) + "}"
     return type(obj).__name__
-
-
-# Pointwise ops whose listed tensor arguments are not promoted to the computation dtype
-# (the condition of ``where``, the mask of ``masked_fill``).
-_UNPROMOTED_ARGS: dict[Any, frozenset[int]] = {
-    torch.ops.aten.where.self: frozenset({0}),
-    torch.ops.aten.masked_fill.Tensor: frozenset({1}),
-    torch.ops.aten.masked_fill.Scalar: frozenset({1}),
-    torch.ops.aten.masked_fill_.Tensor: frozenset({1}),
-    torch.ops.aten.masked_fill_.Scalar: frozenset({1}),
-}
-
-
-def _promotion_copy_bytes(func: Any, args: tuple[Any, ...], out: Any) -> int:
-    """CPU bytes a pointwise op spends casting tensors of mixed dtypes.
-
-    On the CPU, TensorIterator makes a copy of every input whose dtype differs from the
-    computation dtype, and computes an in-place op whose ``self`` has another dtype into a
-    temporary output (``compute_types``: "Creates temporaries for CPU operations",
-    aten/src/ATen/TensorIterator.cpp; CUDA kernels cast as they load, with no copy). Those
-    copies live for the call, beside its output. The computation dtype is the output's for
-    an out-of-place op, else the promotion of the inputs with dimensions (comparisons give
-    bool; in-place ops keep ``self``'s dtype). Measured for 20 ops (mul, div, add_,
-    mul_, where, addcmul, eq, gt, logical_and, clamp, fmod, hypot, threshold_backward, ...):
-    a bf16 input beside an fp32 one costs ``numel * 4`` bytes, 0-dim ones included; an
-    amp-bf16 forward on the CPU hits this wherever a bf16 activation meets an fp32 tensor.
-    """
-    tags = getattr(func, "tags", ())
-    if torch.Tag.pointwise not in tags:
-        return 0
-    skip = _UNPROMOTED_ARGS.get(func, frozenset())
-    tensors = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in skip]
-    if not tensors:
-        return 0
-    in_place = is_in_place(func)
-    if not in_place and isinstance(out, torch.Tensor) and out.dtype is not torch.bool:
-        common = out.dtype
-    else:
-        shaped = [t for t in tensors if t.dim() > 0] or tensors
-        common = functools.reduce(torch.promote_types, (t.dtype for t in shaped))
-    itemsize = common.itemsize
-    total = sum(t.numel() * itemsize for t in tensors if t.dtype != common)
-    if in_place and tensors[0].dtype != common:
-        total += tensors[0].numel() * itemsize  # computed into a temporary, then cast back
-    return total
-
-
-# Ops whose backward node keeps a Python-number argument when the other argument needs a
-# gradient (tools/autograd/derivatives.yaml: ``mul.Tensor: self: mul_tensor_backward(grad,
-# other, ...)``, ``other: mul_tensor_backward(grad, self, ...)``; ``div.Tensor: self:
-# div_tensor_self_backward(grad, other, ...)``, ``other: div_tensor_other_backward(grad, self,
-# other)``; the in-place forms alike). The node keeps the number's wrapped 0-dim tensor
-# (SavedVariable saves a wrapped number as it is, without the saved-tensor hooks), so on the
-# CPU its 8 bytes live until that node's backward has run: measured, ``x * 0.5`` in a forward
-# holds 8 B into the backward, one per LoRA adapter (``lora_B(...) * scaling``).
-_KEEPS_NUMBER_ARGS = frozenset(
-    {
-        torch.ops.aten.mul.Tensor,
-        torch.ops.aten.mul_.Tensor,
-        torch.ops.aten.div.Tensor,
-        torch.ops.aten.div_.Tensor,
-    }
-)
-
-
-def _kept_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
-    """Bytes of a wrapped Python number that autograd keeps past the call (see
-    ``_KEEPS_NUMBER_ARGS``): only where a node is made (grad mode on, the other argument
-    requires grad)."""
-    if func not in _KEEPS_NUMBER_ARGS or len(args) < 2 or not torch.is_grad_enabled():
-        return 0
-    for number, tensor in ((args[1], args[0]), (args[0], args[1])):
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            return _wrapped_size(number)
-    return 0
-
-
-def _wrapped_size(value: object) -> int:
-    """Bytes of the 0-dim tensor the argument parser wraps a Python number in: float64 for
-    a float, int64 for an int, bool 1 byte, complex128; 0 for anything else."""
-    if isinstance(value, bool):
-        return 1
-    if isinstance(value, complex):
-        return 16
-    if isinstance(value, (int, float)):
-        return 8
-    return 0
-
-
-def _wrapped_scalar_bytes(func: Any, args: tuple[Any, ...]) -> int:
-    """CPU bytes eager PyTorch spends on Python numbers passed as Tensor arguments.
-
-    ``x / 1.5`` reaches a dispatch mode as ``aten.div.Tensor(x, 1.5)``; in eager mode the
-    argument parser wraps 1.5 in a 0-dim float64 tensor (8 bytes; int64 for ints, bool 1 byte)
-    that lives for the call, and the CPU TensorIterator casts it to the computation dtype (one
-    more element) inside the op. Seen as 12 bytes at Adam's peak on the CPU (``denom``).
-    """
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return 0
-    total = 0
-    common_itemsize = 0
-    for arg_schema, value in zip(schema.arguments, args, strict=False):
-        if isinstance(value, torch.Tensor):
-            common_itemsize = common_itemsize or value.element_size()
-            continue
-        if not isinstance(value, (bool, int, float, complex)):
-            continue
-        if not isinstance(arg_schema.type, torch.TensorType):
-            continue
-        total += _wrapped_size(value)
-    if total and common_itemsize and common_itemsize != total:
-        total += common_itemsize  # the cast copy to the computation dtype
-    return total
 
 
 @contextmanager
