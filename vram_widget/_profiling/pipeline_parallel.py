@@ -49,6 +49,7 @@ from .._estimating.options import (
     Precision,
 )
 from .live_bytes import LiveBytes, sends_held
+from .pipeline_tensor_parallel import dtensor_caches_cleared
 from .tensor_parallel import local_part
 
 __all__ = [
@@ -343,6 +344,8 @@ class _Layout:
     # FSDP2 over dp data-parallel ranks of each stage (pipeline_fsdp.py): None, none
     reshard_after_forward: bool | None = None
     dp: int = 1
+    # tensor parallelism over tp ranks of each stage (pipeline_tensor_parallel.py)
+    tp: int = 1
 
     @property
     def stages(self) -> int:
@@ -389,16 +392,33 @@ def _decoder_layers(module: StageModule) -> Any:
     return base.layers
 
 
+def _meshes(layout: _Layout) -> Any:
+    """The world's (pp, dp_shard) meshes (``pipeline_fsdp.pipeline_meshes``) for ``dp`` > 1,
+    its (pp, tp) meshes (``pipeline_tensor_parallel``) for ``tp`` > 1, else None."""
+    from .pipeline_fsdp import pipeline_meshes
+    from .pipeline_tensor_parallel import pipeline_tensor_parallel_meshes
+
+    if layout.tp > 1:
+        return pipeline_tensor_parallel_meshes(layout.pp, layout.tp)
+    return pipeline_meshes(layout.pp, layout.dp) if layout.dp > 1 else None
+
+
 def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> Any:
-    """The pipeline ranks' process group of a world of ``pp x dp`` ranks (None where the
-    world is the pipeline), each of ``modules`` sharded over the stage's data-parallel
-    ranks where the layout shards them (``pipeline_fsdp.shard_stage``); ``meshes`` the
-    world's ``pipeline_fsdp.pipeline_meshes`` (None for ``dp=1``)."""
+    """The pipeline ranks' process group of a world of ``pp x dp`` or ``pp x tp`` ranks
+    (None where the world is the pipeline), each of ``modules`` sharded over the stage's
+    data-parallel ranks where the layout shards them (``pipeline_fsdp.shard_stage``), or
+    over its tensor-parallel ranks (``pipeline_tensor_parallel.parallelize_stage``);
+    ``meshes`` the world's (:func:`_meshes`)."""
     from .pipeline_fsdp import shard_stage
+    from .pipeline_tensor_parallel import parallelize_stage
 
     if meshes is None:
         return None
     pp_mesh, dp_mesh = meshes
+    if layout.tp > 1:
+        for module in modules:
+            parallelize_stage(module, dp_mesh)
+        return pp_mesh.get_group()
     if layout.sharded:
         assert layout.reshard_after_forward is not None
         for module in modules:
@@ -534,6 +554,7 @@ def stage_peak(
     checkpoint: bool = False,
     dp: int = 1,
     reshard_after_forward: bool | None = None,
+    tp: int = 1,
 ) -> StagePeak:
     """Pipeline rank ``rank``'s step (its ``stages_per_rank`` stages) as
     ``torch.distributed.pipelining`` runs it, on fake tensors and PyTorch's fake process
@@ -552,8 +573,9 @@ def stage_peak(
 
     dtype = storage_dtype(precision)
     layout = _Layout(
-        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp
-    )
+        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
+        tp,
+    )  # fmt: skip
     modules = [
         layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
     ]
@@ -583,19 +605,18 @@ def stage_peak(
 
     counter = LiveBytes(KernelProbe())
     log = CollectiveLog()
-    from .pipeline_fsdp import pipeline_meshes
-
     # Hugging Face's mask and packed-sequence tests read values a fake tensor has not: they
     # answer as the example's tensors would (no padding mask, one sequence a row), so each
     # stage runs SDPA with is_causal and no (S, S) mask, as the real ranks do
     masks = example_mask_values(model, (), inputs)
     with (
-        fake_process_group(pp * dp, rank=rank * dp),
+        dtensor_caches_cleared() if tp > 1 else contextlib.nullcontext(),
+        fake_process_group(pp * dp * tp, rank=rank * dp * tp),
         sends_held(),
         contextlib.ExitStack() as stack,
     ):
         # the meshes before the fake mode: a mesh reads its ranks' values
-        meshes = pipeline_meshes(pp, dp) if dp > 1 else None
+        meshes = _meshes(layout)
         stack.enter_context(mode)
         stack.enter_context(masks)
         group = _shard_stages(modules, layout, meshes)
@@ -640,6 +661,7 @@ def measure_stage(
     checkpoint: bool = False,
     dp: int = 1,
     reshard_after_forward: bool | None = None,
+    tp: int = 1,
 ) -> tuple[int, int]:
     """On a real gloo rank of ``measure(gpus=pp x dp, pp=pp)``: this rank's stages (copies
     of their layers only, in the precision's dtype; with ``dp`` > 1 sharded by FSDP2 over
@@ -650,17 +672,18 @@ def measure_stage(
     import torch.distributed as dist
 
     from .measure_session import _run_cpu
-    from .pipeline_fsdp import pipeline_meshes, pipeline_rank
+    from .pipeline_fsdp import pipeline_rank
     from .step import storage_dtype
 
-    rank, _dp_rank = pipeline_rank(dist.get_rank(), dp)
-    pp = dist.get_world_size() // dp
+    rank, _dp_rank = pipeline_rank(dist.get_rank(), dp * tp)
+    pp = dist.get_world_size() // (dp * tp)
     dtype = storage_dtype(precision)
     config = _config(model)
     layout = _Layout(
-        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp
-    )
-    meshes = pipeline_meshes(pp, dp) if dp > 1 else None
+        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
+        tp,
+    )  # fmt: skip
+    meshes = _meshes(layout)
 
     def session() -> _Rank:
         modules = []
@@ -675,5 +698,6 @@ def measure_stage(
             config.hidden_size, config.vocab_size, dtype, group,
         )  # fmt: skip
 
-    resident, trace = _run_cpu(session, warmups=2, repeats=5)  # type: ignore[arg-type]
+    with dtensor_caches_cleared() if tp > 1 else contextlib.nullcontext():
+        resident, trace = _run_cpu(session, warmups=2, repeats=5)  # type: ignore[arg-type]
     return resident, resident + trace.peak_above_start(least=True)
