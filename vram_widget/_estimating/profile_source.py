@@ -93,6 +93,7 @@ class ProfileSource(Protocol):
         checkpoint: bool = False,
         dp: int = 1,
         reshard_after_forward: bool | None = None,
+        tp: int = 1,
     ) -> tuple[Any, ...]: ...
 
     def generation(
