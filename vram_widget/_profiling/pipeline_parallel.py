@@ -357,7 +357,10 @@ class _Layout:
 
     def copy(self, model: nn.Module, stage: int, meta: bool) -> StageModule:
         out = stage_copy(model, stage, self.stages, meta, self.split, self.stages_per_rank > 1)
-        if self.checkpoint:
+        # with tensor parallelism, the layers are wrapped after they are sharded
+        # (_shard_stages), as torchtitan's parallelize functions apply tensor parallelism
+        # before activation checkpointing (torchtitan/models/llama3/parallelize.py)
+        if self.checkpoint and self.tp == 1:
             checkpoint_layers(out)
         return out
 
@@ -418,6 +421,8 @@ def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> A
     if layout.tp > 1:
         for module in modules:
             parallelize_stage(module, dp_mesh)
+            if layout.checkpoint:
+                checkpoint_layers(module)
         return pp_mesh.get_group()
     if layout.sharded:
         assert layout.reshard_after_forward is not None
