@@ -81,8 +81,8 @@ def test_bad_layouts_are_refused_by_name(llama_profile) -> None:  # type: ignore
         llama_profile.estimate(6, gpus=2, pp=2, microbatches=4)
     with pytest.raises(ValueError, match=r"pp=4 does not divide the model's 2 decoder layers"):
         llama_profile.estimate(4, gpus=4, pp=4)
-    with pytest.raises(ValueError, match=r"pp=2 with tp=2"):
-        llama_profile.estimate(4, gpus=4, pp=2, tp=2)
+    with pytest.raises(ValueError, match=r"pp=2 x tp=2 != gpus=2"):
+        llama_profile.estimate(4, gpus=2, pp=2, tp=2)
     with pytest.raises(ValueError, match=r"pp_schedule"):
         llama_profile.estimate(4, gpus=2, pp=2, pp_schedule="zigzag")
     with pytest.raises(ValueError, match=r"microbatches splits a pipeline-parallel step"):
