@@ -43,8 +43,7 @@ __all__ = [
 
 def _clear_dtensor_caches() -> None:
     """Empty DTensor's caches of sharding decisions and redistribution plans."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
 
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear is not None:
@@ -110,9 +109,7 @@ def stage_plan(model: nn.Module, tp: int) -> dict[str, str]:
     out = {}
     for name, style in styles.items():
         module = modules.get(name)
-        held = name in parameters or (
-            module is not None and not isinstance(module, nn.Identity)
-        )
+        held = name in parameters or (module is not None and not isinstance(module, nn.Identity))
         if held:
             out[name] = style
     return out

@@ -501,7 +501,7 @@ def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None
     ...
     ValueError: batch_size=6 is not split evenly into microbatches=4: ...
     """
-    pp, tp, gpus = parallel.pp, parallel.tp, parallel.gpus
+    pp, tp = parallel.pp, parallel.tp
     m = pipeline_microbatches(parallel)
     if pp == 1:
         if parallel.pp_split is not None:
