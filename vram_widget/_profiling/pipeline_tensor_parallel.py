@@ -20,8 +20,10 @@ style of that plan hands its output back as a local, replicated tensor
 ``colwise_gather_output`` at the ends: transformers/distributed/tensor_parallel.py), so a
 stage's outputs, and its send and receive buffers, are plain tensors of the whole hidden
 size, what ``PipelineStage`` sends (torch/distributed/pipelining/stage.py sends
-``torch.Tensor`` outputs; torchtitan's own Llama plan gives the same, its ``RowwiseParallel``
-styles' ``use_local_output=True``).
+``torch.Tensor`` outputs). torchtitan's own Llama plan would send less: its sequence
+parallelism (``SequenceParallel`` norms, ``RowwiseParallel(output_layouts=Shard(1))``,
+torchtitan/models/llama3/parallelize.py, ``apply_tp``) leaves a stage's output sharded on
+the sequence; a plan of torch styles is refused with ``pp`` (``check_pipeline_parallel``).
 """
 
 from __future__ import annotations
