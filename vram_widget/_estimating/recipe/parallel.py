@@ -482,12 +482,6 @@ def _check_pipeline_tensor_parallel(parallel: ParallelSettings) -> None:
             "own Hugging Face plan only (each stage takes the plan's entries for the modules "
             "it holds); leave tp_plan at None, or pp at 1 for a plan of your own"
         )
-    if parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
-        raise ValueError(
-            f"pp={pp} with tp={tp} and pp_schedule='interleaved-1f1b': tensor-parallel "
-            "ranks of a multi-stage schedule are not estimated yet (not checked against real "
-            "ranks); give pp_schedule='gpipe' or '1f1b'"
-        )
 
 
 def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None:
