@@ -24,7 +24,9 @@ op's outputs (``live_bytes.LiveBytes``); ``measure`` runs it on real gloo ranks.
 would differ from a rank, it is made to hold what the rank holds: each send's tensor until
 the schedule waits for it (``live_bytes.sends_held``), no (S, S) mask where Hugging Face's tests
 would drop it (``data_dependent.example_mask_values``), the Python numbers ops wrap and the
-CPU generator states checkpointing keeps (``live_bytes.LiveBytes``).
+CPU generator states checkpointing keeps (``live_bytes.LiveBytes``). A stage's layers may
+be sharded further: by FSDP2 over data-parallel ranks (``pipeline_fsdp``) or by the
+model's tensor-parallel plan over tensor-parallel ranks (``pipeline_tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -417,10 +419,10 @@ def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> A
 
     if meshes is None:
         return None
-    pp_mesh, dp_mesh = meshes
+    pp_mesh, inner = meshes  # the stage's dp_shard or tp sub-mesh
     if layout.tp > 1:
         for module in modules:
-            parallelize_stage(module, dp_mesh)
+            parallelize_stage(module, inner)
             if layout.checkpoint:
                 checkpoint_layers(module)
         return pp_mesh.get_group()
@@ -428,7 +430,7 @@ def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> A
         assert layout.reshard_after_forward is not None
         for module in modules:
             layers: Any = _decoder_layers(module)
-            shard_stage(module, layers, dp_mesh, layout.reshard_after_forward)
+            shard_stage(module, layers, inner, layout.reshard_after_forward)
     return pp_mesh.get_group()
 
 
@@ -570,7 +572,10 @@ def stage_peak(
     (not None), the stages are sharded by FSDP2 over ``dp`` data-parallel ranks
     (``pipeline_fsdp``), as data-parallel rank 0 of the stage holds them (its shards are
     padded, never short), on a world of ``pp x dp`` ranks; each collective's gloo staging
-    copies counted beside what is live at it (``pipeline_fsdp.GLOO_STAGING``)."""
+    copies counted beside what is live at it (``pipeline_fsdp.GLOO_STAGING``). With ``tp``
+    > 1, the stages are sharded by the model's plan over ``tp`` tensor-parallel ranks
+    (``pipeline_tensor_parallel``), as tensor-parallel rank 0 of the stage holds them, on a
+    world of ``pp x tp`` ranks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .step import storage_dtype
@@ -668,12 +673,14 @@ def measure_stage(
     reshard_after_forward: bool | None = None,
     tp: int = 1,
 ) -> tuple[int, int]:
-    """On a real gloo rank of ``measure(gpus=pp x dp, pp=pp)``: this rank's stages (copies
-    of their layers only, in the precision's dtype; with ``dp`` > 1 sharded by FSDP2 over
-    the stage's data-parallel ranks, ``pipeline_fsdp``) stepped by the schedule, two steps first,
-    then five measured by the CPU profiler; (resident bytes, the least measured peak). The
-    least: a send's buffer that gloo's worker thread drops last is a free the profiler, which
-    records the calling thread, never sees (``distributed._collectives_release_on_caller``)."""
+    """On a real gloo rank of ``measure(gpus=pp x dp, pp=pp)`` (or ``gpus=pp x tp``): this
+    rank's stages (copies of their layers only, in the precision's dtype; with ``dp`` > 1
+    sharded by FSDP2 over the stage's data-parallel ranks, ``pipeline_fsdp``; with ``tp`` > 1
+    by the model's plan over its tensor-parallel ranks, ``pipeline_tensor_parallel``)
+    stepped by the schedule, two steps first, then five measured by the CPU profiler;
+    (resident bytes, the least measured peak). The least: a send's buffer that gloo's
+    worker thread drops last is a free the profiler, which records the calling thread, never
+    sees (``distributed._collectives_release_on_caller``)."""
     import torch.distributed as dist
 
     from .measure_session import _run_cpu
