@@ -223,3 +223,12 @@ def test_llama_has_fsdp_over_tensor_parallel_rows() -> None:
     assert tp_alone.communication_sent_bytes is not None
     shard = whole.parameter_bytes // 2
     assert row.communication_sent_bytes == tp_alone.communication_sent_bytes + 3 * shard // 2
+    # tensor-parallel pipeline stages (pp x tp = 4), every schedule answered: the whole
+    # batch through the pipeline, the row the estimate's
+    assert {"tp=2 x pp=2 gpipe m=2", "tp=2 x pp=2 interleaved-1f1b m=2"} <= set(rows)
+    staged = rows["tp=2 x pp=2 1f1b m=2"]
+    assert staged.rank_batch_size == 4
+    direct = profile.estimate(
+        4, optimizer="adamw", gpus=4, tp=2, pp=2, pp_schedule="1f1b", microbatches=2
+    )
+    assert staged.peak_bytes == direct.peak_bytes

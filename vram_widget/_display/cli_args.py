@@ -926,7 +926,7 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             f"--fsdp-units is for --strategy zero2, zero3 or hsdp (FSDP2); got --strategy "
             f"{strategy}"
         )
-    if args.tp is not None:
+    if args.tp is not None and args.pp in (None, 1):  # with --pp: the pipeline's check
         from .._estimating.recipe.parallel import ParallelSettings, check_tensor_parallel
 
         try:
@@ -970,7 +970,7 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         try:
             check_pipeline_parallel(
                 ParallelSettings(
-                    gpus, Strategy(strategy), pp=args.pp,
+                    gpus, Strategy(strategy), tp=args.tp or 1, pp=args.pp,
                     pp_schedule=PipelineSchedule(args.pp_schedule or "gpipe"),
                     microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
                 ),

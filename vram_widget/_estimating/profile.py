@@ -427,6 +427,10 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
             rank's step runs as ``torch.distributed.pipelining`` schedules it, on fake
             tensors (``_profiling/pipeline_parallel.py``). ``peak_bytes`` is the worst
             rank's, ``est.stage_peak_bytes`` each rank's (all its stages together).
+            With ``tp=t`` too (``gpus=k * t``), each stage is sharded by the model's own
+            plan over ``t`` tensor-parallel ranks on a ``("pp", "tp")`` mesh, as torchtitan
+            composes them (``_profiling/pipeline_tensor_parallel.py``); rank r holds
+            stage r // t.
             ``context_bytes`` (bytes) replaces the CUDA context of
             ``accelerator.cuda_context``'s table, which ``compute_capability`` and
             ``lazy_loading`` (default True, torch's ``CUDA_MODULE_LOADING=LAZY``) pick;

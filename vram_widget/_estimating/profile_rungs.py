@@ -401,15 +401,21 @@ class RungsMixin:
         stages = self._source.pipeline_stage_peaks(
             par.pp, par.pp_schedule, m, step.batch_size, step.seq_len, step.precision,
             opt_name, recipe.optimizer.implementation, par.pp_split,
-            pipeline_stages_per_rank(par), checkpoint, dp, reshard,
+            pipeline_stages_per_rank(par), checkpoint, dp, reshard, par.tp,
         )  # fmt: skip
         whole = self._estimate(
             recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None,
-                         stages_per_rank=None, strategy="ddp", rank=None)
+                         stages_per_rank=None, strategy="ddp", rank=None, tp=1, tp_plan=None)
         )  # fmt: skip
-        # rank r of the (pp, dp_shard) mesh holds stage r // dp (pipeline_fsdp); its
-        # data-parallel ranks hold the same bytes (FSDP2 pads every shard to rank 0's size)
-        worst = max(stages, key=lambda s: s.peak_bytes) if rank is None else stages[rank // dp]
+        # rank r of the (pp, dp_shard) mesh holds stage r // dp (pipeline_fsdp), of the
+        # (pp, tp) mesh stage r // tp (pipeline_tensor_parallel); its data-parallel ranks
+        # hold the same bytes (FSDP2 pads every shard to rank 0's size), as do its
+        # tensor-parallel ranks (the plan's shards are even: resolve_plan checks tp divides)
+        worst = (
+            max(stages, key=lambda s: s.peak_bytes)
+            if rank is None
+            else stages[rank // (dp * par.tp)]
+        )
         # what each stage's rank sends: the estimate's is the stage that sends most
         sent = max((volume_of(s.collectives) for s in stages), key=lambda v: v.sent_bytes)
         return dataclasses.replace(
@@ -422,6 +428,7 @@ class RungsMixin:
             strategy=par.strategy if dp > 1 else None,
             rank=rank,
             pp=par.pp,
+            tp=par.tp,
             pp_schedule=par.pp_schedule.value,
             microbatches=m,
             stages_per_rank=pipeline_stages_per_rank(par),

@@ -94,6 +94,7 @@ class ProfileSource(Protocol):
         checkpoint: bool = False,
         dp: int = 1,
         reshard_after_forward: bool | None = None,
+        tp: int = 1,
     ) -> tuple[Any, ...]: ...
     def float8_fsdp_step(
         self,

@@ -264,7 +264,10 @@ def measure(
         (``"interleaved-1f1b"``) over ``microbatches`` (default ``pp``) micro-batches
         of the inputs' batch, then the optimizers (``pp_split``: where stages begin, as
         ``estimate`` takes it); ``rank_peak_bytes`` holds each rank's
-        peak (the least of five steps). Checked as the estimate checks them, before any rank.
+        peak (the least of five steps). With ``tp`` > 1 too (``gpus = pp x tp``), each
+        stage is sharded by the model's own plan over ``tp`` ranks of a ``("pp", "tp")``
+        mesh (``pipeline_tensor_parallel``). Checked as the estimate checks them, before
+        any rank.
     new_tokens : int, optional
         With ``mode="generate"``: Hugging Face's ``model.generate(do_sample=False,
         max_new_tokens=new_tokens, min_new_tokens=new_tokens)`` on the prompt ``inputs``

@@ -99,7 +99,9 @@ def _measure_pipeline(
 ) -> Measurement:
     """``measure`` with ``pp > 1``: each stage on its own gloo rank
     (``pipeline_parallel.measure_stage``), or with ``gpus = dp x pp`` on ``dp`` ranks each,
-    sharded by FSDP2 over them (``pipeline_fsdp``); the layout and settings checked first."""
+    sharded by FSDP2 over them (``pipeline_fsdp``), or with ``gpus = pp x tp`` on ``tp``
+    ranks each, sharded by the model's plan (``pipeline_tensor_parallel``); the layout,
+    the plan and the settings checked first."""
     from .._estimating.recipe import Recipe
     from .._estimating.recipe.parallel import (
         check_pipeline_parallel,
@@ -124,6 +126,10 @@ def _measure_pipeline(
     check_pipeline_parallel_settings(recipe)
     stages_per_rank = pipeline_stages_per_rank(par)
     check_pipeline_model(model, inputs, par.pp, par.pp_split, stages_per_rank)
+    if par.tp > 1:
+        from .tensor_parallel import resolve_plan
+
+        resolve_plan(model, par.tp)  # a model without a plan, a tp not dividing it
     lv = recipe.levers
     levers = model_levers(model, lv.checkpoint, None, 1, checkpoint_policy=lv.checkpoint_policy)
     names = [name for name, _m in model.named_modules()]
@@ -140,7 +146,7 @@ def _measure_pipeline(
     def rank_step(_rank: int, _world: int) -> tuple[int, int]:
         return measure_stage(
             model, inputs, par.pp_schedule, m, precision, optimizer, implementation,
-            par.pp_split, stages_per_rank, checkpoint, dp, reshard,
+            par.pp_split, stages_per_rank, checkpoint, dp, reshard, par.tp,
         )  # fmt: skip
 
     ranks = run_ranks(rank_step, par.gpus, timeout_s)
@@ -156,6 +162,7 @@ def _measure_pipeline(
         gpus=par.gpus,
         rank_peak_bytes=tuple(peak for _resident, peak in ranks),
         pp=par.pp,
+        tp=par.tp,
         strategy=par.strategy if dp > 1 else None,
     )
 

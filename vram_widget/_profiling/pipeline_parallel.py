@@ -24,7 +24,9 @@ op's outputs (``live_bytes.LiveBytes``); ``measure`` runs it on real gloo ranks.
 would differ from a rank, it is made to hold what the rank holds: each send's tensor until
 the schedule waits for it (``live_bytes.sends_held``), no (S, S) mask where Hugging Face's tests
 would drop it (``data_dependent.example_mask_values``), the Python numbers ops wrap and the
-CPU generator states checkpointing keeps (``live_bytes.LiveBytes``).
+CPU generator states checkpointing keeps (``live_bytes.LiveBytes``). A stage's layers may
+be sharded further: by FSDP2 over data-parallel ranks (``pipeline_fsdp``) or by the
+model's tensor-parallel plan over tensor-parallel ranks (``pipeline_tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from .._estimating.options import (
     Precision,
 )
 from .live_bytes import LiveBytes, sends_held
+from .pipeline_tensor_parallel import dtensor_caches_cleared
 from .tensor_parallel import local_part
 
 __all__ = [
@@ -343,6 +346,8 @@ class _Layout:
     # FSDP2 over dp data-parallel ranks of each stage (pipeline_fsdp.py): None, none
     reshard_after_forward: bool | None = None
     dp: int = 1
+    # tensor parallelism over tp ranks of each stage (pipeline_tensor_parallel.py)
+    tp: int = 1
 
     @property
     def stages(self) -> int:
@@ -354,7 +359,10 @@ class _Layout:
 
     def copy(self, model: nn.Module, stage: int, meta: bool) -> StageModule:
         out = stage_copy(model, stage, self.stages, meta, self.split, self.stages_per_rank > 1)
-        if self.checkpoint:
+        # with tensor parallelism, the layers are wrapped after they are sharded
+        # (_shard_stages), as torchtitan's parallelize functions apply tensor parallelism
+        # before activation checkpointing (torchtitan/models/llama3/parallelize.py)
+        if self.checkpoint and self.tp == 1:
             checkpoint_layers(out)
         return out
 
@@ -389,21 +397,40 @@ def _decoder_layers(module: StageModule) -> Any:
     return base.layers
 
 
+def _meshes(layout: _Layout) -> Any:
+    """The world's (pp, dp_shard) meshes (``pipeline_fsdp.pipeline_meshes``) for ``dp`` > 1,
+    its (pp, tp) meshes (``pipeline_tensor_parallel``) for ``tp`` > 1, else None."""
+    from .pipeline_fsdp import pipeline_meshes
+    from .pipeline_tensor_parallel import pipeline_tensor_parallel_meshes
+
+    if layout.tp > 1:
+        return pipeline_tensor_parallel_meshes(layout.pp, layout.tp)
+    return pipeline_meshes(layout.pp, layout.dp) if layout.dp > 1 else None
+
+
 def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> Any:
-    """The pipeline ranks' process group of a world of ``pp x dp`` ranks (None where the
-    world is the pipeline), each of ``modules`` sharded over the stage's data-parallel
-    ranks where the layout shards them (``pipeline_fsdp.shard_stage``); ``meshes`` the
-    world's ``pipeline_fsdp.pipeline_meshes`` (None for ``dp=1``)."""
+    """The pipeline ranks' process group of a world of ``pp x dp`` or ``pp x tp`` ranks
+    (None where the world is the pipeline), each of ``modules`` sharded over the stage's
+    data-parallel ranks where the layout shards them (``pipeline_fsdp.shard_stage``), or
+    over its tensor-parallel ranks (``pipeline_tensor_parallel.parallelize_stage``);
+    ``meshes`` the world's (:func:`_meshes`)."""
     from .pipeline_fsdp import shard_stage
+    from .pipeline_tensor_parallel import parallelize_stage
 
     if meshes is None:
         return None
-    pp_mesh, dp_mesh = meshes
+    pp_mesh, inner = meshes  # the stage's dp_shard or tp sub-mesh
+    if layout.tp > 1:
+        for module in modules:
+            parallelize_stage(module, inner)
+            if layout.checkpoint:
+                checkpoint_layers(module)
+        return pp_mesh.get_group()
     if layout.sharded:
         assert layout.reshard_after_forward is not None
         for module in modules:
             layers: Any = _decoder_layers(module)
-            shard_stage(module, layers, dp_mesh, layout.reshard_after_forward)
+            shard_stage(module, layers, inner, layout.reshard_after_forward)
     return pp_mesh.get_group()
 
 
@@ -534,6 +561,7 @@ def stage_peak(
     checkpoint: bool = False,
     dp: int = 1,
     reshard_after_forward: bool | None = None,
+    tp: int = 1,
 ) -> StagePeak:
     """Pipeline rank ``rank``'s step (its ``stages_per_rank`` stages) as
     ``torch.distributed.pipelining`` runs it, on fake tensors and PyTorch's fake process
@@ -544,7 +572,10 @@ def stage_peak(
     (not None), the stages are sharded by FSDP2 over ``dp`` data-parallel ranks
     (``pipeline_fsdp``), as data-parallel rank 0 of the stage holds them (its shards are
     padded, never short), on a world of ``pp x dp`` ranks; each collective's gloo staging
-    copies counted beside what is live at it (``pipeline_fsdp.GLOO_STAGING``)."""
+    copies counted beside what is live at it (``pipeline_fsdp.GLOO_STAGING``). With ``tp``
+    > 1, the stages are sharded by the model's plan over ``tp`` tensor-parallel ranks
+    (``pipeline_tensor_parallel``), as tensor-parallel rank 0 of the stage holds them, on a
+    world of ``pp x tp`` ranks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .step import storage_dtype
@@ -552,8 +583,9 @@ def stage_peak(
 
     dtype = storage_dtype(precision)
     layout = _Layout(
-        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp
-    )
+        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
+        tp,
+    )  # fmt: skip
     modules = [
         layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
     ]
@@ -583,19 +615,18 @@ def stage_peak(
 
     counter = LiveBytes(KernelProbe())
     log = CollectiveLog()
-    from .pipeline_fsdp import pipeline_meshes
-
     # Hugging Face's mask and packed-sequence tests read values a fake tensor has not: they
     # answer as the example's tensors would (no padding mask, one sequence a row), so each
     # stage runs SDPA with is_causal and no (S, S) mask, as the real ranks do
     masks = example_mask_values(model, (), inputs)
     with (
-        fake_process_group(pp * dp, rank=rank * dp),
+        dtensor_caches_cleared() if tp > 1 else contextlib.nullcontext(),
+        fake_process_group(pp * dp * tp, rank=rank * dp * tp),
         sends_held(),
         contextlib.ExitStack() as stack,
     ):
         # the meshes before the fake mode: a mesh reads its ranks' values
-        meshes = pipeline_meshes(pp, dp) if dp > 1 else None
+        meshes = _meshes(layout)
         stack.enter_context(mode)
         stack.enter_context(masks)
         group = _shard_stages(modules, layout, meshes)
@@ -640,27 +671,31 @@ def measure_stage(
     checkpoint: bool = False,
     dp: int = 1,
     reshard_after_forward: bool | None = None,
+    tp: int = 1,
 ) -> tuple[int, int]:
-    """On a real gloo rank of ``measure(gpus=pp x dp, pp=pp)``: this rank's stages (copies
-    of their layers only, in the precision's dtype; with ``dp`` > 1 sharded by FSDP2 over
-    the stage's data-parallel ranks, ``pipeline_fsdp``) stepped by the schedule, two steps first,
-    then five measured by the CPU profiler; (resident bytes, the least measured peak). The
-    least: a send's buffer that gloo's worker thread drops last is a free the profiler, which
-    records the calling thread, never sees (``distributed._collectives_release_on_caller``)."""
+    """On a real gloo rank of ``measure(gpus=pp x dp, pp=pp)`` (or ``gpus=pp x tp``): this
+    rank's stages (copies of their layers only, in the precision's dtype; with ``dp`` > 1
+    sharded by FSDP2 over the stage's data-parallel ranks, ``pipeline_fsdp``; with ``tp`` > 1
+    by the model's plan over its tensor-parallel ranks, ``pipeline_tensor_parallel``)
+    stepped by the schedule, two steps first, then five measured by the CPU profiler;
+    (resident bytes, the least measured peak). The least: a send's buffer that gloo's
+    worker thread drops last is a free the profiler, which records the calling thread, never
+    sees (``distributed._collectives_release_on_caller``)."""
     import torch.distributed as dist
 
     from .measure_session import _run_cpu
-    from .pipeline_fsdp import pipeline_meshes, pipeline_rank
+    from .pipeline_fsdp import pipeline_rank
     from .step import storage_dtype
 
-    rank, _dp_rank = pipeline_rank(dist.get_rank(), dp)
-    pp = dist.get_world_size() // dp
+    rank, _dp_rank = pipeline_rank(dist.get_rank(), dp * tp)
+    pp = dist.get_world_size() // (dp * tp)
     dtype = storage_dtype(precision)
     config = _config(model)
     layout = _Layout(
-        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp
-    )
-    meshes = pipeline_meshes(pp, dp) if dp > 1 else None
+        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
+        tp,
+    )  # fmt: skip
+    meshes = _meshes(layout)
 
     def session() -> _Rank:
         modules = []
@@ -675,5 +710,6 @@ def measure_stage(
             config.hidden_size, config.vocab_size, dtype, group,
         )  # fmt: skip
 
-    resident, trace = _run_cpu(session, warmups=2, repeats=5)  # type: ignore[arg-type]
+    with dtensor_caches_cleared() if tp > 1 else contextlib.nullcontext():
+        resident, trace = _run_cpu(session, warmups=2, repeats=5)  # type: ignore[arg-type]
     return resident, resident + trace.peak_above_start(least=True)

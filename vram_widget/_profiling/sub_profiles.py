@@ -401,15 +401,17 @@ class SubProfiles:
         checkpoint: bool = False,
         dp: int = 1,
         reshard_after_forward: bool | None = None,
+        tp: int = 1,
     ) -> tuple[Any, ...]:
         """Each of ``pp`` pipeline ranks' step (its ``stages_per_rank`` stages) at
         ``batch_size`` (the whole step's batch), as ``torch.distributed.pipelining`` runs
         ``schedule`` over ``microbatches``, on fake tensors (``pipeline_parallel.stage_peak``),
         with ``checkpoint`` every decoder layer checkpointed; with ``dp`` > 1 and
         ``reshard_after_forward``, each stage sharded by FSDP2 over its ``dp`` data-parallel
-        ranks; the model and inputs checked first (``pipeline_parallel.check_pipeline_model``).
-        Kept per question."""
-        kwargs = self._pipeline_inputs(pp, split, stages_per_rank)
+        ranks; with ``tp`` > 1, each stage sharded by the model's plan over its ``tp``
+        tensor-parallel ranks (``pipeline_tensor_parallel``); the model and inputs checked
+        first (``pipeline_parallel.check_pipeline_model``). Kept per question."""
+        kwargs = self._pipeline_inputs(pp, split, stages_per_rank, tp)
         key = (
             pp,
             schedule,
@@ -424,6 +426,7 @@ class SubProfiles:
             checkpoint,
             dp,
             reshard_after_forward,
+            tp,
         )
         if key not in self._pipeline:
             length = seq_len or kwargs["input_ids"].shape[1]
@@ -438,20 +441,29 @@ class SubProfiles:
                 )
         return self._pipeline[key]
 
-    def pipeline_parallel_refusal(self: _Source, pp: int, stages_per_rank: int = 1) -> str | None:  # type: ignore[misc]
+    def pipeline_parallel_refusal(  # type: ignore[misc]
+        self: _Source, pp: int, stages_per_rank: int = 1, tp: int = 1
+    ) -> str | None:
         """Why the model or its inputs cannot be split into ``pp`` ranks of
-        ``stages_per_rank`` stages each, or None."""
+        ``stages_per_rank`` stages each (with ``tp`` > 1, each sharded by the model's plan
+        over ``tp`` ranks), or None."""
         try:
-            self._pipeline_inputs(pp, None, stages_per_rank)
+            self._pipeline_inputs(pp, None, stages_per_rank, tp)
         except ValueError as exc:
             return str(exc)
         return None
 
     def _pipeline_inputs(  # type: ignore[misc]
-        self: _Source, pp: int, split: tuple[str, ...] | None, stages_per_rank: int
+        self: _Source,
+        pp: int,
+        split: tuple[str, ...] | None,
+        stages_per_rank: int,
+        tp: int = 1,
     ) -> dict[str, Any]:
         """The example's keyword inputs, where the profile's device, the model and the
-        inputs can be split into ``pp`` stages (else a ValueError saying why)."""
+        inputs can be split into ``pp`` stages, each sharded over ``tp`` ranks by the model's
+        plan (``tensor_parallel.resolve_plan``: a model without one, or a ``tp`` not
+        dividing what it shards, refused), else a ValueError saying why."""
         from .pipeline_parallel import check_pipeline_model
 
         subject = self.profiler.subject
@@ -464,6 +476,10 @@ class SubProfiles:
         given = subject.inputs
         kwargs = given.kwargs if given is not None and not given.args else None
         check_pipeline_model(subject.model, kwargs, pp, split, stages_per_rank)
+        if tp > 1:
+            from .tensor_parallel import resolve_plan
+
+            resolve_plan(subject.model, tp)
         assert kwargs is not None
         return dict(kwargs)
 
@@ -473,11 +489,11 @@ class SubProfiles:
         from .pipeline_parallel import stage_peak
 
         pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation = key[:8]
-        split, stages_per_rank, checkpoint, dp, reshard_after_forward = key[8:]
+        split, stages_per_rank, checkpoint, dp, reshard_after_forward, tp = key[8:]
         return stage_peak(
             self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
             optimizer, implementation, split, stages_per_rank, checkpoint, dp,
-            reshard_after_forward,
+            reshard_after_forward, tp,
         )  # fmt: skip
 
 

@@ -449,15 +449,15 @@ def _check_stages_per_rank(parallel: ParallelSettings, m: int) -> None:
 
 
 def pipeline_data_parallel(parallel: ParallelSettings) -> int:
-    """The data-parallel ranks of each pipeline stage: ``gpus / pp`` (1: the pipeline
-    alone).
+    """The data-parallel ranks of each pipeline stage: ``gpus / (pp x tp)`` (1: the
+    pipeline alone, or its stages' tensor-parallel ranks alone).
 
     Examples
     --------
     >>> pipeline_data_parallel(ParallelSettings(gpus=4, pp=2, strategy="zero3"))
     2
     """
-    return parallel.gpus // parallel.pp
+    return parallel.gpus // (parallel.pp * parallel.tp)
 
 
 def pipeline_reshard_after_forward(parallel: ParallelSettings) -> bool | None:
@@ -530,6 +530,36 @@ def _check_pipeline_data_parallel(parallel: ParallelSettings) -> None:
         )
 
 
+def _check_pipeline_tensor_parallel(parallel: ParallelSettings) -> None:
+    """``gpus = pp x tp``: each pipeline stage sharded by the model's own tensor-parallel
+    plan over ``tp`` ranks (a 2-D mesh ``("pp", "tp")``, as torchtitan composes them), one
+    stage a rank; what is not estimated is refused by name, with the reason."""
+    pp, tp, gpus = parallel.pp, parallel.tp, parallel.gpus
+    if pp * tp != gpus:
+        more = (
+            f"; FSDP2 over the {gpus // (pp * tp)} data-parallel ranks of each stage's "
+            "tensor-parallel ranks (dp x pp x tp) is not estimated yet"
+            if gpus > pp * tp and gpus % (pp * tp) == 0
+            else ""
+        )
+        raise ValueError(
+            f"pp={pp} x tp={tp} != gpus={gpus}: gpus is the world size, pipeline stages "
+            f"x tensor-parallel ranks; give gpus={pp * tp}{more}"
+        )
+    if parallel.strategy is not Strategy.DDP:
+        raise ValueError(
+            f"pp={pp} x tp={tp} on gpus={gpus} with strategy={parallel.strategy.value!r}: "
+            "every rank is a tensor-parallel rank of a stage, so there are no data-parallel "
+            "ranks to shard over; leave strategy at its default"
+        )
+    if parallel.tp_plan is not None:
+        raise ValueError(
+            f"pp={pp} with tp={tp} and tp_plan: pipeline stages are sharded by the model's "
+            "own Hugging Face plan only (each stage takes the plan's entries for the modules "
+            "it holds); leave tp_plan at None, or pp at 1 for a plan of your own"
+        )
+
+
 def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None:
     """A clear error for a pipeline-parallel layout that is not estimated (yet), before
     any profiling.
@@ -541,7 +571,7 @@ def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None
     ...
     ValueError: batch_size=6 is not split evenly into microbatches=4: ...
     """
-    pp, tp, gpus = parallel.pp, parallel.tp, parallel.gpus
+    pp, tp = parallel.pp, parallel.tp
     m = pipeline_microbatches(parallel)
     if pp == 1:
         if parallel.pp_split is not None:
@@ -552,16 +582,9 @@ def check_pipeline_parallel(parallel: ParallelSettings, batch_size: int) -> None
             raise ValueError("stages_per_rank counts pipeline stages a rank: give pp=... too")
         return
     if tp > 1:
-        if pp * tp != gpus:
-            raise ValueError(
-                f"pp={pp} x tp={tp} != gpus={gpus}: gpus is the world size, pipeline stages "
-                f"x tensor-parallel ranks; give gpus={pp * tp}"
-            )
-        raise ValueError(
-            f"pp={pp} with tp={tp}: pipeline stages of tensor-parallel ranks are not "
-            "estimated yet; leave tp at 1"
-        )
-    _check_pipeline_data_parallel(parallel)
+        _check_pipeline_tensor_parallel(parallel)
+    else:
+        _check_pipeline_data_parallel(parallel)
     _check_stages_per_rank(parallel, m)
     # Schedule1F1B.__init__ (torch/distributed/pipelining/schedules.py): "Number of
     # microbatches ... must be greater than or equal to the number of stages"
