@@ -37,7 +37,11 @@ dp_shard) sub-mesh) on the same two models. FSDP2 over pipeline stages (``gpus=4
 strategy="zero2"|"zero3"``: a 2-D mesh, pp=2 x dp_shard=2, pp outer, each stage's decoder
 layers then the stage wrapped by ``fully_shard`` over its dp_shard ranks, as torchtitan
 composes them) on the Hugging Face Llama x GPipe and 1F1B with 2 micro-batches x fp32 and
-bf16, AdamW training, each rank against its own estimate. Expert parallelism on 2 ranks
+bf16, AdamW training, each rank against its own estimate. Tensor parallelism inside
+pipeline stages (``gpus=4, pp=2, tp=2``: a 2-D mesh, pp=2 x tp=2, pp outer, each stage
+sharded by the model's own plan on its tp ranks) on the Hugging Face Llama x the three
+schedules with 2 micro-batches x fp32 and bf16, AdamW training, rank r against stage
+r // tp's estimate. Expert parallelism on 2 ranks
 (``ep=2``, transformers' own ep plan) x fp32 and bf16 x training and inference, on the
 Mixtral with each router's rows set to ``[w, -w, u, -u]`` (every token picks one expert of
 each rank: balanced routing, the case the estimate is for; its ``ep_worst_case_bytes`` is
@@ -52,6 +56,7 @@ refuses is a row with its reason.
     python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 or HSDP x tp, FSDP2 x pp
     python benchmarks/accuracy_parallel.py --layouts hsdp   # HSDP x tp rows (8 ranks), ~3 min
     python benchmarks/accuracy_parallel.py --models hf_llama --layouts "x pp=2"  # FSDP2 x pp
+    python benchmarks/accuracy_parallel.py --models hf_llama --layouts "m=2 x tp"  # tp x pp
 
 Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
 results/accuracy_parallel.json (``--quick``: results/accuracy_parallel_quick.json) and prints
@@ -157,11 +162,12 @@ class Case:
     ep: tuple[int, ...] = ()  # expert-parallel degrees (gpus = ep)
     dp_tp: bool = False  # FSDP2 (zero3, hsdp) over groups of tp=2 ranks, training
     dp_pp: bool = False  # FSDP2 (zero2, zero3) over dp_shard=2 ranks of each of 2 stages
+    tp_pp: bool = False  # tp=2 ranks inside each of 2 stages (the model's own plan)
 
 
 CASES: dict[str, Case] = {
     "hf_llama": Case(_hf.llama, _hf.tokens, (2, 4), {"own plan": None}, True, dp_tp=True,
-                     dp_pp=True),
+                     dp_pp=True, tp_pp=True),
     "hf_llama_mha": Case(_hf.llama_mha, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_mixtral": Case(_hf.mixtral, _hf.tokens, (2, 4), {"own plan": None}, True),
     "hf_mixtral_balanced": Case(_hf.mixtral_balanced, _hf.tokens, (), {}, False, ep=(2,)),
@@ -201,6 +207,8 @@ def compare(
     except ValueError as exc:  # a layout the estimate refuses, by name
         return [_refused(label, layout, precision, mode, exc)]
     estimates = list(est.stage_peak_bytes) or [est.peak_bytes] * settings["gpus"]
+    if settings.get("tp", 1) > 1 and settings.get("pp", 1) > 1:  # rank r holds stage r // tp
+        estimates = [est.stage_peak_bytes[r // settings["tp"]] for r in range(settings["gpus"])]
     if settings.get("strategy") is not None:  # FSDP2 over tp groups or stages: each rank's own
         estimates = [
             profile.estimate(BATCH, rank=rank, **kwargs).peak_bytes
@@ -275,6 +283,10 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
                 settings = {"gpus": 4, "pp": 2, "strategy": strategy, "pp_schedule": schedule,
                             "microbatches": 2}  # fmt: skip
                 out.append((f"dp_shard=2 {strategy} x pp=2 {schedule} m=2", "train", settings))
+    if case.tp_pp:  # the ranks as a 2-D mesh (pp, tp), pp outer, as torchtitan's
+        for schedule in SCHEDULES[:1] if quick else SCHEDULES:
+            settings = {"gpus": 4, "pp": 2, "tp": 2, "pp_schedule": schedule, "microbatches": 2}
+            out.append((f"pp=2 {schedule} m=2 x tp=2 own plan", "train", settings))
     return out
 
 
