@@ -239,14 +239,10 @@ def test_transformers_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert setting["flops"] == profile.estimate(4).flops
 
 
-def test_console_entry_runs() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "vram_widget", "mlp", "--device", "cpu", "--precision", "bf16",
-         "--json"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
+def test_cpu_device_has_no_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    # in-process: the module entry (python -m vram_widget) runs in a fresh process in
+    # test_a_transformers_model_prints_nothing_but_the_answer below
+    out = _run_json(["mlp", "--device", "cpu", "--precision", "bf16"], capsys)
     assert out["settings"][0]["precision"] == "bf16"
     # --device cpu assumes no GPU: no capacity, so no verdict and no largest batch
     assert out["gpu"] is None
@@ -891,11 +887,15 @@ def test_torchtitan_config_file_fills_the_flags(
     assert setting["peak_bytes"] == expected.peak_bytes
 
 
-def test_pipeline_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
+def test_pipeline_parallel_flags(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # --pp, --pp-schedule and --microbatches are estimate()'s keywords; --batch-size is the
     # whole step's batch; a layout they do not split is a usage error naming it
     pytest.importorskip("transformers")
     from models import hf_llama
+
+    from vram_widget._display import cli
 
     config = (
         "num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
@@ -903,11 +903,24 @@ def test_pipeline_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
     )
     argv = ["--transformers", "llama", "--config", config, "--seq-len", "16", "--device",
             "cpu", "--batch-size", "4", "--precision", "fp32", "--json", "--gpus", "2"]  # fmt: skip
-    torch.manual_seed(0)
-    ids = torch.zeros(1, 16, dtype=torch.long)  # the command line's example: ids as labels
-    profile = profile_model(hf_llama(), inputs={"input_ids": ids, "labels": ids}, device="cpu")
+    # each run's profile, asked again below with estimate()'s own keywords: a profile keeps
+    # each pipeline question's stage runs, so where the flags reached estimate() as the
+    # keywords asked, the answer is the run's own (the Llama's stages are not run twice for
+    # one setting); where they reached it as another setting, the asked one runs afresh
+    profiles: list[Any] = []
+
+    def kept(*args: Any) -> Any:
+        profile, settings = profile_and_settings(*args)
+        profiles.append(profile)
+        return profile, settings
+
+    profile_and_settings = cli._profile
+    monkeypatch.setattr(cli, "_profile", kept)
     assert main([*argv, "--pp", "2", "--pp-schedule", "1f1b", "--microbatches", "2"]) == 0
     out = json.loads(capsys.readouterr().out)["settings"][0]
+    profile = profiles[-1]
+    # the model of --transformers llama --config ...: tests/models.py's Llama
+    assert profile.param_count == sum(p.numel() for p in hf_llama().parameters())
     expected = profile.estimate(4, "fp32", "adam", gpus=2, pp=2, pp_schedule="1f1b", microbatches=2)
     assert out["stage_peak_bytes"] == list(expected.stage_peak_bytes)
     assert (out["peak_bytes"], out["pp"], out["pp_schedule"]) == (expected.peak_bytes, 2, "1f1b")
@@ -922,7 +935,7 @@ def test_pipeline_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "2"]
     assert main([*argv, *flags, "--microbatches", "2"]) == 0
     out = json.loads(capsys.readouterr().out)["settings"][0]
-    interleaved = profile.estimate(
+    interleaved = profiles[-1].estimate(
         4, "fp32", "adam", gpus=2, pp=2, pp_schedule="interleaved-1f1b", microbatches=2
     )
     assert out["stage_peak_bytes"] == list(interleaved.stage_peak_bytes)
@@ -933,5 +946,5 @@ def test_pipeline_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--pp", "2", "--pp-split", "layers.1", "--microbatches", "2"]) == 0
     out = json.loads(capsys.readouterr().out)["settings"][0]
     assert out["stage_peak_bytes"] == list(
-        profile.estimate(4, "fp32", "adam", gpus=2, pp=2, microbatches=2).stage_peak_bytes
+        profiles[-1].estimate(4, "fp32", "adam", gpus=2, pp=2, microbatches=2).stage_peak_bytes
     )

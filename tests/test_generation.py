@@ -43,6 +43,14 @@ def gpt2() -> tuple[nn.Module, ModelProfile]:
     return model, profile_model(model, inputs=_prompts(2, 16), device="cpu")
 
 
+@pytest.fixture(scope="module")
+def mistral() -> tuple[nn.Module, ModelProfile]:
+    """Mistral with a window of 24 (seeded) and its CPU profile at 2 x 16 prompt tokens,
+    shared by the two sliding-window tests: one profile, its generation runs kept."""
+    model = _model(hf_mistral)
+    return model, profile_model(model, inputs=_prompts(2, 16), device="cpu")
+
+
 # (batch, prompt, new tokens): within the 5 recorded forwards, and past them (extrapolated)
 SETTINGS = [(2, 16, 3), (1, 9, 20), (3, 30, 12), (4, 7, 40)]
 
@@ -68,11 +76,11 @@ def test_generate_estimate_is_the_real_generate_to_the_byte(make: Callable[[], n
         assert est.new_tokens == tokens
 
 
-def test_kv_cache_by_hand() -> None:
+def test_kv_cache_by_hand(gpt2: tuple[nn.Module, ModelProfile]) -> None:
     # GPT-2 of 2 layers of 64 in fp32: keys and values are 2 x 2 x 64 x 4 B = 1,024 B per
     # token; after 8 new tokens on a prompt of 16 the cache holds 16 + 7 tokens (the last
     # token generated is never fed back), x 2 sequences = 47,104 B
-    profile = profile_model(_model(hf_gpt2), inputs=_prompts(2, 16), device="cpu")
+    _, profile = gpt2
     est = profile.estimate(2, mode="generate", new_tokens=8)
     assert (est.kv_cache_bytes, est.kv_cache_bytes_per_token) == (2 * 23 * 1024, 1024)
     assert est.peak_breakdown["KV cache"] <= est.kv_cache_bytes
@@ -117,12 +125,13 @@ def test_flops_are_torch_s_count_of_the_real_generate(
     assert (est.flops_forward, est.flops_backward) == (counter.get_total_flops(), 0)
 
 
-def test_a_sliding_window_is_estimated_on_either_side_and_across() -> None:
+def test_a_sliding_window_is_estimated_on_either_side_and_across(
+    mistral: tuple[nn.Module, ModelProfile],
+) -> None:
     # Mistral with a window of 24: steps that end before the window, steps past it (the cache
     # stops growing) and generations across it (one more run, at a prompt of 19 with 9
     # decode steps, joined to the prompt's own run) are each the real generate's peak
-    model = _model(hf_mistral)
-    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    model, profile = mistral
     for batch, prompt, tokens in [(2, 10, 12), (2, 23, 20), (1, 30, 40), (1, 4, 50), (3, 2, 60)]:
         est = profile.estimate(batch, mode="generate", seq_len=prompt, new_tokens=tokens)
         real = measure(model, _prompts(batch, prompt), mode="generate", new_tokens=tokens)
@@ -135,15 +144,14 @@ def test_a_sliding_window_is_estimated_on_either_side_and_across() -> None:
     assert (across.kv_cache_bytes_per_token, across.kv_cache_bytes) == (0, 24 * 512 + 2 * 8)
 
 
-def test_flops_across_a_window_are_its_attention() -> None:
+def test_flops_across_a_window_are_its_attention(mistral: tuple[nn.Module, ModelProfile]) -> None:
     # torch's FlopCounterMode counts the matmuls of the real generate, not its CPU attention
     # kernel; ours counts both. The difference is attention by hand: 2 layers x (QK and PV)
     # x 2 FLOPs x 4 heads x 16 dims = 512 per query and key: the prefill's 16 x 16, then
     # decode step k over min(16 + k, 24) keys (the window): 17..24 for k = 1..8, then 24
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = _model(hf_mistral)
-    profile = profile_model(model, inputs=_prompts(2, 16), device="cpu")
+    model, profile = mistral
     est = profile.estimate(1, mode="generate", seq_len=16, new_tokens=30)
     ids = _prompts(1, 16)["input_ids"]
     with FlopCounterMode(display=False) as counter, torch.no_grad():

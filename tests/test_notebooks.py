@@ -3,7 +3,9 @@ and the quickstart executed and saved with its widget state stays small (plotly.
 the state of each figure).
 
 The notebooks themselves run under nbval (``--nbval-lax`` in pytest's addopts, ``notebooks``
-in its testpaths). After editing one, re-run ``python scripts/strip_notebooks.py --execute``.
+in its testpaths), except the quickstart, which has no output nbval compares and runs here
+(conftest.py leaves it out of nbval's collection). After editing one, re-run
+``python scripts/strip_notebooks.py --execute``.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def test_executed_quickstart_with_widget_state_is_small(
 ) -> None:
     # As JupyterLab or nbconvert would save it after a run: every widget's state stored. Each
     # plotly FigureWidget's state used to hold plotly's 5 MB front-end bundle (31 MB in all);
-    # now it holds a small loader and the bundle is sent apart, on request.
+    # now it holds a small loader and the bundle is sent apart, on request. This is the suite's
+    # run of the quickstart (nbval leaves it out): a cell's error fails it (allow_errors).
     import nbformat
     from nbclient import NotebookClient
 
@@ -113,6 +116,7 @@ def test_executed_quickstart_with_widget_state_is_small(
         timeout=600,
         kernel_name="python3",
         store_widget_state=True,
+        allow_errors=False,
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
     )
     client.execute()
