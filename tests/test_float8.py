@@ -203,12 +203,18 @@ def test_llama_output_layer_is_refused_by_name(
         ({"lora_rank": 8, "lora_targets": ["0"]}, "LoRA"),
         ({"float8_all_gather": True}, "gpus=1 gathers nothing"),
         (
-            {"gpus": 2, "strategy": "zero3", "float8_all_gather": True, "checkpoint": "auto"},
-            r"float8_all_gather=True with checkpoint: not estimated yet.*'zero2', 'zero3' or",
+            {
+                "gpus": 2,
+                "strategy": "zero3",
+                "float8_all_gather": True,
+                "checkpoint": "auto",
+                "checkpoint_policy": "op",
+            },
+            r"float8_all_gather=True with checkpoint_policy: not estimated yet.*'zero2', 'zero3'",
         ),
         (
-            {"gpus": 2, "strategy": "zero3", "float8_all_gather": True, "grad_accumulation": 2},
-            "with grad_accumulation: not estimated yet",
+            {"gpus": 2, "strategy": "zero3", "float8_all_gather": True, "clip_grad_norm": 1.0},
+            "with clip_grad_norm: not estimated yet",
         ),
         ({"gpus": 2, "strategy": "zero1", "float8_all_gather": True}, "all-gather is FSDP2's"),
         ({"gpus": 2, "strategy": "ddp", "pp": 2}, "without tp, pp, ep or cp"),
@@ -360,10 +366,75 @@ def test_float8_all_gather_ranks_against_their_estimate(
     assert_model_unchanged(model, before)
 
 
-def test_float8_all_gather_on_cuda_profile_is_refused() -> None:
-    # the rank's run emulates torchao's float8 matmul, as its CPU ranks do: a CUDA profile
-    # is refused by name before any run
-    profile = profile_model(_blocks(), input_size=(64,), device="cuda")
-    with pytest.raises(ValueError, match=r"with device='cuda': not estimated yet"):
-        profile.estimate(4, float8=True, float8_all_gather=True, gpus=2, strategy="zero3")
-    assert not profile._float8_profiles
+class _Stack(torch.nn.Module):
+    """Two blocks of two bias-free Linear layers (64 -> 96 -> 64) in a ModuleList: the
+    blocks are what ``checkpoint="auto"`` checkpoints and FSDP2's units by default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(64, 96, bias=False),
+                torch.nn.ReLU(),
+                torch.nn.Linear(96, 64, bias=False),
+            )
+            for _ in range(2)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.timeout(300)
+def test_float8_all_gather_with_checkpoint_and_accumulation(one_thread: None) -> None:
+    # checkpoint="auto" (both blocks) and 2 accumulated micro-batches under zero3 with the
+    # float8 all-gather (fp32 AdamW, 2 gloo ranks): measure checkpoints the converted copy
+    # and accumulates as the rank's fake run does; the real ranks peak at it to the byte
+    model = _Stack()
+    x = mlp_input(4, 64)
+    profile = profile_model(model, inputs=x, device="cpu")
+    asked = {"optimizer": "adamw", "gpus": 2, "strategy": "zero3", "checkpoint": "auto",
+             "grad_accumulation": 2, "float8": True, "float8_all_gather": True}  # fmt: skip
+    real = measure(model, x, **asked)
+    est = profile.estimate(4, **asked)
+    assert real.rank_peak_bytes == (est.peak_bytes, est.peak_bytes)
+    # the levers are in the run: the plain step peaks elsewhere
+    plain = {k: v for k, v in asked.items() if k not in ("checkpoint", "grad_accumulation")}
+    assert est.peak_bytes != profile.estimate(4, **plain).peak_bytes
+
+
+def test_float8_all_gather_on_cuda_profile() -> None:
+    # device="cuda" (UNCONFIRMED on a GPU): the rank runs torchao's _scaled_mm path with
+    # CUDA's kernel choices, without gloo's staging copies or the CPU's float32 copies of
+    # each float8 operand, and counts 512-byte allocator blocks. zero3 over 2 ranks, fp32
+    # AdamW, the three Linear layers of _blocks() (21,504 weights) each a unit.
+    asked = {"optimizer": "adamw", "gpus": 2, "strategy": "zero3", "fsdp_units": UNITS}
+    cuda = profile_model(_blocks(), input_size=(64,), device="cuda")
+    est = cuda.estimate(4, float8=True, float8_all_gather=True, **asked)
+    cpu = profile_model(_blocks(), input_size=(64,), device="cpu")
+    on_cpu = cpu.estimate(4, float8=True, float8_all_gather=True, **asked)
+    # NCCL and gloo send the same bytes; the CUDA step has none of the CPU's extra copies
+    assert est.communication_sent_bytes_by_kind == on_cpu.communication_sent_bytes_by_kind
+    assert est.peak_bytes < on_cpu.peak_bytes
+    # the allocated basis is the rank's peak of 512-byte blocks: a multiple of 512
+    assert est.extras.allocator_rounding_bytes > 0
+    assert (est.peak_bytes + est.extras.allocator_rounding_bytes) % 512 == 0
+    # no allocation stream of the rank's to replay: no reserved figure, and a capacity is
+    # compared on the allocated basis
+    assert est.reserved_bytes is None and est.device_bytes is None
+    assert est.fits(est.total_bytes) and not est.fits(est.total_bytes - 1)
+    assert "UNCONFIRMED" in est.float8 and est.float8.startswith(
+        Float8(True, all_gather=True).describe()
+    )
+    # resident, by hand (as the CPU rank's test): shards 43,008 + AdamW's states 86,016 +
+    # 3 step counters of 4 B + the 4 x 64 fp32 input 1,024 + 3 float32 scales of 4 B =
+    # 130,072 B; as blocks, each step counter and scale takes 512 B (the shards, states
+    # and input are multiples of 512): 43,008 + 86,016 + 1,536 + 1,024 + 1,536 = 133,120
+    recipe = Recipe.from_keywords(batch_size=4, float8=True, float8_all_gather=True, **asked)
+    _, question = cuda._float8_all_gather_question(recipe)
+    assert cuda._source.float8_fsdp_cached(*question)  # the estimate's own run, kept
+    ran = cuda._source.float8_fsdp_step(*question)
+    assert (ran.resident_bytes, ran.block_resident_bytes) == (130_072, 133_120)

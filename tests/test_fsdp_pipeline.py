@@ -126,6 +126,32 @@ def test_live_bytes_follow_a_storage_resized_in_place() -> None:
     assert torch.UntypedStorage.resize_ is original
 
 
+def test_live_bytes_count_cuda_blocks() -> None:
+    # cuda=True (a float8 all-gather rank on device="cuda"): each storage also counts as
+    # the caching allocator's block, its bytes rounded up to a multiple of 512 (none for an
+    # empty storage), and the CPU's within-call bytes of a wrapped Python number are left
+    # out (on the CPU, x * 1.5 on 100 floats peaks at 400 + 400 + 8 + 4 = 812 B)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vram_widget._profiling.live_bytes import LiveBytes
+
+    for cuda, within in ((False, 12), (True, 0)):
+        counter = LiveBytes(cuda=cuda)
+        with FakeTensorMode(), counter:
+            t = torch.empty(100)  # 400 B: one 512-byte block
+            scaled = t * 1.5  # 400 B more
+            assert counter.peak_bytes == 800 + within
+            del scaled
+            t.untyped_storage().resize_(0)  # freed: no block
+            assert (counter.live_bytes, counter.live_blocks) == (0, 0)
+            t.untyped_storage().resize_(600)  # 600 B: two blocks, 1,024 B
+            assert counter.live_bytes == 600
+            # the blocks' peak: 512 + 512 with both tensors live, then 1,024
+            assert (counter.live_blocks, counter.peak_blocks) == ((1024, 1024) if cuda else (0, 0))
+            del t
+        assert (counter.live_bytes, counter.live_blocks) == (0, 0)
+
+
 @pytest.mark.parametrize(("dtype", "averaged_bytes"), [(torch.float32, 12), (torch.bfloat16, 10)])
 def test_gloo_reduce_scatter_staging_counts_its_average(
     dtype: torch.dtype, averaged_bytes: int

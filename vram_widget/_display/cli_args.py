@@ -421,8 +421,8 @@ def _setting_flags(settings: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="with --float8 tensorwise and FSDP2 (--strategy zero2 / zero3 / hsdp): the "
         "weights all-gathered in float8 (torchao's enable_fsdp_float8_all_gather); "
-        "estimated by running one rank's step on fake tensors (--device cpu, the plain "
-        "training step) and measured on gloo ranks",
+        "estimated by running one rank's step on fake tensors (with --checkpoint and "
+        "--grad-accumulation; --device cuda UNCONFIRMED on a GPU) and measured on gloo ranks",
     )
     settings.add_argument(
         "--int8-threshold",

@@ -161,35 +161,54 @@ def check_float8_layout(
         )
 
 
-# The settings of a float8 all-gather rank's step its run (``_profiling/float8_fsdp.py``)
-# takes: the batch, sequence length, precision, the optimizer and its implementation, and
-# the FSDP2 layout; any other setting at a value not its default is refused by name.
-_ALL_GATHER_RUN = frozenset(
-    {"batch_size", "seq_len", "precision", "mode", "name", "implementation"}
+# What a float8 all-gather estimate on device="cuda" says beside its float8 setting
+# (``MemoryEstimate.float8``): the rank's run there is read from torchao's and PyTorch's
+# sources, not checked on a GPU (_profiling/float8_fsdp.py)
+FLOAT8_ALL_GATHER_CUDA_NOTE = (
+    "; device='cuda' rank: torchao's torch._scaled_mm path, CUDA's kernel choices and the "
+    "caching allocator's 512-byte blocks, UNCONFIRMED on a GPU (the kernel's workspace "
+    "not seen; reserved_bytes not estimated)"
 )
 
 
-def float8_all_gather_refusals(recipe: object, device: str) -> list[str]:
+# The settings of a float8 all-gather rank's step its run (``_profiling/float8_fsdp.py``)
+# takes: the batch, sequence length, precision, the optimizer and its implementation, the
+# FSDP2 layout, activation checkpointing of whole modules (``checkpoint``, the policy left
+# at its default, "full") and gradient accumulation, each checked against gloo ranks
+# (tests/test_float8.py); any other setting at a value not its default is refused by name.
+_ALL_GATHER_RUN = frozenset(
+    {
+        "batch_size",
+        "seq_len",
+        "precision",
+        "mode",
+        "name",
+        "implementation",
+        "checkpoint",
+        "grad_accumulation",
+    }
+)
+
+
+def float8_all_gather_refusals(recipe: object) -> list[str]:
     """The settings of ``recipe`` (a :class:`~vram_widget.Recipe` with
-    ``float8_all_gather=True`` on FSDP2) that its estimate does not take yet, by name: a
-    profile on a device other than the CPU (``device``; the run emulates torchao's float8
-    matmul as its CPU ranks do, and a CUDA rank's ``_scaled_mm`` path and the caching
-    allocator's rounding are not in it), and each lever, step protocol or optimizer setting
-    not at its default.
+    ``float8_all_gather=True`` on FSDP2) that its estimate does not take yet, by name: each
+    lever, step protocol or optimizer setting other than those the rank's run takes
+    (``checkpoint``, ``grad_accumulation``) not at its default.
 
     Examples
     --------
     >>> from vram_widget._estimating.recipe import Recipe
     >>> asked = Recipe.from_keywords(gpus=2, strategy="zero3", float8=True,
     ...                              float8_all_gather=True, checkpoint="auto")
-    >>> float8_all_gather_refusals(asked, "cpu")
-    ['checkpoint']
-    >>> float8_all_gather_refusals(asked.with_(checkpoint=None), "cuda")
-    ["device='cuda'"]
+    >>> float8_all_gather_refusals(asked)
+    []
+    >>> float8_all_gather_refusals(asked.with_(checkpoint_policy="op", loss_chunks=4))
+    ['loss_chunks', 'checkpoint_policy']
     """
     import dataclasses
 
-    refused = [] if device == "cpu" else [f"device={device!r}"]
+    refused: list[str] = []
     for part in ("levers", "step", "optimizer"):
         value = getattr(recipe, part)
         unset = type(value)()

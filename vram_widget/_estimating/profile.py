@@ -341,8 +341,10 @@ class ModelProfile(TimelinesMixin, RungsMixin, StepMixin, SearchesMixin):
             weights, torchao's default); a Linear whose dims are not multiples of 16 is
             refused by name. ``float8_all_gather=True`` (FSDP2 gathering the weights in
             float8): the rank's peak and bytes sent from its own step run on fake tensors
-            and the fake process group, for the plain training step of a
-            ``device="cpu"`` profile (other settings refused by name). ``device="cpu"`` runs
+            and the fake process group, with ``checkpoint`` and ``grad_accumulation`` (other
+            lever and step settings refused by name); on ``device="cuda"`` a CUDA rank's
+            step with 512-byte blocks and no reserved figure, UNCONFIRMED on a GPU
+            (``_profiling/float8_fsdp.py``). ``device="cpu"`` runs
             torchao's ``emulate=True`` (what ``measure`` runs on a CPU); ``device="cuda"``
             its ``torch._scaled_mm`` path (the kernel's workspace UNCONFIRMED). Needs
             ``pip install torchao``.

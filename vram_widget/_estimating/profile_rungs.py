@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, Any
 from .communication import volume_of
 from .decoding import check_generation
 from .estimator import MemoryEstimate
-from .float8 import check_float8, check_float8_layout, float8_all_gather_refusals
+from .float8 import (
+    FLOAT8_ALL_GATHER_CUDA_NOTE,
+    check_float8,
+    check_float8_layout,
+    float8_all_gather_refusals,
+)
 from .kv_cache import check_quantized_cache
 from .levers import Levers
 from .loading import LOAD_DTYPES, LoadEstimate, load_estimate
@@ -163,17 +168,34 @@ class RungsMixin:
         of the estimate (per-layer rows, FLOPs, the breakdown and where the peak is) is the
         float8 profile under FSDP2 with the high-precision gather, for reference, as for a
         pipeline. Refused by name, before any run, where the step is not estimated
-        (:func:`~.float8.float8_all_gather_refusals`)."""
+        (:func:`~.float8.float8_all_gather_refusals`).
+
+        On ``device="cuda"`` (UNCONFIRMED on a GPU) the rank runs torchao's ``_scaled_mm``
+        path with CUDA's kernel choices, and the allocator's 512-byte rounding at its peak
+        is the rank's own (``extras.allocator_rounding_bytes``: its peak of blocks less its
+        peak of bytes); the cuBLAS workspaces, CUDA context and NCCL buffers are the
+        reference's. The rank's allocation stream is not kept, so nothing is replayed:
+        ``allocated_bytes``, ``reserved_bytes`` and ``device_bytes`` are None, and a
+        capacity is compared with ``total_bytes``, the allocated basis."""
         high, asked = self._float8_all_gather_question(recipe)
         whole = self._estimate(high)
         ran = self._source.float8_fsdp_step(*asked)
         sent = volume_of(ran.collectives)
+        extras, described = whole.extras, recipe.float8.describe()
+        if ran.block_peak_bytes is not None:  # a CUDA rank
+            extras = dataclasses.replace(
+                extras, allocator_rounding_bytes=max(0, ran.block_peak_bytes - ran.peak_bytes)
+            )
+            described += FLOAT8_ALL_GATHER_CUDA_NOTE
         return dataclasses.replace(
             whole,
             peak_bytes=ran.peak_bytes,
+            extras=extras,
+            # the reference's allocation stream is not the rank's: no allocator replay
+            event_storage=None,
             communication_sent_bytes=sent.sent_bytes,
             communication_sent_bytes_by_kind=sent.sent_bytes_by_kind,
-            float8=recipe.float8.describe(),
+            float8=described,
         )
 
     def _float8_all_gather_question(  # type: ignore[misc]
@@ -185,23 +207,25 @@ class RungsMixin:
         ``float8_fsdp_step``."""
         float8 = recipe.float8
         self._check_float8(recipe)
-        refused = float8_all_gather_refusals(recipe, self.device.value)
+        refused = float8_all_gather_refusals(recipe)
         if refused:
             raise ValueError(
                 f"float8_all_gather=True with {', '.join(refused)}: not estimated yet (the "
-                "rank's step is run for the plain training step of a device='cpu' profile: "
-                "batch_size, seq_len, precision, optimizer and its implementation, gpus, "
-                "strategy 'zero2', 'zero3' or 'hsdp', gpus_per_node, fsdp_units, rank); "
-                "float8_all_gather=False (torchao's default) is estimated with all of these"
+                "rank's step is run for the training step with batch_size, seq_len, "
+                "precision, optimizer and its implementation, checkpoint (the whole "
+                "modules), grad_accumulation, gpus, strategy 'zero2', 'zero3' or 'hsdp', "
+                "gpus_per_node, fsdp_units, rank); float8_all_gather=False (torchao's "
+                "default) is estimated with all of these"
             )
         high = dataclasses.replace(recipe, float8=dataclasses.replace(float8, all_gather=False))
         parallel = self._parallel_of(recipe)
         rank = check_rank(recipe.parallel.rank, parallel.gpus)
-        step = recipe.step
+        step, lv = recipe.step, recipe.levers
+        levers = self.levers(checkpoint=lv.checkpoint, grad_accumulation=lv.grad_accumulation)
         implementation = recipe.optimizer.resolved_implementation(self.device)
         asked = (
             float8, parallel, step.batch_size, step.seq_len, step.precision,
-            recipe.optimizer.name, implementation, 0 if rank is None else rank,
+            recipe.optimizer.name, implementation, 0 if rank is None else rank, levers,
         )  # fmt: skip
         return high, asked
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._estimating.allocator import round_size
 from .tensor_parallel import local_part
 from .torchao_weights import torchao_inner
 
@@ -33,13 +34,25 @@ class LiveBytes(TorchDispatchMode):
     ``UntypedStorage.resize_`` is followed while the mode is on (as ``mem_tracker``'s
     ``_track_resize`` does). A DTensor counts as its local shard, a torchao tensor subclass
     (float8's ``WeightWithDynamicFloat8CastTensor``, ``Float8TrainingTensor``) as the
-    tensors it holds."""
+    tensors it holds.
 
-    def __init__(self, probe: Any = None) -> None:
+    ``cuda``: CUDA semantics. The bytes a CPU op spends within its call (wrapped Python
+    numbers, dtype-promotion copies: ``cpu_rules.wrapped_scalar_bytes``,
+    ``cpu_rules.promotion_copy_bytes``) are not counted, as the profile's recorder leaves
+    them out of a ``device="cuda"`` step, and each storage is also counted as the caching
+    allocator's block (``live_blocks`` / ``peak_blocks``: its bytes rounded up to a
+    multiple of 512, none for an empty storage: ``allocator.round_size``), the basis of
+    ``torch.cuda.memory_allocated``."""
+
+    def __init__(self, probe: Any = None, cuda: bool = False) -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._seen: Any = torch.utils.weak.WeakIdKeyDictionary()  # storage -> [its bytes]
+        self.cuda = cuda
+        self.live_blocks = 0  # with ``cuda``: the live storages' allocator blocks
+        self.peak_blocks = 0
+        # storage -> [its bytes, its block's bytes (0 without ``cuda``)]
+        self._seen: Any = torch.utils.weak.WeakIdKeyDictionary()
         self.probe = probe  # a probe.KernelProbe: CPU kernels' workspaces (device="cpu")
         self._probed: list[tuple[int, Any]] = []  # (live bytes after the call, signature)
         self._resize: list[Any] = []  # UntypedStorage.resize_ as it was, while on
@@ -66,21 +79,35 @@ class LiveBytes(TorchDispatchMode):
         cell = self._seen.get(storage)
         if cell is None:
             return
-        nbytes = storage.nbytes()
+        self._count(cell, storage.nbytes())
+
+    def _block(self, nbytes: int) -> int:
+        """The caching allocator's block for ``nbytes`` (with ``cuda``; else 0): resizing a
+        storage to nothing frees its block (FSDP2's ``free_storage``)."""
+        return round_size(nbytes) if self.cuda and nbytes > 0 else 0
+
+    def _count(self, cell: list[int], nbytes: int) -> None:
+        """Set a storage's ``cell`` to ``nbytes`` (and its block), the peaks with it."""
+        block = self._block(nbytes)
         self.live_bytes += nbytes - cell[0]
-        cell[0] = nbytes
+        self.live_blocks += block - cell[1]
+        cell[0], cell[1] = nbytes, block
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.peak_blocks = max(self.peak_blocks, self.live_blocks)
 
     def reset_peak(self) -> None:
         """Count the peak from now on."""
         self.peak_bytes = self.live_bytes
+        self.peak_blocks = self.live_blocks
         self._probed.clear()
 
     def peak_with_workspaces(self) -> int:
         """The peak, where a CPU kernel's workspace (measured once per call signature by the
-        probe on real zero tensors, ``probe.py``) lives beside what was live at its call."""
-        assert self.probe is not None
+        probe on real zero tensors, ``probe.py``) lives beside what was live at its call;
+        the peak alone without a probe (CUDA's kernels are not probed on the CPU)."""
         peak = self.peak_bytes
+        if self.probe is None:
+            return peak
         for live, sig in self._probed:
             peak = max(peak, live + max(self.probe.workspace_bytes(sig), 0))
         return peak
@@ -99,14 +126,14 @@ class LiveBytes(TorchDispatchMode):
         storage = t.untyped_storage()
         if storage in self._seen:
             return
-        cell = [storage.nbytes()]
+        cell = [0, 0]
         self._seen[storage] = cell
-        self.live_bytes += cell[0]
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._count(cell, storage.nbytes())
         weakref.finalize(storage, self._free, cell)
 
     def _free(self, cell: list[int]) -> None:
         self.live_bytes -= cell[0]
+        self.live_blocks -= cell[1]
 
     def rng_states(self) -> contextlib.AbstractContextManager[None]:
         """Count the CPU generator states ``torch.get_rng_state()`` hands out in the block
@@ -131,8 +158,10 @@ class LiveBytes(TorchDispatchMode):
         # the Python numbers the op wraps and the copies it casts live through the call,
         # beside its outputs (as the profile's recorder counts them, CPU semantics): 12 B
         # at AdamW's ``denom`` on the first stage's peak; and gloo's staging copies of a
-        # collective of FSDP2's, freed within the call (``staging``)
-        within = wrapped_scalar_bytes(func, args) + promotion_copy_bytes(func, args, out)
+        # collective of FSDP2's, freed within the call (``staging``); neither on CUDA
+        within = 0
+        if not self.cuda:
+            within = wrapped_scalar_bytes(func, args) + promotion_copy_bytes(func, args, out)
         staged = self.staging.get(func)
         if staged is not None:
             within += staged(args, kwargs)

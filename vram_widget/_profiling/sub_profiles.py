@@ -171,13 +171,19 @@ class SubProfiles:
         optimizer: OptimizerChoice | None,
         implementation: OptimizerImplementation | None,
         rank: int = 0,
+        levers: Levers = NO_LEVERS,
     ) -> Any:
         """Rank ``rank``'s step under FSDP2 (``parallel``) with torchao's float8 all-gather
-        (``float8.all_gather``) at ``batch_size`` (and ``seq_len``), run on fake tensors
-        and the fake process group (``float8_fsdp.float8_fsdp_rank``). Kept per question."""
+        (``float8.all_gather``) at ``batch_size`` (and ``seq_len``) with ``levers``
+        (checkpointing, accumulation), run on fake tensors and the fake process group
+        (``float8_fsdp.float8_fsdp_rank``) as a rank of the profile's device. Kept per
+        question."""
         from .float8_fsdp import float8_fsdp_rank
 
-        key = (float8, parallel, batch_size, seq_len, precision, optimizer, implementation, rank)
+        key = (
+            float8, parallel, batch_size, seq_len, precision, optimizer, implementation, rank,
+            levers,
+        )  # fmt: skip
         if not self.float8_fsdp_cached(*key):
             subject = self.profiler.subject
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -188,7 +194,7 @@ class SubProfiles:
                         subject.model,
                         lambda: subject.make_inputs(batch_size, precision, False, seq_len),
                         subject.loss_fn, float8, parallel, precision, optimizer,
-                        implementation, rank,
+                        implementation, rank, levers, cuda=subject.device is Device.CUDA,
                     )  # fmt: skip
                 except (RuntimeError, NotImplementedError, TypeError, AssertionError) as exc:
                     raise ValueError(
