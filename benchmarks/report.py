@@ -143,12 +143,16 @@ def _accuracy_parallel() -> str:
         "tensor parallelism on 2 and 4 ranks x fp32 and bf16 x AdamW training and "
         "inference; pipeline parallelism of the decoders on 2 ranks x GPipe, 1F1B and "
         "interleaved 1F1B (2 stages a rank) x 2 and 4 micro-batches x fp32 and bf16, AdamW; "
-        "FSDP2 (zero3) over tensor-parallel ranks, dp_shard 2 x tp 2 on 4 ranks, of the "
-        "Hugging Face and torchtitan Llamas x fp32 and bf16, AdamW; expert parallelism "
-        "(ep=2, transformers' ep plan, routing made balanced) of the Mixtral; batch 4; every "
-        "rank of each run), each rank estimated from the single-device profile "
-        "(estimate(..., tp=k / pp=k / ep=k / gpus=4, tp=2, strategy='zero3', rank=r) or "
-        "est.stage_peak_bytes) and measured on real gloo ranks (the CPU allocator's "
+        "FSDP2 (zero3) over tensor-parallel ranks, dp_shard 2 x tp 2 on 4 ranks, and HSDP "
+        "over them, dp_replicate 2 x dp_shard 2 x tp 2 on 8 ranks, of the Hugging Face and "
+        "torchtitan Llamas x fp32 and bf16, AdamW; FSDP2 (zero2, zero3) over pipeline "
+        "stages, pp 2 x dp_shard 2 on 4 ranks, and tensor parallelism inside pipeline "
+        "stages, pp 2 x tp 2 on 4 ranks, of the Hugging Face Llama x the schedules with 2 "
+        "micro-batches x fp32 and bf16, AdamW; expert parallelism (ep=2, transformers' ep "
+        "plan, routing made balanced) of the Mixtral; batch 4; every rank of each run), each "
+        "rank estimated from the single-device profile (estimate(..., tp=k / pp=k / ep=k), "
+        "with a data-parallel strategy estimate(..., rank=r), or est.stage_peak_bytes: "
+        "stage r // tp with tp x pp) and measured on real gloo ranks (the CPU allocator's "
         "allocated bytes)",
         "per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %",
     )
