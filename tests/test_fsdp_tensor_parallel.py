@@ -55,7 +55,7 @@ def test_layouts_refused_before_any_profile_or_rank() -> None:
         profile.estimate(2, gpus=4, tp=2, strategy="zero3", lora_rank=4)
     with pytest.raises(ValueError, match=r"loss_chunks with tp=2 on gpus=4"):
         measure(model, inputs, gpus=4, tp=2, strategy="zero3", loss_chunks=2)
-    with pytest.raises(ValueError, match=r"FSDP2 over tensor-parallel ranks\) with checkpoint"):
+    with pytest.raises(ValueError, match=r"tensor-parallel ranks\) with checkpoint: .*4.7 % more"):
         profile.estimate(2, gpus=4, tp=2, strategy="zero3", checkpoint="auto")
     assert time.monotonic() - t0 < 10  # nothing profiled, no rank started
     assert not dist.is_initialized()
