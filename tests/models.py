@@ -546,6 +546,29 @@ def hf_mixtral() -> nn.Module:
     return transformers.MixtralForCausalLM(config)
 
 
+def routed_experts(model: nn.Module, rows: str) -> nn.Module:
+    """A Mixtral of 4 experts, 2 per token, with every router's weight rows set (in place)
+    so that the routing is known.
+
+    ``"balanced"``: rows ``[w, -w, u, -u]``. A token's logits are then ``a, -a, b, -b``
+    (``a = h.w``, ``b = h.u``), whose top 2 are the positive one of each pair: one expert of
+    experts 0-1 (rank 0's of 2 expert-parallel ranks) and one of experts 2-3 (rank 1's) for
+    every token, so each rank's experts receive exactly ``tokens * top_k / 2`` pairs (the
+    routing the estimate assumes, ``expert_parallel.routed_sizes``). ``"all-to-one"``: zero
+    rows, equal logits, and ``torch.topk`` picks experts 2 and 3 for every token (measured
+    on the CPU, torch 2.13): every pair goes to rank 1's experts.
+    """
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                if rows == "balanced":
+                    w, u = torch.randn(2, module.weight.shape[1])
+                    module.weight.copy_(torch.stack([w, -w, u, -u]))
+                else:
+                    module.weight.zero_()
+    return model
+
+
 def hf_t5() -> nn.Module:
     """T5: an encoder-decoder of 2 + 2 layers of 64, 4 heads of 16 (relative positions)."""
     import transformers

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from models import hf_llama, hf_mixtral, hf_tokens
+from models import hf_llama, hf_mixtral, hf_tokens, routed_experts
 
 from vram_widget import profile_model
 from vram_widget._estimating.communication import (
@@ -204,12 +204,7 @@ def test_tensor_parallel_collectives_match_gloo(one_thread: None) -> None:
 
     def rank_step(_rank: int, world: int) -> list[tuple[str, int, int]]:
         sharded = setup.wrap_model(model, None, None)  # type: ignore[arg-type]
-        opt = torch.optim.AdamW(sharded.parameters())
-
-        def step() -> None:
-            sharded(**inputs).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = _adamw_step(sharded, inputs)
 
         step()  # the optimizer's state made
         return _gloo_collectives(step, world)
@@ -260,19 +255,22 @@ def test_pipeline_sends_match_gloo(one_thread: None, schedule: str) -> None:
     assert est.communication_sent_bytes == 16_384
 
 
+def _adamw_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """One AdamW training step of a Hugging Face model on ``inputs`` (which hold labels)."""
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step() -> None:
+        model(**inputs).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def _balanced_mixtral() -> torch.nn.Module:
-    """The Mixtral of tests/models.py with each router's rows ``[w, -w, u, -u]``: a token's
-    logits are ``a, -a, b, -b``, whose top 2 are one of experts 0-1 (rank 0's) and one of
-    experts 2-3 (rank 1's), so every rank's experts receive half of each rank's pairs: the
-    routing the estimate assumes (``expert_parallel.routed_sizes``, "balanced")."""
+    """The Mixtral of tests/models.py with balanced routing (``models.routed_experts``)."""
     torch.manual_seed(0)
-    model = hf_mixtral()
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith("mlp.gate"):
-                w, u = torch.randn(2, module.weight.shape[1])
-                module.weight.copy_(torch.stack([w, -w, u, -u]))
-    return model
+    return routed_experts(hf_mixtral(), "balanced")
 
 
 def test_expert_parallel_collectives_match_gloo(one_thread: None) -> None:
@@ -288,12 +286,7 @@ def test_expert_parallel_collectives_match_gloo(one_thread: None) -> None:
 
     def rank_step(_rank: int, world: int) -> tuple[list[tuple[str, int, int]], ...]:
         sharded = setup.wrap_model(model, None, None)  # type: ignore[arg-type]
-        opt = torch.optim.AdamW(sharded.parameters())
-
-        def step() -> None:
-            sharded(**inputs).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = _adamw_step(sharded, inputs)
 
         def forward() -> None:
             with torch.no_grad():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import routed_experts
 
 from vram_widget import profile_model
 from vram_widget._estimating.recipe.parallel import ParallelSettings, check_expert_parallel
@@ -102,25 +103,8 @@ def test_a_dense_model_is_refused() -> None:
 
 
 def routed(rows: str) -> torch.nn.Module:
-    """The test Mixtral with every router's weight rows set so that routing is known.
-
-    ``"balanced"``: rows ``[w, -w, u, -u]``. A token's logits are then ``a, -a, b, -b``
-    (``a = h.w``, ``b = h.u``), whose top 2 are the positive one of each pair: one expert of
-    experts 0-1 (rank 0's) and one of experts 2-3 (rank 1's) for every token, so each rank's
-    experts receive exactly ``tokens * top_k / 2`` pairs. ``"all-to-one"``: zero rows, equal
-    logits, and ``torch.topk`` picks experts 2 and 3 for every token (measured on the CPU,
-    torch 2.13): every pair goes to rank 1's experts.
-    """
-    model = mixtral()
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith("mlp.gate"):
-                if rows == "balanced":
-                    w, u = torch.randn(2, module.weight.shape[1])
-                    module.weight.copy_(torch.stack([w, -w, u, -u]))
-                else:
-                    module.weight.zero_()
-    return model
+    """The test Mixtral with its routing known (``models.routed_experts``)."""
+    return routed_experts(mixtral(), rows)
 
 
 def _inputs(batch: int) -> dict[str, torch.Tensor]:

@@ -104,23 +104,10 @@ def fsdp_held_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
 def _fake_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A meta copy of ``model`` whose parameters and buffers are fake CPU tensors (the
     floating ones in ``dtype``), tied ones kept tied; call inside the fake mode."""
-    from .step import meta_copy
+    from .step import fake_tensors_in_place, meta_copy
 
     copy_ = meta_copy(model)
-    memo: dict[int, torch.Tensor] = {}
-    for sub in copy_.modules():
-        tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
-        for table in tables:
-            for name, t in list(table.items()):
-                if t is None:
-                    continue
-                if id(t) not in memo:
-                    want = dtype if t.is_floating_point() else t.dtype
-                    fake = torch.empty_strided(t.shape, t.stride(), dtype=want, device="cpu")
-                    if isinstance(t, nn.Parameter):
-                        fake = nn.Parameter(fake, requires_grad=t.requires_grad)
-                    memo[id(t)] = fake
-                table[name] = memo[id(t)]
+    fake_tensors_in_place([copy_], dtype)
     return copy_
 
 

@@ -578,7 +578,7 @@ def stage_peak(
     world of ``pp x tp`` ranks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .step import storage_dtype
+    from .step import fake_tensors_in_place, storage_dtype
     from .tensor_parallel import fake_process_group
 
     dtype = storage_dtype(precision)
@@ -590,21 +590,8 @@ def stage_peak(
         layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
     ]
     mode = FakeTensorMode()
-    memo: dict[int, torch.Tensor] = {}
     with mode:
-        for sub in (s for module in modules for s in module.modules()):
-            tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
-            for table in tables:
-                for name, t in list(table.items()):
-                    if t is None:
-                        continue
-                    if id(t) not in memo:
-                        want = dtype if t.is_floating_point() else t.dtype
-                        fake = torch.empty_strided(t.shape, t.stride(), dtype=want, device="cpu")
-                        if isinstance(t, nn.Parameter):
-                            fake = nn.Parameter(fake, requires_grad=t.requires_grad)
-                        memo[id(t)] = fake
-                    table[name] = memo[id(t)]
+        fake_tensors_in_place(modules, dtype)
         fake_inputs = {
             k: torch.empty(v.shape, dtype=v.dtype, device="cpu") for k, v in inputs.items()
         }

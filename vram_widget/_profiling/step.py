@@ -634,6 +634,27 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def fake_tensors_in_place(modules: Iterable[torch.nn.Module], dtype: torch.dtype) -> None:
+    """Replace the parameters and buffers of ``modules`` (meta copies) by CPU tensors of the
+    same shapes, strides and ``requires_grad``, the floating ones in ``dtype``; a tensor held
+    twice (tied weights, across the modules too) stays one. Call it inside a fake mode, which
+    makes them fake."""
+    memo: dict[int, torch.Tensor] = {}
+    for sub in (s for module in modules for s in module.modules()):
+        tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+        for table in tables:
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    want = dtype if t.is_floating_point() else t.dtype
+                    fake = torch.empty_strided(t.shape, t.stride(), dtype=want, device="cpu")
+                    if isinstance(t, torch.nn.Parameter):
+                        fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+                    memo[id(t)] = fake
+                table[name] = memo[id(t)]
+
+
 # Where PEFT's get_peft_model puts the wrapped model: its modules' names gain this prefix
 # (PeftModel.base_model is the LoraModel, whose .model is the user's model).
 PEFT_PREFIX = "base_model.model."
