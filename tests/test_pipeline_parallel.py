@@ -159,6 +159,39 @@ def test_stages_against_real_pipeline_ranks(
     assert est.stage_peak_bytes == real.rank_peak_bytes
 
 
+def test_a_torchtitan_pipeline_config_estimates_its_stages(llama_profile) -> None:  # type: ignore[no-untyped-def]
+    import warnings
+
+    from vram_widget import Recipe, RecipeSettingIgnored
+
+    # torchtitan 0.2.2's keys: 2 stages of one replica, the default "1F1B" schedule, the
+    # local batch of 8 in micro-batches of 2: 4 micro-batches; no checkpointing
+    config = {
+        "training": {"local_batch_size": 8, "seq_len": 16},
+        "optimizer": {"implementation": "foreach"},
+        "activation_checkpoint": {"mode": "none"},
+        "parallelism": {
+            "pipeline_parallel_degree": 2,
+            "data_parallel_shard_degree": 1,
+            "pipeline_parallel_microbatch_size": 2,
+        },
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecipeSettingIgnored)  # the training loop, listed
+        est = llama_profile.estimate(recipe=Recipe.from_torchtitan(config))
+    flat = llama_profile.estimate(
+        8, optimizer="adamw-foreach", gpus=2, pp=2, microbatches=4, pp_schedule="1f1b"
+    )
+    assert (est.pp, est.pp_schedule, est.microbatches) == (2, "1f1b", 4)
+    assert est.stage_peak_bytes == flat.stage_peak_bytes
+    # torchtitan's default selective checkpointing (every 2nd layer) is refused by name
+    config["activation_checkpoint"] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecipeSettingIgnored)
+        with pytest.raises(ValueError, match=r"pp=2 with checkpoint_policy=2: not estimated"):
+            llama_profile.estimate(recipe=Recipe.from_torchtitan(config))
+
+
 def test_stages_split_where_asked(llama_profile) -> None:  # type: ignore[no-untyped-def]
     from vram_widget._profiling.pipeline_parallel import stage_layer_ranges
 

@@ -152,6 +152,51 @@ def test_tensor_parallel_degree(tmp_path: Path) -> None:
         _read(tmp_path, replicas + "data_parallel_replicate_degree = 2\n")
 
 
+def test_pipeline_parallel_degree(tmp_path: Path) -> None:
+    # pipeline_parallel_degree k -> pp=k; the local batch of 8 split into micro-batches of
+    # pipeline_parallel_microbatch_size (default 1): 8 // 1 = 8, schedule "1F1B" by default
+    # (torchtitan 0.2.2 Parallelism; pipeline_parallel.py build_pipeline_schedule)
+    text = "[training]\nlocal_batch_size = 8\n[parallelism]\npipeline_parallel_degree = 2\n"
+    with pytest.warns(RecipeSettingIgnored, match="training loop"):
+        r = _read(tmp_path, text + "data_parallel_shard_degree = 1\n")
+    got = [r.get(k) for k in ("gpus", "pp", "pp_schedule", "microbatches", "batch_size")]
+    assert got == [2, 2, "1f1b", 8, 8]
+    # no FSDP under the stages: mixed_precision_param is not applied (maybe_enable_amp)
+    assert r.step.precision.value == "fp32" and len(r.ignored) == 1
+    # gpus = dp x tp x pp; with a micro-batch of 2: 8 // 2 = 4 micro-batches; the name is
+    # matched case-insensitively, as torch's get_schedule_class does
+    more = 'pipeline_parallel_microbatch_size = 2\npipeline_parallel_schedule = "gpipe"\n'
+    with pytest.warns(RecipeSettingIgnored):
+        r = _read(tmp_path, text + "tensor_parallel_degree = 2\n" + more, gpus=8)
+    got = [r.get(k) for k in ("gpus", "tp", "pp", "pp_schedule", "microbatches")]
+    assert got == [8, 2, 2, "gpipe", 4]
+    # dp_shard = 8 // (2 x 2) = 2 ranks left: FSDP2 over each tp x pp group, which
+    # torchtitan does not reshard after the forward under pipelining ("default")
+    assert r.get("strategy") == "zero2" and r.step.precision.value == "amp-bf16"
+    # the keys that change the split are listed, the split estimated is the default
+    split = (
+        'pipeline_parallel_schedule = "Interleaved1F1B"\npipeline_parallel_layers_per_stage = 1\n'
+    )
+    with pytest.warns(RecipeSettingIgnored, match=r"layers_per_stage=1 \(the stages are split"):
+        r = _read(tmp_path, text + "data_parallel_shard_degree = 1\n" + split)
+    assert r.get("pp_schedule") == "interleaved-1f1b"
+    # global_batch_size counts the data-parallel ranks only (here the 2 ranks are the 2
+    # stages of one replica): 16 // (8 x 1) = 2
+    with pytest.warns(RecipeSettingIgnored):
+        r = _read(tmp_path, text.replace("8\n", "8\nglobal_batch_size = 16\n", 1), gpus=2)
+    assert (r.get("gpus"), r.get("grad_accumulation")) == (2, 2)
+    bad = {
+        'pipeline_parallel_schedule = "ZBVZeroBubble"': r"schedule='ZBVZeroBubble' is not "
+        r"estimated; the schedules estimated are 'GPipe', '1F1B', 'Interleaved1F1B'",
+        "pipeline_parallel_microbatch_size = 3": r"local_batch_size=8 is not a multiple of "
+        r"parallelism.pipeline_parallel_microbatch_size=3",
+        "pipeline_parallel_microbatch_size = 0": r"microbatch_size=0; give an integer >= 1",
+    }
+    for line, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            _read(tmp_path, text + line + "\n", gpus=2)
+
+
 @pytest.mark.parametrize(
     ("section", "gpus", "expected"),
     [

@@ -261,8 +261,10 @@ class Recipe:
         Read: the micro-batch, sequence length and accumulation (``global_batch_size``),
         the dtype and mixed precision, the optimizer and its implementation, activation
         checkpointing and its selective option (``checkpoint_policy``), and the
-        data-parallel degrees (``gpus``, ``strategy``). Other degrees (tensor, pipeline,
-        context, expert), the model's name, its converters, ``compile`` and unknown
+        data-parallel, tensor- and pipeline-parallel degrees with the pipeline's schedule
+        and micro-batches (``gpus``, ``strategy``, ``tp``, ``pp``, ``pp_schedule``,
+        ``microbatches``). The context and expert degrees, the model's name, its
+        converters, ``compile`` and unknown
         sections or keys are listed in :attr:`ignored`; ``enable_cpu_offload`` and the
         ``memory_budget`` mode are refused by name.
 

@@ -54,8 +54,17 @@ Refactor: TOML to Python Dataclass Registry"), which this reader does not run.
   vocabulary-parallel loss (``_LossParallelCrossEntropy``, ``torchtitan/components/loss.py``; 0.2's
   ``disable_loss_parallel=false``) are listed as ignored, as is async tensor parallelism
   (``compile.enable_async_tensor_parallel`` in 0.3.0, ``parallelism.`` in 0.2; it needs
-  torch.compile, which is listed too). Pipeline, context and expert parallelism degrees > 1
-  are listed as ignored (each rank's step is estimated as a data-parallel one).
+  torch.compile, which is listed too). ``pipeline_parallel_degree`` k > 1 is our ``pp=k``
+  (``gpus`` counts it: dp x tp x pp), ``pipeline_parallel_schedule`` ("1F1B"; "GPipe" and
+  "Interleaved1F1B" too, any other refused) our ``pp_schedule``, and the micro-batches
+  ``local_batch_size // pipeline_parallel_microbatch_size`` (1) our ``microbatches``; the
+  stages are split by torchtitan's defaults, and keys that change the split
+  (``pipeline_parallel_layers_per_stage``, ``..._first_stage_less_layers``, ...) are listed
+  as ignored. What the pipeline estimate does not take (HSDP or DDP over stages, "amp-bf16",
+  selective checkpointing, ...) it refuses by name. Context and expert parallelism degrees
+  > 1 are listed as ignored (each rank's step is estimated as a data-parallel one):
+  torchtitan's shard the data-parallel ranks' own batches, where ``cp`` and ``ep`` here are
+  ranks sharing one batch.
 - ``[model]`` ``name`` / ``flavor``: listed; the model estimated is the one profiled.
   ``converters`` (float8, mx): listed as not estimated. ``[compile]`` ``enable``: listed
   as not estimated. Sections with no effect on a step's memory (``job``, ``profiling``,
@@ -92,6 +101,19 @@ _PARALLEL_DEFAULTS: dict[str, Any] = {
     "pipeline_parallel_degree": 1, "context_parallel_degree": 1, "expert_parallel_degree": 1,
     "enable_sequence_parallel": True,
 }  # fmt: skip
+
+# torchtitan 0.2.2 JobConfig's pipeline defaults (Parallelism, torchtitan/config/job_config.py)
+_PIPELINE_DEFAULTS: dict[str, Any] = {"schedule": "1F1B", "microbatch": 1}
+_SPLIT_DEFAULTS: dict[str, Any] = {
+    "pipeline_parallel_layers_per_stage": None, "pipeline_parallel_first_stage_less_layers": 1,
+    "pipeline_parallel_last_stage_less_layers": 1, "module_fqns_per_model_part": None,
+    "pipeline_parallel_schedule_csv": "",
+}  # fmt: skip
+# torch's schedule names (get_schedule_class) -> ours; the others are not estimated
+_SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B")
+PIPELINE_SCHEDULES: dict[str, str] = dict(
+    zip((n.lower() for n in _SCHEDULE_NAMES), ("gpipe", "1f1b", "interleaved-1f1b"), strict=True)
+)
 
 # optimizer.name -> ours (build_optimizers' optimizer_classes, components/optimizer.py);
 # optimizer.implementation -> our implementation suffix
@@ -154,7 +176,9 @@ def read_torchtitan(config: object, gpus: int | None = None) -> Recipe:
     parallel = _parallel(sections["parallelism"], gpus, ignored)
     if parallel.get("tp", 1) > 1:
         _tensor_parallel(sections["parallelism"], sections["compile"], ignored)
-    dp_degree = parallel["gpus"] // parallel.get("tp", 1)
+    if parallel.get("pp", 1) > 1:
+        parallel.update(_pipeline(sections["parallelism"], training, ignored))
+    dp_degree = parallel["gpus"] // (parallel.get("tp", 1) * parallel.get("pp", 1))
     settings: dict[str, Any] = {
         **parallel,
         "batch_size": _positive_int(training, "training", "local_batch_size"),
@@ -268,14 +292,26 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
             "gpus equal to their product, or data_parallel_shard_degree = -1"
         )
     tp = others.pop("tensor_parallel_degree")
+    pp = others.pop("pipeline_parallel_degree")
     for key, degree in [*others.items(), ("expert_parallel_degree", expert)]:
         if degree > 1:
             ignored.append(
                 f"parallelism.{key}={degree} (not estimated: each rank's step is estimated as "
                 "a data-parallel one over the whole model)"
             )
+    layout = _data_and_tensor_parallel(section, replicate, shard, tp, ignored)
+    if pp > 1:  # each stage's ranks laid out as above (pp the outermost mesh dimension)
+        layout = {**layout, "gpus": layout["gpus"] * pp, "pp": pp}
+    return layout
+
+
+def _data_and_tensor_parallel(
+    section: Mapping[str, Any], replicate: int, shard: int, tp: int, ignored: list[str]
+) -> dict[str, Any]:
+    """The ranks of one pipeline stage (all of them without pipelining): the data-parallel
+    strategy over ``replicate x shard`` ranks and the ``tp`` ranks under it."""
     dp = replicate * shard
-    pp = others["pipeline_parallel_degree"]
+    pp = _degree(section, "pipeline_parallel_degree")
     if tp > 1:
         if replicate > 1 and shard == 1:
             raise refuse(
@@ -350,6 +386,45 @@ def _tensor_parallel(
                 f"{where}.enable_async_tensor_parallel=True (async tensor parallelism's "
                 "collectives, pipelined with the matmuls by torch.compile)"
             )
+
+
+def _pipeline(
+    section: Mapping[str, Any], training: Mapping[str, Any], ignored: list[str]
+) -> dict[str, Any]:
+    """``pp_schedule`` and ``microbatches`` for ``pipeline_parallel_degree`` > 1: the local
+    batch split into micro-batches of ``pipeline_parallel_microbatch_size``
+    (``build_pipeline_schedule``, ``torchtitan/distributed/pipeline_parallel.py``: ``n_microbatches
+    = local_batch_size // microbatch_size``, refused where it does not divide), each stage
+    split by torchtitan's defaults; the keys that change the split are listed."""
+    name = section.get("pipeline_parallel_schedule", _PIPELINE_DEFAULTS["schedule"])
+    # torch's get_schedule_class matches names case-insensitively
+    # (torch/distributed/pipelining/schedules.py)
+    schedule = PIPELINE_SCHEDULES.get(str(name).lower())
+    if schedule is None:
+        raise ValueError(
+            f"{SOURCE}: parallelism.pipeline_parallel_schedule={name!r} is not estimated; "
+            f"the schedules estimated are {', '.join(repr(n) for n in _SCHEDULE_NAMES)}"
+        )
+    size = section.get("pipeline_parallel_microbatch_size", _PIPELINE_DEFAULTS["microbatch"])
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"{SOURCE}: parallelism.pipeline_parallel_microbatch_size={size!r}; give an "
+            "integer >= 1"
+        )
+    local = training["local_batch_size"]
+    if local % size:
+        raise ValueError(
+            f"{SOURCE}: training.local_batch_size={local} is not a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size={size}; torchtitan refuses it too"
+        )
+    for key, default in _SPLIT_DEFAULTS.items():
+        value = section.get(key, default)
+        if value != default:
+            ignored.append(
+                f"parallelism.{key}={value!r} (the stages are split by torchtitan's default: "
+                "by layer count, the embedding and the output each weighing one layer)"
+            )
+    return {"pp_schedule": schedule, "microbatches": local // size}
 
 
 def _accumulation(training: Mapping[str, Any], dp_degree: int) -> int:
