@@ -3,6 +3,7 @@ fake tensors, against real gloo ranks; the layouts refused before any profiling.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -386,6 +387,11 @@ def test_tensor_parallel_stage_layouts_refused_before_any_rank(llama_profile) ->
         profile.estimate(4, gpus=6, tp=3, pp=2)
     with pytest.raises(ValueError, match=heads):
         measure(model, inputs, gpus=6, tp=3, pp=2)
+    # what the widget asks before it profiles stages: the same reason, and none at tp=2
+    assert re.match(heads, profile.pipeline_parallel_refusal(2, tp=3))
+    kv_heads = r"tp=4 does not divide the model's num_key_value_heads=2"
+    assert re.match(kv_heads, profile.pipeline_parallel_refusal(2, 1, 4))
+    assert profile.pipeline_parallel_refusal(2, tp=2) is None
     assert time.monotonic() - t0 < 5  # no stage run, no rank started
     assert not dist.is_initialized()
 

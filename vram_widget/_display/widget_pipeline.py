@@ -193,7 +193,7 @@ class PipelineMixin:
         schedule and the micro-batches are the estimate's to check), else refused."""
         value = proposal["value"]
         if value is not None and value > 1 and self.pp > 1:
-            refusal = self._profile.pipeline_parallel_refusal(self.pp, value)
+            refusal = self._profile.pipeline_parallel_refusal(self.pp, value, self.tp)
             if refusal:
                 raise traitlets.TraitError(refusal)
         return value
@@ -211,7 +211,7 @@ class PipelineMixin:
         except (TypeError, ValueError):  # refused at once: nothing is profiled
             return False
         stages = pipeline_stages_per_rank(asked.parallel)
-        return self._profile.pipeline_parallel_refusal(self.pp, stages) is None
+        return self._profile.pipeline_parallel_refusal(self.pp, stages, self.tp) is None
 
     def _pipeline_answered_now(self: MemoryWidget) -> None:  # type: ignore[misc]
         """Note the current setting's stages as profiled (after its estimate)."""

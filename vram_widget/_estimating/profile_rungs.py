@@ -342,12 +342,14 @@ class RungsMixin:
         return self._source.tensor_parallel_refusal(tp)
 
     def pipeline_parallel_refusal(  # type: ignore[misc]
-        self: ModelProfile, pp: int = 2, stages_per_rank: int = 1
+        self: ModelProfile, pp: int = 2, stages_per_rank: int = 1, tp: int = 1
     ) -> str | None:
         """Why this model cannot be split into ``pp`` pipeline ranks of ``stages_per_rank``
-        stages each (not a Hugging Face decoder, ``pp`` not dividing its layers, too few
-        layers for the stages, inputs other than ids and labels, a profile not made with
-        ``device="cpu"``), or None; checked without profiling.
+        stages each, with ``tp`` > 1 each stage sharded by the model's own plan over ``tp``
+        ranks (not a Hugging Face decoder, ``pp`` not dividing its layers, too few layers
+        for the stages, inputs other than ids and labels, no plan or ``tp`` not dividing what
+        it shards, a profile not made with ``device="cpu"``), or None; checked without
+        profiling.
 
         Examples
         --------
@@ -356,7 +358,7 @@ class RungsMixin:
         >>> "splits a Hugging Face decoder" in profile.pipeline_parallel_refusal(2)
         True
         """
-        return self._source.pipeline_parallel_refusal(pp, stages_per_rank)
+        return self._source.pipeline_parallel_refusal(pp, stages_per_rank, tp)
 
     def expert_parallel_refusal(self: ModelProfile, ep: int = 2) -> str | None:  # type: ignore[misc]
         """Why this model's experts cannot be split over ``ep`` ranks by its own plan (it

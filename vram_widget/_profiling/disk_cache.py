@@ -607,8 +607,10 @@ class DiskCachedSource:
         refusal: str | None = self.inner.context_parallel_refusal()
         return refusal
 
-    def pipeline_parallel_refusal(self, pp: int, stages_per_rank: int = 1) -> str | None:
-        refusal: str | None = self.inner.pipeline_parallel_refusal(pp, stages_per_rank)
+    def pipeline_parallel_refusal(
+        self, pp: int, stages_per_rank: int = 1, tp: int = 1
+    ) -> str | None:
+        refusal: str | None = self.inner.pipeline_parallel_refusal(pp, stages_per_rank, tp)
         return refusal
 
     def pipeline_stage_peaks(self, *args: Any) -> Any:
