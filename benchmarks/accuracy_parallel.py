@@ -41,7 +41,11 @@ bf16, AdamW training, each rank against its own estimate. Tensor parallelism ins
 pipeline stages (``gpus=4, pp=2, tp=2``: a 2-D mesh, pp=2 x tp=2, pp outer, each stage
 sharded by the model's own plan on its tp ranks) on the Hugging Face Llama x the three
 schedules with 2 micro-batches x fp32 and bf16, AdamW training, rank r against stage
-r // tp's estimate. Expert parallelism on 2 ranks
+r // tp's estimate. FSDP2 over those tensor-parallel stages (``gpus=8, pp=2, tp=2,
+strategy="zero2"|"zero3"``: a 3-D mesh, pp=2 x dp_shard=2 x tp=2, each stage sharded by the
+plan on its tp ranks, then ``fully_shard`` per decoder layer and on the stage over its
+dp_shard ranks) x GPipe and 1F1B x fp32 and bf16, rank r against stage r // 4's
+estimate. Expert parallelism on 2 ranks
 (``ep=2``, transformers' own ep plan) x fp32 and bf16 x training and inference, on the
 Mixtral with each router's rows set to ``[w, -w, u, -u]`` (every token picks one expert of
 each rank: balanced routing, the case the estimate is for; its ``ep_worst_case_bytes`` is
@@ -56,7 +60,7 @@ refuses is a row with its reason.
     python benchmarks/accuracy_parallel.py --layouts dp_shard   # FSDP2 or HSDP x tp, FSDP2 x pp
     python benchmarks/accuracy_parallel.py --layouts hsdp   # HSDP x tp rows (8 ranks), ~3 min
     python benchmarks/accuracy_parallel.py --models hf_llama --layouts "x pp=2"  # FSDP2 x pp
-    python benchmarks/accuracy_parallel.py --models hf_llama --layouts "m=2 x tp"  # tp x pp
+    python benchmarks/accuracy_parallel.py --models hf_llama --layouts "m=2 x tp"  # (dp x) pp x tp
 
 Targets: per-rank median |ratio - 1| <= 0.5 %, worst <= 3 %. Writes
 results/accuracy_parallel.json (``--quick``: results/accuracy_parallel_quick.json) and prints
@@ -207,8 +211,9 @@ def compare(
     except ValueError as exc:  # a layout the estimate refuses, by name
         return [_refused(label, layout, precision, mode, exc)]
     estimates = list(est.stage_peak_bytes) or [est.peak_bytes] * settings["gpus"]
-    if settings.get("tp", 1) > 1 and settings.get("pp", 1) > 1:  # rank r holds stage r // tp
-        estimates = [est.stage_peak_bytes[r // settings["tp"]] for r in range(settings["gpus"])]
+    if settings.get("tp", 1) > 1 and settings.get("pp", 1) > 1:  # stage r // (dp x tp)
+        per_stage = settings["gpus"] // settings["pp"]
+        estimates = [est.stage_peak_bytes[r // per_stage] for r in range(settings["gpus"])]
     if settings.get("strategy") is not None:  # FSDP2 over tp groups or stages: each rank's own
         estimates = [
             profile.estimate(BATCH, rank=rank, **kwargs).peak_bytes
@@ -287,6 +292,13 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
         for schedule in SCHEDULES[:1] if quick else SCHEDULES:
             settings = {"gpus": 4, "pp": 2, "tp": 2, "pp_schedule": schedule, "microbatches": 2}
             out.append((f"pp=2 {schedule} m=2 x tp=2 own plan", "train", settings))
+    if case.dp_pp and case.tp_pp:  # a 3-D mesh (pp, dp_shard, tp), as torchtitan's
+        for strategy in STAGE_STRATEGIES:
+            for schedule in SCHEDULES[:2]:
+                settings = {"gpus": 8, "pp": 2, "tp": 2, "strategy": strategy,
+                            "pp_schedule": schedule, "microbatches": 2}  # fmt: skip
+                out.append((f"dp_shard=2 {strategy} x pp=2 {schedule} m=2 x tp=2 own plan",
+                            "train", settings))  # fmt: skip
     return out
 
 

@@ -930,7 +930,7 @@ def test_pipeline_parallel_flags(
     assert "--microbatches are settings of --pp K" in err
     # --tp with --pp: the world is pp x tp ranks (4 here, not the 2 given)
     err = _usage_error([*argv, "--pp", "2", "--tp", "2"], capsys)
-    assert "--pp: pp=2 x tp=2 != gpus=2: gpus is the world size" in err
+    assert "--pp: pp=2 x tp=2 does not divide gpus=2: gpus is the world size" in err
     # ScheduleInterleaved1F1B, 2 stages a rank (the default, given here): each rank's peak
     flags = ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "2"]
     assert main([*argv, *flags, "--microbatches", "2"]) == 0

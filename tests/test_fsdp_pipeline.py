@@ -49,6 +49,14 @@ def test_layouts_refused_before_any_rank(llama) -> None:  # type: ignore[no-unty
         profile.estimate(4, gpus=5, pp=2, strategy="zero3")
     with pytest.raises(ValueError, match=r"no data-parallel ranks to shard over"):
         measure(model, inputs, gpus=2, pp=2, strategy="zero3")
+    # with tensor-parallel stages (dp x pp x tp): the same refusals, by the 3-D layout
+    for strategy in ("ddp", "hsdp"):
+        with pytest.raises(ValueError, match=rf"pp=2 x tp=2 on gpus=8 with strategy='{strategy}"):
+            profile.estimate(4, gpus=8, pp=2, tp=2, strategy=strategy)
+    with pytest.raises(ValueError, match=r"pp=2 x tp=2 on gpus=8 with pp_schedule='interleaved"):
+        measure(model, inputs, gpus=8, pp=2, tp=2, strategy="zero3", pp_schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match=r"pp=2 x tp=2 does not divide gpus=6"):
+        profile.estimate(4, gpus=6, pp=2, tp=2, strategy="zero3")
     with pytest.raises(ValueError, match=r"rank must be None .* in \[0, 4\) for gpus=4"):
         profile.estimate(4, gpus=4, pp=2, strategy="zero3", rank=4)
     assert time.monotonic() - t0 < 5  # no stage run, no rank started
@@ -102,6 +110,37 @@ def test_llama_ranks_against_real_fsdp_over_pipeline_stages(
     assert (real.gpus, real.pp, real.strategy, len(real.rank_peak_bytes)) == (4, 2, strategy, 4)
     first, last = est.stage_peak_bytes
     assert real.rank_peak_bytes == (first, first, last, last)
+
+
+def test_llama_ranks_against_real_fsdp_over_tensor_parallel_stages(
+    one_thread: None,
+    llama,  # type: ignore[no-untyped-def]
+) -> None:
+    # dp x pp x tp = 2 x 2 x 2 as torchtitan lays out 8 ranks: a ("pp", "dp_shard", "tp")
+    # mesh, each stage sharded by the model's plan over tp, its layers checkpointed, then
+    # FSDP2 over dp_shard; every rank to the byte. zero2 and bf16, GPipe, and without
+    # checkpointing, measured the same way (docs/guides/multi-gpu.md)
+    model, profile = llama
+    kwargs = {"optimizer": "adamw", "gpus": 8, "pp": 2, "tp": 2, "strategy": "zero3",
+              "pp_schedule": "1f1b", "microbatches": 2, "checkpoint": "auto"}  # fmt: skip
+    est = profile.estimate(4, **kwargs)
+    # stage 0 on tensor-parallel rank 0 holds 50,560 elements (the embedding's 500 x 64
+    # rows, its layer's 18,560: test_pipeline_parallel.py); FSDP2 halves each on dim 0
+    # (every one even): 25,280, and AdamW's two moments of each; 2 gradient receive buffers
+    # of a micro-batch's whole hidden states 2 x (2 x 16 x 64) = 4,096 elements and the
+    # rotary embedding's 16, fp32; 10 step counts (40 B) and the ids 4 x 16 x 8 B = 512:
+    # (3 x 25,280 + 4,112) x 4 + 552 = 320,360 B
+    assert est.stage_resident_bytes[0] == (3 * 25_280 + 4_112) * 4 + 552 == 320_360
+    # the last stage: its layer, the final norm and lm_head's rows, 50,624 / 2 elements
+    assert est.parameter_bytes == 25_312 * 4
+    assert (est.gpus, est.pp, est.tp, est.strategy) == (8, 2, 2, "zero3")
+    # rank r holds stage r // (dp x tp): rank 3 is stage 0, rank 4 stage 1
+    for rank, stage in ((3, 0), (4, 1)):
+        other = profile.estimate(4, rank=rank, **kwargs)
+        assert other.peak_bytes == est.stage_peak_bytes[stage]
+    real = measure(model, hf_tokens(4), timeout_s=120, **kwargs)
+    first, last = est.stage_peak_bytes
+    assert real.rank_peak_bytes == (first,) * 4 + (last,) * 4
 
 
 def test_live_bytes_follow_a_storage_resized_in_place() -> None:

@@ -84,7 +84,7 @@ def test_bad_layouts_are_refused_by_name(llama_profile) -> None:  # type: ignore
         llama_profile.estimate(6, gpus=2, pp=2, microbatches=4)
     with pytest.raises(ValueError, match=r"pp=4 does not divide the model's 2 decoder layers"):
         llama_profile.estimate(4, gpus=4, pp=4)
-    with pytest.raises(ValueError, match=r"pp=2 x tp=2 != gpus=2"):
+    with pytest.raises(ValueError, match=r"pp=2 x tp=2 does not divide gpus=2"):
         llama_profile.estimate(4, gpus=2, pp=2, tp=2)
     with pytest.raises(ValueError, match=r"pp_schedule"):
         llama_profile.estimate(4, gpus=2, pp=2, pp_schedule="zigzag")
@@ -371,7 +371,7 @@ def test_tensor_parallel_stage_layouts_refused_before_any_rank(llama_profile) ->
     inputs = hf_tokens(4)
     t0 = time.monotonic()
     cases = [
-        ({"gpus": 8, "strategy": "zero3"}, r"pp=2 x tp=2 != gpus=8: .* FSDP2 over the 2 "),
+        ({"gpus": 6, "strategy": "zero3"}, r"pp=2 x tp=2 does not divide gpus=6: "),
         ({"gpus": 4, "strategy": "zero3"}, r"strategy='zero3': every rank is a tensor-parallel"),
         ({"gpus": 4, "tp_plan": {"lm_head": object()}}, r"tp=2 and tp_plan: pipeline stages"),
         ({"gpus": 4, "lora_rank": 4}, r"pp=2 with lora_rank"),

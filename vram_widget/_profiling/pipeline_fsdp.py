@@ -38,7 +38,7 @@ from torch import nn
 
 from .._estimating.sharding import gloo_average_bytes
 
-__all__ = ["GLOO_STAGING", "pipeline_meshes", "pipeline_rank", "shard_stage"]
+__all__ = ["GLOO_STAGING", "pipeline_rank", "shard_stage"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -121,17 +121,6 @@ def pipeline_rank(rank: int, dp: int) -> tuple[int, int]:
     (1, 1)
     """
     return divmod(rank, dp)
-
-
-def pipeline_meshes(pp: int, dp: int) -> tuple[Any, Any]:
-    """The ``pp`` and ``dp_shard`` sub-meshes of the 2-D CPU mesh ``(pp, dp)`` over the
-    default process group's ranks (``pp x dp`` of them); ``dp_shard`` None for ``dp=1``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dp == 1:
-        return init_device_mesh("cpu", (pp,), mesh_dim_names=("pp",)), None
-    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp_shard"))
-    return mesh["pp"], mesh["dp_shard"]
 
 
 def shard_stage(module: nn.Module, layers: nn.ModuleList, mesh: Any, reshard: bool) -> None:

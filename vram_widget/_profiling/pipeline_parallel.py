@@ -51,7 +51,7 @@ from .._estimating.options import (
     Precision,
 )
 from .live_bytes import LiveBytes, sends_held
-from .pipeline_tensor_parallel import dtensor_caches_cleared
+from .pipeline_tensor_parallel import dtensor_caches_cleared, meshes_concatenated_outside_fake_mode
 from .tensor_parallel import local_part
 
 __all__ = [
@@ -398,39 +398,45 @@ def _decoder_layers(module: StageModule) -> Any:
 
 
 def _meshes(layout: _Layout) -> Any:
-    """The world's (pp, dp_shard) meshes (``pipeline_fsdp.pipeline_meshes``) for ``dp`` > 1,
-    its (pp, tp) meshes (``pipeline_tensor_parallel``) for ``tp`` > 1, else None."""
-    from .pipeline_fsdp import pipeline_meshes
-    from .pipeline_tensor_parallel import pipeline_tensor_parallel_meshes
+    """The world's ``pp`` sub-mesh and its stage's ``dp_shard`` and ``tp`` sub-meshes (None
+    where the layout has no such ranks), or None where the world is the pipeline: a mesh
+    ``("pp", "dp_shard", "tp")`` of the degrees above 1, pp the outer and tp the inner
+    dimension (``ParallelDims.build_mesh``, torchtitan/distributed/parallel_dims.py:
+    ``["pp", "dp_replicate", "fsdp", "tp"]``)."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    if layout.tp > 1:
-        return pipeline_tensor_parallel_meshes(layout.pp, layout.tp)
-    return pipeline_meshes(layout.pp, layout.dp) if layout.dp > 1 else None
+    if layout.dp == 1 and layout.tp == 1:
+        return None
+    dims = [("pp", layout.pp), ("dp_shard", layout.dp), ("tp", layout.tp)]
+    dims = [(name, size) for name, size in dims if size > 1 or name == "pp"]
+    names = tuple(name for name, _size in dims)
+    mesh = init_device_mesh("cpu", tuple(size for _name, size in dims), mesh_dim_names=names)
+    return tuple(mesh[name] if name in names else None for name in ("pp", "dp_shard", "tp"))
 
 
 def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> Any:
-    """The pipeline ranks' process group of a world of ``pp x dp`` or ``pp x tp`` ranks
-    (None where the world is the pipeline), each of ``modules`` sharded over the stage's
-    data-parallel ranks where the layout shards them (``pipeline_fsdp.shard_stage``), or
-    over its tensor-parallel ranks (``pipeline_tensor_parallel.parallelize_stage``);
+    """The pipeline ranks' process group of a world of ``pp x dp x tp`` ranks (None where
+    the world is the pipeline), each of ``modules`` sharded in torchtitan's order
+    (torchtitan/models/llama3/parallelize.py, ``parallelize_llama``: tensor parallelism,
+    then activation checkpointing, then FSDP2): over the stage's tensor-parallel ranks by
+    the model's plan (``pipeline_tensor_parallel.parallelize_stage``), then by FSDP2 over
+    its data-parallel ranks where the layout shards them (``pipeline_fsdp.shard_stage``);
     ``meshes`` the world's (:func:`_meshes`)."""
     from .pipeline_fsdp import shard_stage
     from .pipeline_tensor_parallel import parallelize_stage
 
     if meshes is None:
         return None
-    pp_mesh, inner = meshes  # the stage's dp_shard or tp sub-mesh
-    if layout.tp > 1:
-        for module in modules:
-            parallelize_stage(module, inner)
+    pp_mesh, dp_mesh, tp_mesh = meshes
+    for module in modules:
+        if tp_mesh is not None:
+            parallelize_stage(module, tp_mesh)
             if layout.checkpoint:
                 checkpoint_layers(module)
-        return pp_mesh.get_group()
-    if layout.sharded:
-        assert layout.reshard_after_forward is not None
-        for module in modules:
+        if layout.sharded:
+            assert layout.reshard_after_forward is not None
             layers: Any = _decoder_layers(module)
-            shard_stage(module, layers, inner, layout.reshard_after_forward)
+            shard_stage(module, layers, dp_mesh, layout.reshard_after_forward)
     return pp_mesh.get_group()
 
 
@@ -616,7 +622,8 @@ def stage_peak(
         meshes = _meshes(layout)
         stack.enter_context(mode)
         stack.enter_context(masks)
-        group = _shard_stages(modules, layout, meshes)
+        with meshes_concatenated_outside_fake_mode():
+            group = _shard_stages(modules, layout, meshes)
         if layout.sharded:
             from .pipeline_fsdp import GLOO_STAGING
 

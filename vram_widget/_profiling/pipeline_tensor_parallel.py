@@ -37,8 +37,8 @@ from torch import nn
 
 __all__ = [
     "dtensor_caches_cleared",
+    "meshes_concatenated_outside_fake_mode",
     "parallelize_stage",
-    "pipeline_tensor_parallel_meshes",
     "stage_plan",
 ]
 
@@ -77,13 +77,31 @@ def dtensor_caches_cleared() -> Iterator[None]:
         _clear_dtensor_caches()
 
 
-def pipeline_tensor_parallel_meshes(pp: int, tp: int) -> tuple[Any, Any]:
-    """The ``pp`` and ``tp`` sub-meshes of the 2-D CPU mesh ``(pp, tp)`` over the default
-    process group's ``pp x tp`` ranks, tp the inner dimension."""
-    from torch.distributed.device_mesh import init_device_mesh
+@contextlib.contextmanager
+def meshes_concatenated_outside_fake_mode() -> Iterator[None]:
+    """``DeviceMesh._concatenate`` run with the fake mode set aside, for ``fully_shard``
+    over the DTensor parameters of a stage made fake (FSDP2 over tensor-parallel ranks).
 
-    mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
-    return mesh["pp"], mesh["tp"]
+    ``fully_shard`` joins the data-parallel mesh and each tensor-parallel parameter's mesh
+    into one (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``_init_sharding_spec_tp``:
+    ``DeviceMesh._concatenate([dp_mesh, tp_mesh])``), and the new ``DeviceMesh`` indexes its
+    rank map, a real int tensor, which the fake mode refuses as an input
+    (torch/distributed/device_mesh.py, ``DeviceMesh.mesh``). A mesh holds rank numbers, no
+    step's memory: building it outside the fake mode changes no tensor of the step."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh._concatenate
+
+    def concatenate(device_mesh_list: list[Any]) -> Any:
+        with unset_fake_temporarily():
+            return original(device_mesh_list)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(original)  # type: ignore[method-assign]
 
 
 def stage_plan(model: nn.Module, tp: int) -> dict[str, str]:

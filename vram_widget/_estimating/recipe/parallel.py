@@ -501,6 +501,15 @@ def _check_pipeline_data_parallel(parallel: ParallelSettings) -> None:
                 f"strategy at its default, or give gpus a multiple of {pp} (dp x pp)"
             )
         return
+    _check_stage_fsdp(parallel, dp, f"pp={pp} on gpus={gpus}")
+
+
+def _check_stage_fsdp(parallel: ParallelSettings, dp: int, layout: str) -> None:
+    """FSDP2 over the ``dp`` > 1 data-parallel ranks of each pipeline stage (``layout``
+    names the layout in the errors): the strategies and settings estimated, the others
+    refused by name, with the reason."""
+    pp, strategy = parallel.pp, parallel.strategy
+    alone = f"gpus={pp * parallel.tp}"
     # the FSDP2 that torchtitan composes with pipelining (its parallelize functions wrap
     # each stage's model part: torchtitan/distributed/pipeline_parallel.py, pipeline_llm)
     reasons = {
@@ -511,47 +520,48 @@ def _check_pipeline_data_parallel(parallel: ParallelSettings) -> None:
     }
     if strategy not in STAGE_DATA_PARALLEL:
         raise ValueError(
-            f"pp={pp} on gpus={gpus} with strategy={strategy.value!r}: {dp} data-parallel "
+            f"{layout} with strategy={strategy.value!r}: {dp} data-parallel "
             f"ranks of each stage are estimated with FSDP2 only (strategy='zero2' or "
-            f"'zero3'); {reasons[strategy]}; or give gpus={pp} for the pipeline alone"
+            f"'zero3'); {reasons[strategy]}; or give {alone} for the pipeline alone"
         )
     if parallel.fsdp_units is not None:
         raise ValueError(
-            f"pp={pp} on gpus={gpus} with fsdp_units: FSDP2 over pipeline stages wraps each "
+            f"{layout} with fsdp_units: FSDP2 over pipeline stages wraps each "
             "stage's decoder layers, then the stage, as torchtitan does; leave fsdp_units "
             "at None"
         )
     if parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
         raise ValueError(
-            f"pp={pp} on gpus={gpus} with pp_schedule='interleaved-1f1b': FSDP2 over the "
+            f"{layout} with pp_schedule='interleaved-1f1b': FSDP2 over the "
             "stages of a multi-stage schedule is not estimated yet (each rank's several "
             "FSDP2 roots, not checked against real ranks); give pp_schedule='gpipe' or "
-            f"'1f1b', or gpus={pp} for the pipeline alone"
+            f"'1f1b', or {alone} for the pipeline alone"
         )
 
 
 def _check_pipeline_tensor_parallel(parallel: ParallelSettings) -> None:
-    """``gpus = pp x tp``: each pipeline stage sharded by the model's own tensor-parallel
-    plan over ``tp`` ranks (a 2-D mesh ``("pp", "tp")``, as torchtitan composes them), one
-    stage a rank; what is not estimated is refused by name, with the reason."""
+    """``gpus = dp x pp x tp``: each pipeline stage sharded by the model's own
+    tensor-parallel plan over ``tp`` ranks (a mesh ``("pp", "tp")``, or with ``dp`` > 1
+    ``("pp", "dp_shard", "tp")`` and FSDP2 over the stage's ``dp`` data-parallel ranks, as
+    torchtitan composes them), one stage a rank; what is not estimated is refused by name,
+    with the reason."""
     pp, tp, gpus = parallel.pp, parallel.tp, parallel.gpus
-    if pp * tp != gpus:
-        more = (
-            f"; FSDP2 over the {gpus // (pp * tp)} data-parallel ranks of each stage's "
-            "tensor-parallel ranks (dp x pp x tp) is not estimated yet"
-            if gpus > pp * tp and gpus % (pp * tp) == 0
-            else ""
-        )
+    if gpus % (pp * tp):
         raise ValueError(
-            f"pp={pp} x tp={tp} != gpus={gpus}: gpus is the world size, pipeline stages "
-            f"x tensor-parallel ranks; give gpus={pp * tp}{more}"
+            f"pp={pp} x tp={tp} does not divide gpus={gpus}: gpus is the world size, "
+            f"data-parallel ranks x pipeline stages x tensor-parallel ranks; give gpus={pp * tp}, "
+            f"or a multiple of {pp * tp} with strategy='zero2' or 'zero3'"
         )
-    if parallel.strategy is not Strategy.DDP:
+    dp = gpus // (pp * tp)
+    if dp == 1 and parallel.strategy is not Strategy.DDP:
         raise ValueError(
             f"pp={pp} x tp={tp} on gpus={gpus} with strategy={parallel.strategy.value!r}: "
             "every rank is a tensor-parallel rank of a stage, so there are no data-parallel "
-            "ranks to shard over; leave strategy at its default"
+            f"ranks to shard over; leave strategy at its default, or give gpus a multiple of "
+            f"{pp * tp} (dp x pp x tp)"
         )
+    if dp > 1:
+        _check_stage_fsdp(parallel, dp, f"pp={pp} x tp={tp} on gpus={gpus}")
     if parallel.tp_plan is not None:
         raise ValueError(
             f"pp={pp} with tp={tp} and tp_plan: pipeline stages are sharded by the model's "
