@@ -36,15 +36,15 @@ mesh, dp_replicate=2 x dp_shard=2 x tp=2, ``fully_shard`` on the 2-D (dp_replica
 dp_shard) sub-mesh) on the same two models. FSDP2 over pipeline stages (``gpus=4, pp=2,
 strategy="zero2"|"zero3"``: a 2-D mesh, pp=2 x dp_shard=2, pp outer, each stage's decoder
 layers then the stage wrapped by ``fully_shard`` over its dp_shard ranks, as torchtitan
-composes them) on the Hugging Face Llama x GPipe and 1F1B with 2 micro-batches x fp32 and
-bf16, AdamW training, each rank against its own estimate. Tensor parallelism inside
+composes them) on the Hugging Face Llama x the three schedules with 2 micro-batches x fp32
+and bf16, AdamW training, each rank against its own estimate. Tensor parallelism inside
 pipeline stages (``gpus=4, pp=2, tp=2``: a 2-D mesh, pp=2 x tp=2, pp outer, each stage
 sharded by the model's own plan on its tp ranks) on the Hugging Face Llama x the three
 schedules with 2 micro-batches x fp32 and bf16, AdamW training, rank r against stage
 r // tp's estimate. FSDP2 over those tensor-parallel stages (``gpus=8, pp=2, tp=2,
 strategy="zero2"|"zero3"``: a 3-D mesh, pp=2 x dp_shard=2 x tp=2, each stage sharded by the
 plan on its tp ranks, then ``fully_shard`` per decoder layer and on the stage over its
-dp_shard ranks) x GPipe and 1F1B x fp32 and bf16, rank r against stage r // 4's
+dp_shard ranks) x the three schedules x fp32 and bf16, each rank against its own
 estimate. Expert parallelism on 2 ranks
 (``ep=2``, transformers' own ep plan) x fp32 and bf16 x training and inference, on the
 Mixtral with each router's rows set to ``[w, -w, u, -u]`` (every token picks one expert of
@@ -284,7 +284,7 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
                 out.append((f"pp=2 {schedule} m={m}", "train", settings))
     if case.dp_pp:  # the ranks as a 2-D mesh (pp, dp_shard), pp outer, as torchtitan's
         for strategy in STAGE_STRATEGIES:
-            for schedule in SCHEDULES[:2]:  # FSDP2 over interleaved stages is refused
+            for schedule in SCHEDULES:
                 settings = {"gpus": 4, "pp": 2, "strategy": strategy, "pp_schedule": schedule,
                             "microbatches": 2}  # fmt: skip
                 out.append((f"dp_shard=2 {strategy} x pp=2 {schedule} m=2", "train", settings))
@@ -294,7 +294,7 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
             out.append((f"pp=2 {schedule} m=2 x tp=2 own plan", "train", settings))
     if case.dp_pp and case.tp_pp:  # a 3-D mesh (pp, dp_shard, tp), as torchtitan's
         for strategy in STAGE_STRATEGIES:
-            for schedule in SCHEDULES[:2]:
+            for schedule in SCHEDULES:
                 settings = {"gpus": 8, "pp": 2, "tp": 2, "strategy": strategy,
                             "pp_schedule": schedule, "microbatches": 2}  # fmt: skip
                 out.append((f"dp_shard=2 {strategy} x pp=2 {schedule} m=2 x tp=2 own plan",

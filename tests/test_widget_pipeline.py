@@ -196,13 +196,13 @@ def test_data_parallel_ranks_over_stages_in_the_widget(llama_profile: Any) -> No
     assert (w.gpus, w._gpus_slider.value, w._gpus_box.value) == (4, 4.0, 4)
     assert "no data-parallel ranks to shard over" in w.headline_html
     assert "kept gpus = 4" in w.headline_html
-    # refused over stages by name, each kept: ddp, and an interleaved schedule
+    # refused over stages by name, each kept: ddp and zero1
     w._strategy_dropdown.value = "ddp"
     assert (w.strategy, w._strategy_dropdown.value) == ("zero2", "zero2")
     assert "DistributedDataParallel over stages is not estimated yet" in w.headline_html
-    w._schedule_dropdown.value = "interleaved-1f1b"
-    assert (w.pp_schedule, w._schedule_dropdown.value) == ("gpipe", "gpipe")
-    assert "FSDP2 over the stages of a multi-stage schedule" in w.headline_html
+    w._strategy_dropdown.value = "zero1"
+    assert (w.strategy, w._strategy_dropdown.value) == ("zero2", "zero2")
+    assert "ZeroRedundancyOptimizer over stages is not estimated yet" in w.headline_html
 
     # pp back to 1 keeps dp = 2 (gpus = 2), and to 2 again (answered from memory)
     w.pp = 1

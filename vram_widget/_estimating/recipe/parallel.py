@@ -530,13 +530,6 @@ def _check_stage_fsdp(parallel: ParallelSettings, dp: int, layout: str) -> None:
             "stage's decoder layers, then the stage, as torchtitan does; leave fsdp_units "
             "at None"
         )
-    if parallel.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
-        raise ValueError(
-            f"{layout} with pp_schedule='interleaved-1f1b': FSDP2 over the "
-            "stages of a multi-stage schedule is not estimated yet (each rank's several "
-            "FSDP2 roots, not checked against real ranks); give pp_schedule='gpipe' or "
-            f"'1f1b', or {alone} for the pipeline alone"
-        )
 
 
 def _check_pipeline_tensor_parallel(parallel: ParallelSettings) -> None:
