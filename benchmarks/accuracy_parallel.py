@@ -45,7 +45,9 @@ r // tp's estimate. FSDP2 over those tensor-parallel stages (``gpus=8, pp=2, tp=
 strategy="zero2"|"zero3"``: a 3-D mesh, pp=2 x dp_shard=2 x tp=2, each stage sharded by the
 plan on its tp ranks, then ``fully_shard`` per decoder layer and on the stage over its
 dp_shard ranks) x the three schedules x fp32 and bf16, each rank against its own
-estimate. Expert parallelism on 2 ranks
+estimate; and HSDP over the stages (``gpus=8, pp=2, strategy="hsdp", gpus_per_node=2``: a
+3-D mesh, pp=2 x dp_replicate=2 x dp_shard=2) x GPipe and 1F1B x fp32 and bf16. Expert
+parallelism on 2 ranks
 (``ep=2``, transformers' own ep plan) x fp32 and bf16 x training and inference, on the
 Mixtral with each router's rows set to ``[w, -w, u, -u]`` (every token picks one expert of
 each rank: balanced routing, the case the estimate is for; its ``ep_worst_case_bytes`` is
@@ -288,6 +290,12 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
                 settings = {"gpus": 4, "pp": 2, "strategy": strategy, "pp_schedule": schedule,
                             "microbatches": 2}  # fmt: skip
                 out.append((f"dp_shard=2 {strategy} x pp=2 {schedule} m=2", "train", settings))
+        # hsdp: a 3-D mesh (pp, dp_replicate, dp_shard), nodes of 2 GPUs
+        for schedule in SCHEDULES[:2]:
+            settings = {"gpus": 8, "pp": 2, "strategy": "hsdp", "gpus_per_node": 2,
+                        "pp_schedule": schedule, "microbatches": 2}  # fmt: skip
+            out.append((f"dp_replicate=2 x dp_shard=2 hsdp x pp=2 {schedule} m=2", "train",
+                        settings))  # fmt: skip
     if case.tp_pp:  # the ranks as a 2-D mesh (pp, tp), pp outer, as torchtitan's
         for schedule in SCHEDULES[:1] if quick else SCHEDULES:
             settings = {"gpus": 4, "pp": 2, "tp": 2, "pp_schedule": schedule, "microbatches": 2}

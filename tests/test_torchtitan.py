@@ -173,6 +173,12 @@ def test_pipeline_parallel_degree(tmp_path: Path) -> None:
     # dp_shard = 8 // (2 x 2) = 2 ranks left: FSDP2 over each tp x pp group, which
     # torchtitan does not reshard after the forward under pipelining ("default")
     assert r.get("strategy") == "zero2" and r.step.precision.value == "amp-bf16"
+    # HSDP over the stages: nodes of the shard degree, each stage 2 x 2 ranks; torchtitan's
+    # "default" does not reshard after the forward under pipelining, listed
+    hsdp = "data_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 2\n"
+    with pytest.warns(RecipeSettingIgnored, match=r"'default' under HSDP with pipeline"):
+        r = _read(tmp_path, text + hsdp)
+    assert [r.get(k) for k in ("gpus", "pp", "strategy", "gpus_per_node")] == [8, 2, "hsdp", 2]
     # the keys that change the split are listed, the split estimated is the default
     split = (
         'pipeline_parallel_schedule = "Interleaved1F1B"\npipeline_parallel_layers_per_stage = 1\n'

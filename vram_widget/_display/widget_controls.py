@@ -117,7 +117,7 @@ TOOLTIPS: dict[str, str] = {
     "expandable_segments:True (less fragmentation; CUDA profiles)",
     "gpus": "data-parallel ranks: each runs the batch; the estimate is one rank's (with "
     "tp or pp: the world size, dp x pp x tp; with pp > 1 it moves in multiples of pp x tp, "
-    "dp > 1 taken with strategy zero2 or zero3, FSDP2 over each stage's ranks)",
+    "dp > 1 taken with strategy zero2, zero3 or hsdp, FSDP2 over each stage's ranks)",
     "strategy": "how the ranks share the step: ddp replicates all; zero1 shards optimizer "
     "state; zero2/zero3 (FSDP2) shard gradients / parameters too; hsdp shards in a node",
     "gpus_per_node": "GPUs in one node: hsdp shards within a node, replicates across nodes",

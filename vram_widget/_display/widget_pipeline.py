@@ -3,8 +3,9 @@
 world size that follows ``pp``, and whether a setting still has to be profiled.
 
 ``gpus`` is the world size, data-parallel ranks x pipeline stages x tensor-parallel ranks
-(``estimate`` takes ``dp > 1`` over stages with ``"zero2"`` / ``"zero3"`` only, FSDP2 over
-each stage's ranks, and refuses the rest by name: ``check_pipeline_parallel``), so moving
+(``estimate`` takes ``dp > 1`` over stages with ``"zero2"``, ``"zero3"`` and ``"hsdp"``
+only, FSDP2 over each stage's ranks, and refuses the rest by name:
+``check_pipeline_parallel``), so moving
 ``pp`` moves ``gpus`` to ``dp x pp x tp``, ``dp`` kept under those strategies and 1 under
 the others (``pp x tp``, back to ``tp`` at ``pp = 1``; ``ep`` and ``cp`` ranks multiply it
 likewise, :mod:`.widget_parallel`); while ``pp > 1`` the GPUs control steps in multiples of
@@ -72,7 +73,7 @@ PP_NOT_SEARCHED = "not searched with pp > 1 (each batch is a profiling run of it
 PP_TOOLTIPS: dict[str, str] = {
     "pp": "pipeline stages, one a GPU: a Hugging Face decoder's layers split evenly, as "
     "torchtitan splits them (a CPU profile, fp32 or bf16 training). Moving it sets GPUs to "
-    "pp x tp, the world size (back to tp at 1), or under zero2 / zero3 to dp x pp x tp, "
+    "pp x tp, the world size (back to tp at 1), or under zero2 / zero3 / hsdp to dp x pp x tp, "
     "keeping the data-parallel ranks (FSDP2 over each stage's). Each new batch or setting "
     "with pp > 1 profiles every stage (seconds); the largest-batch searches are not run",
     "pp_schedule": "how the stages run the micro-batches: gpipe (ScheduleGPipe: every "
@@ -247,7 +248,7 @@ class PipelineMixin:
         self: MemoryWidget, moved: str | None, old: Any = None
     ) -> list[tuple[str, Any]]:
         """After a move of ``pp`` from ``old`` (not a revert): GPUs to ``dp x pp x tp``
-        (and any ep or cp ranks), the data-parallel degree ``dp`` kept under zero2 / zero3
+        (and any ep or cp ranks), the data-parallel degree ``dp`` kept under FSDP2
         (:meth:`_data_parallel_ranks`, else 1), and at ``pp = 1`` the micro-batches and the
         stages a rank to their defaults; after a move of the schedule away from
         ``"interleaved-1f1b"``, the stages a rank to its default. Returns each partner's

@@ -41,6 +41,7 @@ from .recipe.parallel import (
     pipeline_checkpoint_layers,
     pipeline_data_parallel,
     pipeline_microbatches,
+    pipeline_replicas,
     pipeline_reshard_after_forward,
     pipeline_stages_per_rank,
     tensor_parallel_hsdp,
@@ -428,6 +429,7 @@ class RungsMixin:
             par.pp, par.pp_schedule, m, step.batch_size, step.seq_len, step.precision,
             opt_name, recipe.optimizer.implementation, par.pp_split,
             pipeline_stages_per_rank(par), checkpoint, dp, reshard, par.tp,
+            pipeline_replicas(par),
         )  # fmt: skip
         whole = self._estimate(
             recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None,

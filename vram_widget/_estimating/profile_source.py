@@ -97,6 +97,7 @@ class ProfileSource(Protocol):
         dp: int = 1,
         reshard_after_forward: bool | None = None,
         tp: int = 1,
+        replicate: int = 1,
     ) -> tuple[Any, ...]: ...
     def float8_fsdp_step(
         self,

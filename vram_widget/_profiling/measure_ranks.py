@@ -109,6 +109,7 @@ def _measure_pipeline(
         pipeline_checkpoint_layers,
         pipeline_data_parallel,
         pipeline_microbatches,
+        pipeline_replicas,
         pipeline_reshard_after_forward,
         pipeline_stages_per_rank,
     )
@@ -147,6 +148,7 @@ def _measure_pipeline(
         return measure_stage(
             model, inputs, par.pp_schedule, m, precision, optimizer, implementation,
             par.pp_split, stages_per_rank, checkpoint, dp, reshard, par.tp,
+            pipeline_replicas(par),
         )  # fmt: skip
 
     ranks = run_ranks(rank_step, par.gpus, timeout_s)

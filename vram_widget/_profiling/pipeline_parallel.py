@@ -348,6 +348,8 @@ class _Layout:
     dp: int = 1
     # tensor parallelism over tp ranks of each stage (pipeline_tensor_parallel.py)
     tp: int = 1
+    # hsdp: the dp ranks are replicate x dp / replicate shard ranks (FSDP2 on a 2-D mesh)
+    replicate: int = 1
 
     @property
     def stages(self) -> int:
@@ -398,20 +400,26 @@ def _decoder_layers(module: StageModule) -> Any:
 
 
 def _meshes(layout: _Layout) -> Any:
-    """The world's ``pp`` sub-mesh and its stage's ``dp_shard`` and ``tp`` sub-meshes (None
-    where the layout has no such ranks), or None where the world is the pipeline: a mesh
-    ``("pp", "dp_shard", "tp")`` of the degrees above 1, pp the outer and tp the inner
-    dimension (``ParallelDims.build_mesh``, torchtitan/distributed/parallel_dims.py:
-    ``["pp", "dp_replicate", "fsdp", "tp"]``)."""
+    """The world's ``pp`` sub-mesh and its stage's data-parallel and ``tp`` sub-meshes
+    (None where the layout has no such ranks), or None where the world is the pipeline: a
+    mesh ``("pp", "dp_replicate", "dp_shard", "tp")`` of the degrees above 1, pp the outer
+    and tp the inner dimension (``ParallelDims.build_mesh``,
+    torchtitan/distributed/parallel_dims.py: ``["pp", "dp_replicate", "fsdp", "tp"]``); the
+    data-parallel sub-mesh is ``dp_shard``, or ``(dp_replicate, dp_shard)`` for hsdp."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if layout.dp == 1 and layout.tp == 1:
         return None
-    dims = [("pp", layout.pp), ("dp_shard", layout.dp), ("tp", layout.tp)]
+    shard = layout.dp // layout.replicate
+    dims = [("pp", layout.pp), ("dp_replicate", layout.replicate), ("dp_shard", shard),
+            ("tp", layout.tp)]  # fmt: skip
     dims = [(name, size) for name, size in dims if size > 1 or name == "pp"]
     names = tuple(name for name, _size in dims)
     mesh = init_device_mesh("cpu", tuple(size for _name, size in dims), mesh_dim_names=names)
-    return tuple(mesh[name] if name in names else None for name in ("pp", "dp_shard", "tp"))
+    # hsdp's fully_shard takes the 2-D (dp_replicate, dp_shard) sub-mesh
+    data = ("dp_replicate", "dp_shard") if layout.replicate > 1 else ("dp_shard",)
+    dp_mesh = mesh[data] if "dp_shard" in names else None
+    return mesh["pp"], dp_mesh, mesh["tp"] if "tp" in names else None
 
 
 def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> Any:
@@ -568,6 +576,7 @@ def stage_peak(
     dp: int = 1,
     reshard_after_forward: bool | None = None,
     tp: int = 1,
+    replicate: int = 1,
 ) -> StagePeak:
     """Pipeline rank ``rank``'s step (its ``stages_per_rank`` stages) as
     ``torch.distributed.pipelining`` runs it, on fake tensors and PyTorch's fake process
@@ -576,12 +585,13 @@ def stage_peak(
     receive buffers and the optimizer state); with ``checkpoint``, every decoder layer
     checkpointed (:func:`checkpoint_layers`). With ``dp`` > 1 and ``reshard_after_forward``
     (not None), the stages are sharded by FSDP2 over ``dp`` data-parallel ranks
-    (``pipeline_fsdp``), as data-parallel rank 0 of the stage holds them (its shards are
-    padded, never short), on a world of ``pp x dp`` ranks; each collective's gloo staging
-    copies counted beside what is live at it (``pipeline_fsdp.GLOO_STAGING``). With ``tp``
-    > 1, the stages are sharded by the model's plan over ``tp`` tensor-parallel ranks
-    (``pipeline_tensor_parallel``), as tensor-parallel rank 0 of the stage holds them, on a
-    world of ``pp x tp`` ranks."""
+    (``pipeline_fsdp``; with ``replicate`` > 1, hsdp's ``replicate x dp / replicate``
+    mesh), as data-parallel rank 0 of the stage holds them (its shards are padded, never
+    short), each collective's gloo staging copies counted beside what is live at it
+    (``pipeline_fsdp.GLOO_STAGING``). With ``tp`` > 1, the stages are sharded by the model's
+    plan over ``tp`` tensor-parallel ranks (``pipeline_tensor_parallel``), as
+    tensor-parallel rank 0 of the stage holds them, before FSDP2. The world is
+    ``pp x dp x tp`` ranks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .step import fake_tensors_in_place, storage_dtype
@@ -590,7 +600,7 @@ def stage_peak(
     dtype = storage_dtype(precision)
     layout = _Layout(
         pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
-        tp,
+        tp, replicate,
     )  # fmt: skip
     modules = [
         layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
@@ -666,11 +676,13 @@ def measure_stage(
     dp: int = 1,
     reshard_after_forward: bool | None = None,
     tp: int = 1,
+    replicate: int = 1,
 ) -> tuple[int, int]:
-    """On a real gloo rank of ``measure(gpus=pp x dp, pp=pp)`` (or ``gpus=pp x tp``): this
-    rank's stages (copies of their layers only, in the precision's dtype; with ``dp`` > 1
-    sharded by FSDP2 over the stage's data-parallel ranks, ``pipeline_fsdp``; with ``tp`` > 1
-    by the model's plan over its tensor-parallel ranks, ``pipeline_tensor_parallel``)
+    """On a real gloo rank of ``measure(gpus=pp x dp x tp, pp=pp)``: this rank's stages
+    (copies of their layers only, in the precision's dtype; with ``tp`` > 1 sharded by the
+    model's plan over its tensor-parallel ranks, ``pipeline_tensor_parallel``; with ``dp``
+    > 1 by FSDP2 over the stage's data-parallel ranks, ``pipeline_fsdp``, on hsdp's 2-D mesh
+    with ``replicate`` > 1)
     stepped by the schedule, two steps first, then five measured by the CPU profiler;
     (resident bytes, the least measured peak). The least: a send's buffer that gloo's
     worker thread drops last is a free the profiler, which records the calling thread, never
@@ -687,7 +699,7 @@ def measure_stage(
     config = _config(model)
     layout = _Layout(
         pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
-        tp,
+        tp, replicate,
     )  # fmt: skip
     meshes = _meshes(layout)
 

@@ -408,14 +408,16 @@ class SubProfiles:
         dp: int = 1,
         reshard_after_forward: bool | None = None,
         tp: int = 1,
+        replicate: int = 1,
     ) -> tuple[Any, ...]:
         """Each of ``pp`` pipeline ranks' step (its ``stages_per_rank`` stages) at
         ``batch_size`` (the whole step's batch), as ``torch.distributed.pipelining`` runs
         ``schedule`` over ``microbatches``, on fake tensors (``pipeline_parallel.stage_peak``),
         with ``checkpoint`` every decoder layer checkpointed; with ``dp`` > 1 and
         ``reshard_after_forward``, each stage sharded by FSDP2 over its ``dp`` data-parallel
-        ranks; with ``tp`` > 1, each stage sharded by the model's plan over its ``tp``
-        tensor-parallel ranks (``pipeline_tensor_parallel``); the model and inputs checked
+        ranks (hsdp's ``replicate`` x ``dp / replicate`` with ``replicate`` > 1); with
+        ``tp`` > 1, each stage sharded by the model's plan over its ``tp`` tensor-parallel
+        ranks (``pipeline_tensor_parallel``); the model and inputs checked
         first (``pipeline_parallel.check_pipeline_model``). Kept per question."""
         kwargs = self._pipeline_inputs(pp, split, stages_per_rank, tp)
         key = (
@@ -433,6 +435,7 @@ class SubProfiles:
             dp,
             reshard_after_forward,
             tp,
+            replicate,
         )
         if key not in self._pipeline:
             length = seq_len or kwargs["input_ids"].shape[1]
@@ -495,11 +498,11 @@ class SubProfiles:
         from .pipeline_parallel import stage_peak
 
         pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation = key[:8]
-        split, stages_per_rank, checkpoint, dp, reshard_after_forward, tp = key[8:]
+        split, stages_per_rank, checkpoint, dp, reshard_after_forward, tp, replicate = key[8:]
         return stage_peak(
             self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
             optimizer, implementation, split, stages_per_rank, checkpoint, dp,
-            reshard_after_forward, tp,
+            reshard_after_forward, tp, replicate,
         )  # fmt: skip
 
 

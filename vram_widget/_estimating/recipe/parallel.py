@@ -472,13 +472,35 @@ def pipeline_reshard_after_forward(parallel: ParallelSettings) -> bool | None:
     """
     if parallel.pp == 1 or pipeline_data_parallel(parallel) == 1:
         return None
-    return parallel.strategy is Strategy.ZERO3
+    return parallel.strategy is not Strategy.ZERO2
 
 
-STAGE_DATA_PARALLEL: tuple[Strategy, ...] = (Strategy.ZERO2, Strategy.ZERO3)
+def pipeline_replicas(parallel: ParallelSettings) -> int:
+    """The replicas of each pipeline stage under ``"hsdp"`` (FSDP2's ``dp_replicate``
+    dimension; 1 under the other strategies): the ranks are laid out ``("pp",
+    "dp_replicate", "dp_shard", "tp")``, pp outer (``ParallelDims.build_mesh``,
+    torchtitan/distributed/parallel_dims.py), so a node of ``gpus_per_node`` consecutive
+    ranks holds ``gpus_per_node / tp`` shard ranks of one stage (all its ranks where a
+    node holds more), and the nodes of a stage replicate it.
+
+    Examples
+    --------
+    >>> pipeline_replicas(ParallelSettings(gpus=8, pp=2, strategy="hsdp", gpus_per_node=2))
+    2
+    >>> pipeline_replicas(ParallelSettings(gpus=8, pp=2, strategy="hsdp", gpus_per_node=8))
+    1
+    """
+    if parallel.pp == 1 or parallel.strategy is not Strategy.HSDP:
+        return 1
+    stage_ranks = parallel.gpus // parallel.pp
+    return stage_ranks // min(stage_ranks, parallel.gpus_per_node)
+
+
+STAGE_DATA_PARALLEL: tuple[Strategy, ...] = (Strategy.ZERO2, Strategy.ZERO3, Strategy.HSDP)
 """The strategies estimated over the ``dp > 1`` data-parallel ranks of each pipeline stage
-(``gpus = dp x pp``): FSDP2, as torchtitan composes it with pipelining; the others are
-refused by name (:func:`check_pipeline_parallel`)."""
+(``gpus = dp x pp``): FSDP2, as torchtitan composes it with pipelining (``"hsdp"`` on a
+(dp_replicate, dp_shard) mesh a stage); the others are refused by name
+(:func:`check_pipeline_parallel`)."""
 
 
 def _check_pipeline_data_parallel(parallel: ParallelSettings) -> None:
@@ -516,19 +538,42 @@ def _check_stage_fsdp(parallel: ParallelSettings, dp: int, layout: str) -> None:
         Strategy.DDP: "DistributedDataParallel over stages is not estimated yet (the schedule "
         "defers its all-reduce with no_sync to the last micro-batch, not checked)",
         Strategy.ZERO1: "ZeroRedundancyOptimizer over stages is not estimated yet",
-        Strategy.HSDP: "HSDP over stages (a replicate x shard mesh per stage) is not estimated yet",
     }
     if strategy not in STAGE_DATA_PARALLEL:
         raise ValueError(
             f"{layout} with strategy={strategy.value!r}: {dp} data-parallel "
-            f"ranks of each stage are estimated with FSDP2 only (strategy='zero2' or "
-            f"'zero3'); {reasons[strategy]}; or give {alone} for the pipeline alone"
+            f"ranks of each stage are estimated with FSDP2 only (strategy='zero2', "
+            f"'zero3' or 'hsdp'); {reasons[strategy]}; or give {alone} for the pipeline alone"
         )
+    if strategy is Strategy.HSDP:
+        _check_stage_hsdp(parallel, dp, layout)
     if parallel.fsdp_units is not None:
         raise ValueError(
             f"{layout} with fsdp_units: FSDP2 over pipeline stages wraps each "
             "stage's decoder layers, then the stage, as torchtitan does; leave fsdp_units "
             "at None"
+        )
+
+
+def _check_stage_hsdp(parallel: ParallelSettings, dp: int, layout: str) -> None:
+    """``hsdp`` over each stage's ``dp`` ranks: a node holds whole tensor-parallel groups
+    of one stage, or whole stages, and at least 2 shard ranks (:func:`pipeline_replicas`)."""
+    tp, node = parallel.tp, parallel.gpus_per_node
+    stage_ranks = dp * tp
+    fits = stage_ranks % node == 0 if node < stage_ranks else node % stage_ranks == 0
+    if node % tp or not fits:
+        raise ValueError(
+            f"{layout} with strategy='hsdp' and gpus_per_node={node}: hsdp shards within a "
+            f"node, and a node holds whole tensor-parallel groups ({tp} ranks) of one stage "
+            f"or whole stages ({stage_ranks} ranks each, pp the mesh's outer dimension); give "
+            f"gpus_per_node a multiple of {tp} that divides {stage_ranks}, or a multiple of "
+            f"{stage_ranks}"
+        )
+    if min(node, stage_ranks) == tp:
+        raise ValueError(
+            f"{layout} with strategy='hsdp' and gpus_per_node={node}: a node holds one "
+            "tensor-parallel group of a stage, so FSDP2's shard dimension is 1 (replicas "
+            f"only); not estimated yet; give gpus_per_node a multiple of {tp} above it"
         )
 
 

@@ -302,6 +302,14 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
     layout = _data_and_tensor_parallel(section, replicate, shard, tp, ignored)
     if pp > 1:  # each stage's ranks laid out as above (pp the outermost mesh dimension)
         layout = {**layout, "gpus": layout["gpus"] * pp, "pp": pp}
+        reshard = section.get("fsdp_reshard_after_forward", "default")
+        if layout.get("strategy") == "hsdp" and reshard == "default":
+            # "default" does not reshard under pipelining (apply_fsdp); "never" is listed above
+            ignored.append(
+                "parallelism.fsdp_reshard_after_forward='default' under HSDP with pipeline "
+                "parallelism (torchtitan does not reshard after the forward there; estimated "
+                "resharded)"
+            )
     return layout
 
 
