@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 from models import hf_llama, hf_tokens
-from test_distributed import FSDP_SLACK_BYTES
 
 from vram_widget import profile_model
 from vram_widget._profiling.chunked_loss import torchtune_chunked_loss
@@ -92,7 +91,7 @@ def test_fsdp2_pair_ranks_against_their_estimate(lever: str, llama: tuple[Any, A
             for rank in range(2)
         ]
     for rank, (est, peak) in enumerate(zip(ests, real.rank_peak_bytes, strict=True)):
-        assert abs(est.peak_bytes - peak) <= FSDP_SLACK_BYTES, (lever, rank, peak)
+        assert est.peak_bytes == peak, (lever, rank, peak)
 
 
 # refused by design, by name, before any run: the message names the pair and what is valid

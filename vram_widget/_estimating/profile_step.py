@@ -544,6 +544,7 @@ class StepMixin:
             # overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)); under
             # amp the reduce dtype is fp32 (FSDP_PARAM_DTYPE's policy)
             averaged=precision is not Precision.FP16,
+            seed_grads=_seed_grads(timeline, micro_batches, self.seq_len or 1),
         )
         self._step_edits[key] = edits
         return edits
@@ -635,6 +636,32 @@ def _micro_batches(timeline: Timeline) -> list[tuple[int, int, int]]:
         back = np.nonzero(backward[f0:end])[0]
         b0 = f0 + int(back[0]) if len(back) else end
         out.append((f0, b0, end))
+    return out
+
+
+def _seed_grads(
+    timeline: Timeline, micro_batches: Sequence[tuple[int, int, int]], seq_len: int
+) -> list[int]:
+    """The bytes of each micro-batch's seed gradient at batch 1: the ``ones_like`` of the
+    loss that ``torch.autograd.backward`` makes as the backward's first allocation
+    (``_make_grads``, torch/autograd/__init__.py), 0 where the backward starts otherwise.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from vram_widget import profile_model
+    >>> profile = profile_model(torch.nn.Linear(4, 2), input_size=(4,), device="cpu")
+    >>> from vram_widget._estimating.options import Mode, Precision
+    >>> timeline = profile.timeline(Precision.FP32, Mode.TRAIN)
+    >>> _seed_grads(timeline, _micro_batches(timeline), 1)  # the mean loss: one fp32 scalar
+    [4]
+    """
+    nbytes = timeline.events_at(1, seq_len)
+    out = []
+    for _f0, b0, b1 in micro_batches:
+        op = int(timeline.event_op[b0]) if b0 < b1 else -1
+        made = op >= 0 and timeline.op_names[op] == "aten.ones_like" and nbytes[b0] > 0
+        out.append(int(nbytes[b0]) if made else 0)
     return out
 
 

@@ -339,6 +339,7 @@ def fsdp_step_edits(
     zero_grad_frees: Sequence[tuple[int, int, int, int]] = (),
     compiled_units: bool = False,
     averaged: bool = False,
+    seed_grads: Sequence[int] = (),
 ) -> StepEdits:
     """FSDP2's events in one rank's training step, in the order its hooks run them.
 
@@ -370,6 +371,10 @@ def fsdp_step_edits(
       ``world_size`` times the padded gradient shards, the unsharded gradients copied in
       and freed, a flat output of one shard (the sharded gradients are views of it). The
       root's runs last (the final backward callback), and its input is dropped at the end.
+      The callback runs inside the engine's ``backward``, while ``torch.autograd.backward``
+      still holds the seed gradient it made (``_make_grads``' ``torch.ones_like`` of the
+      loss, torch/autograd/__init__.py), which the single-device timeline frees as its
+      backward ends: ``seed_grads`` (bytes, one per micro-batch) are held through it.
     * ``gloo`` (the CPU backend) stages each all-gather through two flat temporaries of the
       output's size and each reduce-scatter through one of the input's (measured on torch
       2.13's ``ProcessGroupGloo``, ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``;
@@ -467,7 +472,7 @@ def fsdp_step_edits(
     freed: set[int] = set()
     shards_made: list[tuple[int, int]] = []  # (unit, storage) of each gradient-shard output
 
-    def micro_batch(f0: int, b0: int, b1: int, accumulating: bool) -> None:
+    def micro_batch(f0: int, b0: int, b1: int, accumulating: bool, seed: int) -> None:
         f_first, f_last = _unit_spans(unit_of_row, event_module, f0, b0, n_units)
         b_first, b_last = _unit_spans(unit_of_row, event_module, b0, b1, n_units)
         forward_rows = np.nonzero(event_module[f0:b0] != loss_row)[0]
@@ -556,6 +561,7 @@ def fsdp_step_edits(
         # the final callback: the root, then each unit the backward never reached, in
         # forward order, each followed by its finalize_backward (a prefetched gather never
         # waited on is dropped there); then the last reduce-scatter input
+        seed_sid = ins.alloc(b1, seed, Category.TEMPORARY, loss_row, bwd) if seed else None
         for u in [0, *(b for b in blocks if b_first[b] < 0)]:
             post_backward(u, b1)
             if u in pending:
@@ -563,9 +569,12 @@ def fsdp_step_edits(
         if reduce_input is not None:
             prev, sid, nbytes = reduce_input
             ins.free(b1, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
+        if seed_sid is not None:
+            ins.free(b1, seed, Category.TEMPORARY, loss_row, bwd, seed_sid)
 
     for m, (f0, b0, b1) in enumerate(micro_batches):
-        micro_batch(f0, b0, b1, accumulating=m > 0)
+        seed = seed_grads[m] if m < len(seed_grads) else 0
+        micro_batch(f0, b0, b1, accumulating=m > 0, seed=seed)
 
     # zero_grad (after the optimizer): the gradient shards go; the whole gradients the
     # single-device step frees there are already gone (undone just before each free)
