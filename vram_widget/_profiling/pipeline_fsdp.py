@@ -123,13 +123,24 @@ def pipeline_rank(rank: int, dp: int) -> tuple[int, int]:
     return divmod(rank, dp)
 
 
-def shard_stage(module: nn.Module, layers: nn.ModuleList, mesh: Any, reshard: bool) -> None:
+def shard_stage(
+    module: nn.Module,
+    layers: nn.ModuleList,
+    mesh: Any,
+    reshard: bool,
+    param_dtype: torch.dtype | None = None,
+) -> None:
     """``module`` (a stage) sharded in place over ``mesh``: ``fully_shard`` on each of its
     decoder ``layers`` with ``reshard_after_forward=reshard``, then on ``module`` as the
     root (``reshard_after_forward=None``: the library's default for a root, as
-    torchtitan's ``fully_shard(model, **fsdp_config)`` leaves it)."""
-    from torch.distributed.fsdp import fully_shard
+    torchtitan's ``fully_shard(model, **fsdp_config)`` leaves it); with ``param_dtype``,
+    ``MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32)``, torchtitan's
+    ``mixed_precision_param`` / ``mixed_precision_reduce`` (``apply_fsdp``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy()
+    if param_dtype is not None:
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=mesh, reshard_after_forward=None)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=None, mp_policy=policy)

@@ -292,14 +292,16 @@ class _Rank:
     batch: torch.Tensor  # the first stage's ids, the last stage's labels, or neither
     first: bool
     last: bool
+    amp: torch.dtype | None = None  # the schedule's step under autocast to it
 
     def iterate(self) -> None:
-        if self.first:
-            self.schedule.step(self.batch)
-        elif self.last:
-            self.schedule.step(target=self.batch)
-        else:
-            self.schedule.step()
+        with torch.autocast("cpu", dtype=self.amp) if self.amp else contextlib.nullcontext():
+            if self.first:
+                self.schedule.step(self.batch)
+            elif self.last:
+                self.schedule.step(target=self.batch)
+            else:
+                self.schedule.step()
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -350,6 +352,9 @@ class _Layout:
     tp: int = 1
     # hsdp: the dp ranks are replicate x dp / replicate shard ranks (FSDP2 on a 2-D mesh)
     replicate: int = 1
+    # amp precisions (FSDP2 over the stages only): the autocast dtype, which FSDP2's
+    # MixedPrecisionPolicy gathers the parameters in too
+    amp: torch.dtype | None = None
 
     @property
     def stages(self) -> int:
@@ -444,7 +449,7 @@ def _shard_stages(modules: list[StageModule], layout: _Layout, meshes: Any) -> A
         if layout.sharded:
             assert layout.reshard_after_forward is not None
             layers: Any = _decoder_layers(module)
-            shard_stage(module, layers, dp_mesh, layout.reshard_after_forward)
+            shard_stage(module, layers, dp_mesh, layout.reshard_after_forward, layout.amp)
     return pp_mesh.get_group()
 
 
@@ -517,7 +522,7 @@ def _rank(
         if optimizer is not None and params:
             opts.append(make_optimizer(optimizer, params, implementation))
     batch = inputs["input_ids"] if rank == 0 else inputs["labels"]
-    return _Rank(modules, sched, opts, batch, rank == 0, rank == layout.pp - 1)
+    return _Rank(modules, sched, opts, batch, rank == 0, rank == layout.pp - 1, layout.amp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,13 +599,13 @@ def stage_peak(
     ``pp x dp x tp`` ranks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .step import fake_tensors_in_place, storage_dtype
+    from .step import autocast_dtype, fake_tensors_in_place, storage_dtype
     from .tensor_parallel import fake_process_group
 
-    dtype = storage_dtype(precision)
+    dtype, amp = storage_dtype(precision), autocast_dtype(precision)
     layout = _Layout(
         pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
-        tp, replicate,
+        tp, replicate, amp,
     )  # fmt: skip
     modules = [
         layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
@@ -640,7 +645,7 @@ def stage_peak(
             counter.staging = dict(GLOO_STAGING)
         run = _rank(
             modules, rank, layout, fake_inputs, optimizer, implementation, _loss_fn(model),
-            config.hidden_size, config.vocab_size, dtype, group,
+            config.hidden_size, config.vocab_size, amp or dtype, group,
         )  # fmt: skip
         _steady_static(run.schedule)
         for module in modules:
@@ -691,15 +696,15 @@ def measure_stage(
 
     from .measure_session import _run_cpu
     from .pipeline_fsdp import pipeline_rank
-    from .step import storage_dtype
+    from .step import autocast_dtype, storage_dtype
 
     rank, _dp_rank = pipeline_rank(dist.get_rank(), dp * tp)
     pp = dist.get_world_size() // (dp * tp)
-    dtype = storage_dtype(precision)
+    dtype, amp = storage_dtype(precision), autocast_dtype(precision)
     config = _config(model)
     layout = _Layout(
         pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
-        tp, replicate,
+        tp, replicate, amp,
     )  # fmt: skip
     meshes = _meshes(layout)
 
@@ -713,7 +718,7 @@ def measure_stage(
         ids = {k: v.clone() for k, v in inputs.items()}
         return _rank(
             modules, rank, layout, ids, optimizer, implementation, _loss_fn(model),
-            config.hidden_size, config.vocab_size, dtype, group,
+            config.hidden_size, config.vocab_size, amp or dtype, group,
         )  # fmt: skip
 
     with dtensor_caches_cleared() if tp > 1 else contextlib.nullcontext():

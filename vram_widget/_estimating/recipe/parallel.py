@@ -666,12 +666,22 @@ def pipeline_parallel_refusals(recipe: Any) -> list[str]:
         f"checkpoint_policy={policy!r}": policy not in (None, "full"),
         "trainable": lv.trainable is not None,
         "grad_accumulation": lv.grad_accumulation != 1,
+        # amp through FSDP2's MixedPrecisionPolicy over the stages' data-parallel ranks, as
+        # torchtitan runs it (maybe_enable_amp: no autocast with pipelining alone)
         f"precision={step.precision.value!r}": step.precision
-        not in (Precision.FP32, Precision.BF16),
+        not in (Precision.FP32, Precision.BF16)
+        and not (step.precision is Precision.AMP_BF16 and _stage_dp(recipe.parallel) > 1),
         f"mode={step.mode.value!r}": step.mode.value != "train",
     }
     refused = [name for name, on in asked.items() if on]
     return refused + [n for n in parallel_refusals(recipe) if n not in refused]
+
+
+def _stage_dp(parallel: ParallelSettings) -> int:
+    """The data-parallel ranks of each stage where ``pp x tp`` divides ``gpus``, else 1
+    (the layout's own check names the rest)."""
+    per = parallel.pp * parallel.tp
+    return parallel.gpus // per if parallel.pp > 1 and parallel.gpus % per == 0 else 1
 
 
 def pipeline_checkpoint_layers(checkpoint: Sequence[str], module_names: Sequence[str]) -> bool:
@@ -712,6 +722,7 @@ def check_pipeline_parallel_settings(recipe: Any) -> None:
     if refused and recipe.parallel.pp > 1:
         raise ValueError(
             f"pp={recipe.parallel.pp} with {', '.join(refused)}: not estimated with pipeline "
-            "parallelism yet (fp32 and bf16 training with any torch.optim optimizer, and "
-            "checkpoint='auto', are); leave pp at 1 for these"
+            "parallelism yet (fp32 and bf16 training with any torch.optim optimizer, "
+            "amp-bf16 with FSDP2 over the stages, and checkpoint='auto', are); leave pp at 1 "
+            "for these"
         )
