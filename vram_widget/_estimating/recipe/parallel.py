@@ -536,8 +536,10 @@ def _check_stage_fsdp(parallel: ParallelSettings, dp: int, layout: str) -> None:
     # each stage's model part: torchtitan/distributed/pipeline_parallel.py, pipeline_llm)
     reasons = {
         Strategy.DDP: "DistributedDataParallel over stages is not estimated yet (the schedule "
-        "defers its all-reduce with no_sync to the last micro-batch, not checked)",
-        Strategy.ZERO1: "ZeroRedundancyOptimizer over stages is not estimated yet",
+        "defers its all-reduce with no_sync to the last micro-batch, not checked; torchtitan "
+        "replicates stages through FSDP2, its DDP refusing a mesh of more than one dimension)",
+        Strategy.ZERO1: "ZeroRedundancyOptimizer over stages is not estimated yet (torchtitan "
+        "has no ZeRO-1)",
     }
     if strategy not in STAGE_DATA_PARALLEL:
         raise ValueError(
