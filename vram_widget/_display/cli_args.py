@@ -960,7 +960,8 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     pipeline = (args.pp_schedule, args.microbatches, args.pp_split, args.stages_per_rank)
     if args.pp is not None or any(x is not None for x in pipeline):
         from .._estimating.options import PipelineSchedule
-        from .._estimating.recipe.parallel import ParallelSettings, check_pipeline_parallel
+        from .._estimating.recipe.parallel import ParallelSettings
+        from .._estimating.recipe.pipeline import check_pipeline_parallel
 
         if args.pp is None:
             parser.error(

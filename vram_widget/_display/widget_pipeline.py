@@ -31,7 +31,7 @@ import traitlets
 from .._estimating.estimator import MemoryEstimate
 from .._estimating.options import PipelineSchedule
 from .._estimating.recipe import Recipe
-from .._estimating.recipe.parallel import (
+from .._estimating.recipe.pipeline import (
     STAGE_DATA_PARALLEL,
     check_pipeline_parallel,
     check_pipeline_parallel_settings,

@@ -32,19 +32,17 @@ from .recipe.generation import Generation
 from .recipe.parallel import (
     check_context_parallel,
     check_expert_parallel,
-    check_pipeline_parallel,
-    check_pipeline_parallel_settings,
     check_tensor_parallel,
     check_tensor_parallel_settings,
     context_parallel_refusals,
     parallel_refusals,
-    pipeline_checkpoint_layers,
-    pipeline_data_parallel,
-    pipeline_microbatches,
-    pipeline_replicas,
-    pipeline_reshard_after_forward,
-    pipeline_stages_per_rank,
     tensor_parallel_hsdp,
+)
+from .recipe.pipeline import (
+    check_pipeline_parallel,
+    check_pipeline_parallel_settings,
+    pipeline_checkpoint_layers,
+    stage_question,
 )
 from .recipe.recipe import default
 from .recipe.weights import Weights
@@ -421,24 +419,18 @@ class RungsMixin:
         lv = recipe.levers
         asked = self.levers(checkpoint=lv.checkpoint, checkpoint_policy=lv.checkpoint_policy)
         checkpoint = pipeline_checkpoint_layers(asked.checkpoint, self.rows.names)
-        m = pipeline_microbatches(par)
-        opt_name = recipe.optimizer.name
-        dp, reshard = pipeline_data_parallel(par), pipeline_reshard_after_forward(par)
+        question = stage_question(recipe, checkpoint)
+        dp = question.dp
         rank = check_rank(par.rank, par.gpus)
-        stages = self._source.pipeline_stage_peaks(
-            par.pp, par.pp_schedule, m, step.batch_size, step.seq_len, step.precision,
-            opt_name, recipe.optimizer.implementation, par.pp_split,
-            pipeline_stages_per_rank(par), checkpoint, dp, reshard, par.tp,
-            pipeline_replicas(par),
-        )  # fmt: skip
+        stages = self._source.pipeline_stage_peaks(question)
         whole = self._estimate(
             recipe.with_(gpus=1, pp=1, pp_schedule="gpipe", microbatches=None, pp_split=None,
                          stages_per_rank=None, strategy="ddp", rank=None, tp=1, tp_plan=None)
         )  # fmt: skip
-        # rank r of the (pp, dp_shard) mesh holds stage r // dp (pipeline_fsdp), of the
-        # (pp, tp) mesh stage r // tp (pipeline_tensor_parallel); its data-parallel ranks
-        # hold the same bytes (FSDP2 pads every shard to rank 0's size), as do its
-        # tensor-parallel ranks (the plan's shards are even: resolve_plan checks tp divides)
+        # rank r of the (pp, [dp_replicate,] dp_shard, tp) mesh holds stage r // (dp x tp)
+        # (pipeline_parallel._meshes); its data-parallel ranks hold the same bytes (FSDP2
+        # pads every shard to rank 0's size), as do its tensor-parallel ranks (the plan's
+        # shards are even: resolve_plan checks tp divides)
         worst = (
             max(stages, key=lambda s: s.peak_bytes)
             if rank is None
@@ -458,8 +450,8 @@ class RungsMixin:
             pp=par.pp,
             tp=par.tp,
             pp_schedule=par.pp_schedule.value,
-            microbatches=m,
-            stages_per_rank=pipeline_stages_per_rank(par),
+            microbatches=question.microbatches,
+            stages_per_rank=question.stages_per_rank,
             stage_peak_bytes=tuple(s.peak_bytes for s in stages),
             stage_resident_bytes=tuple(s.resident_bytes for s in stages),
         )

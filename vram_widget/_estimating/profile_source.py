@@ -13,11 +13,11 @@ from .options import (
     Mode,
     OptimizerChoice,
     OptimizerImplementation,
-    PipelineSchedule,
     Precision,
 )
 from .recipe import Recipe
 from .recipe.float8 import Float8
+from .recipe.pipeline import StageQuestion
 from .recipe.weights import Weights
 from .sharding import Parallel
 from .table import OptimizerTrace, Timeline
@@ -81,24 +81,7 @@ class ProfileSource(Protocol):
     def pipeline_parallel_refusal(
         self, pp: int, stages_per_rank: int = ..., tp: int = ...
     ) -> str | None: ...
-    def pipeline_stage_peaks(
-        self,
-        pp: int,
-        schedule: PipelineSchedule,
-        microbatches: int,
-        batch_size: int,
-        seq_len: int | None,
-        precision: Precision,
-        optimizer: OptimizerChoice | None,
-        implementation: OptimizerImplementation | None,
-        split: tuple[str, ...] | None = None,
-        stages_per_rank: int = 1,
-        checkpoint: bool = False,
-        dp: int = 1,
-        reshard_after_forward: bool | None = None,
-        tp: int = 1,
-        replicate: int = 1,
-    ) -> tuple[Any, ...]: ...
+    def pipeline_stage_peaks(self, question: StageQuestion) -> tuple[Any, ...]: ...
     def float8_fsdp_step(
         self,
         float8: Float8,

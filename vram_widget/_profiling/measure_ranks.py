@@ -98,20 +98,17 @@ def _measure_pipeline(
     model: torch.nn.Module, inputs: Any, settings: dict[str, Any], timeout_s: float
 ) -> Measurement:
     """``measure`` with ``pp > 1``: each stage on its own gloo rank
-    (``pipeline_parallel.measure_stage``), or with ``gpus = dp x pp`` on ``dp`` ranks each,
-    sharded by FSDP2 over them (``pipeline_fsdp``), or with ``gpus = pp x tp`` on ``tp``
-    ranks each, sharded by the model's plan (``pipeline_tensor_parallel``); the layout,
-    the plan and the settings checked first."""
+    (``pipeline_parallel.measure_stage``), or with ``gpus = dp x pp x tp`` on ``dp x tp``
+    ranks each, sharded by the model's plan over ``tp`` (``pipeline_tensor_parallel``) and
+    by FSDP2 over ``dp`` (``pipeline_fsdp``); the layout, the plan and the settings checked
+    first, the question asked the same as the estimate's (``stage_question``)."""
     from .._estimating.recipe import Recipe
-    from .._estimating.recipe.parallel import (
+    from .._estimating.recipe.pipeline import (
         check_pipeline_parallel,
         check_pipeline_parallel_settings,
         pipeline_checkpoint_layers,
-        pipeline_data_parallel,
-        pipeline_microbatches,
-        pipeline_replicas,
-        pipeline_reshard_after_forward,
         pipeline_stages_per_rank,
+        stage_question,
     )
     from .distributed import run_ranks
     from .pipeline_parallel import check_pipeline_model, measure_stage
@@ -139,17 +136,10 @@ def _measure_pipeline(
         raise ValueError(
             f"measure(pp={par.pp}) runs its ranks on the CPU with gloo; this model is on CUDA"
         )
-    m = pipeline_microbatches(par)
-    precision, optimizer = recipe.step.precision, recipe.optimizer.name
-    implementation = recipe.optimizer.implementation
-    dp, reshard = pipeline_data_parallel(par), pipeline_reshard_after_forward(par)
+    question = stage_question(recipe, checkpoint)
 
     def rank_step(_rank: int, _world: int) -> tuple[int, int]:
-        return measure_stage(
-            model, inputs, par.pp_schedule, m, precision, optimizer, implementation,
-            par.pp_split, stages_per_rank, checkpoint, dp, reshard, par.tp,
-            pipeline_replicas(par),
-        )  # fmt: skip
+        return measure_stage(model, inputs, question)
 
     ranks = run_ranks(rank_step, par.gpus, timeout_s)
     worst = max(range(len(ranks)), key=lambda r: ranks[r][1])
@@ -157,15 +147,15 @@ def _measure_pipeline(
         peak_bytes=ranks[worst][1],
         resident_bytes=ranks[worst][0],
         device="cpu",
-        precision=precision,
-        optimizer=optimizer,
+        precision=question.precision,
+        optimizer=question.optimizer,
         mode=recipe.step.mode,
         batch_size=batch,
         gpus=par.gpus,
         rank_peak_bytes=tuple(peak for _resident, peak in ranks),
         pp=par.pp,
         tp=par.tp,
-        strategy=par.strategy if dp > 1 else None,
+        strategy=par.strategy if question.dp > 1 else None,
     )
 
 

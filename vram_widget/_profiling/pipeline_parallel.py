@@ -44,12 +44,8 @@ import torch
 from torch import nn
 
 from .._estimating.communication import Collective
-from .._estimating.options import (
-    OptimizerChoice,
-    OptimizerImplementation,
-    PipelineSchedule,
-    Precision,
-)
+from .._estimating.options import OptimizerChoice, OptimizerImplementation, PipelineSchedule
+from .._estimating.recipe.pipeline import StageQuestion
 from .live_bytes import LiveBytes, sends_held
 from .pipeline_tensor_parallel import dtensor_caches_cleared, meshes_concatenated_outside_fake_mode
 from .tensor_parallel import local_part
@@ -293,15 +289,17 @@ class _Rank:
     first: bool
     last: bool
     amp: torch.dtype | None = None  # the schedule's step under autocast to it
+    accumulation: int = 1  # schedule steps before each optimizer step
 
     def iterate(self) -> None:
-        with torch.autocast("cpu", dtype=self.amp) if self.amp else contextlib.nullcontext():
-            if self.first:
-                self.schedule.step(self.batch)
-            elif self.last:
-                self.schedule.step(target=self.batch)
-            else:
-                self.schedule.step()
+        for _ in range(self.accumulation):
+            with torch.autocast("cpu", dtype=self.amp) if self.amp else contextlib.nullcontext():
+                if self.first:
+                    self.schedule.step(self.batch)
+                elif self.last:
+                    self.schedule.step(target=self.batch)
+                else:
+                    self.schedule.step()
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -355,6 +353,20 @@ class _Layout:
     # amp precisions (FSDP2 over the stages only): the autocast dtype, which FSDP2's
     # MixedPrecisionPolicy gathers the parameters in too
     amp: torch.dtype | None = None
+    # schedule steps whose gradients one optimizer step takes
+    accumulation: int = 1
+
+    @classmethod
+    def of(cls, question: StageQuestion) -> _Layout:
+        """The layout a :class:`~.._estimating.recipe.pipeline.StageQuestion` asks for."""
+        from .step import autocast_dtype
+
+        q = question
+        return cls(
+            q.pp, q.schedule, q.microbatches, q.stages_per_rank, q.split, q.checkpoint,
+            q.reshard_after_forward, q.dp, q.tp, q.replicate, autocast_dtype(q.precision),
+            q.accumulation,
+        )  # fmt: skip
 
     @property
     def stages(self) -> int:
@@ -522,7 +534,8 @@ def _rank(
         if optimizer is not None and params:
             opts.append(make_optimizer(optimizer, params, implementation))
     batch = inputs["input_ids"] if rank == 0 else inputs["labels"]
-    return _Rank(modules, sched, opts, batch, rank == 0, rank == layout.pp - 1, layout.amp)
+    first, last = rank == 0, rank == layout.pp - 1
+    return _Rank(modules, sched, opts, batch, first, last, layout.amp, layout.accumulation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,22 +582,10 @@ def stage_peak(
     model: nn.Module,
     inputs: dict[str, torch.Tensor],
     rank: int,
-    pp: int,
-    schedule: PipelineSchedule,
-    microbatches: int,
-    precision: Precision,
-    optimizer: OptimizerChoice | None,
-    implementation: OptimizerImplementation | None = None,
-    split: tuple[str, ...] | None = None,
-    stages_per_rank: int = 1,
-    checkpoint: bool = False,
-    dp: int = 1,
-    reshard_after_forward: bool | None = None,
-    tp: int = 1,
-    replicate: int = 1,
+    question: StageQuestion,
 ) -> StagePeak:
-    """Pipeline rank ``rank``'s step (its ``stages_per_rank`` stages) as
-    ``torch.distributed.pipelining`` runs it, on fake tensors and PyTorch's fake process
+    """Pipeline rank ``rank``'s step (its ``stages_per_rank`` stages) as ``question`` asks
+    it and ``torch.distributed.pipelining`` runs it, on fake tensors and PyTorch's fake process
     group (``tensor_parallel.fake_process_group``): a meta copy of each stage's layers made
     fake, the schedule's third step counted by ``live_bytes.LiveBytes`` (the first two make the
     receive buffers and the optimizer state); with ``checkpoint``, every decoder layer
@@ -599,16 +600,15 @@ def stage_peak(
     ``pp x dp x tp`` ranks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .step import autocast_dtype, fake_tensors_in_place, storage_dtype
+    from .step import fake_tensors_in_place, storage_dtype
     from .tensor_parallel import fake_process_group
 
-    dtype, amp = storage_dtype(precision), autocast_dtype(precision)
-    layout = _Layout(
-        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
-        tp, replicate, amp,
-    )  # fmt: skip
+    layout = _Layout.of(question)
+    pp, dp, tp = layout.pp, layout.dp, layout.tp
+    dtype, amp = storage_dtype(question.precision), layout.amp
     modules = [
-        layout.copy(model, i, meta=True) for i in rank_stage_indices(rank, pp, stages_per_rank)
+        layout.copy(model, i, meta=True)
+        for i in rank_stage_indices(rank, pp, layout.stages_per_rank)
     ]
     mode = FakeTensorMode()
     with mode:
@@ -644,8 +644,8 @@ def stage_peak(
 
             counter.staging = dict(GLOO_STAGING)
         run = _rank(
-            modules, rank, layout, fake_inputs, optimizer, implementation, _loss_fn(model),
-            config.hidden_size, config.vocab_size, amp or dtype, group,
+            modules, rank, layout, fake_inputs, question.optimizer, question.implementation,
+            _loss_fn(model), config.hidden_size, config.vocab_size, amp or dtype, group,
         )  # fmt: skip
         _steady_static(run.schedule)
         for module in modules:
@@ -670,18 +670,7 @@ def stage_peak(
 def measure_stage(
     model: nn.Module,
     inputs: dict[str, torch.Tensor],
-    schedule: PipelineSchedule,
-    microbatches: int,
-    precision: Precision,
-    optimizer: OptimizerChoice | None,
-    implementation: OptimizerImplementation | None = None,
-    split: tuple[str, ...] | None = None,
-    stages_per_rank: int = 1,
-    checkpoint: bool = False,
-    dp: int = 1,
-    reshard_after_forward: bool | None = None,
-    tp: int = 1,
-    replicate: int = 1,
+    question: StageQuestion,
 ) -> tuple[int, int]:
     """On a real gloo rank of ``measure(gpus=pp x dp x tp, pp=pp)``: this rank's stages
     (copies of their layers only, in the precision's dtype; with ``tp`` > 1 sharded by the
@@ -696,29 +685,26 @@ def measure_stage(
 
     from .measure_session import _run_cpu
     from .pipeline_fsdp import pipeline_rank
-    from .step import autocast_dtype, storage_dtype
+    from .step import storage_dtype
 
+    layout = _Layout.of(question)
+    pp, dp, tp = layout.pp, layout.dp, layout.tp
     rank, _dp_rank = pipeline_rank(dist.get_rank(), dp * tp)
-    pp = dist.get_world_size() // (dp * tp)
-    dtype, amp = storage_dtype(precision), autocast_dtype(precision)
+    dtype, amp = storage_dtype(question.precision), layout.amp
     config = _config(model)
-    layout = _Layout(
-        pp, schedule, microbatches, stages_per_rank, split, checkpoint, reshard_after_forward, dp,
-        tp, replicate, amp,
-    )  # fmt: skip
     meshes = _meshes(layout)
 
     def session() -> _Rank:
         modules = []
-        for i in rank_stage_indices(rank, pp, stages_per_rank):
+        for i in rank_stage_indices(rank, pp, layout.stages_per_rank):
             module = layout.copy(model, i, meta=False).to(dtype)
             module.train()
             modules.append(module)
         group = _shard_stages(modules, layout, meshes)
         ids = {k: v.clone() for k, v in inputs.items()}
         return _rank(
-            modules, rank, layout, ids, optimizer, implementation, _loss_fn(model),
-            config.hidden_size, config.vocab_size, amp or dtype, group,
+            modules, rank, layout, ids, question.optimizer, question.implementation,
+            _loss_fn(model), config.hidden_size, config.vocab_size, amp or dtype, group,
         )  # fmt: skip
 
     with dtensor_caches_cleared() if tp > 1 else contextlib.nullcontext():

@@ -92,7 +92,7 @@ class SourceRuns:
         # (cp, the whole sequence's length, the single-rank Recipe) -> one rank's estimate
         self._context_parallel: dict[tuple[Any, ...], Any] = {}
         # the arguments of pipeline_stage_peaks -> each stage's StagePeak
-        self._pipeline: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._pipeline: dict[Any, tuple[Any, ...]] = {}  # StageQuestion -> the stages
         # the arguments of float8_fsdp_step -> the rank's Float8RankStep
         self._float8_fsdp: dict[tuple[Any, ...], Any] = {}
         # a new meta copy of the profiled model, for a sub-profile to convert (None:

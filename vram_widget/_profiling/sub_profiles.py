@@ -25,6 +25,7 @@ from .._estimating.options import (
 )
 from .._estimating.profile import ModelProfile
 from .._estimating.recipe.float8 import Float8
+from .._estimating.recipe.pipeline import StageQuestion
 from .._estimating.recipe.weights import WeightFormat, Weights
 from .context_parallel import (
     check_context_parallel_model,
@@ -392,63 +393,26 @@ class SubProfiles:
             at_batch=recipe.step.batch_size,
         )
 
-    def pipeline_stage_peaks(  # type: ignore[misc]
-        self: _Source,
-        pp: int,
-        schedule: Any,
-        microbatches: int,
-        batch_size: int,
-        seq_len: int | None,
-        precision: Precision,
-        optimizer: OptimizerChoice | None,
-        implementation: OptimizerImplementation | None,
-        split: tuple[str, ...] | None = None,
-        stages_per_rank: int = 1,
-        checkpoint: bool = False,
-        dp: int = 1,
-        reshard_after_forward: bool | None = None,
-        tp: int = 1,
-        replicate: int = 1,
-    ) -> tuple[Any, ...]:
-        """Each of ``pp`` pipeline ranks' step (its ``stages_per_rank`` stages) at
-        ``batch_size`` (the whole step's batch), as ``torch.distributed.pipelining`` runs
-        ``schedule`` over ``microbatches``, on fake tensors (``pipeline_parallel.stage_peak``),
-        with ``checkpoint`` every decoder layer checkpointed; with ``dp`` > 1 and
-        ``reshard_after_forward``, each stage sharded by FSDP2 over its ``dp`` data-parallel
-        ranks (hsdp's ``replicate`` x ``dp / replicate`` with ``replicate`` > 1); with
-        ``tp`` > 1, each stage sharded by the model's plan over its ``tp`` tensor-parallel
-        ranks (``pipeline_tensor_parallel``); the model and inputs checked
+    def pipeline_stage_peaks(self: _Source, question: StageQuestion) -> tuple[Any, ...]:  # type: ignore[misc]
+        """Each of the ``question.pp`` pipeline ranks' step (its stages) as
+        ``torch.distributed.pipelining`` runs it, on fake tensors
+        (``pipeline_parallel.stage_peak``): the layout, precision and optimizer the
+        question asks (``recipe.pipeline.StageQuestion``), the model and inputs checked
         first (``pipeline_parallel.check_pipeline_model``). Kept per question."""
-        kwargs = self._pipeline_inputs(pp, split, stages_per_rank, tp)
-        key = (
-            pp,
-            schedule,
-            microbatches,
-            batch_size,
-            seq_len,
-            precision,
-            optimizer,
-            implementation,
-            split,
-            stages_per_rank,
-            checkpoint,
-            dp,
-            reshard_after_forward,
-            tp,
-            replicate,
-        )
-        if key not in self._pipeline:
-            length = seq_len or kwargs["input_ids"].shape[1]
+        q = question
+        kwargs = self._pipeline_inputs(q.pp, q.split, q.stages_per_rank, q.tp)
+        if q not in self._pipeline:
+            length = q.seq_len or kwargs["input_ids"].shape[1]
             shaped = {
-                k: torch.empty((batch_size, length), dtype=v.dtype, device="meta")
+                k: torch.empty((q.batch_size, length), dtype=v.dtype, device="meta")
                 for k, v in kwargs.items()
             }
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", module=r"(transformers|torch\.distributed)(\.|$)")
-                self._pipeline[key] = tuple(
-                    self._stage_peak(shaped, stage, key) for stage in range(pp)
+                self._pipeline[q] = tuple(
+                    self._stage_peak(shaped, stage, q) for stage in range(q.pp)
                 )
-        return self._pipeline[key]
+        return self._pipeline[q]
 
     def pipeline_parallel_refusal(  # type: ignore[misc]
         self: _Source, pp: int, stages_per_rank: int = 1, tp: int = 1
@@ -493,17 +457,11 @@ class SubProfiles:
         return dict(kwargs)
 
     def _stage_peak(  # type: ignore[misc]
-        self: _Source, inputs: dict[str, torch.Tensor], stage: int, key: tuple[Any, ...]
+        self: _Source, inputs: dict[str, torch.Tensor], stage: int, question: StageQuestion
     ) -> Any:
         from .pipeline_parallel import stage_peak
 
-        pp, schedule, microbatches, _batch, _length, precision, optimizer, implementation = key[:8]
-        split, stages_per_rank, checkpoint, dp, reshard_after_forward, tp, replicate = key[8:]
-        return stage_peak(
-            self.profiler.subject.model, inputs, stage, pp, schedule, microbatches, precision,
-            optimizer, implementation, split, stages_per_rank, checkpoint, dp,
-            reshard_after_forward, tp, replicate,
-        )  # fmt: skip
+        return stage_peak(self.profiler.subject.model, inputs, stage, question)
 
 
 def _timelines_asked(sub: ModelProfile) -> list[tuple[Any, ...]]:
