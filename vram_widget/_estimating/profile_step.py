@@ -490,6 +490,7 @@ class StepMixin:
         grads: list[tuple[int, int, int, int]] = []
         accumulated: list[tuple[int, int, int, int]] = []
         zero_grad: list[tuple[int, int, int, int]] = []
+        seeds: list[tuple[int, int, int, int]] = []
         storage = timeline.event_storage
         cats = timeline.storage_category
         sizes = timeline.storage_bytes.at(1, self.seq_len or 1)
@@ -522,6 +523,10 @@ class StepMixin:
             accumulated = freed(frees & adds[timeline.event_op] & (index >= later) & (index < end))
             # zero_grad's frees of the whole gradients, after the optimizer
             zero_grad = freed(frees & (index >= end) & (cats[storage] == gradient))
+            seeds = _gradient_seeds(timeline, storage, nbytes, micro_batches, n_rows - 2)
+            # a seed dies as the backward ends, often within an AccumulateGrad: not a gradient
+            seeded = {sid for sid, *_rest in seeds}
+            accumulated = [a for a in accumulated if a[0] not in seeded]
         _warn_if_one_unit_holds_most(params, blocks, parallel)
         edits = fsdp_step_edits(
             params,
@@ -538,6 +543,7 @@ class StepMixin:
             n_rows=n_rows,
             accumulate_frees=accumulated,
             zero_grad_frees=zero_grad,
+            seed_frees=seeds,
             compiled_units=levers.compile is not None,  # per block (compiled.py)
             # FSDP2 reduces fp32 and bf16 gradients with ReduceOp.AVG, fp16 ones with SUM
             # and its own divisions (_fsdp_collectives.py, _get_gradient_divide_factors:
@@ -635,6 +641,36 @@ def _micro_batches(timeline: Timeline) -> list[tuple[int, int, int]]:
         back = np.nonzero(backward[f0:end])[0]
         b0 = f0 + int(back[0]) if len(back) else end
         out.append((f0, b0, end))
+    return out
+
+
+def _gradient_seeds(
+    timeline: Timeline,
+    storage: np.ndarray,
+    nbytes: np.ndarray,
+    micro_batches: Sequence[tuple[int, int, int]],
+    loss_row: int,
+) -> list[tuple[int, int, int, int]]:
+    """Each micro-batch's gradient seed, ``(storage id, bytes, row, index of its free)``:
+    the backward's first allocation, a Temporary on the loss row (``loss.backward()``'s
+    ``ones_like``), where the single-device timeline frees it within the backward.
+    ``torch.autograd.backward`` holds it in ``grad_tensors_`` (torch/autograd/__init__.py)
+    until the engine returns, which is after the callbacks queued on it have run
+    (FSDP2's root post-backward); ``fsdp_step_edits`` moves its free after them."""
+    out = []
+    for _f0, b0, b1 in micro_batches:
+        allocs = np.nonzero(nbytes[b0:b1] > 0)[0]
+        if not len(allocs):
+            continue
+        first = b0 + int(allocs[0])
+        sid = storage[first]
+        temporary = timeline.storage_category[sid] == CATEGORY_CODE[Category.TEMPORARY]
+        if int(timeline.event_module[first]) != loss_row or not temporary:
+            continue
+        gone = np.nonzero((storage[first + 1 : b1] == sid) & (nbytes[first + 1 : b1] < 0))[0]
+        if len(gone):
+            j = first + 1 + int(gone[0])
+            out.append((int(sid), int(-nbytes[j]), int(timeline.event_module[j]), j))
     return out
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .fsdp_post_backward import redistributed_grads, seed_after_callbacks
 from .options import CATEGORY_CODE, PHASE_CODE, Category, Phase, Precision, Strategy, parse_option
 
 __all__ = [
@@ -337,6 +338,7 @@ def fsdp_step_edits(
     n_rows: int,
     accumulate_frees: Sequence[tuple[int, int, int, int]] = (),
     zero_grad_frees: Sequence[tuple[int, int, int, int]] = (),
+    seed_frees: Sequence[tuple[int, int, int, int]] = (),
     compiled_units: bool = False,
     averaged: bool = False,
 ) -> StepEdits:
@@ -370,6 +372,10 @@ def fsdp_step_edits(
       ``world_size`` times the padded gradient shards, the unsharded gradients copied in
       and freed, a flat output of one shard (the sharded gradients are views of it). The
       root's runs last (the final backward callback), and its input is dropped at the end.
+      Before it reshards, a tensor-parallel gradient whose placements are not its
+      parameter's is redistributed (``fsdp_post_backward.redistributed_grads``); the
+      loss's gradient seed lives until after the final callback
+      (``fsdp_post_backward.seed_after_callbacks``).
     * ``gloo`` (the CPU backend) stages each all-gather through two flat temporaries of the
       output's size and each reduce-scatter through one of the input's (measured on torch
       2.13's ``ProcessGroupGloo``, ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``;
@@ -507,6 +513,8 @@ def fsdp_step_edits(
 
         def post_backward(u: int, at: int) -> None:
             nonlocal reduce_input
+            grads = [g for g in grads_of[u] if b0 <= g[3] < b1]
+            local = redistributed_grads(by_unit[u], grads, ins, at)
             reshard(u, at, bwd)
             if reduce_input is not None:
                 prev, sid, nbytes = reduce_input
@@ -516,7 +524,6 @@ def fsdp_step_edits(
                 return
             nbytes = world * reduced[u]
             sid = ins.alloc(at, nbytes, Category.COMMUNICATION, unit_rows[u], bwd)
-            grads = [g for g in grads_of[u] if b0 <= g[3] < b1]
             # foreach_reduce's loop over (fsdp_param, unsharded_grad) leaves the unit's last
             # gradient (its last parameter's, in registration order) bound to the loop
             # variable until it returns: that one is freed after the reduce-scatter
@@ -525,9 +532,9 @@ def fsdp_step_edits(
             if last is not None:
                 nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.gathered_itemsize
                 rows = {last.row, unit_rows[u]} if compiled_units else {last.row}
-                match = [g for g in grads if g[2] in rows and g[1] == nbytes_last]
+                match = [g for g in local if g[2] in rows and g[1] == nbytes_last]
                 late = match[-1:]
-            for grad in grads:
+            for grad in local:
                 if grad not in late:
                     ins.free(at, grad[1], Category.GRADIENT, grad[2], bwd, grad[0])
             output = ins.alloc(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd)
@@ -563,6 +570,7 @@ def fsdp_step_edits(
         if reduce_input is not None:
             prev, sid, nbytes = reduce_input
             ins.free(b1, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
+        seed_after_callbacks(ins, seed_frees, b0, b1)
 
     for m, (f0, b0, b1) in enumerate(micro_batches):
         micro_batch(f0, b0, b1, accumulating=m > 0)
