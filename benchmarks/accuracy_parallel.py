@@ -270,6 +270,10 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
             if plan is not None:
                 settings["tp_plan"] = plan()
             out.append((f"dp_shard=2 zero3 x tp=2 {plan_label}", "train", settings))
+            # with checkpointing: the root's post-backward redistributes a replicated
+            # gradient of a tensor-parallel weight before it reshards
+            out.append((f"dp_shard=2 zero3 x tp=2 {plan_label} checkpoint", "train",
+                        {**settings, "checkpoint": "auto"}))  # fmt: skip
             # hsdp: a 3-D mesh (dp_replicate, dp_shard, tp) of 2 nodes of 4 GPUs
             settings = {"gpus": 8, "tp": 2, "strategy": "hsdp", "gpus_per_node": 4}
             if plan is not None:

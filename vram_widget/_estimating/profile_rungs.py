@@ -505,19 +505,6 @@ def _tensor_parallel_question(recipe: Recipe) -> Recipe:
     check_tensor_parallel_settings(recipe)
     par = recipe.parallel
     dp = par.gpus // par.tp
-    if dp > 1 and recipe.levers.checkpoint not in (None, False):
-        # measured on the Hugging Face Llama of tests/models.py (gpus=4, tp=2,
-        # checkpoint="auto"): at batch 2 in fp32, zero3 and zero2, every real rank 74,104 B (4.7 %)
-        # above the estimate with AdamW, SGD or no optimizer (so in the forward / backward,
-        # not the step); bf16 zero3 exact, and fp32 exact at batch 3, 4 and 8, so one
-        # batch's peak is not found; tp alone and FSDP2 alone with checkpointing
-        # match to 16 B (docs/known-gaps.md)
-        raise ValueError(
-            f"tp={par.tp} on gpus={par.gpus} (FSDP2 over tensor-parallel ranks) with "
-            "checkpoint: not estimated yet (real fp32 ranks of a test model at one batch "
-            "held 4.7 % more than this composition gives, in the forward / backward); "
-            "checkpoint is estimated with tp alone (gpus=tp) and with FSDP2 alone"
-        )
     # rank r of the (dp_shard, tp) mesh, tp the inner dimension (tensor_parallel.rank_setup),
     # is data-parallel rank r // tp; every tp rank of a group holds the same bytes
     rank = check_rank(par.rank, par.gpus)

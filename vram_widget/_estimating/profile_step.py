@@ -490,6 +490,7 @@ class StepMixin:
         grads: list[tuple[int, int, int, int]] = []
         accumulated: list[tuple[int, int, int, int]] = []
         zero_grad: list[tuple[int, int, int, int]] = []
+        seeds: list[tuple[int, int, int, int]] = []
         storage = timeline.event_storage
         cats = timeline.storage_category
         sizes = timeline.storage_bytes.at(1, self.seq_len or 1)
@@ -522,6 +523,10 @@ class StepMixin:
             accumulated = freed(frees & adds[timeline.event_op] & (index >= later) & (index < end))
             # zero_grad's frees of the whole gradients, after the optimizer
             zero_grad = freed(frees & (index >= end) & (cats[storage] == gradient))
+            seeds = _gradient_seeds(timeline, storage, nbytes, micro_batches, n_rows - 2)
+            # a seed dies as the backward ends, often within an AccumulateGrad: not a gradient
+            seeded = {sid for sid, *_rest in seeds}
+            accumulated = [a for a in accumulated if a[0] not in seeded]
         _warn_if_one_unit_holds_most(params, blocks, parallel)
         edits = fsdp_step_edits(
             params,
@@ -538,13 +543,13 @@ class StepMixin:
             n_rows=n_rows,
             accumulate_frees=accumulated,
             zero_grad_frees=zero_grad,
+            seed_frees=seeds,
             compiled_units=levers.compile is not None,  # per block (compiled.py)
             # FSDP2 reduces fp32 and bf16 gradients with ReduceOp.AVG, fp16 ones with SUM
             # and its own divisions (_fsdp_collectives.py, _get_gradient_divide_factors:
             # overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)); under
             # amp the reduce dtype is fp32 (FSDP_PARAM_DTYPE's policy)
             averaged=precision is not Precision.FP16,
-            seed_grads=_seed_grads(timeline, micro_batches, self.seq_len or 1),
         )
         self._step_edits[key] = edits
         return edits
@@ -639,29 +644,33 @@ def _micro_batches(timeline: Timeline) -> list[tuple[int, int, int]]:
     return out
 
 
-def _seed_grads(
-    timeline: Timeline, micro_batches: Sequence[tuple[int, int, int]], seq_len: int
-) -> list[int]:
-    """The bytes of each micro-batch's seed gradient at batch 1: the ``ones_like`` of the
-    loss that ``torch.autograd.backward`` makes as the backward's first allocation
-    (``_make_grads``, torch/autograd/__init__.py), 0 where the backward starts otherwise.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from vram_widget import profile_model
-    >>> profile = profile_model(torch.nn.Linear(4, 2), input_size=(4,), device="cpu")
-    >>> from vram_widget._estimating.options import Mode, Precision
-    >>> timeline = profile.timeline(Precision.FP32, Mode.TRAIN)
-    >>> _seed_grads(timeline, _micro_batches(timeline), 1)  # the mean loss: one fp32 scalar
-    [4]
-    """
-    nbytes = timeline.events_at(1, seq_len)
+def _gradient_seeds(
+    timeline: Timeline,
+    storage: np.ndarray,
+    nbytes: np.ndarray,
+    micro_batches: Sequence[tuple[int, int, int]],
+    loss_row: int,
+) -> list[tuple[int, int, int, int]]:
+    """Each micro-batch's gradient seed, ``(storage id, bytes, row, index of its free)``:
+    the backward's first allocation, a Temporary on the loss row (``loss.backward()``'s
+    ``ones_like``), where the single-device timeline frees it within the backward.
+    ``torch.autograd.backward`` holds it in ``grad_tensors_`` (torch/autograd/__init__.py)
+    until the engine returns, which is after the callbacks queued on it have run
+    (FSDP2's root post-backward); ``fsdp_step_edits`` moves its free after them."""
     out = []
     for _f0, b0, b1 in micro_batches:
-        op = int(timeline.event_op[b0]) if b0 < b1 else -1
-        made = op >= 0 and timeline.op_names[op] == "aten.ones_like" and nbytes[b0] > 0
-        out.append(int(nbytes[b0]) if made else 0)
+        allocs = np.nonzero(nbytes[b0:b1] > 0)[0]
+        if not len(allocs):
+            continue
+        first = b0 + int(allocs[0])
+        sid = storage[first]
+        temporary = timeline.storage_category[sid] == CATEGORY_CODE[Category.TEMPORARY]
+        if int(timeline.event_module[first]) != loss_row or not temporary:
+            continue
+        gone = np.nonzero((storage[first + 1 : b1] == sid) & (nbytes[first + 1 : b1] < 0))[0]
+        if len(gone):
+            j = first + 1 + int(gone[0])
+            out.append((int(sid), int(-nbytes[j]), int(timeline.event_module[j]), j))
     return out
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .fsdp_post_backward import redistributed_grads, seed_after_callbacks
 from .options import CATEGORY_CODE, PHASE_CODE, Category, Phase, Precision, Strategy, parse_option
 
 __all__ = [
@@ -337,9 +338,9 @@ def fsdp_step_edits(
     n_rows: int,
     accumulate_frees: Sequence[tuple[int, int, int, int]] = (),
     zero_grad_frees: Sequence[tuple[int, int, int, int]] = (),
+    seed_frees: Sequence[tuple[int, int, int, int]] = (),
     compiled_units: bool = False,
     averaged: bool = False,
-    seed_grads: Sequence[int] = (),
 ) -> StepEdits:
     """FSDP2's events in one rank's training step, in the order its hooks run them.
 
@@ -371,10 +372,10 @@ def fsdp_step_edits(
       ``world_size`` times the padded gradient shards, the unsharded gradients copied in
       and freed, a flat output of one shard (the sharded gradients are views of it). The
       root's runs last (the final backward callback), and its input is dropped at the end.
-      The callback runs inside the engine's ``backward``, while ``torch.autograd.backward``
-      still holds the seed gradient it made (``_make_grads``' ``torch.ones_like`` of the
-      loss, torch/autograd/__init__.py), which the single-device timeline frees as its
-      backward ends: ``seed_grads`` (bytes, one per micro-batch) are held through it.
+      Before it reshards, a tensor-parallel gradient whose placements are not its
+      parameter's is redistributed (``fsdp_post_backward.redistributed_grads``); the
+      loss's gradient seed lives until after the final callback
+      (``fsdp_post_backward.seed_after_callbacks``).
     * ``gloo`` (the CPU backend) stages each all-gather through two flat temporaries of the
       output's size and each reduce-scatter through one of the input's (measured on torch
       2.13's ``ProcessGroupGloo``, ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``;
@@ -472,7 +473,7 @@ def fsdp_step_edits(
     freed: set[int] = set()
     shards_made: list[tuple[int, int]] = []  # (unit, storage) of each gradient-shard output
 
-    def micro_batch(f0: int, b0: int, b1: int, accumulating: bool, seed: int) -> None:
+    def micro_batch(f0: int, b0: int, b1: int, accumulating: bool) -> None:
         f_first, f_last = _unit_spans(unit_of_row, event_module, f0, b0, n_units)
         b_first, b_last = _unit_spans(unit_of_row, event_module, b0, b1, n_units)
         forward_rows = np.nonzero(event_module[f0:b0] != loss_row)[0]
@@ -512,6 +513,8 @@ def fsdp_step_edits(
 
         def post_backward(u: int, at: int) -> None:
             nonlocal reduce_input
+            grads = [g for g in grads_of[u] if b0 <= g[3] < b1]
+            local = redistributed_grads(by_unit[u], grads, ins, at)
             reshard(u, at, bwd)
             if reduce_input is not None:
                 prev, sid, nbytes = reduce_input
@@ -521,7 +524,6 @@ def fsdp_step_edits(
                 return
             nbytes = world * reduced[u]
             sid = ins.alloc(at, nbytes, Category.COMMUNICATION, unit_rows[u], bwd)
-            grads = [g for g in grads_of[u] if b0 <= g[3] < b1]
             # foreach_reduce's loop over (fsdp_param, unsharded_grad) leaves the unit's last
             # gradient (its last parameter's, in registration order) bound to the loop
             # variable until it returns: that one is freed after the reduce-scatter
@@ -530,9 +532,9 @@ def fsdp_step_edits(
             if last is not None:
                 nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.gathered_itemsize
                 rows = {last.row, unit_rows[u]} if compiled_units else {last.row}
-                match = [g for g in grads if g[2] in rows and g[1] == nbytes_last]
+                match = [g for g in local if g[2] in rows and g[1] == nbytes_last]
                 late = match[-1:]
-            for grad in grads:
+            for grad in local:
                 if grad not in late:
                     ins.free(at, grad[1], Category.GRADIENT, grad[2], bwd, grad[0])
             output = ins.alloc(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd)
@@ -561,7 +563,6 @@ def fsdp_step_edits(
         # the final callback: the root, then each unit the backward never reached, in
         # forward order, each followed by its finalize_backward (a prefetched gather never
         # waited on is dropped there); then the last reduce-scatter input
-        seed_sid = ins.alloc(b1, seed, Category.TEMPORARY, loss_row, bwd) if seed else None
         for u in [0, *(b for b in blocks if b_first[b] < 0)]:
             post_backward(u, b1)
             if u in pending:
@@ -569,12 +570,10 @@ def fsdp_step_edits(
         if reduce_input is not None:
             prev, sid, nbytes = reduce_input
             ins.free(b1, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
-        if seed_sid is not None:
-            ins.free(b1, seed, Category.TEMPORARY, loss_row, bwd, seed_sid)
+        seed_after_callbacks(ins, seed_frees, b0, b1)
 
     for m, (f0, b0, b1) in enumerate(micro_batches):
-        seed = seed_grads[m] if m < len(seed_grads) else 0
-        micro_batch(f0, b0, b1, accumulating=m > 0, seed=seed)
+        micro_batch(f0, b0, b1, accumulating=m > 0)
 
     # zero_grad (after the optimizer): the gradient shards go; the whole gradients the
     # single-device step frees there are already gone (undone just before each free)
