@@ -490,6 +490,7 @@ class StepMixin:
         grads: list[tuple[int, int, int, int]] = []
         accumulated: list[tuple[int, int, int, int]] = []
         zero_grad: list[tuple[int, int, int, int]] = []
+        seeds: list[tuple[int, int, int, int]] = []
         storage = timeline.event_storage
         cats = timeline.storage_category
         sizes = timeline.storage_bytes.at(1, self.seq_len or 1)
@@ -522,6 +523,12 @@ class StepMixin:
             accumulated = freed(frees & adds[timeline.event_op] & (index >= later) & (index < end))
             # zero_grad's frees of the whole gradients, after the optimizer
             zero_grad = freed(frees & (index >= end) & (cats[storage] == gradient))
+            # each backward's gradient seed: its first event, on the loss row
+            seeds = freed(
+                frees & np.isin(storage, [storage[b0] for _f0, b0, _b1 in micro_batches
+                                          if b0 < end and nbytes[b0] > 0
+                                          and timeline.event_module[b0] == n_rows - 2])
+            )  # fmt: skip
         _warn_if_one_unit_holds_most(params, blocks, parallel)
         edits = fsdp_step_edits(
             params,
@@ -538,6 +545,7 @@ class StepMixin:
             n_rows=n_rows,
             accumulate_frees=accumulated,
             zero_grad_frees=zero_grad,
+            gradient_seeds=seeds,
             compiled_units=levers.compile is not None,  # per block (compiled.py)
             # FSDP2 reduces fp32 and bf16 gradients with ReduceOp.AVG, fp16 ones with SUM
             # and its own divisions (_fsdp_collectives.py, _get_gradient_divide_factors:

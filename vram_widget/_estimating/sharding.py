@@ -337,6 +337,7 @@ def fsdp_step_edits(
     n_rows: int,
     accumulate_frees: Sequence[tuple[int, int, int, int]] = (),
     zero_grad_frees: Sequence[tuple[int, int, int, int]] = (),
+    gradient_seeds: Sequence[tuple[int, int, int, int]] = (),
     compiled_units: bool = False,
     averaged: bool = False,
 ) -> StepEdits:
@@ -349,7 +350,8 @@ def fsdp_step_edits(
     gradient storages: ``(storage id, bytes, row, event index of its allocation)``;
     ``accumulate_frees`` the gradients a later micro-batch frees once ``AccumulateGrad`` has
     added them into the resident ones, ``zero_grad_frees`` the resident gradients
-    ``zero_grad`` frees (both ``(storage id, bytes, row, event index)``). The rules,
+    ``zero_grad`` frees, ``gradient_seeds`` the frees of each backward's gradient seed (all
+    three ``(storage id, bytes, row, event index)``). The rules,
     from ``torch/distributed/fsdp/_fully_shard`` (``_fsdp_param_group.py``,
     ``_fsdp_collectives.py``, ``_fsdp_state.py``):
 
@@ -383,7 +385,13 @@ def fsdp_step_edits(
       buffers, and the gradient shards, are in the reduce dtype.
     * one shard (``world_size=1``: ``hsdp`` with one GPU per node) gathers nothing: the
       copy-out copies the shard (``wait_for_unshard``), and ``foreach_reduce`` copies the
-      gradients into its output instead of reduce-scattering.
+      gradients into its output instead of reduce-scattering; its loop over the gradients
+      (``if world_size > 1``) does not run, so no gradient outlives the copy-in.
+    * a tensor-parallel gradient recorded whole for a sharded parameter is redistributed
+      as ``post_backward`` collects it, before the unit reshards
+      (:func:`_redistributed_gradients`).
+    * the loss's gradient seed is freed after the final callback, as ``backward()``
+      returns.
     * ``hsdp`` all-reduces each unit's gradient shards across the nodes in place
       (``foreach_reduce``'s ``dist.all_reduce(reduce_output)``): nothing allocated.
     * every micro-batch gathers and reduce-scatters again. FSDP2 leaves no unsharded
@@ -474,6 +482,14 @@ def fsdp_step_edits(
         root_forward_end = f0 + (int(forward_rows[-1]) + 1 if len(forward_rows) else 0)
         backward_rows = np.nonzero(event_module[b0:b1] != loss_row)[0]
         root_backward_start = b0 + (int(backward_rows[0]) if len(backward_rows) else 0)
+        # the loss's gradient seed (torch.autograd.backward's ones_like, _make_grads) is
+        # held by backward()'s frame until it returns, after the engine's final callback
+        # (the root's post_backward); the timeline frees it within the backward: that free
+        # is undone right after it (emitted first: first at its position), made at the end
+        seeds = [s for s in gradient_seeds if b0 <= s[3] < b1]
+        temporary = CATEGORY_CODE[Category.TEMPORARY]
+        for sid, nbytes, row, j in seeds:
+            ins.cols.append((j + 1, nbytes, temporary, row, PHASE_CODE[bwd], sid))
 
         # forward: the root, then each block; a flat output lives until the next copy-out
         held = (0, all_gather(0, f0, fwd))
@@ -507,6 +523,15 @@ def fsdp_step_edits(
 
         def post_backward(u: int, at: int) -> None:
             nonlocal reduce_input
+            grads = [g for g in grads_of[u] if b0 <= g[3] < b1]
+            # a tensor-parallel gradient whose placement is not its parameter's is
+            # redistributed as FSDP2 collects it, before the unit reshards: the rank's chunk
+            # cloned, then the whole gradient dropped (_redistributed_gradients)
+            for i, (grad, local) in _redistributed_gradients(grads, by_unit[u]).items():
+                sid = ins.alloc(at, local, Category.GRADIENT, grad[2], bwd)
+                ins.free(at, grad[1], Category.GRADIENT, grad[2], bwd, grad[0])
+                freed.add(grad[0])
+                grads[i] = (sid, local, grad[2], grad[3])
             reshard(u, at, bwd)
             if reduce_input is not None:
                 prev, sid, nbytes = reduce_input
@@ -516,13 +541,13 @@ def fsdp_step_edits(
                 return
             nbytes = world * reduced[u]
             sid = ins.alloc(at, nbytes, Category.COMMUNICATION, unit_rows[u], bwd)
-            grads = [g for g in grads_of[u] if b0 <= g[3] < b1]
             # foreach_reduce's loop over (fsdp_param, unsharded_grad) leaves the unit's last
             # gradient (its last parameter's, in registration order) bound to the loop
-            # variable until it returns: that one is freed after the reduce-scatter
+            # variable until it returns: that one is freed after the reduce-scatter. The
+            # loop runs for world_size > 1 only (_fsdp_collectives.py, foreach_reduce)
             late = []
             last = next((p for p in reversed(by_unit[u]) if p.trainable), None)
-            if last is not None:
+            if last is not None and world > 1:
                 nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.gathered_itemsize
                 rows = {last.row, unit_rows[u]} if compiled_units else {last.row}
                 match = [g for g in grads if g[2] in rows and g[1] == nbytes_last]
@@ -540,7 +565,7 @@ def fsdp_step_edits(
                 ins.free(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd, output)
             else:
                 shards_made.append((u, output))
-            freed.update(g[0] for g in grads)
+            freed.update(g[0] for g in grads if g[0] >= 0)  # the timeline's own
             reduce_input = (u, sid, nbytes)
 
         for u in order:
@@ -563,6 +588,8 @@ def fsdp_step_edits(
         if reduce_input is not None:
             prev, sid, nbytes = reduce_input
             ins.free(b1, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
+        for sid, nbytes, row, _j in seeds:  # after the final callback, as backward() returns
+            ins.cols.append((b1, -nbytes, temporary, row, PHASE_CODE[bwd], sid))
 
     for m, (f0, b0, b1) in enumerate(micro_batches):
         micro_batch(f0, b0, b1, accumulating=m > 0)
@@ -598,6 +625,38 @@ def fsdp_step_edits(
         grad_rows=grad_rows,
         freed_gradients=frozenset(freed),
     )
+
+
+def _redistributed_gradients(
+    grads: Sequence[tuple[int, int, int, int]], params: Sequence[FsdpParam]
+) -> dict[int, tuple[tuple[int, int, int, int], int]]:
+    """The gradients of a unit (``(storage, bytes, row, event)``, by their index in
+    ``grads``) that FSDP2 redistributes to their parameter's placements before it reduces
+    them, each with the bytes of the rank's chunk it keeps.
+
+    A tensor-parallel rank's sub-profile records a DTensor gradient at its local size:
+    the whole tensor where autograd leaves it replicated while its parameter is sharded
+    (a rowwise-parallel embedding's: ``embedding_dense_backward`` runs on the replicated
+    ids and gives a Replicate gradient of the whole table for a Shard(0) weight). FSDP2
+    collects a DTensor parameter's gradient through ``FSDPParam._get_grad_inner_tensor``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), which redistributes it to the
+    unsharded parameter's placements: Replicate to Shard clones the rank's chunk
+    (``Shard._select_split_tensor``, torch/distributed/tensor/placement_types.py), and
+    ``FSDPParamGroup.post_backward`` then sets ``unsharded_param.grad = None``, dropping
+    the whole gradient, all before the unit reshards. Such a gradient is found by its
+    bytes: a multiple of its row's one trainable parameter's (unsharded, gathered) bytes,
+    other than them; a row of several parameters is left as recorded."""
+    by_row: dict[int, list[int]] = {}
+    for p in params:
+        if p.trainable:
+            local = int(np.prod(p.shape, dtype=np.int64)) * p.gathered_itemsize
+            by_row.setdefault(p.row, []).append(local)
+    out: dict[int, tuple[tuple[int, int, int, int], int]] = {}
+    for i, grad in enumerate(grads):
+        locals_ = by_row.get(grad[2], [])
+        if len(locals_) == 1 and grad[1] > locals_[0] and grad[1] % locals_[0] == 0:
+            out[i] = (grad, locals_[0])
+    return out
 
 
 def _ddp_only(_params: Sequence[TrainableParam], _world_size: int, _rank: int | None) -> None:
