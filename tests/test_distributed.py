@@ -209,9 +209,10 @@ def test_strategies_compose_with_the_levers(
         assert 0 <= peak - est.peak_bytes <= slack + est.buffer_bytes, (rank, peak)
 
 
-# FSDP2 estimates against real ranks: to the byte, but 4 B apart where a rank peaks at the
-# root's reduce-scatter (docs/known-gaps.md); where that can happen, a byte bound far
-# tighter than the 0.5 % target, which a missed buffer (KBs here) cannot slip under
+# FSDP2 estimates against real ranks: to the byte (4 B apart where a rank peaked at the
+# root's reduce-scatter, before the loss's gradient seed was kept past the final callback:
+# docs/known-gaps.md); where that can happen, a byte bound far tighter than the 0.5 %
+# target, which a missed buffer (KBs here) cannot slip under
 FSDP_SLACK_BYTES = 1024
 
 
