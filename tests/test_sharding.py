@@ -223,14 +223,16 @@ def test_fsdp_shard_of_one_rank_by_hand() -> None:
         FsdpParam("emb.weight", (5, 2), 4, 1, 0, True),
         FsdpParam("b.weight", (3,), 4, 2, 1, True),
     ]
-    edits = fsdp_step_edits(
-        params, [0, 2], np.asarray([0, 0, 1, 0, 0]), world_size=1, reshard_after_forward=True,
-        gloo=True, event_module=np.asarray([1, 2, 2, 3, 3, 2, 2, 1]), loss_row=3,
-        micro_batches=[(0, 4, 8)], optimizer_at=8,
-        gradient_allocs=[(10, 12, 2, 6), (11, 80, 1, 7)], n_rows=5,
-        gradient_seeds=[(12, 4, 3, 7)],
-    )  # fmt: skip
-    assert list(zip(edits.position.tolist(), edits.nbytes.tolist(), strict=True)) == [
+    step = {
+        "world_size": 1, "reshard_after_forward": True, "gloo": True,
+        "event_module": np.asarray([1, 2, 2, 3, 3, 2, 2, 1]), "loss_row": 3,
+        "micro_batches": [(0, 4, 8)], "optimizer_at": 8,
+        "gradient_allocs": [(10, 12, 2, 6), (11, 80, 1, 7)], "n_rows": 5,
+        "gradient_seeds": [(12, 4, 3, 7)],
+    }  # fmt: skip
+    edits = fsdp_step_edits(params, [0, 2], np.asarray([0, 0, 1, 0, 0]), **step)  # type: ignore[arg-type]
+    events = list(zip(edits.position.tolist(), edits.nbytes.tolist(), strict=True))
+    assert events == [
         (0, 40), (1, 12), (3, -12),  # copied out, not gathered (nor staged on gloo)
         (5, 12),  # the block copied out again for its backward
         # post_backward: reshard, the copy's input, the gradient freed at the copy-in (no
@@ -246,6 +248,18 @@ def test_fsdp_shard_of_one_rank_by_hand() -> None:
     assert edits.freed_gradients == {10, 11}
     assert int(edits.nbytes.sum()) == -12 - 80  # all freed, the whole gradients early
     assert edits.param_rows.tolist() == [0, 40, 12, 0, 0] == edits.grad_rows.tolist()
+    # across replicas (hsdp over nodes), averaged on gloo: the all-reduce's wrapped divisor
+    # and its fp32 cast, 8 + 4 = 12 B, right after each unit's reduce output; nothing else
+    averaged = fsdp_step_edits(
+        params,
+        [0, 2],
+        np.asarray([0, 0, 1, 0, 0]),
+        averaged=True,
+        replicated=True,
+        **step,  # type: ignore[arg-type]
+    )
+    pairs = list(zip(averaged.position.tolist(), averaged.nbytes.tolist(), strict=True))
+    assert pairs == [*events[:8], (7, 12), (7, -12), *events[8:16], (8, 12), (8, -12), *events[16:]]
 
 
 def test_fsdp_zero2_keeps_blocks_and_gloo_stages_collectives() -> None:

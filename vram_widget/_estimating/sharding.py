@@ -340,6 +340,7 @@ def fsdp_step_edits(
     gradient_seeds: Sequence[tuple[int, int, int, int]] = (),
     compiled_units: bool = False,
     averaged: bool = False,
+    replicated: bool = False,
 ) -> StepEdits:
     """FSDP2's events in one rank's training step, in the order its hooks run them.
 
@@ -392,8 +393,11 @@ def fsdp_step_edits(
       (:func:`_redistributed_gradients`).
     * the loss's gradient seed is freed after the final callback, as ``backward()``
       returns.
-    * ``hsdp`` all-reduces each unit's gradient shards across the nodes in place
-      (``foreach_reduce``'s ``dist.all_reduce(reduce_output)``): nothing allocated.
+    * ``hsdp`` (``replicated``) all-reduces each unit's gradient shards across the nodes
+      in place (``foreach_reduce``'s ``dist.all_reduce(reduce_output)``): nothing allocated
+      but, with ``averaged`` on gloo, the wrapped divisor and its cast of the average
+      (:func:`gloo_average_bytes`), while the reduce input and output are both held (it
+      decides a peak only with a shard of one rank, where no staging copy is larger).
     * every micro-batch gathers and reduce-scatters again. FSDP2 leaves no unsharded
       gradient behind, so a later micro-batch's gradients become ``.grad`` as the first
       one's do (not added into resident ones: their single-device frees are undone and
@@ -559,6 +563,8 @@ def fsdp_step_edits(
             if gloo and world > 1:
                 average = gloo_average_bytes(reduced_item[u]) if averaged else 0
                 ins.temporary(at, nbytes + average, unit_rows[u], bwd)
+            if gloo and averaged and replicated:  # the all-reduce across the replicas
+                ins.temporary(at, gloo_average_bytes(reduced_item[u]), unit_rows[u], bwd)
             for gid, gbytes, row, _at in late:
                 ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
             if accumulating:  # added into the gradient shards; dropped as it returns
