@@ -33,7 +33,9 @@ on the root over dp_shard, as torchtitan composes them) on the Hugging Face Llam
 torchtitan's Llama x fp32 and bf16, AdamW training, each rank against its own estimate
 (``rank=r``); and HSDP over them (``gpus=8, tp=2, strategy="hsdp", gpus_per_node=4``: a 3-D
 mesh, dp_replicate=2 x dp_shard=2 x tp=2, ``fully_shard`` on the 2-D (dp_replicate,
-dp_shard) sub-mesh) on the same two models. FSDP2 over pipeline stages (``gpus=4, pp=2,
+dp_shard) sub-mesh, and ``gpus=4, gpus_per_node=2``: dp_replicate=2 x dp_shard=1 x tp=2,
+one tensor-parallel group a node) on the same two models. FSDP2 over pipeline stages
+(``gpus=4, pp=2,
 strategy="zero2"|"zero3"``: a 2-D mesh, pp=2 x dp_shard=2, pp outer, each stage's decoder
 layers then the stage wrapped by ``fully_shard`` over its dp_shard ranks, as torchtitan
 composes them) on the Hugging Face Llama x the three schedules with 2 micro-batches x fp32
@@ -279,6 +281,12 @@ def _layouts(case: Case, quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
             if plan is not None:
                 settings["tp_plan"] = plan()
             out.append((f"dp_replicate=2 x dp_shard=2 hsdp x tp=2 {plan_label}", "train",
+                        settings))  # fmt: skip
+            # one tp group a node: dp_shard=1, torchtitan 0.3.0's replicate degree alone
+            settings = {"gpus": 4, "tp": 2, "strategy": "hsdp", "gpus_per_node": 2}
+            if plan is not None:
+                settings["tp_plan"] = plan()
+            out.append((f"dp_replicate=2 x dp_shard=1 hsdp x tp=2 {plan_label}", "train",
                         settings))  # fmt: skip
     for ep in case.ep:
         for mode in MODES:

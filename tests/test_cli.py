@@ -472,14 +472,14 @@ def test_tensor_parallel_flag(capsys: pytest.CaptureFixture[str]) -> None:
     err = _usage_error([*argv, "--tp", "2"], capsys)
     assert "--tp: tp=2 with gpus=1" in err
     # ddp and zero1 over tensor-parallel groups: refused as torchtitan refuses them, with
-    # the strategies that are estimated; hsdp's node of one tp group too
+    # the strategies that are estimated; hsdp's node of part of a tp group too
     for strategy in ("ddp", "zero1"):
         err = _usage_error([*argv, "--gpus", "4", "--tp", "2", "--strategy", strategy], capsys)
         assert f"--tp: tp=2 on gpus=4 with strategy='{strategy}'" in err
         assert "'hsdp'" in err and "more than one dimension" in err
-    hsdp = ["--gpus", "4", "--tp", "2", "--strategy", "hsdp", "--gpus-per-node", "2"]
+    hsdp = ["--gpus", "6", "--tp", "2", "--strategy", "hsdp", "--gpus-per-node", "3"]
     err = _usage_error([*argv, *hsdp], capsys)
-    assert "a node holds one tensor-parallel group" in err
+    assert "gpus_per_node=3: hsdp shards within a node" in err
 
 
 def test_expert_parallel_flag_refuses_a_layout_before_profiling(

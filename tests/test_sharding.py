@@ -214,6 +214,54 @@ def test_fsdp_step_edits_by_hand() -> None:
     assert edits.param_blocks.tolist() == [24, 8]
 
 
+def test_fsdp_shard_of_one_rank_by_hand() -> None:
+    # _tiny_fsdp's step on a shard of one rank (hsdp with one GPU a node), the root's
+    # gradient recorded whole (80 B: a tensor-parallel Replicate gradient of a weight whose
+    # local shard is 5 x 2 x 4 B = 40 B) and the gradient seed (4 B, made on the loss row at
+    # the backward's start) freed by the timeline at event 7
+    params = [
+        FsdpParam("emb.weight", (5, 2), 4, 1, 0, True),
+        FsdpParam("b.weight", (3,), 4, 2, 1, True),
+    ]
+    step = {
+        "world_size": 1, "reshard_after_forward": True, "gloo": True,
+        "event_module": np.asarray([1, 2, 2, 3, 3, 2, 2, 1]), "loss_row": 3,
+        "micro_batches": [(0, 4, 8)], "optimizer_at": 8,
+        "gradient_allocs": [(10, 12, 2, 6), (11, 80, 1, 7)], "n_rows": 5,
+        "seed_frees": [(12, 4, 3, 7)],
+    }  # fmt: skip
+    edits = fsdp_step_edits(params, [0, 2], np.asarray([0, 0, 1, 0, 0]), **step)  # type: ignore[arg-type]
+    events = list(zip(edits.position.tolist(), edits.nbytes.tolist(), strict=True))
+    assert events == [
+        (0, 40), (1, 12), (3, -12),  # copied out, not gathered (nor staged on gloo)
+        (5, 12),  # the block copied out again for its backward
+        # post_backward: reshard, the copy's input, the gradient freed at the copy-in (no
+        # loop variable holds it with one rank), the output
+        (7, -12), (7, 12), (7, -12), (7, 12),
+        (8, 4),  # the seed's free at event 7 undone
+        # final callback: the root's rows cloned from the whole gradient, which goes;
+        # reshard, the block's input dropped, the root's input, clone freed, output
+        (8, 40), (8, -80), (8, -40), (8, -12), (8, 40), (8, -40), (8, 40),
+        (8, -40), (8, -4),  # the root's input dropped, then the seed as backward() returns
+        (8, -12), (8, -40),  # zero_grad: the gradient shards
+    ]  # fmt: skip
+    assert edits.freed_gradients == {10, 11}
+    assert int(edits.nbytes.sum()) == -12 - 80  # all freed, the whole gradients early
+    assert edits.param_rows.tolist() == [0, 40, 12, 0, 0] == edits.grad_rows.tolist()
+    # across replicas (hsdp over nodes), averaged on gloo: the all-reduce's wrapped divisor
+    # and its fp32 cast, 8 + 4 = 12 B, right after each unit's reduce output; nothing else
+    averaged = fsdp_step_edits(
+        params,
+        [0, 2],
+        np.asarray([0, 0, 1, 0, 0]),
+        averaged=True,
+        replicated=True,
+        **step,  # type: ignore[arg-type]
+    )
+    pairs = list(zip(averaged.position.tolist(), averaged.nbytes.tolist(), strict=True))
+    assert pairs == [*events[:8], (7, 12), (7, -12), *events[8:16], (8, 12), (8, -12), *events[16:]]
+
+
 def test_fsdp_zero2_keeps_blocks_and_gloo_stages_collectives() -> None:
     zero2 = _tiny_fsdp(gloo=False, reshard_after_forward=False)
     # no reshard after the block's forward and no gather in its backward: 3 events fewer

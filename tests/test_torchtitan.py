@@ -146,10 +146,13 @@ def test_tensor_parallel_degree(tmp_path: Path) -> None:
     assert (r.get("gpus"), r.get("tp"), r.get("strategy"), r.get("gpus_per_node")) == (
         8, 2, "hsdp", 4,
     )  # fmt: skip
-    # replicas of whole tp groups (a shard degree of 1): refused by name, before profiling
+    # replicas of whole tp groups (a shard degree of 1): hsdp with one tp group a "node"
     replicas = "[parallelism]\ndata_parallel_shard_degree = 1\ntensor_parallel_degree = 2\n"
-    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 with data_parallel_replicate"):
-        _read(tmp_path, replicas + "data_parallel_replicate_degree = 2\n")
+    with pytest.warns(RecipeSettingIgnored):
+        r = _read(tmp_path, replicas + "data_parallel_replicate_degree = 2\n")
+    assert (r.get("gpus"), r.get("tp"), r.get("strategy"), r.get("gpus_per_node")) == (
+        4, 2, "hsdp", 2,
+    )  # fmt: skip
 
 
 def test_pipeline_parallel_degree(tmp_path: Path) -> None:

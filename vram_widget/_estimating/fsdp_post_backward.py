@@ -51,20 +51,27 @@ def redistributed_grads(
     return local
 
 
-def seed_after_callbacks(
+def hold_seeds(
     ins: _Inserts, seed_frees: Sequence[tuple[int, int, int, int]], b0: int, b1: int
-) -> None:
-    """Move the free of the gradient seed of the backward ``[b0, b1)`` (``seed_frees``:
-    ``(storage id, bytes, row, index of its free)``, a Temporary) after FSDP2's final
-    callback, inserted at ``b1`` before this: the single-device timeline frees it within
-    the backward, but ``torch.autograd.backward`` holds it in ``grad_tensors_``
+) -> list[tuple[int, int, int, int]]:
+    """Undo the free of the gradient seed of the backward ``[b0, b1)`` (``seed_frees``:
+    ``(storage id, bytes, row, index of its free)``, a Temporary) right after it; called
+    before any other edit of the micro-batch, so that the undo comes first at its position
+    (the final callback's edits may share it). :func:`release_seeds` frees them after
+    FSDP2's final callback: the single-device timeline frees the seed within the backward,
+    but ``torch.autograd.backward`` holds it in ``grad_tensors_``
     (torch/autograd/__init__.py) until the engine returns, which is after the callbacks
     queued on it have run (``Variable._execution_engine.queue_callback``, FSDP2's
     ``_root_post_backward_final_callback``, _fsdp_state.py)."""
-    bwd = Phase.BACKWARD
-    for sid, nbytes, row, j in seed_frees:
-        if b0 <= j < b1:
-            # undone right after its free, then freed after everything inserted at b1
-            ins.cols.append((j + 1, nbytes, CATEGORY_CODE[Category.TEMPORARY], row,
-                             PHASE_CODE[bwd], sid))  # fmt: skip
-            ins.free(b1, nbytes, Category.TEMPORARY, row, bwd, sid)
+    held = [s for s in seed_frees if b0 <= s[3] < b1]
+    for sid, nbytes, row, j in held:
+        ins.cols.append((j + 1, nbytes, CATEGORY_CODE[Category.TEMPORARY], row,
+                         PHASE_CODE[Phase.BACKWARD], sid))  # fmt: skip
+    return held
+
+
+def release_seeds(ins: _Inserts, held: Sequence[tuple[int, int, int, int]], b1: int) -> None:
+    """Free the seeds :func:`hold_seeds` kept, at ``b1`` after everything inserted there
+    before (the final callback), as ``backward()`` returns."""
+    for sid, nbytes, row, _j in held:
+        ins.free(b1, nbytes, Category.TEMPORARY, row, Phase.BACKWARD, sid)

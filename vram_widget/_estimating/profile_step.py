@@ -37,6 +37,7 @@ from .options import (
     OptimizerName,
     Phase,
     Precision,
+    Strategy,
 )
 from .profile_rungs import (
     _context_parallel_question,
@@ -550,6 +551,8 @@ class StepMixin:
             # overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)); under
             # amp the reduce dtype is fp32 (FSDP_PARAM_DTYPE's policy)
             averaged=precision is not Precision.FP16,
+            # hsdp across more than one node: FSDP2 all-reduces over the replicate dim
+            replicated=parallel.strategy is Strategy.HSDP and parallel.gpus > parallel.shard_ranks,
         )
         self._step_edits[key] = edits
         return edits

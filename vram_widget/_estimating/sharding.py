@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .fsdp_post_backward import redistributed_grads, seed_after_callbacks
+from .fsdp_post_backward import hold_seeds, redistributed_grads, release_seeds
 from .options import CATEGORY_CODE, PHASE_CODE, Category, Phase, Precision, Strategy, parse_option
 
 __all__ = [
@@ -341,6 +341,7 @@ def fsdp_step_edits(
     seed_frees: Sequence[tuple[int, int, int, int]] = (),
     compiled_units: bool = False,
     averaged: bool = False,
+    replicated: bool = False,
 ) -> StepEdits:
     """FSDP2's events in one rank's training step, in the order its hooks run them.
 
@@ -351,7 +352,8 @@ def fsdp_step_edits(
     gradient storages: ``(storage id, bytes, row, event index of its allocation)``;
     ``accumulate_frees`` the gradients a later micro-batch frees once ``AccumulateGrad`` has
     added them into the resident ones, ``zero_grad_frees`` the resident gradients
-    ``zero_grad`` frees (both ``(storage id, bytes, row, event index)``). The rules,
+    ``zero_grad`` frees, ``seed_frees`` the frees of each backward's gradient seed (all
+    three ``(storage id, bytes, row, event index)``). The rules,
     from ``torch/distributed/fsdp/_fully_shard`` (``_fsdp_param_group.py``,
     ``_fsdp_collectives.py``, ``_fsdp_state.py``):
 
@@ -375,7 +377,7 @@ def fsdp_step_edits(
       Before it reshards, a tensor-parallel gradient whose placements are not its
       parameter's is redistributed (``fsdp_post_backward.redistributed_grads``); the
       loss's gradient seed lives until after the final callback
-      (``fsdp_post_backward.seed_after_callbacks``).
+      (``fsdp_post_backward.hold_seeds``).
     * ``gloo`` (the CPU backend) stages each all-gather through two flat temporaries of the
       output's size and each reduce-scatter through one of the input's (measured on torch
       2.13's ``ProcessGroupGloo``, ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``;
@@ -389,9 +391,13 @@ def fsdp_step_edits(
       buffers, and the gradient shards, are in the reduce dtype.
     * one shard (``world_size=1``: ``hsdp`` with one GPU per node) gathers nothing: the
       copy-out copies the shard (``wait_for_unshard``), and ``foreach_reduce`` copies the
-      gradients into its output instead of reduce-scattering.
-    * ``hsdp`` all-reduces each unit's gradient shards across the nodes in place
-      (``foreach_reduce``'s ``dist.all_reduce(reduce_output)``): nothing allocated.
+      gradients into its output instead of reduce-scattering; its loop over the gradients
+      (``if world_size > 1``) does not run, so no gradient outlives the copy-in.
+    * ``hsdp`` (``replicated``) all-reduces each unit's gradient shards across the nodes
+      in place (``foreach_reduce``'s ``dist.all_reduce(reduce_output)``): nothing allocated
+      but, with ``averaged`` on gloo, the wrapped divisor and its cast of the average
+      (:func:`gloo_average_bytes`), while the reduce input and output are both held (it
+      decides a peak only with a shard of one rank, where no staging copy is larger).
     * every micro-batch gathers and reduce-scatters again. FSDP2 leaves no unsharded
       gradient behind, so a later micro-batch's gradients become ``.grad`` as the first
       one's do (not added into resident ones: their single-device frees are undone and
@@ -480,6 +486,7 @@ def fsdp_step_edits(
         root_forward_end = f0 + (int(forward_rows[-1]) + 1 if len(forward_rows) else 0)
         backward_rows = np.nonzero(event_module[b0:b1] != loss_row)[0]
         root_backward_start = b0 + (int(backward_rows[0]) if len(backward_rows) else 0)
+        seeds = hold_seeds(ins, seed_frees, b0, b1)  # first: before any edit at its position
 
         # forward: the root, then each block; a flat output lives until the next copy-out
         held = (0, all_gather(0, f0, fwd))
@@ -526,10 +533,11 @@ def fsdp_step_edits(
             sid = ins.alloc(at, nbytes, Category.COMMUNICATION, unit_rows[u], bwd)
             # foreach_reduce's loop over (fsdp_param, unsharded_grad) leaves the unit's last
             # gradient (its last parameter's, in registration order) bound to the loop
-            # variable until it returns: that one is freed after the reduce-scatter
+            # variable until it returns: that one is freed after the reduce-scatter. The
+            # loop runs for world_size > 1 only (_fsdp_collectives.py, foreach_reduce)
             late = []
             last = next((p for p in reversed(by_unit[u]) if p.trainable), None)
-            if last is not None:
+            if last is not None and world > 1:
                 nbytes_last = int(np.prod(last.shape, dtype=np.int64)) * last.gathered_itemsize
                 rows = {last.row, unit_rows[u]} if compiled_units else {last.row}
                 match = [g for g in local if g[2] in rows and g[1] == nbytes_last]
@@ -541,13 +549,15 @@ def fsdp_step_edits(
             if gloo and world > 1:
                 average = gloo_average_bytes(reduced_item[u]) if averaged else 0
                 ins.temporary(at, nbytes + average, unit_rows[u], bwd)
+            if gloo and averaged and replicated:  # the all-reduce across the replicas
+                ins.temporary(at, gloo_average_bytes(reduced_item[u]), unit_rows[u], bwd)
             for gid, gbytes, row, _at in late:
                 ins.free(at, gbytes, Category.GRADIENT, row, bwd, gid)
             if accumulating:  # added into the gradient shards; dropped as it returns
                 ins.free(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd, output)
             else:
                 shards_made.append((u, output))
-            freed.update(g[0] for g in grads)
+            freed.update(g[0] for g in grads if g[0] >= 0)  # the timeline's own
             reduce_input = (u, sid, nbytes)
 
         for u in order:
@@ -570,7 +580,7 @@ def fsdp_step_edits(
         if reduce_input is not None:
             prev, sid, nbytes = reduce_input
             ins.free(b1, nbytes, Category.COMMUNICATION, unit_rows[prev], bwd, sid)
-        seed_after_callbacks(ins, seed_frees, b0, b1)
+        release_seeds(ins, seeds, b1)
 
     for m, (f0, b0, b1) in enumerate(micro_batches):
         micro_batch(f0, b0, b1, accumulating=m > 0)

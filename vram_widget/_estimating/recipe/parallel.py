@@ -196,16 +196,6 @@ def _check_tensor_parallel_hsdp(parallel: ParallelSettings) -> None:
             f"{node} GPUs of a node and replicates across nodes, so gpus must be a whole "
             f"number of nodes of gpus_per_node={node}; give gpus a multiple of it"
         )
-    if min(gpus, node) == tp:
-        # measured on the Hugging Face Llama of tests/models.py (gpus=4, tp=2, hsdp,
-        # gpus_per_node=2: replicas of one shard each): every real rank 119,808 B (5.4 %)
-        # above this composition, where dp_shard = 2 matches to the byte
-        raise ValueError(
-            f"tp={tp} on gpus={gpus} with strategy='hsdp' and gpus_per_node={node}: a node "
-            "holds one tensor-parallel group, so FSDP2's shard dimension is 1 (replicas "
-            "only); not estimated yet (real ranks hold more than this composition gives); "
-            f"give gpus_per_node a multiple of {tp} above it (dp_shard >= 2)"
-        )
 
 
 def _check_sharing_one_batch(

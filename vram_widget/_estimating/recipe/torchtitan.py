@@ -49,7 +49,9 @@ Refactor: TOML to Python Dataclass Registry"), which this reader does not run.
   ``gpus=k``, sharded by the model's own plan (torchtitan 0.3.0's ``ParallelismConfig``,
   ``torchtitan/config/configs.py``); with ``data_parallel_shard_degree`` d > 1 beside it,
   ``gpus=d*k, tp=k`` with FSDP2's strategy as above (FSDP2 over the tensor-parallel groups);
-  with ``data_parallel_replicate_degree`` > 1, refused (not estimated yet). Under ``tp``,
+  with ``data_parallel_replicate_degree`` r > 1, ``gpus=r*d*k, tp=k, strategy="hsdp",
+  gpus_per_node=d*k`` (one replica a node, d = 1 included: HSDP over the tensor-parallel
+  groups). Under ``tp``,
   torchtitan's sequence parallelism (``enable_sequence_parallel``, on by default) and its
   vocabulary-parallel loss (``_LossParallelCrossEntropy``, ``torchtitan/components/loss.py``; 0.2's
   ``disable_loss_parallel=false``) are listed as ignored, as is async tensor parallelism
@@ -321,22 +323,15 @@ def _data_and_tensor_parallel(
     dp = replicate * shard
     pp = _degree(section, "pipeline_parallel_degree")
     if tp > 1:
-        if replicate > 1 and shard == 1:
-            raise refuse(
-                SOURCE,
-                f"parallelism.tensor_parallel_degree={tp} with data_parallel_replicate_degree"
-                f"={replicate} and data_parallel_shard_degree=1",
-                "replicas of whole tensor-parallel groups (torchtitan 0.3 runs them through "
-                "fully_shard with a shard degree of 1) are not estimated yet; give "
-                "data_parallel_shard_degree >= 2 (HSDP over them is estimated)",
-            )
         if replicate > 1:  # HSDP on the (dp_replicate, fsdp) sub-mesh over tp groups
             if section.get("fsdp_reshard_after_forward", "default") == "never":
                 ignored.append(
                     "parallelism.fsdp_reshard_after_forward='never' under HSDP (estimated "
                     "resharded after the forward)"
                 )
-            # a "node" of hsdp is one replica: dp_shard x tp ranks
+            # a "node" of hsdp is one replica: dp_shard x tp ranks (a shard degree of 1 too:
+            # torchtitan 0.3.0 keeps the size-1 "fsdp" dim and runs fully_shard over the
+            # (dp_replicate, fsdp) sub-mesh, ParallelDims._mesh_exist and parallelize.py:74-80)
             return {
                 "gpus": replicate * shard * tp, "tp": tp, "strategy": "hsdp",
                 "gpus_per_node": shard * tp,
