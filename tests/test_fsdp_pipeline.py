@@ -50,12 +50,12 @@ def test_layouts_refused_before_any_rank(llama) -> None:  # type: ignore[no-unty
         with pytest.raises(ValueError, match=rf"pp=2 x tp=2 on gpus=8 with strategy='{strategy}"):
             profile.estimate(4, gpus=8, pp=2, tp=2, strategy=strategy)
     # hsdp over stages: a node holds whole tensor-parallel groups of one stage, or whole
-    # stages, and at least 2 shard ranks
+    # stages
     hsdp = {"pp": 2, "tp": 2, "strategy": "hsdp"}
     with pytest.raises(ValueError, match=r"gpus_per_node=6: hsdp shards within a node"):
         profile.estimate(4, gpus=16, gpus_per_node=6, **hsdp)
-    with pytest.raises(ValueError, match=r"gpus_per_node=2: a node holds one tensor-parallel"):
-        measure(model, inputs, gpus=8, gpus_per_node=2, **hsdp)
+    with pytest.raises(ValueError, match=r"gpus_per_node=1: hsdp shards within a node"):
+        measure(model, inputs, gpus=8, gpus_per_node=1, **hsdp)
     with pytest.raises(ValueError, match=r"pp=2 x tp=2 does not divide gpus=6"):
         profile.estimate(4, gpus=6, pp=2, tp=2, strategy="zero3")
     with pytest.raises(ValueError, match=r"rank must be None .* in \[0, 4\) for gpus=4"):

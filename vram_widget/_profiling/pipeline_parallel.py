@@ -430,7 +430,10 @@ def _meshes(layout: _Layout) -> Any:
     shard = layout.dp // layout.replicate
     dims = [("pp", layout.pp), ("dp_replicate", layout.replicate), ("dp_shard", shard),
             ("tp", layout.tp)]  # fmt: skip
-    dims = [(name, size) for name, size in dims if size > 1 or name == "pp"]
+    # hsdp keeps a dp_shard of 1 (replicas only), as torchtitan's mesh does
+    # (ParallelDims._mesh_exist: the "fsdp" dimension always exists)
+    kept = ("pp", "dp_shard") if layout.replicate > 1 else ("pp",)
+    dims = [(name, size) for name, size in dims if size > 1 or name in kept]
     names = tuple(name for name, _size in dims)
     mesh = init_device_mesh("cpu", tuple(size for _name, size in dims), mesh_dim_names=names)
     # hsdp's fully_shard takes the 2-D (dp_replicate, dp_shard) sub-mesh

@@ -176,7 +176,8 @@ def _check_stage_fsdp(parallel: ParallelSettings, dp: int, layout: str) -> None:
 
 def _check_stage_hsdp(parallel: ParallelSettings, dp: int, layout: str) -> None:
     """``hsdp`` over each stage's ``dp`` ranks: a node holds whole tensor-parallel groups
-    of one stage, or whole stages, and at least 2 shard ranks (:func:`pipeline_replicas`)."""
+    of one stage, or whole stages (:func:`pipeline_replicas`); one group a node is a shard
+    dimension of 1, replicas only, as torchtitan keeps it."""
     tp, node = parallel.tp, parallel.gpus_per_node
     stage_ranks = dp * tp
     fits = stage_ranks % node == 0 if node < stage_ranks else node % stage_ranks == 0
@@ -187,12 +188,6 @@ def _check_stage_hsdp(parallel: ParallelSettings, dp: int, layout: str) -> None:
             f"or whole stages ({stage_ranks} ranks each, pp the mesh's outer dimension); give "
             f"gpus_per_node a multiple of {tp} that divides {stage_ranks}, or a multiple of "
             f"{stage_ranks}"
-        )
-    if min(node, stage_ranks) == tp:
-        raise ValueError(
-            f"{layout} with strategy='hsdp' and gpus_per_node={node}: a node holds one "
-            "tensor-parallel group of a stage, so FSDP2's shard dimension is 1 (replicas "
-            f"only); not estimated yet; give gpus_per_node a multiple of {tp} above it"
         )
 
 
