@@ -9,7 +9,20 @@ compiled estimates) point at a temporary directory of the run too. Inductor keys
 kernels by the machine, not by ``ATEN_CPU_CAPABILITY``: a run under a narrowed ISA
 (``scripts/test.sh``'s AVX2 pass) that found the native run's kernels in the shared default
 directory loaded them and crashed with a segmentation fault in a compiled GPT-2 forward
-(measured; with a directory of its own, the same tests pass)."""
+(measured; with a directory of its own, the same tests pass).
+
+Inductor's vector-ISA check is skipped (``TORCHINDUCTOR_VEC_ISA_OK=1``). Unset, Inductor
+dry-compiles and loads a test program for each ISA the CPU lists (AVX-512 VNNI, AVX-512,
+AVX2: ``torch/_inductor/cpu_vec_isa.py``, ``valid_vec_isa_list`` and ``VecISA.check_build``,
+each load in a child Python, ``VecISA._probe_load``) into the Inductor cache, which is empty
+at the start of each run (above): 10 to 15 s of compiling in every run that compiles, both
+passes of ``scripts/test.sh`` included. The variable is Inductor's own switch
+(``torch/_inductor/config.py``, ``cpp.vec_isa_ok``: "force usage as specified, without
+testing"); it skips the compiler's dry run only. The ISA is still picked as before, from
+the CPU's flags (``x86_isa_checker``) and ``ATEN_CPU_CAPABILITY``
+(``get_isa_from_cpu_capability``), so each pass compiles for the same ISA as with the check
+(AVX-512 VNNI natively, AVX2 under the narrowed pass), and a compiler that could not build it
+fails the compile tests loudly instead of falling back. A value set outside is kept."""
 
 from __future__ import annotations
 
@@ -35,6 +48,8 @@ def pytest_configure(config: pytest.Config) -> None:
     inductor = tempfile.mkdtemp(prefix="vram_widget_inductor_")
     _SESSION_CACHE.append(inductor)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor
+    # read when torch._inductor.config is imported, which ``import torch`` does not do
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
