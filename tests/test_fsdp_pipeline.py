@@ -113,6 +113,7 @@ def test_llama_ranks_against_real_fsdp_over_pipeline_stages(
     assert real.rank_peak_bytes == (first, first, last, last)
 
 
+@pytest.mark.slow  # first pass only: the Llama's kernels run in both (the test above)
 def test_llama_ranks_against_real_amp_fsdp_over_pipeline_stages(
     one_thread: None,
     llama,  # type: ignore[no-untyped-def]
@@ -142,6 +143,7 @@ def test_llama_ranks_against_real_amp_fsdp_over_pipeline_stages(
         profile.estimate(4, gpus=2, pp=2, precision="amp-bf16")
 
 
+@pytest.mark.slow  # first pass only: the Llama's kernels run in both (the test above)
 def test_llama_ranks_against_real_accumulation_over_pipeline_stages(
     one_thread: None,
     llama,  # type: ignore[no-untyped-def]
@@ -196,6 +198,7 @@ def test_llama_ranks_against_real_fsdp_over_tensor_parallel_stages(
     assert real.rank_peak_bytes == (first,) * 4 + (last,) * 4
 
 
+@pytest.mark.slow  # first pass only: the Llama's kernels run in both (the test above)
 def test_llama_ranks_against_real_fsdp_over_interleaved_stages(
     one_thread: None,
     llama,  # type: ignore[no-untyped-def]
@@ -217,6 +220,7 @@ def test_llama_ranks_against_real_fsdp_over_interleaved_stages(
     assert real.rank_peak_bytes == (first, first, last, last)
 
 
+@pytest.mark.slow  # first pass only: the Llama's kernels run in both (the test above)
 def test_llama_ranks_against_real_hsdp_over_pipeline_stages(
     one_thread: None,
     llama,  # type: ignore[no-untyped-def]

@@ -230,6 +230,7 @@ def test_llama_ranks_against_real_hsdp_over_tp_ranks(one_thread: None) -> None:
     assert est.peak_bytes == max(real.rank_peak_bytes)
 
 
+@pytest.mark.slow  # first pass only: the same kernels as the hsdp test above, in both
 def test_llama_ranks_against_real_hsdp_over_tp_replicas(one_thread: None) -> None:
     # hsdp with one tp group a node (gpus_per_node == tp): torchtitan 0.3.0's layout for a
     # replicate degree alone, a mesh of 2 x 1 x 2 (dp_replicate, dp_shard, tp) and
