@@ -170,7 +170,8 @@ def stage_unit(est: MemoryEstimate) -> str:
 def pipeline_layout(est: MemoryEstimate) -> str:
     """The ranks of a pipeline estimate: ``"pp=k"`` for the pipeline alone, ``"dp=d x pp=k
     (strategy)"`` where ``d`` data-parallel ranks of each stage share it (FSDP2 over the
-    stages, ``gpus = dp x pp``).
+    stages, ``gpus = dp x pp``), with ``" x tp=t"`` where each stage is sharded over ``t``
+    tensor-parallel ranks (``gpus = dp x pp x tp``).
 
     Examples
     --------
@@ -181,9 +182,12 @@ def pipeline_layout(est: MemoryEstimate) -> str:
     'pp=2'
     >>> pipeline_layout(dataclasses.replace(est, gpus=8, pp=2, strategy="zero3"))
     'dp=4 x pp=2 (zero3)'
+    >>> pipeline_layout(dataclasses.replace(est, gpus=8, pp=2, tp=2, strategy="zero3"))
+    'dp=2 x pp=2 x tp=2 (zero3)'
     """
-    dp = stage_data_parallel(est)
-    return f"pp={est.pp}" if dp == 1 else f"dp={dp} x pp={est.pp} ({est.strategy})"
+    dp, tp = stage_data_parallel(est), est.tp or 1
+    parts = [f"dp={dp}"] * (dp > 1) + [f"pp={est.pp}"] + [f"tp={tp}"] * (tp > 1)
+    return " x ".join(parts) + (f" ({est.strategy})" if dp > 1 else "")
 
 
 def stage_data_parallel(est: MemoryEstimate) -> int:
