@@ -931,6 +931,10 @@ def test_pipeline_parallel_flags(
     # --tp with --pp: the world is pp x tp ranks (4 here, not the 2 given)
     err = _usage_error([*argv, "--pp", "2", "--tp", "2"], capsys)
     assert "--pp: pp=2 x tp=2 does not divide gpus=2: gpus is the world size" in err
+    # hsdp over stages checks --gpus-per-node's nodes against each stage's 6 ranks
+    hsdp = ["--gpus", "12", "--pp", "2", "--strategy", "hsdp", "--gpus-per-node", "4"]
+    err = _usage_error([*argv, *hsdp], capsys)
+    assert "--pp: pp=2 on gpus=12 with strategy='hsdp' and gpus_per_node=4: hsdp shards" in err
     # ScheduleInterleaved1F1B, 2 stages a rank (the default, given here): each rank's peak
     flags = ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "2"]
     assert main([*argv, *flags, "--microbatches", "2"]) == 0

@@ -971,8 +971,8 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         try:
             check_pipeline_parallel(
                 ParallelSettings(
-                    gpus, Strategy(strategy), tp=args.tp or 1, pp=args.pp,
-                    pp_schedule=PipelineSchedule(args.pp_schedule or "gpipe"),
+                    gpus, Strategy(strategy), gpus_per_node=per_node, tp=args.tp or 1,
+                    pp=args.pp, pp_schedule=PipelineSchedule(args.pp_schedule or "gpipe"),
                     microbatches=args.microbatches, stages_per_rank=args.stages_per_rank,
                 ),
                 args.batch_size,
