@@ -57,7 +57,7 @@ kept in the rows). A batch of 4 (16 tokens); every rank computes on one thread (
 ranks must, and CPU kernel scratch can depend on the thread count). A layout the estimate
 refuses is a row with its reason.
 
-    python benchmarks/accuracy_parallel.py           # about 10 minutes on 2 cores
+    python benchmarks/accuracy_parallel.py           # about 6 minutes on 2 cores
     python benchmarks/accuracy_parallel.py --quick   # a handful of rows, under a minute
     python benchmarks/accuracy_parallel.py --models hf_mixtral_balanced   # ep rows, ~1 minute
     python benchmarks/accuracy_parallel.py --models hf_llama --layouts interleaved   # 4 runs
