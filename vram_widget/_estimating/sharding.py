@@ -557,7 +557,7 @@ def fsdp_step_edits(
                 ins.free(at, reduced[u], Category.GRADIENT, unit_rows[u], bwd, output)
             else:
                 shards_made.append((u, output))
-            freed.update(g[0] for g in grads if g[0] >= 0)  # the timeline's own
+            freed.update(g[0] for g in grads)
             reduce_input = (u, sid, nbytes)
 
         for u in order:

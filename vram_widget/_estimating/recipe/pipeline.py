@@ -284,18 +284,13 @@ def pipeline_parallel_refusals(recipe: Any) -> list[str]:
         # torchtitan runs it (maybe_enable_amp: no autocast with pipelining alone)
         f"precision={step.precision.value!r}": step.precision
         not in (Precision.FP32, Precision.BF16)
-        and not (step.precision is Precision.AMP_BF16 and _stage_dp(recipe.parallel) > 1),
+        and not (
+            step.precision is Precision.AMP_BF16 and pipeline_data_parallel(recipe.parallel) > 1
+        ),
         f"mode={step.mode.value!r}": step.mode.value != "train",
     }
     refused = [name for name, on in asked.items() if on]
     return refused + [n for n in parallel_refusals(recipe) if n not in refused]
-
-
-def _stage_dp(parallel: ParallelSettings) -> int:
-    """The data-parallel ranks of each stage where ``pp x tp`` divides ``gpus``, else 1
-    (the layout's own check names the rest)."""
-    per = parallel.pp * parallel.tp
-    return parallel.gpus // per if parallel.pp > 1 and parallel.gpus % per == 0 else 1
 
 
 def pipeline_checkpoint_layers(checkpoint: Sequence[str], module_names: Sequence[str]) -> bool:

@@ -301,7 +301,7 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
                 f"parallelism.{key}={degree} (not estimated: each rank's step is estimated as "
                 "a data-parallel one over the whole model)"
             )
-    layout = _data_and_tensor_parallel(section, replicate, shard, tp, ignored)
+    layout = _data_and_tensor_parallel(section, replicate, shard, tp, pp, ignored)
     if pp > 1:  # each stage's ranks laid out as above (pp the outermost mesh dimension)
         layout = {**layout, "gpus": layout["gpus"] * pp, "pp": pp}
         reshard = section.get("fsdp_reshard_after_forward", "default")
@@ -316,12 +316,17 @@ def _parallel(section: Mapping[str, Any], gpus: int | None, ignored: list[str]) 
 
 
 def _data_and_tensor_parallel(
-    section: Mapping[str, Any], replicate: int, shard: int, tp: int, ignored: list[str]
+    section: Mapping[str, Any],
+    replicate: int,
+    shard: int,
+    tp: int,
+    pp: int,
+    ignored: list[str],
 ) -> dict[str, Any]:
     """The ranks of one pipeline stage (all of them without pipelining): the data-parallel
-    strategy over ``replicate x shard`` ranks and the ``tp`` ranks under it."""
+    strategy over ``replicate x shard`` ranks and the ``tp`` ranks under it (``pp`` sets
+    FSDP2's default resharding, :func:`_fsdp_strategy`)."""
     dp = replicate * shard
-    pp = _degree(section, "pipeline_parallel_degree")
     if tp > 1:
         if replicate > 1:  # HSDP on the (dp_replicate, fsdp) sub-mesh over tp groups
             if section.get("fsdp_reshard_after_forward", "default") == "never":
